@@ -1,0 +1,191 @@
+"""The one error tree of onnx-fleet, shared by producers and workers.
+
+::
+
+    FleetError
+    ├── ConfigError                 a setting broke a rule (named setting, rule)
+    ├── ProviderUnavailable         require_provider is not active in the session
+    ├── ModelLoadError              a model file or its card cannot be used
+    ├── InvalidRequest              a request broke a limit (field, limit)
+    │   ├── DecodeError             the message is not a valid request at all
+    │   ├── EmptyInput              no tokens
+    │   ├── InputTooLong            more than max_input_tokens
+    │   ├── TokenOutOfRange         an id outside [0, vocab_size)
+    │   └── UnknownModel            no such model (or wrong queue for it)
+    ├── AdmissionRefused            refused before queueing
+    │   ├── QueueFull               the model's queue is at its depth cap
+    │   └── RateLimited             the caller's token bucket is empty
+    ├── RequestExpired              its deadline passed before compute
+    ├── RequestCancelled            it was cancelled before it ran
+    ├── ResultTimeout               waiting for a result took longer than asked
+    └── RequestNotFound             no such request ID is known
+
+Every class can be rebuilt from its ``args`` (Celery stores a task's exception as its type
+name plus ``args`` in JSON and rebuilds it on the client), so constructors take only
+positional, JSON-friendly values: ``(message, field, limit)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "AdmissionRefused",
+    "ConfigError",
+    "DecodeError",
+    "EmptyInput",
+    "FleetError",
+    "InputTooLong",
+    "InvalidRequest",
+    "ModelLoadError",
+    "ProviderUnavailable",
+    "QueueFull",
+    "RateLimited",
+    "RequestCancelled",
+    "RequestExpired",
+    "RequestNotFound",
+    "ResultTimeout",
+    "TokenOutOfRange",
+    "UnknownModel",
+    "error_from_payload",
+]
+
+
+class FleetError(Exception):
+    """Base of every onnx-fleet error; carries the offending field and the limit it broke."""
+
+    code = "fleet_error"
+
+    def __init__(self, message: str, field: str | None = None, limit: Any = None) -> None:
+        super().__init__(message, field, limit)
+        self.message = message
+        self.field = field
+        self.limit = limit
+
+    def __str__(self) -> str:
+        return self.message
+
+    def to_payload(self) -> dict[str, Any]:
+        """JSON-friendly form, as returned by the HTTP gateway and the CLI."""
+        return {"error": self.code, "type": type(self).__name__, "message": self.message,
+                "field": self.field, "limit": self.limit}
+
+
+class ConfigError(FleetError):
+    """A setting broke a rule; raised at start-up so the process never runs half-configured."""
+
+    code = "config_error"
+
+
+class ProviderUnavailable(FleetError):
+    """The required execution provider is not active in the ONNX Runtime session."""
+
+    code = "provider_unavailable"
+
+
+class ModelLoadError(FleetError):
+    """A model file, its card or its tokenizer cannot be loaded or does not follow the I/O convention."""
+
+    code = "model_load_error"
+
+
+class InvalidRequest(FleetError):
+    """A request broke a limit; it never reaches the engine."""
+
+    code = "invalid_request"
+
+
+class DecodeError(InvalidRequest):
+    """The message is not a valid request (wrong type, missing or malformed field)."""
+
+    code = "decode_error"
+
+
+class EmptyInput(InvalidRequest):
+    """The request carries no tokens."""
+
+    code = "empty_input"
+
+
+class InputTooLong(InvalidRequest):
+    """The request carries more tokens than the model's max_input_tokens."""
+
+    code = "input_too_long"
+
+
+class TokenOutOfRange(InvalidRequest):
+    """A token id lies outside the model's vocabulary [0, vocab_size)."""
+
+    code = "token_out_of_range"
+
+
+class UnknownModel(InvalidRequest):
+    """No model of that name is configured (or the request reached another model's queue)."""
+
+    code = "unknown_model"
+
+
+class AdmissionRefused(FleetError):
+    """Admission control refused the request before it was queued."""
+
+    code = "admission_refused"
+
+    def __init__(self, message: str, field: str | None = None, limit: Any = None,
+                 retry_after_s: float = 1.0) -> None:
+        super().__init__(message, field, limit)
+        self.args = (message, field, limit, retry_after_s)
+        self.retry_after_s = retry_after_s
+
+
+class QueueFull(AdmissionRefused):
+    """The model's queue holds max_queue_depth requests already."""
+
+    code = "queue_full"
+
+
+class RateLimited(AdmissionRefused):
+    """The caller's rate-limit token bucket is empty."""
+
+    code = "rate_limited"
+
+
+class RequestExpired(FleetError):
+    """The request's deadline passed while it was queued; it was never computed."""
+
+    code = "expired"
+
+
+class RequestCancelled(FleetError):
+    """The request was cancelled before it ran."""
+
+    code = "cancelled"
+
+
+class ResultTimeout(FleetError):
+    """No result arrived within the time the caller was willing to wait."""
+
+    code = "result_timeout"
+
+
+class RequestNotFound(FleetError):
+    """No request with that ID is known (never submitted, or its result expired)."""
+
+    code = "not_found"
+
+
+_BY_NAME: dict[str, type[FleetError]] = {
+    cls.__name__: cls
+    for cls in (ConfigError, ProviderUnavailable, ModelLoadError, InvalidRequest, DecodeError, EmptyInput,
+                InputTooLong, TokenOutOfRange, UnknownModel, AdmissionRefused, QueueFull, RateLimited,
+                RequestExpired, RequestCancelled, ResultTimeout, RequestNotFound, FleetError)
+}
+
+
+def error_from_payload(type_name: str, args: Any) -> FleetError:
+    """Rebuild a FleetError from a stored type name and its args (unknown types become FleetError)."""
+    cls = _BY_NAME.get(type_name, FleetError)
+    values = list(args) if isinstance(args, list | tuple) else [str(args)]
+    message = str(values[0]) if values else type_name
+    field = values[1] if len(values) > 1 and isinstance(values[1], str) else None
+    limit = values[2] if len(values) > 2 else None
+    return cls(message, field, limit)
