@@ -67,8 +67,13 @@ class FleetError(Exception):
 
     def to_payload(self) -> dict[str, Any]:
         """JSON-friendly form, as returned by the HTTP gateway and the CLI."""
-        return {"error": self.code, "type": type(self).__name__, "message": self.message,
-                "field": self.field, "limit": self.limit}
+        return {
+            "error": self.code,
+            "type": type(self).__name__,
+            "message": self.message,
+            "field": self.field,
+            "limit": self.limit,
+        }
 
 
 class ConfigError(FleetError):
@@ -130,8 +135,9 @@ class AdmissionRefused(FleetError):
 
     code = "admission_refused"
 
-    def __init__(self, message: str, field: str | None = None, limit: Any = None,
-                 retry_after_s: float = 1.0) -> None:
+    def __init__(
+        self, message: str, field: str | None = None, limit: Any = None, retry_after_s: float = 1.0
+    ) -> None:
         super().__init__(message, field, limit)
         self.args = (message, field, limit, retry_after_s)
         self.retry_after_s = retry_after_s
@@ -175,9 +181,25 @@ class RequestNotFound(FleetError):
 
 _BY_NAME: dict[str, type[FleetError]] = {
     cls.__name__: cls
-    for cls in (ConfigError, ProviderUnavailable, ModelLoadError, InvalidRequest, DecodeError, EmptyInput,
-                InputTooLong, TokenOutOfRange, UnknownModel, AdmissionRefused, QueueFull, RateLimited,
-                RequestExpired, RequestCancelled, ResultTimeout, RequestNotFound, FleetError)
+    for cls in (
+        ConfigError,
+        ProviderUnavailable,
+        ModelLoadError,
+        InvalidRequest,
+        DecodeError,
+        EmptyInput,
+        InputTooLong,
+        TokenOutOfRange,
+        UnknownModel,
+        AdmissionRefused,
+        QueueFull,
+        RateLimited,
+        RequestExpired,
+        RequestCancelled,
+        ResultTimeout,
+        RequestNotFound,
+        FleetError,
+    )
 }
 
 

@@ -85,7 +85,9 @@ def _card_from_hf_config(model_path: Path, cfg: dict[str, object]) -> ModelCard:
     hidden = int(str(get("hidden_size", "n_embd", "d_model", default=0)))
     heads = int(str(get("num_attention_heads", "n_head", default=1)))
     archs = get("architectures", default=[])
-    is_lm = any("CausalLM" in str(a) or "LMHead" in str(a) for a in (archs if isinstance(archs, list) else []))
+    is_lm = any(
+        "CausalLM" in str(a) or "LMHead" in str(a) for a in (archs if isinstance(archs, list) else [])
+    )
     tok = "tokenizer.json" if (model_path.parent / "tokenizer.json").exists() else "byte"
     return ModelCard(
         name=model_path.stem,

@@ -1,0 +1,211 @@
+"""The ``fleet`` command line. Every command that returns data prints JSON on stdout.
+
+Exit codes: 0 ok; 1 the request failed or timed out; 2 bad input or settings (nothing queued);
+3 a worker could not start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from protocol.errors import ConfigError, FleetError, InvalidRequest
+
+__all__ = ["main"]
+
+
+def _print(doc: Any) -> None:
+    print(json.dumps(doc, indent=None, sort_keys=False))
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from producer.client import FleetClient
+
+    return FleetClient.from_settings(args.config)
+
+
+def _parse_tokens(raw: str) -> list[int]:
+    try:
+        return [int(t) for t in raw.replace(" ", "").split(",") if t != ""]
+    except ValueError as exc:
+        raise InvalidRequest(
+            f"--tokens must be comma-separated integers: {exc}", "input_ids", "integers"
+        ) from exc
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    client = _client(args)
+    ids = _parse_tokens(args.tokens) if args.tokens is not None else None
+    rid = client.submit(
+        args.model,
+        ids,
+        text=args.text,
+        request_id=args.request_id,
+        top_k=args.top_k,
+        deadline_s=args.deadline_s,
+    )
+    if not args.wait:
+        _print({"request_id": rid, "status": client.status(rid).value})
+        return 0
+    result = client.result(rid, wait=True, timeout_s=args.timeout)
+    _print(result.model_dump(mode="json") if result else {"request_id": rid})
+    return 0
+
+
+def cmd_result(args: argparse.Namespace) -> int:
+    client = _client(args)
+    result = client.result(args.request_id, wait=args.wait, timeout_s=args.timeout)
+    if result is None:
+        _print({"request_id": args.request_id, "status": client.status(args.request_id).value})
+        return 0
+    _print(result.model_dump(mode="json"))
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    client = _client(args)
+    ok = client.cancel(args.request_id)
+    _print({"request_id": args.request_id, "cancelled": ok, "status": client.status(args.request_id).value})
+    return 0 if ok else 1
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from protocol.settings import load_settings
+    from tools.processes import worker_command
+
+    env_updates = {}
+    if args.model:
+        env_updates["FLEET_WORKER__MODEL"] = args.model
+    if args.concurrency:
+        env_updates["FLEET_WORKER__CONCURRENCY"] = str(args.concurrency)
+    os.environ.update(env_updates)
+    settings = load_settings(args.config)
+    if args.config:
+        os.environ["FLEET_CONFIG"] = str(args.config)
+    model = settings.model_key(settings.worker.model)
+    hostname = args.hostname or f"{model}@%h"
+    cmd = worker_command(
+        model, settings.worker.concurrency, hostname, settings.queue_for(model), args.loglevel
+    )
+    os.execvp(cmd[0], [*cmd, *args.celery_args])
+    return 0  # pragma: no cover - execvp does not return
+
+
+def cmd_build_model(args: argparse.Namespace) -> int:
+    from tools.build_model import run_build_model
+
+    run_build_model(args)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from producer.demo import run_demo
+
+    return run_demo(args)
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config", default=None, help="YAML settings file (default: $FLEET_CONFIG or configs/fleet.yaml)"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fleet`` argument parser (sub-commands register here)."""
+    parser = argparse.ArgumentParser(
+        prog="fleet", description="onnx-fleet: queue-based ONNX Runtime inference."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("submit", help="queue one request; prints its ID (or the result with --wait)")
+    _add_common(p)
+    p.add_argument("--model", required=True)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tokens", help="comma-separated token ids, e.g. 5,6,7")
+    src.add_argument("--text", help="text, tokenized here with the model's tokenizer")
+    p.add_argument("--top-k", type=int, default=5, help="next-token candidates (default 5)")
+    p.add_argument("--request-id", default=None, help="caller-given ID (idempotent submit)")
+    p.add_argument(
+        "--deadline-s", type=float, default=None, help="drop the request if not run within S seconds"
+    )
+    p.add_argument("--wait", action="store_true", help="wait for the result and print it")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait with --wait (default 60)")
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("result", help="print a request's result (or its status)")
+    _add_common(p)
+    p.add_argument("request_id")
+    p.add_argument("--wait", action="store_true")
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.set_defaults(func=cmd_result)
+
+    p = sub.add_parser("cancel", help="cancel a request that has not run")
+    _add_common(p)
+    p.add_argument("request_id")
+    p.set_defaults(func=cmd_cancel)
+
+    p = sub.add_parser("worker", help="run a Celery worker for one model (extra args go to celery)")
+    _add_common(p)
+    p.add_argument("--model", default=None, help="model to serve (default: settings worker.model)")
+    p.add_argument("--concurrency", "-c", type=int, default=None, help="token bucket C (>= max_batch_size)")
+    p.add_argument("--hostname", "-n", default=None)
+    p.add_argument("--loglevel", "-l", default="INFO")
+    p.add_argument("celery_args", nargs=argparse.REMAINDER, help="passed through to `celery worker`")
+    p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("build-model", help="build the demo/bench ONNX models from seeded numpy weights")
+    from tools.build_model import add_build_model_arguments
+
+    add_build_model_arguments(p)
+    p.set_defaults(func=cmd_build_model)
+
+    p = sub.add_parser("demo", help="run the whole fleet end to end on a private Redis, then shut down")
+    _add_common(p)
+    p.add_argument("--requests", type=int, default=64, help="requests to submit (default 64)")
+    p.add_argument("--concurrency", type=int, default=16, help="worker tokens C (default 16)")
+    p.add_argument("--no-flower", action="store_true", help="do not start Flower")
+    p.add_argument("--keep-running", action="store_true", help="leave the fleet up until Ctrl-C")
+    p.set_defaults(func=cmd_demo)
+
+    _register_extensions(sub)
+    return parser
+
+
+def _register_extensions(sub: Any) -> None:
+    """Commands that live in their own modules (gateway, status, bench, quantize) add themselves here."""
+    import importlib
+
+    for module_name in ("producer.ops_cli", "bench.cli", "tools.quantize_cli"):
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:
+                continue
+            raise
+        module.register(sub)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``fleet`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except InvalidRequest as exc:
+        _print(exc.to_payload())
+        print(f"fleet: {exc}", file=sys.stderr)
+        return 2
+    except ConfigError as exc:
+        print(f"fleet: {exc}", file=sys.stderr)
+        return 2
+    except FleetError as exc:
+        _print(exc.to_payload())
+        print(f"fleet: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

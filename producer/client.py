@@ -1,0 +1,306 @@
+"""FleetClient: submit tokenized requests, get a request ID back at once, poll results by ID.
+
+::
+
+    client = FleetClient.from_settings()                # FLEET_* env + configs/fleet.yaml
+    rid = client.submit("demo-lm", text="Hello")        # validated and tokenized here
+    result = client.result(rid, wait=True, timeout_s=10)
+
+Text is tokenized by the producer: what travels through Redis is always token ids. Every check
+a worker makes is made here first, so bad input is refused before anything is queued.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import redis
+from celery import Celery
+from celery.exceptions import TimeoutError as CeleryTimeout
+from celery.result import AsyncResult
+
+from protocol.celeryconf import make_celery
+from protocol.errors import (
+    FleetError,
+    InvalidRequest,
+    RequestCancelled,
+    RequestExpired,
+    RequestNotFound,
+    ResultTimeout,
+    error_from_payload,
+)
+from protocol.keys import CANCEL_KEY, CARD_KEY, REQUEST_KEY
+from protocol.messages import TASK_NAME, InferenceRequest, InferenceResult, OutputSpec, decode_result
+from protocol.modelcard import ModelCard, load_card
+from protocol.settings import FleetSettings, load_settings
+from protocol.tokenization import Tokenizer, load_tokenizer
+from protocol.validation import check_input, resolve_output
+
+__all__ = ["FleetClient", "RequestStatus"]
+
+
+class RequestStatus(StrEnum):
+    """Lifecycle of one request as a client sees it."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    CANCELLED = "cancelled"
+    NOT_FOUND = "not_found"
+
+
+class _ModelInfo:
+    def __init__(self, card: ModelCard | None, tokenizer: Tokenizer | None) -> None:
+        self.card = card
+        self.tokenizer = tokenizer
+
+
+class FleetClient:
+    """Producer-side API over Celery + Redis. Thread-safe for concurrent submits."""
+
+    def __init__(self, settings: FleetSettings, celery_app: Celery | None = None) -> None:
+        self.settings = settings
+        self.app = celery_app or make_celery(settings, "onnx-fleet-producer")
+        self.redis = redis.Redis.from_url(settings.redis_url)
+        self._models: dict[str, _ModelInfo] = {}
+
+    @classmethod
+    def from_settings(cls, config_path: str | Path | None = None, **overrides: Any) -> FleetClient:
+        """A client from ``FLEET_*`` env and the YAML config (see :func:`protocol.settings.load_settings`)."""
+        return cls(load_settings(config_path, **overrides))
+
+    def close(self) -> None:
+        """Release connections."""
+        self.redis.close()
+        self.app.close()
+
+    # -- model knowledge -------------------------------------------------------------------------
+    def _model(self, model: str) -> tuple[str, _ModelInfo]:
+        key = self.settings.model_key(model)
+        if key not in self._models:
+            card: ModelCard | None = None
+            tokenizer: Tokenizer | None = None
+            path = self.settings.models[key].path
+            if path.exists():
+                card = load_card(path)
+                tokenizer = load_tokenizer(card, path.parent)
+            else:
+                raw = self.redis.get(CARD_KEY.format(model=key))
+                if raw:
+                    card = ModelCard.model_validate_json(raw)
+                    if card.tokenizer == "byte":
+                        tokenizer = load_tokenizer(card, path.parent)
+            self._models[key] = _ModelInfo(card, tokenizer)
+        return key, self._models[key]
+
+    def tokenize(self, model: str, text: str) -> list[int]:
+        """Token ids of ``text`` with the model's own tokenizer.
+
+        Raises:
+            InvalidRequest: the model's tokenizer is not available on this machine.
+        """
+        _, info = self._model(model)
+        if info.tokenizer is None:
+            raise InvalidRequest(
+                f"no tokenizer for model {model!r} on this machine; send token ids", "text", None
+            )
+        return info.tokenizer.encode(text)
+
+    def build_request(
+        self,
+        model: str,
+        input_ids: Sequence[int] | None = None,
+        *,
+        text: str | None = None,
+        request_id: str | None = None,
+        top_k: int = 5,
+        normalize: bool = True,
+        kind: str | None = None,
+        deadline_s: float | None = None,
+    ) -> InferenceRequest:
+        """Validate and tokenize one request exactly as a worker would, without queueing it.
+
+        Raises:
+            InvalidRequest: (or a subclass) naming the field and the limit.
+        """
+        if (input_ids is None) == (text is None):
+            raise InvalidRequest("give exactly one of input_ids or text", "input_ids", None)
+        key, info = self._model(model)
+        ids = list(input_ids) if input_ids is not None else self.tokenize(key, text or "")
+        limits = self.settings.models[key].limits
+        if info.card is not None:
+            checked = check_input(ids, limits=limits, vocab_size=info.card.vocab_size)
+            ids = checked.input_ids
+            output = resolve_output(
+                OutputSpec(kind=kind, top_k=top_k, normalize=normalize),  # type: ignore[arg-type]
+                model_kind=info.card.kind,
+                limits=limits,
+            )
+        else:
+            output = OutputSpec(kind=kind, top_k=top_k, normalize=normalize)  # type: ignore[arg-type]
+        now = time.time()
+        return InferenceRequest(
+            model=key,
+            input_ids=ids,
+            output=output,
+            request_id=request_id or uuid.uuid4().hex,
+            submitted_at_unix_s=now,
+            deadline_unix_s=now + deadline_s if deadline_s is not None else None,
+        )
+
+    # -- submit -----------------------------------------------------------------------------------
+    def submit(
+        self,
+        model: str,
+        input_ids: Sequence[int] | None = None,
+        *,
+        text: str | None = None,
+        request_id: str | None = None,
+        top_k: int = 5,
+        normalize: bool = True,
+        kind: str | None = None,
+        deadline_s: float | None = None,
+    ) -> str:
+        """Queue one request; returns its ID at once.
+
+        A caller-given ``request_id`` makes the submit idempotent: an ID already known is not
+        queued twice. ``deadline_s`` (seconds from now): past it the request is never computed.
+
+        Raises:
+            InvalidRequest: bad input (nothing is queued).
+        """
+        request = self.build_request(
+            model,
+            input_ids,
+            text=text,
+            request_id=request_id,
+            top_k=top_k,
+            normalize=normalize,
+            kind=kind,
+            deadline_s=deadline_s,
+        )
+        return self.send(request)
+
+    def send(self, request: InferenceRequest) -> str:
+        """Queue an already built request; returns its ID."""
+        rid = request.request_id or uuid.uuid4().hex
+        marker = json.dumps({"model": request.model, "submitted_at_unix_s": request.submitted_at_unix_s})
+        if not self.redis.set(REQUEST_KEY.format(id=rid), marker, nx=True, ex=self.settings.result_ttl_s):
+            return rid  # already submitted under this ID: idempotent
+        self.app.send_task(
+            TASK_NAME,
+            args=[request.model_dump(mode="json", exclude_none=True)],
+            task_id=rid,
+            queue=self.settings.queue_for(request.model),
+        )
+        return rid
+
+    def submit_many(
+        self, model: str, inputs: Iterable[Sequence[int] | str], *, progress: bool = True, **options: Any
+    ) -> list[str]:
+        """Submit many requests (token-id lists or texts); shows a progress bar when ``progress``."""
+        from tqdm import tqdm
+
+        items = list(inputs)
+        ids = []
+        for item in tqdm(items, desc=f"submit {model}", unit="req", disable=not progress):
+            if isinstance(item, str):
+                ids.append(self.submit(model, text=item, **options))
+            else:
+                ids.append(self.submit(model, item, **options))
+        return ids
+
+    # -- status and results ----------------------------------------------------------------------
+    def _async(self, request_id: str) -> AsyncResult:
+        return AsyncResult(request_id, app=self.app)
+
+    def status(self, request_id: str) -> RequestStatus:
+        """Where ``request_id`` stands now."""
+        res = self._async(request_id)
+        state = res.state
+        if state == "SUCCESS":
+            return RequestStatus.SUCCEEDED
+        if state == "STARTED":
+            return RequestStatus.RUNNING
+        if state == "REVOKED":
+            return RequestStatus.CANCELLED
+        if state == "FAILURE":
+            err = self._as_fleet_error(res.result)
+            if isinstance(err, RequestExpired):
+                return RequestStatus.EXPIRED
+            if isinstance(err, RequestCancelled):
+                return RequestStatus.CANCELLED
+            return RequestStatus.FAILED
+        if self.redis.exists(CANCEL_KEY.format(id=request_id)):
+            return RequestStatus.CANCELLED
+        if self.redis.exists(REQUEST_KEY.format(id=request_id)):
+            return RequestStatus.QUEUED
+        return RequestStatus.NOT_FOUND
+
+    def result(
+        self, request_id: str, *, wait: bool = False, timeout_s: float | None = None
+    ) -> InferenceResult | None:
+        """The result of ``request_id``; None if not ready and ``wait`` is False.
+
+        Raises:
+            FleetError: the request failed (the worker's error, rebuilt: InputTooLong, RequestExpired, …).
+            ResultTimeout: ``wait`` and no result within ``timeout_s``.
+            RequestNotFound: the ID was never submitted or its result expired.
+        """
+        res = self._async(request_id)
+        if not wait and not res.ready():
+            if self.status(request_id) is RequestStatus.NOT_FOUND:
+                raise RequestNotFound(f"no request {request_id!r} is known", "request_id", None)
+            return None
+        try:
+            value = res.get(timeout=timeout_s, propagate=False, interval=0.05)
+        except CeleryTimeout as exc:
+            raise ResultTimeout(
+                f"no result for {request_id} within {timeout_s} s", "timeout_s", timeout_s
+            ) from exc
+        if res.state == "SUCCESS":
+            return decode_result(value)
+        if res.state == "REVOKED":
+            raise RequestCancelled(f"request {request_id} was cancelled", "request_id", None)
+        raise self._as_fleet_error(value)
+
+    def wait(self, request_ids: Sequence[str], timeout_s: float = 60.0) -> list[InferenceResult | FleetError]:
+        """Results (or errors) of many requests, in order, waiting up to ``timeout_s`` overall."""
+        deadline = time.monotonic() + timeout_s
+        out: list[InferenceResult | FleetError] = []
+        for rid in request_ids:
+            try:
+                remaining = max(0.01, deadline - time.monotonic())
+                result = self.result(rid, wait=True, timeout_s=remaining)
+                assert result is not None
+                out.append(result)
+            except FleetError as exc:
+                out.append(exc)
+        return out
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request that has not run; returns False when it already finished or runs."""
+        state = self._async(request_id).state
+        if state in ("SUCCESS", "FAILURE", "STARTED", "REVOKED"):
+            return state == "REVOKED"
+        self.redis.set(CANCEL_KEY.format(id=request_id), "1", ex=self.settings.result_ttl_s)
+        self.app.control.revoke(request_id)
+        return True
+
+    @staticmethod
+    def _as_fleet_error(value: Any) -> FleetError:
+        if isinstance(value, FleetError):
+            return value
+        if isinstance(value, BaseException):
+            return error_from_payload(type(value).__name__, value.args)
+        if isinstance(value, dict) and "exc_type" in value:
+            return error_from_payload(str(value["exc_type"]), value.get("exc_message", ()))
+        return FleetError(str(value), None, None)

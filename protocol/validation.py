@@ -1,0 +1,81 @@
+"""Model-dependent request checks, run by the producer before queueing and by the worker again.
+
+Pure functions: no I/O, so the client, the gateway and the worker apply the very same rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocol.errors import EmptyInput, InputTooLong, InvalidRequest, TokenOutOfRange
+from protocol.messages import OutputKind, OutputSpec
+from protocol.modelcard import ModelKind
+from protocol.settings import LimitSettings
+
+__all__ = ["CheckedInput", "check_input", "resolve_output"]
+
+
+@dataclass(frozen=True)
+class CheckedInput:
+    """Ids that passed every limit, possibly truncated."""
+
+    input_ids: list[int]
+    truncated: bool
+
+
+def check_input(input_ids: list[int], *, limits: LimitSettings, vocab_size: int) -> CheckedInput:
+    """Validate (and, when ``limits.truncate`` says so, truncate) one request's ids.
+
+    Raises:
+        EmptyInput: no ids.
+        InputTooLong: more than ``limits.max_input_tokens`` ids and ``truncate`` is ``'none'``.
+        TokenOutOfRange: an id outside ``[0, vocab_size)``; names its position.
+    """
+    if not input_ids:
+        raise EmptyInput("input_ids is empty: a request needs at least 1 token", "input_ids", 1)
+    truncated = False
+    cap = limits.max_input_tokens
+    if len(input_ids) > cap:
+        if limits.truncate == "none":
+            raise InputTooLong(
+                f"input_ids has {len(input_ids)} tokens; the limit is max_input_tokens={cap}",
+                "input_ids",
+                cap,
+            )
+        input_ids = input_ids[-cap:] if limits.truncate == "left" else input_ids[:cap]
+        truncated = True
+    for pos, token in enumerate(input_ids):
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise InvalidRequest(
+                f"input_ids[{pos}] is {token!r}, not an integer", f"input_ids[{pos}]", "integer"
+            )
+        if not 0 <= token < vocab_size:
+            raise TokenOutOfRange(
+                f"input_ids[{pos}] = {token} is outside the vocabulary [0, {vocab_size})",
+                f"input_ids[{pos}]",
+                vocab_size,
+            )
+    return CheckedInput(list(input_ids), truncated)
+
+
+def resolve_output(spec: OutputSpec, *, model_kind: ModelKind, limits: LimitSettings) -> OutputSpec:
+    """The output the model will produce for ``spec``; fills the default kind.
+
+    Raises:
+        InvalidRequest: the kind does not fit the model, or top_k exceeds ``limits.max_top_k``.
+    """
+    natural: OutputKind = "next_token" if model_kind == "causal_lm" else "embedding"
+    kind = spec.kind or natural
+    if kind != natural:
+        raise InvalidRequest(
+            f"output.kind {kind!r} is not available: a {model_kind} model only produces {natural!r}",
+            "output.kind",
+            natural,
+        )
+    if kind == "next_token" and spec.top_k > limits.max_top_k:
+        raise InvalidRequest(
+            f"output.top_k = {spec.top_k} exceeds the limit max_top_k={limits.max_top_k}",
+            "output.top_k",
+            limits.max_top_k,
+        )
+    return spec.model_copy(update={"kind": kind})

@@ -1,0 +1,150 @@
+"""``fleet build-model``: build the fleet's models from presets, with per-flag overrides.
+
+Presets (``--preset``), each one set of sizes per kind (``--kind``):
+
+* ``demo`` — ``demo-lm`` (2 layers, hidden 64, 4 heads, vocab 512, ~0.2 M weights),
+  ``demo-encoder`` (same sizes, vocab 1024, WordPiece tokenizer) and ``identity`` (vocab 512);
+  all three build in well under a second.
+* ``bench`` — ``bench-lm`` (6 layers, hidden 512, 8 heads, vocab 8192, 512 positions, ~27.6 M weights),
+  ``bench-encoder`` (same sizes) and ``bench-identity`` (vocab 8192, for the queue's own cost).
+
+``--kind all`` (the default) builds the three kinds of the preset. Run it as
+``python -m tools.build_model --preset bench`` or through the ``fleet`` CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from protocol.modelcard import load_card
+from tools.build_encoder import build_encoder, encoder_parameter_count
+from tools.build_identity import build_identity
+from tools.build_lm import build_causal_lm, causal_lm_parameter_count
+
+__all__ = ["KINDS", "PRESETS", "add_build_model_arguments", "main", "preset_parameter_count",
+           "run_build_model"]
+
+KINDS = ("lm", "encoder", "identity")
+"""What ``--kind`` can name (besides ``all``)."""
+
+_DEMO_SIZES: dict[str, Any] = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "max_positions": 512}
+_BENCH_SIZES: dict[str, Any] = {"num_layers": 6, "hidden_size": 512, "num_heads": 8, "max_positions": 512}
+
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "demo": {
+        "lm": {"name": "demo-lm", **_DEMO_SIZES, "vocab_size": 512},
+        "encoder": {"name": "demo-encoder", **_DEMO_SIZES, "vocab_size": 1024},
+        "identity": {"name": "identity", "vocab_size": 512},
+    },
+    "bench": {
+        "lm": {"name": "bench-lm", **_BENCH_SIZES, "vocab_size": 8192},
+        "encoder": {"name": "bench-encoder", **_BENCH_SIZES, "vocab_size": 8192},
+        "identity": {"name": "bench-identity", "vocab_size": 8192},
+    },
+}
+"""Keyword arguments of the builder of each kind, per preset (``version`` and ``seed`` use defaults)."""
+
+_BUILDERS: dict[str, Callable[..., Path]] = {
+    "lm": build_causal_lm, "encoder": build_encoder, "identity": build_identity,
+}
+
+# CLI flag (argparse dest) -> builder keyword, and the kinds that take it.
+_OVERRIDES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "name": ("name", KINDS),
+    "version": ("version", KINDS),
+    "layers": ("num_layers", ("lm", "encoder")),
+    "hidden": ("hidden_size", ("lm", "encoder")),
+    "heads": ("num_heads", ("lm", "encoder")),
+    "vocab": ("vocab_size", KINDS),
+    "max_positions": ("max_positions", KINDS),
+    "seed": ("seed", ("lm", "encoder")),
+}
+
+
+def preset_parameter_count(preset: str, kind: str) -> int:
+    """Number of weights of ``kind`` in ``preset``, computed from the sizes without building.
+
+    Raises:
+        KeyError: unknown preset or kind.
+    """
+    spec = {k: v for k, v in PRESETS[preset][kind].items() if k not in ("name", "num_heads")}
+    if kind == "lm":
+        return causal_lm_parameter_count(**spec)
+    if kind == "encoder":
+        return encoder_parameter_count(**spec)
+    return 0
+
+
+def add_build_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``build-model`` flags to ``parser`` (see :func:`run_build_model`)."""
+    parser.add_argument("--out-dir", type=Path, default=Path("models"),
+                        help="model store root: writes OUT_DIR/NAME/NAME-VERSION.onnx (default: models)")
+    parser.add_argument("--kind", choices=[*KINDS, "all"], default="all",
+                        help="which model to build (default: all = lm, encoder and identity)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="demo",
+                        help="size preset (default: demo, builds in about a second; bench: ~28 M weights)")
+    parser.add_argument("--name", help="model name (only with a single --kind)")
+    parser.add_argument("--version", help="model version (default: 1.0.0)")
+    parser.add_argument("--layers", type=int, help="number of transformer blocks")
+    parser.add_argument("--hidden", type=int, help="hidden size (width)")
+    parser.add_argument("--heads", type=int, help="attention heads (must divide --hidden)")
+    parser.add_argument("--vocab", type=int, help="vocabulary size (>= 259 for the byte tokenizer)")
+    parser.add_argument("--max-positions", type=int, help="longest past + sequence length (tokens)")
+    parser.add_argument("--seed", type=int, help="weight seed (default: 0)")
+
+
+def _specs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    """(kind, builder keyword arguments) for every model ``args`` asks for."""
+    kinds = list(KINDS) if args.kind == "all" else [args.kind]
+    if args.name is not None and len(kinds) > 1:
+        raise ValueError("--name needs a single --kind (lm, encoder or identity)")
+    specs = []
+    for kind in kinds:
+        spec = dict(PRESETS[args.preset][kind])
+        for flag, (keyword, takers) in _OVERRIDES.items():
+            value = getattr(args, flag, None)
+            if value is not None and kind in takers:
+                spec[keyword] = value
+        specs.append((kind, spec))
+    return specs
+
+
+def run_build_model(args: argparse.Namespace) -> list[Path]:
+    """Build the models ``args`` asks for; print one line per model; return their ``.onnx`` paths.
+
+    Each line: path, number of weights, file size (MiB), build time (s).
+
+    Raises:
+        ValueError: inconsistent flags or sizes (e.g. ``--name`` with ``--kind all``, a vocabulary
+            too small for the tokenizer, heads not dividing the hidden size).
+    """
+    paths = []
+    for kind, spec in _specs(args):
+        start_s = time.monotonic()
+        path = _BUILDERS[kind](Path(args.out_dir), **spec)
+        elapsed_s = time.monotonic() - start_s
+        size_mib = path.stat().st_size / 2**20
+        params = load_card(path).parameters
+        print(f"{path}  {kind:<8} {params / 1e6:8.2f} M weights  {size_mib:8.2f} MiB  {elapsed_s:6.2f} s")
+        paths.append(path)
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m tools.build_model``; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m tools.build_model", description=__doc__.split("\n")[0])
+    add_build_model_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        run_build_model(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,145 @@
+"""Starting and stopping real fleet processes (workers, Flower) for the demo, the bench and tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+import redis
+
+from protocol.keys import WORKER_KEY_PREFIX
+
+__all__ = ["WorkerProcess", "worker_command"]
+
+
+def worker_command(
+    model: str, concurrency: int, hostname: str, queue: str, loglevel: str = "INFO"
+) -> list[str]:
+    """The ``celery worker`` command line for one model (threads pool, events on)."""
+    return [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "workers.app",
+        "worker",
+        "-P",
+        "threads",
+        "-c",
+        str(concurrency),
+        "-Q",
+        queue,
+        "-n",
+        hostname,
+        "-E",
+        "--loglevel",
+        loglevel,
+        "--without-gossip",
+        "--without-mingle",
+    ]
+
+
+class WorkerProcess:
+    """One ``celery worker`` subprocess serving one model.
+
+    ``env`` is merged over the current environment (``FLEET_*`` settings go there). Output goes
+    to ``log_path`` (or is discarded).
+    """
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        queue: str,
+        redis_url: str,
+        concurrency: int = 8,
+        hostname: str | None = None,
+        env: dict[str, str] | None = None,
+        log_path: Path | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        self.model = model
+        self.hostname = hostname or f"{model}-{os.getpid()}-{time.monotonic_ns() % 100000}@localhost"
+        self.redis_url = redis_url
+        self.env = {
+            **os.environ,
+            **(env or {}),
+            "FLEET_REDIS_URL": redis_url,
+            "FLEET_WORKER__MODEL": model,
+            "FLEET_WORKER__CONCURRENCY": str(concurrency),
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.cmd = worker_command(model, concurrency, self.hostname, queue)
+        self.log_path = log_path
+        self.cwd = cwd
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    def start(self) -> WorkerProcess:
+        """Spawn the worker (returns at once; see :meth:`wait_ready`)."""
+        self._log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            self.cmd,
+            env=self.env,
+            cwd=self.cwd,
+            stdout=self._log or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        return self
+
+    def wait_ready(self, timeout_s: float = 120.0) -> dict[str, object]:
+        """Block until the worker's heartbeat says ready; returns that heartbeat.
+
+        Raises:
+            RuntimeError: the process exited first (its log tail is in the message).
+            TimeoutError: not ready within ``timeout_s``.
+        """
+        client = redis.Redis.from_url(self.redis_url)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"worker {self.hostname} exited with {self.proc.returncode}: {self.log_tail()}"
+                    )
+                raw = client.get(WORKER_KEY_PREFIX + self.hostname)
+                if raw:
+                    doc: dict[str, object] = json.loads(raw)
+                    if doc.get("ready"):
+                        return doc
+                time.sleep(0.1)
+        finally:
+            client.close()
+        raise TimeoutError(f"worker {self.hostname} not ready after {timeout_s} s: {self.log_tail()}")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        """The end of the worker's log (empty when not logging to a file)."""
+        if self.log_path and self.log_path.exists():
+            return self.log_path.read_text(errors="replace")[-chars:]
+        return ""
+
+    def kill(self) -> None:
+        """SIGKILL the worker (no graceful shutdown: its unacked requests go back after the visibility timeout)."""
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """Warm shutdown (SIGTERM: finish held requests), SIGKILL after ``timeout_s``; returns the exit code."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self._log:
+            self._log.close()
+            self._log = None
+        return self.proc.returncode if self.proc else None

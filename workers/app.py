@@ -1,0 +1,88 @@
+"""The Celery application, configured from settings; ``celery -A workers.app worker`` loads it.
+
+One worker process serves one model (``FLEET_WORKER__MODEL``) from that model's queue, with the
+threads pool and concurrency C = the token bucket. ``worker_prefetch_multiplier=1`` and
+``acks_late`` keep excess load in Redis, where any worker can take it; a SIGKILLed worker's
+unacked requests come back after ``visibility_timeout_s``. JSON only: no pickle anywhere.
+
+Producers use :func:`protocol.celeryconf.make_celery`, the same configuration without tasks or ORT.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+from celery import Celery, signals
+
+from protocol.celeryconf import make_celery
+from protocol.errors import ConfigError, FleetError
+from protocol.settings import FleetSettings, load_settings
+
+__all__ = ["app", "create_app"]
+
+log = logging.getLogger("fleet.worker")
+
+
+def create_app(settings: FleetSettings, *, name: str = "onnx-fleet") -> Celery:
+    """A Celery app bound to ``settings`` with the ``fleet.infer`` task registered."""
+    celery_app = make_celery(settings, name)
+    celery_app.fleet_settings = settings  # type: ignore[attr-defined]
+    from workers.tasks import register_tasks
+
+    register_tasks(celery_app)
+    return celery_app
+
+
+def _settings_or_exit() -> FleetSettings:
+    try:
+        return load_settings()
+    except ConfigError as exc:
+        print(f"fleet: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+
+
+app = create_app(_settings_or_exit())
+
+
+@signals.worker_init.connect
+def _load_model_before_consuming(sender: Any = None, **_: Any) -> None:
+    """Load and warm the model before the consumer starts; any failure stops the worker (exit 3)."""
+    if getattr(sender, "app", None) is not app:
+        return
+    from workers.runtime import start_runtime
+
+    logging.basicConfig(
+        level=app.fleet_settings.worker.loglevel,  # type: ignore[attr-defined]
+        format="[%(asctime)s: %(levelname)s/%(name)s] %(message)s",
+    )
+    try:
+        start_runtime(
+            app,
+            hostname=str(sender.hostname),
+            concurrency=int(sender.concurrency or 0),
+            pool=str(getattr(sender, "pool_cls", "")),
+        )
+    except FleetError as exc:
+        log.critical("worker cannot start: %s", exc)
+        print(f"fleet worker: cannot start: {exc}", file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        os._exit(3)  # SystemExit would be swallowed by the blueprint; nothing runs yet to clean up
+
+
+@signals.worker_ready.connect
+def _announce_ready(sender: Any = None, **_: Any) -> None:
+    from workers.runtime import current_runtime
+
+    runtime = current_runtime()
+    if runtime is not None:
+        runtime.mark_ready()
+
+
+@signals.worker_shutdown.connect
+def _stop_runtime(sender: Any = None, **_: Any) -> None:
+    from workers.runtime import stop_runtime
+
+    stop_runtime()

@@ -1,0 +1,227 @@
+"""The ONNX Runtime engine: one session per worker process, inputs bound by name.
+
+It follows Hugging Face optimum's I/O convention: ``input_ids``, ``attention_mask``,
+``position_ids``, ``token_type_ids``, ``past_key_values.{i}.key/.value`` in; ``logits`` or
+``last_hidden_state`` out (``present.*`` are computed but never fetched). A model without
+``past_key_values`` inputs works too.
+
+Provider chain: TensorRT → CUDA → CPU by default. onnxruntime-gpu on a machine without a GPU
+falls back to CPU with nothing more than a line on stdout, so the active providers are always
+logged and ``require_provider`` turns a fallback into a loud start-up failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import onnx
+import onnxruntime as ort
+
+from protocol.errors import ModelLoadError, ProviderUnavailable
+from protocol.modelcard import ModelCard
+from protocol.settings import BatchingSettings, EngineSettings, LimitSettings
+from workers.padding import PaddedBatch, pad_batch
+
+__all__ = ["Engine", "provider_chain", "session_options"]
+
+log = logging.getLogger("fleet.engine")
+
+_OPT_LEVELS = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+
+def session_options(engine: EngineSettings) -> ort.SessionOptions:
+    """SessionOptions from settings (optimisation level, thread counts, spin-waiting)."""
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = _OPT_LEVELS[engine.graph_optimization_level]
+    opts.intra_op_num_threads = engine.intra_op_threads
+    opts.inter_op_num_threads = engine.inter_op_threads
+    spin = "1" if engine.allow_spinning else "0"
+    opts.add_session_config_entry("session.intra_op.allow_spinning", spin)
+    opts.add_session_config_entry("session.inter_op.allow_spinning", spin)
+    opts.log_severity_level = 3
+    return opts
+
+
+def graph_input_names(model_path: Path) -> list[str]:
+    """Input names of the ONNX graph, read without loading weights (for TensorRT profiles)."""
+    graph = onnx.load(str(model_path), load_external_data=False).graph
+    initializers = {init.name for init in graph.initializer}
+    return [i.name for i in graph.input if i.name not in initializers]
+
+
+def _profile(shapes: dict[str, tuple[int, ...]]) -> str:
+    return ",".join(f"{name}:{'x'.join(str(d) for d in dims)}" for name, dims in shapes.items())
+
+
+def _trt_shapes(
+    input_names: list[str], card: ModelCard, batch: int, tokens: int
+) -> dict[str, tuple[int, ...]]:
+    out: dict[str, tuple[int, ...]] = {}
+    for name in input_names:
+        if name.startswith("past_key_values."):
+            out[name] = (batch, card.num_heads, 0, card.head_dim)
+        else:
+            out[name] = (batch, tokens)
+    return out
+
+
+def provider_chain(
+    engine: EngineSettings,
+    batching: BatchingSettings,
+    limits: LimitSettings,
+    card: ModelCard,
+    input_names: list[str],
+    available: list[str] | None = None,
+) -> list[tuple[str, dict[str, Any]]]:
+    """The (provider, options) list to create the session with, filtered to what this ORT build has.
+
+    TensorRT gets explicit optimisation profiles from ``max_batch_size`` x ``max_input_tokens`` so
+    its engine builds at session creation (never mid-traffic), plus engine and timing caches.
+    """
+    have = available if available is not None else ort.get_available_providers()
+    chain: list[tuple[str, dict[str, Any]]] = []
+    for name in engine.providers:
+        if name not in have:
+            log.warning("execution provider %s is not in this onnxruntime build (%s); skipping", name, have)
+            continue
+        options: dict[str, Any] = {}
+        if name == "TensorrtExecutionProvider":
+            cache = str(engine.cache_dir / card.name / card.version)
+            half = max(1, limits.max_input_tokens // 2)
+            options = {
+                "trt_fp16_enable": engine.trt_fp16,
+                "trt_int8_enable": engine.trt_int8,
+                "trt_engine_cache_enable": True,
+                "trt_engine_cache_path": cache,
+                "trt_timing_cache_enable": True,
+                "trt_timing_cache_path": cache,
+                "trt_profile_min_shapes": _profile(_trt_shapes(input_names, card, 1, 1)),
+                "trt_profile_opt_shapes": _profile(
+                    _trt_shapes(input_names, card, batching.max_batch_size, half)
+                ),
+                "trt_profile_max_shapes": _profile(
+                    _trt_shapes(input_names, card, batching.max_batch_size, limits.max_input_tokens)
+                ),
+            }
+        options.update(engine.provider_options.get(name, {}))
+        chain.append((name, options))
+    if not chain:
+        chain.append(("CPUExecutionProvider", {}))
+    return chain
+
+
+class Engine:
+    """One InferenceSession plus the knowledge of how to feed it a padded batch."""
+
+    def __init__(
+        self,
+        model_path: Path,
+        card: ModelCard,
+        engine: EngineSettings,
+        batching: BatchingSettings,
+        limits: LimitSettings,
+    ) -> None:
+        if not model_path.exists():
+            raise ModelLoadError(f"model file {model_path} does not exist", "path", str(model_path))
+        self.card = card
+        self.model_path = model_path
+        self.max_batch_size = batching.max_batch_size
+        self.max_input_tokens = min(limits.max_input_tokens, card.max_positions)
+        trt = "TensorrtExecutionProvider" in ort.get_available_providers()
+        names = graph_input_names(model_path) if trt else []
+        self.requested = provider_chain(engine, batching, limits, card, names)
+        started = time.perf_counter()
+        try:
+            self.session = ort.InferenceSession(
+                str(model_path),
+                sess_options=session_options(engine),
+                providers=[name for name, _ in self.requested],
+                provider_options=[opts for _, opts in self.requested],
+            )
+        except Exception as exc:  # ORT raises its own Fail/InvalidGraph types
+            raise ModelLoadError(f"cannot load {model_path}: {exc}", "path", str(model_path)) from exc
+        self.load_ms = (time.perf_counter() - started) * 1000
+        self.providers: list[str] = list(self.session.get_providers())
+        log.info(
+            "model %s %s loaded in %.0f ms; providers requested %s; ACTIVE %s",
+            card.name,
+            card.version,
+            self.load_ms,
+            [n for n, _ in self.requested],
+            self.providers,
+        )
+        if engine.require_provider and engine.require_provider not in self.providers:
+            raise ProviderUnavailable(
+                f"require_provider={engine.require_provider} but the session runs on {self.providers} "
+                f"(this onnxruntime build offers {ort.get_available_providers()})",
+                "engine.require_provider",
+                engine.require_provider,
+            )
+        self._inputs = {i.name: i for i in self.session.get_inputs()}
+        outputs = [o.name for o in self.session.get_outputs()]
+        self._past = sorted(n for n in self._inputs if n.startswith("past_key_values."))
+        if card.kind == "causal_lm":
+            if "logits" not in outputs:
+                raise ModelLoadError(
+                    f"{model_path} has no 'logits' output (has {outputs})", "outputs", "logits"
+                )
+            self.output_name = "logits"
+        else:
+            if "last_hidden_state" not in outputs:
+                raise ModelLoadError(
+                    f"{model_path} has no 'last_hidden_state' output (has {outputs})",
+                    "outputs",
+                    "last_hidden_state",
+                )
+            self.output_name = "last_hidden_state"
+        if "input_ids" not in self._inputs:
+            raise ModelLoadError(f"{model_path} has no 'input_ids' input", "inputs", "input_ids")
+
+    @property
+    def on_cpu_only(self) -> bool:
+        """True when no GPU provider is active."""
+        return self.providers == ["CPUExecutionProvider"]
+
+    def feeds(self, batch: PaddedBatch) -> dict[str, npt.NDArray[Any]]:
+        """The session inputs for ``batch``, by name; empty KV caches for a prefill."""
+        feeds: dict[str, npt.NDArray[Any]] = {"input_ids": batch.input_ids}
+        if "attention_mask" in self._inputs:
+            feeds["attention_mask"] = batch.attention_mask
+        if "position_ids" in self._inputs:
+            feeds["position_ids"] = batch.position_ids
+        if "token_type_ids" in self._inputs:
+            feeds["token_type_ids"] = np.zeros_like(batch.input_ids)
+        rows = batch.input_ids.shape[0]
+        for name in self._past:
+            feeds[name] = np.zeros((rows, self.card.num_heads, 0, self.card.head_dim), dtype=np.float32)
+        return feeds
+
+    def run(self, batch: PaddedBatch) -> npt.NDArray[np.float32]:
+        """One forward pass: ``logits`` [b, s, vocab] or ``last_hidden_state`` [b, s, dim]."""
+        (out,) = self.session.run([self.output_name], self.feeds(batch))
+        return np.asarray(out, dtype=np.float32)
+
+    def warm_up(self) -> float:
+        """Run the extreme shapes (1 x 1 and max_batch_size x max_input_tokens) once; returns ms."""
+        started = time.perf_counter()
+        for rows, width in ((1, 1), (self.max_batch_size, self.max_input_tokens)):
+            token = min(self.card.vocab_size - 1, 3)
+            self.run(pad_batch([[token] * width for _ in range(rows)], self.card.pad_token_id))
+        elapsed = (time.perf_counter() - started) * 1000
+        log.info(
+            "warm-up at shapes 1x1 and %dx%d took %.0f ms",
+            self.max_batch_size,
+            self.max_input_tokens,
+            elapsed,
+        )
+        return elapsed

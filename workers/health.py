@@ -1,0 +1,81 @@
+"""Worker registry: each worker publishes a heartbeat hash to Redis with a TTL.
+
+Key ``fleet:worker:<hostname>`` holds a JSON document (hostname, model, version, active
+providers, ready, concurrency = tokens, in-flight, batches run, pid, queue) that expires after
+three heartbeat periods, so a dead worker disappears by itself. ``fleet:model:<name>:card``
+holds the model card, so producers on other machines can validate and tokenize without the file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from protocol.keys import CARD_KEY, WORKER_KEY_PREFIX
+
+__all__ = ["Heartbeat", "list_workers", "read_card_json"]
+
+log = logging.getLogger("fleet.health")
+
+
+class Heartbeat:
+    """Publishes ``snapshot()`` every ``period_s`` seconds until stopped."""
+
+    def __init__(
+        self, client: redis.Redis, hostname: str, snapshot: Callable[[], dict[str, Any]], period_s: float
+    ) -> None:
+        self._client = client
+        self._key = WORKER_KEY_PREFIX + hostname
+        self._snapshot = snapshot
+        self._period_s = period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="fleet-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        """Publish once now, then every period."""
+        self.beat()
+        self._thread.start()
+
+    def beat(self) -> None:
+        """Publish the current snapshot (errors are logged: Redis may be restarting)."""
+        try:
+            doc = {**self._snapshot(), "heartbeat_unix_s": time.time()}
+            self._client.set(self._key, json.dumps(doc), ex=max(1, int(self._period_s * 3 + 0.999)))
+        except redis.RedisError as exc:
+            log.warning("heartbeat to Redis failed: %s", exc)
+
+    def stop(self) -> None:
+        """Stop publishing and remove the key."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(self._period_s * 2)
+        try:
+            self._client.delete(self._key)
+        except redis.RedisError:
+            pass
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._period_s):
+            self.beat()
+
+
+def list_workers(client: redis.Redis) -> list[dict[str, Any]]:
+    """Every live worker's latest heartbeat document, sorted by hostname."""
+    docs = []
+    for key in client.scan_iter(match=WORKER_KEY_PREFIX + "*", count=200):
+        raw = client.get(key)
+        if raw:
+            docs.append(json.loads(raw))
+    return sorted(docs, key=lambda d: str(d.get("hostname")))
+
+
+def read_card_json(client: redis.Redis, model: str) -> str | None:
+    """The model card a worker of ``model`` published, or None."""
+    raw = client.get(CARD_KEY.format(model=model))
+    return raw.decode() if isinstance(raw, bytes) else raw

@@ -1,0 +1,50 @@
+"""Turning raw model outputs into small per-request results (pure numpy).
+
+Full logits are never stored: one 128-token request over an 8k vocabulary is 4 MiB of float32.
+Results are top-k log-probabilities or one pooled vector per request.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["last_positions", "masked_mean_pool", "top_k_logprobs"]
+
+FloatArray = npt.NDArray[np.float32]
+
+
+def last_positions(logits: FloatArray, lengths: npt.NDArray[np.int64]) -> FloatArray:
+    """[batch, seq, vocab] logits → [batch, vocab] at each row's last real position."""
+    rows = np.arange(logits.shape[0])
+    return np.asarray(logits[rows, lengths - 1, :], dtype=np.float32)
+
+
+def top_k_logprobs(last_logits: FloatArray, k: int) -> tuple[npt.NDArray[np.int64], FloatArray]:
+    """Top-``k`` token ids and their log-probabilities for each row of ``last_logits`` [batch, vocab].
+
+    Ties break towards the lower token id, so results are deterministic. Returns ([batch, k] ids,
+    [batch, k] log-probs), best first.
+    """
+    k = min(k, last_logits.shape[-1])
+    x = last_logits.astype(np.float64)
+    peak = x.max(axis=-1, keepdims=True)
+    logprobs = x - peak - np.log(np.exp(x - peak).sum(axis=-1, keepdims=True))
+    # stable sort on negated values keeps lower ids first among equal log-probs
+    order = np.argsort(-logprobs, axis=-1, kind="stable")[:, :k]
+    picked = np.take_along_axis(logprobs, order, axis=-1)
+    return order.astype(np.int64), picked.astype(np.float32)
+
+
+def masked_mean_pool(
+    hidden: FloatArray, attention_mask: npt.NDArray[np.int64], normalize: bool
+) -> FloatArray:
+    """Mean of ``hidden`` [batch, seq, dim] over real tokens; optionally L2-normalised per row."""
+    mask = attention_mask[:, :, None].astype(np.float32)
+    summed = (hidden * mask).sum(axis=1)
+    counts = np.clip(mask.sum(axis=1), 1.0, None)
+    pooled = summed / counts
+    if normalize:
+        norms = np.linalg.norm(pooled, axis=-1, keepdims=True)
+        pooled = pooled / np.clip(norms, 1e-12, None)
+    return pooled.astype(np.float32)

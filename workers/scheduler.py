@@ -1,0 +1,273 @@
+"""The scheduler: one thread that forms batches, runs the engine and resolves each request's future.
+
+Task threads (one per held request, i.e. per token of the worker's bucket) hand a :class:`Job` to
+:meth:`Scheduler.submit` and block on its future. The scheduler thread asks the pure
+:class:`~workers.policy.BatchPolicy` what to do, pads the chosen jobs, runs one engine step and
+slices each job's result back out. ``InferenceSession.run`` releases the GIL, so the next batch
+gathers while the current one computes.
+
+Every job is a sequence that needs one or more engine steps; the jobs served today (next-token
+top-k, embeddings) finish after one step. Observers (metrics) subscribe with
+:meth:`Scheduler.add_observer`; the loop itself knows nothing of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from protocol.errors import FleetError, RequestExpired
+from protocol.messages import OutputSpec
+from workers.engine import Engine
+from workers.padding import pad_batch
+from workers.policy import BatchPolicy, Dispatch, Pending
+from workers.postprocess import last_positions, masked_mean_pool, top_k_logprobs
+
+__all__ = ["Arrival", "BatchStats", "Job", "JobResult", "Scheduler"]
+
+log = logging.getLogger("fleet.scheduler")
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """One request's share of a batch."""
+
+    top_ids: list[int] | None
+    top_logprobs: list[float] | None
+    embedding: list[float] | None
+    batch_size: int
+    padded_tokens: int
+    batch_wait_ms: float
+    inference_ms: float
+    batch_started_unix_s: float
+
+
+@dataclass
+class Job:
+    """One sequence waiting for the engine."""
+
+    input_ids: list[int]
+    output: OutputSpec
+    deadline_s: float | None = None
+    """Monotonic deadline (s); past it the job is dropped before compute."""
+    arrived_s: float = 0.0
+    future: Future[JobResult] = field(default_factory=Future)
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """What observers learn about each batch."""
+
+    size: int
+    real_tokens: int
+    padded_tokens: int
+    inference_ms: float
+    reason: str
+    expired: int
+
+
+Observer = Callable[[BatchStats], None]
+
+
+class Arrival:
+    """A task thread's promise that a job is on its way; see :meth:`Scheduler.arrival`."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+        self.submitted = False
+
+    def submit(self, job: Job) -> Future[JobResult]:
+        """Hand ``job`` to the scheduler; returns its future."""
+        self.submitted = True
+        return self._scheduler._enqueue(job, was_arriving=True)
+
+
+class Scheduler:
+    """Owns the pending list and the engine thread."""
+
+    def __init__(
+        self, engine: Engine, policy: BatchPolicy, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.engine = engine
+        self.policy = policy
+        self.clock = clock
+        self._cond = threading.Condition()
+        self._pending: list[Job] = []
+        self._arriving = 0
+        self._stopping = False
+        self._observers: list[Observer] = []
+        self._thread = threading.Thread(target=self._loop, name="fleet-scheduler", daemon=True)
+        self.batches_run = 0
+
+    def add_observer(self, observer: Observer) -> None:
+        """Call ``observer(stats)`` after every batch (from the scheduler thread; keep it cheap)."""
+        self._observers.append(observer)
+
+    def start(self) -> None:
+        """Start the scheduler thread."""
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Finish pending jobs, then stop the thread (waits up to ``timeout_s``)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+
+    @property
+    def pending_count(self) -> int:
+        """Jobs waiting for a batch."""
+        with self._cond:
+            return len(self._pending)
+
+    @contextmanager
+    def arrival(self) -> Iterator[Arrival]:
+        """Announce a job while the task thread decodes and validates it.
+
+        While any announced job has not been submitted, the policy knows company is on its way.
+        Leaving the block without submitting (a bad request) withdraws the announcement.
+        """
+        with self._cond:
+            self._arriving += 1
+        handle = Arrival(self)
+        try:
+            yield handle
+        finally:
+            if not handle.submitted:
+                with self._cond:
+                    self._arriving -= 1
+                    self._cond.notify_all()
+
+    def submit(self, job: Job) -> Future[JobResult]:
+        """Hand ``job`` to the scheduler without an announcement; returns its future."""
+        return self._enqueue(job, was_arriving=False)
+
+    def _enqueue(self, job: Job, *, was_arriving: bool) -> Future[JobResult]:
+        with self._cond:
+            if self._stopping:
+                job.future.set_exception(FleetError("worker is shutting down", "worker", None))
+                return job.future
+            job.arrived_s = self.clock()
+            self._pending.append(job)
+            if was_arriving:
+                self._arriving -= 1
+            self._cond.notify_all()
+        return job.future
+
+    def _next_batch(self) -> tuple[list[Job], str] | None:
+        with self._cond:
+            while True:
+                if self._stopping and not self._pending:
+                    return None
+                decision = self.policy.decide(
+                    self.clock(),
+                    [Pending(j.arrived_s, len(j.input_ids)) for j in self._pending],
+                    0 if self._stopping else self._arriving,
+                )
+                if isinstance(decision, Dispatch):
+                    batch = self._pending[: decision.count]
+                    del self._pending[: decision.count]
+                    return batch, decision.reason
+                timeout = None if decision.until_s is None else max(0.0, decision.until_s - self.clock())
+                self._cond.wait(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            nxt = self._next_batch()
+            if nxt is None:
+                return
+            batch, reason = nxt
+            try:
+                self._run(batch, reason)
+            except Exception as exc:  # never let one batch kill the thread
+                log.exception("batch failed unexpectedly")
+                for job in batch:
+                    if not job.future.done():
+                        job.future.set_exception(exc)
+
+    def _run(self, batch: list[Job], reason: str) -> None:
+        now = self.clock()
+        live: list[Job] = []
+        for job in batch:
+            if job.deadline_s is not None and now > job.deadline_s:
+                job.future.set_exception(
+                    RequestExpired(
+                        f"deadline passed {1000 * (now - job.deadline_s):.0f} ms before compute; not run",
+                        "deadline_unix_s",
+                        None,
+                    )
+                )
+            else:
+                live.append(job)
+        if not live:
+            return
+        try:
+            self._compute(live, reason, expired=len(batch) - len(live))
+        except Exception as exc:
+            if len(live) == 1:
+                live[0].future.set_exception(exc)
+                return
+            # One request must never fail its neighbours: retry each alone.
+            log.warning("batch of %d failed (%s); retrying each request alone", len(live), exc)
+            for job in live:
+                try:
+                    self._compute([job], "isolate", expired=0)
+                except Exception as single_exc:
+                    job.future.set_exception(single_exc)
+
+    def _compute(self, jobs: list[Job], reason: str, expired: int) -> None:
+        started_unix = time.time()
+        start = self.clock()
+        padded = pad_batch([j.input_ids for j in jobs], self.engine.card.pad_token_id)
+        out = self.engine.run(padded)
+        inference_ms = (self.clock() - start) * 1000
+        self.batches_run += 1
+        common = {
+            "batch_size": len(jobs),
+            "padded_tokens": padded.padded_tokens,
+            "inference_ms": inference_ms,
+            "batch_started_unix_s": started_unix,
+        }
+        if self.engine.card.kind == "causal_lm":
+            last = last_positions(out, padded.lengths)
+            k_max = max(j.output.top_k for j in jobs)
+            ids, logprobs = top_k_logprobs(last, k_max)
+            for row, job in enumerate(jobs):
+                k = job.output.top_k
+                job.future.set_result(
+                    JobResult(
+                        top_ids=ids[row, :k].tolist(),
+                        top_logprobs=logprobs[row, :k].tolist(),
+                        embedding=None,
+                        batch_wait_ms=(start - job.arrived_s) * 1000,
+                        **common,
+                    )
+                )  # type: ignore[arg-type]
+        else:
+            pooled = masked_mean_pool(out, padded.attention_mask, normalize=False)
+            for row, job in enumerate(jobs):
+                vec = pooled[row]
+                if job.output.normalize:
+                    vec = vec / max(float(np.linalg.norm(vec)), 1e-12)
+                job.future.set_result(
+                    JobResult(
+                        top_ids=None,
+                        top_logprobs=None,
+                        embedding=vec.astype(np.float32).tolist(),
+                        batch_wait_ms=(start - job.arrived_s) * 1000,
+                        **common,
+                    )
+                )  # type: ignore[arg-type]
+        stats = BatchStats(len(jobs), padded.real_tokens, padded.padded_tokens, inference_ms, reason, expired)
+        for observer in self._observers:
+            try:
+                observer(stats)
+            except Exception:
+                log.exception("batch observer failed")
