@@ -24,6 +24,7 @@ import httpx
 
 from protocol.errors import FleetError
 from protocol.messages import InferenceResult
+from protocol.modelcard import ModelCard, load_card
 from protocol.settings import FleetSettings, load_settings
 from tools.processes import WorkerProcess
 from tools.redis_server import EmbeddedRedis, free_port
@@ -43,13 +44,18 @@ def _say(msg: str) -> None:
 
 
 def _ensure_models(settings: FleetSettings, names: list[str]) -> None:
-    from tools.build_model import build_named_demo_model
+    """Build the demo models the config points at when their files are missing."""
+    from tools.build_encoder import build_encoder
+    from tools.build_lm import build_causal_lm
 
+    builders = {"demo-lm": build_causal_lm, "demo-encoder": build_encoder}
     for name in names:
         path = settings.models[name].path
-        if not path.exists():
+        if not path.exists() and name in builders:
             _say(f"building {name} → {path}")
-            build_named_demo_model(name, path)
+            built = builders[name](path.parent.parent, name=name, version=path.stem.removeprefix(f"{name}-"))
+            if built != path:
+                raise FileNotFoundError(f"built {built}, but the config expects {path}")
 
 
 def _start_flower(redis_url: str, logdir: Path) -> tuple[subprocess.Popen[bytes], str, tuple[str, str]]:
@@ -73,6 +79,15 @@ def _start_flower(redis_url: str, logdir: Path) -> tuple[subprocess.Popen[bytes]
         start_new_session=True,
     )
     return proc, f"http://127.0.0.1:{port}", (user, password)
+
+
+def _stop_process(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
 
 
 def _wait_http(url: str, auth: tuple[str, str], timeout_s: float = 30.0) -> bool:
@@ -128,7 +143,7 @@ def run_demo(args: argparse.Namespace) -> int:
         flower_url = None
         if not args.no_flower:
             proc, flower_url, auth = _start_flower(redis_url, logdir)
-            stack.callback(lambda: (proc.terminate(), proc.wait(15)))
+            stack.callback(_stop_process, proc)
         for w in workers:
             doc = w.wait_ready()
             _say(
@@ -200,7 +215,6 @@ def _drive(
     return 0 if not failed else 1
 
 
-def load_card_for(settings: FleetSettings, model: str):  # type: ignore[no-untyped-def]
-    from protocol.modelcard import load_card
-
+def load_card_for(settings: FleetSettings, model: str) -> ModelCard:
+    """The card of ``model``'s configured file."""
     return load_card(settings.model(model).path)

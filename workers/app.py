@@ -65,8 +65,8 @@ def _load_model_before_consuming(sender: Any = None, **_: Any) -> None:
             concurrency=int(sender.concurrency or 0),
             pool=str(getattr(sender, "pool_cls", "")),
         )
-    except FleetError as exc:
-        log.critical("worker cannot start: %s", exc)
+    except Exception as exc:  # any start-up failure must stop the worker, never leave it half-built
+        log.critical("worker cannot start: %s", exc, exc_info=not isinstance(exc, FleetError))
         print(f"fleet worker: cannot start: {exc}", file=sys.stderr, flush=True)
         sys.stderr.flush()
         os._exit(3)  # SystemExit would be swallowed by the blueprint; nothing runs yet to clean up

@@ -14,6 +14,7 @@ from typing import Any
 
 import redis
 from celery import Celery
+from celery.worker import state as worker_state
 
 from protocol.errors import ConfigError, ModelLoadError
 from protocol.modelcard import ModelCard, load_card
@@ -57,7 +58,9 @@ class WorkerRuntime:
         self.warmup_ms = self.engine.warm_up() if self.model.engine.warmup else 0.0
         b = self.model.batching
         self.scheduler = Scheduler(
-            self.engine, BatchPolicy(b.max_batch_size, b.max_wait_ms, b.max_batch_tokens, b.close_when_idle)
+            self.engine,
+            BatchPolicy(b.max_batch_size, b.max_wait_ms, b.max_batch_tokens, b.close_when_idle),
+            backlog=_celery_backlog,
         )
         self.ready = False
         self.in_flight = 0
@@ -123,6 +126,11 @@ class WorkerRuntime:
             "started_unix_s": self.started_unix_s,
             "max_batch_size": self.model.batching.max_batch_size,
         }
+
+
+def _celery_backlog() -> int:
+    """Requests this worker has received from Redis but not yet started (reserved, not active)."""
+    return max(0, len(worker_state.reserved_requests) - len(worker_state.active_requests))
 
 
 def start_runtime(app: Celery, *, hostname: str, concurrency: int, pool: str) -> WorkerRuntime:

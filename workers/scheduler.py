@@ -93,9 +93,16 @@ class Scheduler:
     """Owns the pending list and the engine thread."""
 
     def __init__(
-        self, engine: Engine, policy: BatchPolicy, clock: Callable[[], float] = time.monotonic
+        self,
+        engine: Engine,
+        policy: BatchPolicy,
+        clock: Callable[[], float] = time.monotonic,
+        backlog: Callable[[], int] | None = None,
     ) -> None:
+        """``backlog()`` counts requests the worker has received but not yet started (Celery's
+        reserved-but-not-active set); like announced arrivals, they keep the window open."""
         self.engine = engine
+        self._backlog = backlog or (lambda: 0)
         self.policy = policy
         self.clock = clock
         self._cond = threading.Condition()
@@ -166,10 +173,9 @@ class Scheduler:
             while True:
                 if self._stopping and not self._pending:
                     return None
+                on_the_way = 0 if self._stopping else self._arriving + self._backlog()
                 decision = self.policy.decide(
-                    self.clock(),
-                    [Pending(j.arrived_s, len(j.input_ids)) for j in self._pending],
-                    0 if self._stopping else self._arriving,
+                    self.clock(), [Pending(j.arrived_s, len(j.input_ids)) for j in self._pending], on_the_way
                 )
                 if isinstance(decision, Dispatch):
                     batch = self._pending[: decision.count]
