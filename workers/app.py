@@ -52,7 +52,10 @@ def _load_model_before_consuming(sender: Any = None, **_: Any) -> None:
     """Load and warm the model before the consumer starts; any failure stops the worker (exit 3)."""
     if getattr(sender, "app", None) is not app:
         return
+    from workers.poison import install as install_poison_guard
     from workers.runtime import start_runtime
+
+    install_poison_guard()
 
     logging.basicConfig(
         level=app.fleet_settings.worker.loglevel,  # type: ignore[attr-defined]

@@ -1,0 +1,103 @@
+"""Bad input gets a clear error naming the field and the limit; nothing is queued; no worker dies."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+import redis
+from celery import Celery
+
+from protocol.errors import (
+    DecodeError,
+    EmptyInput,
+    FleetError,
+    InputTooLong,
+    InvalidRequest,
+    TokenOutOfRange,
+    UnknownModel,
+)
+from tests.integration.fleet_fixtures import Fleet
+
+CLIENT_CASES = [
+    ({"input_ids": []}, EmptyInput, "input_ids", "at least 1 token"),
+    ({"input_ids": [1, 2, 3000]}, TokenOutOfRange, "input_ids[2]", "[0, 512)"),
+    ({"input_ids": [1, -1]}, TokenOutOfRange, "input_ids[1]", "[0, 512)"),
+    ({"input_ids": [7] * 129}, InputTooLong, "input_ids", "max_input_tokens=128"),
+    ({"input_ids": [1, "x"]}, InvalidRequest, "input_ids[1]", "not an integer"),
+    ({"input_ids": [1, 2.5]}, InvalidRequest, "input_ids[1]", "not an integer"),
+    ({"input_ids": [1], "top_k": 1000}, InvalidRequest, "output.top_k", "max_top_k=64"),
+    ({"input_ids": [1], "kind": "embedding"}, InvalidRequest, "output.kind", "next_token"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "field", "says"), CLIENT_CASES)
+def test_client_refuses_before_queueing(fleet: Fleet, kwargs: dict[str, object], error: type[FleetError],
+                                        field: str, says: str) -> None:
+    client = fleet.client(fleet.config())
+    with pytest.raises(error) as info:
+        client.submit("demo-lm", **kwargs)  # type: ignore[arg-type]
+    assert info.value.field == field
+    assert says in str(info.value)
+    assert redis.Redis.from_url(fleet.redis_url).llen("fleet.demo-lm") == 0
+
+
+def test_unknown_model_is_refused_by_the_client(fleet: Fleet) -> None:
+    client = fleet.client(fleet.config())
+    with pytest.raises(UnknownModel, match="configured models: demo-encoder, demo-lm"):
+        client.submit("nope", [1, 2])
+
+
+WORKER_CASES = [
+    ([{"model": "demo-lm", "input_ids": []}], "EmptyInput", "input_ids"),
+    ([{"model": "demo-lm", "input_ids": [1, 99999]}], "TokenOutOfRange", "input_ids[1]"),
+    ([{"model": "demo-lm", "input_ids": list(range(3, 140))}], "InputTooLong", "input_ids"),
+    ([{"model": "demo-lm", "input_ids": [1, "two"]}], "DecodeError", "input_ids.1"),
+    ([{"model": "demo-lm", "input_ids": [1, True]}], "DecodeError", "input_ids.1"),
+    ([{"model": "demo-lm"}], "DecodeError", "input_ids"),
+    ([{"model": "demo-lm", "input_ids": [1], "surprise": 1}], "DecodeError", "surprise"),
+    (["not an object"], "DecodeError", "request"),
+    ([{"model": "demo-encoder", "input_ids": [1, 2]}], "UnknownModel", "model"),
+    ([{"model": "demo-lm", "input_ids": [1], "output": {"top_k": 0}}], "DecodeError", "output.top_k"),
+    ([], "DecodeError", "args"),
+]
+
+
+def test_worker_fails_bad_messages_and_keeps_serving(fleet: Fleet) -> None:
+    cfg = fleet.config()
+    worker = fleet.worker(cfg)
+    plain = Celery(broker=fleet.redis_url, backend=fleet.redis_url)
+    client = fleet.client(cfg)
+    for args, type_name, field in WORKER_CASES:
+        res = plain.send_task("fleet.infer", args=args, queue="fleet.demo-lm")
+        with pytest.raises(Exception) as info:
+            res.get(timeout=30)
+        assert res.state == "FAILURE"
+        assert type(info.value).__name__ == type_name, (args, info.value)
+        message, got_field, _limit = info.value.args
+        assert got_field == field, (args, info.value.args)
+        assert message
+        # the client maps the same stored failure to the shared error tree
+        with pytest.raises(FleetError) as mapped:
+            client.result(res.id, wait=True, timeout_s=5)
+        assert type(mapped.value).__name__ == type_name and mapped.value.field == field
+    # a message that is not even a Celery message: garbage pushed straight into the queue list
+    r = redis.Redis.from_url(fleet.redis_url)
+    r.lpush("fleet.demo-lm", b"this is not json")
+    r.lpush("fleet.demo-lm", json.dumps({"body": "bm9wZQ==", "headers": {}, "properties": {}}))
+    # a pickle message is refused (JSON only) rather than executed
+    pickled = plain.send_task("fleet.infer", args=[{"model": "demo-lm", "input_ids": [1]}],
+                              queue="fleet.demo-lm", serializer="pickle", task_id=uuid.uuid4().hex)
+    good = client.submit("demo-lm", [5, 6, 7])
+    result = client.result(good, wait=True, timeout_s=30)
+    assert result is not None and result.top_k
+    assert pickled.state == "PENDING"  # never executed
+    assert r.llen("fleet:dead-letter") == 2  # the two non-messages were kept, not lost
+    assert worker.proc is not None and worker.proc.poll() is None
+    assert "ContentDisallowed" in worker.log_tail(200000) or "disallowed" in worker.log_tail(200000).lower()
+    plain.close()
+
+
+def test_decode_error_is_an_invalid_request() -> None:
+    assert issubclass(DecodeError, InvalidRequest)
