@@ -25,6 +25,7 @@ from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeout
 from celery.result import AsyncResult
 
+from producer.admission import Admission
 from protocol.celeryconf import make_celery
 from protocol.errors import (
     FleetError,
@@ -70,6 +71,7 @@ class FleetClient:
         self.settings = settings
         self.app = celery_app or make_celery(settings, "onnx-fleet-producer")
         self.redis = redis.Redis.from_url(settings.redis_url)
+        self.admission = Admission(self.redis, settings)
         self._models: dict[str, _ModelInfo] = {}
 
     @classmethod
@@ -176,6 +178,7 @@ class FleetClient:
 
         Raises:
             InvalidRequest: bad input (nothing is queued).
+            QueueFull / RateLimited: refused by admission control (nothing is queued).
         """
         request = self.build_request(
             model,
@@ -189,11 +192,23 @@ class FleetClient:
         )
         return self.send(request)
 
-    def send(self, request: InferenceRequest) -> str:
-        """Queue an already built request; returns its ID."""
+    def send(self, request: InferenceRequest, *, rate_key: str | None = None, admit: bool = True) -> str:
+        """Queue an already built request; returns its ID.
+
+        Admission control runs first (unless ``admit`` is False: the caller already admitted it),
+        except for an ID already known, which is never queued twice. ``rate_key`` names the
+        caller's rate-limit bucket (None = no rate limit; see :mod:`producer.admission`).
+
+        Raises:
+            QueueFull: the model's queue is at ``max_queue_depth``; nothing was queued.
+            RateLimited: ``rate_key``'s token bucket is empty; nothing was queued.
+        """
         rid = request.request_id or uuid.uuid4().hex
+        marker_key = REQUEST_KEY.format(id=rid)
+        if admit and not self.redis.exists(marker_key):
+            self.admission.admit(request.model, rate_key=rate_key)
         marker = json.dumps({"model": request.model, "submitted_at_unix_s": request.submitted_at_unix_s})
-        if not self.redis.set(REQUEST_KEY.format(id=rid), marker, nx=True, ex=self.settings.result_ttl_s):
+        if not self.redis.set(marker_key, marker, nx=True, ex=self.settings.result_ttl_s):
             return rid  # already submitted under this ID: idempotent
         self.app.send_task(
             TASK_NAME,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CANCEL_KEY", "CARD_KEY", "REQUEST_KEY", "WORKER_KEY_PREFIX"]
+__all__ = ["CANCEL_KEY", "CARD_KEY", "DRAIN_KEY", "RATE_KEY", "REQUEST_KEY", "WORKER_KEY_PREFIX"]
 
 REQUEST_KEY = "fleet:req:{id}"
 """Written at submit (TTL = result_ttl_s): tells 'queued' from 'never heard of'."""
@@ -12,3 +12,8 @@ CARD_KEY = "fleet:model:{model}:card"
 """The model card JSON a worker publishes, for producers without the model file."""
 WORKER_KEY_PREFIX = "fleet:worker:"
 """+ hostname: a worker's heartbeat JSON, expiring after three heartbeat periods."""
+DRAIN_KEY = "fleet:drain:{model}:{second}"
+"""Requests workers took off the model's queue during one wall-clock second (integer unix time);
+expires after the drain window. Admission sums them into the queue's drain rate."""
+RATE_KEY = "fleet:rate:{key}"
+"""A rate-limit token bucket (hash: tokens, ts) for one caller; ``key`` is a hash of the API key."""

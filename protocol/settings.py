@@ -31,6 +31,7 @@ __all__ = [
     "BatchingSettings",
     "EngineSettings",
     "FleetSettings",
+    "FlowerSettings",
     "LimitSettings",
     "ModelSettings",
     "WorkerSettings",
@@ -139,7 +140,10 @@ class ApiSettings(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     api_keys: list[str] = Field(default_factory=list, description="Accepted X-API-Key values; [] = no auth.")
-    max_body_bytes: int = Field(default=1_048_576, ge=1024)
+    max_body_bytes: int = Field(default=1_048_576, ge=1024, description="Largest request body (bytes).")
+    max_batch_requests: int = Field(
+        default=256, ge=1, le=100_000, description="Requests one POST /v1/requests:batch may carry."
+    )
 
 
 class AdmissionSettings(_Section):
@@ -147,6 +151,33 @@ class AdmissionSettings(_Section):
 
     rate_capacity: float = Field(default=0, ge=0, description="Bucket size (requests); 0 = no rate limit.")
     rate_refill_per_s: float = Field(default=0, ge=0, description="Refill rate (requests/s).")
+    drain_window_s: float = Field(
+        default=30, gt=0, le=3600, description="Window over which a queue's drain rate is measured (s)."
+    )
+    max_retry_after_s: int = Field(
+        default=60, ge=1, le=86_400, description="Cap on the Retry-After a refusal advises (s)."
+    )
+
+
+class FlowerSettings(_Section):
+    """Flower, the Celery monitor started by ``fleet flower``; it always runs with basic auth."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=5555, ge=1, le=65535)
+    basic_auth: list[str] = Field(
+        default_factory=list,
+        description="'user:password' entries (no commas); `fleet flower` refuses to start without one.",
+    )
+
+    @model_validator(mode="after")
+    def _user_password_pairs(self) -> FlowerSettings:
+        for i, entry in enumerate(self.basic_auth):
+            user, sep, password = entry.partition(":")
+            if not sep or not user or not password or "," in entry:
+                raise ValueError(
+                    f"basic_auth[{i}] must be 'user:password' with both parts non-empty and no comma"
+                )
+        return self
 
 
 class FleetSettings(BaseSettings):
@@ -168,6 +199,7 @@ class FleetSettings(BaseSettings):
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     api: ApiSettings = Field(default_factory=ApiSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
+    flower: FlowerSettings = Field(default_factory=FlowerSettings)
 
     @classmethod
     def settings_customise_sources(

@@ -37,7 +37,9 @@ FIRST_ORDINARY_ID = 3
 """Ids below this are pad/bos/eos in the byte tokenizer; synthetic prompts avoid them."""
 
 
-def read_sequences(path: Path, *, vocab_size: int | None = None, max_tokens: int | None = None) -> list[list[int]]:
+def read_sequences(
+    path: Path, *, vocab_size: int | None = None, max_tokens: int | None = None
+) -> list[list[int]]:
     """Token sequences from a JSONL file (see the module docstring).
 
     Args:
@@ -58,7 +60,9 @@ def read_sequences(path: Path, *, vocab_size: int | None = None, max_tokens: int
             raise ValueError(f"{path}:{number}: not JSON: {exc}") from exc
         ids = doc.get("input_ids") if isinstance(doc, dict) else doc
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
-            raise ValueError(f"{path}:{number}: expected a non-empty list of token ids or {{'input_ids': [...]}}")
+            raise ValueError(
+                f"{path}:{number}: expected a non-empty list of token ids or {{'input_ids': [...]}}"
+            )
         if vocab_size is not None and any(t < 0 or t >= vocab_size for t in ids):
             raise ValueError(f"{path}:{number}: token id outside [0, {vocab_size})")
         out.append(ids[-max_tokens:] if max_tokens else ids)
@@ -125,7 +129,9 @@ class JsonlCalibrationReader(CalibrationDataReader):  # type: ignore[misc]
     """Feeds one calibration sequence per ``get_next()`` call (batch 1, no padding)."""
 
     def __init__(self, names: Collection[str], card: ModelCard, sequences: Sequence[Sequence[int]]) -> None:
-        self._feeds: Iterator[dict[str, npt.NDArray[Any]]] = (feeds_for(names, card, [seq]) for seq in sequences)
+        self._feeds: Iterator[dict[str, npt.NDArray[Any]]] = (
+            feeds_for(names, card, [seq]) for seq in sequences
+        )
         self.count = len(sequences)
 
     def get_next(self) -> dict[str, npt.NDArray[Any]] | None:

@@ -44,7 +44,8 @@ def log_softmax(logits: FloatArray) -> npt.NDArray[np.float64]:
     """Row-wise log-softmax in float64 (stable: the row maximum is subtracted first)."""
     x = np.asarray(logits, dtype=np.float64)
     shifted = x - x.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    out: npt.NDArray[np.float64] = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    return out
 
 
 def compare_logits(reference: FloatArray, candidate: FloatArray, top: int = 5) -> AccuracyReport:

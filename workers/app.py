@@ -62,12 +62,15 @@ def _load_model_before_consuming(sender: Any = None, **_: Any) -> None:
         format="[%(asctime)s: %(levelname)s/%(name)s] %(message)s",
     )
     try:
-        start_runtime(
+        runtime = start_runtime(
             app,
             hostname=str(sender.hostname),
             concurrency=int(sender.concurrency or 0),
             pool=str(getattr(sender, "pool_cls", "")),
         )
+        from workers.metrics import install_metrics
+
+        install_metrics(runtime)  # scheduler observer + Celery signals + the metrics port
     except Exception as exc:  # any start-up failure must stop the worker, never leave it half-built
         log.critical("worker cannot start: %s", exc, exc_info=not isinstance(exc, FleetError))
         print(f"fleet worker: cannot start: {exc}", file=sys.stderr, flush=True)

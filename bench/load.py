@@ -1,0 +1,145 @@
+"""Load generators on the real path: FleetClient.submit → Redis → worker → FleetClient.result.
+
+* :func:`closed_loop` — ``clients`` threads, each submitting its next request as soon as the
+  previous result is in (saturation throughput; ``clients=1`` is the lone-request latency).
+* :func:`open_loop` — Poisson arrivals at a set rate, independent of completions (latency under
+  load); a pool of waiter threads collects each result as it becomes available.
+
+Latency is submit → result available, as the client sees it (``time.perf_counter``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from bench.stats import RequestRecord, poisson_arrivals
+from producer.client import FleetClient
+from protocol.errors import FleetError
+
+__all__ = ["ClosedLoopRun", "closed_loop", "open_loop"]
+
+RESULT_TIMEOUT_S = 120.0
+"""Longest wait for one result before it counts as an error (s)."""
+
+
+class ClosedLoopRun:
+    """Records of a closed loop and its steady-state window (``perf_counter`` seconds)."""
+
+    def __init__(self, records: list[RequestRecord], window: tuple[float, float] | None) -> None:
+        self.records = records
+        self.window = window
+
+
+def _one(client: FleetClient, model: str, ids: Sequence[int], top_k: int) -> RequestRecord:
+    """Submit one request and wait for its result; never raises for a failed request."""
+    start = time.perf_counter()
+    try:
+        rid = client.submit(model, ids, top_k=top_k)
+        result = client.result(rid, wait=True, timeout_s=RESULT_TIMEOUT_S)
+    except FleetError as exc:
+        return RequestRecord(start, time.perf_counter(), len(ids), error=f"{type(exc).__name__}: {exc}")
+    done = time.perf_counter()
+    if result is None:  # pragma: no cover - wait=True returns a result or raises
+        return RequestRecord(start, done, len(ids), error="no result")
+    t = result.timings
+    return RequestRecord(start, done, result.input_tokens, t.batch_size, t.padded_tokens, t.inference_ms)
+
+
+def closed_loop(
+    client: FleetClient,
+    model: str,
+    prompts: Sequence[Sequence[int]],
+    *,
+    clients: int,
+    duration_s: float | None = None,
+    warmup_s: float = 0.0,
+    max_requests: int | None = None,
+    top_k: int = 5,
+) -> ClosedLoopRun:
+    """Run ``clients`` concurrent request loops.
+
+    Stops after ``duration_s`` seconds (in-flight requests still complete; the window
+    ``[start + warmup_s, start + duration_s]`` is returned for steady-state counting) or after
+    ``max_requests`` requests in total (window None: everything counts). Prompts are taken in
+    order, cycling.
+
+    Raises:
+        ValueError: neither or both of ``duration_s`` and ``max_requests`` are given.
+    """
+    if (duration_s is None) == (max_requests is None):
+        raise ValueError("give exactly one of duration_s and max_requests")
+    counter = itertools.count()
+    lock = threading.Lock()
+    records: list[RequestRecord] = []
+    start = time.perf_counter()
+    stop_at = start + duration_s if duration_s is not None else float("inf")
+
+    def loop() -> None:
+        while time.perf_counter() < stop_at:
+            with lock:
+                n = next(counter)
+            if max_requests is not None and n >= max_requests:
+                return
+            rec = _one(client, model, prompts[n % len(prompts)], top_k)
+            with lock:
+                records.append(rec)
+
+    threads = [threading.Thread(target=loop, name=f"bench-client-{i}", daemon=True) for i in range(clients)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    window = (start + warmup_s, stop_at) if duration_s is not None else None
+    return ClosedLoopRun(sorted(records, key=lambda r: r.submit_s), window)
+
+
+def open_loop(
+    client: FleetClient,
+    model: str,
+    prompts: Sequence[Sequence[int]],
+    *,
+    rate_qps: float,
+    duration_s: float,
+    seed: int,
+    waiters: int = 64,
+    top_k: int = 5,
+) -> list[RequestRecord]:
+    """Submit at Poisson arrival times of ``rate_qps`` for ``duration_s``; returns every record.
+
+    A submit that falls behind its schedule goes out at once (arrivals never wait for
+    completions). Results are collected by up to ``waiters`` threads.
+    """
+    arrivals = poisson_arrivals(rate_qps, duration_s, seed)
+    futures: list[Future[RequestRecord]] = []
+
+    def wait_for(rid: str, ids: Sequence[int], submitted: float) -> RequestRecord:
+        try:
+            result = client.result(rid, wait=True, timeout_s=RESULT_TIMEOUT_S)
+        except FleetError as exc:
+            return RequestRecord(submitted, time.perf_counter(), len(ids), error=f"{type(exc).__name__}: {exc}")
+        done = time.perf_counter()
+        if result is None:  # pragma: no cover
+            return RequestRecord(submitted, done, len(ids), error="no result")
+        t = result.timings
+        return RequestRecord(submitted, done, result.input_tokens, t.batch_size, t.padded_tokens, t.inference_ms)
+
+    failed: list[RequestRecord] = []
+    with ThreadPoolExecutor(max_workers=waiters, thread_name_prefix="bench-waiter") as pool:
+        start = time.perf_counter()
+        for n, offset in enumerate(arrivals):
+            delay = start + offset - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            ids = prompts[n % len(prompts)]
+            submitted = time.perf_counter()
+            try:
+                rid = client.submit(model, ids, top_k=top_k)
+            except FleetError as exc:
+                failed.append(RequestRecord(submitted, time.perf_counter(), len(ids), error=str(exc)))
+                continue
+            futures.append(pool.submit(wait_for, rid, ids, submitted))
+    return sorted([f.result() for f in futures] + failed, key=lambda r: r.submit_s)

@@ -1,0 +1,77 @@
+"""How long each phase of the bench runs: the full plan (~10 minutes on 2 cores) and ``--quick``.
+
+Durations are in seconds, request counts in requests. Workloads are the issue's two prompt
+shapes: ``long`` (128–256 tokens) and ``short`` (8–16 tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["WORKLOADS", "Plan", "full_plan", "quick_plan"]
+
+WORKLOADS: dict[str, tuple[int, int]] = {"long": (128, 256), "short": (8, 16)}
+"""Workload name → (min, max) prompt length (tokens), uniform."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes of every phase."""
+
+    quick: bool
+    preset: str
+    """``tools.build_model`` preset whose lm/identity models are served."""
+    max_batch_size: int = 8
+    concurrency: int = 16
+    """Worker tokens C (and closed-loop clients at saturation)."""
+    max_wait_ms: float = 2.0
+    prompts: int = 256
+    """Distinct prompts per workload."""
+    lone_requests: dict[str, int] = field(default_factory=lambda: {"long": 16, "short": 48})
+    sat_duration_s: dict[str, float] = field(default_factory=lambda: {"long": 16.0, "short": 9.0})
+    sat_warmup_s: dict[str, float] = field(default_factory=lambda: {"long": 3.0, "short": 1.5})
+    open_fractions: tuple[float, ...] = (0.3, 0.6, 0.85)
+    """Open-loop rates, as fractions of the configuration's own saturation QPS."""
+    open_duration_s: dict[str, float] = field(default_factory=lambda: {"long": 9.0, "short": 5.0})
+    limit_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
+    limit_duration_s: float = 1.5
+    dispatch_clients: int = 32
+    dispatch_duration_s: float = 8.0
+    dispatch_lone_requests: int = 200
+    profile_s: float = 6.0
+    """py-spy profile of the dispatch loop (0 = none)."""
+    peer: bool = True
+    ablations: bool = True
+    """Extra rows: ORT spin-waiting on, Celery log level INFO."""
+    int8_variants: bool = True
+    """Also quantize static QDQ (+ symmetric) for the INT8 variants table."""
+    peer_flush_interval_s: float = 0.01
+    seed: int = 0
+
+
+def full_plan(*, peer: bool = True) -> Plan:
+    """The documented run: the bench preset (~27.6 M weights), every row, ~10 minutes on 2 cores."""
+    return Plan(quick=False, preset="bench", peer=peer)
+
+
+def quick_plan() -> Plan:
+    """The CI smoke run (< ~60 s): the demo preset, short phases, no peer, no ablations."""
+    return Plan(
+        quick=True,
+        preset="demo",
+        prompts=32,
+        lone_requests={"long": 6, "short": 6},
+        sat_duration_s={"long": 1.5, "short": 1.5},
+        sat_warmup_s={"long": 0.3, "short": 0.3},
+        open_fractions=(0.5,),
+        open_duration_s={"long": 1.0, "short": 1.0},
+        limit_batch_sizes=(1, 8),
+        limit_duration_s=0.3,
+        dispatch_clients=8,
+        dispatch_duration_s=1.5,
+        dispatch_lone_requests=20,
+        profile_s=0.0,
+        peer=False,
+        ablations=False,
+        int8_variants=False,
+    )

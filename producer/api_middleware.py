@@ -1,0 +1,205 @@
+"""ASGI middleware of the gateway: the body-size limit and request metrics.
+
+Both are plain ASGI (no ``BaseHTTPMiddleware``), so they neither buffer responses nor break
+streaming. Metrics label requests by the *route template* (``/v1/requests/{request_id}``), never
+by the raw path, so request IDs cannot blow up the series count.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import redis
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from producer.admission import queue_depth
+from producer.registry import list_workers
+from protocol.settings import FleetSettings
+
+__all__ = ["BodyLimitMiddleware", "GatewayMetrics", "MetricsMiddleware"]
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class BodyLimitMiddleware:
+    """Refuse bodies over ``max_bytes`` with 413 before the app sees them.
+
+    A declared ``Content-Length`` over the limit is refused at once; otherwise the body is read
+    (at most ``max_bytes`` + one chunk) and replayed to the app.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                await self._refuse(send, 400, "Content-Length is not an integer", None)
+                return
+            if size > self.max_bytes:
+                await self._refuse(send, 413, f"request body has {size} bytes", size)
+                return
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunk = message.get("body", b"")
+            total += len(chunk)
+            if total > self.max_bytes:
+                await self._refuse(send, 413, f"request body exceeds {total} bytes", total)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send: Send, status: int, what: str, size: int | None) -> None:
+        if status == 413:
+            message = f"{what}; the limit is api.max_body_bytes={self.max_bytes}"
+            payload = {
+                "error": "body_too_large",
+                "type": "PayloadTooLarge",
+                "message": message,
+                "field": "body",
+                "limit": self.max_bytes,
+            }
+        else:
+            payload = {
+                "error": "bad_request",
+                "type": "BadRequest",
+                "message": what,
+                "field": "Content-Length",
+                "limit": None,
+            }
+        raw = json.dumps(payload).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(raw)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": raw})
+
+
+class _FleetCollector(Collector):
+    """Queue depth and ready workers per configured model, read from Redis at scrape time."""
+
+    def __init__(self, settings: FleetSettings, client: redis.Redis[bytes]) -> None:
+        self.settings = settings
+        self.client = client
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        up = GaugeMetricFamily("fleet_redis_up", "1 when the gateway reaches Redis.")
+        depth = GaugeMetricFamily("fleet_queue_depth", "Requests waiting per model queue.", labels=["model"])
+        ready = GaugeMetricFamily("fleet_ready_workers", "Ready workers per model.", labels=["model"])
+        try:
+            workers = list_workers(self.client)
+            for name in self.settings.models:
+                depth.add_metric([name], queue_depth(self.client, self.settings.queue_for(name)))
+                ready.add_metric([name], sum(1 for w in workers if w.get("model") == name and w.get("ready")))
+            up.add_metric([], 1)
+        except redis.RedisError:
+            up.add_metric([], 0)
+        yield up
+        yield depth
+        yield ready
+
+
+class GatewayMetrics:
+    """The gateway's series, in their own registry (one per app)."""
+
+    def __init__(
+        self, registry: CollectorRegistry, settings: FleetSettings, client: redis.Redis[bytes]
+    ) -> None:
+        self.requests = Counter(
+            "fleet_gateway_requests",
+            "HTTP requests, by route, method and status.",
+            ["route", "method", "status"],
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "fleet_gateway_request_duration_seconds",
+            "HTTP request latency (s), by route, method, status.",
+            ["route", "method", "status"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.refused = Counter(
+            "fleet_gateway_admission_refused",
+            "Submissions refused by admission control, by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        registry.register(_FleetCollector(settings, client))
+
+
+class MetricsMiddleware:
+    """Count and time every HTTP request by route template, method and status."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def capture(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, capture)
+        finally:
+            route = _route_template(scope)
+            labels = (route, str(scope.get("method", "")), str(status))
+            self.metrics.requests.labels(*labels).inc()
+            self.metrics.latency.labels(*labels).observe(time.perf_counter() - started)
+
+
+def _route_template(scope: Scope) -> str:
+    route: Any = scope.get("route")
+    if route is not None and hasattr(route, "path"):
+        return str(route.path)
+    app: Any = scope.get("app")
+    for candidate in getattr(getattr(app, "router", None), "routes", []):
+        match, _ = candidate.matches(scope)
+        if match is Match.FULL:
+            return str(candidate.path)
+    return "unmatched"

@@ -1,0 +1,120 @@
+"""The HTTP gateway's request and response bodies (JSON), as they appear in its OpenAPI document."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from producer.client import RequestStatus
+
+__all__ = [
+    "REQUEST_ID_PATTERN",
+    "BatchAccepted",
+    "BatchSubmitBody",
+    "ErrorBody",
+    "ModelInfo",
+    "ModelList",
+    "OutputOptions",
+    "RequestAccepted",
+    "RequestView",
+    "SubmitBody",
+]
+
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+"""Caller-given request IDs: 1–128 characters of letters, digits and ``._:-`` (they become Redis keys)."""
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class OutputOptions(_Body):
+    """What the caller wants back (defaults follow the model's kind)."""
+
+    kind: Literal["next_token", "embedding"] | None = Field(
+        default=None, description="'next_token' (causal LM) or 'embedding' (encoder); default by model."
+    )
+    top_k: StrictInt = Field(default=5, ge=1, description="Next-token candidates (<= the model's max_top_k).")
+    normalize: StrictBool = Field(default=True, description="L2-normalise embeddings.")
+
+
+class SubmitBody(_Body):
+    """One request: exactly one of ``input_ids`` or ``text``."""
+
+    model: StrictStr = Field(min_length=1, max_length=200, examples=["demo-lm"])
+    input_ids: list[StrictInt] | None = Field(
+        default=None,
+        description="Token ids, each in [0, vocab_size); at most the model's max_input_tokens.",
+        examples=[[5, 6, 7]],
+    )
+    text: StrictStr | None = Field(default=None, description="Text, tokenized by the gateway.")
+    output: OutputOptions = Field(default_factory=OutputOptions)
+    request_id: StrictStr | None = Field(
+        default=None,
+        pattern=REQUEST_ID_PATTERN,
+        description="Caller-given ID; resubmitting a known ID is a no-op (idempotent).",
+    )
+    deadline_s: float | None = Field(
+        default=None, gt=0, le=86_400, description="Drop the request if it has not run within this many s."
+    )
+
+
+class BatchSubmitBody(_Body):
+    """Many requests at once: all are queued, or none (the first problem is reported)."""
+
+    requests: list[SubmitBody] = Field(min_length=1, description="At most api.max_batch_requests items.")
+
+
+class RequestAccepted(BaseModel):
+    """A queued request."""
+
+    request_id: str
+    status: RequestStatus = RequestStatus.QUEUED
+    location: str = Field(description="Where to poll: /v1/requests/{request_id}.")
+
+
+class BatchAccepted(BaseModel):
+    """Every request of a batch, queued, in order."""
+
+    requests: list[RequestAccepted]
+
+
+class ErrorBody(BaseModel):
+    """Every error response: a code, the error class, a message naming the field and the limit."""
+
+    error: str = Field(examples=["input_too_long"])
+    type: str = Field(examples=["InputTooLong"])
+    message: str
+    field: str | None = None
+    limit: Any = None
+
+
+class RequestView(BaseModel):
+    """Where a request stands; ``result`` when it succeeded, ``error`` when it failed/expired/cancelled."""
+
+    request_id: str
+    status: RequestStatus
+    result: dict[str, Any] | None = Field(default=None, description="The InferenceResult JSON.")
+    error: ErrorBody | None = None
+
+
+class ModelInfo(BaseModel):
+    """One configured model and who serves it."""
+
+    name: str
+    queue: str
+    version: str | None = Field(description="Configured version (None: whatever the model card says).")
+    served_versions: list[str] = Field(description="Versions that ready workers serve now.")
+    ready: bool = Field(description="At least one ready worker serves this model.")
+    ready_workers: int
+    workers: int
+    queue_depth: int
+    max_queue_depth: int
+    max_input_tokens: int
+
+
+class ModelList(BaseModel):
+    """Every configured model."""
+
+    models: list[ModelInfo]

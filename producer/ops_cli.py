@@ -1,0 +1,265 @@
+"""Operator commands of the ``fleet`` CLI: ``api``, ``status``, ``probe``, ``flower``.
+
+``producer.cli`` calls :func:`register` with its sub-parsers. Exit codes follow ``fleet``'s:
+0 ok; 1 not ready / not alive; 2 bad settings.
+
+Kubernetes probes::
+
+    # gateway pod
+    readinessProbe: {exec: {command: [fleet, probe, ready]}}
+    livenessProbe:  {exec: {command: [fleet, probe, live]}}
+    # worker pod, by its Celery hostname (fleet worker -n demo-lm@<pod name>)
+    readinessProbe: {exec: {command: [sh, -c, "fleet probe ready --worker demo-lm@$HOSTNAME"]}}
+    livenessProbe:  {exec: {command: [sh, -c, "fleet probe live --worker demo-lm@$HOSTNAME"]}}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import redis
+
+from protocol.errors import ConfigError
+from protocol.keys import WORKER_KEY_PREFIX
+from protocol.settings import FleetSettings, load_settings
+
+__all__ = ["format_status", "register"]
+
+PROBE_TIMEOUT_S = 2.0
+
+
+def _settings(args: argparse.Namespace) -> FleetSettings:
+    return load_settings(args.config)
+
+
+def _redis(settings: FleetSettings) -> redis.Redis[bytes]:
+    return redis.Redis.from_url(
+        settings.redis_url, socket_connect_timeout=PROBE_TIMEOUT_S, socket_timeout=PROBE_TIMEOUT_S
+    )
+
+
+# -- fleet api -------------------------------------------------------------------------------------
+def cmd_api(args: argparse.Namespace) -> int:
+    from producer.api import serve
+
+    settings = _settings(args)
+    serve(
+        settings,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=not args.no_access_log,
+    )
+    return 0
+
+
+# -- fleet status ----------------------------------------------------------------------------------
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return lines
+
+
+def format_status(doc: dict[str, Any]) -> str:
+    """The human table of ``fleet status`` from its JSON document (see :func:`status_document`)."""
+    workers = [
+        [
+            str(w.get("hostname")),
+            str(w.get("model")),
+            str(w.get("version")),
+            "yes" if w.get("ready") else "no",
+            f"{w.get('in_flight', 0)}/{w.get('concurrency', '?')}",
+            str(w.get("batches_run", 0)),
+            ",".join(p.removesuffix("ExecutionProvider") for p in w.get("providers") or []),
+            _age(w.get("heartbeat_age_s")),
+        ]
+        for w in doc["workers"]
+    ]
+    queues = [
+        [
+            q["model"],
+            q["queue"],
+            str(q["depth"]),
+            str(q["max_queue_depth"]),
+            str(q["in_flight"]),
+            f"{q['ready_workers']}/{q['workers']}",
+            _age(q["oldest_waiting_s"]),
+            f"{q['drain_rate_per_s']:.2f}",
+        ]
+        for q in doc["queues"]
+    ]
+    lines = ["WORKERS"]
+    lines += _table(
+        ["HOSTNAME", "MODEL", "VERSION", "READY", "IN-FLIGHT/C", "BATCHES", "PROVIDERS", "HEARTBEAT"], workers
+    )
+    if not workers:
+        lines.append("(no live worker)")
+    lines += ["", "QUEUES"]
+    lines += _table(
+        ["MODEL", "QUEUE", "DEPTH", "CAP", "IN-FLIGHT", "READY", "OLDEST WAITING", "DRAIN REQ/S"], queues
+    )
+    if doc["problems"]:
+        lines += ["", "NOT READY: " + "; ".join(doc["problems"])]
+    return "\n".join(lines)
+
+
+def status_document(settings: FleetSettings, client: redis.Redis[bytes]) -> dict[str, Any]:
+    """Workers and queues as one JSON-friendly document (what ``fleet status --json`` prints)."""
+    from producer.registry import read_fleet_state, readiness_problems
+
+    now_s = time.time()
+    state = read_fleet_state(settings, client, now_s)
+    workers = [
+        {**w, "heartbeat_age_s": round(now_s - float(w.get("heartbeat_unix_s") or now_s), 3)}
+        for w in state.workers
+    ]
+    queues = [
+        {
+            "model": m.name,
+            "queue": m.queue,
+            "depth": m.depth,
+            "max_queue_depth": m.max_queue_depth,
+            "in_flight": m.in_flight,
+            "ready_workers": m.ready_workers,
+            "workers": len(m.workers),
+            "oldest_waiting_s": None if m.oldest_waiting_s is None else round(m.oldest_waiting_s, 3),
+            "drain_rate_per_s": round(m.drain_rate_per_s, 3),
+        }
+        for m in state.models
+    ]
+    return {"workers": workers, "queues": queues, "problems": readiness_problems(state)}
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    client = _redis(settings)
+    try:
+        doc = status_document(settings, client)
+    finally:
+        client.close()
+    print(json.dumps(doc) if args.json else format_status(doc))
+    return 0
+
+
+# -- fleet probe -----------------------------------------------------------------------------------
+def probe(settings: FleetSettings, kind: str, *, worker: str | None, models: list[str] | None) -> list[str]:
+    """Problems that fail the probe ([] = pass).
+
+    ``live``: Redis answers (with ``worker``: that worker's heartbeat has not expired).
+    ``ready``: Redis answers and each of ``models`` (default: all configured) has a ready worker
+    (with ``worker``: that worker's heartbeat says ready).
+    """
+    from producer.registry import read_fleet_state, readiness_problems
+
+    client = _redis(settings)
+    try:
+        client.ping()
+        if worker is not None:
+            raw = client.get(WORKER_KEY_PREFIX + worker)
+            if raw is None:
+                return [f"worker {worker!r} has no live heartbeat"]
+            if kind == "ready" and not json.loads(raw).get("ready"):
+                return [f"worker {worker!r} is alive but not ready (loading or warming up)"]
+            return []
+        if kind == "live":
+            return []
+        keys = [settings.model_key(m) for m in models] if models else None
+        return readiness_problems(read_fleet_state(settings, client), keys)
+    except redis.RedisError as exc:
+        return [f"Redis unreachable: {exc}"]
+    finally:
+        client.close()
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    problems = probe(_settings(args), args.kind, worker=args.worker, models=args.model)
+    if problems:
+        print(f"fleet probe {args.kind}: FAIL: " + "; ".join(problems), file=sys.stderr)
+        return 1
+    print(f"fleet probe {args.kind}: ok")
+    return 0
+
+
+# -- fleet flower ----------------------------------------------------------------------------------
+def flower_command(
+    settings: FleetSettings, host: str | None, port: int | None
+) -> tuple[list[str], dict[str, str]]:
+    """The Flower command line and its environment (basic auth travels in env, not in ``ps``).
+
+    Raises:
+        ConfigError: ``flower.basic_auth`` is empty: Flower never runs without auth.
+    """
+    if not settings.flower.basic_auth:
+        raise ConfigError(
+            "Flower needs basic auth: set flower.basic_auth (FLEET_FLOWER__BASIC_AUTH='[\"user:password\"]')",
+            "flower.basic_auth",
+            "at least one user:password",
+        )
+    cmd = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-b",
+        settings.redis_url,
+        "flower",
+        f"--address={host or settings.flower.host}",
+        f"--port={port or settings.flower.port}",
+    ]
+    env = {**os.environ, "FLOWER_BASIC_AUTH": ",".join(settings.flower.basic_auth)}
+    return cmd, env
+
+
+def cmd_flower(args: argparse.Namespace) -> int:
+    cmd, env = flower_command(_settings(args), args.host, args.port)
+    os.execvpe(cmd[0], cmd, env)
+    return 0  # pragma: no cover - execvpe does not return
+
+
+# -- registration ----------------------------------------------------------------------------------
+def register(sub: Any) -> None:
+    """Add ``api``, ``status``, ``probe`` and ``flower`` to the ``fleet`` sub-parsers."""
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--config", default=None, help="YAML settings (default: $FLEET_CONFIG or configs/fleet.yaml)"
+        )
+
+    p = sub.add_parser("api", help="run the HTTP gateway (FastAPI + uvicorn)")
+    common(p)
+    p.add_argument("--host", default=None, help="bind address (default: settings api.host)")
+    p.add_argument("--port", type=int, default=None, help="port (default: settings api.port)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    p.set_defaults(func=cmd_api)
+
+    p = sub.add_parser("status", help="print workers and queues (depth, in-flight, ready, oldest waiting)")
+    common(p)
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("probe", help="Kubernetes probe: exit 0 when ready/alive, 1 when not")
+    common(p)
+    p.add_argument("kind", choices=["ready", "live"])
+    p.add_argument("--worker", default=None, help="check this worker's heartbeat (its Celery hostname)")
+    p.add_argument(
+        "--model", action="append", default=None, help="ready: only these models need a worker (repeatable)"
+    )
+    p.set_defaults(func=cmd_probe)
+
+    p = sub.add_parser("flower", help="run Flower on the fleet's Redis, with basic auth from settings")
+    common(p)
+    p.add_argument("--host", default=None, help="bind address (default: settings flower.host)")
+    p.add_argument("--port", type=int, default=None, help="port (default: settings flower.port)")
+    p.set_defaults(func=cmd_flower)

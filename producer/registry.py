@@ -1,0 +1,167 @@
+"""The fleet as Redis sees it: worker heartbeats, queues, readiness.
+
+Read by ``GET /v1/models``, ``/readyz``, ``fleet status`` and ``fleet probe``. Workers publish
+``fleet:worker:<hostname>`` (see :mod:`workers.health`; it expires after three heartbeat
+periods, so a dead worker drops out by itself). Queues are kombu's Redis lists: producers LPUSH,
+workers RPOP, so the oldest waiting message sits at the tail (index -1); its body carries the
+request's ``submitted_at_unix_s``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from producer.admission import Admission, queue_depth
+from protocol.keys import WORKER_KEY_PREFIX
+from protocol.settings import FleetSettings
+
+__all__ = [
+    "FleetState",
+    "ModelState",
+    "list_workers",
+    "message_submitted_at",
+    "oldest_waiting_age_s",
+    "read_fleet_state",
+    "readiness_problems",
+]
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """One configured model: its queue and the workers serving it."""
+
+    name: str
+    queue: str
+    depth: int
+    max_queue_depth: int
+    oldest_waiting_s: float | None
+    """Age of the oldest queued request (s); None when the queue is empty or the age is unknown."""
+    drain_rate_per_s: float
+    workers: list[dict[str, Any]]
+    configured_version: str | None
+
+    @property
+    def ready_workers(self) -> int:
+        """Workers whose heartbeat says ready."""
+        return sum(1 for w in self.workers if w.get("ready"))
+
+    @property
+    def in_flight(self) -> int:
+        """Requests held by this model's workers (dequeued, result not yet written)."""
+        return sum(int(w.get("in_flight") or 0) for w in self.workers)
+
+    @property
+    def versions(self) -> list[str]:
+        """Versions the ready workers serve."""
+        return sorted({str(w["version"]) for w in self.workers if w.get("ready") and w.get("version")})
+
+
+@dataclass(frozen=True)
+class FleetState:
+    """A snapshot of the whole fleet; ``redis_error`` is set (and the rest empty) when Redis is down."""
+
+    redis_error: str | None
+    models: list[ModelState] = field(default_factory=list)
+    workers: list[dict[str, Any]] = field(default_factory=list)
+
+
+def list_workers(client: redis.Redis[bytes]) -> list[dict[str, Any]]:
+    """Every live worker's latest heartbeat document, sorted by hostname."""
+    keys = sorted(client.scan_iter(match=WORKER_KEY_PREFIX + "*", count=500))
+    docs = []
+    for raw in client.mget(keys) if keys else []:
+        if raw:
+            try:
+                doc = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(doc, dict):
+                docs.append(doc)
+    return sorted(docs, key=lambda d: str(d.get("hostname")))
+
+
+def message_submitted_at(raw: bytes | str) -> float | None:
+    """``submitted_at_unix_s`` of the request inside one kombu message (None if absent or unreadable)."""
+    try:
+        envelope = json.loads(raw)
+        body: Any = envelope["body"]
+        if envelope.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        payload = json.loads(body)
+        args = payload[0] if isinstance(payload, list) else payload.get("args")
+        value = args[0].get("submitted_at_unix_s")
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+    return float(value) if isinstance(value, int | float) else None
+
+
+def oldest_waiting_age_s(client: redis.Redis[bytes], queue: str, now_s: float) -> float | None:
+    """Age (s) of the oldest request waiting in ``queue``; None if empty or not a fleet request."""
+    raw = client.lindex(queue, -1)
+    if raw is None:
+        return None
+    submitted = message_submitted_at(raw)
+    return None if submitted is None else max(0.0, now_s - submitted)
+
+
+def read_fleet_state(
+    settings: FleetSettings, client: redis.Redis[bytes], now_s: float | None = None
+) -> FleetState:
+    """Heartbeats and queue figures for every configured model (never raises on a Redis outage)."""
+    now_s = time.time() if now_s is None else now_s
+    try:
+        workers = list_workers(client)
+        admission = Admission(client, settings, clock=lambda: now_s)
+        models = []
+        for name, model in settings.models.items():
+            queue = settings.queue_for(name)
+            models.append(
+                ModelState(
+                    name=name,
+                    queue=queue,
+                    depth=queue_depth(client, queue),
+                    max_queue_depth=model.max_queue_depth,
+                    oldest_waiting_s=oldest_waiting_age_s(client, queue, now_s),
+                    drain_rate_per_s=admission.drain_rate_per_s(name),
+                    workers=[w for w in workers if w.get("model") == name],
+                    configured_version=model.version,
+                )
+            )
+    except redis.RedisError as exc:
+        return FleetState(redis_error=f"Redis at {_safe_url(settings.redis_url)} unreachable: {exc}")
+    return FleetState(redis_error=None, models=models, workers=workers)
+
+
+def readiness_problems(state: FleetState, models: list[str] | None = None) -> list[str]:
+    """Why the fleet is not ready to serve ``models`` (default: every configured model); [] = ready."""
+    if state.redis_error:
+        return [state.redis_error]
+    wanted = models if models is not None else [m.name for m in state.models]
+    by_name = {m.name: m for m in state.models}
+    problems = []
+    for name in wanted:
+        m = by_name.get(name)
+        if m is None:
+            problems.append(f"model {name!r} is not configured")
+        elif m.ready_workers == 0:
+            starting = len(m.workers)
+            problems.append(
+                f"model {name!r} has no ready worker ({starting} starting)"
+                if starting
+                else f"model {name!r} has no worker"
+            )
+    return problems
+
+
+def _safe_url(url: str) -> str:
+    """``url`` without a password."""
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest:
+        rest = "***@" + rest.split("@", 1)[1]
+    return f"{scheme}{sep}{rest}"

@@ -1,0 +1,226 @@
+"""Fixtures for the operations tests: real Redis, real worker and gateway processes, real HTTP.
+
+Import the fixtures you use into a test module (``from tests.integration.ops_fixtures import
+ops_fleet, ops_models, ops_redis``). Redis and the models live for one module; :class:`OpsFleet`
+(one per test) flushes Redis first and stops every process it started.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+import pytest
+import redis
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from protocol.settings import load_settings
+from tools.build_encoder import build_encoder
+from tools.build_lm import build_causal_lm
+from tools.processes import WorkerProcess
+from tools.redis_server import EmbeddedRedis, free_port
+
+__all__ = [
+    "API_KEY",
+    "GatewayProcess",
+    "OpsFleet",
+    "ops_fleet",
+    "ops_models",
+    "ops_redis",
+    "scrape",
+    "wait_until",
+]
+
+API_KEY = "test-key-1"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def wait_until(check: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.05) -> Any:
+    """Poll ``check()`` until it returns something truthy (returned); fail the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(poll_s)
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """One Prometheus scrape as ``{(sample name, sorted labels): value}``."""
+    text = httpx.get(url, timeout=5).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
+    return out
+
+
+@dataclass
+class ModelPaths:
+    lm: Path
+    encoder: Path
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+class GatewayProcess:
+    """``fleet api`` in a subprocess on a free port."""
+
+    def __init__(self, config: Path, log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log: IO[bytes] = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "producer.cli", "api", "--config", str(config), "--host", "127.0.0.1",
+               "--port", str(self.port), "--no-access-log", "--log-level", "warning"]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def wait_ready(self, timeout_s: float = 30) -> GatewayProcess:
+        def up() -> bool:
+            if self.proc.poll() is not None:
+                pytest.fail(f"gateway exited with {self.proc.returncode}: {self.log_path.read_text()[-3000:]}")
+            try:
+                return httpx.get(self.url + "/healthz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(up, timeout_s, f"gateway on {self.url}", poll_s=0.1)
+        return self
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+
+
+class OpsFleet:
+    """Config writer and process factory for one test; :meth:`close` stops everything it started."""
+
+    def __init__(self, tmp_path: Path, models: ModelPaths, server: EmbeddedRedis) -> None:
+        self.tmp_path = tmp_path
+        self.models = models
+        self.server = server
+        self.redis_url = server.url
+        self.redis = redis.Redis.from_url(server.url)
+        self.redis.flushall()
+        self.workers: list[WorkerProcess] = []
+        self.gateways: list[GatewayProcess] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self._n = 0
+
+    def config(self, **overrides: Any) -> Path:
+        """Write a YAML config (LM + encoder, API key auth on, + ``overrides``); returns its path."""
+        base = {
+            "redis_url": self.redis_url,
+            "result_ttl_s": 600,
+            "worker": {"model": "demo-lm", "concurrency": 8, "heartbeat_s": 0.5},
+            "models": {
+                "demo-lm": {"path": str(self.models.lm), "limits": {"max_input_tokens": 64},
+                            "engine": {"intra_op_threads": 1}},
+                "demo-encoder": {"path": str(self.models.encoder), "limits": {"max_input_tokens": 64},
+                                 "engine": {"intra_op_threads": 1}},
+            },
+            "api": {"api_keys": [API_KEY], "max_body_bytes": 4096, "max_batch_requests": 16},
+        }
+        self._n += 1
+        path = self.tmp_path / f"fleet-{self._n}.yaml"
+        path.write_text(yaml.safe_dump(_merge(base, overrides)))
+        return path
+
+    def worker(self, config: Path, model: str = "demo-lm", *, metrics_port: int = 0,
+               wait: bool = True) -> WorkerProcess:
+        """A real ``celery worker`` for ``model`` (metrics on ``metrics_port`` when set)."""
+        settings = load_settings(config)
+        self._n += 1
+        env = {"FLEET_CONFIG": str(config), "FLEET_WORKER__METRICS_PORT": str(metrics_port)}
+        proc = WorkerProcess(model=model, queue=settings.queue_for(model), redis_url=self.redis_url,
+                             concurrency=8, hostname=f"w{self._n}-{model}@ops", env=env,
+                             log_path=self.tmp_path / f"worker-{self._n}.log", cwd=ROOT)
+        self.workers.append(proc.start())
+        if wait:
+            proc.wait_ready(60)
+        return proc
+
+    def gateway(self, config: Path) -> GatewayProcess:
+        """A real ``fleet api`` process, answering /healthz."""
+        self._n += 1
+        gw = GatewayProcess(config, self.tmp_path / f"gateway-{self._n}.log")
+        self.gateways.append(gw)
+        return gw.wait_ready()
+
+    def spawn(self, cmd: list[str], env: dict[str, str] | None = None, name: str = "proc") -> subprocess.Popen[bytes]:
+        """Any other long-running process (Flower); terminated at close."""
+        self._n += 1
+        log = open(self.tmp_path / f"{name}-{self._n}.log", "ab")  # noqa: SIM115 - the child holds it
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})}, start_new_session=True)
+        log.close()
+        self.procs.append(proc)
+        return proc
+
+    def fleet_cli(self, config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        """Run ``fleet <args> --config <config>`` to completion."""
+        return subprocess.run([sys.executable, "-m", "producer.cli", *args, "--config", str(config)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60, check=False)
+
+    def close(self) -> None:
+        for gw in self.gateways:
+            gw.stop()
+        for w in self.workers:
+            w.stop(timeout_s=15)
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(5)
+        self.redis.close()
+
+
+@pytest.fixture(scope="module")
+def ops_models(tmp_path_factory: pytest.TempPathFactory) -> ModelPaths:
+    """The demo LM and encoder, built once per module."""
+    root = tmp_path_factory.mktemp("ops-models")
+    return ModelPaths(lm=build_causal_lm(root), encoder=build_encoder(root))
+
+
+@pytest.fixture(scope="module")
+def ops_redis() -> Iterator[EmbeddedRedis]:
+    """One redis-server per module (each test's :class:`OpsFleet` flushes it)."""
+    with EmbeddedRedis() as server:
+        yield server
+
+
+@pytest.fixture
+def ops_fleet(tmp_path: Path, ops_models: ModelPaths, ops_redis: EmbeddedRedis) -> Iterator[OpsFleet]:
+    """A fresh :class:`OpsFleet` on the module's Redis, flushed; everything stopped afterwards."""
+    fleet = OpsFleet(tmp_path, ops_models, ops_redis)
+    try:
+        yield fleet
+    finally:
+        fleet.close()

@@ -1,0 +1,216 @@
+"""The HTTP gateway over real HTTP: a real ``fleet api`` process, a real worker, real Redis.
+
+One gateway and one demo-lm worker serve the whole module; demo-encoder is configured but has no
+worker, so its requests stay queued (what cancel needs) and /v1/models shows it not ready.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, settings
+
+from tests.integration.ops_fixtures import (
+    API_KEY,
+    GatewayProcess,
+    OpsFleet,
+    ops_models,
+    ops_redis,
+    scrape,
+    wait_until,
+)
+from tools.processes import WorkerProcess
+from tools.redis_server import EmbeddedRedis, free_port
+
+__all__ = ["ops_models", "ops_redis"]
+
+AUTH = {"X-API-Key": API_KEY}
+
+
+@dataclass
+class Served:
+    fleet: OpsFleet
+    gateway: GatewayProcess
+    worker: WorkerProcess
+    worker_metrics: str
+    http: httpx.Client
+
+
+@pytest.fixture(scope="module")
+def served(
+    tmp_path_factory: pytest.TempPathFactory, ops_models: Any, ops_redis: EmbeddedRedis
+) -> Iterator[Served]:
+    fleet = OpsFleet(tmp_path_factory.mktemp("gateway"), ops_models, ops_redis)
+    try:
+        config = fleet.config()
+        port = free_port()
+        worker = fleet.worker(config, metrics_port=port)
+        gateway = fleet.gateway(config)
+        with httpx.Client(base_url=gateway.url, headers=AUTH, timeout=10) as http:
+            yield Served(fleet, gateway, worker, f"http://127.0.0.1:{port}/metrics", http)
+    finally:
+        fleet.close()
+
+
+def _poll_done(http: httpx.Client, rid: str, timeout_s: float = 30) -> dict[str, Any]:
+    def done() -> dict[str, Any] | None:
+        doc: dict[str, Any] = http.get(f"/v1/requests/{rid}").json()
+        return doc if doc["status"] not in ("queued", "running") else None
+
+    result: dict[str, Any] = wait_until(done, timeout_s, f"request {rid} to finish")
+    return result
+
+
+def test_submit_poll_result(served: Served) -> None:
+    http = served.http
+    resp = http.post("/v1/requests", json={"model": "demo-lm", "input_ids": [5, 6, 7], "output": {"top_k": 3}})
+    assert resp.status_code == 202, resp.text
+    rid = resp.json()["request_id"]
+    assert resp.headers["Location"] == f"/v1/requests/{rid}" == resp.json()["location"]
+    doc = _poll_done(http, rid)
+    assert doc["status"] == "succeeded" and doc["error"] is None
+    result = doc["result"]
+    assert result["request_id"] == rid and result["model"] == "demo-lm" and result["version"] == "1.0.0"
+    assert len(result["top_k"]) == 3 and result["input_tokens"] == 3
+    assert result["timings"]["worker"] == served.worker.hostname
+
+    by_text = http.post("/v1/requests", json={"model": "demo-lm", "text": "hi", "request_id": "text-1"})
+    assert by_text.status_code == 202 and by_text.json()["request_id"] == "text-1"
+    assert _poll_done(http, "text-1")["result"]["input_tokens"] == 2
+    again = http.post("/v1/requests", json={"model": "demo-lm", "text": "other", "request_id": "text-1"})
+    assert again.status_code == 202  # idempotent: the known ID is not queued twice
+    assert _poll_done(http, "text-1")["result"]["input_tokens"] == 2
+
+
+def test_batch_submit_is_all_or_nothing(served: Served) -> None:
+    http = served.http
+    items = [
+        {"model": "demo-lm", "input_ids": [1, 2, 3], "request_id": "b-1"},
+        {"model": "demo-lm", "text": "batch", "request_id": "b-2"},
+        {"model": "demo-lm", "input_ids": [9] * 10, "output": {"top_k": 1}, "request_id": "b-3"},
+    ]
+    bad = [*items[:1], {"model": "demo-lm", "input_ids": [1] * 65, "request_id": "bad-2"}]
+    refused = http.post("/v1/requests:batch", json={"requests": bad})
+    assert refused.status_code == 422
+    assert refused.json()["field"] == "requests[1].input_ids" and "max_input_tokens=64" in refused.json()["message"]
+    assert http.get("/v1/requests/b-1").status_code == 404  # nothing of the refused batch was queued
+
+    resp = http.post("/v1/requests:batch", json={"requests": items})
+    assert resp.status_code == 202, resp.text
+    ids = [r["request_id"] for r in resp.json()["requests"]]
+    assert ids == ["b-1", "b-2", "b-3"]
+    docs = [_poll_done(http, rid) for rid in ids]
+    assert [d["status"] for d in docs] == ["succeeded"] * 3
+    assert [d["result"]["input_tokens"] for d in docs] == [3, 5, 10]
+
+
+def test_cancel_a_queued_request(served: Served) -> None:
+    http = served.http
+    # demo-encoder has no worker: its request waits in the queue
+    rid = http.post("/v1/requests", json={"model": "demo-encoder", "input_ids": [4, 5]}).json()["request_id"]
+    assert http.get(f"/v1/requests/{rid}").json()["status"] == "queued"
+    resp = http.delete(f"/v1/requests/{rid}")
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["status"] == "cancelled" and resp.json()["error"]["type"] == "RequestCancelled"
+    assert http.get(f"/v1/requests/{rid}").json()["status"] == "cancelled"
+    assert http.delete(f"/v1/requests/{rid}").status_code == 200  # cancelling twice is harmless
+
+    done = http.post("/v1/requests", json={"model": "demo-lm", "input_ids": [7]}).json()["request_id"]
+    _poll_done(http, done)
+    conflict = http.delete(f"/v1/requests/{done}")
+    assert conflict.status_code == 409 and "succeeded" in conflict.json()["message"]
+    assert http.delete("/v1/requests/never-submitted").status_code == 404
+    assert http.get("/v1/requests/never-submitted").status_code == 404
+
+
+def test_models_lists_versions_and_readiness(served: Served) -> None:
+    resp = served.http.get("/v1/models")
+    assert resp.status_code == 200
+    models = {m["name"]: m for m in resp.json()["models"]}
+    assert models["demo-lm"]["ready"] is True and models["demo-lm"]["served_versions"] == ["1.0.0"]
+    assert models["demo-lm"]["ready_workers"] == 1 and models["demo-lm"]["queue"] == "fleet.demo-lm"
+    assert models["demo-encoder"]["ready"] is False and models["demo-encoder"]["ready_workers"] == 0
+    assert models["demo-lm"]["max_input_tokens"] == 64
+
+
+def test_api_keys_are_required_on_v1(served: Served) -> None:
+    url = served.gateway.url
+    body = {"model": "demo-lm", "input_ids": [1]}
+    for headers in ({}, {"X-API-Key": "wrong"}, {"X-API-Key": ""}):
+        for method, path in (("POST", "/v1/requests"), ("GET", "/v1/models"), ("GET", "/v1/requests/x"),
+                             ("DELETE", "/v1/requests/x"), ("POST", "/v1/requests:batch")):
+            resp = httpx.request(method, url + path, headers=headers, json=body if method == "POST" else None)
+            assert resp.status_code == 401, (method, path, headers, resp.text)
+            assert "X-API-Key" in resp.json()["message"]
+    for path in ("/healthz", "/readyz", "/metrics", "/docs", "/openapi.json"):
+        assert httpx.get(url + path).status_code in (200, 503), path
+
+
+def test_limits_are_named(served: Served) -> None:
+    http = served.http
+    big = http.post("/v1/requests", json={"model": "demo-lm", "input_ids": [1] * 3000})
+    assert big.status_code == 413 and "api.max_body_bytes=4096" in big.json()["message"]
+    long = http.post("/v1/requests", json={"model": "demo-lm", "input_ids": [1] * 65})
+    assert long.status_code == 422
+    assert long.json()["type"] == "InputTooLong" and "max_input_tokens=64" in long.json()["message"]
+    many = http.post("/v1/requests:batch", json={"requests": [{"model": "demo-lm", "input_ids": [1]}] * 17})
+    assert many.status_code == 413 and "api.max_batch_requests=16" in many.json()["message"]
+    vocab = http.post("/v1/requests", json={"model": "demo-lm", "input_ids": [1, 10**9]})
+    assert vocab.status_code == 422 and vocab.json()["field"] == "input_ids[1]"
+    unknown = http.post("/v1/requests", json={"model": "nope", "input_ids": [1]})
+    assert unknown.status_code == 422 and unknown.json()["type"] == "UnknownModel"
+    top_k = http.post("/v1/requests", json={"model": "demo-lm", "input_ids": [1], "output": {"top_k": 999}})
+    assert top_k.status_code == 422 and "max_top_k=64" in top_k.json()["message"]
+    shape = http.post("/v1/requests", json={"model": "demo-lm", "input_ids": "abc"})
+    assert shape.status_code == 422 and shape.json()["field"] == "input_ids"
+
+
+def test_gateway_and_worker_metrics(served: Served) -> None:
+    http = served.http
+    rid = http.post("/v1/requests", json={"model": "demo-lm", "input_ids": [3, 4, 5, 6]}).json()["request_id"]
+    _poll_done(http, rid)
+    gw = scrape(served.gateway.url + "/metrics")
+    key = ("fleet_gateway_requests_total", (("method", "POST"), ("route", "/v1/requests"), ("status", "202")))
+    assert gw[key] >= 1
+    poll = ("fleet_gateway_requests_total",
+            (("method", "GET"), ("route", "/v1/requests/{request_id}"), ("status", "200")))
+    assert gw[poll] >= 1
+    assert gw[("fleet_ready_workers", (("model", "demo-lm"),))] == 1
+    assert ("fleet_queue_depth", (("model", "demo-encoder"),)) in gw
+
+    def worker_counted() -> dict[Any, float] | None:
+        w = scrape(served.worker_metrics)
+        return w if w[("fleet_worker_requests_total", (("model", "demo-lm"), ("outcome", "succeeded")))] else None
+
+    w = wait_until(worker_counted, 10, "the worker's success counter")
+    m = (("model", "demo-lm"),)
+    assert w[("fleet_worker_batch_size_count", m)] >= 1
+    assert w[("fleet_worker_queue_wait_seconds_count", m)] >= 1
+    assert w[("fleet_worker_padding_efficiency_count", m)] >= 1
+    assert w[("fleet_worker_inference_seconds_count", m)] >= 1
+    assert w[("fleet_worker_tokens_total", (("kind", "real"), ("model", "demo-lm")))] >= 4
+    assert w[("fleet_worker_ready", m)] == 1
+
+
+# -- property-based fuzzing of the OpenAPI document ------------------------------------------------
+schemathesis = pytest.importorskip("schemathesis")
+
+
+@pytest.fixture(scope="module")
+def api_schema(served: Served) -> Any:
+    return schemathesis.openapi.from_url(served.gateway.url + "/openapi.json")
+
+
+fuzzed = schemathesis.pytest.from_fixture("api_schema")
+
+
+@fuzzed.parametrize()
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+def test_openapi_fuzz_never_5xx(case: Any, served: Served) -> None:
+    response = case.call(headers=AUTH)
+    assert response.status_code < 500, (case.method, case.path, response.status_code, response.text)
+    assert served.worker.proc is not None and served.worker.proc.poll() is None, "the worker crashed"

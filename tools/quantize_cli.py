@@ -1,0 +1,138 @@
+"""CLI glue for ``fleet quantize`` (see :mod:`tools.quantize`); ``register(subparsers)`` adds it.
+
+Prints the JSON report on stdout. Exit codes: 0 written; 1 refused by the accuracy gate (the
+message on stderr gives the measured figures, nothing is written); 2 bad arguments or files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["register", "run_quantize"]
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``quantize`` sub-command to an ``argparse`` sub-parsers object."""
+    from tools.quantize import QuantizeConfig
+
+    d = QuantizeConfig()
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "quantize",
+        help="write an INT8 copy of a model (dynamic or static QDQ) with an accuracy report and gate",
+        description="Quantize MODEL.onnx to INT8 next to it (e.g. demo-lm-1.0.0-int8.onnx + card + "
+        ".report.json). The gate refuses to write a model below --min-top1-agreement or above --max-kl.",
+    )
+    p.add_argument("model", type=Path, help="FP32 .onnx file with its model card (.json) next to it")
+    p.add_argument(
+        "--mode",
+        choices=["dynamic", "static"],
+        default=d.mode,
+        help="dynamic INT8 (no data; CPU default) or static QDQ INT8 with calibration",
+    )
+    p.add_argument(
+        "--symmetric",
+        action="store_true",
+        help="static only: signed symmetric activations/weights, for TensorRT's INT8 path",
+    )
+    p.add_argument("--per-channel", action="store_true", help="per-channel weight scales")
+    p.add_argument(
+        "--calibration",
+        type=Path,
+        default=None,
+        help='static: JSONL of token sequences (a list of ids, or {"input_ids": [...]}, per line); '
+        f"default: {d.calibration_count} seeded synthetic prompts",
+    )
+    p.add_argument(
+        "--calibration-count",
+        type=int,
+        default=d.calibration_count,
+        help="synthetic calibration prompts when no --calibration file is given",
+    )
+    p.add_argument(
+        "--op-types",
+        default=None,
+        help="comma-separated op types to quantize (default: ORT's for dynamic, MatMul,Gather for static)",
+    )
+    p.add_argument(
+        "--eval",
+        dest="eval_path",
+        type=Path,
+        default=None,
+        help=f"held-out JSONL prompts for the report; default: {d.eval_count} seeded synthetic ones",
+    )
+    p.add_argument("--eval-count", type=int, default=d.eval_count)
+    p.add_argument(
+        "--min-tokens", type=int, default=d.min_tokens, help="synthetic prompt length range (tokens)"
+    )
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--min-top1-agreement",
+        type=float,
+        default=d.min_top1_agreement,
+        help=f"gate: least top-1 next-token agreement with FP32, 0..1 (default {d.min_top1_agreement})",
+    )
+    p.add_argument(
+        "--max-kl",
+        type=float,
+        default=d.max_kl,
+        help=f"gate: largest mean KL(P_fp32 || P_int8) in nats (default {d.max_kl})",
+    )
+    p.add_argument(
+        "--version", default=None, help="version of the new file (default: <version>-int8[-static][-sym])"
+    )
+    p.add_argument("--latency-rounds", type=int, default=d.latency_rounds)
+    p.add_argument(
+        "--threads", type=int, default=d.intra_op_threads, help="ORT intra-op threads (0 = all cores)"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing quantized file")
+    p.add_argument("--quiet", action="store_true", help="no progress output on stderr")
+    p.set_defaults(func=run_quantize)
+
+
+def run_quantize(args: argparse.Namespace) -> int:
+    """Run ``fleet quantize``; returns the exit status (0 written, 1 refused, 2 bad input)."""
+    from protocol.errors import ModelLoadError
+    from tools.quantize import QuantizationRefused, QuantizeConfig, quantize_model
+
+    cfg = QuantizeConfig(
+        mode=args.mode,
+        symmetric=args.symmetric,
+        per_channel=args.per_channel,
+        calibration_path=args.calibration,
+        calibration_count=args.calibration_count,
+        op_types=tuple(t for t in args.op_types.split(",") if t) if args.op_types else None,
+        eval_path=args.eval_path,
+        eval_count=args.eval_count,
+        min_tokens=args.min_tokens,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        min_top1_agreement=args.min_top1_agreement,
+        max_kl=args.max_kl,
+        version=args.version,
+        latency_rounds=args.latency_rounds,
+        intra_op_threads=args.threads,
+        overwrite=args.overwrite,
+    )
+    try:
+        outcome = quantize_model(args.model, cfg, progress=not args.quiet)
+    except QuantizationRefused as exc:
+        print(json.dumps(exc.report))
+        print(f"fleet quantize: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, FileExistsError, FileNotFoundError, ModelLoadError) as exc:
+        print(f"fleet quantize: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(outcome.report))
+    rep = outcome.report
+    print(
+        f"fleet quantize: wrote {outcome.path} ({rep['sizes']['ratio']:.0%} of FP32 size, top-1 agreement "
+        f"{rep['accuracy']['top1_agreement']:.3f}, mean KL {rep['accuracy']['mean_kl']:.4f}, "
+        f"{rep['latency']['speedup']:.2f}x FP32 speed)",
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,206 @@
+"""Worker metrics: Prometheus series and the queue drain meter, fed by hooks only.
+
+Nothing here runs inside the scheduler loop. Batches arrive through
+:meth:`workers.scheduler.Scheduler.add_observer`; requests through Celery's signals
+(``task_prerun``, ``task_success``, ``task_failure``, ``task_revoked``).
+
+Series (label ``model`` on each; times in seconds, as Prometheus expects):
+
+==========================================  ==========  ==================================================
+``fleet_worker_requests_total``             counter     requests finished, by ``outcome``: succeeded,
+                                                        invalid, expired, cancelled, failed
+``fleet_worker_queue_wait_seconds``         histogram   producer submit → batch start
+``fleet_worker_batches_total``              counter     batches run, by policy ``reason``
+``fleet_worker_batch_size``                 histogram   sequences per batch
+``fleet_worker_padding_efficiency``         histogram   real tokens / padded tokens, per batch (0–1]
+``fleet_worker_tokens_total``               counter     tokens computed, ``kind`` = real | padded
+``fleet_worker_inference_seconds``          histogram   engine time per batch
+``fleet_worker_tokens_per_second``          histogram   real tokens / engine time, per batch
+``fleet_worker_in_flight``                  gauge       requests held (tokens of C in use)
+``fleet_worker_ready``                      gauge       1 once the worker consumes
+==========================================  ==========  ==================================================
+
+``rate(fleet_worker_tokens_total{kind="real"}[1m])`` is the worker's served tokens/s. The endpoint
+(``worker.metrics_port``; 0 = off) is plain HTTP without auth, like most exporters: keep it on a
+private network. The drain meter counts requests taken off the queue per wall-clock second
+(``fleet:drain:<model>:<second>`` in Redis), from which admission control estimates Retry-After.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import redis
+from celery import signals
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from protocol.errors import InvalidRequest, RequestCancelled, RequestExpired
+from protocol.keys import DRAIN_KEY
+from protocol.messages import TASK_NAME
+from workers.runtime import WorkerRuntime
+from workers.scheduler import BatchStats
+
+__all__ = ["WorkerMetrics", "install_metrics", "outcome_of"]
+
+log = logging.getLogger("fleet.metrics")
+
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+RATE_BUCKETS = (100, 300, 1_000, 3_000, 10_000, 30_000, 100_000, 300_000, 1_000_000)
+
+
+def outcome_of(exc: BaseException | None) -> str:
+    """The ``outcome`` label of a finished request: succeeded, invalid, expired, cancelled or failed."""
+    if exc is None:
+        return "succeeded"
+    if isinstance(exc, RequestExpired):
+        return "expired"
+    if isinstance(exc, RequestCancelled):
+        return "cancelled"
+    if isinstance(exc, InvalidRequest):
+        return "invalid"
+    return "failed"
+
+
+class WorkerMetrics:
+    """The series of one worker process, registered in ``registry``."""
+
+    def __init__(self, runtime: WorkerRuntime, registry: CollectorRegistry) -> None:
+        self.runtime = runtime
+        self.model = runtime.model_key
+        m = ["model"]
+        self.requests = Counter(
+            "fleet_worker_requests", "Requests finished, by outcome.", [*m, "outcome"], registry=registry
+        )
+        self.queue_wait = Histogram(
+            "fleet_worker_queue_wait_seconds",
+            "Producer submit to batch start (s).",
+            m,
+            buckets=TIME_BUCKETS,
+            registry=registry,
+        )
+        self.batches = Counter("fleet_worker_batches", "Batches run.", [*m, "reason"], registry=registry)
+        self.batch_size = Histogram(
+            "fleet_worker_batch_size", "Sequences per batch.", m, buckets=SIZE_BUCKETS, registry=registry
+        )
+        self.padding = Histogram(
+            "fleet_worker_padding_efficiency",
+            "Real tokens / padded tokens per batch.",
+            m,
+            buckets=RATIO_BUCKETS,
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "fleet_worker_tokens", "Tokens computed (real or padded).", [*m, "kind"], registry=registry
+        )
+        self.inference = Histogram(
+            "fleet_worker_inference_seconds",
+            "Engine time per batch (s).",
+            m,
+            buckets=TIME_BUCKETS,
+            registry=registry,
+        )
+        self.tokens_per_s = Histogram(
+            "fleet_worker_tokens_per_second",
+            "Real tokens / engine time per batch.",
+            m,
+            buckets=RATE_BUCKETS,
+            registry=registry,
+        )
+        Gauge("fleet_worker_in_flight", "Requests held.", m, registry=registry).labels(
+            self.model
+        ).set_function(lambda: float(runtime.in_flight))
+        Gauge("fleet_worker_ready", "1 once the worker consumes.", m, registry=registry).labels(
+            self.model
+        ).set_function(lambda: 1.0 if runtime.ready else 0.0)
+        for outcome in ("succeeded", "invalid", "expired", "cancelled", "failed"):
+            self.requests.labels(self.model, outcome)  # export zeros, so rate() sees the series start
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def on_batch(self, stats: BatchStats) -> None:
+        """Scheduler observer: one batch ran."""
+        self.batches.labels(self.model, stats.reason).inc()
+        self.batch_size.labels(self.model).observe(stats.size)
+        self.tokens.labels(self.model, "real").inc(stats.real_tokens)
+        self.tokens.labels(self.model, "padded").inc(stats.padded_tokens)
+        if stats.padded_tokens > 0:
+            self.padding.labels(self.model).observe(stats.real_tokens / stats.padded_tokens)
+        seconds = stats.inference_ms / 1000
+        self.inference.labels(self.model).observe(seconds)
+        if seconds > 0:
+            self.tokens_per_s.labels(self.model).observe(stats.real_tokens / seconds)
+
+    def on_dequeued(self) -> None:
+        """A request left the queue for this worker: count it for the drain meter."""
+        key = DRAIN_KEY.format(model=self.model, second=int(time.time()))
+        window_s = self.runtime.settings.admission.drain_window_s
+        try:
+            with self.runtime.redis.pipeline(transaction=False) as pipe:
+                pipe.incr(key)
+                pipe.expire(key, int(window_s) + 5)
+                pipe.execute()
+        except redis.RedisError as exc:  # metrics never fail a request
+            log.warning("drain meter update failed: %s", exc)
+
+    def on_finished(self, result: Any, exc: BaseException | None) -> None:
+        """A request finished (``exc`` None = success with ``result``, the task's JSON value)."""
+        self.requests.labels(self.model, outcome_of(exc)).inc()
+        if exc is None and isinstance(result, dict):
+            wait_ms = (result.get("timings") or {}).get("queue_wait_ms")
+            if isinstance(wait_ms, int | float):
+                self.queue_wait.labels(self.model).observe(wait_ms / 1000)
+
+
+_installed: WorkerMetrics | None = None
+
+
+def install_metrics(runtime: WorkerRuntime, registry: CollectorRegistry | None = None) -> WorkerMetrics:
+    """Wire metrics into this worker process (once): scheduler observer, Celery signals, HTTP port.
+
+    Raises:
+        OSError: ``worker.metrics_port`` is set and cannot be bound.
+    """
+    global _installed
+    if _installed is not None:
+        return _installed
+    from prometheus_client import REGISTRY
+
+    metrics = WorkerMetrics(runtime, registry or REGISTRY)
+    runtime.scheduler.add_observer(metrics.on_batch)
+    _connect_signals(metrics)
+    port = runtime.settings.worker.metrics_port
+    if port:
+        start_http_server(port, registry=registry or REGISTRY)
+        log.info("Prometheus metrics on :%d/metrics (plain HTTP, no auth)", port)
+    _installed = metrics
+    return metrics
+
+
+def _connect_signals(metrics: WorkerMetrics) -> None:
+    def ours(sender: Any) -> bool:
+        return getattr(sender, "name", None) == TASK_NAME
+
+    def prerun(sender: Any = None, **_: Any) -> None:
+        if ours(sender):
+            metrics.on_dequeued()
+
+    def success(sender: Any = None, result: Any = None, **_: Any) -> None:
+        if ours(sender):
+            metrics.on_finished(result, None)
+
+    def failure(sender: Any = None, exception: BaseException | None = None, **_: Any) -> None:
+        if ours(sender):
+            metrics.on_finished(None, exception or Exception("unknown failure"))
+
+    def revoked(sender: Any = None, **_: Any) -> None:
+        if ours(sender):
+            metrics.on_finished(None, RequestCancelled("revoked", "request_id", None))
+
+    # weak=False: the closures live only here; Celery would otherwise drop them at once
+    signals.task_prerun.connect(prerun, weak=False)
+    signals.task_success.connect(success, weak=False)
+    signals.task_failure.connect(failure, weak=False)
+    signals.task_revoked.connect(revoked, weak=False)
