@@ -30,8 +30,15 @@ def _inference_ms_per_request(records: Sequence[RequestRecord]) -> float:
 
 
 def _cost_run(
-    client: Any, fleet: RunningFleet, redis_pid: int, redis_url: str, model: str, prompts: Sequence[Sequence[int]],
-    *, clients: int, duration_s: float,
+    client: Any,
+    fleet: RunningFleet,
+    redis_pid: int,
+    redis_url: str,
+    model: str,
+    prompts: Sequence[Sequence[int]],
+    *,
+    clients: int,
+    duration_s: float,
 ) -> dict[str, Any]:
     """One closed loop with CPU meters and Redis command counters around it."""
     meter = CpuMeter({"producer": os.getpid(), "redis": redis_pid, "worker": fleet.pid})
@@ -43,7 +50,9 @@ def _cost_run(
     n = max(1, summary.requests)
     infer_ms = _inference_ms_per_request(run.records)
     per_process = {name: 1000 * s / n for name, s in cpu_s.items()}
-    calls = {k: (v - calls_before.get(k, 0)) / n for k, v in calls_after.items() if v - calls_before.get(k, 0) > 0}
+    calls = {
+        k: (v - calls_before.get(k, 0)) / n for k, v in calls_after.items() if v - calls_before.get(k, 0) > 0
+    }
     calls.pop("info", None)  # our own INFO probe
     return {
         "clients": clients,
@@ -57,7 +66,13 @@ def _cost_run(
 
 
 def _profile(
-    client: Any, fleet: RunningFleet, model: str, prompts: Sequence[Sequence[int]], *, clients: int, duration_s: float
+    client: Any,
+    fleet: RunningFleet,
+    model: str,
+    prompts: Sequence[Sequence[int]],
+    *,
+    clients: int,
+    duration_s: float,
 ) -> dict[str, Any]:
     """Sample the worker and this producer with py-spy during a closed loop."""
     if py_spy_path() is None:
@@ -73,7 +88,9 @@ def _profile(
         for name, spy in spies.items():
             spy.wait(60)
             if not files[name].exists():
-                out[name] = {"status": f"py-spy wrote nothing (exit {spy.returncode}; needs ptrace permission)"}
+                out[name] = {
+                    "status": f"py-spy wrote nothing (exit {spy.returncode}; needs ptrace permission)"
+                }
                 continue
             stacks = parse_raw(files[name].read_text())
             total, shares = fold_components(stacks)
@@ -105,8 +122,12 @@ def measure_dispatch(
     ``fleet worker`` default); ``profile_s`` > 0 adds a py-spy profile of that many seconds.
     """
     log = say or (lambda msg: print(msg, file=sys.stderr))
-    out: dict[str, Any] = {"model": config.model_name, "max_batch_size": config.max_batch_size,
-                           "concurrency": config.concurrency, "celery_loglevel": config.celery_loglevel}
+    out: dict[str, Any] = {
+        "model": config.model_name,
+        "max_batch_size": config.max_batch_size,
+        "concurrency": config.concurrency,
+        "celery_loglevel": config.celery_loglevel,
+    }
     fleet = RunningFleet(config, redis_url, work_dir)
     client = fleet.start()
     try:
@@ -114,24 +135,46 @@ def measure_dispatch(
         lone = closed_loop(client, config.model_name, prompts, clients=1, max_requests=lone_requests)
         out["lone"] = summarize_run(lone.records).as_dict()
         log(f"dispatch: lone round trip p50 {out['lone']['latency']['p50_ms']:.2f} ms")
-        out["loop"] = _cost_run(client, fleet, redis_pid, redis_url, config.model_name, prompts,
-                                clients=clients, duration_s=duration_s)
-        log(f"dispatch: {out['loop']['summary']['qps']:.0f} req/s, "
-            f"{out['loop']['cpu_ms_outside_inference']:.2f} CPU-ms/request outside inference")
+        out["loop"] = _cost_run(
+            client,
+            fleet,
+            redis_pid,
+            redis_url,
+            config.model_name,
+            prompts,
+            clients=clients,
+            duration_s=duration_s,
+        )
+        log(
+            f"dispatch: {out['loop']['summary']['qps']:.0f} req/s, "
+            f"{out['loop']['cpu_ms_outside_inference']:.2f} CPU-ms/request outside inference"
+        )
         if profile_s > 0:
-            out["profile"] = _profile(client, fleet, config.model_name, prompts, clients=clients, duration_s=profile_s)
+            out["profile"] = _profile(
+                client, fleet, config.model_name, prompts, clients=clients, duration_s=profile_s
+            )
     finally:
         fleet.stop()
     if ablation_loglevel:
-        ablated = replace(config, label=f"{config.label}-{ablation_loglevel.lower()}", celery_loglevel=ablation_loglevel)
+        ablated = replace(
+            config, label=f"{config.label}-{ablation_loglevel.lower()}", celery_loglevel=ablation_loglevel
+        )
         fleet = RunningFleet(ablated, redis_url, work_dir)
         client = fleet.start()
         try:
             closed_loop(client, config.model_name, prompts, clients=clients, max_requests=4 * clients)
             out["ablation"] = {
                 "celery_loglevel": ablation_loglevel,
-                "loop": _cost_run(client, fleet, redis_pid, redis_url, config.model_name, prompts,
-                                  clients=clients, duration_s=duration_s),
+                "loop": _cost_run(
+                    client,
+                    fleet,
+                    redis_pid,
+                    redis_url,
+                    config.model_name,
+                    prompts,
+                    clients=clients,
+                    duration_s=duration_s,
+                ),
             }
         finally:
             fleet.stop()

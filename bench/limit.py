@@ -84,9 +84,7 @@ def bare_throughput(
     return LimitPoint(batch_size, rows / elapsed, 1000 * elapsed / runs, runs)
 
 
-def bare_latency_ms(
-    sess: ort.InferenceSession, card: ModelCard, prompts: Sequence[Sequence[int]]
-) -> float:
+def bare_latency_ms(sess: ort.InferenceSession, card: ModelCard, prompts: Sequence[Sequence[int]]) -> float:
     """Median ms of one ``session.run`` of one prompt (batch 1), over ``prompts`` in order."""
     names = [i.name for i in sess.get_inputs()]
     feeds = [feeds_for(names, card, [p]) for p in prompts]
@@ -98,4 +96,3 @@ def bare_latency_ms(
         times.append(1000 * (time.perf_counter() - start))
         del out
     return float(statistics.median(times))
-

@@ -37,7 +37,9 @@ def _probe(python: Path) -> str | None:
     """Celery version of the environment, or None when it lacks a requirement."""
     if not python.exists():
         return None
-    done = subprocess.run([str(python), "-c", _PROBE], capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [str(python), "-c", _PROBE], capture_output=True, text=True, timeout=120, check=False
+    )
     return done.stdout.strip() if done.returncode == 0 else None
 
 
@@ -52,7 +54,10 @@ def ensure_peer_venv(venv: Path, *, progress: bool = True, timeout_s: float = 90
     if version:
         return python, version
     if progress:
-        print(f"[bench] creating the peer's environment {venv} ({', '.join(PEER_REQUIREMENTS)})", file=sys.stderr)
+        print(
+            f"[bench] creating the peer's environment {venv} ({', '.join(PEER_REQUIREMENTS)})",
+            file=sys.stderr,
+        )
     base = getattr(sys, "_base_executable", sys.executable)
     steps = [
         [base, "-m", "venv", "--clear", str(venv)],
@@ -90,10 +95,27 @@ class PeerWorker:
         self.hostname = f"peer-{os.getpid()}-{time.monotonic_ns() % 100000}@localhost"
         self.redis_url = redis_url
         self.cmd = [
-            str(python), "-m", "celery", "-A", "peer_celery_batches", "worker", "-P", "threads", "-c", "1",
-            "--prefetch-multiplier", "64", "-Q", queue, "-n", self.hostname, "--loglevel", "WARNING",
-            "--without-gossip", "--without-mingle",
-        ]  # fmt: skip
+            str(python),
+            "-m",
+            "celery",
+            "-A",
+            "peer_celery_batches",
+            "worker",
+            "-P",
+            "threads",
+            "-c",
+            "1",
+            "--prefetch-multiplier",
+            "64",
+            "-Q",
+            queue,
+            "-n",
+            self.hostname,
+            "--loglevel",
+            "WARNING",
+            "--without-gossip",
+            "--without-mingle",
+        ]
         # A clean environment: nothing of this project's virtualenv may leak into the peer's.
         keep = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "OMP_NUM_THREADS")
         self.env = {k: os.environ[k] for k in keep if k in os.environ}
@@ -125,7 +147,12 @@ class PeerWorker:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            self.cmd, cwd=self.cwd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+            self.cmd,
+            cwd=self.cwd,
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         client = redis.Redis.from_url(self.redis_url)
         deadline = time.monotonic() + timeout_s

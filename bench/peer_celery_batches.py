@@ -92,7 +92,9 @@ def _run(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray, int]:
     return logprobs, np.argsort(-logprobs, axis=-1, kind="stable"), int(ids.size)
 
 
-@app.task(base=Batches, name="fleet.infer", flush_every=FLUSH_EVERY, flush_interval=FLUSH_INTERVAL_S, acks_late=True)
+@app.task(  # type: ignore[untyped-decorator]
+    base=Batches, name="fleet.infer", flush_every=FLUSH_EVERY, flush_interval=FLUSH_INTERVAL_S, acks_late=True
+)
 def infer(requests: list[Any]) -> None:
     """One buffered batch of fleet requests: compute, then store each request's result."""
     started_unix = time.time()
@@ -127,14 +129,14 @@ def infer(requests: list[Any]) -> None:
         app.backend.mark_as_done(req.id, result, request=req)
 
 
-@signals.worker_init.connect
+@signals.worker_init.connect  # type: ignore[untyped-decorator]
 def _warm_up(**_: Any) -> None:
     """Load the model and run the extreme shapes once before consuming (as the fleet's worker does)."""
     _run([[3]])
     _run([[3] * MAX_TOKENS for _ in range(FLUSH_EVERY)])
 
 
-@signals.worker_ready.connect
+@signals.worker_ready.connect  # type: ignore[untyped-decorator]
 def _announce(sender: Any = None, **_: Any) -> None:
     client = redis.Redis.from_url(REDIS_URL)
     try:

@@ -165,4 +165,3 @@ def flush_redis(url: str) -> None:
         client.flushdb()
     finally:
         client.close()
-

@@ -77,7 +77,9 @@ def fold_components(
     return total, {label: (hits[label] / total if total else 0.0) for label, _ in components}
 
 
-def top_functions(stacks: Iterable[tuple[list[tuple[str, str]], int]], n: int = 10) -> list[tuple[str, float]]:
+def top_functions(
+    stacks: Iterable[tuple[list[tuple[str, str]], int]], n: int = 10
+) -> list[tuple[str, float]]:
     """The ``n`` leaf functions with the most samples: ``[("func (file)", share), …]``."""
     leaves: Counter[str] = Counter()
     total = 0
@@ -104,7 +106,18 @@ def record(pid: int, duration_s: float, out_file: Path, rate_hz: int = 200) -> s
     if exe is None:
         raise FileNotFoundError("py-spy is not installed (pip install py-spy)")
     cmd = [
-        exe, "record", "--pid", str(pid), "--duration", str(max(1, round(duration_s))), "--rate", str(rate_hz),
-        "--format", "raw", "--output", str(out_file), "--nonblocking",
-    ]  # fmt: skip
+        exe,
+        "record",
+        "--pid",
+        str(pid),
+        "--duration",
+        str(max(1, round(duration_s))),
+        "--rate",
+        str(rate_hz),
+        "--format",
+        "raw",
+        "--output",
+        str(out_file),
+        "--nonblocking",
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -58,9 +58,13 @@ def _models(plan: Plan, work_dir: Path, say: Say) -> dict[str, Any]:
     if plan.int8_variants:
         variants += [
             ("static", QuantizeConfig(mode="static", calibration_count=32, eval_count=32, overwrite=True)),
-            ("static-sym", QuantizeConfig(mode="static", symmetric=True, calibration_count=32, eval_count=32,
-                                          overwrite=True)),
-        ]  # fmt: skip
+            (
+                "static-sym",
+                QuantizeConfig(
+                    mode="static", symmetric=True, calibration_count=32, eval_count=32, overwrite=True
+                ),
+            ),
+        ]
     for name, cfg in variants:
         say(f"quantizing {fp32.name} ({name} INT8)")
         try:
@@ -84,11 +88,14 @@ def _limits(paths: dict[str, str], prompts: Prompts, plan: Plan, say: Say) -> di
         sess = bare_session(path)
         out[variant] = {}
         for wl, seqs in prompts.items():
-            points = [bare_throughput(sess, card, seqs, b, duration_s=plan.limit_duration_s).__dict__
-                      for b in plan.limit_batch_sizes]  # fmt: skip
+            points = [
+                bare_throughput(sess, card, seqs, b, duration_s=plan.limit_duration_s).__dict__
+                for b in plan.limit_batch_sizes
+            ]
             best = max(points, key=lambda p: float(p["qps"]))
             entry: dict[str, Any] = {
-                "points": points, "best": best,
+                "points": points,
+                "best": best,
                 "bare_lone_ms": bare_latency_ms(sess, card, seqs[: plan.lone_requests[wl]]),
             }
             if plan.ablations:
@@ -98,51 +105,85 @@ def _limits(paths: dict[str, str], prompts: Prompts, plan: Plan, say: Say) -> di
                 ).__dict__
                 del spin
             out[variant][wl] = entry
-            say(f"limit {variant}/{wl}: best {best['qps']:.1f} req/s at batch {best['batch_size']}, "
-                f"lone {entry['bare_lone_ms']:.1f} ms")
+            say(
+                f"limit {variant}/{wl}: best {best['qps']:.1f} req/s at batch {best['batch_size']}, "
+                f"lone {entry['bare_lone_ms']:.1f} ms"
+            )
         del sess
     return out
 
 
-def _measure(client: FleetClient, model: str, prompts: Prompts, plan: Plan, say: Say, label: str) -> dict[str, Any]:
+def _measure(
+    client: FleetClient, model: str, prompts: Prompts, plan: Plan, say: Say, label: str
+) -> dict[str, Any]:
     """Lone requests, closed-loop saturation and the open-loop sweep, for each workload."""
     out: dict[str, Any] = {}
     for wl, seqs in prompts.items():
         closed_loop(client, model, seqs, clients=plan.concurrency, max_requests=2 * plan.concurrency)  # warm
         lone = closed_loop(client, model, seqs, clients=1, max_requests=plan.lone_requests[wl])
-        sat = closed_loop(client, model, seqs, clients=plan.concurrency, duration_s=plan.sat_duration_s[wl],
-                          warmup_s=plan.sat_warmup_s[wl])  # fmt: skip
+        sat = closed_loop(
+            client,
+            model,
+            seqs,
+            clients=plan.concurrency,
+            duration_s=plan.sat_duration_s[wl],
+            warmup_s=plan.sat_warmup_s[wl],
+        )
         sat_sum = summarize_run(sat.records, sat.window)
         entry: dict[str, Any] = {
-            "lone": summarize_run(lone.records).as_dict(), "saturation": sat_sum.as_dict(), "open": []
+            "lone": summarize_run(lone.records).as_dict(),
+            "saturation": sat_sum.as_dict(),
+            "open": [],
         }
         for i, frac in enumerate(plan.open_fractions):
             rate = max(0.5, frac * sat_sum.qps)
-            recs = open_loop(client, model, seqs, rate_qps=rate, duration_s=plan.open_duration_s[wl],
-                             seed=plan.seed + i)  # fmt: skip
-            entry["open"].append({"fraction": frac, "offered_qps": rate, "summary": summarize_run(recs).as_dict()})
+            recs = open_loop(
+                client, model, seqs, rate_qps=rate, duration_s=plan.open_duration_s[wl], seed=plan.seed + i
+            )
+            entry["open"].append(
+                {"fraction": frac, "offered_qps": rate, "summary": summarize_run(recs).as_dict()}
+            )
         out[wl] = entry
-        say(f"{label}/{wl}: {sat_sum.qps:.1f} req/s at saturation (p99 {sat_sum.latency.p99_ms:.0f} ms, "
-            f"batch {sat_sum.mean_batch_size:.1f}), lone p50 {entry['lone']['latency']['p50_ms']:.1f} ms")
+        say(
+            f"{label}/{wl}: {sat_sum.qps:.1f} req/s at saturation (p99 {sat_sum.latency.p99_ms:.0f} ms, "
+            f"batch {sat_sum.mean_batch_size:.1f}), lone p50 {entry['lone']['latency']['p50_ms']:.1f} ms"
+        )
     return out
 
 
-def _fleet_row(cfg: FleetConfig, redis: EmbeddedRedis, work_dir: Path, prompts: Prompts, plan: Plan,
-               say: Say) -> dict[str, Any]:  # fmt: skip
+def _fleet_row(
+    cfg: FleetConfig, redis: EmbeddedRedis, work_dir: Path, prompts: Prompts, plan: Plan, say: Say
+) -> dict[str, Any]:
     flush_redis(redis.url)
     fleet = RunningFleet(cfg, redis.url, work_dir)
     client = fleet.start()
     try:
-        row = {"status": "ok", "workloads": _measure(client, cfg.model_name, prompts, plan, say, cfg.label)}
+        row: dict[str, Any] = {
+            "status": "ok",
+            "workloads": _measure(client, cfg.model_name, prompts, plan, say, cfg.label),
+        }
         row["peak_rss_bytes"] = peak_rss_bytes(fleet.pid)
     finally:
         fleet.stop()
-    return {**row, "label": cfg.label, "model_bytes": cfg.model_path.stat().st_size, "start_s": fleet.start_s,
-            "max_batch_size": cfg.max_batch_size, "concurrency": cfg.concurrency}  # fmt: skip
+    return {
+        **row,
+        "label": cfg.label,
+        "model_bytes": cfg.model_path.stat().st_size,
+        "start_s": fleet.start_s,
+        "max_batch_size": cfg.max_batch_size,
+        "concurrency": cfg.concurrency,
+    }
 
 
-def _peer_row(cfg: FleetConfig, redis: EmbeddedRedis, work_dir: Path, prompts: Prompts, plan: Plan,
-              peer_venv: Path, say: Say) -> dict[str, Any]:  # fmt: skip
+def _peer_row(
+    cfg: FleetConfig,
+    redis: EmbeddedRedis,
+    work_dir: Path,
+    prompts: Prompts,
+    plan: Plan,
+    peer_venv: Path,
+    say: Say,
+) -> dict[str, Any]:
     try:
         python, celery_version = ensure_peer_venv(peer_venv, progress=True)
     except PeerUnavailable as exc:
@@ -151,28 +192,43 @@ def _peer_row(cfg: FleetConfig, redis: EmbeddedRedis, work_dir: Path, prompts: P
     flush_redis(redis.url)
     settings = load_settings(cfg.write(work_dir / "configs", redis.url))
     worker = PeerWorker(
-        python=python, model_path=cfg.model_path, queue=settings.queue_for(cfg.model_name), redis_url=redis.url,
-        flush_every=cfg.max_batch_size, flush_interval_s=plan.peer_flush_interval_s,
-        max_tokens=cfg.max_input_tokens, log_path=work_dir / "logs" / "peer.log",
+        python=python,
+        model_path=cfg.model_path,
+        queue=settings.queue_for(cfg.model_name),
+        redis_url=redis.url,
+        flush_every=cfg.max_batch_size,
+        flush_interval_s=plan.peer_flush_interval_s,
+        max_tokens=cfg.max_input_tokens,
+        log_path=work_dir / "logs" / "peer.log",
     )
     started = time.monotonic()
     worker.start()
     client = FleetClient(settings)
     try:
-        row = {"status": "ok", "workloads": _measure(client, cfg.model_name, prompts, plan, say, "peer")}
+        row: dict[str, Any] = {
+            "status": "ok",
+            "workloads": _measure(client, cfg.model_name, prompts, plan, say, "peer"),
+        }
         row["peak_rss_bytes"] = peak_rss_bytes(worker.pid)
     finally:
         client.close()
         worker.stop()
-    return {**row, "label": "peer", "model_bytes": cfg.model_path.stat().st_size,
-            "start_s": time.monotonic() - started, "celery": celery_version, "max_batch_size": cfg.max_batch_size,
-            "flush_interval_s": plan.peer_flush_interval_s}  # fmt: skip
+    return {
+        **row,
+        "label": "peer",
+        "model_bytes": cfg.model_path.stat().st_size,
+        "start_s": time.monotonic() - started,
+        "celery": celery_version,
+        "max_batch_size": cfg.max_batch_size,
+        "flush_interval_s": plan.peer_flush_interval_s,
+    }
 
 
 def _prompts(plan: Plan, vocab_size: int) -> Prompts:
     return {
-        wl: synthetic_sequences(plan.prompts, vocab_size=vocab_size, min_tokens=lo, max_tokens=hi,
-                                seed=plan.seed + 100 + i)  # fmt: skip
+        wl: synthetic_sequences(
+            plan.prompts, vocab_size=vocab_size, min_tokens=lo, max_tokens=hi, seed=plan.seed + 100 + i
+        )
         for i, (wl, (lo, hi)) in enumerate(WORKLOADS.items())
     }
 
@@ -196,8 +252,15 @@ def run_bench(plan: Plan, args: argparse.Namespace, command: str) -> dict[str, A
     def step(name: str) -> None:
         bar.set_postfix_str(name)
 
-    results: dict[str, Any] = {"meta": {"command": command, "quick": plan.quick, "plan": plan.__dict__,
-                                        "machine": machine_facts(), "started_unix_s": time.time()}}  # fmt: skip
+    results: dict[str, Any] = {
+        "meta": {
+            "command": command,
+            "quick": plan.quick,
+            "plan": plan.__dict__,
+            "machine": machine_facts(),
+            "started_unix_s": time.time(),
+        }
+    }
     step("models")
     models = _models(plan, work_dir, say)
     results["models"] = models
@@ -208,9 +271,15 @@ def run_bench(plan: Plan, args: argparse.Namespace, command: str) -> dict[str, A
     step("limit")
     results["limit"] = _limits({"fp32": models["fp32"], "int8": models["int8"]}, prompts, plan, say)
     bar.update()
-    base = FleetConfig(label="batching", model_name=card.name, model_path=Path(models["fp32"]),
-                       max_batch_size=plan.max_batch_size, max_wait_ms=plan.max_wait_ms,
-                       concurrency=plan.concurrency, celery_loglevel="WARNING")  # fmt: skip
+    base = FleetConfig(
+        label="batching",
+        model_name=card.name,
+        model_path=Path(models["fp32"]),
+        max_batch_size=plan.max_batch_size,
+        max_wait_ms=plan.max_wait_ms,
+        concurrency=plan.concurrency,
+        celery_loglevel="WARNING",
+    )
     int8_card = load_card(Path(models["int8"]))
     configs = {
         "baseline": replace(base, label="baseline", max_batch_size=1),
@@ -228,12 +297,22 @@ def run_bench(plan: Plan, args: argparse.Namespace, command: str) -> dict[str, A
             bar.update()
         step("tensorrt")
         if tensorrt_available():
-            trt = replace(base, label="tensorrt", providers=("TensorrtExecutionProvider", "CPUExecutionProvider"),
-                          engine_extra={"require_provider": "TensorrtExecutionProvider", "trt_fp16": True,
-                                        "cache_dir": str((work_dir / "trt-cache").resolve())})  # fmt: skip
+            trt = replace(
+                base,
+                label="tensorrt",
+                providers=("TensorrtExecutionProvider", "CPUExecutionProvider"),
+                engine_extra={
+                    "require_provider": "TensorrtExecutionProvider",
+                    "trt_fp16": True,
+                    "cache_dir": str((work_dir / "trt-cache").resolve()),
+                },
+            )
             rows["tensorrt"] = _fleet_row(trt, redis, work_dir, prompts, plan, say)
         else:
-            rows["tensorrt"] = {"status": "needs a GPU", "providers": results["meta"]["machine"]["ort_providers"]}
+            rows["tensorrt"] = {
+                "status": "needs a GPU",
+                "providers": results["meta"]["machine"]["ort_providers"],
+            }
             say("tensorrt: needs a GPU (no TensorRT EP / no GPU on this machine); row not measured")
         bar.update()
         step("peer")
@@ -246,12 +325,25 @@ def run_bench(plan: Plan, args: argparse.Namespace, command: str) -> dict[str, A
         step("dispatch")
         flush_redis(redis.url)
         ident = load_card(Path(models["identity"]))
-        dispatch_cfg = replace(base, label="dispatch", model_name=ident.name, model_path=Path(models["identity"]),
-                               max_batch_size=plan.concurrency)  # fmt: skip
+        dispatch_cfg = replace(
+            base,
+            label="dispatch",
+            model_name=ident.name,
+            model_path=Path(models["identity"]),
+            max_batch_size=plan.concurrency,
+        )
         results["dispatch"] = measure_dispatch(
-            dispatch_cfg, redis.url, redis.proc.pid, work_dir, prompts["short"], clients=plan.dispatch_clients,
-            duration_s=plan.dispatch_duration_s, lone_requests=plan.dispatch_lone_requests,
-            ablation_loglevel="INFO" if plan.ablations else None, profile_s=plan.profile_s, say=say,
+            dispatch_cfg,
+            redis.url,
+            redis.proc.pid,
+            work_dir,
+            prompts["short"],
+            clients=plan.dispatch_clients,
+            duration_s=plan.dispatch_duration_s,
+            lone_requests=plan.dispatch_lone_requests,
+            ablation_loglevel="INFO" if plan.ablations else None,
+            profile_s=plan.profile_s,
+            say=say,
         )
         bar.update()
     results["rows"] = rows
@@ -268,4 +360,3 @@ def run_bench(plan: Plan, args: argparse.Namespace, command: str) -> dict[str, A
     bar.close()
     say(f"done in {results['meta']['duration_s']:.0f} s: {args.out}, {json_path}")
     return results
-

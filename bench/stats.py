@@ -131,9 +131,7 @@ def batch_figures(records: Sequence[RequestRecord]) -> tuple[float, float]:
     return len(known) / batches, (real / padded if padded > 0 else float("nan"))
 
 
-def summarize_run(
-    records: Sequence[RequestRecord], window: tuple[float, float] | None = None
-) -> RunSummary:
+def summarize_run(records: Sequence[RequestRecord], window: tuple[float, float] | None = None) -> RunSummary:
     """Summarize a run.
 
     Args:

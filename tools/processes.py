@@ -19,11 +19,11 @@ __all__ = ["WorkerProcess", "worker_command"]
 
 
 def worker_command(
-    model: str, concurrency: int, hostname: str, queue: str, loglevel: str = "INFO"
+    model: str, concurrency: int, hostname: str, queue: str, loglevel: str = "INFO", python: str | None = None
 ) -> list[str]:
     """The ``celery worker`` command line for one model (threads pool, events on)."""
     return [
-        sys.executable,
+        python or sys.executable,
         "-m",
         "celery",
         "-A",
@@ -63,6 +63,7 @@ class WorkerProcess:
         env: dict[str, str] | None = None,
         log_path: Path | None = None,
         cwd: Path | None = None,
+        python: str | None = None,
     ) -> None:
         self.model = model
         self.hostname = hostname or f"{model}-{os.getpid()}-{time.monotonic_ns() % 100000}@localhost"
@@ -75,7 +76,7 @@ class WorkerProcess:
             "FLEET_WORKER__CONCURRENCY": str(concurrency),
             "PYTHONUNBUFFERED": "1",
         }
-        self.cmd = worker_command(model, concurrency, self.hostname, queue)
+        self.cmd = worker_command(model, concurrency, self.hostname, queue, python=python)
         self.log_path = log_path
         self.cwd = cwd
         self.proc: subprocess.Popen[bytes] | None = None

@@ -160,6 +160,10 @@ class Engine:
             [n for n, _ in self.requested],
             self.providers,
         )
+        lost = [n for n, _ in self.requested if n not in self.providers]
+        if lost:
+            log.warning("execution provider FALLBACK: %s requested and present in this onnxruntime build but not "
+                        "active (missing CUDA/TensorRT libraries or no GPU?); running on %s", lost, self.providers)
         if engine.require_provider and engine.require_provider not in self.providers:
             raise ProviderUnavailable(
                 f"require_provider={engine.require_provider} but the session runs on {self.providers} "

@@ -1,0 +1,79 @@
+"""CLI glue for ``fleet bench`` (see :mod:`bench.runner`); ``register(subparsers)`` adds it.
+
+``fleet bench`` runs the full table (~10 minutes on 2 cores) and rewrites ``docs/benchmarks.md``,
+``docs/benchmarks.json`` and the plots in ``docs/img/``; ``fleet bench --quick`` is the CI smoke run
+(demo model, < ~60 s, no peer), best pointed at a scratch folder with ``--out``/``--img-dir``/``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "register", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``bench`` flags."""
+    p.add_argument(
+        "--quick", action="store_true", help="CI smoke run: demo model, short phases, no peer (< ~60 s)"
+    )
+    p.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"), help="Markdown report to write")
+    p.add_argument("--img-dir", type=Path, default=Path("docs/img"), help="folder for the PNG plots")
+    p.add_argument(
+        "--json", dest="json_path", type=Path, default=Path("docs/benchmarks.json"), help="raw results (JSON)"
+    )
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        default=Path("var/bench"),
+        help="models, generated worker configs and logs (default var/bench)",
+    )
+    p.add_argument(
+        "--peer-venv",
+        type=Path,
+        default=Path("var/peer-venv"),
+        help="virtualenv of the celery-batches peer (created on first use, ~20 s)",
+    )
+    p.add_argument("--no-peer", action="store_true", help="skip the celery-batches peer row")
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``bench`` sub-command to an ``argparse`` sub-parsers object."""
+    p = subparsers.add_parser(
+        "bench",
+        help="run the load harness and regenerate docs/benchmarks.md (--quick: CI smoke run)",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the bench; returns the exit status (0 when every phase ran)."""
+    from bench.plan import full_plan, quick_plan
+    from bench.runner import run_bench
+
+    plan = quick_plan() if args.quick else full_plan(peer=not args.no_peer)
+    command = (
+        "fleet " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        if sys.argv[1:2] == ["bench"]
+        else ("fleet bench" + (" --quick" if args.quick else "") + (" --no-peer" if args.no_peer else ""))
+    )
+    run_bench(plan, args, command)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m bench.cli [flags]``: the same as ``fleet bench``."""
+    parser = argparse.ArgumentParser(prog="python -m bench.cli", description="onnx-fleet load harness")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

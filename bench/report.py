@@ -1,0 +1,316 @@
+"""Render a bench run's results (the JSON dict of :mod:`bench.runner`) as ``docs/benchmarks.md``.
+
+The formatting helpers at the top are pure; :func:`write_report` writes the Markdown and the plots.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.analysis import dispatch_section, targets_section
+from bench.plots import plot_latency_vs_qps
+
+__all__ = ["fmt", "md_table", "mib", "render", "write_report"]
+
+ROWS = (
+    ("baseline", "baseline (FP32, max_batch_size 1)"),
+    ("batching", "+ dynamic batching (max_batch_size {b})"),
+    ("int8", "+ INT8 (dynamic)"),
+    ("tensorrt", "+ TensorRT EP FP16"),
+)
+HEADERS = [
+    "configuration",
+    "QPS",
+    "mean ms",
+    "p50 ms",
+    "p95 ms",
+    "p99 ms",
+    "mean batch",
+    "padding eff.",
+    "worker peak RSS MiB",
+    "model file MiB",
+    "QPS / limit",
+]
+
+
+def fmt(value: Any, digits: int = 1) -> str:
+    """A number with ``digits`` decimals; '–' for None or NaN; strings pass through."""
+    if value is None:
+        return "–"
+    if isinstance(value, str):
+        return value
+    x = float(value)
+    return "–" if math.isnan(x) else f"{x:,.{digits}f}"
+
+
+def mib(num_bytes: Any) -> str:
+    """Bytes as MiB with one decimal ('–' when unknown)."""
+    return "–" if num_bytes is None else f"{float(num_bytes) / 2**20:,.1f}"
+
+
+def md_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A GitHub Markdown table (cells are used as given; '|' inside a cell is escaped)."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def limit_at(limit: dict[str, Any], batch_size: int) -> float:
+    """QPS of the bare loop at ``batch_size`` (NaN when not measured)."""
+    for point in limit["points"]:
+        if int(point["batch_size"]) == batch_size:
+            return float(point["qps"])
+    return float("nan")
+
+
+def _fleet_cells(row: dict[str, Any], wl: str, limit_qps: float) -> list[str]:
+    sat = row["workloads"][wl]["saturation"]
+    lat = sat["latency"]
+    return [
+        fmt(sat["qps"]),
+        fmt(lat["mean_ms"]),
+        fmt(lat["p50_ms"]),
+        fmt(lat["p95_ms"]),
+        fmt(lat["p99_ms"]),
+        fmt(sat["mean_batch_size"], 2),
+        fmt(100 * sat["padding_efficiency"], 0) + " %",
+        mib(row.get("peak_rss_bytes")),
+        mib(row.get("model_bytes")),
+        fmt(100 * sat["qps"] / limit_qps, 0) + " %" if limit_qps > 0 else "–",
+    ]
+
+
+def main_table(results: dict[str, Any], wl: str) -> str:
+    """The seed's table for workload ``wl``, with the limit and peer rows beside it."""
+    rows_out: list[list[str]] = []
+    res_rows = results["rows"]
+    b = int(results["meta"]["plan"]["max_batch_size"])
+    models = results["models"]
+    for key, label in ROWS:
+        row = res_rows.get(key, {"status": "not run"})
+        limit = results["limit"]["int8" if key == "int8" else "fp32"][wl]
+        same_b = limit_at(limit, 1 if key == "baseline" else b)
+        if row.get("status") != "ok":
+            rows_out.append([label.format(b=b), f"**{row.get('status')}**"] + ["–"] * (len(HEADERS) - 2))
+            continue
+        rows_out.append([label.format(b=b), *_fleet_cells(row, wl, same_b)])
+    for variant, path_key in (("fp32", "fp32"), ("int8", "int8")):
+        best = results["limit"][variant][wl]["best"]
+        size = Path(models[path_key]).stat().st_size if Path(models[path_key]).exists() else None
+        rows_out.append(
+            [
+                f"limit: bare session.run, {variant.upper()}, batch {best['batch_size']}",
+                fmt(best["qps"]),
+                fmt(best["batch_ms"]),
+                "–",
+                "–",
+                "–",
+                str(best["batch_size"]),
+                "–",
+                "–",
+                mib(size),
+                "100 %",
+            ]
+        )
+    peer = res_rows.get("peer", {"status": "not run"})
+    label = f"peer: celery-batches (flush_every {b})"
+    if peer.get("status") == "ok":
+        rows_out.append([label, *_fleet_cells(peer, wl, limit_at(results["limit"]["fp32"][wl], b))])
+    else:
+        rows_out.append([label, f"**{peer.get('status')}**"] + ["–"] * (len(HEADERS) - 2))
+    return md_table(HEADERS, rows_out)
+
+
+def open_loop_table(results: dict[str, Any], wl: str) -> str:
+    """Latency under Poisson load: one line per configuration and rate."""
+    out = []
+    for key in ("baseline", "batching", "int8", "peer"):
+        row = results["rows"].get(key, {})
+        if row.get("status") != "ok":
+            continue
+        entry = row["workloads"][wl]
+        lone = entry["lone"]
+        out.append(
+            [
+                key,
+                "1 client",
+                fmt(lone["qps"]),
+                fmt(lone["latency"]["p50_ms"]),
+                fmt(lone["latency"]["p99_ms"]),
+                fmt(lone["mean_batch_size"], 2),
+            ]
+        )
+        for point in entry["open"]:
+            s = point["summary"]
+            out.append(
+                [
+                    key,
+                    f"Poisson {fmt(point['offered_qps'])}/s",
+                    fmt(s["qps"]),
+                    fmt(s["latency"]["p50_ms"]),
+                    fmt(s["latency"]["p99_ms"]),
+                    fmt(s["mean_batch_size"], 2),
+                ]
+            )
+    return md_table(["configuration", "load", "achieved QPS", "p50 ms", "p99 ms", "mean batch"], out)
+
+
+def limit_table(results: dict[str, Any]) -> str:
+    """Bare session.run throughput (req/s) by batch size, per variant and workload."""
+    sizes = [int(p["batch_size"]) for p in results["limit"]["fp32"]["long"]["points"]]
+    rows = []
+    for variant in ("fp32", "int8"):
+        for wl, entry in results["limit"][variant].items():
+            cells = [fmt(limit_at(entry, b)) for b in sizes]
+            spin = entry.get("best_spinning")
+            rows.append(
+                [
+                    variant.upper(),
+                    wl,
+                    *cells,
+                    fmt(entry["bare_lone_ms"], 2),
+                    fmt(spin["qps"]) + f" (b={spin['batch_size']})" if spin else "–",
+                ]
+            )
+    return md_table(
+        ["model", "workload", *[f"b={b}" for b in sizes], "lone run ms (p50)", "spinning on"], rows
+    )
+
+
+def int8_table(results: dict[str, Any]) -> str:
+    """The quantization reports of the INT8 variants."""
+    rows = []
+    for name, rep in results["models"]["variants"].items():
+        acc, lat = rep["accuracy"], rep["latency"]
+        rows.append(
+            [
+                f"{name} ({rep['quantization']})",
+                fmt(100 * rep["sizes"]["ratio"], 1) + " %",
+                fmt(acc["top1_agreement"], 3),
+                fmt(acc["mean_kl"], 4),
+                fmt(acc["max_abs_delta_logprob"], 3),
+                fmt(acc["max_abs_delta_logprob_top5"], 3),
+                fmt(lat["speedup"], 2) + "×",
+                "written" if rep["written"] else "refused: " + "; ".join(rep["gate"]["failures"]),
+            ]
+        )
+    return md_table(
+        [
+            "variant",
+            "file vs FP32",
+            "top-1 agreement",
+            "mean KL (nats)",
+            "max |Δ log p|",
+            "max |Δ log p| top-5",
+            "bare speed vs FP32",
+            "gate",
+        ],
+        rows,
+    )
+
+
+def machine_table(meta: dict[str, Any]) -> str:
+    """Machine and software facts."""
+    m = meta["machine"]
+    pk = m["packages"]
+    rows = [
+        ["CPU", f"{m['cpu']} — {m['logical_cores']} logical / {m['physical_cores']} physical cores"],
+        ["memory", f"{m['memory_gib']} GiB"],
+        ["OS", m["os"]],
+        ["Python", m["python"]],
+        ["packages", ", ".join(f"{k} {v}" for k, v in pk.items())],
+        ["redis-server", m["redis_server"]],
+        ["ORT providers", ", ".join(m["ort_providers"])],
+        ["GPU", "yes" if m["gpu"] else "none"],
+        [
+            "load average (1/5/15 min) at start → end",
+            f"{m['load_average_start']} → {meta.get('load_average_end')}",
+        ],
+        ["commit", f"{m['git_commit']}{' (uncommitted changes)' if m['git_dirty'] else ''}"],
+    ]
+    return md_table(["", ""], rows)
+
+
+def render(results: dict[str, Any], img_rel: str) -> str:
+    """The whole Markdown document (``img_rel``: the plots' folder relative to the document)."""
+    meta = results["meta"]
+    model = meta["model"]
+    plan = meta["plan"]
+    peer = results["rows"].get("peer", {})
+    parts = [
+        "# Benchmarks\n",
+        "Generated by the command below from one run; rerunning it regenerates this file, its plots "
+        "and the raw results (JSON). Every figure was measured on the real path (FleetClient → Redis → "
+        "`celery worker` subprocess → result) except the limit rows (a bare `session.run` loop in the "
+        "bench process). Ratios are side by side in one run on one shared machine.\n",
+        f"```\n{meta['command']}\n```\n",
+        f"Run took **{meta['duration_s']:.0f} s**"
+        f"{' (quick mode: demo model, short phases)' if meta['quick'] else ''}."
+        f" Model: `{model['name']}` {model['version']} ({model['parameters'] / 1e6:.1f} M weights, "
+        f"{model['num_layers']} layers, hidden {model['hidden_size']}, vocab {model['vocab_size']}); INT8 = "
+        f"`{meta['int8_version']}`. Workers: threads pool, C = {plan['concurrency']} tokens, "
+        f"max_wait_ms {plan['max_wait_ms']}, ORT spin-waiting off, Celery log level WARNING. "
+        f"Saturation = {plan['concurrency']} closed-loop clients.\n",
+        "## Machine\n",
+        machine_table(meta) + "\n",
+    ]
+    for wl, (lo, hi) in (("long", (128, 256)), ("short", (8, 16))):
+        parts += [
+            f"## The table — {wl} prompts ({lo}–{hi} tokens)\n",
+            "Saturation throughput and latency (submit → result available); `QPS / limit` compares with the "
+            "bare loop of the same model at the same batch size (batch 1 for the baseline).\n",
+            main_table(results, wl) + "\n",
+        ]
+    parts += ["## Targets\n", targets_section(results) + "\n"]
+    parts += [
+        "## Latency under load\n",
+        "p50 (solid) and p99 (dashed) against achieved QPS: one client, open-loop Poisson arrivals at "
+        f"{', '.join(f'{f:.0%}' for f in plan['open_fractions'])} of each configuration's own saturation "
+        "QPS, and saturation.\n",
+    ]
+    for wl in ("long", "short"):
+        parts += [
+            f"![latency vs QPS, {wl} prompts]({img_rel}/latency-vs-qps-{wl}.png)\n",
+            f"**{wl} prompts**\n",
+            open_loop_table(results, wl) + "\n",
+        ]
+    parts += [
+        "## INT8\n",
+        "`fleet quantize` on the served model, compared with FP32 on held-out prompts:\n",
+        int8_table(results) + "\n",
+    ]
+    parts += ["## The limit (bare `session.run`, requests/s by batch size)\n", limit_table(results) + "\n"]
+    parts += ["## Dispatch cost\n", dispatch_section(results) + "\n"]
+    peer_note = (
+        f"celery-batches peer: Celery {peer.get('celery', '?')} in its own virtualenv, threads pool, "
+        f"concurrency 1, prefetch multiplier 64, flush_every {plan['max_batch_size']}, flush_interval "
+        f"{plan['peer_flush_interval_s'] * 1000:.0f} ms, acks late, the same ORT options, same "
+        "messages and same result schema (it skips the fleet's input validation)."
+        if peer.get("status") == "ok"
+        else f"Peer row: {peer.get('status', 'not run')}."
+    )
+    parts += [
+        "## Notes\n",
+        f"- {peer_note}",
+        "- TensorRT row: measured only where onnxruntime-gpu with the TensorRT EP and a GPU are present; "
+        "otherwise printed as *needs a GPU*, never estimated.",
+        "- The machine is shared: other processes may run during the bench (see the load average above); "
+        "compare ratios within this run rather than absolute figures across runs.\n",
+    ]
+    return "\n".join(parts)
+
+
+def write_report(results: dict[str, Any], out_md: Path, img_dir: Path) -> None:
+    """Write the plots into ``img_dir`` and the Markdown into ``out_md``."""
+    img_dir.mkdir(parents=True, exist_ok=True)
+    for wl in ("long", "short"):
+        plot_latency_vs_qps(results, wl, img_dir / f"latency-vs-qps-{wl}.png")
+    out_md.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        rel = img_dir.resolve().relative_to(out_md.parent.resolve()).as_posix()
+    except ValueError:
+        rel = img_dir.resolve().as_posix()
+    out_md.write_text(render(results, rel))

@@ -1,0 +1,44 @@
+"""Integration fixtures: real redis-server on a free port, real models, real worker processes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.integration.fleet_fixtures import Fleet
+from tools.build_encoder import build_encoder
+from tools.build_lm import build_causal_lm
+from tools.redis_server import EmbeddedRedis
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo LM and encoder, built once per session from their fixed seeds."""
+    root = tmp_path_factory.mktemp("models")
+    build_causal_lm(root)
+    build_encoder(root)
+    return root
+
+
+@pytest.fixture
+def redis_server() -> Iterator[EmbeddedRedis]:
+    """A private redis-server for one test (flushed before use; tests may kill and restart it)."""
+    server = EmbeddedRedis().start()
+    redis.Redis(port=server.port).flushall()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, model_dir: Path, redis_server: EmbeddedRedis) -> Iterator[Fleet]:
+    """Config writer + worker/client factory; everything it started is stopped afterwards."""
+    f = Fleet(tmp_path, model_dir, redis_server.url)
+    try:
+        yield f
+    finally:
+        f.close()

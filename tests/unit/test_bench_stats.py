@@ -1,0 +1,217 @@
+"""Pure parts of the bench and of the quantization report: statistics, KL, profiles, formatting."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from bench.analysis import target_rows
+from bench.plots import latency_points
+from bench.profile import fold_components, parse_raw, top_functions
+from bench.report import fmt, md_table, mib
+from bench.stats import (
+    RequestRecord,
+    batch_figures,
+    percentile,
+    poisson_arrivals,
+    summarize_latencies,
+    summarize_run,
+)
+from tools.quant_accuracy import compare_logits, log_softmax
+
+
+@pytest.mark.parametrize(
+    ("values", "q", "expected"),
+    [
+        ([5.0], 50, 5.0),
+        ([1.0, 2.0, 3.0, 4.0], 0, 1.0),
+        ([1.0, 2.0, 3.0, 4.0], 100, 4.0),
+        ([1.0, 2.0, 3.0, 4.0], 50, 2.5),
+        ([4.0, 1.0, 3.0, 2.0], 50, 2.5),
+        ([0.0, 10.0], 99, 9.9),
+        (list(range(101)), 95, 95.0),
+    ],
+)
+def test_percentile_table(values: list[float], q: float, expected: float) -> None:
+    assert percentile(values, q) == pytest.approx(expected)
+
+
+def test_percentile_matches_numpy() -> None:
+    rng = np.random.default_rng(0)
+    values = rng.exponential(10.0, size=257).tolist()
+    for q in (1, 25, 50, 90, 95, 99, 99.9):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+
+
+@pytest.mark.parametrize(("values", "q"), [([], 50), ([1.0], -1), ([1.0], 100.5)])
+def test_percentile_rejects(values: list[float], q: float) -> None:
+    with pytest.raises(ValueError):
+        percentile(values, q)
+
+
+def test_summarize_latencies() -> None:
+    s = summarize_latencies([10.0, 20.0, 30.0, 40.0])
+    assert (s.count, s.mean_ms, s.p50_ms, s.max_ms) == (4, 25.0, 25.0, 40.0)
+    assert s.p99_ms == pytest.approx(39.7)
+    empty = summarize_latencies([])
+    assert empty.count == 0 and math.isnan(empty.p50_ms)
+
+
+def _rec(submit: float, done: float, tokens: int, batch: int, padded: int, error: str | None = None) -> RequestRecord:
+    return RequestRecord(submit, done, tokens, batch, padded, 1.0, error)
+
+
+def test_batch_figures_exact_totals() -> None:
+    # batch A: 2 requests (3 and 5 tokens) padded to 2 x 5 = 10; batch B: 1 request of 4 tokens.
+    recs = [_rec(0, 1, 3, 2, 10), _rec(0, 1, 5, 2, 10), _rec(0, 1, 4, 1, 4)]
+    mean_batch, padding = batch_figures(recs)
+    assert mean_batch == pytest.approx(3 / 2)  # 3 requests in 2 batches
+    assert padding == pytest.approx((3 + 5 + 4) / (10 + 4))
+
+
+def test_batch_figures_ignore_failures_and_unknown() -> None:
+    recs = [_rec(0, 1, 3, 0, 0), _rec(0, 1, 3, 1, 3, error="boom")]
+    mean_batch, padding = batch_figures(recs)
+    assert math.isnan(mean_batch) and math.isnan(padding)
+
+
+def test_summarize_run_window_counts_steady_state_only() -> None:
+    recs = [_rec(0.0, 0.5, 4, 1, 4), _rec(0.5, 1.5, 4, 1, 4), _rec(1.5, 2.5, 4, 1, 4), _rec(2.5, 3.5, 4, 1, 4)]
+    whole = summarize_run(recs)
+    assert whole.requests == 4 and whole.qps == pytest.approx(4 / 3.5)
+    steady = summarize_run(recs, window=(1.0, 3.0))  # completions at 1.5 and 2.5
+    assert steady.requests == 2 and steady.qps == pytest.approx(1.0)
+    assert steady.latency.p50_ms == pytest.approx(1000.0)
+
+
+def test_summarize_run_counts_errors() -> None:
+    s = summarize_run([_rec(0, 1, 4, 1, 4), _rec(0, 2, 4, 0, 0, error="x")])
+    assert (s.requests, s.errors) == (1, 1)
+
+
+def test_poisson_arrivals_rate_and_determinism() -> None:
+    a = poisson_arrivals(200.0, 50.0, seed=3)
+    assert a == poisson_arrivals(200.0, 50.0, seed=3)
+    assert a != poisson_arrivals(200.0, 50.0, seed=4)
+    assert all(0 < x < 50.0 for x in a) and a == sorted(a)
+    assert len(a) / 50.0 == pytest.approx(200.0, rel=0.05)
+    gaps = np.diff(a)
+    assert float(np.std(gaps)) == pytest.approx(float(np.mean(gaps)), rel=0.1)  # exponential: sd = mean
+
+
+@pytest.mark.parametrize(("rate", "duration"), [(0.0, 1.0), (1.0, 0.0), (-1.0, 5.0)])
+def test_poisson_arrivals_rejects(rate: float, duration: float) -> None:
+    with pytest.raises(ValueError):
+        poisson_arrivals(rate, duration, seed=0)
+
+
+def test_log_softmax_normalizes() -> None:
+    lp = log_softmax(np.array([[1.0, 2.0, 3.0], [1000.0, 1000.0, -1000.0]]))
+    assert np.allclose(np.exp(lp).sum(axis=-1), 1.0)
+    assert lp[1, 0] == pytest.approx(math.log(0.5))
+
+
+def test_compare_logits_identical_is_perfect() -> None:
+    x = np.random.default_rng(0).normal(size=(8, 50))
+    rep = compare_logits(x, x)
+    assert rep.top1_agreement == 1.0 and rep.mean_kl == pytest.approx(0.0, abs=1e-12)
+    assert rep.max_abs_delta_logprob == pytest.approx(0.0, abs=1e-12)
+
+
+def test_compare_logits_known_values() -> None:
+    ref = np.log(np.array([[0.5, 0.25, 0.25], [0.1, 0.2, 0.7]]))
+    cand = np.log(np.array([[0.25, 0.5, 0.25], [0.1, 0.2, 0.7]]))
+    rep = compare_logits(ref, cand)
+    assert rep.top1_agreement == 0.5
+    kl_row0 = 0.5 * math.log(0.5 / 0.25) + 0.25 * math.log(0.25 / 0.5) + 0.0
+    assert rep.mean_kl == pytest.approx(kl_row0 / 2)
+    assert rep.max_abs_delta_logprob == pytest.approx(math.log(2))
+    assert rep.max_abs_delta_logprob_top5 == pytest.approx(math.log(2))
+
+
+def test_compare_logits_shift_invariant() -> None:
+    x = np.random.default_rng(1).normal(size=(4, 10))
+    assert compare_logits(x, x + 7.5).mean_kl == pytest.approx(0.0, abs=1e-12)
+
+
+@pytest.mark.parametrize(("a", "b"), [((2, 3), (2, 4)), ((0, 3), (0, 3)), ((3,), (3,))])
+def test_compare_logits_rejects_shapes(a: tuple[int, ...], b: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError):
+        compare_logits(np.zeros(a), np.zeros(b))
+
+
+RAW = """\
+<module> (celery/bin/worker.py:1);run (celery/app/trace.py:10);store (celery/backends/redis.py:5) 30
+<module> (celery/bin/worker.py:1);run (celery/app/trace.py:10);run (onnxruntime/capi/onnxruntime_inference_collection.py:3) 50
+<module> (celery/bin/worker.py:1);emit (/usr/lib/python3.11/logging/__init__.py:9) 20
+not a stack line
+"""
+
+
+def test_profile_parse_and_fold() -> None:
+    stacks = parse_raw(RAW)
+    assert len(stacks) == 3 and stacks[0][1] == 30
+    assert stacks[0][0][-1] == ("store", "celery/backends/redis.py")
+    total, shares = fold_components(stacks)
+    assert total == 100
+    assert shares["ONNX Runtime session.run"] == pytest.approx(0.5)
+    assert shares["result store (celery.backends)"] == pytest.approx(0.3)
+    assert shares["Celery task tracing (celery.app.trace)"] == pytest.approx(0.8)
+    assert shares["logging"] == pytest.approx(0.2)
+    assert shares["pydantic validation"] == 0.0
+    top = top_functions(stacks, 2)
+    assert top[0][0].startswith("run (onnxruntime_inference_collection.py") and top[0][1] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(
+    ("value", "digits", "text"),
+    [(None, 1, "–"), (float("nan"), 1, "–"), (1234.5678, 1, "1,234.6"), (0.5, 2, "0.50"), ("x", 1, "x"), (3, 0, "3")],
+)
+def test_fmt(value: object, digits: int, text: str) -> None:
+    assert fmt(value, digits) == text
+
+
+def test_mib_and_table() -> None:
+    assert mib(None) == "–" and mib(3 * 2**20) == "3.0"
+    table = md_table(["a", "b"], [["1", "x|y"]])
+    assert table.splitlines() == ["| a | b |", "|---|---|", "| 1 | x\\|y |"]
+
+
+def _summary(qps: float, p50: float, p99: float, requests: int = 10) -> dict[str, object]:
+    return {"requests": requests, "qps": qps, "latency": {"p50_ms": p50, "p99_ms": p99}}
+
+
+def test_latency_points_sorted_and_skip_empty() -> None:
+    entry = {
+        "lone": _summary(5, 10, 12),
+        "open": [{"summary": _summary(20, 15, 30)}, {"summary": _summary(0, 0, 0, requests=0)}],
+        "saturation": _summary(40, 50, 90),
+    }
+    assert latency_points(entry) == [(5.0, 10.0, 12.0), (20.0, 15.0, 30.0), (40.0, 50.0, 90.0)]
+
+
+def _row(qps: float, p99: float, lone_p50: float) -> dict[str, object]:
+    sat = {"qps": qps, "latency": {"p99_ms": p99}}
+    wl = {"saturation": sat, "lone": {"latency": {"p50_ms": lone_p50}}}
+    return {"status": "ok", "workloads": {"long": wl, "short": wl}}
+
+
+def test_target_rows_report_met_and_not_met() -> None:
+    limit = {"points": [{"batch_size": 8, "qps": 100.0}], "best": {"batch_size": 8, "qps": 100.0}, "bare_lone_ms": 10.0}
+    results = {
+        "meta": {"plan": {"max_batch_size": 8}},
+        "limit": {"fp32": {"long": limit, "short": limit}, "int8": {"long": limit, "short": limit}},
+        "rows": {"batching": _row(96.0, 50.0, 14.0), "int8": _row(120.0, 40.0, 9.0), "peer": _row(80.0, 60.0, 60.0)},
+        "models": {"variants": {"dynamic": {"sizes": {"ratio": 0.25},
+                                            "accuracy": {"top1_agreement": 0.95, "mean_kl": 0.01}}}},
+        "dispatch": {"loop": {"summary": {"qps": 400.0}, "cpu_ms_outside_inference": 5.0}},
+    }
+    rows = {(r[0], r[1]): r[3] for r in target_rows(results)}
+    assert rows[("batching ≥ 95 % of the limit at batch 8", "long")] == "met"
+    assert rows[("lone request p50 within 5 ms of one bare session.run", "long")] == "met"
+    assert rows[("batching beats the celery-batches peer on QPS at ≤ p99", "short")] == "met"
+    assert rows[("INT8 CPU throughput ≥ 1.5× FP32", "long")] == "**not met**"
+    assert rows[("INT8 file ≤ 30 % of FP32", "–")] == "met"
+    assert rows[("dispatch ≥ 1,000 req/s through one worker", "short")] == "**not met**"
