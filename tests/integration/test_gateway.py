@@ -30,6 +30,7 @@ from tools.redis_server import EmbeddedRedis, free_port
 
 __all__ = ["ops_models", "ops_redis"]
 
+STATS: dict = {}
 AUTH = {"X-API-Key": API_KEY}
 
 
@@ -222,7 +223,9 @@ def test_openapi_fuzz_never_5xx_and_worker_survives(served: Served) -> None:
             def run(case: Any) -> None:
                 nonlocal calls
                 calls += 1
+                import collections; STATS[(case.method, case.path)] = STATS.get((case.method, case.path), collections.Counter())
                 response = case.call(base_url=served.gateway.url, headers=AUTH)
+                STATS[(case.method, case.path)][response.status_code] += 1
                 if case.path == "/readyz":  # its documented 503: demo-encoder has no worker here
                     assert response.status_code == 503 and "demo-encoder" in response.text
                 else:
@@ -233,6 +236,7 @@ def test_openapi_fuzz_never_5xx_and_worker_survives(served: Served) -> None:
             except Unsatisfiable:
                 assert mode is GenerationMode.NEGATIVE  # an operation without inputs has no invalid ones
     assert calls >= 100
+    print("STATS", STATS)
     unauthorized = httpx.get(served.gateway.url + "/v1/models", headers={"X-API-Key": "fuzz"})
     assert unauthorized.status_code == 401
     _assert_worker_alive_and_serving(served)

@@ -1,0 +1,40 @@
+# onnx-fleet: the two commands that matter are `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: demo test lint bench bench-quick models clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[cpu,dev,bench]"
+	touch $(STAMP)
+
+## demo: whole fleet end to end on a private Redis (no Docker, no Redis needed), then clean shutdown
+demo: $(STAMP)
+	$(BIN)/fleet demo
+
+## test: unit + integration tests (real redis-server, real celery workers, real ONNX Runtime)
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+## lint: ruff + mypy --strict over the packages
+lint: $(STAMP)
+	$(BIN)/ruff check protocol workers producer tools bench tests
+	$(BIN)/mypy
+
+## models: build the demo models into ./models
+models: $(STAMP)
+	$(BIN)/fleet build-model
+
+## bench: the full benchmark table (about 10 minutes on 2 cores) -> docs/benchmarks.md
+bench: $(STAMP)
+	$(BIN)/fleet bench
+
+bench-quick: $(STAMP)
+	$(BIN)/fleet bench --quick
+
+clean:
+	rm -rf $(VENV) models var .pytest_cache .mypy_cache .ruff_cache
