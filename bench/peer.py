@@ -49,6 +49,7 @@ def ensure_peer_venv(venv: Path, *, progress: bool = True, timeout_s: float = 90
     Raises:
         PeerUnavailable: ``venv`` or ``pip install`` failed (the message holds pip's last lines).
     """
+    venv = venv.absolute()  # not resolve(): the venv's python is a symlink that must stay one
     python = _python_of(venv)
     version = _probe(python)
     if version:

@@ -26,7 +26,7 @@ from protocol.errors import FleetError
 from protocol.messages import InferenceResult
 from protocol.modelcard import ModelCard, load_card
 from protocol.settings import FleetSettings, load_settings
-from tools.processes import WorkerProcess
+from tools.processes import WorkerProcess, die_with_parent
 from tools.redis_server import EmbeddedRedis, free_port
 
 __all__ = ["run_demo"]
@@ -77,6 +77,7 @@ def _start_flower(redis_url: str, logdir: Path) -> tuple[subprocess.Popen[bytes]
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=die_with_parent,
     )
     return proc, f"http://127.0.0.1:{port}", (user, password)
 

@@ -15,7 +15,22 @@ import redis
 
 from protocol.keys import WORKER_KEY_PREFIX
 
-__all__ = ["WorkerProcess", "worker_command"]
+__all__ = ["WorkerProcess", "die_with_parent", "worker_command"]
+
+
+def die_with_parent() -> None:
+    """``preexec_fn``: on Linux, SIGKILL the child when the process that started it dies.
+
+    The demo, the bench and the tests start workers in their own session (so Ctrl-C reaches the
+    parent first and can shut them down warmly); without this a crashed parent would leave them running.
+    Linux sends the signal when the *thread* that started the child exits: start children from a
+    thread that outlives them (the main thread).
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 def worker_command(
@@ -92,6 +107,7 @@ class WorkerProcess:
             stdout=self._log or subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         return self
 

@@ -30,7 +30,6 @@ from tools.redis_server import EmbeddedRedis, free_port
 
 __all__ = ["ops_models", "ops_redis"]
 
-STATS: dict = {}
 AUTH = {"X-API-Key": API_KEY}
 
 
@@ -204,6 +203,13 @@ def _fuzz(run: Any, examples: int) -> None:
     settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))(run)()
 
 
+def _use_real_model(body: Any) -> None:
+    items = body.get("requests") if isinstance(body, dict) else None
+    for item in [body, *(items if isinstance(items, list) else [])]:
+        if isinstance(item, dict) and "model" in item:
+            item["model"] = "demo-lm"
+
+
 def test_openapi_fuzz_never_5xx_and_worker_survives(served: Served) -> None:
     """Schemathesis cases (valid and invalid) for every operation of the live OpenAPI document."""
     schemathesis = pytest.importorskip("schemathesis")
@@ -219,13 +225,13 @@ def test_openapi_fuzz_never_5xx_and_worker_survives(served: Served) -> None:
     for op in operations:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
 
-            @given(case=op.as_strategy(generation_mode=mode))
-            def run(case: Any) -> None:
+            @given(case=op.as_strategy(generation_mode=mode), real_model=st.booleans())
+            def run(case: Any, real_model: bool) -> None:
                 nonlocal calls
                 calls += 1
-                import collections; STATS[(case.method, case.path)] = STATS.get((case.method, case.path), collections.Counter())
+                if real_model:  # random model names never match: point half the bodies at demo-lm
+                    _use_real_model(case.body)
                 response = case.call(base_url=served.gateway.url, headers=AUTH)
-                STATS[(case.method, case.path)][response.status_code] += 1
                 if case.path == "/readyz":  # its documented 503: demo-encoder has no worker here
                     assert response.status_code == 503 and "demo-encoder" in response.text
                 else:
@@ -236,27 +242,32 @@ def test_openapi_fuzz_never_5xx_and_worker_survives(served: Served) -> None:
             except Unsatisfiable:
                 assert mode is GenerationMode.NEGATIVE  # an operation without inputs has no invalid ones
     assert calls >= 100
-    print("STATS", STATS)
     unauthorized = httpx.get(served.gateway.url + "/v1/models", headers={"X-API-Key": "fuzz"})
     assert unauthorized.status_code == 401
     _assert_worker_alive_and_serving(served)
 
 
 @given(
-    ids=st.lists(st.integers(min_value=-(2**70), max_value=2**70), max_size=80),
-    text=st.none() | st.text(max_size=80),
-    top_k=st.integers(min_value=-3, max_value=100),
-    kind=st.sampled_from([None, "next_token", "embedding", "bogus"]),
+    ids=st.lists(st.integers(min_value=0, max_value=511), max_size=70),
+    wild=st.none() | st.integers(min_value=-(2**70), max_value=2**70),
+    text=st.none() | st.text(max_size=70),
+    top_k=st.integers(min_value=1, max_value=64) | st.integers(min_value=-3, max_value=10**6),
+    kind=st.sampled_from([None, None, None, "next_token", "embedding", "bogus"]),
     deadline_s=st.none() | st.floats(allow_nan=False, allow_infinity=False, min_value=-1, max_value=5),
 )
-def _submit_anything(served: Served, ids: list[int], text: str | None, top_k: int, kind: str | None,
-                     deadline_s: float | None) -> None:
+def _submit_anything(
+    served: Served, ids: list[int], wild: int | None, text: str | None, top_k: int, kind: str | None,
+    deadline_s: float | None,
+) -> None:
+    if wild is not None:  # one id from anywhere, maybe out of the vocabulary or of int64
+        ids = [*ids[: len(ids) // 2], wild, *ids[len(ids) // 2 :]]
     body: dict[str, Any] = {"model": "demo-lm", "output": {"top_k": top_k, "kind": kind}}
     body.update({"text": text} if text is not None else {"input_ids": ids})
     if deadline_s is not None:
         body["deadline_s"] = deadline_s
     resp = served.http.post("/v1/requests", json=body)
     assert resp.status_code in (202, 413, 422), (body, resp.text)
+    print("ANY", resp.status_code)
 
 
 def test_fuzzed_requests_for_a_real_model_never_crash_the_worker(served: Served) -> None:

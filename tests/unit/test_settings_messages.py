@@ -1,0 +1,131 @@
+"""Settings sources and rules, the message schema, and request validation (no I/O beyond tmp files)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from protocol.errors import (
+    ConfigError,
+    DecodeError,
+    EmptyInput,
+    InputTooLong,
+    InvalidRequest,
+    TokenOutOfRange,
+    UnknownModel,
+    error_from_payload,
+)
+from protocol.messages import OutputSpec, decode_request
+from protocol.settings import LimitSettings, load_settings
+from protocol.validation import check_input, resolve_output
+
+
+def write(tmp_path: Path, doc: dict[str, object]) -> Path:
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+MODEL = {"demo-lm": {"path": "m/demo-lm-1.0.0.onnx", "batching": {"max_batch_size": 8}}}
+
+
+def test_yaml_then_env_then_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = write(tmp_path, {"redis_url": "redis://yaml:6379/0", "models": MODEL})
+    monkeypatch.setenv("FLEET_RESULT_TTL_S", "77")
+    monkeypatch.setenv("FLEET_MODELS__DEMO_LM__BATCHING__MAX_WAIT_MS", "9")
+    s = load_settings(cfg)
+    assert s.redis_url == "redis://yaml:6379/0"
+    assert s.result_ttl_s == 77
+    assert list(s.models) == ["demo-lm"]  # the env variable merged into the YAML model, not a second one
+    assert s.model("demo_lm").batching.max_wait_ms == 9
+    assert s.model("demo-lm").batching.max_batch_size == 8
+    assert s.model("demo-lm").path == (tmp_path / "m/demo-lm-1.0.0.onnx").resolve()
+    assert s.queue_for("DEMO-LM") == "fleet.demo-lm"
+    monkeypatch.setenv("FLEET_REDIS_URL", "redis://env:6379/1")
+    assert load_settings(cfg).redis_url == "redis://env:6379/1"
+
+
+@pytest.mark.parametrize(
+    ("doc", "env", "says"),
+    [
+        ({"result_ttl_s": 0}, {}, "invalid setting result_ttl_s (FLEET_RESULT_TTL_S): Input should be greater"),
+        ({"redis_url": "http://x"}, {}, "redis_url"),
+        ({"models": MODEL}, {"FLEET_MODELS__DEMO_LM__BATCHING__MAX_BATCH_SIZE": "0"}, "max_batch_size"),
+        ({"models": MODEL, "worker": {"concurrency": 4}}, {}, "worker.concurrency (4) must be >= models.demo-lm"),
+        ({"models": MODEL}, {"FLEET_WORKER__LOGLEVEL": "LOUD"}, "worker.loglevel"),
+        ({"surprise": 1}, {}, "surprise"),
+    ],
+)
+def test_invalid_settings_name_the_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           doc: dict[str, object], env: dict[str, str], says: str) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, doc))
+    assert says in str(info.value)
+
+
+def test_missing_explicit_config_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_settings(tmp_path / "nope.yaml")
+
+
+def test_unknown_model_lists_the_configured_ones(tmp_path: Path) -> None:
+    s = load_settings(write(tmp_path, {"models": MODEL}))
+    with pytest.raises(UnknownModel, match="configured models: demo-lm"):
+        s.model("gpt")
+
+
+@pytest.mark.parametrize(
+    ("payload", "field"),
+    [
+        ([1, 2], "request"),
+        ({"input_ids": [1]}, "model"),
+        ({"model": "m", "input_ids": "123"}, "input_ids"),
+        ({"model": "m", "input_ids": [1, 2.0]}, "input_ids.1"),
+        ({"model": "m", "input_ids": [1], "schema_version": 2}, "schema_version"),
+        ({"model": "m", "input_ids": [1], "output": {"top_k": "5"}}, "output.top_k"),
+    ],
+)
+def test_decode_request_names_the_field(payload: object, field: str) -> None:
+    with pytest.raises(DecodeError) as info:
+        decode_request(payload)
+    assert info.value.field == field
+
+
+LIMITS = LimitSettings(max_input_tokens=4, max_top_k=8)
+
+
+def test_check_input_limits_and_truncation() -> None:
+    assert check_input([1, 2, 3], limits=LIMITS, vocab_size=10).input_ids == [1, 2, 3]
+    with pytest.raises(EmptyInput):
+        check_input([], limits=LIMITS, vocab_size=10)
+    with pytest.raises(InputTooLong, match="max_input_tokens=4"):
+        check_input([1] * 5, limits=LIMITS, vocab_size=10)
+    with pytest.raises(TokenOutOfRange, match=r"input_ids\[1\] = 10 is outside the vocabulary \[0, 10\)"):
+        check_input([1, 10], limits=LIMITS, vocab_size=10)
+    left = check_input([1, 2, 3, 4, 5, 6], limits=LimitSettings(max_input_tokens=4, truncate="left"), vocab_size=10)
+    assert (left.input_ids, left.truncated) == ([3, 4, 5, 6], True)
+    right = check_input([1, 2, 3, 4, 5], limits=LimitSettings(max_input_tokens=4, truncate="right"), vocab_size=10)
+    assert right.input_ids == [1, 2, 3, 4]
+
+
+def test_resolve_output() -> None:
+    assert resolve_output(OutputSpec(), model_kind="causal_lm", limits=LIMITS).kind == "next_token"
+    assert resolve_output(OutputSpec(), model_kind="encoder", limits=LIMITS).kind == "embedding"
+    with pytest.raises(InvalidRequest, match="max_top_k=8"):
+        resolve_output(OutputSpec(top_k=9), model_kind="causal_lm", limits=LIMITS)
+    with pytest.raises(InvalidRequest, match="only produces 'embedding'"):
+        resolve_output(OutputSpec(kind="next_token"), model_kind="encoder", limits=LIMITS)
+
+
+def test_errors_survive_celery_style_rebuilding() -> None:
+    err = TokenOutOfRange("input_ids[3] = 9 is outside", "input_ids[3]", 9)
+    rebuilt = type(err)(*err.args)  # what Celery does with a stored exception
+    assert (str(rebuilt), rebuilt.field, rebuilt.limit) == (str(err), "input_ids[3]", 9)
+    again = error_from_payload("TokenOutOfRange", list(err.args))
+    assert isinstance(again, TokenOutOfRange) and again.field == "input_ids[3]"
+    assert err.to_payload()["error"] == "token_out_of_range"
+    assert type(error_from_payload("Nope", ["x"])).__name__ == "FleetError"
