@@ -305,7 +305,7 @@ class FleetClient:
         """Cancel a request that has not run; returns False when it already finished or runs."""
         state = self._async(request_id).state
         if state in ("SUCCESS", "FAILURE", "STARTED", "REVOKED"):
-            return state == "REVOKED"
+            return bool(state == "REVOKED")
         self.redis.set(CANCEL_KEY.format(id=request_id), "1", ex=self.settings.result_ttl_s)
         self.app.control.revoke(request_id)
         return True

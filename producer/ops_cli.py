@@ -3,14 +3,15 @@
 ``producer.cli`` calls :func:`register` with its sub-parsers. Exit codes follow ``fleet``'s:
 0 ok; 1 not ready / not alive; 2 bad settings.
 
-Kubernetes probes::
+``python -m producer.ops_cli <command>`` runs the same commands without loading the rest of the
+CLI (about 0.3 s instead of 2 s: what an exec probe wants). Kubernetes probes::
 
     # gateway pod
-    readinessProbe: {exec: {command: [fleet, probe, ready]}}
-    livenessProbe:  {exec: {command: [fleet, probe, live]}}
+    readinessProbe: {exec: {command: [python, -m, producer.ops_cli, probe, ready]}}
+    livenessProbe:  {exec: {command: [python, -m, producer.ops_cli, probe, live]}}
     # worker pod, by its Celery hostname (fleet worker -n demo-lm@<pod name>)
-    readinessProbe: {exec: {command: [sh, -c, "fleet probe ready --worker demo-lm@$HOSTNAME"]}}
-    livenessProbe:  {exec: {command: [sh, -c, "fleet probe live --worker demo-lm@$HOSTNAME"]}}
+    readinessProbe: {exec: {command: [sh, -c, "python -m producer.ops_cli probe ready --worker demo-lm@$HOSTNAME"]}}
+    livenessProbe:  {exec: {command: [sh, -c, "python -m producer.ops_cli probe live --worker demo-lm@$HOSTNAME"]}}
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from typing import Any
 
 import redis
 
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, InvalidRequest
 from protocol.keys import WORKER_KEY_PREFIX
 from protocol.settings import FleetSettings, load_settings
 
-__all__ = ["format_status", "register"]
+__all__ = ["format_status", "main", "register"]
 
 PROBE_TIMEOUT_S = 2.0
 
@@ -263,3 +264,19 @@ def register(sub: Any) -> None:
     p.add_argument("--host", default=None, help="bind address (default: settings flower.host)")
     p.add_argument("--port", type=int, default=None, help="port (default: settings flower.port)")
     p.set_defaults(func=cmd_flower)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m producer.ops_cli``: the operator commands alone (fast start for probes)."""
+    parser = argparse.ArgumentParser(prog="fleet", description="onnx-fleet operator commands")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, InvalidRequest) as exc:
+        print(f"fleet: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

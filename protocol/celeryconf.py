@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery
-from kombu import Queue
+from kombu import Queue  # type: ignore[attr-defined]
 
 from protocol.settings import FleetSettings
 
@@ -20,7 +20,9 @@ def celery_config(settings: FleetSettings) -> dict[str, Any]:
     worker's concurrency the token bucket, so excess load waits in Redis.
     """
     worker_model = settings.worker.model
-    queues = [Queue(settings.queue_for(worker_model))] if _configured(settings, worker_model) else []
+    queues = []
+    if _configured(settings, worker_model):
+        queues.append(Queue(settings.queue_for(worker_model)))  # type: ignore[no-untyped-call]
     return {
         "task_serializer": "json",
         "result_serializer": "json",

@@ -54,7 +54,7 @@ class OutputSpec(_Frozen):
 class InferenceRequest(_Frozen):
     """One tokenized request. ``request_id`` is informational: the Celery task id is authoritative."""
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1] = 1
     model: str = Field(min_length=1, max_length=200)
     input_ids: list[StrictInt] = Field(description="Token ids; never empty, each in [0, vocab_size).")
     output: OutputSpec = Field(default_factory=OutputSpec)
@@ -86,7 +86,7 @@ class Timings(_Frozen):
 class InferenceResult(_Frozen):
     """The value stored under the request ID."""
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1] = 1
     request_id: str
     model: str
     version: str

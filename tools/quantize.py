@@ -267,16 +267,14 @@ def _eval_prompts(card: ModelCard, cfg: QuantizeConfig) -> tuple[list[list[int]]
 
 
 def _stamp(model_file: Path, card: ModelCard, dst: Path) -> None:
-    """Copy ``model_file`` to ``dst`` with the new card's version in the ONNX metadata (atomic rename)."""
+    """Copy ``model_file`` to ``dst`` with the new card's version in the ONNX metadata."""
     model = onnx.load(str(model_file))
     props = {p.key: p.value for p in model.metadata_props}
     props.update({"version": card.version, "quantization": card.quantization or ""})
     del model.metadata_props[:]
     for key, value in props.items():
         model.metadata_props.add(key=key, value=str(value))
-    tmp = dst.with_suffix(".onnx.tmp")
-    onnx.save(model, str(tmp))
-    tmp.replace(dst)
+    onnx.save(model, str(dst))
 
 
 def quantize_model(model_file: Path, cfg: QuantizeConfig, *, progress: bool = True) -> QuantizeOutcome:
@@ -308,7 +306,8 @@ def quantize_model(model_file: Path, cfg: QuantizeConfig, *, progress: bool = Tr
         _say(f"pre-processing {model_file.name} (symbolic shapes: {symbolic})", progress)
         quant_pre_process(str(model_file), str(tmp / "pre.onnx"), skip_symbolic_shape=not symbolic)
         _say(f"quantizing ({label_for(cfg)})", progress)
-        calibration = _quantize(tmp / "pre.onnx", tmp / "int8.onnx", card, cfg, progress)
+        calibration = _quantize(tmp / "pre.onnx", tmp / "raw.onnx", card, cfg, progress)
+        _stamp(tmp / "raw.onnx", new_card, tmp / "int8.onnx")
         prompts, eval_source = _eval_prompts(card, cfg)
         _say(f"comparing against FP32 on {len(prompts)} held-out prompts", progress)
         ref = _session(model_file, cfg.intra_op_threads)
@@ -357,7 +356,7 @@ def quantize_model(model_file: Path, cfg: QuantizeConfig, *, progress: bool = Tr
                 report,
             )
         _say(f"writing {target}", progress)
-        _stamp(tmp / "int8.onnx", new_card, target)
+        (tmp / "int8.onnx").replace(target)  # same folder: an atomic rename
     card_path_for(target).write_text(new_card.model_dump_json(indent=2) + "\n")
     report_path_for(target).write_text(json.dumps(report, indent=2) + "\n")
     return QuantizeOutcome(target, report)

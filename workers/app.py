@@ -21,7 +21,7 @@ from protocol.celeryconf import make_celery
 from protocol.errors import ConfigError, FleetError
 from protocol.settings import FleetSettings, load_settings
 
-__all__ = ["app", "create_app"]
+__all__ = ["SETTINGS", "app", "create_app"]
 
 log = logging.getLogger("fleet.worker")
 
@@ -29,7 +29,6 @@ log = logging.getLogger("fleet.worker")
 def create_app(settings: FleetSettings, *, name: str = "onnx-fleet") -> Celery:
     """A Celery app bound to ``settings`` with the ``fleet.infer`` task registered."""
     celery_app = make_celery(settings, name)
-    celery_app.fleet_settings = settings  # type: ignore[attr-defined]
     from workers.tasks import register_tasks
 
     register_tasks(celery_app)
@@ -44,10 +43,12 @@ def _settings_or_exit() -> FleetSettings:
         raise SystemExit(2) from exc
 
 
-app = create_app(_settings_or_exit())
+SETTINGS = _settings_or_exit()
+"""This process's settings, built once at import (``celery -A workers.app`` imports this module)."""
+app = create_app(SETTINGS)
 
 
-@signals.worker_init.connect
+@signals.worker_init.connect  # type: ignore[untyped-decorator]
 def _load_model_before_consuming(sender: Any = None, **_: Any) -> None:
     """Load and warm the model before the consumer starts; any failure stops the worker (exit 3)."""
     if getattr(sender, "app", None) is not app:
@@ -58,12 +59,12 @@ def _load_model_before_consuming(sender: Any = None, **_: Any) -> None:
     install_poison_guard()
 
     logging.basicConfig(
-        level=app.fleet_settings.worker.loglevel,  # type: ignore[attr-defined]
+        level=SETTINGS.worker.loglevel,
         format="[%(asctime)s: %(levelname)s/%(name)s] %(message)s",
     )
     try:
         runtime = start_runtime(
-            app,
+            SETTINGS,
             hostname=str(sender.hostname),
             concurrency=int(sender.concurrency or 0),
             pool=str(getattr(sender, "pool_cls", "")),
@@ -78,7 +79,7 @@ def _load_model_before_consuming(sender: Any = None, **_: Any) -> None:
         os._exit(3)  # SystemExit would be swallowed by the blueprint; nothing runs yet to clean up
 
 
-@signals.worker_ready.connect
+@signals.worker_ready.connect  # type: ignore[untyped-decorator]
 def _announce_ready(sender: Any = None, **_: Any) -> None:
     from workers.runtime import current_runtime
 
@@ -87,7 +88,7 @@ def _announce_ready(sender: Any = None, **_: Any) -> None:
         runtime.mark_ready()
 
 
-@signals.worker_shutdown.connect
+@signals.worker_shutdown.connect  # type: ignore[untyped-decorator]
 def _stop_runtime(sender: Any = None, **_: Any) -> None:
     from workers.runtime import stop_runtime
 

@@ -8,6 +8,7 @@ holds the model card, so producers on other machines can validate and tokenize w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -28,7 +29,7 @@ class Heartbeat:
     """Publishes ``snapshot()`` every ``period_s`` seconds until stopped."""
 
     def __init__(
-        self, client: redis.Redis, hostname: str, snapshot: Callable[[], dict[str, Any]], period_s: float
+        self, client: redis.Redis[bytes], hostname: str, snapshot: Callable[[], dict[str, Any]], period_s: float
     ) -> None:
         self._client = client
         self._key = WORKER_KEY_PREFIX + hostname
@@ -55,17 +56,15 @@ class Heartbeat:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(self._period_s * 2)
-        try:
+        with contextlib.suppress(redis.RedisError):
             self._client.delete(self._key)
-        except redis.RedisError:
-            pass
 
     def _loop(self) -> None:
         while not self._stop.wait(self._period_s):
             self.beat()
 
 
-def list_workers(client: redis.Redis) -> list[dict[str, Any]]:
+def list_workers(client: redis.Redis[bytes]) -> list[dict[str, Any]]:
     """Every live worker's latest heartbeat document, sorted by hostname."""
     docs = []
     for key in client.scan_iter(match=WORKER_KEY_PREFIX + "*", count=200):
@@ -75,7 +74,7 @@ def list_workers(client: redis.Redis) -> list[dict[str, Any]]:
     return sorted(docs, key=lambda d: str(d.get("hostname")))
 
 
-def read_card_json(client: redis.Redis, model: str) -> str | None:
+def read_card_json(client: redis.Redis[bytes], model: str) -> str | None:
     """The model card a worker of ``model`` published, or None."""
     raw = client.get(CARD_KEY.format(model=model))
     return raw.decode() if isinstance(raw, bytes) else raw

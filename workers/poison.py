@@ -26,7 +26,7 @@ DEAD_LETTER_KEY = "fleet:dead-letter"
 _MAX_DEAD_LETTERS = 10_000
 
 
-class GuardedChannel(kombu_redis.Channel):  # type: ignore[misc]
+class GuardedChannel(kombu_redis.Channel):
     """kombu's Redis channel, except that undecodable queue items are dead-lettered, not fatal."""
 
     def _brpop_read(self, **options: Any) -> bool:
@@ -37,12 +37,12 @@ class GuardedChannel(kombu_redis.Channel):  # type: ignore[misc]
                 self.client.connection.disconnect()
                 raise
             if not dest__item:
-                raise kombu_redis.Empty()
+                raise kombu_redis.Empty()  # type: ignore[attr-defined]
             dest, item = dest__item
-            dest = bytes_to_str(dest).rsplit(self.sep, 1)[0]
+            dest = bytes_to_str(dest).rsplit(self.sep, 1)[0]  # type: ignore[no-untyped-call]
             self._queue_cycle.rotate(dest)
             try:
-                message = loads(bytes_to_str(item))
+                message = loads(bytes_to_str(item))  # type: ignore[no-untyped-call]
                 props = message.get("properties") if isinstance(message, dict) else None
                 if not isinstance(props, dict) or "body" not in message or not {
                     "delivery_tag", "delivery_info"} <= props.keys():
@@ -53,7 +53,7 @@ class GuardedChannel(kombu_redis.Channel):  # type: ignore[misc]
             self.connection._deliver(message, dest)
             return True
         finally:
-            self._in_poll = None
+            self._in_poll = None  # type: ignore[assignment]
             flush = getattr(self, "_flush_brpop_reauth", None)
             if flush is not None:
                 flush()

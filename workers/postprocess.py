@@ -47,4 +47,4 @@ def masked_mean_pool(
     if normalize:
         norms = np.linalg.norm(pooled, axis=-1, keepdims=True)
         pooled = pooled / np.clip(norms, 1e-12, None)
-    return pooled.astype(np.float32)
+    return np.asarray(pooled, dtype=np.float32)

@@ -13,14 +13,14 @@ import time
 from typing import Any
 
 import redis
-from celery import Celery
 from celery.worker import state as worker_state
 
 from protocol.errors import ConfigError, ModelLoadError
+from protocol.keys import CARD_KEY
 from protocol.modelcard import ModelCard, load_card
 from protocol.settings import FleetSettings, ModelSettings
 from workers.engine import Engine
-from workers.health import CARD_KEY, Heartbeat
+from workers.health import Heartbeat
 from workers.policy import BatchPolicy
 from workers.scheduler import Scheduler
 
@@ -133,7 +133,7 @@ def _celery_backlog() -> int:
     return max(0, len(worker_state.reserved_requests) - len(worker_state.active_requests))
 
 
-def start_runtime(app: Celery, *, hostname: str, concurrency: int, pool: str) -> WorkerRuntime:
+def start_runtime(settings: FleetSettings, *, hostname: str, concurrency: int, pool: str) -> WorkerRuntime:
     """Build and start this process's runtime (once).
 
     Raises:
@@ -141,7 +141,6 @@ def start_runtime(app: Celery, *, hostname: str, concurrency: int, pool: str) ->
         ModelLoadError / ProviderUnavailable: the model cannot be served as configured.
     """
     global _runtime
-    settings: FleetSettings = app.fleet_settings  # type: ignore[attr-defined]
     if "thread" not in pool.lower() and "solo" not in pool.lower():
         raise ConfigError(
             f"worker pool {pool!r} is not supported: use the threads pool (-P threads) so that one model "

@@ -22,11 +22,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 
 from protocol.errors import FleetError, RequestExpired
 from protocol.messages import OutputSpec
 from workers.engine import Engine
-from workers.padding import pad_batch
+from workers.padding import PaddedBatch, pad_batch
 from workers.policy import BatchPolicy, Dispatch, Pending
 from workers.postprocess import last_positions, masked_mean_pool, top_k_logprobs
 
@@ -74,6 +75,7 @@ class BatchStats:
 
 
 Observer = Callable[[BatchStats], None]
+_Output = tuple[list[int] | None, list[float] | None, list[float] | None]
 
 
 class Arrival:
@@ -228,6 +230,23 @@ class Scheduler:
                 except Exception as single_exc:
                     job.future.set_exception(single_exc)
 
+    def _outputs(self, jobs: list[Job], out: npt.NDArray[np.float32], padded: PaddedBatch) -> list[_Output]:
+        """Each job's small result from the batch's raw output (top-k or pooled vector)."""
+        if self.engine.card.kind == "causal_lm":
+            ids, logprobs = top_k_logprobs(last_positions(out, padded.lengths), max(j.output.top_k for j in jobs))
+            return [
+                (ids[row, : j.output.top_k].tolist(), logprobs[row, : j.output.top_k].tolist(), None)
+                for row, j in enumerate(jobs)
+            ]
+        pooled = masked_mean_pool(out, padded.attention_mask, normalize=False)
+        results: list[_Output] = []
+        for row, job in enumerate(jobs):
+            vec = pooled[row]
+            if job.output.normalize:
+                vec = vec / max(float(np.linalg.norm(vec)), 1e-12)
+            results.append((None, None, vec.astype(np.float32).tolist()))
+        return results
+
     def _compute(self, jobs: list[Job], reason: str, expired: int) -> None:
         started_unix = time.time()
         start = self.clock()
@@ -235,42 +254,20 @@ class Scheduler:
         out = self.engine.run(padded)
         inference_ms = (self.clock() - start) * 1000
         self.batches_run += 1
-        common = {
-            "batch_size": len(jobs),
-            "padded_tokens": padded.padded_tokens,
-            "inference_ms": inference_ms,
-            "batch_started_unix_s": started_unix,
-        }
-        if self.engine.card.kind == "causal_lm":
-            last = last_positions(out, padded.lengths)
-            k_max = max(j.output.top_k for j in jobs)
-            ids, logprobs = top_k_logprobs(last, k_max)
-            for row, job in enumerate(jobs):
-                k = job.output.top_k
-                job.future.set_result(
-                    JobResult(
-                        top_ids=ids[row, :k].tolist(),
-                        top_logprobs=logprobs[row, :k].tolist(),
-                        embedding=None,
-                        batch_wait_ms=(start - job.arrived_s) * 1000,
-                        **common,
-                    )
-                )  # type: ignore[arg-type]
-        else:
-            pooled = masked_mean_pool(out, padded.attention_mask, normalize=False)
-            for row, job in enumerate(jobs):
-                vec = pooled[row]
-                if job.output.normalize:
-                    vec = vec / max(float(np.linalg.norm(vec)), 1e-12)
-                job.future.set_result(
-                    JobResult(
-                        top_ids=None,
-                        top_logprobs=None,
-                        embedding=vec.astype(np.float32).tolist(),
-                        batch_wait_ms=(start - job.arrived_s) * 1000,
-                        **common,
-                    )
-                )  # type: ignore[arg-type]
+        outputs = self._outputs(jobs, out, padded)
+        for job, (top_ids, top_logprobs, embedding) in zip(jobs, outputs, strict=True):
+            job.future.set_result(
+                JobResult(
+                    top_ids=top_ids,
+                    top_logprobs=top_logprobs,
+                    embedding=embedding,
+                    batch_size=len(jobs),
+                    padded_tokens=padded.padded_tokens,
+                    batch_wait_ms=(start - job.arrived_s) * 1000,
+                    inference_ms=inference_ms,
+                    batch_started_unix_s=started_unix,
+                )
+            )
         stats = BatchStats(len(jobs), padded.real_tokens, padded.padded_tokens, inference_ms, reason, expired)
         for observer in self._observers:
             try:

@@ -131,8 +131,8 @@ class OpsFleet:
         self.procs: list[subprocess.Popen[bytes]] = []
         self._n = 0
 
-    def config(self, **overrides: Any) -> Path:
-        """Write a YAML config (LM + encoder, API key auth on, + ``overrides``); returns its path."""
+    def config(self, *, serve: tuple[str, ...] = ("demo-lm", "demo-encoder"), **overrides: Any) -> Path:
+        """Write a YAML config (API keys on, the ``serve`` models of demo-lm/demo-encoder, + ``overrides``)."""
         base = {
             "redis_url": self.redis_url,
             "result_ttl_s": 600,
@@ -145,6 +145,7 @@ class OpsFleet:
             },
             "api": {"api_keys": [API_KEY], "max_body_bytes": 4096, "max_batch_requests": 16},
         }
+        base["models"] = {name: spec for name, spec in base["models"].items() if name in serve}
         self._n += 1
         path = self.tmp_path / f"fleet-{self._n}.yaml"
         path.write_text(yaml.safe_dump(_merge(base, overrides)))
@@ -166,10 +167,16 @@ class OpsFleet:
 
     def gateway(self, config: Path) -> GatewayProcess:
         """A real ``fleet api`` process, answering /healthz."""
-        self._n += 1
-        gw = GatewayProcess(config, self.tmp_path / f"gateway-{self._n}.log")
-        self.gateways.append(gw)
-        return gw.wait_ready()
+        return self.gateway_replicas(config, 1)[0]
+
+    def gateway_replicas(self, config: Path, n: int) -> list[GatewayProcess]:
+        """``n`` real ``fleet api`` processes on one config, started together, all answering /healthz."""
+        started = []
+        for _ in range(n):
+            self._n += 1
+            started.append(GatewayProcess(config, self.tmp_path / f"gateway-{self._n}.log"))
+        self.gateways.extend(started)
+        return [gw.wait_ready() for gw in started]
 
     def spawn(self, cmd: list[str], env: dict[str, str] | None = None, name: str = "proc") -> subprocess.Popen[bytes]:
         """Any other long-running process (Flower); terminated at close."""
@@ -181,9 +188,10 @@ class OpsFleet:
         self.procs.append(proc)
         return proc
 
-    def fleet_cli(self, config: Path, *args: str) -> subprocess.CompletedProcess[str]:
-        """Run ``fleet <args> --config <config>`` to completion."""
-        return subprocess.run([sys.executable, "-m", "producer.cli", *args, "--config", str(config)], cwd=ROOT,
+    def fleet_cli(self, config: Path, *args: str, module: str = "producer.cli") -> subprocess.CompletedProcess[str]:
+        """Run ``fleet <args> --config <config>`` to completion (``module="producer.ops_cli"``: the
+        operator commands alone, which start faster)."""
+        return subprocess.run([sys.executable, "-m", module, *args, "--config", str(config)], cwd=ROOT,
                               capture_output=True, text=True, timeout=60, check=False)
 
     def close(self) -> None:

@@ -94,7 +94,7 @@ def test_queue_cap_refuses_with_retry_after_and_accepted_requests_complete(ops_f
 def test_two_gateways_share_one_token_bucket(ops_fleet: OpsFleet) -> None:
     capacity, refill_per_s = 10, 2.0
     config = ops_fleet.config(admission={"rate_capacity": capacity, "rate_refill_per_s": refill_per_s})
-    gateways = [ops_fleet.gateway(config), ops_fleet.gateway(config)]
+    gateways = ops_fleet.gateway_replicas(config, 2)
     clients = [httpx.Client(base_url=g.url, headers=AUTH, timeout=10) for g in gateways]
     body = {"model": "demo-lm", "input_ids": [1, 2]}
     bucket = RATE_KEY.format(key=rate_key_for(API_KEY))

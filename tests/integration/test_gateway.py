@@ -267,7 +267,6 @@ def _submit_anything(
         body["deadline_s"] = deadline_s
     resp = served.http.post("/v1/requests", json=body)
     assert resp.status_code in (202, 413, 422), (body, resp.text)
-    print("ANY", resp.status_code)
 
 
 def test_fuzzed_requests_for_a_real_model_never_crash_the_worker(served: Served) -> None:

@@ -37,7 +37,7 @@ def test_worker_logs_cpu_provider_and_answers_text(fleet: Fleet) -> None:
     result = client.result(rid, wait=True, timeout_s=30)
     assert result is not None
     assert result.request_id == "text-1" and result.model == "demo-lm" and result.version == "1.0.0"
-    assert result.input_tokens == len("hello fleet".encode())
+    assert result.input_tokens == len(b"hello fleet")
     assert result.top_k is not None and len(result.top_k) == 4
     logprobs = [t.logprob for t in result.top_k]
     assert logprobs == sorted(logprobs, reverse=True) and all(lp <= 0 for lp in logprobs)

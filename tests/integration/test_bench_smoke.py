@@ -1,0 +1,67 @@
+"""``fleet bench --quick`` end to end: the harness runs every phase on the real path and writes its report.
+
+A smoke run, not a speed test: it checks that every row was measured (or says why not), that the
+numbers are well formed, and that the Markdown, the JSON and the plots exist. Never asserts speed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.timeout(420)
+def test_quick_bench_end_to_end(tmp_path: Path) -> None:
+    out_md, img, raw = tmp_path / "benchmarks.md", tmp_path / "img", tmp_path / "benchmarks.json"
+    cmd = [
+        sys.executable, "-m", "producer.cli", "bench", "--quick", "--out", str(out_md), "--img-dir", str(img),
+        "--json", str(raw), "--work-dir", str(tmp_path / "work"),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "peer: skipped (--quick)" in done.stderr
+
+    results = json.loads(raw.read_text())
+    assert results["meta"]["quick"] is True
+    rows = results["rows"]
+    for key in ("baseline", "batching", "int8"):
+        assert rows[key]["status"] == "ok", key
+        assert rows[key]["peak_rss_bytes"] > 0 and rows[key]["model_bytes"] > 0
+        for wl in ("long", "short"):
+            entry = rows[key]["workloads"][wl]
+            for summary in (entry["lone"], entry["saturation"], *[p["summary"] for p in entry["open"]]):
+                assert summary["requests"] > 0 and summary["errors"] == 0, (key, wl)
+                lat = summary["latency"]
+                assert 0 < lat["p50_ms"] <= lat["p95_ms"] <= lat["p99_ms"] <= lat["max_ms"]
+                assert summary["mean_batch_size"] >= 1 and 0 < summary["padding_efficiency"] <= 1
+    assert rows["baseline"]["workloads"]["long"]["saturation"]["mean_batch_size"] == 1.0
+    assert rows["peer"]["status"] == "skipped (--quick)"
+    assert rows["tensorrt"]["status"] in ("needs a GPU", "ok")
+    for variant in ("fp32", "int8"):
+        for wl in ("long", "short"):
+            assert results["limit"][variant][wl]["best"]["qps"] > 0
+    dispatch = results["dispatch"]["loop"]
+    assert dispatch["summary"]["qps"] > 0 and dispatch["summary"]["errors"] == 0
+    assert set(dispatch["cpu_ms_per_request"]) == {"producer", "redis", "worker"}
+    assert dispatch["redis_calls_per_request"]["lpush"] >= 1  # one message per request
+    assert results["models"]["variants"]["dynamic"]["written"] is True
+
+    md = out_md.read_text()
+    for text in (
+        "baseline (FP32, max_batch_size 1)", "+ dynamic batching", "+ INT8 (dynamic)", "+ TensorRT EP FP16",
+        "limit: bare session.run", "peer: celery-batches", "skipped (--quick)", "## Dispatch cost", "## Targets",
+        "fleet bench --quick",
+    ):  # fmt: skip
+        assert text in md, text
+    if rows["tensorrt"]["status"] != "ok":
+        assert "needs a GPU" in md
+    for wl in ("long", "short"):
+        png = img / f"latency-vs-qps-{wl}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"img/latency-vs-qps-{wl}.png" in md

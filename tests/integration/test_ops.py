@@ -1,0 +1,129 @@
+"""Operating the fleet: readiness (/readyz and ``fleet probe``), ``fleet status``, Flower."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import httpx
+
+from producer.client import FleetClient
+from protocol.settings import load_settings
+from tests.integration.ops_fixtures import API_KEY, OpsFleet, ops_fleet, ops_models, ops_redis, wait_until
+from tools.redis_server import free_port
+
+__all__ = ["ops_fleet", "ops_models", "ops_redis"]
+
+
+def _probe(fleet: OpsFleet, config: Any, *args: str, full_cli: bool = False) -> int:
+    module = "producer.cli" if full_cli else "producer.ops_cli"
+    return fleet.fleet_cli(config, "probe", *args, module=module).returncode
+
+
+def test_readyz_and_probe_follow_the_worker(ops_fleet: OpsFleet) -> None:
+    config = ops_fleet.config(serve=("demo-lm",))
+    gateway = ops_fleet.gateway(config)
+    before = httpx.get(gateway.url + "/readyz")
+    assert before.status_code == 503 and before.json()["problems"] == ["model 'demo-lm' has no worker"]
+    assert _probe(ops_fleet, config, "ready", full_cli=True) == 1  # `fleet probe ready`
+    assert _probe(ops_fleet, config, "ready") == 1  # `python -m producer.ops_cli probe ready`
+    assert _probe(ops_fleet, config, "live") == 0  # Redis answers: the process may live on
+
+    worker = ops_fleet.worker(config, wait=False)
+    heartbeat = worker.wait_ready(60)
+    assert heartbeat["ready"] is True and heartbeat["providers"] == ["CPUExecutionProvider"]
+    after = httpx.get(gateway.url + "/readyz")
+    assert after.status_code == 200 and after.json() == {"ready": True, "problems": []}
+    assert _probe(ops_fleet, config, "ready", full_cli=True) == 0
+    assert _probe(ops_fleet, config, "ready", "--worker", worker.hostname) == 0
+    assert _probe(ops_fleet, config, "live", "--worker", worker.hostname) == 0
+    assert _probe(ops_fleet, config, "live", "--worker", "nobody@nowhere") == 1
+
+    worker.stop()  # a warm shutdown withdraws the heartbeat at once
+    assert httpx.get(gateway.url + "/readyz").status_code == 503
+    assert _probe(ops_fleet, config, "ready") == 1
+
+    ops_fleet.server.kill()  # Redis gone: not ready, not alive
+    try:
+        down = httpx.get(gateway.url + "/readyz")
+        assert down.status_code == 503 and "unreachable" in down.json()["problems"][0]
+        assert _probe(ops_fleet, config, "live") == 1
+        submit = httpx.post(gateway.url + "/v1/requests", headers={"X-API-Key": API_KEY},
+                            json={"model": "demo-lm", "input_ids": [1]})
+        assert submit.status_code == 503 and submit.headers["Retry-After"] == "5"
+    finally:
+        ops_fleet.server.start()
+
+
+def test_status_shows_workers_and_queues(ops_fleet: OpsFleet) -> None:
+    config = ops_fleet.config()
+    worker = ops_fleet.worker(config)  # demo-lm only: demo-encoder requests wait in their queue
+    client = FleetClient(load_settings(config))
+    try:
+        waiting = [client.submit("demo-encoder", [4, 5]) for _ in range(2)]
+        done = client.result(client.submit("demo-lm", [1, 2, 3]), wait=True, timeout_s=30)
+        assert done is not None and waiting
+    finally:
+        client.close()
+
+    out = ops_fleet.fleet_cli(config, "status", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    queues = {q["model"]: q for q in doc["queues"]}
+    assert queues["demo-encoder"]["depth"] == 2 and queues["demo-encoder"]["ready_workers"] == 0
+    assert queues["demo-encoder"]["oldest_waiting_s"] is not None and queues["demo-encoder"]["oldest_waiting_s"] >= 0
+    assert queues["demo-lm"]["depth"] == 0 and queues["demo-lm"]["ready_workers"] == 1
+    assert queues["demo-lm"]["drain_rate_per_s"] > 0
+    [w] = doc["workers"]
+    assert w["hostname"] == worker.hostname and w["ready"] is True and w["batches_run"] >= 1
+    assert doc["problems"] == ["model 'demo-encoder' has no worker"]
+
+    table = ops_fleet.fleet_cli(config, "status")
+    assert table.returncode == 0, table.stderr
+    text = table.stdout
+    assert "WORKERS" in text and "QUEUES" in text and worker.hostname in text
+    encoder_row = next(line for line in text.splitlines() if line.startswith("demo-encoder"))
+    assert encoder_row.split()[:4] == ["demo-encoder", "fleet.demo-encoder", "2", "10000"]
+    assert "NOT READY: model 'demo-encoder' has no worker" in text
+
+
+def test_flower_with_basic_auth_lists_tasks_the_worker_ran(ops_fleet: OpsFleet) -> None:
+    port = free_port()
+    auth = ("ops", "flower-pw-1")
+    config = ops_fleet.config(flower={"port": port, "basic_auth": ["ops:flower-pw-1"]})
+    # started as the README says: `fleet flower` (settings give the port and the basic-auth users)
+    flower = ops_fleet.spawn([sys.executable, "-m", "producer.cli", "flower", "--config", str(config)],
+                             name="flower")
+    worker = ops_fleet.worker(config)
+    url = f"http://127.0.0.1:{port}"
+
+    def lists_worker() -> bool:
+        assert flower.poll() is None, "flower exited"
+        try:
+            resp = httpx.get(url + "/api/workers", auth=auth, params={"refresh": "true"}, timeout=5)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200 and worker.hostname in resp.json()
+
+    wait_until(lists_worker, 60, "Flower to list the worker", poll_s=0.3)
+    assert httpx.get(url + "/api/tasks").status_code == 401
+    assert httpx.get(url + "/api/tasks", auth=("ops", "wrong")).status_code == 401
+
+    client = FleetClient(load_settings(config))
+    try:
+        ids = [client.submit("demo-lm", [5, 6, i], request_id=f"flower-{i}") for i in range(3)]
+        assert all(r is not None for r in (client.result(rid, wait=True, timeout_s=30) for rid in ids))
+    finally:
+        client.close()
+
+    def tasks_listed() -> dict[str, Any] | None:
+        tasks: dict[str, Any] = httpx.get(url + "/api/tasks", auth=auth, timeout=5).json()
+        ok = all(tasks.get(rid, {}).get("state") == "SUCCESS" for rid in ids)
+        return tasks if ok else None
+
+    tasks = wait_until(tasks_listed, 30, "Flower to list the three tasks as SUCCESS", poll_s=0.3)
+    for rid in ids:
+        assert tasks[rid]["name"] == "fleet.infer" and tasks[rid]["worker"] == worker.hostname
+    info = httpx.get(f"{url}/api/task/info/flower-0", auth=auth, timeout=5).json()
+    assert "'model': 'demo-lm'" in info["args"] and "flower-0" in info["result"]
