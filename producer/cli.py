@@ -13,6 +13,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kombu.exceptions import OperationalError as KombuOperationalError
+from redis.exceptions import ConnectionError as RedisConnectionError
+
 from protocol.errors import ConfigError, FleetError, InvalidRequest
 
 __all__ = ["main"]
@@ -226,6 +229,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FleetError as exc:
         _print(exc.to_payload())
         print(f"fleet: {exc}", file=sys.stderr)
+        return 1
+    except (RedisConnectionError, KombuOperationalError) as exc:
+        url = os.environ.get("FLEET_REDIS_URL", "the redis_url setting")
+        print(f"fleet: cannot reach Redis ({url}): {exc} — start one with `fleet redis` or set FLEET_REDIS_URL.",
+              file=sys.stderr)
         return 1
 
 

@@ -219,19 +219,40 @@ class FleetClient:
         return rid
 
     def submit_many(
-        self, model: str, inputs: Iterable[Sequence[int] | str], *, progress: bool = True, **options: Any
+        self,
+        model: str,
+        inputs: Iterable[Sequence[int] | str],
+        *,
+        progress: bool = True,
+        threads: int = 1,
+        **options: Any,
     ) -> list[str]:
-        """Submit many requests (token-id lists or texts); shows a progress bar when ``progress``."""
+        """Submit many requests (token-id lists or texts) in order; returns their IDs.
+
+        ``threads`` > 1 submits from that many threads at once (concurrent producers); a progress
+        bar shows when ``progress``. Every request is validated first, so a bad one raises before
+        any of them is queued.
+        """
+        from concurrent.futures import ThreadPoolExecutor
+
         from tqdm import tqdm
 
-        items = list(inputs)
-        ids = []
-        for item in tqdm(items, desc=f"submit {model}", unit="req", disable=not progress):
-            if isinstance(item, str):
-                ids.append(self.submit(model, text=item, **options))
-            else:
-                ids.append(self.submit(model, item, **options))
-        return ids
+        requests = [
+            self.build_request(model, text=item, **options) if isinstance(item, str)
+            else self.build_request(model, item, **options)
+            for item in inputs
+        ]
+        with tqdm(total=len(requests), desc=f"submit {model}", unit="req", disable=not progress) as bar:
+
+            def send_one(request: InferenceRequest) -> str:
+                rid = self.send(request)
+                bar.update(1)
+                return rid
+
+            if threads <= 1:
+                return [send_one(r) for r in requests]
+            with ThreadPoolExecutor(threads) as pool:
+                return list(pool.map(send_one, requests))
 
     # -- status and results ----------------------------------------------------------------------
     def _async(self, request_id: str) -> AsyncResult:

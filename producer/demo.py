@@ -172,7 +172,7 @@ def _drive(
         args.requests, card.vocab_size, settings.model("demo-lm").limits.max_input_tokens, rng
     )
     started = time.perf_counter()
-    ids = client.submit_many("demo-lm", items, progress=True, top_k=3)
+    ids = client.submit_many("demo-lm", items, progress=True, threads=16, top_k=3)  # 16 concurrent producers
     enc_ids = client.submit_many("demo-encoder", PROMPTS, progress=False) if "demo-encoder" in models else []
     results = client.wait(ids + enc_ids, timeout_s=300)
     elapsed = time.perf_counter() - started

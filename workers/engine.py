@@ -22,12 +22,12 @@ import numpy.typing as npt
 import onnx
 import onnxruntime as ort
 
-from protocol.errors import ModelLoadError, ProviderUnavailable
+from protocol.errors import ConfigError, ModelLoadError, ProviderUnavailable
 from protocol.modelcard import ModelCard
 from protocol.settings import BatchingSettings, EngineSettings, LimitSettings
 from workers.padding import PaddedBatch, pad_batch
 
-__all__ = ["Engine", "provider_chain", "session_options"]
+__all__ = ["Engine", "check_single_ort_build", "provider_chain", "session_options"]
 
 log = logging.getLogger("fleet.engine")
 
@@ -37,6 +37,31 @@ _OPT_LEVELS = {
     "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
+
+
+def check_single_ort_build() -> str:
+    """The installed ONNX Runtime distribution; refuses an environment that has both builds.
+
+    ``onnxruntime`` and ``onnxruntime-gpu`` share one module folder, so installing both leaves a
+    mix of files from each: whichever was installed last wins some of them.
+
+    Raises:
+        ConfigError: both distributions are installed.
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for dist in ("onnxruntime", "onnxruntime-gpu"):
+        try:
+            found[dist] = version(dist)
+        except PackageNotFoundError:
+            continue
+    if len(found) > 1:
+        raise ConfigError(
+            f"both onnxruntime builds are installed ({found}); they share one module folder and break each "
+            "other: pip uninstall -y onnxruntime onnxruntime-gpu, then install exactly one "
+            "(pip install 'onnx-fleet[cpu]' or 'onnx-fleet[gpu]')", "onnxruntime", "exactly one build")
+    return ", ".join(f"{k} {v}" for k, v in found.items()) or f"onnxruntime {ort.__version__}"
 
 
 def session_options(engine: EngineSettings) -> ort.SessionOptions:
@@ -140,6 +165,7 @@ class Engine:
         trt = "TensorrtExecutionProvider" in ort.get_available_providers()
         names = graph_input_names(model_path) if trt else []
         self.requested = provider_chain(engine, batching, limits, card, names)
+        self.ort_build = check_single_ort_build()
         started = time.perf_counter()
         try:
             self.session = ort.InferenceSession(
@@ -153,10 +179,11 @@ class Engine:
         self.load_ms = (time.perf_counter() - started) * 1000
         self.providers: list[str] = list(self.session.get_providers())
         log.info(
-            "model %s %s loaded in %.0f ms; providers requested %s; ACTIVE %s",
+            "model %s %s loaded in %.0f ms with %s; providers requested %s; ACTIVE %s",
             card.name,
             card.version,
             self.load_ms,
+            self.ort_build,
             [n for n, _ in self.requested],
             self.providers,
         )

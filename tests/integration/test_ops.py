@@ -67,7 +67,7 @@ def test_status_shows_workers_and_queues(ops_fleet: OpsFleet) -> None:
     finally:
         client.close()
 
-    out = ops_fleet.fleet_cli(config, "status", "--json")
+    out = ops_fleet.fleet_cli(config, "status", "--json", module="producer.ops_cli")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     queues = {q["model"]: q for q in doc["queues"]}
