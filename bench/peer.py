@@ -139,22 +139,21 @@ class PeerWorker:
         assert self.proc is not None
         return int(self.proc.pid)
 
-    def start(self, timeout_s: float = 180.0) -> None:
-        """Spawn the worker and wait for its ready key (model loaded and warmed up).
+    def spawn(self) -> None:
+        """Start the worker process (returns at once; see :meth:`wait_ready`)."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            self.cmd, cwd=self.cwd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        """Block until the worker's ready key appears (model loaded and warmed up).
 
         Raises:
             RuntimeError: it exited first; TimeoutError: not ready within ``timeout_s``.
         """
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            self.cmd,
-            cwd=self.cwd,
-            env=self.env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        assert self.proc is not None, "spawn() first"
         client = redis.Redis.from_url(self.redis_url)
         deadline = time.monotonic() + timeout_s
         try:

@@ -6,6 +6,7 @@ the worker and the client at it), its own worker subprocess, and the same privat
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,15 @@ from producer.client import FleetClient
 from protocol.settings import FleetSettings, load_settings
 from tools.processes import WorkerProcess
 
-__all__ = ["CpuMeter", "FleetConfig", "RunningFleet", "flush_redis", "peak_rss_bytes", "redis_commandstats"]
+LEAN_OVERRIDES: dict[str, Any] = {
+    "worker_send_task_events": False,
+    "task_send_sent_event": False,
+    "task_track_started": False,
+    "result_extended": False,
+}
+"""Celery settings the lean measurement turns off (all per-task extras of protocol/celeryconf.py)."""
+
+__all__ = ["LEAN_OVERRIDES", "CpuMeter", "FleetConfig", "RunningFleet", "flush_redis", "peak_rss_bytes", "redis_commandstats"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,9 @@ class FleetConfig:
     engine_extra: dict[str, Any] = field(default_factory=dict)
     celery_loglevel: str = "INFO"
     """Celery's own log level (``fleet worker``'s default INFO logs every task twice)."""
+    lean: bool = False
+    """Measurement only: run the worker through :mod:`bench.lean_worker` with Celery's per-task
+    extras off (task events, STARTED state, extended results), to price them."""
 
     def yaml_doc(self, redis_url: str) -> dict[str, Any]:
         """The settings document for ``FLEET_CONFIG``."""
@@ -132,8 +144,13 @@ class RunningFleet:
         )
         cmd = self.worker.cmd
         cmd[cmd.index("--loglevel") + 1] = config.celery_loglevel
+        if config.lean:  # [python, -m, celery, -A, workers.app, worker, …] → [python, -m, bench.lean_worker, worker, …]
+            cmd[1:5] = ["-m", "bench.lean_worker"]
+            cmd.remove("-E")
+            self.worker.env["BENCH_CELERY_OVERRIDES"] = json.dumps(LEAN_OVERRIDES)
         self.client: FleetClient | None = None
         self.start_s = 0.0
+        self._began = 0.0
 
     @property
     def pid(self) -> int:
@@ -141,14 +158,24 @@ class RunningFleet:
         assert self.worker.proc is not None
         return int(self.worker.proc.pid)
 
-    def start(self, timeout_s: float = 180.0) -> FleetClient:
-        """Start the worker, wait until ready, return a client (seconds to ready in ``start_s``)."""
-        began = time.monotonic()
+    def spawn(self) -> None:
+        """Start the worker process (returns at once; see :meth:`ready`)."""
+        self._began = time.monotonic()
         self.worker.start()
+
+    def ready(self, timeout_s: float = 180.0) -> FleetClient:
+        """Wait until the worker's heartbeat says ready; return a client (seconds to ready in ``start_s``)."""
         self.worker.wait_ready(timeout_s)
-        self.start_s = time.monotonic() - began
+        self.start_s = time.monotonic() - self._began
         self.client = FleetClient(self.settings)
+        if self.config.lean:
+            self.client.app.conf.task_send_sent_event = False
         return self.client
+
+    def start(self, timeout_s: float = 180.0) -> FleetClient:
+        """:meth:`spawn` then :meth:`ready`."""
+        self.spawn()
+        return self.ready(timeout_s)
 
     def stop(self) -> None:
         """Stop the worker (warm shutdown) and close the client."""

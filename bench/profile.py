@@ -1,8 +1,9 @@
 """Where a process's CPU goes: py-spy sampling, folded into components (parsing is pure).
 
-``py-spy record --format raw`` writes one line per distinct stack, ``frame;frame;…;leaf count``,
-each frame ``function (path/to/file.py:line)``. Idle threads are not sampled, so every sample is
-CPU time. :func:`fold_components` answers "what share of the samples ran inside X" for a fixed
+``py-spy record --gil --format raw`` writes one line per distinct stack, ``frame;frame;…;leaf
+count``, each frame ``function (package/file.py:line)``. Only the thread holding the GIL is
+sampled, so the samples show where the process's Python-level CPU goes (time inside C code that
+releases the GIL, such as ``session.run`` or a socket wait, is not sampled). :func:`fold_components` answers "what share of the samples ran inside X" for a fixed
 list of components (a sample counts for every component on its stack), and
 :func:`top_functions` lists the heaviest leaf functions.
 """
@@ -19,18 +20,20 @@ from pathlib import Path
 __all__ = ["COMPONENTS", "fold_components", "parse_raw", "py_spy_path", "record", "top_functions"]
 
 COMPONENTS: tuple[tuple[str, str], ...] = (
-    ("ONNX Runtime session.run", r"onnxruntime/capi/onnxruntime_inference_collection\.py"),
-    ("result store (celery.backends)", r"celery/backends/"),
-    ("task events (celery.events)", r"celery/events/"),
-    ("logging", r"/logging/"),
-    ("message decode/ack (kombu)", r"kombu/"),
-    ("Redis client (redis-py)", r"/redis/"),
-    ("JSON (de)serialization", r"/json/|kombu/serialization\.py"),
-    ("pydantic validation", r"pydantic"),
-    ("Celery task tracing (celery.app.trace)", r"celery/app/trace\.py"),
-    ("Celery worker/consumer (celery.worker)", r"celery/worker/"),
-    ("fleet worker code (workers/)", r"/workers/"),
-    ("fleet client code (producer/)", r"/producer/"),
+    ("ONNX Runtime session.run", r"(^|/)onnxruntime/capi/onnxruntime_inference_collection\.py"),
+    ("result store (celery.backends)", r"(^|/)celery/backends/"),
+    ("task events (celery.events)", r"(^|/)celery/events/"),
+    ("logging", r"(^|/)logging/"),
+    ("message transport (kombu)", r"(^|/)kombu/"),
+    ("Redis client (redis-py)", r"(^|/)redis/"),
+    ("JSON (de)serialization", r"(^|/)json/|kombu/serialization\.py"),
+    ("pydantic validation", r"(^|/)pydantic"),
+    ("Celery task tracing (celery.app.trace)", r"(^|/)celery/app/trace\.py"),
+    ("Celery worker/consumer (celery.worker)", r"(^|/)celery/worker/"),
+    ("Celery producer (celery.app.amqp/base)", r"(^|/)celery/app/(amqp|base)\.py"),
+    ("Celery result waiting (celery.result)", r"(^|/)celery/result\.py|celery/backends/asynchronous\.py"),
+    ("fleet worker code (workers/)", r"(^|/)workers/"),
+    ("fleet client code (producer/)", r"(^|/)producer/"),
 )
 """(label, regular expression on a frame's file path) of the components reported."""
 
@@ -97,7 +100,7 @@ def _short(file: str) -> str:
 
 
 def record(pid: int, duration_s: float, out_file: Path, rate_hz: int = 200) -> subprocess.Popen[bytes]:
-    """Start ``py-spy record`` on ``pid`` for ``duration_s`` (non-blocking sampling); returns the process.
+    """Start ``py-spy record --gil`` on ``pid`` for ``duration_s`` (non-blocking); returns the process.
 
     Raises:
         FileNotFoundError: py-spy is not installed.
@@ -119,5 +122,6 @@ def record(pid: int, duration_s: float, out_file: Path, rate_hz: int = 200) -> s
         "--output",
         str(out_file),
         "--nonblocking",
+        "--gil",
     ]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

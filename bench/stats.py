@@ -21,6 +21,7 @@ __all__ = [
     "poisson_arrivals",
     "summarize_latencies",
     "summarize_run",
+    "summarize_runs",
 ]
 
 
@@ -140,16 +141,30 @@ def summarize_run(records: Sequence[RequestRecord], window: tuple[float, float] 
             a closed loop: warm-up and drain excluded); None = from the first submit to the last
             completion (an open loop or a fixed number of requests).
     """
-    ok = [r for r in records if r.error is None]
-    errors = len(records) - len(ok)
-    if window is None:
-        start = min((r.submit_s for r in records), default=0.0)
-        end = max((r.done_s for r in records), default=0.0)
-        counted = ok
-    else:
-        start, end = window
-        counted = [r for r in ok if start <= r.done_s <= end]
-    span = max(end - start, 1e-9)
+    return summarize_runs([(records, window)])
+
+
+def summarize_runs(runs: Sequence[tuple[Sequence[RequestRecord], tuple[float, float] | None]]) -> RunSummary:
+    """Pool several runs of one configuration (e.g. interleaved rounds) into one summary.
+
+    Each run is ``(records, window)`` as for :func:`summarize_run`; QPS is the counted requests
+    over the summed windows, and the latency percentiles are over every counted request.
+    """
+    counted: list[RequestRecord] = []
+    errors = 0
+    span = 0.0
+    for records, window in runs:
+        ok = [r for r in records if r.error is None]
+        errors += len(records) - len(ok)
+        if window is None:
+            start = min((r.submit_s for r in records), default=0.0)
+            end = max((r.done_s for r in records), default=0.0)
+            counted += ok
+        else:
+            start, end = window
+            counted += [r for r in ok if start <= r.done_s <= end]
+        span += max(end - start, 0.0)
+    span = max(span, 1e-9)
     mean_batch, padding = batch_figures(counted)
     return RunSummary(
         requests=len(counted),

@@ -8,7 +8,7 @@
     DELETE /v1/requests/{id}      200 | 404 | 409     cancel a request that has not run
     GET    /v1/models             200                 configured models, versions, readiness
     GET    /healthz               200                 the process is alive
-    GET    /readyz                200 | 503           Redis reachable and >= 1 ready worker per model
+    GET    /readyz[?model=m]      200 | 503           Redis reachable and >= 1 ready worker per model
     GET    /metrics               200                 Prometheus text (plain, no auth)
     GET    /docs, /openapi.json                       OpenAPI
 
@@ -30,7 +30,7 @@ from typing import Annotated, Any
 
 import redis
 from celery.result import AsyncResult
-from fastapi import APIRouter, Depends, FastAPI, Path, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import APIKeyHeader
@@ -59,6 +59,7 @@ from protocol.errors import (
     InvalidRequest,
     RequestCancelled,
     RequestNotFound,
+    UnknownModel,
     error_from_payload,
 )
 from protocol.messages import InferenceRequest, decode_result
@@ -259,9 +260,13 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz", tags=["ops"], responses={503: {"description": "not ready; 'problems' says why"}})
-def readyz(gw: GatewayDep) -> JSONResponse:
-    """Ready when Redis answers and every configured model has at least one ready worker."""
-    problems = readiness_problems(read_fleet_state(gw.settings, gw.fleet.redis))
+def readyz(
+    gw: GatewayDep,
+    model: Annotated[list[str] | None, Query(description="Only these models need a worker (default: all).")] = None,
+) -> JSONResponse:
+    """Ready when Redis answers and every configured model (or each ``model`` given) has a ready worker."""
+    wanted = None if model is None else [_model_key_or_name(gw.settings, m) for m in model]
+    problems = readiness_problems(read_fleet_state(gw.settings, gw.fleet.redis), wanted)
     return JSONResponse({"ready": not problems, "problems": problems}, status_code=503 if problems else 200)
 
 
@@ -274,6 +279,8 @@ def prometheus(gw: GatewayDep) -> Response:
 def create_app(settings: FleetSettings, client: FleetClient | None = None) -> FastAPI:
     """The gateway app for ``settings``; it owns ``client`` (default: a new one) and closes it at shutdown."""
     gateway = Gateway(settings, client or FleetClient(settings))
+    if not settings.api.api_keys:
+        log.warning("api.api_keys is empty: /v1/* answers without an API key (set FLEET_API__API_KEYS)")
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -299,13 +306,18 @@ def create_app(settings: FleetSettings, client: FleetClient | None = None) -> Fa
     return app
 
 
+def _model_key_or_name(settings: FleetSettings, name: str) -> str:
+    try:
+        return settings.model_key(name)
+    except UnknownModel:
+        return name
+
+
 def _view(fleet: FleetClient, request_id: str) -> RequestView:
     """The request's status, plus its result or error, read without blocking."""
     status = fleet.status(request_id)
     if status is RequestStatus.NOT_FOUND:
-        raise RequestNotFound(
-            f"no request {request_id!r} is known (never submitted, or expired)", "request_id", None
-        )
+        raise RequestNotFound(f"no request {request_id!r} is known (never submitted, or expired)", "request_id", None)
     view = RequestView(request_id=request_id, status=status)
     if status in (RequestStatus.QUEUED, RequestStatus.RUNNING):
         return view

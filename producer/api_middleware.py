@@ -139,9 +139,7 @@ class _FleetCollector(Collector):
 class GatewayMetrics:
     """The gateway's series, in their own registry (one per app)."""
 
-    def __init__(
-        self, registry: CollectorRegistry, settings: FleetSettings, client: redis.Redis[bytes]
-    ) -> None:
+    def __init__(self, registry: CollectorRegistry, settings: FleetSettings, client: redis.Redis[bytes]) -> None:
         self.requests = Counter(
             "fleet_gateway_requests",
             "HTTP requests, by route, method and status.",
@@ -161,6 +159,8 @@ class GatewayMetrics:
             ["reason"],
             registry=registry,
         )
+        for reason in ("queue_full", "rate_limited"):
+            self.refused.labels(reason)  # export zeros, so rate() sees the series from the start
         registry.register(_FleetCollector(settings, client))
 
 

@@ -104,7 +104,7 @@ class ModelInfo(BaseModel):
 
     name: str
     queue: str
-    version: str | None = Field(description="Configured version (None: whatever the model card says).")
+    version: str | None = Field(description="Configured version, else the model card's (None: unknown).")
     served_versions: list[str] = Field(description="Versions that ready workers serve now.")
     ready: bool = Field(description="At least one ready worker serves this model.")
     ready_workers: int

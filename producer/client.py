@@ -37,7 +37,15 @@ from protocol.errors import (
     error_from_payload,
 )
 from protocol.keys import CANCEL_KEY, CARD_KEY, REQUEST_KEY
-from protocol.messages import TASK_NAME, InferenceRequest, InferenceResult, OutputSpec, decode_result
+from protocol.messages import (
+    BULK_TASK_NAME,
+    MAX_BULK_REQUESTS,
+    TASK_NAME,
+    InferenceRequest,
+    InferenceResult,
+    OutputSpec,
+    decode_result,
+)
 from protocol.modelcard import ModelCard, load_card
 from protocol.settings import FleetSettings, load_settings
 from protocol.tokenization import Tokenizer, load_tokenizer
@@ -111,9 +119,7 @@ class FleetClient:
         """
         _, info = self._model(model)
         if info.tokenizer is None:
-            raise InvalidRequest(
-                f"no tokenizer for model {model!r} on this machine; send token ids", "text", None
-            )
+            raise InvalidRequest(f"no tokenizer for model {model!r} on this machine; send token ids", "text", None)
         return info.tokenizer.encode(text)
 
     def build_request(
@@ -238,7 +244,8 @@ class FleetClient:
         from tqdm import tqdm
 
         requests = [
-            self.build_request(model, text=item, **options) if isinstance(item, str)
+            self.build_request(model, text=item, **options)
+            if isinstance(item, str)
             else self.build_request(model, item, **options)
             for item in inputs
         ]
@@ -253,6 +260,56 @@ class FleetClient:
                 return [send_one(r) for r in requests]
             with ThreadPoolExecutor(threads) as pool:
                 return list(pool.map(send_one, requests))
+
+    def submit_bulk(
+        self,
+        model: str,
+        inputs: Iterable[Sequence[int] | str],
+        *,
+        chunk_size: int = 512,
+        progress: bool = False,
+        rate_key: str | None = None,
+        **options: Any,
+    ) -> list[str]:
+        """Queue many requests as ``fleet.infer_bulk`` messages of ``chunk_size`` requests each.
+
+        Each request still gets its own ID and result (``result``/``wait``/``status`` work as for
+        ``submit``), but the broker and backend work is paid per message: use it when one Celery
+        task per request is the bottleneck. Flower shows the bulk tasks, not each request.
+
+        Raises:
+            InvalidRequest: a bad request (nothing is queued); QueueFull / RateLimited from admission.
+        """
+        from tqdm import tqdm
+
+        if not 1 <= chunk_size <= MAX_BULK_REQUESTS:
+            raise InvalidRequest(f"chunk_size must be in [1, {MAX_BULK_REQUESTS}]", "chunk_size", MAX_BULK_REQUESTS)
+        requests = [
+            self.build_request(model, text=item, **options)
+            if isinstance(item, str)
+            else self.build_request(model, item, **options)
+            for item in inputs
+        ]
+        key = self.settings.model_key(model)
+        queue = self.settings.queue_for(key)
+        ids: list[str] = []
+        with tqdm(total=len(requests), desc=f"bulk {key}", unit="req", disable=not progress) as bar:
+            for start in range(0, len(requests), chunk_size):
+                chunk = requests[start : start + chunk_size]
+                self.admission.admit(key, count=len(chunk), rate_key=rate_key)
+                with self.redis.pipeline(transaction=False) as pipe:
+                    for r in chunk:
+                        marker = json.dumps({"model": key, "submitted_at_unix_s": r.submitted_at_unix_s})
+                        pipe.set(REQUEST_KEY.format(id=r.request_id), marker, ex=self.settings.result_ttl_s)
+                    pipe.execute()
+                self.app.send_task(
+                    BULK_TASK_NAME,
+                    args=[{"requests": [r.model_dump(mode="json", exclude_none=True) for r in chunk]}],
+                    queue=queue,
+                )
+                ids.extend(str(r.request_id) for r in chunk)
+                bar.update(len(chunk))
+        return ids
 
     # -- status and results ----------------------------------------------------------------------
     def _async(self, request_id: str) -> AsyncResult:
@@ -281,9 +338,7 @@ class FleetClient:
             return RequestStatus.QUEUED
         return RequestStatus.NOT_FOUND
 
-    def result(
-        self, request_id: str, *, wait: bool = False, timeout_s: float | None = None
-    ) -> InferenceResult | None:
+    def result(self, request_id: str, *, wait: bool = False, timeout_s: float | None = None) -> InferenceResult | None:
         """The result of ``request_id``; None if not ready and ``wait`` is False.
 
         Raises:
@@ -299,28 +354,54 @@ class FleetClient:
         try:
             value = res.get(timeout=timeout_s, propagate=False, interval=0.05)
         except CeleryTimeout as exc:
-            raise ResultTimeout(
-                f"no result for {request_id} within {timeout_s} s", "timeout_s", timeout_s
-            ) from exc
+            raise ResultTimeout(f"no result for {request_id} within {timeout_s} s", "timeout_s", timeout_s) from exc
         if res.state == "SUCCESS":
             return decode_result(value)
         if res.state == "REVOKED":
             raise RequestCancelled(f"request {request_id} was cancelled", "request_id", None)
         raise self._as_fleet_error(value)
 
-    def wait(self, request_ids: Sequence[str], timeout_s: float = 60.0) -> list[InferenceResult | FleetError]:
-        """Results (or errors) of many requests, in order, waiting up to ``timeout_s`` overall."""
+    def wait(
+        self, request_ids: Sequence[str], timeout_s: float = 60.0, *, poll_s: float = 0.005
+    ) -> list[InferenceResult | FleetError]:
+        """Results (or errors) of many requests, in order, waiting up to ``timeout_s`` overall.
+
+        Polls the result keys with MGET (one round trip per poll for up to 1,000 IDs), backing off
+        from ``poll_s`` to 100 ms; a request still unfinished at the deadline gets ``ResultTimeout``.
+        """
         deadline = time.monotonic() + timeout_s
-        out: list[InferenceResult | FleetError] = []
-        for rid in request_ids:
-            try:
-                remaining = max(0.01, deadline - time.monotonic())
-                result = self.result(rid, wait=True, timeout_s=remaining)
-                assert result is not None
-                out.append(result)
-            except FleetError as exc:
-                out.append(exc)
-        return out
+        backend = self.app.backend
+        done: dict[str, InferenceResult | FleetError] = {}
+        remaining = list(dict.fromkeys(request_ids))
+        while remaining:
+            for start in range(0, len(remaining), 1000):
+                chunk = remaining[start : start + 1000]
+                raws = self.redis.mget([backend.get_key_for_task(rid) for rid in chunk])
+                for rid, raw in zip(chunk, raws, strict=True):
+                    if raw is not None:
+                        outcome = self._outcome(rid, backend.decode_result(raw))
+                        if outcome is not None:
+                            done[rid] = outcome
+            remaining = [rid for rid in remaining if rid not in done]
+            if remaining and time.monotonic() >= deadline:
+                for rid in remaining:
+                    done[rid] = ResultTimeout(f"no result for {rid} within {timeout_s} s", "timeout_s", timeout_s)
+                break
+            if remaining:
+                time.sleep(poll_s)
+                poll_s = min(0.1, poll_s * 1.5)
+        return [done[rid] for rid in request_ids]
+
+    def _outcome(self, request_id: str, meta: dict[str, Any]) -> InferenceResult | FleetError | None:
+        """A finished request's result or error from its stored Celery meta; None while not finished."""
+        state = meta.get("status")
+        if state == "SUCCESS":
+            return decode_result(meta["result"])
+        if state == "FAILURE":
+            return self._as_fleet_error(meta["result"])
+        if state == "REVOKED":
+            return RequestCancelled(f"request {request_id} was cancelled", "request_id", None)
+        return None
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request that has not run; returns False when it already finished or runs."""

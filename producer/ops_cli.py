@@ -108,9 +108,7 @@ def format_status(doc: dict[str, Any]) -> str:
     if not workers:
         lines.append("(no live worker)")
     lines += ["", "QUEUES"]
-    lines += _table(
-        ["MODEL", "QUEUE", "DEPTH", "CAP", "IN-FLIGHT", "READY", "OLDEST WAITING", "DRAIN REQ/S"], queues
-    )
+    lines += _table(["MODEL", "QUEUE", "DEPTH", "CAP", "IN-FLIGHT", "READY", "OLDEST WAITING", "DRAIN REQ/S"], queues)
     if doc["problems"]:
         lines += ["", "NOT READY: " + "; ".join(doc["problems"])]
     return "\n".join(lines)
@@ -123,8 +121,7 @@ def status_document(settings: FleetSettings, client: redis.Redis[bytes]) -> dict
     now_s = time.time()
     state = read_fleet_state(settings, client, now_s)
     workers = [
-        {**w, "heartbeat_age_s": round(now_s - float(w.get("heartbeat_unix_s") or now_s), 3)}
-        for w in state.workers
+        {**w, "heartbeat_age_s": round(now_s - float(w.get("heartbeat_unix_s") or now_s), 3)} for w in state.workers
     ]
     queues = [
         {
@@ -194,9 +191,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 
 # -- fleet flower ----------------------------------------------------------------------------------
-def flower_command(
-    settings: FleetSettings, host: str | None, port: int | None
-) -> tuple[list[str], dict[str, str]]:
+def flower_command(settings: FleetSettings, host: str | None, port: int | None) -> tuple[list[str], dict[str, str]]:
     """The Flower command line and its environment (basic auth travels in env, not in ``ps``).
 
     Raises:
@@ -233,9 +228,7 @@ def register(sub: Any) -> None:
     """Add ``api``, ``status``, ``probe`` and ``flower`` to the ``fleet`` sub-parsers."""
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
-            "--config", default=None, help="YAML settings (default: $FLEET_CONFIG or configs/fleet.yaml)"
-        )
+        p.add_argument("--config", default=None, help="YAML settings (default: $FLEET_CONFIG or configs/fleet.yaml)")
 
     p = sub.add_parser("api", help="run the HTTP gateway (FastAPI + uvicorn)")
     common(p)
@@ -254,9 +247,7 @@ def register(sub: Any) -> None:
     common(p)
     p.add_argument("kind", choices=["ready", "live"])
     p.add_argument("--worker", default=None, help="check this worker's heartbeat (its Celery hostname)")
-    p.add_argument(
-        "--model", action="append", default=None, help="ready: only these models need a worker (repeatable)"
-    )
+    p.add_argument("--model", action="append", default=None, help="ready: only these models need a worker (repeatable)")
     p.set_defaults(func=cmd_probe)
 
     p = sub.add_parser("flower", help="run Flower on the fleet's Redis, with basic auth from settings")

@@ -13,12 +13,15 @@ import base64
 import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import redis
 
 from producer.admission import Admission, queue_depth
-from protocol.keys import WORKER_KEY_PREFIX
+from protocol.errors import ModelLoadError
+from protocol.keys import CARD_KEY, WORKER_KEY_PREFIX
+from protocol.modelcard import ModelCard, card_path_for, load_card
 from protocol.settings import FleetSettings
 
 __all__ = [
@@ -45,6 +48,7 @@ class ModelState:
     drain_rate_per_s: float
     workers: list[dict[str, Any]]
     configured_version: str | None
+    """``models.<name>.version``, else the version in the model card (None when neither is known)."""
 
     @property
     def ready_workers(self) -> int:
@@ -110,9 +114,7 @@ def oldest_waiting_age_s(client: redis.Redis[bytes], queue: str, now_s: float) -
     return None if submitted is None else max(0.0, now_s - submitted)
 
 
-def read_fleet_state(
-    settings: FleetSettings, client: redis.Redis[bytes], now_s: float | None = None
-) -> FleetState:
+def read_fleet_state(settings: FleetSettings, client: redis.Redis[bytes], now_s: float | None = None) -> FleetState:
     """Heartbeats and queue figures for every configured model (never raises on a Redis outage)."""
     now_s = time.time() if now_s is None else now_s
     try:
@@ -130,12 +132,23 @@ def read_fleet_state(
                     oldest_waiting_s=oldest_waiting_age_s(client, queue, now_s),
                     drain_rate_per_s=admission.drain_rate_per_s(name),
                     workers=[w for w in workers if w.get("model") == name],
-                    configured_version=model.version,
+                    configured_version=model.version or _card_version(client, name, model.path),
                 )
             )
     except redis.RedisError as exc:
         return FleetState(redis_error=f"Redis at {_safe_url(settings.redis_url)} unreachable: {exc}")
     return FleetState(redis_error=None, models=models, workers=workers)
+
+
+def _card_version(client: redis.Redis[bytes], model: str, path: Path) -> str | None:
+    """The version in the model's card: the file next to the model, else the copy a worker published."""
+    try:
+        if card_path_for(path).exists():
+            return load_card(path).version
+        raw = client.get(CARD_KEY.format(model=model))
+        return ModelCard.model_validate_json(raw).version if raw else None
+    except (ModelLoadError, ValueError):
+        return None
 
 
 def readiness_problems(state: FleetState, models: list[str] | None = None) -> list[str]:

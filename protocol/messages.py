@@ -21,6 +21,8 @@ from protocol.errors import DecodeError
 
 __all__ = [
     "SCHEMA_VERSION",
+    "BULK_TASK_NAME",
+    "MAX_BULK_REQUESTS",
     "TASK_NAME",
     "InferenceRequest",
     "InferenceResult",
@@ -33,6 +35,9 @@ __all__ = [
 
 SCHEMA_VERSION = 1
 TASK_NAME = "fleet.infer"
+BULK_TASK_NAME = "fleet.infer_bulk"
+MAX_BULK_REQUESTS = 4096
+"""Most requests one ``fleet.infer_bulk`` message may carry."""
 
 OutputKind = Literal["next_token", "embedding"]
 

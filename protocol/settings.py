@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from protocol.errors import ConfigError, UnknownModel
@@ -169,15 +169,14 @@ class FlowerSettings(_Section):
         description="'user:password' entries (no commas); `fleet flower` refuses to start without one.",
     )
 
-    @model_validator(mode="after")
-    def _user_password_pairs(self) -> FlowerSettings:
-        for i, entry in enumerate(self.basic_auth):
+    @field_validator("basic_auth")
+    @classmethod
+    def _user_password_pairs(cls, entries: list[str]) -> list[str]:
+        for i, entry in enumerate(entries):
             user, sep, password = entry.partition(":")
             if not sep or not user or not password or "," in entry:
-                raise ValueError(
-                    f"basic_auth[{i}] must be 'user:password' with both parts non-empty and no comma"
-                )
-        return self
+                raise ValueError(f"entry {i} must be 'user:password' with both parts non-empty and no comma")
+        return entries
 
 
 class FleetSettings(BaseSettings):

@@ -202,7 +202,8 @@ def _last_logits(
     rows = []
     for seq in tqdm(prompts, desc=desc, unit="prompt", disable=not progress, leave=False):
         (out,) = sess.run(["logits"], feeds_for(names, card, [seq]))
-        rows.append(np.asarray(out)[0, len(seq) - 1])
+        logits = np.asarray(out)
+        rows.append(logits[0, min(len(seq), logits.shape[1]) - 1])  # a last-position-only model has 1
     return np.stack(rows).astype(np.float32)
 
 

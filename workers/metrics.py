@@ -110,9 +110,9 @@ class WorkerMetrics:
             buckets=RATE_BUCKETS,
             registry=registry,
         )
-        Gauge("fleet_worker_in_flight", "Requests held.", m, registry=registry).labels(
-            self.model
-        ).set_function(lambda: float(runtime.in_flight))
+        Gauge("fleet_worker_in_flight", "Requests held.", m, registry=registry).labels(self.model).set_function(
+            lambda: float(runtime.in_flight)
+        )
         Gauge("fleet_worker_ready", "1 once the worker consumes.", m, registry=registry).labels(
             self.model
         ).set_function(lambda: 1.0 if runtime.ready else 0.0)

@@ -158,6 +158,18 @@ class Scheduler:
         """Hand ``job`` to the scheduler without an announcement; returns its future."""
         return self._enqueue(job, was_arriving=False)
 
+    def submit_many(self, jobs: list[Job]) -> None:
+        """Hand several jobs over at once, so the policy sees them together (bulk messages)."""
+        with self._cond:
+            now = self.clock()
+            for job in jobs:
+                if self._stopping:
+                    job.future.set_exception(FleetError("worker is shutting down", "worker", None))
+                    continue
+                job.arrived_s = now
+                self._pending.append(job)
+            self._cond.notify_all()
+
     def _enqueue(self, job: Job, *, was_arriving: bool) -> Future[JobResult]:
         with self._cond:
             if self._stopping:

@@ -32,6 +32,7 @@ from tools.redis_server import EmbeddedRedis, free_port
 
 __all__ = [
     "API_KEY",
+    "ROOT",
     "GatewayProcess",
     "OpsFleet",
     "ops_fleet",
@@ -88,10 +89,24 @@ class GatewayProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self._log: IO[bytes] = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "producer.cli", "api", "--config", str(config), "--host", "127.0.0.1",
-               "--port", str(self.port), "--no-access-log", "--log-level", "warning"]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        cmd = [
+            sys.executable,
+            "-m",
+            "producer.cli",
+            "api",
+            "--config",
+            str(config),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--no-access-log",
+            "--log-level",
+            "warning",
+        ]
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
 
     def wait_ready(self, timeout_s: float = 30) -> GatewayProcess:
         def up() -> bool:
@@ -133,33 +148,41 @@ class OpsFleet:
 
     def config(self, *, serve: tuple[str, ...] = ("demo-lm", "demo-encoder"), **overrides: Any) -> Path:
         """Write a YAML config (API keys on, the ``serve`` models of demo-lm/demo-encoder, + ``overrides``)."""
-        base = {
+        specs: dict[str, Any] = {
+            "demo-lm": {"path": str(self.models.lm), "limits": {"max_input_tokens": 64}},
+            "demo-encoder": {"path": str(self.models.encoder), "limits": {"max_input_tokens": 64}},
+        }
+        base: dict[str, Any] = {
             "redis_url": self.redis_url,
             "result_ttl_s": 600,
             "worker": {"model": "demo-lm", "concurrency": 8, "heartbeat_s": 0.5},
             "models": {
-                "demo-lm": {"path": str(self.models.lm), "limits": {"max_input_tokens": 64},
-                            "engine": {"intra_op_threads": 1}},
-                "demo-encoder": {"path": str(self.models.encoder), "limits": {"max_input_tokens": 64},
-                                 "engine": {"intra_op_threads": 1}},
+                name: {**spec, "engine": {"intra_op_threads": 1}} for name, spec in specs.items() if name in serve
             },
             "api": {"api_keys": [API_KEY], "max_body_bytes": 4096, "max_batch_requests": 16},
         }
-        base["models"] = {name: spec for name, spec in base["models"].items() if name in serve}
         self._n += 1
         path = self.tmp_path / f"fleet-{self._n}.yaml"
         path.write_text(yaml.safe_dump(_merge(base, overrides)))
         return path
 
-    def worker(self, config: Path, model: str = "demo-lm", *, metrics_port: int = 0,
-               wait: bool = True) -> WorkerProcess:
+    def worker(
+        self, config: Path, model: str = "demo-lm", *, metrics_port: int = 0, wait: bool = True
+    ) -> WorkerProcess:
         """A real ``celery worker`` for ``model`` (metrics on ``metrics_port`` when set)."""
         settings = load_settings(config)
         self._n += 1
         env = {"FLEET_CONFIG": str(config), "FLEET_WORKER__METRICS_PORT": str(metrics_port)}
-        proc = WorkerProcess(model=model, queue=settings.queue_for(model), redis_url=self.redis_url,
-                             concurrency=8, hostname=f"w{self._n}-{model}@ops", env=env,
-                             log_path=self.tmp_path / f"worker-{self._n}.log", cwd=ROOT)
+        proc = WorkerProcess(
+            model=model,
+            queue=settings.queue_for(model),
+            redis_url=self.redis_url,
+            concurrency=8,
+            hostname=f"w{self._n}-{model}@ops",
+            env=env,
+            log_path=self.tmp_path / f"worker-{self._n}.log",
+            cwd=ROOT,
+        )
         self.workers.append(proc.start())
         if wait:
             proc.wait_ready(60)
@@ -182,8 +205,14 @@ class OpsFleet:
         """Any other long-running process (Flower); terminated at close."""
         self._n += 1
         log = open(self.tmp_path / f"{name}-{self._n}.log", "ab")  # noqa: SIM115 - the child holds it
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})}, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
         log.close()
         self.procs.append(proc)
         return proc
@@ -191,8 +220,14 @@ class OpsFleet:
     def fleet_cli(self, config: Path, *args: str, module: str = "producer.cli") -> subprocess.CompletedProcess[str]:
         """Run ``fleet <args> --config <config>`` to completion (``module="producer.ops_cli"``: the
         operator commands alone, which start faster)."""
-        return subprocess.run([sys.executable, "-m", module, *args, "--config", str(config)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=60, check=False)
+        return subprocess.run(
+            [sys.executable, "-m", module, *args, "--config", str(config)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
 
     def close(self) -> None:
         for gw in self.gateways:

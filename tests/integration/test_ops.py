@@ -49,8 +49,9 @@ def test_readyz_and_probe_follow_the_worker(ops_fleet: OpsFleet) -> None:
         down = httpx.get(gateway.url + "/readyz")
         assert down.status_code == 503 and "unreachable" in down.json()["problems"][0]
         assert _probe(ops_fleet, config, "live") == 1
-        submit = httpx.post(gateway.url + "/v1/requests", headers={"X-API-Key": API_KEY},
-                            json={"model": "demo-lm", "input_ids": [1]})
+        submit = httpx.post(
+            gateway.url + "/v1/requests", headers={"X-API-Key": API_KEY}, json={"model": "demo-lm", "input_ids": [1]}
+        )
         assert submit.status_code == 503 and submit.headers["Retry-After"] == "5"
     finally:
         ops_fleet.server.start()
@@ -93,8 +94,7 @@ def test_flower_with_basic_auth_lists_tasks_the_worker_ran(ops_fleet: OpsFleet) 
     auth = ("ops", "flower-pw-1")
     config = ops_fleet.config(flower={"port": port, "basic_auth": ["ops:flower-pw-1"]})
     # started as the README says: `fleet flower` (settings give the port and the basic-auth users)
-    flower = ops_fleet.spawn([sys.executable, "-m", "producer.cli", "flower", "--config", str(config)],
-                             name="flower")
+    flower = ops_fleet.spawn([sys.executable, "-m", "producer.cli", "flower", "--config", str(config)], name="flower")
     worker = ops_fleet.worker(config)
     url = f"http://127.0.0.1:{port}"
 

@@ -120,8 +120,13 @@ def test_admission_errors_survive_celery_style_rebuild() -> None:
 
 def _kombu_message(request: dict[str, object]) -> bytes:
     body = base64.b64encode(json.dumps([[request], {}, {}]).encode()).decode()
-    envelope = {"body": body, "content-encoding": "utf-8", "content-type": "application/json",
-                "headers": {"task": "fleet.infer"}, "properties": {"body_encoding": "base64"}}
+    envelope = {
+        "body": body,
+        "content-encoding": "utf-8",
+        "content-type": "application/json",
+        "headers": {"task": "fleet.infer"},
+        "properties": {"body_encoding": "base64"},
+    }
     return json.dumps(envelope).encode()
 
 

@@ -1,0 +1,51 @@
+"""The bulk path: many requests per Celery message, one result per request ID."""
+
+from __future__ import annotations
+
+import pytest
+from celery import Celery
+
+from protocol.errors import InvalidRequest, TokenOutOfRange
+from protocol.messages import InferenceResult
+from tests.integration.fleet_fixtures import Fleet
+
+
+def test_bulk_results_equal_single_requests_and_bad_ones_fail_alone(fleet: Fleet) -> None:
+    cfg = fleet.config()
+    fleet.worker(cfg)
+    client = fleet.client(cfg)
+    seqs = [[3 + (i * 7) % 500] * (1 + i % 40) for i in range(300)]
+    bulk_ids = client.submit_bulk("demo-lm", seqs, chunk_size=128, top_k=3)
+    assert len(set(bulk_ids)) == 300
+    bulk = client.wait(bulk_ids, 120)
+    assert all(isinstance(r, InferenceResult) for r in bulk)
+    singles = client.wait([client.submit("demo-lm", s, top_k=3) for s in seqs[:20]], 60)
+    for b, s in zip(bulk[:20], singles, strict=True):
+        assert isinstance(b, InferenceResult) and isinstance(s, InferenceResult)
+        assert b.top_k is not None and s.top_k is not None
+        assert [t.token_id for t in b.top_k] == [t.token_id for t in s.top_k]
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(b.top_k, s.top_k, strict=True)) <= 1e-4
+    sizes = [r.timings.batch_size for r in bulk if isinstance(r, InferenceResult)]
+    assert max(sizes) == 8  # a bulk message fills whole batches at once
+    first = client.result(bulk_ids[0], wait=True, timeout_s=5)
+    assert first is not None and client.status(bulk_ids[0]).value == "succeeded"
+
+    # a plain Celery producer can send a bulk message; an invalid request fails alone under its own ID
+    plain = Celery(broker=fleet.redis_url, backend=fleet.redis_url)
+    summary = plain.send_task("fleet.infer_bulk", args=[{"requests": [
+        {"request_id": "b-ok", "model": "demo-lm", "input_ids": [5, 6]},
+        {"request_id": "b-bad", "model": "demo-lm", "input_ids": [5, 60000]},
+    ]}], queue="fleet.demo-lm").get(timeout=30)
+    assert summary == {"count": 2, "succeeded": 1, "failed": 1}
+    ok, bad = client.wait(["b-ok", "b-bad"], 10)
+    assert isinstance(ok, InferenceResult) and ok.request_id == "b-ok"
+    assert isinstance(bad, TokenOutOfRange) and bad.field == "input_ids[1]"
+    plain.close()
+
+
+def test_bulk_refuses_bad_input_before_queueing(fleet: Fleet) -> None:
+    client = fleet.client(fleet.config())
+    with pytest.raises(TokenOutOfRange):
+        client.submit_bulk("demo-lm", [[1, 2], [1, 70000]])
+    with pytest.raises(InvalidRequest, match="chunk_size"):
+        client.submit_bulk("demo-lm", [[1]], chunk_size=0)

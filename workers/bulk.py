@@ -1,0 +1,111 @@
+"""``fleet.infer_bulk``: many requests in one Celery message, one result per request ID.
+
+One Celery task per request costs a few CPU-milliseconds of broker and result-backend work per
+request; producers that need more requests/s send up to ``MAX_BULK_REQUESTS`` requests per message.
+The worker validates each request on its own (a bad one fails alone), hands all valid ones to the
+scheduler at once, and writes every result under its own ``celery-task-meta-<request_id>`` key in
+one Redis pipeline, in Celery's own format, so ``AsyncResult(request_id)``, ``FleetClient.result``
+and the HTTP gateway read them like any other result. Flower shows the bulk task, not each request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from protocol.errors import DecodeError, FleetError, InvalidRequest
+from protocol.keys import CANCEL_KEY
+from protocol.messages import MAX_BULK_REQUESTS
+from workers.runtime import WorkerRuntime
+from workers.scheduler import Job
+from workers.tasks import Prepared, finish, prepare
+
+__all__ = ["handle_bulk"]
+
+
+class _Collector:
+    """Stands in for a scheduler arrival: collects jobs so they can be submitted together."""
+
+    def __init__(self) -> None:
+        self.jobs: list[Job] = []
+        self.submitted = True
+
+    def submit(self, job: Job) -> Any:
+        self.jobs.append(job)
+        return job.future
+
+
+def _request_ids(items: list[Any]) -> list[str]:
+    ids = []
+    for pos, item in enumerate(items):
+        rid = item.get("request_id") if isinstance(item, dict) else None
+        if not isinstance(rid, str) or not rid:
+            raise DecodeError(
+                f"requests[{pos}].request_id is required in a bulk message",
+                f"requests[{pos}].request_id",
+                "non-empty string",
+            )
+        ids.append(rid)
+    return ids
+
+
+def handle_bulk(runtime: WorkerRuntime, payload: dict[str, Any], *, worker: str, backend: Any) -> dict[str, Any]:
+    """Serve every request of one bulk message; returns a summary ``{count, succeeded, failed}``.
+
+    Raises:
+        DecodeError / InvalidRequest: the message itself is malformed (no request ran).
+    """
+    items = payload.get("requests")
+    if not isinstance(items, list) or not items:
+        raise DecodeError("requests must be a non-empty list", "requests", "non-empty list")
+    if len(items) > MAX_BULK_REQUESTS:
+        raise InvalidRequest(
+            f"a bulk message carries {len(items)} requests; the limit is {MAX_BULK_REQUESTS}",
+            "requests",
+            MAX_BULK_REQUESTS,
+        )
+    ids = _request_ids(items)
+    cancelled = runtime.redis.mget([CANCEL_KEY.format(id=rid) for rid in ids])
+    collector = _Collector()
+    prepared: list[Prepared | FleetError] = []
+    for rid, item, mark in zip(ids, items, cancelled, strict=True):
+        try:
+            prepared.append(prepare(runtime, item, collector, request_id=rid, cancelled=bool(mark)))
+        except FleetError as exc:
+            prepared.append(exc)
+    for _ in ids:
+        runtime.token_taken()
+    try:
+        runtime.scheduler.submit_many(collector.jobs)
+        outcomes: list[tuple[str, str, Any]] = []
+        for rid, prep in zip(ids, prepared, strict=True):
+            if isinstance(prep, FleetError):
+                outcomes.append((rid, "FAILURE", prep))
+                continue
+            try:
+                outcomes.append((rid, "SUCCESS", finish(runtime, prep, request_id=rid, worker=worker)))
+            except Exception as exc:
+                outcomes.append((rid, "FAILURE", exc))
+        _store_all(backend, outcomes)
+    finally:
+        for _ in ids:
+            runtime.token_returned()
+    failed = sum(1 for _, state, _ in outcomes if state == "FAILURE")
+    return {"count": len(ids), "succeeded": len(ids) - failed, "failed": failed}
+
+
+def _store_all(backend: Any, outcomes: list[tuple[str, str, Any]]) -> None:
+    """Write each request's result the way Celery's Redis backend does (SETEX + PUBLISH), in one pipeline."""
+    with backend.client.pipeline() as pipe:
+        for rid, state, value in outcomes:
+            result = backend.prepare_exception(value) if state == "FAILURE" else value
+            meta = backend._get_result_meta(result=result, state=state, traceback=None, request=None)
+            meta["task_id"] = rid
+            encoded = backend.encode(meta)
+            key = backend.get_key_for_task(rid)
+            expires = (getattr(backend, "failure_expires", None) if state == "FAILURE" else None) or backend.expires
+            if expires:
+                pipe.setex(key, int(expires), encoded)
+            else:
+                pipe.set(key, encoded)
+            pipe.publish(key, encoded)
+        pipe.execute()
