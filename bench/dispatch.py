@@ -12,7 +12,6 @@ import os
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -112,14 +111,15 @@ def measure_dispatch(
     clients: int,
     duration_s: float,
     lone_requests: int,
-    ablation_loglevel: str | None = None,
+    ablations: dict[str, FleetConfig] | None = None,
     profile_s: float = 0.0,
     say: Any = None,
 ) -> dict[str, Any]:
     """Dispatch-cost figures for ``config`` (an identity model): see the module docstring.
 
-    ``ablation_loglevel`` reruns the loop with Celery's log level set to it (e.g. ``INFO``, the
-    ``fleet worker`` default); ``profile_s`` > 0 adds a py-spy profile of that many seconds.
+    ``ablations`` (name → variant of ``config``, e.g. Celery log level INFO, or ``lean=True``) each
+    get the same loop, one after the other; ``profile_s`` > 0 adds a py-spy profile of the main
+    configuration.
     """
     log = say or (lambda msg: print(msg, file=sys.stderr))
     out: dict[str, Any] = {
@@ -127,6 +127,7 @@ def measure_dispatch(
         "max_batch_size": config.max_batch_size,
         "concurrency": config.concurrency,
         "celery_loglevel": config.celery_loglevel,
+        "ablations": {},
     }
     fleet = RunningFleet(config, redis_url, work_dir)
     client = fleet.start()
@@ -136,46 +137,28 @@ def measure_dispatch(
         out["lone"] = summarize_run(lone.records).as_dict()
         log(f"dispatch: lone round trip p50 {out['lone']['latency']['p50_ms']:.2f} ms")
         out["loop"] = _cost_run(
-            client,
-            fleet,
-            redis_pid,
-            redis_url,
-            config.model_name,
-            prompts,
-            clients=clients,
-            duration_s=duration_s,
+            client, fleet, redis_pid, redis_url, config.model_name, prompts, clients=clients, duration_s=duration_s
         )
         log(
             f"dispatch: {out['loop']['summary']['qps']:.0f} req/s, "
             f"{out['loop']['cpu_ms_outside_inference']:.2f} CPU-ms/request outside inference"
         )
         if profile_s > 0:
-            out["profile"] = _profile(
-                client, fleet, config.model_name, prompts, clients=clients, duration_s=profile_s
-            )
+            out["profile"] = _profile(client, fleet, config.model_name, prompts, clients=clients, duration_s=profile_s)
     finally:
         fleet.stop()
-    if ablation_loglevel:
-        ablated = replace(
-            config, label=f"{config.label}-{ablation_loglevel.lower()}", celery_loglevel=ablation_loglevel
-        )
-        fleet = RunningFleet(ablated, redis_url, work_dir)
+    for name, variant in (ablations or {}).items():
+        fleet = RunningFleet(variant, redis_url, work_dir)
         client = fleet.start()
         try:
-            closed_loop(client, config.model_name, prompts, clients=clients, max_requests=4 * clients)
-            out["ablation"] = {
-                "celery_loglevel": ablation_loglevel,
-                "loop": _cost_run(
-                    client,
-                    fleet,
-                    redis_pid,
-                    redis_url,
-                    config.model_name,
-                    prompts,
-                    clients=clients,
-                    duration_s=duration_s,
-                ),
-            }
+            closed_loop(client, variant.model_name, prompts, clients=clients, max_requests=4 * clients)
+            lone = closed_loop(client, variant.model_name, prompts, clients=1, max_requests=lone_requests)
+            loop = _cost_run(
+                client, fleet, redis_pid, redis_url, variant.model_name, prompts, clients=clients, duration_s=duration_s
+            )
+            out["ablations"][name] = {"lone": summarize_run(lone.records).as_dict(), "loop": loop}
+            log(f"dispatch ({name}): {loop['summary']['qps']:.0f} req/s, "
+                f"{loop['cpu_ms_outside_inference']:.2f} CPU-ms/request outside inference")
         finally:
             fleet.stop()
     return out

@@ -21,9 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from protocol.modelcard import load_card
-from tools.build_encoder import build_encoder, encoder_parameter_count
-from tools.build_identity import build_identity
-from tools.build_lm import build_causal_lm, causal_lm_parameter_count
 
 __all__ = ["KINDS", "PRESETS", "add_build_model_arguments", "main", "preset_parameter_count",
            "run_build_model"]
@@ -48,9 +45,20 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 }
 """Keyword arguments of the builder of each kind, per preset (``version`` and ``seed`` use defaults)."""
 
-_BUILDERS: dict[str, Callable[..., Path]] = {
-    "lm": build_causal_lm, "encoder": build_encoder, "identity": build_identity,
-}
+def _builder(kind: str) -> Callable[..., Path]:
+    """The builder of ``kind``, imported on use: onnx takes ~1 s to import, and every ``fleet``
+    command builds this module's parser."""
+    if kind == "lm":
+        from tools.build_lm import build_causal_lm
+
+        return build_causal_lm
+    if kind == "encoder":
+        from tools.build_encoder import build_encoder
+
+        return build_encoder
+    from tools.build_identity import build_identity
+
+    return build_identity
 
 # CLI flag (argparse dest) -> builder keyword, and the kinds that take it.
 _OVERRIDES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -73,8 +81,12 @@ def preset_parameter_count(preset: str, kind: str) -> int:
     """
     spec = {k: v for k, v in PRESETS[preset][kind].items() if k not in ("name", "num_heads")}
     if kind == "lm":
+        from tools.build_lm import causal_lm_parameter_count
+
         return causal_lm_parameter_count(**spec)
     if kind == "encoder":
+        from tools.build_encoder import encoder_parameter_count
+
         return encoder_parameter_count(**spec)
     return 0
 
@@ -125,7 +137,7 @@ def run_build_model(args: argparse.Namespace) -> list[Path]:
     paths = []
     for kind, spec in _specs(args):
         start_s = time.monotonic()
-        path = _BUILDERS[kind](Path(args.out_dir), **spec)
+        path = _builder(kind)(Path(args.out_dir), **spec)
         elapsed_s = time.monotonic() - start_s
         size_mib = path.stat().st_size / 2**20
         params = load_card(path).parameters
