@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from bench.findings import dispatch_findings
+
 __all__ = ["dispatch_section", "target_rows", "targets_section"]
 
 
@@ -70,15 +72,12 @@ def target_rows(results: dict[str, Any]) -> list[list[str]]:
                 [
                     "batching beats the celery-batches peer on QPS at ≤ p99",
                     wl,
-                    f"{q:.2f}× QPS; p99 {_f(ours['latency']['p99_ms'])} vs "
-                    f"{_f(peer['latency']['p99_ms'])} ms",
+                    f"{q:.2f}× QPS; p99 {_f(ours['latency']['p99_ms'])} vs {_f(peer['latency']['p99_ms'])} ms",
                     _met(q > 1.0 and p99_ok),
                 ]
             )
         elif _ok(r.get("batching")):
-            rows.append(
-                ["batching beats the celery-batches peer", wl, f"peer {r.get('peer', {}).get('status')}", "–"]
-            )
+            rows.append(["batching beats the celery-batches peer", wl, f"peer {r.get('peer', {}).get('status')}", "–"])
         if _ok(r.get("batching")) and _ok(r.get("int8")):
             speed = _sat(r["int8"], wl)["qps"] / max(1e-9, _sat(r["batching"], wl)["qps"])
             bare = float(results["limit"]["int8"][wl]["best"]["qps"]) / float(lim["best"]["qps"])
@@ -159,15 +158,16 @@ def dispatch_section(results: dict[str, Any]) -> str:
         + ", ".join(f"`{k}` {v}" for k, v in loop["redis_calls_per_request"].items())
         + "\n",
     ]
-    abl = d.get("ablation")
-    if abl:
-        a = abl["loop"]
-        out.append(
-            f"With Celery's log level {abl['celery_loglevel']} (the `fleet worker` default, two log "
-            f"lines per task): {_f(a['summary']['qps'], 0)} req/s, "
-            f"worker {_f(a['cpu_ms_per_request']['worker'], 3)} "
-            f"CPU-ms/request (vs {_f(cpu['worker'], 3)} at {d['celery_loglevel']}).\n"
-        )
+    abls = d.get("ablations") or {}
+    if abls:
+        out += [
+            "Variants of the same loop (one worker each, one after the other):\n",
+            "| variant | req/s | lone p50 ms | CPU-ms/request producer / Redis / worker | Redis commands/request |",
+            "|---|---|---|---|---|",
+            _variant_row(f"as served (Celery log level {d['celery_loglevel']})", d["lone"], loop),
+        ]
+        out += [_variant_row(a["label"], a["lone"], a["loop"]) for a in abls.values()]
+        out.append("")
     prof = d.get("profile")
     if prof and prof.get("status") == "ok":
         out.append(
@@ -189,13 +189,21 @@ def dispatch_section(results: dict[str, Any]) -> str:
             out.append(f"| {c} | {_pct(w)} | {_pct(p)} |")
         top = prof.get("worker", {}).get("top_functions", [])
         if top:
-            out.append(
-                "\nWorker's heaviest leaf functions: " + "; ".join(f"`{f}` {_pct(s)}" for f, s in top[:8])
-            )
+            out.append("\nWorker's heaviest leaf functions: " + "; ".join(f"`{f}` {_pct(s)}" for f, s in top[:8]))
         out.append("")
     elif prof:
         out.append(f"Profile: {prof.get('status')}\n")
+    out.append(dispatch_findings(results))
     return "\n".join(out)
+
+
+def _variant_row(name: str, lone: dict[str, Any], loop: dict[str, Any]) -> str:
+    cpu = loop["cpu_ms_per_request"]
+    return (
+        f"| {name} | {_f(loop['summary']['qps'], 0)} | {_f(lone['latency']['p50_ms'], 2)} | "
+        f"{_f(cpu['producer'], 2)} / {_f(cpu['redis'], 2)} / {_f(cpu['worker'], 2)} | "
+        f"{_f(loop['redis_calls_total_per_request'], 1)} |"
+    )
 
 
 def _pct(x: float | None) -> str:

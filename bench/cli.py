@@ -19,9 +19,7 @@ __all__ = ["main", "register", "run"]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``bench`` flags."""
-    p.add_argument(
-        "--quick", action="store_true", help="CI smoke run: demo model, short phases, no peer (< ~60 s)"
-    )
+    p.add_argument("--quick", action="store_true", help="CI smoke run: demo model, short phases, no peer (< ~60 s)")
     p.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"), help="Markdown report to write")
     p.add_argument("--img-dir", type=Path, default=Path("docs/img"), help="folder for the PNG plots")
     p.add_argument(

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.bulk_prototype import bulk_closed_loop
 from bench.load import closed_loop
 from bench.procs import CpuMeter, FleetConfig, RunningFleet, redis_commandstats
 from bench.profile import fold_components, parse_raw, py_spy_path, record, top_functions
@@ -38,23 +39,29 @@ def _cost_run(
     *,
     clients: int,
     duration_s: float,
+    bulk_chunk: int = 0,
 ) -> dict[str, Any]:
-    """One closed loop with CPU meters and Redis command counters around it."""
+    """One closed loop with CPU meters and Redis command counters around it.
+
+    ``bulk_chunk`` > 0 drives the bulk-path prototype instead: ``bulk_chunk`` requests per message.
+    """
     meter = CpuMeter({"producer": os.getpid(), "redis": redis_pid, "worker": fleet.pid})
     calls_before = redis_commandstats(redis_url)
-    run = closed_loop(client, model, prompts, clients=clients, duration_s=duration_s)
+    if bulk_chunk > 0:
+        run = bulk_closed_loop(client, model, prompts, clients=clients, chunk=bulk_chunk, duration_s=duration_s)
+    else:
+        run = closed_loop(client, model, prompts, clients=clients, duration_s=duration_s)
     cpu_s = meter.elapsed()
     calls_after = redis_commandstats(redis_url)
     summary = summarize_run(run.records)  # every request, first submit → last result
     n = max(1, summary.requests)
     infer_ms = _inference_ms_per_request(run.records)
     per_process = {name: 1000 * s / n for name, s in cpu_s.items()}
-    calls = {
-        k: (v - calls_before.get(k, 0)) / n for k, v in calls_after.items() if v - calls_before.get(k, 0) > 0
-    }
+    calls = {k: (v - calls_before.get(k, 0)) / n for k, v in calls_after.items() if v - calls_before.get(k, 0) > 0}
     calls.pop("info", None)  # our own INFO probe
     return {
         "clients": clients,
+        "requests_per_message": bulk_chunk or 1,
         "summary": summary.as_dict(),
         "cpu_ms_per_request": {k: round(v, 3) for k, v in per_process.items()},
         "inference_ms_per_request": round(infer_ms, 4),
@@ -87,9 +94,7 @@ def _profile(
         for name, spy in spies.items():
             spy.wait(60)
             if not files[name].exists():
-                out[name] = {
-                    "status": f"py-spy wrote nothing (exit {spy.returncode}; needs ptrace permission)"
-                }
+                out[name] = {"status": f"py-spy wrote nothing (exit {spy.returncode}; needs ptrace permission)"}
                 continue
             stacks = parse_raw(files[name].read_text())
             total, shares = fold_components(stacks)
@@ -111,14 +116,14 @@ def measure_dispatch(
     clients: int,
     duration_s: float,
     lone_requests: int,
-    ablations: dict[str, FleetConfig] | None = None,
+    ablations: dict[str, tuple[str, FleetConfig]] | None = None,
     profile_s: float = 0.0,
     say: Any = None,
 ) -> dict[str, Any]:
     """Dispatch-cost figures for ``config`` (an identity model): see the module docstring.
 
-    ``ablations`` (name → variant of ``config``, e.g. Celery log level INFO, or ``lean=True``) each
-    get the same loop, one after the other; ``profile_s`` > 0 adds a py-spy profile of the main
+    ``ablations`` (key → (label, variant of ``config``), e.g. Celery log level INFO, ``lean=True``,
+    ``bulk=True``) each get the same loop, one after the other; ``profile_s`` > 0 adds a py-spy profile of the main
     configuration.
     """
     log = say or (lambda msg: print(msg, file=sys.stderr))
@@ -147,18 +152,29 @@ def measure_dispatch(
             out["profile"] = _profile(client, fleet, config.model_name, prompts, clients=clients, duration_s=profile_s)
     finally:
         fleet.stop()
-    for name, variant in (ablations or {}).items():
+    for key, (name, variant) in (ablations or {}).items():
         fleet = RunningFleet(variant, redis_url, work_dir)
         client = fleet.start()
         try:
             closed_loop(client, variant.model_name, prompts, clients=clients, max_requests=4 * clients)
             lone = closed_loop(client, variant.model_name, prompts, clients=1, max_requests=lone_requests)
+            chunk = variant.max_batch_size if variant.bulk else 0
             loop = _cost_run(
-                client, fleet, redis_pid, redis_url, variant.model_name, prompts, clients=clients, duration_s=duration_s
+                client,
+                fleet,
+                redis_pid,
+                redis_url,
+                variant.model_name,
+                prompts,
+                clients=max(1, clients // chunk) if chunk else clients,
+                duration_s=duration_s,
+                bulk_chunk=chunk,
             )
-            out["ablations"][name] = {"lone": summarize_run(lone.records).as_dict(), "loop": loop}
-            log(f"dispatch ({name}): {loop['summary']['qps']:.0f} req/s, "
-                f"{loop['cpu_ms_outside_inference']:.2f} CPU-ms/request outside inference")
+            out["ablations"][key] = {"label": name, "lone": summarize_run(lone.records).as_dict(), "loop": loop}
+            log(
+                f"dispatch ({name}): {loop['summary']['qps']:.0f} req/s, "
+                f"{loop['cpu_ms_outside_inference']:.2f} CPU-ms/request outside inference"
+            )
         finally:
             fleet.stop()
     return out

@@ -120,16 +120,12 @@ def open_loop(
         try:
             result = client.result(rid, wait=True, timeout_s=RESULT_TIMEOUT_S)
         except FleetError as exc:
-            return RequestRecord(
-                submitted, time.perf_counter(), len(ids), error=f"{type(exc).__name__}: {exc}"
-            )
+            return RequestRecord(submitted, time.perf_counter(), len(ids), error=f"{type(exc).__name__}: {exc}")
         done = time.perf_counter()
         if result is None:  # pragma: no cover
             return RequestRecord(submitted, done, len(ids), error="no result")
         t = result.timings
-        return RequestRecord(
-            submitted, done, result.input_tokens, t.batch_size, t.padded_tokens, t.inference_ms
-        )
+        return RequestRecord(submitted, done, result.input_tokens, t.batch_size, t.padded_tokens, t.inference_ms)
 
     failed: list[RequestRecord] = []
     with ThreadPoolExecutor(max_workers=waiters, thread_name_prefix="bench-waiter") as pool:

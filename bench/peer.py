@@ -37,9 +37,7 @@ def _probe(python: Path) -> str | None:
     """Celery version of the environment, or None when it lacks a requirement."""
     if not python.exists():
         return None
-    done = subprocess.run(
-        [str(python), "-c", _PROBE], capture_output=True, text=True, timeout=120, check=False
-    )
+    done = subprocess.run([str(python), "-c", _PROBE], capture_output=True, text=True, timeout=120, check=False)
     return done.stdout.strip() if done.returncode == 0 else None
 
 

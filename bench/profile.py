@@ -3,9 +3,11 @@
 ``py-spy record --gil --format raw`` writes one line per distinct stack, ``frame;frame;…;leaf
 count``, each frame ``function (package/file.py:line)``. Only the thread holding the GIL is
 sampled, so the samples show where the process's Python-level CPU goes (time inside C code that
-releases the GIL, such as ``session.run`` or a socket wait, is not sampled). :func:`fold_components` answers "what share of the samples ran inside X" for a fixed
-list of components (a sample counts for every component on its stack), and
-:func:`top_functions` lists the heaviest leaf functions.
+releases the GIL, such as ``session.run`` or a socket wait, is not sampled).
+
+:func:`fold_components` answers "what share of the samples ran inside X" for a fixed list of
+components (a sample counts for every component on its stack), and :func:`top_functions` lists
+the heaviest leaf functions.
 """
 
 from __future__ import annotations
@@ -80,9 +82,7 @@ def fold_components(
     return total, {label: (hits[label] / total if total else 0.0) for label, _ in components}
 
 
-def top_functions(
-    stacks: Iterable[tuple[list[tuple[str, str]], int]], n: int = 10
-) -> list[tuple[str, float]]:
+def top_functions(stacks: Iterable[tuple[list[tuple[str, str]], int]], n: int = 10) -> list[tuple[str, float]]:
     """The ``n`` leaf functions with the most samples: ``[("func (file)", share), …]``."""
     leaves: Counter[str] = Counter()
     total = 0

@@ -121,6 +121,10 @@ def main_table(results: dict[str, Any], wl: str) -> str:
         rows_out.append([label, *_fleet_cells(peer, wl, limit_at(results["limit"]["fp32"][wl], b))])
     else:
         rows_out.append([label, f"**{peer.get('status')}**"] + ["–"] * (len(HEADERS) - 2))
+    spin = res_rows.get("spinning", {})
+    if spin.get("status") == "ok":
+        label = "ablation: + dynamic batching, ORT spin-waiting on"
+        rows_out.append([label, *_fleet_cells(spin, wl, limit_at(results["limit"]["fp32"][wl], b))])
     return md_table(HEADERS, rows_out)
 
 
@@ -162,21 +166,46 @@ def limit_table(results: dict[str, Any]) -> str:
     """Bare session.run throughput (req/s) by batch size, per variant and workload."""
     sizes = [int(p["batch_size"]) for p in results["limit"]["fp32"]["long"]["points"]]
     rows = []
-    for variant in ("fp32", "int8"):
+    names = {"fp32": "FP32", "int8": "INT8", "fp32_last": "FP32, LM head at last position",
+             "int8_last": "INT8, LM head at last position"}
+    for variant in [v for v in names if v in results["limit"]]:
         for wl, entry in results["limit"][variant].items():
             cells = [fmt(limit_at(entry, b)) for b in sizes]
             spin = entry.get("best_spinning")
             rows.append(
                 [
-                    variant.upper(),
+                    names[variant],
                     wl,
                     *cells,
                     fmt(entry["bare_lone_ms"], 2),
                     fmt(spin["qps"]) + f" (b={spin['batch_size']})" if spin else "–",
                 ]
             )
-    return md_table(
-        ["model", "workload", *[f"b={b}" for b in sizes], "lone run ms (p50)", "spinning on"], rows
+    return md_table(["model", "workload", *[f"b={b}" for b in sizes], "lone run ms (p50)", "spinning on"], rows)
+
+
+def last_position_note(results: dict[str, Any]) -> str:
+    """What computing the LM head at the last position only would gain (bare loop), if measured."""
+    lim = results["limit"]
+    if "fp32_last" not in lim:
+        return ""
+    b = int(results["meta"]["plan"]["max_batch_size"])
+    gains = []
+    for full, last in (("fp32", "fp32_last"), ("int8", "int8_last")):
+        if last not in lim:
+            continue
+        for wl in lim[last]:
+            for size in (1, b):
+                before, after = limit_at(lim[full][wl], size), limit_at(lim[last][wl], size)
+                if before > 0 and after > 0:
+                    gains.append(f"{full.upper()} {wl} b={size}: {after / before:.2f}×")
+    return (
+        "*LM head at the last position* (`python -m tools.lm_head_last MODEL.onnx`, a separate model file): the "
+        "graph gathers each row's last real position before the final MatMul, so `logits` is `[batch, 1, vocab]` "
+        "instead of `[batch, seq, vocab]` (64 MiB of float32 for 8 x 256 tokens over 8,192 ids). Bare-loop "
+        "throughput against the full model: " + "; ".join(gains) + ". The worker cannot serve it yet: "
+        "`workers/postprocess.last_positions` indexes position `length - 1`; reading "
+        "`min(length, logits.shape[1]) - 1` would serve both shapes.\n"
     )
 
 
@@ -282,7 +311,8 @@ def render(results: dict[str, Any], img_rel: str) -> str:
         "`fleet quantize` on the served model, compared with FP32 on held-out prompts:\n",
         int8_table(results) + "\n",
     ]
-    parts += ["## The limit (bare `session.run`, requests/s by batch size)\n", limit_table(results) + "\n"]
+    parts += ["## The limit (bare `session.run`, requests/s by batch size)\n", limit_table(results) + "\n",
+              last_position_note(results)]
     parts += ["## Dispatch cost\n", dispatch_section(results) + "\n"]
     peer_note = (
         f"celery-batches peer: Celery {peer.get('celery', '?')} in its own virtualenv, threads pool, "

@@ -96,7 +96,7 @@ def measure_servers(servers: dict[str, Server], prompts: Prompts, plan: Plan, sa
         lone_n = plan.lone_requests[wl]
         lone: dict[str, list[RequestRecord]] = {k: [] for k in servers}
         sat: dict[str, list[ClosedLoopRun]] = {k: [] for k in servers}
-        for key, server in servers.items():
+        for server in servers.values():
             _warm(server, seqs, plan)
         for r in range(plan.rounds):
             for key, server in servers.items():  # lone requests: the same prompts for every server
@@ -121,8 +121,10 @@ def measure_servers(servers: dict[str, Server], prompts: Prompts, plan: Plan, sa
             out[key]["workloads"][wl] = {
                 "lone": summarize_run(lone[key]).as_dict(), "saturation": s.as_dict(), "open": opens[key],
             }  # fmt: skip
-            say(f"{key}/{wl}: {s.qps:.1f} req/s at saturation (p99 {s.latency.p99_ms:.0f} ms, batch "
-                f"{s.mean_batch_size:.1f}), lone p50 {out[key]['workloads'][wl]['lone']['latency']['p50_ms']:.1f} ms")
+            say(
+                f"{key}/{wl}: {s.qps:.1f} req/s at saturation (p99 {s.latency.p99_ms:.0f} ms, batch "
+                f"{s.mean_batch_size:.1f}), lone p50 {out[key]['workloads'][wl]['lone']['latency']['p50_ms']:.1f} ms"
+            )
     for key, server in servers.items():
         out[key]["peak_rss_bytes"] = peak_rss_bytes(server.pid)
     return out

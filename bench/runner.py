@@ -1,8 +1,10 @@
 """The bench run: models → the limit → every configuration of the table → dispatch cost → report.
 
-Everything runs one after the other on the same machine, so ratios are measured side by side in
-one run. It starts and stops its own Redis (:class:`~tools.redis_server.EmbeddedRedis`) and its own
-workers; the results go to a JSON file and to ``docs/benchmarks.md`` with its plots.
+Everything runs on the same machine in one run, so ratios are measured side by side: the fleet
+configurations and the peer are served at once and visited in interleaved rounds (see
+:mod:`bench.rounds`), and the limit is measured before and after them (the better pass is kept).
+It starts and stops its own Redis (:class:`~tools.redis_server.EmbeddedRedis`) and its own workers;
+the results go to a JSON file and to ``docs/benchmarks.md`` with its plots.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -21,20 +24,18 @@ from tqdm import tqdm
 
 from bench.dispatch import measure_dispatch
 from bench.limit import bare_latency_ms, bare_session, bare_throughput
-from bench.load import closed_loop, open_loop
 from bench.machine import machine_facts, tensorrt_available
-from bench.peer import PeerUnavailable, PeerWorker, ensure_peer_venv
+from bench.peer import PeerUnavailable, ensure_peer_venv
 from bench.plan import WORKLOADS, Plan
-from bench.procs import FleetConfig, RunningFleet, flush_redis, peak_rss_bytes
+from bench.procs import FleetConfig, flush_redis
 from bench.report import write_report
-from bench.stats import summarize_run
-from producer.client import FleetClient
+from bench.rounds import Server, measure_servers, start_fleet_servers, start_peer_server
 from protocol.modelcard import load_card
-from protocol.settings import load_settings
 from tools.build_model import PRESETS
 from tools.build_model import main as build_model_main
 from tools.calibration import synthetic_sequences
 from tools.quantize import QuantizationRefused, QuantizeConfig, quantize_model, report_path_for
+from tools.lm_head_last import write_last_variant
 from tools.redis_server import EmbeddedRedis
 
 __all__ = ["run_bench"]
@@ -60,9 +61,7 @@ def _models(plan: Plan, work_dir: Path, say: Say) -> dict[str, Any]:
             ("static", QuantizeConfig(mode="static", calibration_count=32, eval_count=32, overwrite=True)),
             (
                 "static-sym",
-                QuantizeConfig(
-                    mode="static", symmetric=True, calibration_count=32, eval_count=32, overwrite=True
-                ),
+                QuantizeConfig(mode="static", symmetric=True, calibration_count=32, eval_count=32, overwrite=True),
             ),
         ]
     for name, cfg in variants:
@@ -76,152 +75,71 @@ def _models(plan: Plan, work_dir: Path, say: Say) -> dict[str, Any]:
     if not dyn.get("written"):
         raise RuntimeError(f"dynamic INT8 was refused by its gate: {dyn['gate']['failures']}")
     out["int8"] = dyn["output"]
+    if plan.ablations:  # the LM-head-at-last-position variants (tools/lm_head_last.py), bare loop only
+        last = write_last_variant(fp32)
+        out["fp32_last"] = str(last)
+        say(f"quantizing {last.name} (dynamic INT8)")
+        out["int8_last"] = str(quantize_model(last, QuantizeConfig(mode="dynamic", eval_count=16, overwrite=True),
+                                              progress=False).path)
     return out
 
 
-def _limits(paths: dict[str, str], prompts: Prompts, plan: Plan, say: Say) -> dict[str, Any]:
-    """Bare ``session.run`` throughput per batch size, and the lone-request bare latency."""
+def _limit_pass(paths: dict[str, str], prompts: Prompts, plan: Plan) -> dict[str, Any]:
+    """One pass of bare ``session.run`` throughput per batch size, plus the lone-request latency."""
     out: dict[str, Any] = {}
-    for variant in ("fp32", "int8"):
-        path = Path(paths[variant])
+    for variant, path_str in paths.items():
+        path = Path(path_str)
         card = load_card(path)
         sess = bare_session(path)
         out[variant] = {}
+        sizes = plan.limit_batch_sizes if variant in ("fp32", "int8") else (1, plan.max_batch_size)
         for wl, seqs in prompts.items():
             points = [
-                bare_throughput(sess, card, seqs, b, duration_s=plan.limit_duration_s).__dict__
-                for b in plan.limit_batch_sizes
+                bare_throughput(sess, card, seqs, b, duration_s=plan.limit_duration_s, min_runs=2).__dict__
+                for b in sizes
             ]
-            best = max(points, key=lambda p: float(p["qps"]))
             entry: dict[str, Any] = {
                 "points": points,
-                "best": best,
                 "bare_lone_ms": bare_latency_ms(sess, card, seqs[: plan.lone_requests[wl]]),
             }
-            if plan.ablations:
+            if plan.ablations and variant in ("fp32", "int8"):
+                best_b = int(max(points, key=lambda p: float(p["qps"]))["batch_size"])
                 spin = bare_session(path, spinning=True)
                 entry["best_spinning"] = bare_throughput(
-                    spin, card, seqs, int(best["batch_size"]), duration_s=plan.limit_duration_s
+                    spin, card, seqs, best_b, duration_s=plan.limit_duration_s, min_runs=2
                 ).__dict__
                 del spin
             out[variant][wl] = entry
-            say(
-                f"limit {variant}/{wl}: best {best['qps']:.1f} req/s at batch {best['batch_size']}, "
-                f"lone {entry['bare_lone_ms']:.1f} ms"
-            )
         del sess
     return out
 
 
-def _measure(
-    client: FleetClient, model: str, prompts: Prompts, plan: Plan, say: Say, label: str
-) -> dict[str, Any]:
-    """Lone requests, closed-loop saturation and the open-loop sweep, for each workload."""
+def _merge_limits(passes: list[dict[str, Any]], say: Say) -> dict[str, Any]:
+    """Best QPS per batch size over the passes (background load only ever lowers a ceiling)."""
     out: dict[str, Any] = {}
-    for wl, seqs in prompts.items():
-        closed_loop(client, model, seqs, clients=plan.concurrency, max_requests=2 * plan.concurrency)  # warm
-        lone = closed_loop(client, model, seqs, clients=1, max_requests=plan.lone_requests[wl])
-        sat = closed_loop(
-            client,
-            model,
-            seqs,
-            clients=plan.concurrency,
-            duration_s=plan.sat_duration_s[wl],
-            warmup_s=plan.sat_warmup_s[wl],
-        )
-        sat_sum = summarize_run(sat.records, sat.window)
-        entry: dict[str, Any] = {
-            "lone": summarize_run(lone.records).as_dict(),
-            "saturation": sat_sum.as_dict(),
-            "open": [],
-        }
-        for i, frac in enumerate(plan.open_fractions):
-            rate = max(0.5, frac * sat_sum.qps)
-            recs = open_loop(
-                client, model, seqs, rate_qps=rate, duration_s=plan.open_duration_s[wl], seed=plan.seed + i
+    for variant, by_wl in passes[0].items():
+        out[variant] = {}
+        for wl in by_wl:
+            entries = [p[variant][wl] for p in passes]
+            points = [
+                max((e["points"][i] for e in entries), key=lambda pt: float(pt["qps"]))
+                for i in range(len(entries[0]["points"]))
+            ]
+            merged: dict[str, Any] = {
+                "points": points,
+                "best": max(points, key=lambda pt: float(pt["qps"])),
+                "bare_lone_ms": min(float(e["bare_lone_ms"]) for e in entries),
+                "passes": [[round(float(pt["qps"]), 2) for pt in e["points"]] for e in entries],
+            }
+            spins = [e["best_spinning"] for e in entries if "best_spinning" in e]
+            if spins:
+                merged["best_spinning"] = max(spins, key=lambda pt: float(pt["qps"]))
+            out[variant][wl] = merged
+            say(
+                f"limit {variant}/{wl}: best {merged['best']['qps']:.1f} req/s at batch "
+                f"{merged['best']['batch_size']}, lone {merged['bare_lone_ms']:.1f} ms"
             )
-            entry["open"].append(
-                {"fraction": frac, "offered_qps": rate, "summary": summarize_run(recs).as_dict()}
-            )
-        out[wl] = entry
-        say(
-            f"{label}/{wl}: {sat_sum.qps:.1f} req/s at saturation (p99 {sat_sum.latency.p99_ms:.0f} ms, "
-            f"batch {sat_sum.mean_batch_size:.1f}), lone p50 {entry['lone']['latency']['p50_ms']:.1f} ms"
-        )
     return out
-
-
-def _fleet_row(
-    cfg: FleetConfig, redis: EmbeddedRedis, work_dir: Path, prompts: Prompts, plan: Plan, say: Say
-) -> dict[str, Any]:
-    flush_redis(redis.url)
-    fleet = RunningFleet(cfg, redis.url, work_dir)
-    client = fleet.start()
-    try:
-        row: dict[str, Any] = {
-            "status": "ok",
-            "workloads": _measure(client, cfg.model_name, prompts, plan, say, cfg.label),
-        }
-        row["peak_rss_bytes"] = peak_rss_bytes(fleet.pid)
-    finally:
-        fleet.stop()
-    return {
-        **row,
-        "label": cfg.label,
-        "model_bytes": cfg.model_path.stat().st_size,
-        "start_s": fleet.start_s,
-        "max_batch_size": cfg.max_batch_size,
-        "concurrency": cfg.concurrency,
-    }
-
-
-def _peer_row(
-    cfg: FleetConfig,
-    redis: EmbeddedRedis,
-    work_dir: Path,
-    prompts: Prompts,
-    plan: Plan,
-    peer_venv: Path,
-    say: Say,
-) -> dict[str, Any]:
-    try:
-        python, celery_version = ensure_peer_venv(peer_venv, progress=True)
-    except PeerUnavailable as exc:
-        say(f"peer: unavailable ({exc})")
-        return {"status": f"unavailable: {exc}"}
-    flush_redis(redis.url)
-    settings = load_settings(cfg.write(work_dir / "configs", redis.url))
-    worker = PeerWorker(
-        python=python,
-        model_path=cfg.model_path,
-        queue=settings.queue_for(cfg.model_name),
-        redis_url=redis.url,
-        flush_every=cfg.max_batch_size,
-        flush_interval_s=plan.peer_flush_interval_s,
-        max_tokens=cfg.max_input_tokens,
-        log_path=work_dir / "logs" / "peer.log",
-    )
-    started = time.monotonic()
-    worker.start()
-    client = FleetClient(settings)
-    try:
-        row: dict[str, Any] = {
-            "status": "ok",
-            "workloads": _measure(client, cfg.model_name, prompts, plan, say, "peer"),
-        }
-        row["peak_rss_bytes"] = peak_rss_bytes(worker.pid)
-    finally:
-        client.close()
-        worker.stop()
-    return {
-        **row,
-        "label": "peer",
-        "model_bytes": cfg.model_path.stat().st_size,
-        "start_s": time.monotonic() - started,
-        "celery": celery_version,
-        "max_batch_size": cfg.max_batch_size,
-        "flush_interval_s": plan.peer_flush_interval_s,
-    }
 
 
 def _prompts(plan: Plan, vocab_size: int) -> Prompts:
@@ -233,6 +151,80 @@ def _prompts(plan: Plan, vocab_size: int) -> Prompts:
     }
 
 
+def _configs(plan: Plan, name: str, models: dict[str, Any], work_dir: Path) -> dict[str, FleetConfig]:
+    """The table's fleet configurations; each gets its own model key (so its own queue)."""
+    base = FleetConfig(
+        label="batching",
+        model_name=f"{name}-batching",
+        model_path=Path(models["fp32"]),
+        max_batch_size=plan.max_batch_size,
+        max_wait_ms=plan.max_wait_ms,
+        concurrency=plan.concurrency,
+        celery_loglevel="WARNING",
+    )
+    configs = {
+        "baseline": replace(base, label="baseline", model_name=f"{name}-baseline", max_batch_size=1),
+        "batching": base,
+        "int8": replace(base, label="int8", model_name=f"{name}-int8", model_path=Path(models["int8"])),
+    }
+    if plan.ablations:
+        configs["spinning"] = replace(
+            base, label="spinning", model_name=f"{name}-spinning", engine_extra={"allow_spinning": True}
+        )
+    if tensorrt_available():
+        configs["tensorrt"] = replace(
+            base,
+            label="tensorrt",
+            model_name=f"{name}-tensorrt",
+            providers=("TensorrtExecutionProvider", "CPUExecutionProvider"),
+            engine_extra={
+                "require_provider": "TensorrtExecutionProvider",
+                "trt_fp16": True,
+                "cache_dir": str((work_dir / "trt-cache").resolve()),
+            },
+        )
+    return configs
+
+
+def _serve_and_measure(
+    plan: Plan, args: argparse.Namespace, configs: dict[str, FleetConfig], redis_url: str, prompts: Prompts, say: Say
+) -> dict[str, Any]:
+    """Start every configuration (and the peer), measure them interleaved, stop them."""
+    work_dir = Path(args.work_dir)
+    peer_status: str | None = None
+    peer_env: tuple[Path, str] | None = None
+    if not plan.peer:
+        peer_status = "skipped (--quick)" if plan.quick else "skipped (--no-peer)"
+    else:
+        try:
+            peer_env = ensure_peer_venv(Path(args.peer_venv), progress=True)
+        except PeerUnavailable as exc:
+            peer_status = f"unavailable: {exc}"
+    if peer_status:
+        say(f"peer: {peer_status}")
+    say(f"starting {len(configs) + (peer_env is not None)} workers: {', '.join(configs)}{', peer' if peer_env else ''}")
+    servers: dict[str, Server] = {}
+    try:
+        servers.update(start_fleet_servers(configs, redis_url, work_dir))
+        if peer_env is not None:
+            peer_cfg = replace(
+                configs["batching"],
+                label="peer",
+                model_name=configs["batching"].model_name.replace("-batching", "-peer"),
+            )
+            servers["peer"] = start_peer_server(peer_cfg, peer_env[0], peer_env[1], redis_url, work_dir, plan)
+        rows = measure_servers(servers, prompts, plan, say)
+    finally:
+        for server in servers.values():
+            server.stop()
+    if peer_status:
+        rows["peer"] = {"status": peer_status}
+    if "tensorrt" not in rows:
+        rows["tensorrt"] = {"status": "needs a GPU"}
+        say("tensorrt: needs a GPU (no TensorRT EP / no GPU on this machine); row not measured")
+    return rows
+
+
 def run_bench(plan: Plan, args: argparse.Namespace, command: str) -> dict[str, Any]:
     """Run every phase of ``plan``; write the JSON results and the Markdown report; return the results.
 
@@ -240,10 +232,9 @@ def run_bench(plan: Plan, args: argparse.Namespace, command: str) -> dict[str, A
     """
     started = time.monotonic()
     work_dir = Path(args.work_dir)
+    shutil.rmtree(work_dir / "logs", ignore_errors=True)  # worker logs of this run only
     work_dir.mkdir(parents=True, exist_ok=True)
-    steps = ["models", "limit", "baseline", "batching", "int8", "tensorrt", "peer", "dispatch", "report"]
-    if plan.ablations:
-        steps.insert(5, "spinning")
+    steps = ["models", "limit (before)", "fleet + peer", "limit (after)", "dispatch", "report"]
     bar = tqdm(total=len(steps), desc="bench", unit="phase", file=sys.stderr)
 
     def say(msg: str) -> None:
@@ -266,71 +257,58 @@ def run_bench(plan: Plan, args: argparse.Namespace, command: str) -> dict[str, A
     results["models"] = models
     card = load_card(Path(models["fp32"]))
     results["meta"]["model"] = card.model_dump()
+    results["meta"]["int8_version"] = load_card(Path(models["int8"])).version
+    results["meta"]["int8_report"] = str(report_path_for(Path(models["int8"])))
     prompts = _prompts(plan, card.vocab_size)
     bar.update()
-    step("limit")
-    results["limit"] = _limits({"fp32": models["fp32"], "int8": models["int8"]}, prompts, plan, say)
+    paths = {k: models[k] for k in ("fp32", "int8", "fp32_last", "int8_last") if k in models}
+    step("limit (before)")
+    passes = [_limit_pass(paths, prompts, plan)]
     bar.update()
-    base = FleetConfig(
-        label="batching",
-        model_name=card.name,
-        model_path=Path(models["fp32"]),
-        max_batch_size=plan.max_batch_size,
-        max_wait_ms=plan.max_wait_ms,
-        concurrency=plan.concurrency,
-        celery_loglevel="WARNING",
-    )
-    int8_card = load_card(Path(models["int8"]))
-    configs = {
-        "baseline": replace(base, label="baseline", max_batch_size=1),
-        "batching": base,
-        "int8": replace(base, label="int8", model_path=Path(models["int8"])),
-    }
-    if plan.ablations:
-        configs["spinning"] = replace(base, label="spinning", engine_extra={"allow_spinning": True})
-    rows: dict[str, Any] = {}
     with EmbeddedRedis() as redis:
         assert redis.proc is not None
-        for name, cfg in configs.items():
-            step(name)
-            rows[name] = _fleet_row(cfg, redis, work_dir, prompts, plan, say)
-            bar.update()
-        step("tensorrt")
-        if tensorrt_available():
-            trt = replace(
-                base,
-                label="tensorrt",
-                providers=("TensorrtExecutionProvider", "CPUExecutionProvider"),
-                engine_extra={
-                    "require_provider": "TensorrtExecutionProvider",
-                    "trt_fp16": True,
-                    "cache_dir": str((work_dir / "trt-cache").resolve()),
-                },
-            )
-            rows["tensorrt"] = _fleet_row(trt, redis, work_dir, prompts, plan, say)
-        else:
-            rows["tensorrt"] = {
-                "status": "needs a GPU",
-                "providers": results["meta"]["machine"]["ort_providers"],
-            }
-            say("tensorrt: needs a GPU (no TensorRT EP / no GPU on this machine); row not measured")
+        step("fleet + peer")
+        results["rows"] = _serve_and_measure(
+            plan, args, _configs(plan, card.name, models, work_dir), redis.url, prompts, say
+        )
         bar.update()
-        step("peer")
-        if plan.peer:
-            rows["peer"] = _peer_row(base, redis, work_dir, prompts, plan, Path(args.peer_venv), say)
-        else:
-            rows["peer"] = {"status": "skipped (--quick)" if plan.quick else "skipped (--no-peer)"}
-            say(f"peer: {rows['peer']['status']}")
+        step("limit (after)")
+        passes.append(_limit_pass(paths, prompts, plan))
+        results["limit"] = _merge_limits(passes, say)
         bar.update()
         step("dispatch")
         flush_redis(redis.url)
         ident = load_card(Path(models["identity"]))
-        dispatch_cfg = replace(
-            base,
+        dispatch_cfg = FleetConfig(
             label="dispatch",
             model_name=ident.name,
             model_path=Path(models["identity"]),
             max_batch_size=plan.concurrency,
+            max_wait_ms=plan.max_wait_ms,
+            concurrency=plan.concurrency,
+            celery_loglevel="WARNING",
+        )
+        ablations = (
+            {
+                "info": (
+                    "Celery log level INFO (the `fleet worker` default)",
+                    replace(dispatch_cfg, label="dispatch-info", celery_loglevel="INFO"),
+                ),
+                "lean": (
+                    "lean Celery: no task events, no STARTED state, no extended result",
+                    replace(dispatch_cfg, label="dispatch-lean", lean=True),
+                ),
+                "bulk": (
+                    f"bulk prototype: {plan.concurrency} requests per message",
+                    replace(dispatch_cfg, label="dispatch-bulk", bulk=True),
+                ),
+                "bulk+lean": (
+                    f"bulk prototype ({plan.concurrency} per message) + lean Celery",
+                    replace(dispatch_cfg, label="dispatch-bulk-lean", bulk=True, lean=True),
+                ),
+            }
+            if plan.ablations
+            else {}
         )
         results["dispatch"] = measure_dispatch(
             dispatch_cfg,
@@ -341,14 +319,11 @@ def run_bench(plan: Plan, args: argparse.Namespace, command: str) -> dict[str, A
             clients=plan.dispatch_clients,
             duration_s=plan.dispatch_duration_s,
             lone_requests=plan.dispatch_lone_requests,
-            ablation_loglevel="INFO" if plan.ablations else None,
+            ablations=ablations,
             profile_s=plan.profile_s,
             say=say,
         )
         bar.update()
-    results["rows"] = rows
-    results["meta"]["int8_version"] = int8_card.version
-    results["meta"]["int8_report"] = str(report_path_for(Path(models["int8"])))
     results["meta"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     results["meta"]["duration_s"] = round(time.monotonic() - started, 1)
     step("report")

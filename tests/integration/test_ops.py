@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Any
 
 import httpx
@@ -12,6 +13,7 @@ from producer.client import FleetClient
 from protocol.settings import load_settings
 from tests.integration.ops_fixtures import API_KEY, OpsFleet, ops_fleet, ops_models, ops_redis, wait_until
 from tools.redis_server import free_port
+from workers.health import list_workers
 
 __all__ = ["ops_fleet", "ops_models", "ops_redis"]
 
@@ -65,6 +67,11 @@ def test_status_shows_workers_and_queues(ops_fleet: OpsFleet) -> None:
         waiting = [client.submit("demo-encoder", [4, 5]) for _ in range(2)]
         done = client.result(client.submit("demo-lm", [1, 2, 3]), wait=True, timeout_s=30)
         assert done is not None and waiting
+        # the heartbeat publishes batches_run every heartbeat_s: wait for the one after the batch
+        deadline = time.monotonic() + 15
+        while not any(w.get("batches_run", 0) >= 1 for w in list_workers(client.redis)):
+            assert time.monotonic() < deadline, "heartbeat never reported the batch"
+            time.sleep(0.05)
     finally:
         client.close()
 

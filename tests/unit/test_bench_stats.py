@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from bench.analysis import target_rows
+from bench.findings import dispatch_findings
 from bench.plots import latency_points
 from bench.profile import fold_components, parse_raw, top_functions
-from bench.report import fmt, md_table, mib
+from bench.report import fmt, last_position_note, md_table, mib
 from bench.stats import (
     RequestRecord,
     batch_figures,
@@ -199,13 +200,22 @@ def _row(qps: float, p99: float, lone_p50: float) -> dict[str, object]:
 
 
 def test_target_rows_report_met_and_not_met() -> None:
-    limit = {"points": [{"batch_size": 8, "qps": 100.0}], "best": {"batch_size": 8, "qps": 100.0}, "bare_lone_ms": 10.0}
+    limit = {
+        "points": [{"batch_size": 8, "qps": 100.0}],
+        "best": {"batch_size": 8, "qps": 100.0},
+        "bare_lone_ms": 10.0,
+    }
     results = {
         "meta": {"plan": {"max_batch_size": 8}},
         "limit": {"fp32": {"long": limit, "short": limit}, "int8": {"long": limit, "short": limit}},
-        "rows": {"batching": _row(96.0, 50.0, 14.0), "int8": _row(120.0, 40.0, 9.0), "peer": _row(80.0, 60.0, 60.0)},
-        "models": {"variants": {"dynamic": {"sizes": {"ratio": 0.25},
-                                            "accuracy": {"top1_agreement": 0.95, "mean_kl": 0.01}}}},
+        "rows": {
+            "batching": _row(96.0, 50.0, 14.0),
+            "int8": _row(120.0, 40.0, 9.0),
+            "peer": _row(80.0, 60.0, 60.0),
+        },
+        "models": {
+            "variants": {"dynamic": {"sizes": {"ratio": 0.25}, "accuracy": {"top1_agreement": 0.95, "mean_kl": 0.01}}}
+        },
         "dispatch": {"loop": {"summary": {"qps": 400.0}, "cpu_ms_outside_inference": 5.0}},
     }
     rows = {(r[0], r[1]): r[3] for r in target_rows(results)}
@@ -215,3 +225,47 @@ def test_target_rows_report_met_and_not_met() -> None:
     assert rows[("INT8 CPU throughput ≥ 1.5× FP32", "long")] == "**not met**"
     assert rows[("INT8 file ≤ 30 % of FP32", "–")] == "met"
     assert rows[("dispatch ≥ 1,000 req/s through one worker", "short")] == "**not met**"
+
+
+def _loop(qps: float, producer: float, redis: float, worker: float, calls: float) -> dict[str, object]:
+    return {
+        "summary": {"qps": qps},
+        "cpu_ms_per_request": {"producer": producer, "redis": redis, "worker": worker},
+        "cpu_ms_outside_inference": producer + redis + worker,
+        "redis_calls_total_per_request": calls,
+        "requests_per_message": 1,
+    }
+
+
+def test_dispatch_findings_quote_the_run() -> None:
+    results = {
+        "meta": {"machine": {"logical_cores": 2}},
+        "dispatch": {
+            "loop": _loop(120.0, 5.0, 1.0, 6.0, 37.0),
+            "ablations": {
+                "lean": {"loop": _loop(185.0, 3.5, 0.6, 4.4, 29.0)},
+                "bulk": {"loop": {**_loop(600.0, 1.0, 0.3, 1.5, 6.0), "requests_per_message": 16}},
+            },
+            "profile": {"worker": {"components": {"Celery task tracing (celery.app.trace)": 0.4}}},
+        },
+    }
+    text = dispatch_findings(results)
+    assert "12.0 CPU-ms outside inference" in text and "near 167 req/s" in text
+    assert "37 Redis commands per request" in text
+    assert "≥ 40 % of its" in text
+    assert "185 req/s" in text and "(1.54×)" in text
+    assert "**600 req/s** (5.0× one task per request)" in text and "stays below 1,000" in text
+    assert dispatch_findings({"meta": {}, "rows": {}}) == ""
+
+
+def test_last_position_note() -> None:
+    def lim(qps1: float, qps8: float) -> dict[str, object]:
+        return {"points": [{"batch_size": 1, "qps": qps1}, {"batch_size": 8, "qps": qps8}]}
+
+    results = {
+        "meta": {"plan": {"max_batch_size": 8}},
+        "limit": {"fp32": {"long": lim(10, 8)}, "fp32_last": {"long": lim(12, 12)}},
+    }
+    note = last_position_note(results)
+    assert "FP32 long b=1: 1.20×" in note and "FP32 long b=8: 1.50×" in note
+    assert last_position_note({"meta": {}, "limit": {"fp32": {}}}) == ""
