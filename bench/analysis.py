@@ -161,7 +161,8 @@ def dispatch_section(results: dict[str, Any]) -> str:
     abls = d.get("ablations") or {}
     if abls:
         out += [
-            "Variants of the same loop (one worker each, one after the other):\n",
+            f"Variants of the same loop (each on its own worker and queue, all served at once, loops interleaved "
+            f"in {d.get('rounds', 1)} rounds):\n",
             "| variant | req/s | lone p50 ms | CPU-ms/request producer / Redis / worker | Redis commands/request |",
             "|---|---|---|---|---|",
             _variant_row(f"as served (Celery log level {d['celery_loglevel']})", d["lone"], loop),

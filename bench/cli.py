@@ -2,7 +2,7 @@
 
 ``fleet bench`` runs the full table (~10 minutes on 2 cores) and rewrites ``docs/benchmarks.md``,
 ``docs/benchmarks.json`` and the plots in ``docs/img/``; ``fleet bench --quick`` is the CI smoke run
-(demo model, < ~60 s, no peer), best pointed at a scratch folder with ``--out``/``--img-dir``/``--json``.
+(demo model, < ~60 s, no peer), written to ``var/bench-quick/`` unless ``--out`` says otherwise.
 """
 
 from __future__ import annotations
@@ -20,10 +20,19 @@ __all__ = ["main", "register", "run"]
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``bench`` flags."""
     p.add_argument("--quick", action="store_true", help="CI smoke run: demo model, short phases, no peer (< ~60 s)")
-    p.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"), help="Markdown report to write")
-    p.add_argument("--img-dir", type=Path, default=Path("docs/img"), help="folder for the PNG plots")
     p.add_argument(
-        "--json", dest="json_path", type=Path, default=Path("docs/benchmarks.json"), help="raw results (JSON)"
+        "--out",
+        type=Path,
+        default=None,
+        help="Markdown report (default docs/benchmarks.md; --quick: var/bench-quick/benchmarks.md)",
+    )
+    p.add_argument("--img-dir", type=Path, default=None, help="PNG plots (default: img/ next to the report)")
+    p.add_argument(
+        "--json",
+        dest="json_path",
+        type=Path,
+        default=None,
+        help="raw results (default: benchmarks.json next to the report)",
     )
     p.add_argument(
         "--work-dir",
@@ -38,6 +47,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="virtualenv of the celery-batches peer (created on first use, ~20 s)",
     )
     p.add_argument("--no-peer", action="store_true", help="skip the celery-batches peer row")
+    p.add_argument(
+        "--render-only",
+        action="store_true",
+        help="measure nothing: rewrite the report and plots from the --json results of an earlier run",
+    )
 
 
 def register(subparsers: Any) -> None:
@@ -57,11 +71,23 @@ def run(args: argparse.Namespace) -> int:
     from bench.runner import run_bench
 
     plan = quick_plan() if args.quick else full_plan(peer=not args.no_peer)
+    if args.out is None:  # a quick smoke run never overwrites the documented table
+        args.out = Path("var/bench-quick/benchmarks.md") if args.quick else Path("docs/benchmarks.md")
+    args.img_dir = args.img_dir or args.out.parent / "img"
+    args.json_path = args.json_path or args.out.parent / "benchmarks.json"
     command = (
         "fleet " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         if sys.argv[1:2] == ["bench"]
         else ("fleet bench" + (" --quick" if args.quick else "") + (" --no-peer" if args.no_peer else ""))
     )
+    if args.render_only:
+        import json
+
+        from bench.report import write_report
+
+        write_report(json.loads(Path(args.json_path).read_text()), Path(args.out), Path(args.img_dir))
+        print(f"fleet bench: rewrote {args.out} from {args.json_path}", file=sys.stderr)
+        return 0
     run_bench(plan, args, command)
     return 0
 

@@ -3,7 +3,10 @@
 The identity model (one ``OneHot`` node) stands in for inference. For a closed loop against one
 worker it measures requests/s, the CPU milliseconds each process spends per request (producer =
 this bench process, Redis, worker) minus the engine's own time, and the Redis commands each
-request costs. With py-spy installed it also samples where the worker's and the producer's CPU goes.
+request costs. Variants (Celery log level, lean Celery, the bulk-path prototype) run side by side:
+every variant's worker is started at once, each on its own queue, and the loops visit them in
+interleaved rounds. With py-spy installed it also samples where the worker's and the producer's
+CPU goes.
 """
 
 from __future__ import annotations
@@ -11,76 +14,60 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from bench.bulk_prototype import bulk_closed_loop
-from bench.load import closed_loop
+from bench.load import ClosedLoopRun, closed_loop
 from bench.procs import CpuMeter, FleetConfig, RunningFleet, redis_commandstats
 from bench.profile import fold_components, parse_raw, py_spy_path, record, top_functions
-from bench.stats import RequestRecord, summarize_run
+from bench.stats import RequestRecord, summarize_run, summarize_runs
 
 __all__ = ["measure_dispatch"]
 
 
-def _inference_ms_per_request(records: Sequence[RequestRecord]) -> float:
-    ok = [r for r in records if r.error is None and r.batch_size > 0]
-    return sum(r.inference_ms / r.batch_size for r in ok) / max(1, len(ok))
+class _Tally:
+    """CPU seconds, Redis calls and records of one variant, summed over its rounds."""
+
+    def __init__(self) -> None:
+        self.cpu_s: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()
+        self.runs: list[ClosedLoopRun] = []
+
+    def result(self, clients: int, per_message: int) -> dict[str, Any]:
+        summary = summarize_runs([(run.records, None) for run in self.runs])
+        records = [r for run in self.runs for r in run.records if r.error is None and r.batch_size > 0]
+        n = max(1, summary.requests)
+        infer_ms = sum(r.inference_ms / r.batch_size for r in records) / max(1, len(records))
+        per_process = {name: 1000 * s / n for name, s in self.cpu_s.items()}
+        calls = {k: v / n for k, v in self.calls.items() if v > 0 and k != "info"}  # "info": our own probe
+        return {
+            "clients": clients,
+            "requests_per_message": per_message,
+            "summary": summary.as_dict(),
+            "cpu_ms_per_request": {k: round(v, 3) for k, v in per_process.items()},
+            "inference_ms_per_request": round(infer_ms, 4),
+            "cpu_ms_outside_inference": round(sum(per_process.values()) - infer_ms, 3),
+            "redis_calls_per_request": {k: round(v, 2) for k, v in sorted(calls.items(), key=lambda kv: -kv[1])},
+            "redis_calls_total_per_request": round(sum(calls.values()), 2),
+        }
 
 
-def _cost_run(
-    client: Any,
-    fleet: RunningFleet,
-    redis_pid: int,
-    redis_url: str,
-    model: str,
-    prompts: Sequence[Sequence[int]],
-    *,
-    clients: int,
-    duration_s: float,
-    bulk_chunk: int = 0,
-) -> dict[str, Any]:
-    """One closed loop with CPU meters and Redis command counters around it.
-
-    ``bulk_chunk`` > 0 drives the bulk-path prototype instead: ``bulk_chunk`` requests per message.
-    """
-    meter = CpuMeter({"producer": os.getpid(), "redis": redis_pid, "worker": fleet.pid})
-    calls_before = redis_commandstats(redis_url)
-    if bulk_chunk > 0:
-        run = bulk_closed_loop(client, model, prompts, clients=clients, chunk=bulk_chunk, duration_s=duration_s)
-    else:
-        run = closed_loop(client, model, prompts, clients=clients, duration_s=duration_s)
-    cpu_s = meter.elapsed()
-    calls_after = redis_commandstats(redis_url)
-    summary = summarize_run(run.records)  # every request, first submit → last result
-    n = max(1, summary.requests)
-    infer_ms = _inference_ms_per_request(run.records)
-    per_process = {name: 1000 * s / n for name, s in cpu_s.items()}
-    calls = {k: (v - calls_before.get(k, 0)) / n for k, v in calls_after.items() if v - calls_before.get(k, 0) > 0}
-    calls.pop("info", None)  # our own INFO probe
-    return {
-        "clients": clients,
-        "requests_per_message": bulk_chunk or 1,
-        "summary": summary.as_dict(),
-        "cpu_ms_per_request": {k: round(v, 3) for k, v in per_process.items()},
-        "inference_ms_per_request": round(infer_ms, 4),
-        "cpu_ms_outside_inference": round(sum(per_process.values()) - infer_ms, 3),
-        "redis_calls_per_request": {k: round(v, 2) for k, v in sorted(calls.items(), key=lambda kv: -kv[1])},
-        "redis_calls_total_per_request": round(sum(calls.values()), 2),
-    }
+def _metered(tally: _Tally, pids: dict[str, int], redis_url: str, run: Callable[[], ClosedLoopRun]) -> None:
+    meter = CpuMeter(pids)
+    before = redis_commandstats(redis_url)
+    result = run()
+    tally.cpu_s.update(meter.elapsed())
+    after = redis_commandstats(redis_url)
+    tally.calls.update({k: v - before.get(k, 0) for k, v in after.items()})
+    tally.runs.append(result)
 
 
-def _profile(
-    client: Any,
-    fleet: RunningFleet,
-    model: str,
-    prompts: Sequence[Sequence[int]],
-    *,
-    clients: int,
-    duration_s: float,
-) -> dict[str, Any]:
-    """Sample the worker and this producer with py-spy during a closed loop."""
+def _profile(client: Any, fleet: RunningFleet, model: str, prompts: Sequence[Sequence[int]], *, clients: int,
+             duration_s: float) -> dict[str, Any]:  # fmt: skip
+    """Sample the worker and this producer with py-spy (``--gil``) during a closed loop."""
     if py_spy_path() is None:
         return {"status": "skipped: py-spy is not installed (pip install py-spy)"}
     with tempfile.TemporaryDirectory(prefix="fleet-profile-") as tmp:
@@ -107,7 +94,7 @@ def _profile(
 
 
 def measure_dispatch(
-    config: FleetConfig,
+    variants: dict[str, tuple[str, FleetConfig]],
     redis_url: str,
     redis_pid: int,
     work_dir: Path,
@@ -116,65 +103,66 @@ def measure_dispatch(
     clients: int,
     duration_s: float,
     lone_requests: int,
-    ablations: dict[str, tuple[str, FleetConfig]] | None = None,
+    rounds: int = 1,
     profile_s: float = 0.0,
     say: Any = None,
 ) -> dict[str, Any]:
-    """Dispatch-cost figures for ``config`` (an identity model): see the module docstring.
+    """Dispatch-cost figures for each variant (key → (label, config of an identity model)).
 
-    ``ablations`` (key → (label, variant of ``config``), e.g. Celery log level INFO, ``lean=True``,
-    ``bulk=True``) each get the same loop, one after the other; ``profile_s`` > 0 adds a py-spy profile of the main
-    configuration.
+    The first variant is the fleet as served: its figures are the top level of the result, the
+    others go under ``"ablations"``; ``profile_s`` > 0 adds a py-spy profile of the first. A config
+    with ``bulk=True`` is driven through the bulk prototype, ``max_batch_size`` requests per message.
     """
     log = say or (lambda msg: print(msg, file=sys.stderr))
-    out: dict[str, Any] = {
-        "model": config.model_name,
-        "max_batch_size": config.max_batch_size,
-        "concurrency": config.concurrency,
-        "celery_loglevel": config.celery_loglevel,
-        "ablations": {},
-    }
-    fleet = RunningFleet(config, redis_url, work_dir)
-    client = fleet.start()
+    fleets = {key: RunningFleet(cfg, redis_url, work_dir) for key, (_, cfg) in variants.items()}
+    for fleet in fleets.values():
+        fleet.spawn()
     try:
-        closed_loop(client, config.model_name, prompts, clients=clients, max_requests=4 * clients)  # warm
-        lone = closed_loop(client, config.model_name, prompts, clients=1, max_requests=lone_requests)
-        out["lone"] = summarize_run(lone.records).as_dict()
-        log(f"dispatch: lone round trip p50 {out['lone']['latency']['p50_ms']:.2f} ms")
-        out["loop"] = _cost_run(
-            client, fleet, redis_pid, redis_url, config.model_name, prompts, clients=clients, duration_s=duration_s
-        )
-        log(
-            f"dispatch: {out['loop']['summary']['qps']:.0f} req/s, "
-            f"{out['loop']['cpu_ms_outside_inference']:.2f} CPU-ms/request outside inference"
-        )
+        clients_of = {k: fl.ready() for k, fl in fleets.items()}
+        lone: dict[str, list[RequestRecord]] = {k: [] for k in fleets}
+        tallies = {k: _Tally() for k in fleets}
+        for key, fleet in fleets.items():
+            model = fleet.config.model_name
+            closed_loop(clients_of[key], model, prompts, clients=clients, max_requests=4 * clients)  # warm
+        for r in range(rounds):
+            for key, fleet in fleets.items():
+                cfg, client, model = fleet.config, clients_of[key], fleet.config.model_name
+                part = lone_requests // rounds
+                lone[key] += closed_loop(client, model, prompts[r * part :], clients=1, max_requests=part).records
+                pids = {"producer": os.getpid(), "redis": redis_pid, "worker": fleet.pid}
+                chunk = cfg.max_batch_size if cfg.bulk else 0
+
+                def run(client: Any = client, model: str = model, chunk: int = chunk) -> ClosedLoopRun:
+                    if chunk:
+                        n = max(2, 2 * clients // chunk)  # a chunk waits for its slowest request
+                        return bulk_closed_loop(client, model, prompts, clients=n, chunk=chunk,
+                                                duration_s=duration_s / rounds)  # fmt: skip
+                    return closed_loop(client, model, prompts, clients=clients, duration_s=duration_s / rounds)
+
+                _metered(tallies[key], pids, redis_url, run)
+        results: dict[str, dict[str, Any]] = {}
+        for key, fleet in fleets.items():
+            chunk = fleet.config.max_batch_size if fleet.config.bulk else 1
+            results[key] = {
+                "label": str(variants[key][0]),
+                "lone": summarize_run(lone[key]).as_dict(),
+                "loop": tallies[key].result(max(2, 2 * clients // chunk) if chunk > 1 else clients, chunk),
+            }
+            loop = results[key]["loop"]
+            log(f"dispatch ({variants[key][0]}): {loop['summary']['qps']:.0f} req/s, "
+                f"{loop['cpu_ms_outside_inference']:.2f} CPU-ms/request outside inference")  # fmt: skip
+        main_key = next(iter(fleets))
+        main_cfg = fleets[main_key].config
+        out: dict[str, Any] = {
+            "model": main_cfg.model_name, "max_batch_size": main_cfg.max_batch_size,
+            "concurrency": main_cfg.concurrency, "celery_loglevel": main_cfg.celery_loglevel, "rounds": rounds,
+            "lone": results[main_key]["lone"], "loop": results[main_key]["loop"],
+            "ablations": {k: v for k, v in results.items() if k != main_key},
+        }  # fmt: skip
         if profile_s > 0:
-            out["profile"] = _profile(client, fleet, config.model_name, prompts, clients=clients, duration_s=profile_s)
+            out["profile"] = _profile(clients_of[main_key], fleets[main_key], main_cfg.model_name, prompts,
+                                      clients=clients, duration_s=profile_s)  # fmt: skip
     finally:
-        fleet.stop()
-    for key, (name, variant) in (ablations or {}).items():
-        fleet = RunningFleet(variant, redis_url, work_dir)
-        client = fleet.start()
-        try:
-            closed_loop(client, variant.model_name, prompts, clients=clients, max_requests=4 * clients)
-            lone = closed_loop(client, variant.model_name, prompts, clients=1, max_requests=lone_requests)
-            chunk = variant.max_batch_size if variant.bulk else 0
-            loop = _cost_run(
-                client,
-                fleet,
-                redis_pid,
-                redis_url,
-                variant.model_name,
-                prompts,
-                clients=max(1, clients // chunk) if chunk else clients,
-                duration_s=duration_s,
-                bulk_chunk=chunk,
-            )
-            out["ablations"][key] = {"label": name, "lone": summarize_run(lone.records).as_dict(), "loop": loop}
-            log(
-                f"dispatch ({name}): {loop['summary']['qps']:.0f} req/s, "
-                f"{loop['cpu_ms_outside_inference']:.2f} CPU-ms/request outside inference"
-            )
-        finally:
+        for fleet in fleets.values():
             fleet.stop()
     return out

@@ -70,10 +70,17 @@ def dispatch_findings(results: dict[str, Any]) -> str:
             "one GIL, so this per-message work serialises, however many task threads hold tokens."
         )
     if lean:
+        saved = 1 - float(lean["cpu_ms_outside_inference"]) / max(1e-9, float(loop["cpu_ms_outside_inference"]))
         lines.append(
-            f"- **Celery's per-task extras cost about a third.** With task events, the STARTED state and extended "
-            f"results off, the same loop ran {_f(lean['summary']['qps'])} req/s "
+            f"- **Celery's per-task extras cost {_f(100 * saved)} % of it.** With task events, the STARTED state "
+            f"and extended results off, the same loop ran {_f(lean['summary']['qps'])} req/s "
             f"({lean['summary']['qps'] / qps:.2f}×) at {_f(lean['cpu_ms_outside_inference'], 1)} CPU-ms/request."
+        )
+    lone = (d.get("lone") or {}).get("latency", {}).get("p50_ms")
+    if lone:
+        lines.append(
+            f"- **The same cost is the lone request's overhead**: the identity model's round trip is "
+            f"{_f(lone, 1)} ms at p50, which is what a lone request adds to one bare `session.run` (see Targets)."
         )
     lines += [
         "",
@@ -103,12 +110,17 @@ def dispatch_findings(results: dict[str, Any]) -> str:
             )
         )
         best = max(float(bulk["summary"]["qps"]), float(both["summary"]["qps"]) if both else 0.0)
+        bcpu = bulk["cpu_ms_per_request"]
         lines.append(
             "That reaches the 1,000 req/s goal on this machine."
             if best >= 1000
             else f"Even that stays below 1,000 req/s on this {cores}-core machine, where producer, Redis and worker "
-            "share the cores; the remaining cost is the per-request result write and the client's decoding, "
-            "which a bulk wait (`MGET` of a chunk's results) would shrink next."
+            f"share the cores: what is left is per request — worker {_f(bcpu['worker'], 2)}, producer "
+            f"{_f(bcpu['producer'], 2)}, Redis {_f(bcpu['redis'], 2)} CPU-ms: `handle_request`'s cancel-key "
+            "`EXISTS` round trip, pydantic decode/validate/encode and a thread hand-off per request. Checking the "
+            "cancel keys of a whole chunk with one `MGET` and validating in the producer only (the worker "
+            "re-checks limits, not the schema) are the next steps; a worker with Redis and producers on other "
+            f"machines would carry about {_f(1000 / max(1e-9, float(bcpu['worker'])))} req/s per core."
         )
     lines += [
         "",

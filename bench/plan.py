@@ -27,27 +27,28 @@ class Plan:
     max_wait_ms: float = 2.0
     prompts: int = 256
     """Distinct prompts per workload."""
-    lone_requests: dict[str, int] = field(default_factory=lambda: {"long": 16, "short": 48})
-    rounds: int = 2
+    lone_requests: dict[str, int] = field(default_factory=lambda: {"long": 15, "short": 45})
+    rounds: int = 3
     """Interleaved saturation rounds per configuration (pooled)."""
-    sat_duration_s: dict[str, float] = field(default_factory=lambda: {"long": 12.0, "short": 7.0})
+    sat_duration_s: dict[str, float] = field(default_factory=lambda: {"long": 12.0, "short": 6.0})
     """Measured saturation time per configuration, all rounds together."""
-    sat_warmup_s: dict[str, float] = field(default_factory=lambda: {"long": 2.0, "short": 1.0})
+    sat_warmup_s: dict[str, float] = field(default_factory=lambda: {"long": 1.5, "short": 0.8})
     """Ramp-up before each round's window (not counted)."""
-    open_fractions: tuple[float, ...] = (0.35, 0.7, 0.9)
+    open_fractions: tuple[float, ...] = (0.4, 0.8)
     """Open-loop rates, as fractions of the configuration's own saturation QPS."""
-    open_duration_s: dict[str, float] = field(default_factory=lambda: {"long": 7.0, "short": 4.0})
+    open_duration_s: dict[str, float] = field(default_factory=lambda: {"long": 6.0, "short": 3.5})
     limit_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
     limit_duration_s: float = 1.0
     """Per batch size and pass; the limit is measured before and after the fleet phase (best kept)."""
     dispatch_clients: int = 32
     dispatch_duration_s: float = 8.0
-    dispatch_lone_requests: int = 200
+    dispatch_lone_requests: int = 100
     profile_s: float = 6.0
     """py-spy profile of the dispatch loop (0 = none)."""
     peer: bool = True
     ablations: bool = True
-    """Extra rows: ORT spin-waiting on, Celery log level INFO."""
+    """Extra rows and variants: lean Celery, ORT spin-waiting on, Celery log level INFO, the bulk-path
+    prototype, the LM-head-at-last-position model."""
     int8_variants: bool = True
     """Also quantize static QDQ (+ symmetric) for the INT8 variants table."""
     peer_flush_interval_s: float = 0.05

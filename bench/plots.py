@@ -44,6 +44,11 @@ def plot_latency_vs_qps(results: dict[str, Any], workload: str, path: Path) -> P
         ax.plot(qps, [p[1] for p in pts], "o-", color=color, label=f"{key} p50")
         ax.plot(qps, [p[2] for p in pts], "s--", color=color, alpha=0.7, label=f"{key} p99")
     ax.set_yscale("log")
+    from matplotlib.ticker import ScalarFormatter
+
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(ScalarFormatter())
+    ax.tick_params(axis="y", which="minor", labelsize=7)
     ax.set_xlabel("achieved throughput (requests/s)")
     ax.set_ylabel("latency, submit → result (ms)")
     model = results["meta"]["model"]["name"]

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.analysis import dispatch_section, targets_section
+from bench.notes import last_position_note, method_notes, reading_notes
 from bench.plots import plot_latency_vs_qps
 
-__all__ = ["fmt", "md_table", "mib", "render", "write_report"]
+__all__ = ["fmt", "limit_at", "md_table", "mib", "render", "write_report"]
 
 ROWS = (
     ("baseline", "baseline (FP32, max_batch_size 1)"),
@@ -121,10 +122,13 @@ def main_table(results: dict[str, Any], wl: str) -> str:
         rows_out.append([label, *_fleet_cells(peer, wl, limit_at(results["limit"]["fp32"][wl], b))])
     else:
         rows_out.append([label, f"**{peer.get('status')}**"] + ["–"] * (len(HEADERS) - 2))
-    spin = res_rows.get("spinning", {})
-    if spin.get("status") == "ok":
-        label = "ablation: + dynamic batching, ORT spin-waiting on"
-        rows_out.append([label, *_fleet_cells(spin, wl, limit_at(results["limit"]["fp32"][wl], b))])
+    for key, label in (
+        ("lean", "ablation: + dynamic batching, lean Celery (measurement-only launcher)"),
+        ("spinning", "ablation: + dynamic batching, ORT spin-waiting on"),
+    ):
+        abl = res_rows.get(key, {})
+        if abl.get("status") == "ok":
+            rows_out.append([label, *_fleet_cells(abl, wl, limit_at(results["limit"]["fp32"][wl], b))])
     return md_table(HEADERS, rows_out)
 
 
@@ -166,8 +170,12 @@ def limit_table(results: dict[str, Any]) -> str:
     """Bare session.run throughput (req/s) by batch size, per variant and workload."""
     sizes = [int(p["batch_size"]) for p in results["limit"]["fp32"]["long"]["points"]]
     rows = []
-    names = {"fp32": "FP32", "int8": "INT8", "fp32_last": "FP32, LM head at last position",
-             "int8_last": "INT8, LM head at last position"}
+    names = {
+        "fp32": "FP32",
+        "int8": "INT8",
+        "fp32_last": "FP32, LM head at last position",
+        "int8_last": "INT8, LM head at last position",
+    }
     for variant in [v for v in names if v in results["limit"]]:
         for wl, entry in results["limit"][variant].items():
             cells = [fmt(limit_at(entry, b)) for b in sizes]
@@ -182,31 +190,6 @@ def limit_table(results: dict[str, Any]) -> str:
                 ]
             )
     return md_table(["model", "workload", *[f"b={b}" for b in sizes], "lone run ms (p50)", "spinning on"], rows)
-
-
-def last_position_note(results: dict[str, Any]) -> str:
-    """What computing the LM head at the last position only would gain (bare loop), if measured."""
-    lim = results["limit"]
-    if "fp32_last" not in lim:
-        return ""
-    b = int(results["meta"]["plan"]["max_batch_size"])
-    gains = []
-    for full, last in (("fp32", "fp32_last"), ("int8", "int8_last")):
-        if last not in lim:
-            continue
-        for wl in lim[last]:
-            for size in (1, b):
-                before, after = limit_at(lim[full][wl], size), limit_at(lim[last][wl], size)
-                if before > 0 and after > 0:
-                    gains.append(f"{full.upper()} {wl} b={size}: {after / before:.2f}×")
-    return (
-        "*LM head at the last position* (`python -m tools.lm_head_last MODEL.onnx`, a separate model file): the "
-        "graph gathers each row's last real position before the final MatMul, so `logits` is `[batch, 1, vocab]` "
-        "instead of `[batch, seq, vocab]` (64 MiB of float32 for 8 x 256 tokens over 8,192 ids). Bare-loop "
-        "throughput against the full model: " + "; ".join(gains) + ". The worker cannot serve it yet: "
-        "`workers/postprocess.last_positions` indexes position `length - 1`; reading "
-        "`min(length, logits.shape[1]) - 1` would serve both shapes.\n"
-    )
 
 
 def int8_table(results: dict[str, Any]) -> str:
@@ -293,7 +276,8 @@ def render(results: dict[str, Any], img_rel: str) -> str:
             "bare loop of the same model at the same batch size (batch 1 for the baseline).\n",
             main_table(results, wl) + "\n",
         ]
-    parts += ["## Targets\n", targets_section(results) + "\n"]
+    parts += ["## Reading the tables\n", reading_notes(results)]
+    parts += ["## Targets\n", "Measured and reported here, never asserted in tests.\n", targets_section(results) + "\n"]
     parts += [
         "## Latency under load\n",
         "p50 (solid) and p99 (dashed) against achieved QPS: one client, open-loop Poisson arrivals at "
@@ -311,8 +295,11 @@ def render(results: dict[str, Any], img_rel: str) -> str:
         "`fleet quantize` on the served model, compared with FP32 on held-out prompts:\n",
         int8_table(results) + "\n",
     ]
-    parts += ["## The limit (bare `session.run`, requests/s by batch size)\n", limit_table(results) + "\n",
-              last_position_note(results)]
+    parts += [
+        "## The limit (bare `session.run`, requests/s by batch size)\n",
+        limit_table(results) + "\n",
+        last_position_note(results),
+    ]
     parts += ["## Dispatch cost\n", dispatch_section(results) + "\n"]
     peer_note = (
         f"celery-batches peer: Celery {peer.get('celery', '?')} in its own virtualenv, threads pool, "
@@ -322,6 +309,7 @@ def render(results: dict[str, Any], img_rel: str) -> str:
         if peer.get("status") == "ok"
         else f"Peer row: {peer.get('status', 'not run')}."
     )
+    parts += ["## How it was measured\n", method_notes(plan)]
     parts += [
         "## Notes\n",
         f"- {peer_note}",

@@ -108,7 +108,10 @@ def measure_servers(servers: dict[str, Server], prompts: Prompts, plan: Plan, sa
                     duration_s=plan.sat_duration_s[wl] / plan.rounds + plan.sat_warmup_s[wl],
                     warmup_s=plan.sat_warmup_s[wl],
                 ))  # fmt: skip
-        sat_sum = {k: summarize_runs([(run.records, run.window) for run in runs]) for k, runs in sat.items()}
+        sat_sum = {
+            k: summarize_runs([(run.records, run.window) for run in runs], clients=plan.concurrency)
+            for k, runs in sat.items()
+        }
         opens: dict[str, list[dict[str, Any]]] = {k: [] for k in servers}
         for i, frac in enumerate(plan.open_fractions):
             for key, server in servers.items():

@@ -34,8 +34,8 @@ from protocol.modelcard import load_card
 from tools.build_model import PRESETS
 from tools.build_model import main as build_model_main
 from tools.calibration import synthetic_sequences
-from tools.quantize import QuantizationRefused, QuantizeConfig, quantize_model, report_path_for
 from tools.lm_head_last import write_last_variant
+from tools.quantize import QuantizationRefused, QuantizeConfig, quantize_model, report_path_for
 from tools.redis_server import EmbeddedRedis
 
 __all__ = ["run_bench"]
@@ -79,8 +79,9 @@ def _models(plan: Plan, work_dir: Path, say: Say) -> dict[str, Any]:
         last = write_last_variant(fp32)
         out["fp32_last"] = str(last)
         say(f"quantizing {last.name} (dynamic INT8)")
-        out["int8_last"] = str(quantize_model(last, QuantizeConfig(mode="dynamic", eval_count=16, overwrite=True),
-                                              progress=False).path)
+        out["int8_last"] = str(
+            quantize_model(last, QuantizeConfig(mode="dynamic", eval_count=16, overwrite=True), progress=False).path
+        )
     return out
 
 
@@ -168,6 +169,7 @@ def _configs(plan: Plan, name: str, models: dict[str, Any], work_dir: Path) -> d
         "int8": replace(base, label="int8", model_name=f"{name}-int8", model_path=Path(models["int8"])),
     }
     if plan.ablations:
+        configs["lean"] = replace(base, label="lean", model_name=f"{name}-lean", lean=True)
         configs["spinning"] = replace(
             base, label="spinning", model_name=f"{name}-spinning", engine_extra={"allow_spinning": True}
         )
@@ -184,6 +186,34 @@ def _configs(plan: Plan, name: str, models: dict[str, Any], work_dir: Path) -> d
             },
         )
     return configs
+
+
+def _dispatch_variants(plan: Plan, name: str, path: Path) -> dict[str, tuple[str, FleetConfig]]:
+    """The identity-model worker as served, and (full plan) the variants that price each cost."""
+    cfg = FleetConfig(
+        label="dispatch",
+        model_name=f"{name}-served",
+        model_path=path,
+        max_batch_size=plan.concurrency,
+        max_wait_ms=plan.max_wait_ms,
+        concurrency=plan.concurrency,
+        celery_loglevel="WARNING",
+    )
+    out = {"served": ("as served (Celery log level WARNING)", cfg)}
+    if plan.ablations:
+        variants: dict[str, tuple[str, dict[str, Any]]] = {
+            "info": ("Celery log level INFO (the `fleet worker` default)", {"celery_loglevel": "INFO"}),
+            "lean": ("lean Celery: no task events, no STARTED state, no extended result", {"lean": True}),
+            "bulk": (f"bulk prototype: {plan.concurrency} requests per message", {"bulk": True}),
+            "bulk+lean": (
+                f"bulk prototype ({plan.concurrency} per message) + lean Celery",
+                {"bulk": True, "lean": True},
+            ),
+        }
+        for key, (label, changes) in variants.items():
+            slug = key.replace("+", "-")
+            out[key] = (label, replace(cfg, label=f"dispatch-{slug}", model_name=f"{name}-{slug}", **changes))
+    return out
 
 
 def _serve_and_measure(
@@ -261,7 +291,7 @@ def run_bench(plan: Plan, args: argparse.Namespace, command: str) -> dict[str, A
     results["meta"]["int8_report"] = str(report_path_for(Path(models["int8"])))
     prompts = _prompts(plan, card.vocab_size)
     bar.update()
-    paths = {k: models[k] for k in ("fp32", "int8", "fp32_last", "int8_last") if k in models}
+    paths: dict[str, str] = {k: models[k] for k in ("fp32", "int8", "fp32_last", "int8_last") if k in models}
     step("limit (before)")
     passes = [_limit_pass(paths, prompts, plan)]
     bar.update()
@@ -279,50 +309,11 @@ def run_bench(plan: Plan, args: argparse.Namespace, command: str) -> dict[str, A
         step("dispatch")
         flush_redis(redis.url)
         ident = load_card(Path(models["identity"]))
-        dispatch_cfg = FleetConfig(
-            label="dispatch",
-            model_name=ident.name,
-            model_path=Path(models["identity"]),
-            max_batch_size=plan.concurrency,
-            max_wait_ms=plan.max_wait_ms,
-            concurrency=plan.concurrency,
-            celery_loglevel="WARNING",
-        )
-        ablations = (
-            {
-                "info": (
-                    "Celery log level INFO (the `fleet worker` default)",
-                    replace(dispatch_cfg, label="dispatch-info", celery_loglevel="INFO"),
-                ),
-                "lean": (
-                    "lean Celery: no task events, no STARTED state, no extended result",
-                    replace(dispatch_cfg, label="dispatch-lean", lean=True),
-                ),
-                "bulk": (
-                    f"bulk prototype: {plan.concurrency} requests per message",
-                    replace(dispatch_cfg, label="dispatch-bulk", bulk=True),
-                ),
-                "bulk+lean": (
-                    f"bulk prototype ({plan.concurrency} per message) + lean Celery",
-                    replace(dispatch_cfg, label="dispatch-bulk-lean", bulk=True, lean=True),
-                ),
-            }
-            if plan.ablations
-            else {}
-        )
         results["dispatch"] = measure_dispatch(
-            dispatch_cfg,
-            redis.url,
-            redis.proc.pid,
-            work_dir,
-            prompts["short"],
-            clients=plan.dispatch_clients,
-            duration_s=plan.dispatch_duration_s,
-            lone_requests=plan.dispatch_lone_requests,
-            ablations=ablations,
-            profile_s=plan.profile_s,
-            say=say,
-        )
+            _dispatch_variants(plan, ident.name, Path(models["identity"])), redis.url, redis.proc.pid, work_dir,
+            prompts["short"], clients=plan.dispatch_clients, duration_s=plan.dispatch_duration_s,
+            lone_requests=plan.dispatch_lone_requests, rounds=plan.rounds, profile_s=plan.profile_s, say=say,
+        )  # fmt: skip
         bar.update()
     results["meta"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     results["meta"]["duration_s"] = round(time.monotonic() - started, 1)

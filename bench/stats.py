@@ -75,6 +75,8 @@ class RunSummary:
     padding_efficiency: float
     """Real tokens / padded tokens computed, in [0, 1]."""
     window_s: float
+    qps_counted: float = float("nan")
+    """Completed requests / window time, when ``qps`` comes from Little's law (closed loops)."""
 
     def as_dict(self) -> dict[str, object]:
         """JSON-friendly view (nested latency included)."""
@@ -144,11 +146,17 @@ def summarize_run(records: Sequence[RequestRecord], window: tuple[float, float] 
     return summarize_runs([(records, window)])
 
 
-def summarize_runs(runs: Sequence[tuple[Sequence[RequestRecord], tuple[float, float] | None]]) -> RunSummary:
+def summarize_runs(
+    runs: Sequence[tuple[Sequence[RequestRecord], tuple[float, float] | None]], *, clients: int | None = None
+) -> RunSummary:
     """Pool several runs of one configuration (e.g. interleaved rounds) into one summary.
 
-    Each run is ``(records, window)`` as for :func:`summarize_run`; QPS is the counted requests
-    over the summed windows, and the latency percentiles are over every counted request.
+    Each run is ``(records, window)`` as for :func:`summarize_run`; the latency percentiles are over
+    every counted request. QPS is the counted requests over the summed windows, or, for a closed
+    loop of ``clients`` always-busy clients, Little's law: ``clients / mean latency``. The count
+    is quantized when a batch of 8 completes at once inside a few-second window (±1 batch per
+    window edge); Little's law uses every request's latency instead. Both are kept
+    (``qps_counted``).
     """
     counted: list[RequestRecord] = []
     errors = 0
@@ -166,14 +174,18 @@ def summarize_runs(runs: Sequence[tuple[Sequence[RequestRecord], tuple[float, fl
         span += max(end - start, 0.0)
     span = max(span, 1e-9)
     mean_batch, padding = batch_figures(counted)
+    latency = summarize_latencies([r.latency_ms for r in counted])
+    counted_qps = len(counted) / span if counted else 0.0
+    little = clients is not None and counted and latency.mean_ms > 0
     return RunSummary(
         requests=len(counted),
         errors=errors,
-        qps=len(counted) / span if counted else 0.0,
-        latency=summarize_latencies([r.latency_ms for r in counted]),
+        qps=1000.0 * clients / latency.mean_ms if little and clients else counted_qps,
+        latency=latency,
         mean_batch_size=mean_batch,
         padding_efficiency=padding,
         window_s=span,
+        qps_counted=counted_qps if little else float("nan"),
     )
 
 

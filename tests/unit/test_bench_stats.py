@@ -9,9 +9,10 @@ import pytest
 
 from bench.analysis import target_rows
 from bench.findings import dispatch_findings
+from bench.notes import last_position_note
 from bench.plots import latency_points
 from bench.profile import fold_components, parse_raw, top_functions
-from bench.report import fmt, last_position_note, md_table, mib
+from bench.report import fmt, md_table, mib
 from bench.stats import (
     RequestRecord,
     batch_figures,
@@ -19,6 +20,7 @@ from bench.stats import (
     poisson_arrivals,
     summarize_latencies,
     summarize_run,
+    summarize_runs,
 )
 from tools.quant_accuracy import compare_logits, log_softmax
 
@@ -87,6 +89,17 @@ def test_summarize_run_window_counts_steady_state_only() -> None:
     assert steady.latency.p50_ms == pytest.approx(1000.0)
 
 
+def test_summarize_runs_pools_windows_and_littles_law() -> None:
+    # two rounds of a 4-client closed loop; every request takes 0.5 s, so X = 4 / 0.5 s = 8 req/s.
+    a = [_rec(t, t + 0.5, 4, 2, 8) for t in (0.0, 0.5, 1.0)]
+    b = [_rec(t, t + 0.5, 4, 2, 8) for t in (10.0, 10.5)]
+    pooled = summarize_runs([(a, (0.0, 2.0)), (b, (10.0, 11.0))], clients=4)
+    assert pooled.requests == 5 and pooled.window_s == pytest.approx(3.0)
+    assert pooled.qps == pytest.approx(8.0) and pooled.qps_counted == pytest.approx(5 / 3)
+    plain = summarize_runs([(a, (0.0, 2.0)), (b, (10.0, 11.0))])
+    assert plain.qps == pytest.approx(5 / 3) and math.isnan(plain.qps_counted)
+
+
 def test_summarize_run_counts_errors() -> None:
     s = summarize_run([_rec(0, 1, 4, 1, 4), _rec(0, 2, 4, 0, 0, error="x")])
     assert (s.requests, s.errors) == (1, 1)
@@ -143,12 +156,13 @@ def test_compare_logits_rejects_shapes(a: tuple[int, ...], b: tuple[int, ...]) -
         compare_logits(np.zeros(a), np.zeros(b))
 
 
-RAW = """\
-<module> (celery/bin/worker.py:1);run (celery/app/trace.py:10);store (celery/backends/redis.py:5) 30
-<module> (celery/bin/worker.py:1);run (celery/app/trace.py:10);run (onnxruntime/capi/onnxruntime_inference_collection.py:3) 50
-<module> (celery/bin/worker.py:1);emit (/usr/lib/python3.11/logging/__init__.py:9) 20
-not a stack line
-"""
+_ORT = "onnxruntime/capi/onnxruntime_inference_collection.py"
+RAW = (
+    "<module> (celery/bin/worker.py:1);run (celery/app/trace.py:10);store (celery/backends/redis.py:5) 30\n"
+    f"<module> (celery/bin/worker.py:1);run (celery/app/trace.py:10);run ({_ORT}:3) 50\n"
+    "<module> (celery/bin/worker.py:1);emit (/usr/lib/python3.11/logging/__init__.py:9) 20\n"
+    "not a stack line\n"
+)
 
 
 def test_profile_parse_and_fold() -> None:

@@ -24,8 +24,13 @@ CASES = [
     ("window closed", 5.010, [p(5.0), p(5.003)], 1, Dispatch(2, "window")),
     ("token budget: 3 x 30 fits, 4 x 30 does not", 5.0, [p(5.0, 30)] * 4, 1, Dispatch(3, "token_budget")),
     ("one long sequence alone past the budget", 5.0, [p(5.0, 500), p(5.0, 5)], 1, Dispatch(1, "token_budget")),
-    ("budget counts the longest of the prefix: 3 x 60 > 100", 5.0, [p(5.0, 10), p(5.0, 10), p(5.0, 60)], 1,
-     Dispatch(2, "token_budget")),
+    (
+        "budget counts the longest of the prefix: 3 x 60 > 100",
+        5.0,
+        [p(5.0, 10), p(5.0, 10), p(5.0, 60)],
+        1,
+        Dispatch(2, "token_budget"),
+    ),
     ("short ones fill up to the budget", 5.020, [p(5.0, 25)] * 3, 1, Dispatch(3, "window")),
 ]
 

@@ -21,8 +21,17 @@ POISON = 13
 class FakeEngine:
     """Logits that put all mass on (last real token + 1); a batch containing POISON raises."""
 
-    card = ModelCard(name="fake", version="0", kind="causal_lm", vocab_size=32, max_positions=64, num_layers=1,
-                     num_heads=1, head_dim=1, hidden_size=1)
+    card = ModelCard(
+        name="fake",
+        version="0",
+        kind="causal_lm",
+        vocab_size=32,
+        max_positions=64,
+        num_layers=1,
+        num_heads=1,
+        head_dim=1,
+        hidden_size=1,
+    )
 
     def __init__(self) -> None:
         self.batches: list[list[int]] = []

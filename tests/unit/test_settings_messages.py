@@ -58,8 +58,9 @@ def test_yaml_then_env_then_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyP
         ({"surprise": 1}, {}, "surprise"),
     ],
 )
-def test_invalid_settings_name_the_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                           doc: dict[str, object], env: dict[str, str], says: str) -> None:
+def test_invalid_settings_name_the_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, doc: dict[str, object], env: dict[str, str], says: str
+) -> None:
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(ConfigError) as info:

@@ -14,8 +14,15 @@ from tools.wordpiece import train_wordpiece
 
 def _card(**overrides: object) -> ModelCard:
     fields: dict[str, object] = {
-        "name": "m", "version": "1.0.0", "kind": "causal_lm", "vocab_size": 512, "max_positions": 64,
-        "num_layers": 1, "num_heads": 1, "head_dim": 4, "hidden_size": 4,
+        "name": "m",
+        "version": "1.0.0",
+        "kind": "causal_lm",
+        "vocab_size": 512,
+        "max_positions": 64,
+        "num_layers": 1,
+        "num_heads": 1,
+        "head_dim": 4,
+        "hidden_size": 4,
     }
     fields.update(overrides)
     return ModelCard.model_validate(fields)
