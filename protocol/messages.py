@@ -20,9 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valida
 from protocol.errors import DecodeError
 
 __all__ = [
-    "SCHEMA_VERSION",
     "BULK_TASK_NAME",
     "MAX_BULK_REQUESTS",
+    "SCHEMA_VERSION",
     "TASK_NAME",
     "InferenceRequest",
     "InferenceResult",

@@ -11,7 +11,7 @@ and an 8k-wide matrix product per position. This rewrite inserts, right before t
 so ``logits`` becomes ``[batch, 1, vocab]`` (right padding: the last real token of row ``b`` sits at
 ``sum(mask[b]) - 1 - past``). ``present.*`` outputs are untouched. It is a separate model file
 (version suffix ``-last``), never a replacement: a server must read position 0 of the new output,
-which ``workers/postprocess.last_positions`` does not do yet (see docs/benchmarks.md).
+which ``workers/postprocess.last_positions`` does (it clips the index to the output length).
 
 Run: ``python -m tools.lm_head_last models/demo-lm/demo-lm-1.0.0.onnx`` → ``demo-lm-1.0.0-last.onnx``.
 """

@@ -17,7 +17,7 @@ __all__ = ["register", "run_quantize"]
 
 def register(subparsers: Any) -> None:
     """Add the ``quantize`` sub-command to an ``argparse`` sub-parsers object."""
-    from tools.quantize import QuantizeConfig
+    from tools.quantize_config import QuantizeConfig
 
     d = QuantizeConfig()
     p: argparse.ArgumentParser = subparsers.add_parser(

@@ -15,9 +15,13 @@ FloatArray = npt.NDArray[np.float32]
 
 
 def last_positions(logits: FloatArray, lengths: npt.NDArray[np.int64]) -> FloatArray:
-    """[batch, seq, vocab] logits → [batch, vocab] at each row's last real position."""
+    """[batch, seq, vocab] logits → [batch, vocab] at each row's last real position.
+
+    A model rewritten to compute the LM head only at the last position (``tools/lm_head_last.py``)
+    returns [batch, 1, vocab]; the index is clipped so such a model is served the same way.
+    """
     rows = np.arange(logits.shape[0])
-    return np.asarray(logits[rows, lengths - 1, :], dtype=np.float32)
+    return np.asarray(logits[rows, np.minimum(lengths, logits.shape[1]) - 1, :], dtype=np.float32)
 
 
 def top_k_logprobs(last_logits: FloatArray, k: int) -> tuple[npt.NDArray[np.int64], FloatArray]:
