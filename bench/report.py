@@ -301,6 +301,11 @@ def render(results: dict[str, Any], img_rel: str) -> str:
         last_position_note(results),
     ]
     parts += ["## Dispatch cost\n", dispatch_section(results) + "\n"]
+    parts += [
+        "The fleet's own bulk path, `fleet.infer_bulk` (`FleetClient.submit_bulk`: many requests per message, "
+        "one result per request ID), landed after the prototype measured here; its side-by-side figures against "
+        "one task per request are in [bulk-path.md](bulk-path.md) (`python -m bench.bulk_vs_single`).\n"
+    ]
     peer_note = (
         f"celery-batches peer: Celery {peer.get('celery', '?')} in its own virtualenv, threads pool, "
         f"concurrency 1, prefetch multiplier 64, flush_every {plan['max_batch_size']}, flush_interval "
