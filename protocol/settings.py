@@ -35,6 +35,7 @@ __all__ = [
     "LimitSettings",
     "ModelSettings",
     "WorkerSettings",
+    "deep_merge",
     "load_settings",
 ]
 
@@ -230,7 +231,7 @@ class FleetSettings(BaseSettings):
             value = data["models"][key]
             norm = _norm(key)
             if norm in names and isinstance(value, dict) and isinstance(merged[names[norm]], dict):
-                merged[names[norm]] = _deep_merge(merged[names[norm]], value)
+                merged[names[norm]] = deep_merge(merged[names[norm]], value)
             else:
                 names[norm] = key
                 merged[key] = value
@@ -301,7 +302,7 @@ def load_settings(config_path: Path | str | None = None, **overrides: Any) -> Fl
         raise ConfigError(_describe(exc), _first_loc(exc), None) from exc
     if overrides:
         try:
-            merged = _deep_merge(settings.model_dump(), overrides)
+            merged = deep_merge(settings.model_dump(), overrides)
             settings = FleetSettings.model_validate(merged)
         except ValidationError as exc:
             raise ConfigError(_describe(exc), _first_loc(exc), None) from exc
@@ -324,11 +325,12 @@ def _resolve_model_paths(data: dict[str, Any], base: Path) -> None:
             engine["cache_dir"] = str((base / str(engine["cache_dir"])).resolve())
 
 
-def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``extra`` merged in, nested dicts merged key by key (neither input changes)."""
     out = dict(base)
     for key, value in extra.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
+            out[key] = deep_merge(out[key], value)
         else:
             out[key] = value
     return out

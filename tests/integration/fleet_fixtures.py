@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from producer.client import FleetClient
-from protocol.settings import FleetSettings, load_settings
+from protocol.settings import FleetSettings, deep_merge, load_settings
 from tools.processes import WorkerProcess
 
 __all__ = ["Fleet", "base_config"]
@@ -39,16 +38,6 @@ def base_config(model_dir: Path, redis_url: str) -> dict[str, Any]:
     }
 
 
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
 class Fleet:
     """Writes configs, starts workers and clients for one test; stops them all at teardown."""
 
@@ -64,7 +53,7 @@ class Fleet:
         """Write a YAML config (base + ``overrides``, merged deeply); returns its path."""
         self._configs += 1
         path = self.tmp_path / f"fleet-{self._configs}.yaml"
-        path.write_text(yaml.safe_dump(_merge(base_config(self.model_dir, self.redis_url), overrides)))
+        path.write_text(yaml.safe_dump(deep_merge(base_config(self.model_dir, self.redis_url), overrides)))
         return path
 
     def settings(self, config: Path) -> FleetSettings:

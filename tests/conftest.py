@@ -1,4 +1,5 @@
-"""Integration fixtures: real redis-server on a free port, real models, real worker processes."""
+"""Fixtures shared by the integration tiers (integration/, gpu_wheel/): a real redis-server on a free
+port, real models, real worker processes. Unit tests use none of them."""
 
 from __future__ import annotations
 
