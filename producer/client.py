@@ -13,6 +13,7 @@ a worker makes is made here first, so bad input is refused before anything is qu
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -22,7 +23,6 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.exceptions import TimeoutError as CeleryTimeout
 from celery.result import AsyncResult
 
 from producer.admission import Admission
@@ -341,25 +341,27 @@ class FleetClient:
     def result(self, request_id: str, *, wait: bool = False, timeout_s: float | None = None) -> InferenceResult | None:
         """The result of ``request_id``; None if not ready and ``wait`` is False.
 
+        Waiting polls the stored result (as :meth:`wait` does) rather than subscribing through the Celery
+        result backend's pub/sub, so no subscription outlives the call (a timed-out ``AsyncResult.get``
+        leaves one behind, and its ``__del__`` later retries a Redis that may be gone).
+
         Raises:
             FleetError: the request failed (the worker's error, rebuilt: InputTooLong, RequestExpired, …).
-            ResultTimeout: ``wait`` and no result within ``timeout_s``.
-            RequestNotFound: the ID was never submitted or its result expired.
+            ResultTimeout: ``wait`` and no result within ``timeout_s`` (None: wait without limit).
+            RequestNotFound: not waiting, and the ID was never submitted or its result expired.
         """
-        res = self._async(request_id)
-        if not wait and not res.ready():
-            if self.status(request_id) is RequestStatus.NOT_FOUND:
-                raise RequestNotFound(f"no request {request_id!r} is known", "request_id", None)
-            return None
-        try:
-            value = res.get(timeout=timeout_s, propagate=False, interval=0.05)
-        except CeleryTimeout as exc:
-            raise ResultTimeout(f"no result for {request_id} within {timeout_s} s", "timeout_s", timeout_s) from exc
-        if res.state == "SUCCESS":
-            return decode_result(value)
-        if res.state == "REVOKED":
-            raise RequestCancelled(f"request {request_id} was cancelled", "request_id", None)
-        raise self._as_fleet_error(value)
+        if wait:
+            outcome = self.wait([request_id], math.inf if timeout_s is None else timeout_s)[0]
+        else:
+            finished = self._finished([request_id])
+            if request_id not in finished:
+                if self.status(request_id) is RequestStatus.NOT_FOUND:
+                    raise RequestNotFound(f"no request {request_id!r} is known", "request_id", None)
+                return None
+            outcome = finished[request_id]
+        if isinstance(outcome, FleetError):
+            raise outcome
+        return outcome
 
     def wait(
         self, request_ids: Sequence[str], timeout_s: float = 60.0, *, poll_s: float = 0.005
@@ -370,18 +372,10 @@ class FleetClient:
         from ``poll_s`` to 100 ms; a request still unfinished at the deadline gets ``ResultTimeout``.
         """
         deadline = time.monotonic() + timeout_s
-        backend = self.app.backend
         done: dict[str, InferenceResult | FleetError] = {}
         remaining = list(dict.fromkeys(request_ids))
         while remaining:
-            for start in range(0, len(remaining), 1000):
-                chunk = remaining[start : start + 1000]
-                raws = self.redis.mget([backend.get_key_for_task(rid) for rid in chunk])
-                for rid, raw in zip(chunk, raws, strict=True):
-                    if raw is not None:
-                        outcome = self._outcome(rid, backend.decode_result(raw))
-                        if outcome is not None:
-                            done[rid] = outcome
+            done.update(self._finished(remaining))
             remaining = [rid for rid in remaining if rid not in done]
             if remaining and time.monotonic() >= deadline:
                 for rid in remaining:
@@ -391,6 +385,20 @@ class FleetClient:
                 time.sleep(poll_s)
                 poll_s = min(0.1, poll_s * 1.5)
         return [done[rid] for rid in request_ids]
+
+    def _finished(self, request_ids: Sequence[str]) -> dict[str, InferenceResult | FleetError]:
+        """The finished ones among ``request_ids``: one MGET of their stored results per 1,000 IDs."""
+        backend = self.app.backend
+        finished: dict[str, InferenceResult | FleetError] = {}
+        for start in range(0, len(request_ids), 1000):
+            chunk = request_ids[start : start + 1000]
+            raws = self.redis.mget([backend.get_key_for_task(rid) for rid in chunk])
+            for rid, raw in zip(chunk, raws, strict=True):
+                if raw is not None:
+                    outcome = self._outcome(rid, backend.decode_result(raw))
+                    if outcome is not None:
+                        finished[rid] = outcome
+        return finished
 
     def _outcome(self, request_id: str, meta: dict[str, Any]) -> InferenceResult | FleetError | None:
         """A finished request's result or error from its stored Celery meta; None while not finished."""

@@ -14,9 +14,17 @@ from typing import Any
 
 import httpx
 import pytest
+import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
+from schemathesis.generation import GenerationMode
+
+# Schemathesis imports its OpenAPI machinery lazily, and as a pytest plugin its modules are assertion-rewritten
+# (ast.parse) on import. Import it at collection, before fixtures start threads and leave objects for the
+# garbage collector: CI once failed inside that import with CPython 3.11's "AST constructor recursion depth
+# mismatch" (python/cpython#106905) while a finalizer was retrying a stopped Redis.
+from schemathesis.specs.openapi.schemas import OpenApiSchema  # noqa: F401
 
 from tests.integration.ops_fixtures import (
     API_KEY,
@@ -228,9 +236,6 @@ def _use_real_model(body: Any) -> None:
 
 def test_openapi_fuzz_never_5xx_and_worker_survives(served: Served) -> None:
     """Schemathesis cases (valid and invalid) for every operation of the live OpenAPI document."""
-    schemathesis = pytest.importorskip("schemathesis")
-    from schemathesis.generation import GenerationMode
-
     schema = schemathesis.openapi.from_url(served.gateway.url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {(op.method.upper(), op.path) for op in operations} >= {
