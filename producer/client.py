@@ -13,7 +13,6 @@ a worker makes is made here first, so bad input is refused before anything is qu
 from __future__ import annotations
 
 import json
-import math
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -23,6 +22,7 @@ from typing import Any
 
 import redis
 from celery import Celery
+from celery.exceptions import TimeoutError as CeleryTimeout
 from celery.result import AsyncResult
 
 from producer.admission import Admission
@@ -88,7 +88,10 @@ class FleetClient:
         return cls(load_settings(config_path, **overrides))
 
     def close(self) -> None:
-        """Release connections."""
+        """Release connections, the result backend's pub/sub connection included."""
+        consumer = getattr(self.app.backend, "result_consumer", None)
+        if consumer is not None:
+            consumer.stop()
         self.redis.close()
         self.app.close()
 
@@ -341,24 +344,37 @@ class FleetClient:
     def result(self, request_id: str, *, wait: bool = False, timeout_s: float | None = None) -> InferenceResult | None:
         """The result of ``request_id``; None if not ready and ``wait`` is False.
 
-        Waiting polls the stored result (as :meth:`wait` does) rather than subscribing through the Celery
-        result backend's pub/sub, so no subscription outlives the call (a timed-out ``AsyncResult.get``
-        leaves one behind, and its ``__del__`` later retries a Redis that may be gone).
+        Waiting subscribes through the Celery result backend (pub/sub wakes the caller the moment the
+        result is stored) and always unsubscribes before returning: a timed-out ``AsyncResult.get`` would
+        otherwise stay subscribed until the garbage collector runs its ``__del__``, which then retries
+        whatever Redis is left for 20 s on whichever thread the collector happens to interrupt.
 
         Raises:
             FleetError: the request failed (the worker's error, rebuilt: InputTooLong, RequestExpired, …).
             ResultTimeout: ``wait`` and no result within ``timeout_s`` (None: wait without limit).
             RequestNotFound: not waiting, and the ID was never submitted or its result expired.
         """
-        if wait:
-            outcome = self.wait([request_id], math.inf if timeout_s is None else timeout_s)[0]
-        else:
+        if not wait:
             finished = self._finished([request_id])
-            if request_id not in finished:
-                if self.status(request_id) is RequestStatus.NOT_FOUND:
-                    raise RequestNotFound(f"no request {request_id!r} is known", "request_id", None)
-                return None
-            outcome = finished[request_id]
+            if request_id in finished:
+                return self._raise_or_return(finished[request_id])
+            if self.status(request_id) is RequestStatus.NOT_FOUND:
+                raise RequestNotFound(f"no request {request_id!r} is known", "request_id", None)
+            return None
+        res = self._async(request_id)
+        try:
+            res.get(timeout=timeout_s, propagate=False, interval=0.05)
+        except CeleryTimeout as exc:
+            raise ResultTimeout(f"no result for {request_id} within {timeout_s} s", "timeout_s", timeout_s) from exc
+        finally:
+            self.app.backend.remove_pending_result(res)
+        outcome = self._outcome(request_id, {"status": res.state, "result": res.result})
+        if outcome is None:  # pragma: no cover - get() returned, so the state is a ready one
+            raise FleetError(f"request {request_id} ended in state {res.state}", "request_id", None)
+        return self._raise_or_return(outcome)
+
+    @staticmethod
+    def _raise_or_return(outcome: InferenceResult | FleetError) -> InferenceResult:
         if isinstance(outcome, FleetError):
             raise outcome
         return outcome

@@ -16,7 +16,7 @@ import pytest
 
 from producer.admission import Admission, bucket_take, rate_key_for
 from producer.client import FleetClient
-from protocol.errors import QueueFull
+from protocol.errors import QueueFull, ResultTimeout
 from protocol.keys import RATE_KEY
 from protocol.settings import load_settings
 from tests.integration.ops_fixtures import API_KEY, OpsFleet, ops_fleet, ops_models, ops_redis, scrape, wait_until
@@ -71,6 +71,11 @@ def test_queue_cap_refuses_with_retry_after_and_accepted_requests_complete(ops_f
         assert info.value.retry_after_s == MAX_RETRY_AFTER_S and info.value.limit == 4
         # a request ID already accepted is not refused: resubmitting it is a no-op
         assert client.submit("demo-lm", [9], request_id=accepted[0]) == accepted[0]
+        # waiting on a queued request times out cleanly and leaves no result subscription behind
+        with pytest.raises(ResultTimeout) as timed_out:
+            client.result(accepted[0], wait=True, timeout_s=0.2)
+        assert timed_out.value.field == "timeout_s" and timed_out.value.limit == 0.2
+        assert not client.app.backend.result_consumer.subscribed_to
     finally:
         client.close()
     assert [_status(http, rid) for rid in accepted] == ["queued"] * 4
