@@ -64,9 +64,9 @@ def last_position_note(results: dict[str, Any]) -> str:
         "*LM head at the last position* (`python -m tools.lm_head_last MODEL.onnx`, a separate model file): the "
         "graph gathers each row's last real position before the final MatMul, so `logits` is `[batch, 1, vocab]` "
         "instead of `[batch, seq, vocab]` (64 MiB of float32 for 8 x 256 tokens over 8,192 ids). Bare-loop "
-        "throughput against the full model: " + "; ".join(gains) + ". The worker cannot serve it yet: "
-        "`workers/postprocess.last_positions` indexes position `length - 1`; reading "
-        "`min(length, logits.shape[1]) - 1` would serve both shapes.\n"
+        "throughput against the full model: " + "; ".join(gains) + ". The worker serves either shape "
+        "(`workers/postprocess.last_positions` reads position `min(length, logits.shape[1]) - 1`); point a "
+        "model's `path` at the rewritten file to use it.\n"
     )
 
 
