@@ -92,10 +92,7 @@ def _chunk(client: FleetClient, model: str, seqs: Sequence[Sequence[int]], waite
         if meta["status"] != "SUCCESS":
             done[i] = RequestRecord(start, time.perf_counter(), len(seqs[i]), error=str(meta["result"]))
             continue
-        res = decode_result(meta["result"])
-        t = res.timings
-        done[i] = RequestRecord(start, time.perf_counter(), res.input_tokens, t.batch_size, t.padded_tokens,
-                                t.inference_ms)  # fmt: skip
+        done[i] = RequestRecord.from_result(start, time.perf_counter(), decode_result(meta["result"]))
     waiter.unsubscribe(*keys)
     return [done.get(i) or RequestRecord(start, time.perf_counter(), len(s), error="timeout") for i, s in
             enumerate(seqs)]  # fmt: skip

@@ -45,8 +45,7 @@ def _one(client: FleetClient, model: str, ids: Sequence[int], top_k: int) -> Req
     done = time.perf_counter()
     if result is None:  # pragma: no cover - wait=True returns a result or raises
         return RequestRecord(start, done, len(ids), error="no result")
-    t = result.timings
-    return RequestRecord(start, done, result.input_tokens, t.batch_size, t.padded_tokens, t.inference_ms)
+    return RequestRecord.from_result(start, done, result)
 
 
 def closed_loop(
@@ -124,8 +123,7 @@ def open_loop(
         done = time.perf_counter()
         if result is None:  # pragma: no cover
             return RequestRecord(submitted, done, len(ids), error="no result")
-        t = result.timings
-        return RequestRecord(submitted, done, result.input_tokens, t.batch_size, t.padded_tokens, t.inference_ms)
+        return RequestRecord.from_result(submitted, done, result)
 
     failed: list[RequestRecord] = []
     with ThreadPoolExecutor(max_workers=waiters, thread_name_prefix="bench-waiter") as pool:

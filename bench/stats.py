@@ -9,8 +9,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from protocol.messages import InferenceResult
 
 __all__ = [
     "LatencySummary",
@@ -40,7 +44,16 @@ class RequestRecord:
     """batch_size x padded length of that batch (tokens)."""
     inference_ms: float = 0.0
     """Engine time of that batch (ms)."""
+    queue_wait_ms: float = 0.0
+    """Producer submit → start of the batch it ran in (ms, the worker's figure)."""
     error: str | None = None
+
+    @classmethod
+    def from_result(cls, submit_s: float, done_s: float, result: InferenceResult) -> RequestRecord:
+        """A successful request, with the worker's own timings."""
+        t = result.timings
+        return cls(submit_s, done_s, result.input_tokens, t.batch_size, t.padded_tokens, t.inference_ms,
+                   t.queue_wait_ms)  # fmt: skip
 
     @property
     def latency_ms(self) -> float:
@@ -77,6 +90,10 @@ class RunSummary:
     window_s: float
     qps_counted: float = float("nan")
     """Completed requests / window time, when ``qps`` comes from Little's law (closed loops)."""
+    queue_wait_p50_ms: float = float("nan")
+    """Median producer submit → batch start, as the worker measured it (ms)."""
+    engine_p50_ms: float = float("nan")
+    """Median engine time of the batch each request ran in (ms)."""
 
     def as_dict(self) -> dict[str, object]:
         """JSON-friendly view (nested latency included)."""
@@ -175,6 +192,7 @@ def summarize_runs(
     span = max(span, 1e-9)
     mean_batch, padding = batch_figures(counted)
     latency = summarize_latencies([r.latency_ms for r in counted])
+    timed = [r for r in counted if r.batch_size > 0]  # records that carry the worker's timings
     counted_qps = len(counted) / span if counted else 0.0
     little = clients is not None and counted and latency.mean_ms > 0
     return RunSummary(
@@ -186,6 +204,8 @@ def summarize_runs(
         padding_efficiency=padding,
         window_s=span,
         qps_counted=counted_qps if little else float("nan"),
+        queue_wait_p50_ms=percentile([r.queue_wait_ms for r in timed], 50) if timed else float("nan"),
+        engine_p50_ms=percentile([r.inference_ms for r in timed], 50) if timed else float("nan"),
     )
 
 

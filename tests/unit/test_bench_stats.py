@@ -62,8 +62,11 @@ def test_summarize_latencies() -> None:
     assert empty.count == 0 and math.isnan(empty.p50_ms)
 
 
-def _rec(submit: float, done: float, tokens: int, batch: int, padded: int, error: str | None = None) -> RequestRecord:
-    return RequestRecord(submit, done, tokens, batch, padded, 1.0, error)
+def _rec(
+    submit: float, done: float, tokens: int, batch: int, padded: int, error: str | None = None, *,
+    engine_ms: float = 1.0, queue_wait_ms: float = 0.0,
+) -> RequestRecord:
+    return RequestRecord(submit, done, tokens, batch, padded, engine_ms, queue_wait_ms, error=error)
 
 
 def test_batch_figures_exact_totals() -> None:
@@ -103,6 +106,13 @@ def test_summarize_runs_pools_windows_and_littles_law() -> None:
 def test_summarize_run_counts_errors() -> None:
     s = summarize_run([_rec(0, 1, 4, 1, 4), _rec(0, 2, 4, 0, 0, error="x")])
     assert (s.requests, s.errors) == (1, 1)
+
+
+def test_summarize_run_splits_the_workers_time() -> None:
+    recs = [_rec(0, 1, 4, 1, 4, engine_ms=e, queue_wait_ms=q) for e, q in ((50.0, 3.0), (60.0, 5.0), (70.0, 4.0))]
+    s = summarize_run([*recs, _rec(0, 1, 4, 0, 0, error="x", engine_ms=999.0, queue_wait_ms=999.0)])
+    assert s.engine_p50_ms == pytest.approx(60.0) and s.queue_wait_p50_ms == pytest.approx(4.0)
+    assert math.isnan(summarize_run([]).engine_p50_ms)
 
 
 def test_poisson_arrivals_rate_and_determinism() -> None:
@@ -207,9 +217,9 @@ def test_latency_points_sorted_and_skip_empty() -> None:
     assert latency_points(entry) == [(5.0, 10.0, 12.0), (20.0, 15.0, 30.0), (40.0, 50.0, 90.0)]
 
 
-def _row(qps: float, p99: float, lone_p50: float) -> dict[str, object]:
+def _row(qps: float, p99: float, lone_p50: float, **lone_split: float) -> dict[str, object]:
     sat = {"qps": qps, "latency": {"p99_ms": p99}}
-    wl = {"saturation": sat, "lone": {"latency": {"p50_ms": lone_p50}}}
+    wl = {"saturation": sat, "lone": {"latency": {"p50_ms": lone_p50}, **lone_split}}
     return {"status": "ok", "workloads": {"long": wl, "short": wl}}
 
 
@@ -223,7 +233,7 @@ def test_target_rows_report_met_and_not_met() -> None:
         "meta": {"plan": {"max_batch_size": 8}},
         "limit": {"fp32": {"long": limit, "short": limit}, "int8": {"long": limit, "short": limit}},
         "rows": {
-            "batching": _row(96.0, 50.0, 14.0),
+            "batching": _row(96.0, 50.0, 14.0, queue_wait_p50_ms=2.5, engine_p50_ms=9.25),
             "int8": _row(120.0, 40.0, 9.0),
             "peer": _row(80.0, 60.0, 60.0),
         },
@@ -232,6 +242,9 @@ def test_target_rows_report_met_and_not_met() -> None:
         },
         "dispatch": {"loop": {"summary": {"qps": 400.0}, "cpu_ms_outside_inference": 5.0}},
     }
+    measured = {(r[0], r[1]): r[2] for r in target_rows(results)}
+    lone = measured[("lone request p50 within 5 ms of one bare session.run", "long")]
+    assert lone == "+4.00 ms (14.00 vs 10.00 ms; in the worker: submit → batch start 2.50 ms, engine 9.25 ms)"
     rows = {(r[0], r[1]): r[3] for r in target_rows(results)}
     assert rows[("batching ≥ 95 % of the limit at batch 8", "long")] == "met"
     assert rows[("lone request p50 within 5 ms of one bare session.run", "long")] == "met"
