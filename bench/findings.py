@@ -45,8 +45,8 @@ def dispatch_findings(results: dict[str, Any]) -> str:
     lean, bulk, both = _loop(abls, "lean"), _loop(abls, "bulk"), _loop(abls, "bulk+lean")
     lines = [
         "### Why one task per request cannot reach 1,000 req/s here\n",
-        f"- **CPU, not waiting, is the limit.** Each request costs {_f(total, 1)} CPU-ms outside inference "
-        f"(producer {_f(cpu['producer'], 1)}, Redis {_f(cpu['redis'], 1)}, worker {_f(cpu['worker'], 1)}). "
+        f"- **CPU, not waiting, is the limit.** Each request costs {_f(total, 1)} CPU-ms in all, "
+        f"{_f(loop['cpu_ms_outside_inference'], 1)} of them outside inference (producer {_f(cpu['producer'], 1)}, Redis {_f(cpu['redis'], 1)}, worker {_f(cpu['worker'], 1)}). "
         f"On {cores} cores that caps the whole path near {_f(cores * 1000 / total)} req/s with a zero-cost "
         f"model; the loop reached {_f(qps)}. 1,000 req/s would need ≤ {_f(cores, 0)} CPU-ms per request in all "
         "three processes together.",
@@ -84,23 +84,24 @@ def dispatch_findings(results: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "### Proposal: a bulk path — many requests per message, one result per request\n",
-        "A new task `fleet.infer_many(requests, request_ids)` next to `fleet.infer`; `FleetClient.submit_many` "
-        "(and the gateway's batch endpoint) send up to `max_batch_size` requests per message. The worker "
-        "hands each request to the same `handle_request` (same validation, same scheduler, a bad request fails "
-        "alone) and writes every result under its own ID (`celery-task-meta-<id>`, `SETEX`+`PUBLISH`) in one "
-        "pipeline, so `FleetClient.result(id)` and `GET /v1/requests/{id}` are unchanged. What is paid per "
-        "message — `LPUSH`, `BRPOP`, QoS bookkeeping, ack, three events, the STARTED state, Celery's tracer — "
-        "is shared by the whole chunk; a chunk holds one token per request. Trade-offs: Flower shows chunks, "
-        "`revoke` works per chunk (per-request cancel keeps working through the cancel key), and a redelivered "
-        "chunk recomputes all its requests (harmless: results are pure functions of the request).",
+        "### The bulk path — many requests per message, one result per request\n",
+        "Proposed from the figures above and since landed as `fleet.infer_bulk` next to `fleet.infer`: "
+        "`FleetClient.submit_bulk` sends up to `chunk_size` requests per message. The worker checks the chunk's "
+        "cancel keys with one `MGET`, validates each request on its own (a bad request fails alone), hands all "
+        "valid ones to the scheduler at once and writes every result under its own ID "
+        "(`celery-task-meta-<id>`, `SETEX`+`PUBLISH`) in one pipeline, so `FleetClient.result(id)` and "
+        "`GET /v1/requests/{id}` are unchanged. What is paid per message — `LPUSH`, `BRPOP`, QoS bookkeeping, "
+        "ack, three events, the STARTED state, Celery's tracer — is shared by the whole chunk; a chunk holds one "
+        "token per request. Trade-offs: Flower shows chunks, `revoke` works per chunk (per-request cancel keeps "
+        "working through the cancel key), and a redelivered chunk recomputes all its requests (harmless: results "
+        "are pure functions of the request).",
     ]
     if bulk:
         ratio = bulk["summary"]["qps"] / qps
         lines.append(
             f"\nMeasured with a prototype (`bench/bulk_prototype.py`, {bulk.get('requests_per_message')} requests "
             f"per message, the fleet's code unchanged): **{_f(bulk['summary']['qps'])} req/s** ({ratio:.1f}× one "
-            f"task per request), {_f(bulk['cpu_ms_outside_inference'], 2)} CPU-ms/request, "
+            f"task per request), {_f(bulk['cpu_ms_outside_inference'], 2)} CPU-ms/request outside inference, "
             f"{_f(bulk['redis_calls_total_per_request'], 1)} Redis commands/request"
             + (
                 f"; with lean Celery too: **{_f(both['summary']['qps'])} req/s**, "
@@ -117,9 +118,10 @@ def dispatch_findings(results: dict[str, Any]) -> str:
             else f"Even that stays below 1,000 req/s on this {cores}-core machine, where producer, Redis and worker "
             f"share the cores: what is left is per request — worker {_f(bcpu['worker'], 2)}, producer "
             f"{_f(bcpu['producer'], 2)}, Redis {_f(bcpu['redis'], 2)} CPU-ms: `handle_request`'s cancel-key "
-            "`EXISTS` round trip, pydantic decode/validate/encode and a thread hand-off per request. Checking the "
-            "cancel keys of a whole chunk with one `MGET` and validating in the producer only (the worker "
-            "re-checks limits, not the schema) are the next steps; a worker with Redis and producers on other "
+            "`EXISTS` round trip, pydantic decode/validate/encode and a thread hand-off per request. The landed "
+            "path checks a chunk's cancel keys with one `MGET` and submits its jobs at once; validating in the "
+            "producer only (the worker re-checks limits, not the schema) is the next step; a worker with Redis "
+            "and producers on other "
             f"machines would carry about {_f(1000 / max(1e-9, float(bcpu['worker'])))} req/s per core."
         )
     lines += [

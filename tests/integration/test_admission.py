@@ -130,6 +130,8 @@ def test_two_gateways_share_one_token_bucket(ops_fleet: OpsFleet) -> None:
     left = float(ops_fleet.redis.hget(bucket, "tokens") or 0)
     admitted = 1 + counts[0][202] + counts[1][202]
     expected = capacity + refill_per_s * (last_ts - first_ts)
+    print(f"two gateways, bucket {capacity} + {refill_per_s}/s: admitted {admitted}, capacity + refill over "
+          f"{last_ts - first_ts:.2f} s = {expected:.2f}, 429s {counts[0][429]} + {counts[1][429]}")  # fmt: skip
     assert counts[0][429] > 0 and counts[1][429] > 0, counts  # both gateways were driven past the bucket
     assert counts[0][202] > 0 and counts[1][202] > 0, counts
     assert abs(admitted - expected) < 1, (admitted, expected, counts)
