@@ -46,7 +46,8 @@ def dispatch_findings(results: dict[str, Any]) -> str:
     lines = [
         "### Why one task per request cannot reach 1,000 req/s here\n",
         f"- **CPU, not waiting, is the limit.** Each request costs {_f(total, 1)} CPU-ms in all, "
-        f"{_f(loop['cpu_ms_outside_inference'], 1)} of them outside inference (producer {_f(cpu['producer'], 1)}, Redis {_f(cpu['redis'], 1)}, worker {_f(cpu['worker'], 1)}). "
+        f"{_f(loop['cpu_ms_outside_inference'], 1)} of them outside inference "
+        f"(producer {_f(cpu['producer'], 1)}, Redis {_f(cpu['redis'], 1)}, worker {_f(cpu['worker'], 1)}). "
         f"On {cores} cores that caps the whole path near {_f(cores * 1000 / total)} req/s with a zero-cost "
         f"model; the loop reached {_f(qps)}. 1,000 req/s would need ≤ {_f(cores, 0)} CPU-ms per request in all "
         "three processes together.",
