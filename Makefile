@@ -6,10 +6,10 @@ STAMP  := $(VENV)/.installed-stamp
 
 .PHONY: demo test lint bench bench-quick models clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[cpu,dev,bench]"
+	$(BIN)/python -m pip install -q -e ".[dev,bench]"
 	touch $(STAMP)
 
 ## demo: whole fleet end to end on a private Redis (no Docker, no Redis needed), then clean shutdown

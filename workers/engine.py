@@ -59,8 +59,11 @@ def check_single_ort_build() -> str:
     if len(found) > 1:
         raise ConfigError(
             f"both onnxruntime builds are installed ({found}); they share one module folder and break each "
-            "other: pip uninstall -y onnxruntime onnxruntime-gpu, then install exactly one "
-            "(pip install 'onnx-fleet[cpu]' or 'onnx-fleet[gpu]')", "onnxruntime", "exactly one build")
+            "other: pip uninstall -y onnxruntime onnxruntime-gpu, then reinstall with exactly one "
+            "(`pip install -e .` for the CPU build, `FLEET_ORT=gpu pip install -e .` for the GPU build)",
+            "onnxruntime",
+            "exactly one build",
+        )
     return ", ".join(f"{k} {v}" for k, v in found.items()) or f"onnxruntime {ort.__version__}"
 
 

