@@ -15,11 +15,12 @@ from typing import Any
 from protocol.errors import DecodeError, FleetError, InvalidRequest
 from protocol.keys import CANCEL_KEY
 from protocol.messages import MAX_BULK_REQUESTS
+from workers.metrics import outcome_of
 from workers.runtime import WorkerRuntime
 from workers.scheduler import Job
 from workers.tasks import Prepared, finish, prepare
 
-__all__ = ["handle_bulk"]
+__all__ = ["handle_bulk", "summarize"]
 
 
 class _Collector:
@@ -49,7 +50,7 @@ def _request_ids(items: list[Any]) -> list[str]:
 
 
 def handle_bulk(runtime: WorkerRuntime, payload: dict[str, Any], *, worker: str, backend: Any) -> dict[str, Any]:
-    """Serve every request of one bulk message; returns a summary ``{count, succeeded, failed}``.
+    """Serve every request of one bulk message; returns :func:`summarize`'s summary.
 
     Raises:
         DecodeError / InvalidRequest: the message itself is malformed (no request ran).
@@ -89,8 +90,32 @@ def handle_bulk(runtime: WorkerRuntime, payload: dict[str, Any], *, worker: str,
     finally:
         for _ in ids:
             runtime.token_returned()
+    return summarize(outcomes)
+
+
+def summarize(outcomes: list[tuple[str, str, Any]]) -> dict[str, Any]:
+    """The bulk task's return value: counts, counts by metrics ``outcome`` label, and queue waits.
+
+    ``outcomes`` holds ``(request_id, "SUCCESS" | "FAILURE", result dict | exception)`` per request.
+    ``queue_wait_ms`` lists each succeeded request's producer submit → batch start time (ms), in
+    request order; the worker's metrics observe them like ``fleet.infer`` results.
+    """
+    by_outcome: dict[str, int] = {}
+    waits: list[float] = []
+    for _, state, value in outcomes:
+        label = outcome_of(value if state == "FAILURE" else None)
+        by_outcome[label] = by_outcome.get(label, 0) + 1
+        wait_ms = (value.get("timings") or {}).get("queue_wait_ms") if isinstance(value, dict) else None
+        if isinstance(wait_ms, int | float):
+            waits.append(float(wait_ms))
     failed = sum(1 for _, state, _ in outcomes if state == "FAILURE")
-    return {"count": len(ids), "succeeded": len(ids) - failed, "failed": failed}
+    return {
+        "count": len(outcomes),
+        "succeeded": len(outcomes) - failed,
+        "failed": failed,
+        "outcomes": by_outcome,
+        "queue_wait_ms": waits,
+    }
 
 
 def _store_all(backend: Any, outcomes: list[tuple[str, str, Any]]) -> None:

@@ -2,7 +2,10 @@
 
 Nothing here runs inside the scheduler loop. Batches arrive through
 :meth:`workers.scheduler.Scheduler.add_observer`; requests through Celery's signals
-(``task_prerun``, ``task_success``, ``task_failure``, ``task_revoked``).
+(``task_prerun``, ``task_success``, ``task_failure``, ``task_revoked``). A ``fleet.infer_bulk``
+message counts as the requests it carries: each is dequeued for the drain meter, counted by outcome
+and observed for queue wait from the bulk task's summary (:func:`workers.bulk.summarize`); a bulk
+message too malformed to run counts once, as the failure it is.
 
 Series (label ``model`` on each; times in seconds, as Prometheus expects):
 
@@ -38,11 +41,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from protocol.errors import InvalidRequest, RequestCancelled, RequestExpired
 from protocol.keys import DRAIN_KEY
-from protocol.messages import TASK_NAME
+from protocol.messages import BULK_TASK_NAME, TASK_NAME
 from workers.runtime import WorkerRuntime
 from workers.scheduler import BatchStats
 
-__all__ = ["WorkerMetrics", "install_metrics", "outcome_of"]
+__all__ = ["WorkerMetrics", "bulk_request_count", "install_metrics", "outcome_of"]
 
 log = logging.getLogger("fleet.metrics")
 
@@ -133,13 +136,15 @@ class WorkerMetrics:
         if seconds > 0:
             self.tokens_per_s.labels(self.model).observe(stats.real_tokens / seconds)
 
-    def on_dequeued(self) -> None:
-        """A request left the queue for this worker: count it for the drain meter."""
+    def on_dequeued(self, count: int = 1) -> None:
+        """``count`` requests left the queue for this worker: count them for the drain meter."""
+        if count <= 0:
+            return
         key = DRAIN_KEY.format(model=self.model, second=int(time.time()))
         window_s = self.runtime.settings.admission.drain_window_s
         try:
             with self.runtime.redis.pipeline(transaction=False) as pipe:
-                pipe.incr(key)
+                pipe.incrby(key, count)
                 pipe.expire(key, int(window_s) + 5)
                 pipe.execute()
         except redis.RedisError as exc:  # metrics never fail a request
@@ -150,6 +155,17 @@ class WorkerMetrics:
         self.requests.labels(self.model, outcome_of(exc)).inc()
         if exc is None and isinstance(result, dict):
             wait_ms = (result.get("timings") or {}).get("queue_wait_ms")
+            if isinstance(wait_ms, int | float):
+                self.queue_wait.labels(self.model).observe(wait_ms / 1000)
+
+    def on_bulk_finished(self, summary: Any) -> None:
+        """A ``fleet.infer_bulk`` message finished: count each of its requests like a ``fleet.infer`` one."""
+        if not isinstance(summary, dict):
+            return
+        for outcome, count in (summary.get("outcomes") or {}).items():
+            if isinstance(count, int) and count > 0:
+                self.requests.labels(self.model, str(outcome)).inc(count)
+        for wait_ms in summary.get("queue_wait_ms") or ():
             if isinstance(wait_ms, int | float):
                 self.queue_wait.labels(self.model).observe(wait_ms / 1000)
 
@@ -179,16 +195,30 @@ def install_metrics(runtime: WorkerRuntime, registry: CollectorRegistry | None =
     return metrics
 
 
+def bulk_request_count(args: Any) -> int:
+    """Requests carried by a ``fleet.infer_bulk`` message with these task ``args`` (0 if malformed)."""
+    if isinstance(args, list | tuple) and len(args) == 1 and isinstance(args[0], dict):
+        requests = args[0].get("requests")
+        if isinstance(requests, list):
+            return len(requests)
+    return 0
+
+
 def _connect_signals(metrics: WorkerMetrics) -> None:
     def ours(sender: Any) -> bool:
-        return getattr(sender, "name", None) == TASK_NAME
+        return getattr(sender, "name", None) in (TASK_NAME, BULK_TASK_NAME)
 
-    def prerun(sender: Any = None, **_: Any) -> None:
+    def bulk(sender: Any) -> bool:
+        return getattr(sender, "name", None) == BULK_TASK_NAME
+
+    def prerun(sender: Any = None, args: Any = None, **_: Any) -> None:
         if ours(sender):
-            metrics.on_dequeued()
+            metrics.on_dequeued(bulk_request_count(args) if bulk(sender) else 1)
 
     def success(sender: Any = None, result: Any = None, **_: Any) -> None:
-        if ours(sender):
+        if bulk(sender):
+            metrics.on_bulk_finished(result)
+        elif ours(sender):
             metrics.on_finished(result, None)
 
     def failure(sender: Any = None, exception: BaseException | None = None, **_: Any) -> None:

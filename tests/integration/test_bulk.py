@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import redis
 from celery import Celery
 
 from protocol.errors import InvalidRequest, TokenOutOfRange
+from protocol.keys import DRAIN_KEY
 from protocol.messages import InferenceResult
 from tests.integration.fleet_fixtures import Fleet
+from tests.integration.ops_fixtures import scrape, wait_until
+from tools.redis_server import free_port
 
 
 def test_bulk_results_equal_single_requests_and_bad_ones_fail_alone(fleet: Fleet) -> None:
-    cfg = fleet.config()
+    port = free_port()
+    cfg = fleet.config(worker={"metrics_port": port})
     fleet.worker(cfg)
     client = fleet.client(cfg)
     seqs = [[3 + (i * 7) % 500] * (1 + i % 40) for i in range(300)]
@@ -36,11 +43,28 @@ def test_bulk_results_equal_single_requests_and_bad_ones_fail_alone(fleet: Fleet
         {"request_id": "b-ok", "model": "demo-lm", "input_ids": [5, 6]},
         {"request_id": "b-bad", "model": "demo-lm", "input_ids": [5, 60000]},
     ]}], queue="fleet.demo-lm").get(timeout=30)
-    assert summary == {"count": 2, "succeeded": 1, "failed": 1}
     ok, bad = client.wait(["b-ok", "b-bad"], 10)
     assert isinstance(ok, InferenceResult) and ok.request_id == "b-ok"
     assert isinstance(bad, TokenOutOfRange) and bad.field == "input_ids[1]"
+    assert summary == {"count": 2, "succeeded": 1, "failed": 1, "outcomes": {"succeeded": 1, "invalid": 1},
+                       "queue_wait_ms": [ok.timings.queue_wait_ms]}
     plain.close()
+
+    # every request of a bulk message counts like a fleet.infer one: by outcome, queue wait, drain meter
+    served = 300 + 20 + 1
+
+    def counted() -> dict[Any, float] | None:
+        w = scrape(f"http://127.0.0.1:{port}/metrics")
+        done = w[("fleet_worker_requests_total", (("model", "demo-lm"), ("outcome", "succeeded")))]
+        return w if done >= served else None
+
+    w = wait_until(counted, 10, "the worker's request metrics")
+    assert w[("fleet_worker_requests_total", (("model", "demo-lm"), ("outcome", "succeeded")))] == served
+    assert w[("fleet_worker_requests_total", (("model", "demo-lm"), ("outcome", "invalid")))] == 1
+    assert w[("fleet_worker_queue_wait_seconds_count", (("model", "demo-lm"),))] == served
+    r = redis.Redis.from_url(fleet.redis_url)
+    drained = sum(int(r.get(k) or 0) for k in r.scan_iter(DRAIN_KEY.format(model="demo-lm", second="*")))
+    assert drained == served + 1
 
 
 def test_bulk_refuses_bad_input_before_queueing(fleet: Fleet) -> None:
