@@ -15,7 +15,7 @@ from typing import Any
 from protocol.errors import DecodeError, FleetError, InvalidRequest
 from protocol.keys import CANCEL_KEY
 from protocol.messages import MAX_BULK_REQUESTS
-from workers.metrics import outcome_of
+from workers.metrics import outcome_of, queue_wait_ms_of
 from workers.runtime import WorkerRuntime
 from workers.scheduler import Job
 from workers.tasks import Prepared, finish, prepare
@@ -103,16 +103,17 @@ def summarize(outcomes: list[tuple[str, str, Any]]) -> dict[str, Any]:
     by_outcome: dict[str, int] = {}
     waits: list[float] = []
     for _, state, value in outcomes:
-        label = outcome_of(value if state == "FAILURE" else None)
+        failed = state == "FAILURE"
+        label = outcome_of(value if failed else None)
         by_outcome[label] = by_outcome.get(label, 0) + 1
-        wait_ms = (value.get("timings") or {}).get("queue_wait_ms") if isinstance(value, dict) else None
-        if isinstance(wait_ms, int | float):
-            waits.append(float(wait_ms))
-    failed = sum(1 for _, state, _ in outcomes if state == "FAILURE")
+        wait_ms = None if failed else queue_wait_ms_of(value)
+        if wait_ms is not None:
+            waits.append(wait_ms)
+    succeeded = by_outcome.get("succeeded", 0)
     return {
         "count": len(outcomes),
-        "succeeded": len(outcomes) - failed,
-        "failed": failed,
+        "succeeded": succeeded,
+        "failed": len(outcomes) - succeeded,
         "outcomes": by_outcome,
         "queue_wait_ms": waits,
     }

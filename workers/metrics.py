@@ -45,7 +45,7 @@ from protocol.messages import BULK_TASK_NAME, TASK_NAME
 from workers.runtime import WorkerRuntime
 from workers.scheduler import BatchStats
 
-__all__ = ["WorkerMetrics", "bulk_request_count", "install_metrics", "outcome_of"]
+__all__ = ["WorkerMetrics", "install_metrics", "outcome_of", "queue_wait_ms_of"]
 
 log = logging.getLogger("fleet.metrics")
 
@@ -53,6 +53,12 @@ SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 RATE_BUCKETS = (100, 300, 1_000, 3_000, 10_000, 30_000, 100_000, 300_000, 1_000_000)
+
+
+def queue_wait_ms_of(result: Any) -> float | None:
+    """A request result's ``timings.queue_wait_ms`` (producer submit → batch start), None if absent."""
+    wait_ms = (result.get("timings") or {}).get("queue_wait_ms") if isinstance(result, dict) else None
+    return float(wait_ms) if isinstance(wait_ms, int | float) else None
 
 
 def outcome_of(exc: BaseException | None) -> str:
@@ -153,10 +159,9 @@ class WorkerMetrics:
     def on_finished(self, result: Any, exc: BaseException | None) -> None:
         """A request finished (``exc`` None = success with ``result``, the task's JSON value)."""
         self.requests.labels(self.model, outcome_of(exc)).inc()
-        if exc is None and isinstance(result, dict):
-            wait_ms = (result.get("timings") or {}).get("queue_wait_ms")
-            if isinstance(wait_ms, int | float):
-                self.queue_wait.labels(self.model).observe(wait_ms / 1000)
+        wait_ms = queue_wait_ms_of(result) if exc is None else None
+        if wait_ms is not None:
+            self.queue_wait.labels(self.model).observe(wait_ms / 1000)
 
     def on_bulk_finished(self, summary: Any) -> None:
         """A ``fleet.infer_bulk`` message finished: count each of its requests like a ``fleet.infer`` one."""
@@ -195,7 +200,7 @@ def install_metrics(runtime: WorkerRuntime, registry: CollectorRegistry | None =
     return metrics
 
 
-def bulk_request_count(args: Any) -> int:
+def _bulk_request_count(args: Any) -> int:
     """Requests carried by a ``fleet.infer_bulk`` message with these task ``args`` (0 if malformed)."""
     if isinstance(args, list | tuple) and len(args) == 1 and isinstance(args[0], dict):
         requests = args[0].get("requests")
@@ -213,7 +218,7 @@ def _connect_signals(metrics: WorkerMetrics) -> None:
 
     def prerun(sender: Any = None, args: Any = None, **_: Any) -> None:
         if ours(sender):
-            metrics.on_dequeued(bulk_request_count(args) if bulk(sender) else 1)
+            metrics.on_dequeued(_bulk_request_count(args) if bulk(sender) else 1)
 
     def success(sender: Any = None, result: Any = None, **_: Any) -> None:
         if bulk(sender):
