@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CANCEL_KEY", "CARD_KEY", "DRAIN_KEY", "RATE_KEY", "REQUEST_KEY", "WORKER_KEY_PREFIX"]
+__all__ = ["CANCEL_KEY", "CARD_KEY", "DRAIN_KEY", "RATE_KEY", "REQUEST_KEY", "STREAM_KEY", "WORKER_KEY_PREFIX"]
 
 REQUEST_KEY = "fleet:req:{id}"
 """Written at submit (TTL = result_ttl_s): tells 'queued' from 'never heard of'."""
@@ -17,3 +17,5 @@ DRAIN_KEY = "fleet:drain:{model}:{second}"
 expires after the drain window. Admission sums them into the queue's drain rate."""
 RATE_KEY = "fleet:rate:{key}"
 """A rate-limit token bucket (hash: tokens, ts) for one caller; ``key`` is a hash of the API key."""
+STREAM_KEY = "fleet:stream:{id}"
+"""A generation's token events (Redis Stream, TTL = result_ttl_s); see :mod:`protocol.streams`."""

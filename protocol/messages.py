@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
 
 from protocol.errors import DecodeError
 
@@ -24,11 +24,16 @@ __all__ = [
     "MAX_BULK_REQUESTS",
     "SCHEMA_VERSION",
     "TASK_NAME",
+    "FinishReason",
+    "Generation",
+    "GenerationParams",
+    "GenerationTimings",
     "InferenceRequest",
     "InferenceResult",
     "OutputSpec",
     "Timings",
     "TopToken",
+    "Usage",
     "decode_request",
     "decode_result",
 ]
@@ -39,21 +44,66 @@ BULK_TASK_NAME = "fleet.infer_bulk"
 MAX_BULK_REQUESTS = 4096
 """Most requests one ``fleet.infer_bulk`` message may carry."""
 
-OutputKind = Literal["next_token", "embedding"]
+OutputKind = Literal["next_token", "embedding", "generate"]
+FinishReason = Literal["stop", "length", "cancelled", "deadline"]
+"""Why a generation ended: EOS / a stop token / a stop string, ``max_new_tokens``, a cancel, its deadline."""
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 64
 
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class GenerationParams(_Frozen):
+    """How a ``generate`` job samples and when it stops (per request; all optional).
+
+    Sampling is seeded per request (``numpy.random.Generator(seed)``, one draw per step), so the same
+    request gives the same tokens alone, inside any batch and after a redelivery. ``temperature`` 0 is
+    greedy (the seed is then irrelevant).
+    """
+
+    max_new_tokens: StrictInt = Field(
+        default=16, ge=1, description="Most tokens to generate (<= limits.max_new_tokens)."
+    )
+    temperature: float = Field(default=0.0, ge=0.0, le=100.0, description="0 = greedy; else softmax temperature.")
+    top_k: StrictInt = Field(default=0, ge=0, description="Sample among the k most likely tokens; 0 = no cut.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 = no cut.")
+    repetition_penalty: float = Field(
+        default=1.0, gt=0.0, le=10.0, description="CTRL-style penalty on tokens already in prompt or output; 1 = off."
+    )
+    stop_token_ids: list[StrictInt] = Field(
+        default_factory=list, max_length=MAX_STOP_TOKEN_IDS, description="Tokens that end the generation."
+    )
+    stop: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_STOP_STRINGS,
+        description="Strings that end the generation; the returned text stops before the first match.",
+    )
+    seed: StrictInt | None = Field(default=None, ge=0, lt=2**63, description="Sampling seed; None = 0.")
+    ignore_eos: StrictBool = Field(default=False, description="Keep generating past the model's EOS token.")
+    stream: StrictBool = Field(default=True, description="Publish each token to the request's Redis Stream.")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stops: list[str]) -> list[str]:
+        for i, stop in enumerate(stops):
+            if not 1 <= len(stop) <= 256:
+                raise ValueError(f"stop[{i}] must be 1 to 256 characters long")
+        return stops
+
+
 class OutputSpec(_Frozen):
     """What the caller wants back."""
 
     kind: OutputKind | None = Field(
-        default=None, description="'next_token' (causal LM) or 'embedding' (encoder); default by model kind."
+        default=None,
+        description="'next_token' or 'generate' (causal LM), 'embedding' (encoder); default by model kind "
+        "('generate' when ``generation`` is given).",
     )
     top_k: StrictInt = Field(default=5, ge=1, description="Next-token candidates returned (<= max_top_k).")
     normalize: StrictBool = Field(default=True, description="L2-normalise embeddings.")
+    generation: GenerationParams | None = Field(default=None, description="Parameters of a 'generate' job.")
 
 
 class InferenceRequest(_Frozen):
@@ -88,6 +138,39 @@ class Timings(_Frozen):
     worker: str = Field(description="Celery hostname of the worker that computed it.")
 
 
+class Usage(_Frozen):
+    """Token counts of a generation (OpenAI's ``usage``)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class GenerationTimings(_Frozen):
+    """Where a generation's time went."""
+
+    time_to_first_token_ms: float = Field(description="Producer submit → first token produced (ms).")
+    mean_inter_token_ms: float = Field(description="Mean time between consecutive tokens (ms); 0 for one token.")
+    decode_steps: int = Field(description="Decode steps the sequence took part in.")
+    batch_size_min: int = Field(description="Smallest running batch it was decoded in.")
+    batch_size_mean: float = Field(description="Mean running batch size over its decode steps.")
+    batch_size_max: int = Field(description="Largest running batch it was decoded in.")
+
+
+class Generation(_Frozen):
+    """What a ``generate`` job produced."""
+
+    token_ids: list[int] = Field(
+        description="Every generated id, the one that ended it (EOS or a stop token) included."
+    )
+    text: str | None = Field(
+        description="Detokenized output, cut before a matched stop string; None without a tokenizer."
+    )
+    finish_reason: FinishReason
+    usage: Usage
+    timings: GenerationTimings
+
+
 class InferenceResult(_Frozen):
     """The value stored under the request ID."""
 
@@ -100,6 +183,7 @@ class InferenceResult(_Frozen):
     truncated: bool = False
     top_k: list[TopToken] | None = None
     embedding: list[float] | None = None
+    generation: Generation | None = None
     timings: Timings
 
 

@@ -65,6 +65,17 @@ class BatchingSettings(_Section):
         default=True,
         description="Close the window at once when no request the worker holds is still on its way.",
     )
+    max_kv_tokens: int = Field(
+        default=32_768,
+        ge=1,
+        description="Generation: KV-cache budget of the running set (tokens). A sequence joins only when "
+        "its prompt + max_new_tokens fits beside the running ones' reservations.",
+    )
+    continuous: bool = Field(
+        default=True,
+        description="Generation: admit new sequences between decode steps (continuous batching). False = "
+        "static batching: a batch runs until its last sequence finishes (kept for the bench).",
+    )
 
 
 class LimitSettings(_Section):
@@ -76,6 +87,9 @@ class LimitSettings(_Section):
         description="'none' rejects over-long input; 'left' keeps the last tokens; 'right' the first.",
     )
     max_top_k: int = Field(default=64, ge=1, le=4096, description="Largest top_k a request may ask for.")
+    max_new_tokens: int = Field(
+        default=256, ge=1, le=1_000_000, description="Largest max_new_tokens a generation may ask for."
+    )
 
 
 class EngineSettings(_Section):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocol.errors import EmptyInput, InputTooLong, InvalidRequest, TokenOutOfRange
-from protocol.messages import OutputKind, OutputSpec
+from protocol.messages import GenerationParams, OutputKind, OutputSpec
 from protocol.modelcard import ModelKind
 from protocol.settings import LimitSettings
 
@@ -64,14 +64,28 @@ def resolve_output(spec: OutputSpec, *, model_kind: ModelKind, limits: LimitSett
     Raises:
         InvalidRequest: the kind does not fit the model, or top_k exceeds ``limits.max_top_k``.
     """
-    natural: OutputKind = "next_token" if model_kind == "causal_lm" else "embedding"
-    kind = spec.kind or natural
-    if kind != natural:
+    offered: tuple[OutputKind, ...] = ("next_token", "generate") if model_kind == "causal_lm" else ("embedding",)
+    kind = spec.kind or ("generate" if spec.generation is not None else offered[0])
+    if kind not in offered:
         raise InvalidRequest(
-            f"output.kind {kind!r} is not available: a {model_kind} model only produces {natural!r}",
+            f"output.kind {kind!r} is not available: a {model_kind} model produces {' or '.join(map(repr, offered))}",
             "output.kind",
-            natural,
+            list(offered),
         )
+    if spec.generation is not None and kind != "generate":
+        raise InvalidRequest(
+            f"output.generation is only for output.kind 'generate', not {kind!r}", "output.generation", "generate"
+        )
+    if kind == "generate":
+        params = spec.generation or GenerationParams()
+        if params.max_new_tokens > limits.max_new_tokens:
+            raise InvalidRequest(
+                f"output.generation.max_new_tokens = {params.max_new_tokens} exceeds the limit "
+                f"max_new_tokens={limits.max_new_tokens}",
+                "output.generation.max_new_tokens",
+                limits.max_new_tokens,
+            )
+        return spec.model_copy(update={"kind": kind, "generation": params})
     if kind == "next_token" and spec.top_k > limits.max_top_k:
         raise InvalidRequest(
             f"output.top_k = {spec.top_k} exceeds the limit max_top_k={limits.max_top_k}",

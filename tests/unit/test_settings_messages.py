@@ -17,8 +17,9 @@ from protocol.errors import (
     UnknownModel,
     error_from_payload,
 )
-from protocol.messages import OutputSpec, decode_request
+from protocol.messages import GenerationParams, OutputSpec, Usage, decode_request
 from protocol.settings import LimitSettings, load_settings
+from protocol.streams import StreamEvent, decode_event, encode_event
 from protocol.validation import check_input, resolve_output
 
 
@@ -118,8 +119,36 @@ def test_resolve_output() -> None:
     assert resolve_output(OutputSpec(), model_kind="encoder", limits=LIMITS).kind == "embedding"
     with pytest.raises(InvalidRequest, match="max_top_k=8"):
         resolve_output(OutputSpec(top_k=9), model_kind="causal_lm", limits=LIMITS)
-    with pytest.raises(InvalidRequest, match="only produces 'embedding'"):
+    with pytest.raises(InvalidRequest, match="encoder model produces 'embedding'"):
         resolve_output(OutputSpec(kind="next_token"), model_kind="encoder", limits=LIMITS)
+    with pytest.raises(InvalidRequest, match="encoder model produces 'embedding'"):
+        resolve_output(OutputSpec(kind="generate"), model_kind="encoder", limits=LIMITS)
+
+
+def test_resolve_generation() -> None:
+    spec = resolve_output(OutputSpec(kind="generate"), model_kind="causal_lm", limits=LIMITS)
+    assert spec.generation == GenerationParams()  # defaults filled in
+    params = GenerationParams(max_new_tokens=LIMITS.max_new_tokens)
+    assert resolve_output(OutputSpec(generation=params), model_kind="causal_lm", limits=LIMITS).kind == "generate"
+    with pytest.raises(InvalidRequest, match=f"max_new_tokens={LIMITS.max_new_tokens}") as info:
+        resolve_output(
+            OutputSpec(generation=GenerationParams(max_new_tokens=LIMITS.max_new_tokens + 1)),
+            model_kind="causal_lm",
+            limits=LIMITS,
+        )
+    assert info.value.field == "output.generation.max_new_tokens"
+    with pytest.raises(InvalidRequest, match=r"only for output.kind 'generate'"):
+        resolve_output(OutputSpec(kind="next_token", generation=params), model_kind="causal_lm", limits=LIMITS)
+
+
+def test_stream_events_round_trip() -> None:
+    event = StreamEvent(
+        type="final", index=3, finish_reason="length", usage=Usage(prompt_tokens=2, completion_tokens=3, total_tokens=5)
+    )
+    assert decode_event(encode_event(event)) == event
+    assert decode_event({b"e": encode_event(event)["e"].encode()}).is_last
+    with pytest.raises(DecodeError):
+        decode_event({"x": "1"})
 
 
 def test_errors_survive_celery_style_rebuilding() -> None:
