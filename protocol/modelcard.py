@@ -33,6 +33,9 @@ class ModelCard(BaseModel):
     max_positions: int = Field(gt=0, description="Largest past+sequence length the model accepts (tokens).")
     num_layers: int = Field(ge=0)
     num_heads: int = Field(gt=0)
+    num_kv_heads: int | None = Field(
+        default=None, gt=0, description="Heads of past_key_values (grouped-query attention); None = num_heads."
+    )
     head_dim: int = Field(gt=0)
     hidden_size: int = Field(gt=0)
     pad_token_id: int = 0
@@ -46,6 +49,11 @@ class ModelCard(BaseModel):
     parameters: int = Field(default=0, ge=0, description="Number of weights (for reports).")
     seed: int | None = None
     quantization: str | None = Field(default=None, description="None for FP32, else e.g. 'int8-dynamic'.")
+
+    @property
+    def kv_heads(self) -> int:
+        """Heads of each ``past_key_values.{i}.key/.value`` tensor."""
+        return self.num_kv_heads or self.num_heads
 
 
 def card_path_for(model_path: Path) -> Path:
