@@ -46,7 +46,7 @@ def _redis(settings: FleetSettings) -> redis.Redis[bytes]:
 
 # -- fleet api -------------------------------------------------------------------------------------
 def cmd_api(args: argparse.Namespace) -> int:
-    from producer.api import serve
+    from gateway.app import serve
 
     settings = _settings(args)
     serve(

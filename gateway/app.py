@@ -38,9 +38,8 @@ from kombu.exceptions import OperationalError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException
 
-from producer.admission import rate_key_for
-from producer.api_middleware import BodyLimitMiddleware, GatewayMetrics, MetricsMiddleware
-from producer.api_schema import (
+from gateway.middleware import BodyLimitMiddleware, GatewayMetrics, MetricsMiddleware
+from gateway.schema import (
     REQUEST_ID_PATTERN,
     BatchAccepted,
     BatchSubmitBody,
@@ -51,6 +50,7 @@ from producer.api_schema import (
     RequestView,
     SubmitBody,
 )
+from producer.admission import rate_key_for
 from producer.client import FleetClient, RequestStatus
 from producer.registry import read_fleet_state, readiness_problems
 from protocol.errors import (
