@@ -3,7 +3,7 @@
 It prices the proposal in ``docs/benchmarks.md`` without touching the fleet's code. The worker
 side registers ``fleet.infer_many`` on the fleet's own app (loaded by :mod:`bench.lean_worker`
 when ``BENCH_BULK=1``): one message carries N requests and their IDs; each request goes through
-the fleet's unchanged :func:`workers.tasks.handle_request` (validation, scheduler, engine), and
+the fleet's unchanged :func:`workers.pipeline.handle_request` (validation, scheduler, engine), and
 all N results are written under their own IDs (``celery-task-meta-<id>``, SETEX + PUBLISH) in one
 Redis pipeline. The client side sends one message per chunk and waits for the chunk's N results
 on one pub/sub subscription, decoding each with :func:`protocol.messages.decode_result`, so a
@@ -36,7 +36,7 @@ BULK_TASK = "fleet.infer_many"
 def register_bulk_task(app: Celery, threads: int = 64) -> None:
     """Register ``fleet.infer_many(payloads, request_ids)`` on the fleet's worker app."""
     from workers.runtime import current_runtime
-    from workers.tasks import handle_request
+    from workers.pipeline import handle_request
 
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="bulk-item")
 

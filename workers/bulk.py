@@ -16,9 +16,9 @@ from protocol.errors import DecodeError, FleetError, InvalidRequest
 from protocol.keys import CANCEL_KEY
 from protocol.messages import MAX_BULK_REQUESTS
 from workers.metrics import outcome_of, queue_wait_ms_of
+from workers.pipeline import Prepared, finish, prepare
 from workers.runtime import WorkerRuntime
 from workers.scheduler import Job
-from workers.tasks import Prepared, finish, prepare
 
 __all__ = ["handle_bulk", "summarize"]
 

@@ -97,7 +97,7 @@ def _trt_shapes(
     out: dict[str, tuple[int, ...]] = {}
     for name in input_names:
         if name.startswith("past_key_values."):
-            out[name] = (batch, card.num_heads, 0, card.head_dim)
+            out[name] = (batch, card.kv_heads, 0, card.head_dim)
         else:
             out[name] = (batch, tokens)
     return out
@@ -222,6 +222,11 @@ class Engine:
             raise ModelLoadError(f"{model_path} has no 'input_ids' input", "inputs", "input_ids")
 
     @property
+    def has_kv_cache(self) -> bool:
+        """True when the graph takes ``past_key_values.*`` (it can generate with a KV cache)."""
+        return bool(self._past)
+
+    @property
     def on_cpu_only(self) -> bool:
         """True when no GPU provider is active."""
         return self.providers == ["CPUExecutionProvider"]
@@ -237,7 +242,7 @@ class Engine:
             feeds["token_type_ids"] = np.zeros_like(batch.input_ids)
         rows = batch.input_ids.shape[0]
         for name in self._past:
-            feeds[name] = np.zeros((rows, self.card.num_heads, 0, self.card.head_dim), dtype=np.float32)
+            feeds[name] = np.zeros((rows, self.card.kv_heads, 0, self.card.head_dim), dtype=np.float32)
         return feeds
 
     def run(self, batch: PaddedBatch) -> npt.NDArray[np.float32]:

@@ -19,10 +19,14 @@ from protocol.errors import ConfigError, ModelLoadError
 from protocol.keys import CARD_KEY
 from protocol.modelcard import ModelCard, load_card
 from protocol.settings import FleetSettings, ModelSettings
+from protocol.tokenization import Tokenizer, load_tokenizer
 from workers.engine import Engine
+from workers.generation.decoder import Decoder
+from workers.generation.loop import GenerationLoop
 from workers.health import Heartbeat
 from workers.policy import BatchPolicy
 from workers.scheduler import Scheduler
+from workers.stream_publisher import StreamPublisher
 
 __all__ = ["WorkerRuntime", "current_runtime", "start_runtime", "stop_runtime"]
 
@@ -56,22 +60,31 @@ class WorkerRuntime:
             self.model.path, self.card, self.model.engine, self.model.batching, self.model.limits
         )
         self.warmup_ms = self.engine.warm_up() if self.model.engine.warmup else 0.0
+        self.tokenizer: Tokenizer | None = _worker_tokenizer(self.card, self.model.path)
+        self.eos_token_ids = _eos_token_ids(self.card, self.model.path)
         b = self.model.batching
         self.scheduler = Scheduler(
             self.engine,
             BatchPolicy(b.max_batch_size, b.max_wait_ms, b.max_batch_tokens, b.close_when_idle),
             backlog=_celery_backlog,
+            generation=_generation_loop(self.engine, self.model),
         )
         self.ready = False
         self.in_flight = 0
         self._count_lock = threading.Lock()
         self.started_unix_s = time.time()
         self.redis = redis.Redis.from_url(settings.redis_url, socket_timeout=10)
+        self.streams = StreamPublisher(
+            redis.Redis.from_url(settings.redis_url, socket_timeout=10),
+            ttl_s=settings.result_ttl_s,
+            max_len=self.model.limits.max_new_tokens + 16,
+        )
         self.heartbeat = Heartbeat(self.redis, hostname, self.snapshot, settings.worker.heartbeat_s)
 
     def start(self) -> None:
         """Start the scheduler thread, publish the model card and the first heartbeat."""
         self.scheduler.start()
+        self.streams.start()
         try:
             self.redis.set(CARD_KEY.format(model=self.model_key), self.card.model_dump_json())
         except redis.RedisError as exc:
@@ -97,6 +110,7 @@ class WorkerRuntime:
         """Drain the scheduler and withdraw the heartbeat."""
         self.ready = False
         self.scheduler.stop()
+        self.streams.stop()
         self.heartbeat.stop()
 
     def token_taken(self) -> None:
@@ -123,9 +137,36 @@ class WorkerRuntime:
             "concurrency": self.concurrency,
             "in_flight": self.in_flight,
             "batches_run": self.scheduler.batches_run,
+            "generating": self.scheduler.generating,
+            "can_generate": self.scheduler.generation is not None,
             "started_unix_s": self.started_unix_s,
             "max_batch_size": self.model.batching.max_batch_size,
         }
+
+
+def _generation_loop(engine: Engine, model: ModelSettings) -> GenerationLoop | None:
+    """The continuous-batching loop for a causal LM with a KV cache; None for other models."""
+    if engine.card.kind != "causal_lm" or not engine.has_kv_cache:
+        return None
+    return GenerationLoop(Decoder(engine), model.batching)
+
+
+def _worker_tokenizer(card: ModelCard, model_path: Any) -> Tokenizer | None:
+    """The model's tokenizer for generated text and stop strings; None when it has none."""
+    try:
+        return load_tokenizer(card, model_path.parent)
+    except Exception as exc:  # no tokenizer: generations return ids only
+        log.warning("model %s has no usable tokenizer (%s): generations return token ids without text", card.name, exc)
+        return None
+
+
+def _eos_token_ids(card: ModelCard, model_path: Any) -> frozenset[int]:
+    """EOS ids from generation_config.json next to the model and the card."""
+    try:
+        from protocol.generation_config import load_generation_defaults
+    except ImportError:  # pragma: no cover - during the transition to generation_config
+        return frozenset({card.eos_token_id} if card.eos_token_id is not None else ())
+    return frozenset(load_generation_defaults(model_path, card).eos_token_ids)
 
 
 def _celery_backlog() -> int:

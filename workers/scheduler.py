@@ -6,9 +6,12 @@ Task threads (one per held request, i.e. per token of the worker's bucket) hand 
 slices each job's result back out. ``InferenceSession.run`` releases the GIL, so the next batch
 gathers while the current one computes.
 
-Every job is a sequence that needs one or more engine steps; the jobs served today (next-token
-top-k, embeddings) finish after one step. Observers (metrics) subscribe with
-:meth:`Scheduler.add_observer`; the loop itself knows nothing of them.
+Every job is a sequence that needs one or more engine steps. One-step jobs (next-token top-k,
+embeddings) are :class:`Job` s batched by the policy. Generations are
+:class:`~workers.generation.sequence.GenSequence` s that stay for many steps: between one-step
+batches the loop runs one :class:`~workers.generation.loop.GenerationLoop` step (admit joiners,
+prefill them, one decode step for everyone running), so new sequences join between decode steps.
+Observers (metrics) subscribe with :meth:`Scheduler.add_observer`; the loop itself knows nothing of them.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ import numpy.typing as npt
 from protocol.errors import FleetError, RequestExpired
 from protocol.messages import OutputSpec
 from workers.engine import Engine
+from workers.generation.loop import GenerationLoop
+from workers.generation.sequence import GenOutcome, GenSequence
 from workers.padding import PaddedBatch, pad_batch
-from workers.policy import BatchPolicy, Dispatch, Pending
+from workers.policy import BatchPolicy, Dispatch, Pending, Wait
 from workers.postprocess import last_positions, masked_mean_pool, top_k_logprobs
 
 __all__ = ["Arrival", "BatchStats", "Job", "JobResult", "Scheduler"]
@@ -90,6 +95,11 @@ class Arrival:
         self.submitted = True
         return self._scheduler._enqueue(job, was_arriving=True)
 
+    def submit_generation(self, seq: GenSequence) -> Future[GenOutcome]:
+        """Hand a generation to the scheduler; returns its future."""
+        self.submitted = True
+        return self._scheduler.submit_generation(seq, was_arriving=True)
+
 
 class Scheduler:
     """Owns the pending list and the engine thread."""
@@ -100,15 +110,19 @@ class Scheduler:
         policy: BatchPolicy,
         clock: Callable[[], float] = time.monotonic,
         backlog: Callable[[], int] | None = None,
+        generation: GenerationLoop | None = None,
     ) -> None:
         """``backlog()`` counts requests the worker has received but not yet started (Celery's
-        reserved-but-not-active set); like announced arrivals, they keep the window open."""
+        reserved-but-not-active set); like announced arrivals, they keep the window open.
+        ``generation`` serves generate jobs (None: the model cannot generate)."""
         self.engine = engine
         self._backlog = backlog or (lambda: 0)
         self.policy = policy
         self.clock = clock
         self._cond = threading.Condition()
         self._pending: list[Job] = []
+        self.generation = generation
+        self._gen_waiting: list[GenSequence] = []
         self._arriving = 0
         self._stopping = False
         self._observers: list[Observer] = []
@@ -158,6 +172,27 @@ class Scheduler:
         """Hand ``job`` to the scheduler without an announcement; returns its future."""
         return self._enqueue(job, was_arriving=False)
 
+    def submit_generation(self, seq: GenSequence, *, was_arriving: bool = False) -> Future[GenOutcome]:
+        """Queue a generation; it joins the running batch at a coming step. Returns its future."""
+        with self._cond:
+            if self._stopping or self.generation is None:
+                why = "worker is shutting down" if self._stopping else "this model cannot generate"
+                seq.future.set_exception(FleetError(why, "worker", None))
+            else:
+                seq.arrived_s = self.clock()
+                self._gen_waiting.append(seq)
+            if was_arriving:
+                self._arriving -= 1
+            self._cond.notify_all()
+        return seq.future
+
+    @property
+    def generating(self) -> int:
+        """Generations waiting to join or running."""
+        with self._cond:
+            running = self.generation.active if self.generation is not None else 0
+            return len(self._gen_waiting) + running
+
     def submit_many(self, jobs: list[Job]) -> None:
         """Hand several jobs over at once, so the policy sees them together (bulk messages)."""
         with self._cond:
@@ -182,35 +217,62 @@ class Scheduler:
             self._cond.notify_all()
         return job.future
 
-    def _next_batch(self) -> tuple[list[Job], str] | None:
+    def _next_work(self) -> tuple[list[Job], str, list[GenSequence]] | None:
+        """The next one-step batch (maybe empty) and the generations joining at the next step.
+
+        Blocks only while there is nothing to do: a running generation means a step is due now.
+        """
         with self._cond:
             while True:
-                if self._stopping and not self._pending:
+                gen = self.generation
+                gen_busy = gen is not None and (gen.has_work() or bool(self._gen_waiting))
+                if self._stopping and not self._pending and not gen_busy:
                     return None
                 on_the_way = 0 if self._stopping else self._arriving + self._backlog()
                 decision = self.policy.decide(
                     self.clock(), [Pending(j.arrived_s, len(j.input_ids)) for j in self._pending], on_the_way
                 )
+                batch: list[Job] = []
+                reason = ""
                 if isinstance(decision, Dispatch):
                     batch = self._pending[: decision.count]
                     del self._pending[: decision.count]
-                    return batch, decision.reason
-                timeout = None if decision.until_s is None else max(0.0, decision.until_s - self.clock())
+                    reason = decision.reason
+                joiners: list[GenSequence] = []
+                if gen is not None and self._gen_waiting:
+                    count = gen.admissible(self._gen_waiting)
+                    joiners = self._gen_waiting[:count]
+                    del self._gen_waiting[:count]
+                if batch or joiners or (gen is not None and gen.has_work()):
+                    return batch, reason, joiners
+                timeout = None if not isinstance(decision, Wait) or decision.until_s is None else max(
+                    0.0, decision.until_s - self.clock()
+                )
                 self._cond.wait(timeout)
 
     def _loop(self) -> None:
         while True:
-            nxt = self._next_batch()
+            nxt = self._next_work()
             if nxt is None:
                 return
-            batch, reason = nxt
-            try:
-                self._run(batch, reason)
-            except Exception as exc:  # never let one batch kill the thread
-                log.exception("batch failed unexpectedly")
-                for job in batch:
-                    if not job.future.done():
-                        job.future.set_exception(exc)
+            batch, reason, joiners = nxt
+            if batch:
+                try:
+                    self._run(batch, reason)
+                except Exception as exc:  # never let one batch kill the thread
+                    log.exception("batch failed unexpectedly")
+                    for job in batch:
+                        if not job.future.done():
+                            job.future.set_exception(exc)
+            if self.generation is not None and (joiners or self.generation.has_work()):
+                try:
+                    self.generation.step(joiners)
+                except Exception as exc:  # an engine failure ends the running generations, not the worker
+                    log.exception("generation step failed")
+                    for seq in joiners:
+                        if not seq.future.done():
+                            seq.future.set_exception(exc)
+                    self.generation.fail_all(exc)
 
     def _run(self, batch: list[Job], reason: str) -> None:
         now = self.clock()

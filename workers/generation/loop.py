@@ -1,0 +1,207 @@
+"""Continuous batching: the generation half of the scheduler's step.
+
+Each :meth:`GenerationLoop.step` (run on the scheduler thread, never concurrently):
+
+1. ends running sequences that were cancelled or passed their deadline (their rows leave at once);
+2. prefills the joiners the scheduler admitted (one batched, right-padded call) and samples their
+   first token; those that are not finished by it join the running batch;
+3. runs one decode step for every running sequence and samples each one's next token;
+4. ends the finished ones (EOS, stop token or string, ``max_new_tokens``).
+
+Membership changes re-lay out the KV cache once per step (:class:`~workers.generation.decoder.KVState`);
+an unchanged batch keeps its cache inside ONNX Runtime. Which waiting sequences may join is decided
+by :meth:`GenerationLoop.admissible`: FIFO, while the running set stays within ``max_batch_size``
+sequences and the KV budget ``max_kv_tokens`` (each sequence reserves prompt + ``max_new_tokens``),
+and the prefill within ``max_batch_tokens`` padded tokens. Static batching (``continuous`` off, for
+the bench) admits only into an empty batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from protocol.errors import RequestCancelled, RequestExpired
+from protocol.messages import FinishReason
+from protocol.settings import BatchingSettings
+from workers.generation.decoder import Decoder, KVState
+from workers.generation.sequence import GenSequence
+
+__all__ = ["GenStepStats", "GenerationLoop"]
+
+log = logging.getLogger("fleet.generation")
+
+
+@dataclass(frozen=True)
+class GenStepStats:
+    """What observers (metrics, bench) learn about each generation step."""
+
+    running: int
+    """Sequences decoded in this step."""
+    joined: int
+    kv_tokens: int
+    """Real tokens in the running batch's cache after the step."""
+    prefill_ms: float
+    decode_ms: float
+    copy_ms: float
+    """Time spent re-laying out the cache for membership changes (ms)."""
+    tokens: int
+    """Tokens produced in this step (prefill first tokens + decode tokens)."""
+    finished: tuple[FinishReason, ...]
+    first_token_ms: tuple[float, ...]
+    """Producer submit → first token, for each joiner that got its first token in this step (ms)."""
+
+
+class GenerationLoop:
+    """Running set + KV cache of one worker's generations."""
+
+    def __init__(
+        self, decoder: Decoder, batching: BatchingSettings, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.decoder = decoder
+        self.max_batch_size = batching.max_batch_size
+        self.max_kv_tokens = batching.max_kv_tokens
+        self.max_prefill_tokens = batching.max_batch_tokens
+        self.continuous = batching.continuous
+        self.clock = clock
+        self.running: list[GenSequence] = []
+        self.state = KVState()
+        self.observers: list[Callable[[GenStepStats], None]] = []
+        self.steps_run = 0
+
+    @property
+    def active(self) -> int:
+        """Sequences still generating."""
+        return sum(1 for s in self.running if s.finish_reason is None)
+
+    def has_work(self) -> bool:
+        """True while any sequence runs (or a finished one still holds a row)."""
+        return bool(self.running)
+
+    def admissible(self, waiting: Sequence[GenSequence]) -> int:
+        """How many of the oldest ``waiting`` sequences may join at the next step (pure)."""
+        live = [s for s in self.running if s.finish_reason is None]
+        if not waiting or (live and not self.continuous):
+            return 0
+        slots = self.max_batch_size - len(live)
+        budget = self.max_kv_tokens - sum(s.reserved_tokens for s in live)
+        count = longest = 0
+        for seq in waiting[: max(0, slots)]:
+            longest = max(longest, len(seq.prompt))
+            if seq.reserved_tokens > budget or (count and (count + 1) * longest > self.max_prefill_tokens):
+                break
+            budget -= seq.reserved_tokens
+            count += 1
+        if count == 0 and not live:
+            count = 1  # an empty batch always takes the oldest (its size was checked at submit)
+        return count
+
+    def step(self, joiners: list[GenSequence]) -> None:
+        """One generation step (see the module docstring)."""
+        now = self.clock()
+        joiners = [s for s in joiners if not self._refuse_before_start(s, now)]
+        finished: list[FinishReason] = []
+        keep = [i for i, seq in enumerate(self.running) if not self._stopped(seq, now, finished)]
+        first_ms: list[float] = []
+        prefill = None
+        prefill_ms = 0.0
+        joined: list[int] = []
+        if joiners:
+            prefill = self.decoder.prefill([s.prompt for s in joiners])
+            prefill_ms = prefill.engine_ms
+            for j, seq in enumerate(joiners):
+                seq.note_prefill(now, len(joiners), prefill.padded_tokens, prefill.engine_ms)
+                done = seq.accept(prefill.last_logits[j])
+                first_ms.append((self.clock() - seq.arrived_s) * 1000)
+                if done:
+                    finished.append(self._finish(seq))
+                else:
+                    joined.append(j)
+        copy_ms = 0.0
+        if len(keep) != len(self.running) or joined:
+            copy_ms = self.state.relayout(keep, prefill, joined)
+            self.running = [self.running[i] for i in keep] + [joiners[j] for j in joined]
+        decode_ms, tokens = self._decode(finished)
+        self.steps_run += 1
+        stats = GenStepStats(
+            running=tokens,
+            joined=len(joined),
+            kv_tokens=self.state.kv_tokens,
+            prefill_ms=prefill_ms,
+            decode_ms=decode_ms,
+            copy_ms=copy_ms,
+            tokens=tokens + len(joiners),
+            finished=tuple(finished),
+            first_token_ms=tuple(first_ms),
+        )
+        for observer in self.observers:
+            try:
+                observer(stats)
+            except Exception:
+                log.exception("generation observer failed")
+
+    def _decode(self, finished: list[FinishReason]) -> tuple[float, int]:
+        """One decode step for the running batch; ends finished sequences. Returns (ms, rows)."""
+        rows = len(self.running)
+        if not rows:
+            return 0.0, 0
+        tokens = [s.generated[-1] for s in self.running]
+        logits, decode_ms = self.decoder.decode(self.state, tokens)
+        for row, seq in enumerate(self.running):
+            seq.note_decode(rows, decode_ms)
+            if seq.accept(logits[row]):
+                finished.append(self._finish(seq))
+        return decode_ms, rows
+
+    def _stopped(self, seq: GenSequence, now: float, finished: list[FinishReason]) -> bool:
+        """True when ``seq`` must leave now: it ended last step, was cancelled, or passed its deadline.
+
+        Rows of sequences that ended in a decode step stay until the next step, so that their
+        removal and the next joiners cost one cache re-layout, not two.
+        """
+        if seq.finish_reason is not None:
+            return True
+        reason: FinishReason | None = None
+        if seq.cancel_requested:
+            reason = "cancelled"
+        elif seq.deadline_s is not None and now > seq.deadline_s:
+            reason = "deadline"
+        if reason is None:
+            return False
+        seq.end(reason)
+        finished.append(reason)
+        return True
+
+    def _finish(self, seq: GenSequence) -> FinishReason:
+        outcome = seq.end()
+        return outcome.finish_reason
+
+    @staticmethod
+    def _refuse_before_start(seq: GenSequence, now: float) -> bool:
+        """Cancelled or expired before its prefill: fails like a one-step request would."""
+        if seq.cancel_requested:
+            seq.future.set_exception(
+                RequestCancelled(f"request {seq.request_id} was cancelled before it ran", "request_id", None)
+            )
+            return True
+        if seq.deadline_s is not None and now > seq.deadline_s:
+            seq.future.set_exception(
+                RequestExpired(
+                    f"deadline passed {1000 * (now - seq.deadline_s):.0f} ms before compute; not run",
+                    "deadline_unix_s",
+                    None,
+                )
+            )
+            return True
+        return False
+
+    def fail_all(self, exc: BaseException) -> None:
+        """The engine failed: end every running sequence with ``exc`` and reset the batch."""
+        for seq in self.running:
+            if not seq.future.done():
+                seq.future.set_exception(exc)
+        self.running = []
+        self.state = KVState()
+

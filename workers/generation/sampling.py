@@ -1,0 +1,81 @@
+"""Per-request token choice (pure numpy): repetition penalty, temperature, top-k, top-p, seeded draw.
+
+A request's :class:`Sampler` owns one ``numpy.random.Generator(seed)`` and draws exactly one number
+per generated token, whatever batch the token was computed in. So a request gives the same tokens
+alone, inside any batch, and after a redelivery (the model's logits for a row do not depend on the
+other rows). ``temperature == 0`` is greedy: the most likely token, ties broken towards the lower id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import numpy.typing as npt
+
+from protocol.messages import GenerationParams
+
+__all__ = ["Sampler", "apply_repetition_penalty", "greedy", "nucleus_probs"]
+
+FloatArray = npt.NDArray[np.float64]
+
+
+def apply_repetition_penalty(logits: FloatArray, seen: Iterable[int], penalty: float) -> FloatArray:
+    """CTRL-style penalty (as transformers applies it): seen tokens' positive logits are divided by
+    ``penalty``, negative ones multiplied. Returns a new array; ``penalty == 1`` returns ``logits``."""
+    if penalty == 1.0:
+        return logits
+    ids = np.fromiter(set(seen), dtype=np.int64)
+    if ids.size == 0:
+        return logits
+    out = logits.copy()
+    picked = out[ids]
+    out[ids] = np.where(picked > 0, picked / penalty, picked * penalty)
+    return out
+
+
+def greedy(logits: FloatArray) -> int:
+    """Index of the largest logit; ties go to the lowest id (``argmax`` takes the first)."""
+    return int(np.argmax(logits))
+
+
+def nucleus_probs(logits: FloatArray, temperature: float, top_k: int, top_p: float) -> FloatArray:
+    """Probabilities after temperature, top-k and top-p cuts (zeros outside the kept set).
+
+    Order of operations follows transformers' default warpers: temperature, then top-k, then top-p.
+    The kept set always holds at least the most likely token.
+    """
+    scaled = logits / temperature
+    order = np.argsort(-scaled, kind="stable")
+    if 0 < top_k < order.size:
+        order = order[:top_k]
+    kept = scaled[order]
+    probs = np.exp(kept - kept.max())
+    probs /= probs.sum()
+    if top_p < 1.0:
+        cumulative = np.cumsum(probs)
+        # keep the smallest prefix whose mass reaches top_p (the token that crosses it included)
+        count = int(np.searchsorted(cumulative, top_p, side="left")) + 1
+        order, probs = order[:count], probs[:count] / probs[:count].sum()
+    out = np.zeros_like(scaled)
+    out[order] = probs
+    return out
+
+
+class Sampler:
+    """One request's token chooser; call :meth:`pick` once per generated token."""
+
+    def __init__(self, params: GenerationParams) -> None:
+        self.params = params
+        self._rng = np.random.Generator(np.random.PCG64(params.seed or 0))
+
+    def pick(self, logits: npt.NDArray[np.floating], history: Iterable[int]) -> int:
+        """The next token from one row of logits [vocab]; ``history`` = prompt + generated ids so far."""
+        p = self.params
+        x = apply_repetition_penalty(np.asarray(logits, dtype=np.float64), history, p.repetition_penalty)
+        if p.temperature == 0.0:
+            return greedy(x)
+        probs = nucleus_probs(x, p.temperature, p.top_k, p.top_p)
+        draw = self._rng.random()
+        cumulative = np.cumsum(probs)
+        return int(min(np.searchsorted(cumulative, draw * cumulative[-1], side="right"), probs.size - 1))

@@ -1,0 +1,222 @@
+"""One generation job's state while it runs: tokens, sampler, text, stops, timings, and its events.
+
+The scheduler thread is the only writer. A sequence publishes each token (and the final event)
+through its ``emit`` callback, which must not block (the worker's stream publisher queues it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from protocol.messages import FinishReason, GenerationParams, Usage
+from protocol.streams import StreamEvent
+from protocol.tokenization import Tokenizer
+from workers.generation.sampling import Sampler
+from workers.generation.stops import scan_stops
+
+__all__ = ["GenOutcome", "GenSequence"]
+
+Emit = Callable[[str, StreamEvent], None]
+
+
+@dataclass(frozen=True)
+class GenOutcome:
+    """What the task thread gets back when its generation ends."""
+
+    token_ids: list[int]
+    text: str | None
+    finish_reason: FinishReason
+    prompt_tokens: int
+    first_token_unix_s: float
+    mean_inter_token_ms: float
+    decode_steps: int
+    batch_size_min: int
+    batch_size_mean: float
+    batch_size_max: int
+    batch_wait_ms: float
+    """Arrival at the scheduler → its prefill started (ms)."""
+    prefill_batch_size: int
+    prefill_padded_tokens: int
+    engine_ms: float
+    """Engine time of the steps it took part in (ms)."""
+    prefill_started_unix_s: float
+
+
+class _Detok:
+    """Text so far via the tokenizer's incremental detokenizer (or nothing without a tokenizer)."""
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self._inc = None
+        if tokenizer is not None:
+            from protocol.tokenization import IncrementalDetokenizer
+
+            self._inc = IncrementalDetokenizer(tokenizer)
+
+    @property
+    def available(self) -> bool:
+        return self._inc is not None
+
+    def add(self, token_id: int) -> None:
+        if self._inc is not None:
+            self._inc.add(token_id)
+
+    def finish(self) -> None:
+        if self._inc is not None:
+            self._inc.flush()
+
+    @property
+    def text(self) -> str:
+        return self._inc.text if self._inc is not None else ""
+
+
+@dataclass(eq=False)
+class GenSequence:
+    """A generation request inside the worker."""
+
+    request_id: str
+    prompt: list[int]
+    params: GenerationParams
+    eos_ids: frozenset[int]
+    tokenizer: Tokenizer | None = None
+    deadline_s: float | None = None
+    """Monotonic deadline (s): past it the sequence ends with finish_reason 'deadline'."""
+    emit: Emit | None = None
+    arrived_s: float = 0.0
+    future: Future[GenOutcome] = field(default_factory=Future)
+    cancel_requested: bool = False
+    """Set (from any thread) to stop the sequence at the next step with finish_reason 'cancelled'."""
+
+    def __post_init__(self) -> None:
+        self.generated: list[int] = []
+        self.sampler = Sampler(self.params)
+        self._detok = _Detok(self.tokenizer)
+        self._shown = 0
+        self._searched = 0
+        self._cut: int | None = None
+        self.finish_reason: FinishReason | None = None
+        self._first_unix = 0.0
+        self._last_mono = 0.0
+        self._gaps_ms = 0.0
+        self._sizes: list[int] = []
+        self.engine_ms = 0.0
+        self.batch_wait_ms = 0.0
+        self.prefill_batch = 0
+        self.prefill_padded = 0
+        self.prefill_started_unix = 0.0
+
+    @property
+    def reserved_tokens(self) -> int:
+        """KV-cache tokens this sequence may need at most (prompt + max_new_tokens)."""
+        return len(self.prompt) + self.params.max_new_tokens
+
+    @property
+    def history(self) -> list[int]:
+        """Prompt and generated ids (what the repetition penalty looks at)."""
+        return self.prompt + self.generated
+
+    def note_prefill(self, started_mono: float, batch: int, padded: int, engine_ms: float) -> None:
+        """Record the prefill call it joined through."""
+        self.batch_wait_ms = max(0.0, (started_mono - self.arrived_s) * 1000)
+        self.prefill_batch, self.prefill_padded = batch, padded
+        self.prefill_started_unix = time.time()
+        self.engine_ms += engine_ms
+
+    def note_decode(self, batch: int, engine_ms: float) -> None:
+        """Record a decode step it took part in."""
+        self._sizes.append(batch)
+        self.engine_ms += engine_ms
+
+    def accept(self, logits_row: object) -> bool:
+        """Choose the next token from ``logits_row`` [vocab]; returns True when the sequence ended."""
+        token = self.sampler.pick(logits_row, self.history)  # type: ignore[arg-type]
+        now = time.monotonic()
+        if not self.generated:
+            self._first_unix = time.time()
+        else:
+            self._gaps_ms += (now - self._last_mono) * 1000
+        self._last_mono = now
+        self.generated.append(token)
+        p = self.params
+        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            self.finish_reason = "stop"
+        else:
+            self._detok.add(token)
+            self._check_stop_strings()
+        if self.finish_reason is None and len(self.generated) >= p.max_new_tokens:
+            self.finish_reason = "length"
+        if self.finish_reason is None:
+            self._emit_token(token, self._release(final=False))
+        else:
+            self._emit_token(token, "")
+        return self.finish_reason is not None
+
+    def _check_stop_strings(self) -> None:
+        if not self.params.stop or not self._detok.available:
+            return
+        text = self._detok.text
+        scan = scan_stops(text, self.params.stop, self._searched)
+        self._searched = len(text)
+        if scan.match_at is not None:
+            self._cut = scan.match_at
+            self.finish_reason = "stop"
+
+    def _release(self, *, final: bool) -> str:
+        """Text not yet shown that can be shown now (all of it, cut at a stop string, when final)."""
+        text = self._detok.text
+        if final:
+            end = self._cut if self._cut is not None else len(text)
+        else:
+            end = scan_stops(text, self.params.stop, len(text)).safe_end if self.params.stop else len(text)
+        delta = text[self._shown : max(end, self._shown)]
+        self._shown = max(end, self._shown)
+        return delta
+
+    def _emit_token(self, token: int, text: str) -> None:
+        if self.emit is not None and self.params.stream:
+            self.emit(
+                self.request_id,
+                StreamEvent(type="token", index=len(self.generated) - 1, token_id=token, text=text),
+            )
+
+    def end(self, reason: FinishReason | None = None) -> GenOutcome:
+        """Close the sequence (``reason`` overrides: cancelled, deadline), emit the final event and
+        resolve its future; returns the outcome."""
+        if reason is not None:
+            self.finish_reason = reason
+        self._detok.finish()
+        tail = self._release(final=True)
+        final = self.finish_reason or "length"
+        usage = Usage(
+            prompt_tokens=len(self.prompt),
+            completion_tokens=len(self.generated),
+            total_tokens=len(self.prompt) + len(self.generated),
+        )
+        if self.emit is not None and self.params.stream:
+            self.emit(
+                self.request_id,
+                StreamEvent(type="final", index=len(self.generated), finish_reason=final, usage=usage, text=tail),
+            )
+        sizes = self._sizes or [self.prefill_batch or 1]
+        outcome = GenOutcome(
+            token_ids=list(self.generated),
+            text=self._detok.text[: self._shown] if self._detok.available else None,
+            finish_reason=final,
+            prompt_tokens=len(self.prompt),
+            first_token_unix_s=self._first_unix,
+            mean_inter_token_ms=self._gaps_ms / (len(self.generated) - 1) if len(self.generated) > 1 else 0.0,
+            decode_steps=len(self._sizes),
+            batch_size_min=min(sizes),
+            batch_size_mean=sum(sizes) / len(sizes),
+            batch_size_max=max(sizes),
+            batch_wait_ms=self.batch_wait_ms,
+            prefill_batch_size=self.prefill_batch,
+            prefill_padded_tokens=self.prefill_padded,
+            engine_ms=self.engine_ms,
+            prefill_started_unix_s=self.prefill_started_unix,
+        )
+        if not self.future.done():
+            self.future.set_result(outcome)
+        return outcome

@@ -1,0 +1,240 @@
+"""The per-request pipeline shared by ``fleet.infer`` and ``fleet.infer_bulk``.
+
+decode → check it is for this worker's model → deadline → validate against the model's limits →
+hand to the scheduler (a one-step :class:`~workers.scheduler.Job` or a
+:class:`~workers.generation.sequence.GenSequence`) → wait → encode the JSON result. Any
+:class:`~protocol.errors.FleetError` becomes the request's FAILURE result; the worker goes on.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from typing import Any
+
+from protocol.errors import InvalidRequest, RequestCancelled, RequestExpired, UnknownModel
+from protocol.keys import CANCEL_KEY
+from protocol.messages import (
+    Generation,
+    GenerationParams,
+    GenerationTimings,
+    InferenceRequest,
+    InferenceResult,
+    OutputSpec,
+    Timings,
+    TopToken,
+    Usage,
+    decode_request,
+)
+from protocol.validation import CheckedInput, check_input, resolve_output
+from workers.generation.sequence import GenOutcome, GenSequence
+from workers.runtime import WorkerRuntime
+from workers.scheduler import Arrival, Job, JobResult
+
+__all__ = ["Prepared", "finish", "handle_request", "prepare"]
+
+
+class Prepared:
+    """A validated request handed to the scheduler, waiting for its share of a batch."""
+
+    def __init__(
+        self,
+        request: InferenceRequest,
+        checked: CheckedInput,
+        kind: str,
+        future: Future[JobResult] | Future[GenOutcome],
+    ) -> None:
+        self.request = request
+        self.checked = checked
+        self.kind = kind
+        self.future = future
+
+
+def _check_generation(runtime: WorkerRuntime, output: OutputSpec, prompt_tokens: int) -> GenerationParams:
+    """The generation's parameters, refused when this worker cannot serve them."""
+    params = output.generation or GenerationParams()
+    if runtime.scheduler.generation is None:
+        raise InvalidRequest(
+            f"model {runtime.model_key!r} cannot generate: it has no past_key_values inputs (export it with "
+            "its KV cache, e.g. optimum's text-generation-with-past)",
+            "output.kind",
+            "next_token",
+        )
+    if params.stop and runtime.tokenizer is None:
+        raise InvalidRequest(
+            f"output.generation.stop needs text, and model {runtime.model_key!r} has no tokenizer; use stop_token_ids",
+            "output.generation.stop",
+            None,
+        )
+    total = prompt_tokens + params.max_new_tokens
+    if total > runtime.card.max_positions:
+        raise InvalidRequest(
+            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} exceeds the "
+            f"model's max_positions={runtime.card.max_positions}",
+            "output.generation.max_new_tokens",
+            runtime.card.max_positions - prompt_tokens,
+        )
+    budget = runtime.model.batching.max_kv_tokens
+    if total > budget:
+        raise InvalidRequest(
+            f"prompt + max_new_tokens = {total} tokens exceeds the worker's KV budget max_kv_tokens={budget}",
+            "output.generation.max_new_tokens",
+            budget - prompt_tokens,
+        )
+    return params
+
+
+def prepare(
+    runtime: WorkerRuntime, payload: Any, arrival: Arrival | Any, *, request_id: str, cancelled: bool = False
+) -> Prepared:
+    """Decode and validate one request, then submit it to the scheduler through ``arrival``.
+
+    Raises:
+        FleetError: invalid, expired, cancelled, or meant for another model.
+    """
+    if cancelled:
+        raise RequestCancelled(f"request {request_id} was cancelled before it ran", "request_id", None)
+    request = decode_request(payload)
+    if runtime.settings.model_key(request.model) != runtime.model_key:
+        raise UnknownModel(
+            f"request for model {request.model!r} reached queue {runtime.queue}, which serves {runtime.model_key!r}",
+            "model",
+            runtime.model_key,
+        )
+    deadline_mono = None
+    if request.deadline_unix_s is not None:
+        remaining_s = request.deadline_unix_s - time.time()
+        if remaining_s <= 0:
+            raise RequestExpired(
+                f"deadline passed {-remaining_s * 1000:.0f} ms before the request was dequeued; not run",
+                "deadline_unix_s",
+                request.deadline_unix_s,
+            )
+        deadline_mono = time.monotonic() + remaining_s
+    limits = runtime.model.limits
+    checked = check_input(list(request.input_ids), limits=limits, vocab_size=runtime.card.vocab_size)
+    output = resolve_output(request.output, model_kind=runtime.card.kind, limits=limits)
+    kind = output.kind or "next_token"
+    if kind == "generate":
+        params = _check_generation(runtime, output, len(checked.input_ids))
+        seq = GenSequence(
+            request_id=request_id,
+            prompt=checked.input_ids,
+            params=params,
+            eos_ids=runtime.eos_token_ids,
+            tokenizer=runtime.tokenizer,
+            deadline_s=deadline_mono,
+            emit=runtime.streams.publish,
+        )
+        runtime.streams.watch(seq)
+        submit_gen = getattr(arrival, "submit_generation", None)
+        future: Future[Any] = (
+            submit_gen(seq) if submit_gen is not None else runtime.scheduler.submit_generation(seq)
+        )
+        return Prepared(request, checked, kind, future)
+    return Prepared(request, checked, kind, arrival.submit(Job(checked.input_ids, output, deadline_mono)))
+
+
+def _queue_wait_ms(request: InferenceRequest, batch_started_unix_s: float, fallback_ms: float) -> float:
+    if request.submitted_at_unix_s is None:
+        return fallback_ms
+    return max(0.0, (batch_started_unix_s - request.submitted_at_unix_s) * 1000)
+
+
+def _generation_result(
+    runtime: WorkerRuntime, prepared: Prepared, done: GenOutcome, *, request_id: str, worker: str
+) -> InferenceResult:
+    request = prepared.request
+    ttft_from = request.submitted_at_unix_s or (done.prefill_started_unix_s - done.batch_wait_ms / 1000)
+    generation = Generation(
+        token_ids=done.token_ids,
+        text=done.text,
+        finish_reason=done.finish_reason,
+        usage=Usage(
+            prompt_tokens=done.prompt_tokens,
+            completion_tokens=len(done.token_ids),
+            total_tokens=done.prompt_tokens + len(done.token_ids),
+        ),
+        timings=GenerationTimings(
+            time_to_first_token_ms=round(max(0.0, (done.first_token_unix_s - ttft_from) * 1000), 3),
+            mean_inter_token_ms=round(done.mean_inter_token_ms, 3),
+            decode_steps=done.decode_steps,
+            batch_size_min=done.batch_size_min,
+            batch_size_mean=round(done.batch_size_mean, 3),
+            batch_size_max=done.batch_size_max,
+        ),
+    )
+    return InferenceResult(
+        request_id=request_id,
+        model=runtime.model_key,
+        version=runtime.version,
+        kind="generate",
+        input_tokens=len(prepared.checked.input_ids),
+        truncated=prepared.checked.truncated,
+        generation=generation,
+        timings=Timings(
+            queue_wait_ms=round(_queue_wait_ms(request, done.prefill_started_unix_s, done.batch_wait_ms), 3),
+            batch_wait_ms=round(done.batch_wait_ms, 3),
+            inference_ms=round(done.engine_ms, 3),
+            batch_size=done.prefill_batch_size,
+            padded_tokens=done.prefill_padded_tokens,
+            worker=worker,
+        ),
+    )
+
+
+def finish(runtime: WorkerRuntime, prepared: Prepared, *, request_id: str, worker: str) -> dict[str, Any]:
+    """Wait for the request's batch (or its whole generation) and encode its JSON result.
+
+    Re-raises the job's error.
+    """
+    done = prepared.future.result()
+    if isinstance(done, GenOutcome):
+        result = _generation_result(runtime, prepared, done, request_id=request_id, worker=worker)
+        return result.model_dump(mode="json")
+    request = prepared.request
+    top = None
+    if done.top_ids is not None and done.top_logprobs is not None:
+        top = [TopToken(token_id=t, logprob=lp) for t, lp in zip(done.top_ids, done.top_logprobs, strict=True)]
+    result = InferenceResult(
+        request_id=request_id,
+        model=runtime.model_key,
+        version=runtime.version,
+        kind=prepared.kind,  # type: ignore[arg-type]
+        input_tokens=len(prepared.checked.input_ids),
+        truncated=prepared.checked.truncated,
+        top_k=top,
+        embedding=done.embedding,
+        timings=Timings(
+            queue_wait_ms=round(_queue_wait_ms(request, done.batch_started_unix_s, done.batch_wait_ms), 3),
+            batch_wait_ms=round(done.batch_wait_ms, 3),
+            inference_ms=round(done.inference_ms, 3),
+            batch_size=done.batch_size,
+            padded_tokens=done.padded_tokens,
+            worker=worker,
+        ),
+    )
+    return result.model_dump(mode="json")
+
+
+def handle_request(runtime: WorkerRuntime, payload: Any, *, request_id: str, worker: str) -> dict[str, Any]:
+    """Serve one request end to end on this worker; returns the JSON result.
+
+    A generation holds its token of the bucket until its last token. A failure of a request that
+    asked to generate ends its stream with an error event, so stream readers never hang.
+
+    Raises:
+        FleetError: the request is invalid, expired, cancelled, or meant for another model.
+    """
+    runtime.token_taken()
+    try:
+        with runtime.scheduler.arrival() as arrival:
+            cancelled = bool(runtime.redis.exists(CANCEL_KEY.format(id=request_id)))
+            prepared = prepare(runtime, payload, arrival, request_id=request_id, cancelled=cancelled)
+        return finish(runtime, prepared, request_id=request_id, worker=worker)
+    except Exception as exc:
+        runtime.streams.fail_if_generating(request_id, payload, exc)
+        raise
+    finally:
+        runtime.streams.unwatch(request_id)
+        runtime.token_returned()
