@@ -41,6 +41,8 @@ def _parse_tokens(raw: str) -> list[int]:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    from producer.cli_generation import generation_from_args, print_stream
+
     client = _client(args)
     ids = _parse_tokens(args.tokens) if args.tokens is not None else None
     rid = client.submit(
@@ -50,7 +52,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
         request_id=args.request_id,
         top_k=args.top_k,
         deadline_s=args.deadline_s,
+        generation=generation_from_args(args),
     )
+    if args.stream:
+        return print_stream(client, rid, args.timeout)
     if not args.wait:
         _print({"request_id": rid, "status": client.status(rid).value})
         return 0
@@ -154,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--wait", action="store_true", help="wait for the result and print it")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait with --wait (default 60)")
+    from producer.cli_generation import add_generation_args
+
+    add_generation_args(p)
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("result", help="print a request's result (or its status)")

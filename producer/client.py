@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -24,8 +24,10 @@ import redis
 from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeout
 from celery.result import AsyncResult
+from pydantic import ValidationError
 
 from producer.admission import Admission
+from producer.streams import iter_events
 from protocol.celeryconf import make_celery
 from protocol.errors import (
     FleetError,
@@ -36,18 +38,21 @@ from protocol.errors import (
     ResultTimeout,
     error_from_payload,
 )
-from protocol.keys import CANCEL_KEY, CARD_KEY, REQUEST_KEY
+from protocol.keys import CANCEL_CHANNEL, CANCEL_KEY, CARD_KEY, REQUEST_KEY
 from protocol.messages import (
     BULK_TASK_NAME,
     MAX_BULK_REQUESTS,
     TASK_NAME,
+    GenerationParams,
     InferenceRequest,
     InferenceResult,
     OutputSpec,
+    as_invalid_request,
     decode_result,
 )
 from protocol.modelcard import ModelCard, load_card
 from protocol.settings import FleetSettings, load_settings
+from protocol.streams import StreamEvent
 from protocol.tokenization import Tokenizer, load_tokenizer
 from protocol.validation import check_input, resolve_output
 
@@ -64,6 +69,20 @@ class RequestStatus(StrEnum):
     EXPIRED = "expired"
     CANCELLED = "cancelled"
     NOT_FOUND = "not_found"
+
+
+def _output_spec(
+    *, kind: str | None, top_k: int, normalize: bool, generation: GenerationParams | Mapping[str, Any] | None
+) -> OutputSpec:
+    """The request's output spec from client arguments; bad values become InvalidRequest."""
+    try:
+        params = GenerationParams.model_validate(generation) if generation is not None else None
+    except ValidationError as exc:
+        raise as_invalid_request(exc, prefix="output.generation") from exc
+    try:
+        return OutputSpec(kind=kind, top_k=top_k, normalize=normalize, generation=params)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        raise as_invalid_request(exc, prefix="output") from exc
 
 
 class _ModelInfo:
@@ -136,36 +155,37 @@ class FleetClient:
         normalize: bool = True,
         kind: str | None = None,
         deadline_s: float | None = None,
+        generation: GenerationParams | Mapping[str, Any] | None = None,
     ) -> InferenceRequest:
         """Validate and tokenize one request exactly as a worker would, without queueing it.
 
+        ``generation`` (a :class:`GenerationParams` or its fields as a dict) makes it a ``generate`` job.
+
         Raises:
-            InvalidRequest: (or a subclass) naming the field and the limit.
+            InvalidRequest: (or a subclass) naming the field and the limit; never a pydantic error.
         """
         if (input_ids is None) == (text is None):
             raise InvalidRequest("give exactly one of input_ids or text", "input_ids", None)
         key, info = self._model(model)
         ids = list(input_ids) if input_ids is not None else self.tokenize(key, text or "")
         limits = self.settings.models[key].limits
+        spec = _output_spec(kind=kind, top_k=top_k, normalize=normalize, generation=generation)
         if info.card is not None:
             checked = check_input(ids, limits=limits, vocab_size=info.card.vocab_size)
             ids = checked.input_ids
-            output = resolve_output(
-                OutputSpec(kind=kind, top_k=top_k, normalize=normalize),  # type: ignore[arg-type]
-                model_kind=info.card.kind,
-                limits=limits,
-            )
-        else:
-            output = OutputSpec(kind=kind, top_k=top_k, normalize=normalize)  # type: ignore[arg-type]
+            spec = resolve_output(spec, model_kind=info.card.kind, limits=limits)
         now = time.time()
-        return InferenceRequest(
-            model=key,
-            input_ids=ids,
-            output=output,
-            request_id=request_id or uuid.uuid4().hex,
-            submitted_at_unix_s=now,
-            deadline_unix_s=now + deadline_s if deadline_s is not None else None,
-        )
+        try:
+            return InferenceRequest(
+                model=key,
+                input_ids=ids,
+                output=spec,
+                request_id=request_id or uuid.uuid4().hex,
+                submitted_at_unix_s=now,
+                deadline_unix_s=now + deadline_s if deadline_s is not None else None,
+            )
+        except ValidationError as exc:
+            raise as_invalid_request(exc) from exc
 
     # -- submit -----------------------------------------------------------------------------------
     def submit(
@@ -179,11 +199,13 @@ class FleetClient:
         normalize: bool = True,
         kind: str | None = None,
         deadline_s: float | None = None,
+        generation: GenerationParams | Mapping[str, Any] | None = None,
     ) -> str:
         """Queue one request; returns its ID at once.
 
         A caller-given ``request_id`` makes the submit idempotent: an ID already known is not
         queued twice. ``deadline_s`` (seconds from now): past it the request is never computed.
+        ``generation`` makes it a ``generate`` job (:meth:`stream` then yields its tokens).
 
         Raises:
             InvalidRequest: bad input (nothing is queued).
@@ -198,6 +220,7 @@ class FleetClient:
             normalize=normalize,
             kind=kind,
             deadline_s=deadline_s,
+            generation=generation,
         )
         return self.send(request)
 
@@ -216,7 +239,9 @@ class FleetClient:
         marker_key = REQUEST_KEY.format(id=rid)
         if admit and not self.redis.exists(marker_key):
             self.admission.admit(request.model, rate_key=rate_key)
-        marker = json.dumps({"model": request.model, "submitted_at_unix_s": request.submitted_at_unix_s})
+        marker = json.dumps(
+            {"model": request.model, "submitted_at_unix_s": request.submitted_at_unix_s, "kind": request.output.kind}
+        )
         if not self.redis.set(marker_key, marker, nx=True, ex=self.settings.result_ttl_s):
             return rid  # already submitted under this ID: idempotent
         self.app.send_task(
@@ -428,13 +453,48 @@ class FleetClient:
         return None
 
     def cancel(self, request_id: str) -> bool:
-        """Cancel a request that has not run; returns False when it already finished or runs."""
+        """Cancel a request that has not run, or a generation that runs; False when that is too late.
+
+        A running generation stops within one decode step and ends with ``finish_reason``
+        ``cancelled`` (its tokens so far are its result); a running one-step request cannot be stopped.
+        """
         state = self._async(request_id).state
+        if state == "STARTED" and self._kind_of(request_id) == "generate":
+            self._mark_cancelled(request_id)
+            return True
         if state in ("SUCCESS", "FAILURE", "STARTED", "REVOKED"):
             return bool(state == "REVOKED")
-        self.redis.set(CANCEL_KEY.format(id=request_id), "1", ex=self.settings.result_ttl_s)
+        self._mark_cancelled(request_id)
         self.app.control.revoke(request_id)
         return True
+
+    def _mark_cancelled(self, request_id: str) -> None:
+        """The cancel mark (read by the worker that dequeues it) and its announcement to running ones."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(CANCEL_KEY.format(id=request_id), "1", ex=self.settings.result_ttl_s)
+            pipe.publish(CANCEL_CHANNEL, request_id)
+            pipe.execute()
+
+    def _kind_of(self, request_id: str) -> str | None:
+        """The output kind recorded at submit (None for requests queued by other clients)."""
+        raw = self.redis.get(REQUEST_KEY.format(id=request_id))
+        try:
+            kind = json.loads(raw).get("kind") if raw else None
+        except (ValueError, AttributeError):
+            return None
+        return str(kind) if kind else None
+
+    def stream(self, request_id: str, *, timeout_s: float = 60.0) -> Iterator[StreamEvent]:
+        """The token events of generation ``request_id`` as they are produced (see :mod:`producer.streams`).
+
+        Each token index comes once, even across a redelivery; the last event is ``final`` (finish
+        reason, usage) or ``error``. Works before the worker starts it and after it finished
+        (the stream lives ``result_ttl_s``).
+
+        Raises:
+            ResultTimeout: no event for ``timeout_s`` seconds.
+        """
+        return iter_events(self.redis, request_id, timeout_s=timeout_s)
 
     @staticmethod
     def _as_fleet_error(value: Any) -> FleetError:

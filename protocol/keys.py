@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
-__all__ = ["CANCEL_KEY", "CARD_KEY", "DRAIN_KEY", "RATE_KEY", "REQUEST_KEY", "STREAM_KEY", "WORKER_KEY_PREFIX"]
+__all__ = [
+    "CANCEL_CHANNEL",
+    "CANCEL_KEY",
+    "CARD_KEY",
+    "DRAIN_KEY",
+    "RATE_KEY",
+    "REQUEST_KEY",
+    "STREAM_KEY",
+    "WORKER_KEY_PREFIX",
+]
 
 REQUEST_KEY = "fleet:req:{id}"
 """Written at submit (TTL = result_ttl_s): tells 'queued' from 'never heard of'."""
 CANCEL_KEY = "fleet:cancel:{id}"
 """Written by cancel (TTL = result_ttl_s): a worker that dequeues the request drops it."""
+CANCEL_CHANNEL = "fleet:cancels"
+"""Pub/sub channel: a cancel publishes the request ID here too, so a worker running that generation
+stops it at its next step instead of at its next poll of the cancel marks."""
 CARD_KEY = "fleet:model:{model}:card"
 """The model card JSON a worker publishes, for producers without the model file."""
 WORKER_KEY_PREFIX = "fleet:worker:"

@@ -34,6 +34,7 @@ __all__ = [
     "Timings",
     "TopToken",
     "Usage",
+    "as_invalid_request",
     "decode_request",
     "decode_result",
 ]
@@ -215,16 +216,23 @@ def decode_result(payload: Any) -> InferenceResult:
         raise DecodeError(_first_error(exc), _first_field(exc), None) from exc
 
 
+def as_invalid_request(exc: ValidationError, prefix: str = "") -> DecodeError:
+    """A pydantic error as the fleet's :class:`DecodeError` (an InvalidRequest) naming the field."""
+    field = _first_field(exc)
+    field = f"{prefix}.{field}" if prefix and field != "request" else (prefix or field)
+    return DecodeError(_first_error(exc, prefix), field, None)
+
+
 def _first_field(exc: ValidationError) -> str:
     errs = exc.errors()
     return ".".join(str(p) for p in errs[0]["loc"]) if errs and errs[0]["loc"] else "request"
 
 
-def _first_error(exc: ValidationError) -> str:
+def _first_error(exc: ValidationError, prefix: str = "") -> str:
     errs = exc.errors()
     if not errs:
         return "invalid request"
     err = errs[0]
-    field = ".".join(str(p) for p in err["loc"]) or "request"
+    field = ".".join([prefix, *(str(p) for p in err["loc"])] if prefix else [str(p) for p in err["loc"]]) or "request"
     more = f" (and {len(errs) - 1} more errors)" if len(errs) > 1 else ""
     return f"invalid field {field}: {err['msg']}{more}"

@@ -5,7 +5,8 @@ The scheduler thread must never wait on Redis, so sequences hand their events to
 writes every pending event in one pipeline (``XADD … MAXLEN ~`` plus ``EXPIRE`` per stream). In the
 same loop it reads the cancel marks (``fleet:cancel:<id>``) of the generations this worker runs,
 one ``MGET`` per ``cancel_poll_s``, and flags the cancelled ones; the scheduler ends them at its
-next step.
+next step. A second thread listens on the ``fleet:cancels`` channel, where cancels are also
+published, so a cancel usually lands within one decode step; the poll catches any it missed.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import redis
 
 from protocol.errors import FleetError
-from protocol.keys import CANCEL_KEY, STREAM_KEY
+from protocol.keys import CANCEL_CHANNEL, CANCEL_KEY, STREAM_KEY
 from protocol.streams import StreamEvent, encode_event
 from workers.generation.sequence import GenSequence
 
@@ -35,7 +36,7 @@ class StreamPublisher:
 
     def __init__(
         self,
-        client: "redis.Redis[bytes]",
+        client: redis.Redis[bytes],
         *,
         ttl_s: int,
         max_len: int = 4096,
@@ -49,16 +50,45 @@ class StreamPublisher:
         self._watched: dict[str, GenSequence] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="fleet-streams", daemon=True)
+        self._listener = threading.Thread(target=self._listen, name="fleet-cancels", daemon=True)
+        self._stopping = threading.Event()
         self.published = 0
 
     def start(self) -> None:
-        """Start the publisher thread."""
+        """Start the publisher and cancel-listener threads."""
         self._thread.start()
+        self._listener.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Publish what is queued, then stop."""
+        self._stopping.set()
         self._queue.put(_STOP)
         self._thread.join(timeout_s)
+        self._listener.join(timeout_s)
+
+    def _flag(self, request_id: str) -> None:
+        with self._lock:
+            seq = self._watched.get(request_id)
+        if seq is not None:
+            seq.cancel_requested = True
+
+    def _listen(self) -> None:
+        """Flag watched sequences whose ID arrives on the cancel channel (reconnects on errors)."""
+        while not self._stopping.is_set():
+            try:
+                pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(CANCEL_CHANNEL)
+                try:
+                    while not self._stopping.is_set():
+                        message = pubsub.get_message(timeout=0.2)
+                        if message and message.get("type") == "message":
+                            data = message["data"]
+                            self._flag(data.decode() if isinstance(data, bytes) else str(data))
+                finally:
+                    pubsub.close()
+            except redis.RedisError as exc:
+                log.warning("cancel listener: %s; retrying", exc)
+                self._stopping.wait(1.0)
 
     def publish(self, request_id: str, event: StreamEvent) -> None:
         """Queue ``event`` for the stream of ``request_id`` (never blocks)."""
