@@ -1,0 +1,177 @@
+"""Generation on real workers: continuous batching gives each request exactly its tokens alone,
+seeded sampling survives batching and a SIGKILL redelivery, short requests overtake long ones,
+cancels stop a running sequence, and streams carry the tokens as they are produced."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from typing import Any
+
+import redis
+
+from producer.client import FleetClient
+from protocol.keys import STREAM_KEY
+from protocol.messages import InferenceResult
+from protocol.streams import StreamEvent, decode_event
+from tests.integration.fleet_fixtures import Fleet
+
+MODEL = "demo-lm"
+
+
+def _generate(client: FleetClient, prompt: list[int], **params: Any) -> str:
+    return client.submit(MODEL, prompt, generation=params)
+
+
+def _result(client: FleetClient, rid: str, timeout_s: float = 120) -> InferenceResult:
+    result = client.result(rid, wait=True, timeout_s=timeout_s)
+    assert result is not None and result.generation is not None
+    return result
+
+
+def _workload(seed: int, count: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(3, 259) for _ in range(rng.randint(1, 60))], rng.randint(1, 48)) for _ in range(count)]
+
+
+def _alone_then_together(fleet: Fleet, params: dict[str, Any]) -> tuple[list[InferenceResult], list[InferenceResult]]:
+    cfg = fleet.config(models={MODEL: {"batching": {"max_batch_size": 8}}})
+    fleet.worker(cfg, concurrency=8)
+    client = fleet.client(cfg)
+    work = _workload(7, 16)
+    alone = [
+        _result(client, _generate(client, prompt, max_new_tokens=n, seed=i, **params))
+        for i, (prompt, n) in enumerate(work)
+    ]
+    rng = random.Random(1)
+    ids = []
+    for i, (prompt, n) in enumerate(work):  # arrivals at random times, so sequences join mid-run
+        ids.append(_generate(client, prompt, max_new_tokens=n, seed=i, **params))
+        time.sleep(rng.random() * 0.004)
+    together = [_result(client, rid) for rid in ids]
+    return alone, together
+
+
+def test_greedy_continuous_batching_gives_each_request_its_tokens_alone(fleet: Fleet) -> None:
+    alone, together = _alone_then_together(fleet, {"temperature": 0.0})
+    assert [r.generation.token_ids for r in together] == [r.generation.token_ids for r in alone]  # type: ignore[union-attr]
+    assert all(r.generation.timings.batch_size_max == 1 for r in alone)  # type: ignore[union-attr]
+    assert max(r.generation.timings.batch_size_max for r in together) > 1  # type: ignore[union-attr]
+    for r in together:
+        gen = r.generation
+        assert gen is not None and gen.usage.completion_tokens == len(gen.token_ids)
+        assert gen.finish_reason in ("length", "stop") and gen.text is not None
+
+
+def test_seeded_sampling_is_the_same_alone_and_batched(fleet: Fleet) -> None:
+    alone, together = _alone_then_together(fleet, {"temperature": 0.9, "top_k": 40, "top_p": 0.95})
+    assert [r.generation.token_ids for r in together] == [r.generation.token_ids for r in alone]  # type: ignore[union-attr]
+    assert max(r.generation.timings.batch_size_max for r in together) > 1  # type: ignore[union-attr]
+
+
+def _read_stream(client: FleetClient, rid: str, into: list[StreamEvent]) -> None:
+    into.extend(client.stream(rid, timeout_s=120))
+
+
+def test_sigkill_redelivery_regenerates_the_same_sampled_tokens_and_stream(fleet: Fleet) -> None:
+    cfg = fleet.config(
+        visibility_timeout_s=3,
+        models={MODEL: {"limits": {"max_new_tokens": 440}, "batching": {"max_batch_size": 8}}},
+    )
+    a = fleet.worker(cfg, concurrency=8)
+    client = fleet.client(cfg)
+    params = {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 440, "ignore_eos": True}
+    prompts = [[5 + i, 40 + i, 77] for i in range(6)]
+    ids = [_generate(client, p, seed=100 + i, **params) for i, p in enumerate(prompts)]
+    streams: list[list[StreamEvent]] = [[] for _ in ids]
+    readers = [
+        threading.Thread(target=_read_stream, args=(client, rid, s)) for rid, s in zip(ids, streams, strict=True)
+    ]
+    for t in readers:
+        t.start()
+    deadline = time.monotonic() + 60
+    while not all(s for s in streams):  # every request is generating on worker A
+        assert time.monotonic() < deadline, a.log_tail()
+        time.sleep(0.005)
+    a.kill()
+    assert not any(s and s[-1].is_last for s in streams), "worker A finished before it was killed: nothing tested"
+    fleet.worker(cfg, concurrency=8)
+    results = [_result(client, rid) for rid in ids]
+    for t in readers:
+        t.join(60)
+    for result, events in zip(results, streams, strict=True):
+        gen = result.generation
+        assert gen is not None and len(gen.token_ids) == 440
+        assert [e.index for e in events[:-1]] == list(range(440))  # each index once, across the redelivery
+        assert [e.token_id for e in events[:-1]] == gen.token_ids
+        assert "".join(e.text for e in events) == gen.text
+        assert events[-1].type == "final" and events[-1].finish_reason == "length"
+    # the same requests alone on a fresh worker give the same tokens: sampling is a function of the request
+    again = [_result(client, _generate(client, p, seed=100 + i, **params)) for i, p in enumerate(prompts)]
+    assert [r.generation.token_ids for r in again] == [r.generation.token_ids for r in results]  # type: ignore[union-attr]
+
+
+def _final_entry_ids(r: redis.Redis, ids: list[str]) -> dict[str, tuple[int, int]]:
+    """Redis stream entry ID (server ms, seq) of each request's final event: the completion order."""
+    order = {}
+    for rid in ids:
+        for entry_id, fields in r.xrange(STREAM_KEY.format(id=rid)):
+            if decode_event(fields).is_last:
+                ms, seq = entry_id.decode().split("-")
+                order[rid] = (int(ms), int(seq))
+    return order
+
+
+def test_short_request_overtakes_running_long_generations(fleet: Fleet) -> None:
+    cfg = fleet.config(models={MODEL: {"limits": {"max_new_tokens": 400}, "batching": {"max_batch_size": 8}}})
+    fleet.worker(cfg, concurrency=8)
+    client = fleet.client(cfg)
+    long_ids = [_generate(client, [9, 10 + i], max_new_tokens=400, ignore_eos=True) for i in range(4)]
+    first = next(iter(client.stream(long_ids[0], timeout_s=60)))  # the long ones are running
+    assert first.type == "token"
+    short = _generate(client, [11, 12, 13], max_new_tokens=3, ignore_eos=True)
+    results = [_result(client, rid) for rid in [short, *long_ids]]
+    order = _final_entry_ids(redis.Redis.from_url(fleet.redis_url), [short, *long_ids])
+    assert all(order[short] < order[rid] for rid in long_ids), order
+    assert results[0].generation.timings.batch_size_max > 1  # type: ignore[union-attr]  # it ran beside them
+
+
+def test_cancel_stops_a_running_generation_and_frees_its_slot(fleet: Fleet) -> None:
+    cfg = fleet.config(models={MODEL: {"limits": {"max_new_tokens": 480}, "batching": {"max_batch_size": 1}}})
+    fleet.worker(cfg, concurrency=2)
+    client = fleet.client(cfg)
+    running = _generate(client, [20, 21], max_new_tokens=480, ignore_eos=True)
+    waiting = _generate(client, [22, 23], max_new_tokens=4, ignore_eos=True)  # needs the one slot
+    seen = 0
+    for event in client.stream(running, timeout_s=60):
+        seen = event.index + 1
+        if seen >= 5:
+            break
+    assert client.cancel(running)
+    cancelled = _result(client, running)
+    gen = cancelled.generation
+    assert gen is not None and gen.finish_reason == "cancelled"
+    assert seen <= len(gen.token_ids) < 480
+    assert _result(client, waiting).generation.finish_reason == "length"  # type: ignore[union-attr]
+    events = list(client.stream(running, timeout_s=10))
+    assert events[-1].finish_reason == "cancelled" and events[-1].usage.completion_tokens == len(gen.token_ids)  # type: ignore[union-attr]
+
+
+def test_invalid_generation_fails_with_the_field_and_ends_its_stream(fleet: Fleet) -> None:
+    cfg = fleet.config()
+    fleet.worker(cfg)
+    client = fleet.client(cfg)
+    app_client = client.app
+    res = app_client.send_task(
+        "fleet.infer",
+        args=[{"model": MODEL, "input_ids": [5] * 10,
+               "output": {"kind": "generate", "generation": {"max_new_tokens": 600}}}],
+        queue="fleet.demo-lm",
+        task_id="too-long-gen",
+    )
+    res.get(timeout=30, propagate=False)
+    assert res.state == "FAILURE"
+    assert "max_new_tokens" in str(res.result)
+    events = list(client.stream("too-long-gen", timeout_s=10))
+    assert events[-1].type == "error" and events[-1].field == "output.generation.max_new_tokens"

@@ -1,0 +1,157 @@
+"""Pure generation logic: sampling, stop strings, the KV layout, the sequence state and admission."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import pytest
+
+from protocol.messages import GenerationParams
+from protocol.settings import BatchingSettings
+from protocol.tokenization import ByteTokenizer
+from workers.generation.kvcache import drop_rows, join_rows, trim_leading_pads
+from workers.generation.loop import GenerationLoop
+from workers.generation.sampling import Sampler, apply_repetition_penalty, nucleus_probs
+from workers.generation.sequence import GenSequence
+from workers.generation.stops import scan_stops
+
+
+def test_greedy_breaks_ties_towards_the_lower_id() -> None:
+    assert Sampler(GenerationParams()).pick(np.array([0.0, 3.0, 3.0, 1.0]), []) == 1
+
+
+def test_seeded_sampler_repeats_its_draws_and_seeds_differ() -> None:
+    logits = np.linspace(0, 2, 50)
+    draws = {seed: [Sampler(GenerationParams(temperature=1.0, seed=seed)).pick(logits, []) for _ in range(1)]
+             for seed in range(40)}
+    again = {seed: [Sampler(GenerationParams(temperature=1.0, seed=seed)).pick(logits, []) for _ in range(1)]
+             for seed in range(40)}
+    assert draws == again
+    assert len({tuple(v) for v in draws.values()}) > 5
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "kept"),
+    [(0, 1.0, 4), (2, 1.0, 2), (0, 0.5, 1), (0, 0.9, 3), (3, 0.99, 3)],
+)
+def test_nucleus_cuts(top_k: int, top_p: float, kept: int) -> None:
+    probs = nucleus_probs(np.log(np.array([0.6, 0.25, 0.1, 0.05])), 1.0, top_k, top_p)
+    assert int((probs > 0).sum()) == kept
+    assert probs.sum() == pytest.approx(1.0)
+    assert probs[0] == probs.max()
+
+
+def test_repetition_penalty_as_transformers_applies_it() -> None:
+    out = apply_repetition_penalty(np.array([2.0, -2.0, 1.0]), [0, 1], 2.0)
+    assert out.tolist() == [1.0, -4.0, 1.0]
+
+
+def test_sampler_never_picks_a_token_outside_top_k() -> None:
+    logits = np.zeros(100)
+    logits[[7, 8]] = 5.0
+    picks = {Sampler(GenerationParams(temperature=2.0, top_k=2, seed=s)).pick(logits, []) for s in range(200)}
+    assert picks == {7, 8}
+
+
+@pytest.mark.parametrize(
+    ("text", "stops", "match", "safe"),
+    [
+        ("hello world", ["wor"], 6, 6),
+        ("hello wo", ["world"], None, 6),  # 'wo' may become 'world': held back
+        ("hello", ["xyz"], None, 5),
+        ("abcab", ["abd", "cab"], 2, 2),
+        ("", ["a"], None, 0),
+        ("aaa", [], None, 3),
+    ],
+)
+def test_scan_stops(text: str, stops: list[str], match: int | None, safe: int) -> None:
+    scan = scan_stops(text, stops)
+    assert (scan.match_at, scan.safe_end) == (match, safe)
+
+
+def _cache(rows: list[list[float]], width: int) -> tuple[dict[str, Any], np.ndarray]:
+    arr = np.zeros((len(rows), 1, width, 1), dtype=np.float32)
+    mask = np.zeros((len(rows), width), dtype=np.int64)
+    for r, values in enumerate(rows):
+        arr[r, 0, width - len(values):, 0] = values
+        mask[r, width - len(values):] = 1
+    return {"past_key_values.0.key": arr}, mask
+
+
+def test_join_right_aligns_every_row() -> None:
+    cache, mask = _cache([[1, 2], [3]], 2)
+    joiner = {"past_key_values.0.key": np.array([[[7], [8], [9]]], dtype=np.float32)}
+    joined, new_mask = join_rows(cache, mask, [joiner], [3])
+    assert new_mask.tolist() == [[0, 1, 1], [0, 0, 1], [1, 1, 1]]
+    assert joined["past_key_values.0.key"][:, 0, :, 0].tolist() == [[0, 1, 2], [0, 0, 3], [7, 8, 9]]
+
+
+def test_drop_rows_trims_columns_nobody_needs() -> None:
+    cache, mask = _cache([[1, 2, 3], [4]], 3)
+    kept, new_mask = drop_rows(cache, mask, [1])
+    assert new_mask.tolist() == [[1]]
+    assert kept["past_key_values.0.key"][:, 0, :, 0].tolist() == [[4]]
+    same, same_mask = trim_leading_pads(cache, mask)
+    assert same_mask.shape == (2, 3) and same is cache
+
+
+def _seq(max_new: int, prompt_len: int = 4, **params: Any) -> GenSequence:
+    return GenSequence(
+        request_id=f"r{max_new}-{prompt_len}",
+        prompt=[5] * prompt_len,
+        params=GenerationParams(max_new_tokens=max_new, **params),
+        eos_ids=frozenset({2}),
+        tokenizer=ByteTokenizer(),
+        future=Future(),
+    )
+
+
+def _logits_for(token: int, vocab: int = 300) -> np.ndarray:
+    row = np.zeros(vocab, dtype=np.float32)
+    row[token] = 10.0
+    return row
+
+
+def test_sequence_cuts_text_at_a_stop_string_and_never_streams_past_it() -> None:
+    events: list[Any] = []
+    seq = _seq(20, stop=["lo w"])
+    seq.emit = lambda rid, event: events.append(event)
+    for ch in "hello world":
+        if seq.accept(_logits_for(ord(ch) + 3)):
+            break
+    outcome = seq.end()
+    assert outcome.finish_reason == "stop" and outcome.text == "hel"
+    assert "".join(e.text for e in events) == "hel"
+    assert events[-1].type == "final" and events[-1].usage.completion_tokens == len(outcome.token_ids)
+
+
+def test_sequence_ends_on_eos_length_and_stop_token() -> None:
+    eos = _seq(10)
+    assert eos.accept(_logits_for(2)) and eos.end().finish_reason == "stop"
+    assert eos.end().token_ids == [2]
+    ignoring = _seq(2, ignore_eos=True)
+    assert not ignoring.accept(_logits_for(2))
+    assert ignoring.accept(_logits_for(2)) and ignoring.end().finish_reason == "length"
+    stop_id = _seq(10, stop_token_ids=[77])
+    assert stop_id.accept(_logits_for(77)) and stop_id.end().finish_reason == "stop"
+
+
+class _NoDecoder:
+    pass
+
+
+def test_admission_respects_slots_kv_budget_and_static_mode() -> None:
+    loop = GenerationLoop(_NoDecoder(), BatchingSettings(max_batch_size=3, max_kv_tokens=100))  # type: ignore[arg-type]
+    waiting = [_seq(40), _seq(40), _seq(40), _seq(5)]
+    assert loop.admissible(waiting) == 2  # the third would pass the 100-token budget (44 each)
+    loop.running = [_seq(10)]
+    assert loop.admissible(waiting) == 1
+    static = GenerationLoop(_NoDecoder(), BatchingSettings(max_batch_size=3, continuous=False))  # type: ignore[arg-type]
+    static.running = [_seq(10)]
+    assert static.admissible(waiting) == 0
+    static.running = []
+    assert static.admissible(waiting) == 3
+    huge = GenerationLoop(_NoDecoder(), BatchingSettings(max_batch_size=3, max_kv_tokens=10))  # type: ignore[arg-type]
+    assert huge.admissible(waiting) == 1  # an empty batch always takes the oldest
