@@ -23,6 +23,9 @@ Series (label ``model`` on each; times in seconds, as Prometheus expects):
 ``fleet_worker_ready``                      gauge       1 once the worker consumes
 ==========================================  ==========  ==================================================
 
+Generation series (time to first token, inter-token time, generated tokens, running sequences,
+KV tokens, finish reasons) are in :mod:`workers.generation_metrics`.
+
 ``rate(fleet_worker_tokens_total{kind="real"}[1m])`` is the worker's served tokens/s. The endpoint
 (``worker.metrics_port``; 0 = off) is plain HTTP without auth, like most exporters: keep it on a
 private network. The drain meter counts requests taken off the queue per wall-clock second
@@ -42,6 +45,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from protocol.errors import InvalidRequest, RequestCancelled, RequestExpired
 from protocol.keys import DRAIN_KEY
 from protocol.messages import BULK_TASK_NAME, TASK_NAME
+from workers.generation_metrics import GenerationMetrics
 from workers.runtime import WorkerRuntime
 from workers.scheduler import BatchStats
 
@@ -127,6 +131,8 @@ class WorkerMetrics:
         ).set_function(lambda: 1.0 if runtime.ready else 0.0)
         for outcome in ("succeeded", "invalid", "expired", "cancelled", "failed"):
             self.requests.labels(self.model, outcome)  # export zeros, so rate() sees the series start
+        loop = runtime.scheduler.generation
+        self.generation = GenerationMetrics(self.model, loop, registry) if loop is not None else None
 
     # -- hooks ---------------------------------------------------------------------------------
     def on_batch(self, stats: BatchStats) -> None:
@@ -162,6 +168,8 @@ class WorkerMetrics:
         wait_ms = queue_wait_ms_of(result) if exc is None else None
         if wait_ms is not None:
             self.queue_wait.labels(self.model).observe(wait_ms / 1000)
+        if exc is None and self.generation is not None:
+            self.generation.on_result(result)
 
     def on_bulk_finished(self, summary: Any) -> None:
         """A ``fleet.infer_bulk`` message finished: count each of its requests like a ``fleet.infer`` one."""

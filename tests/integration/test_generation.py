@@ -9,6 +9,7 @@ import threading
 import time
 from typing import Any
 
+import httpx
 import redis
 
 from producer.client import FleetClient
@@ -16,6 +17,7 @@ from protocol.keys import STREAM_KEY
 from protocol.messages import InferenceResult
 from protocol.streams import StreamEvent, decode_event
 from tests.integration.fleet_fixtures import Fleet
+from tools.redis_server import free_port
 
 MODEL = "demo-lm"
 
@@ -175,3 +177,32 @@ def test_invalid_generation_fails_with_the_field_and_ends_its_stream(fleet: Flee
     assert "max_new_tokens" in str(res.result)
     events = list(client.stream("too-long-gen", timeout_s=10))
     assert events[-1].type == "error" and events[-1].field == "output.generation.max_new_tokens"
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_generation_metrics_count_tokens_first_tokens_and_finish_reasons(fleet: Fleet) -> None:
+    port = free_port()
+    cfg = fleet.config(worker={"metrics_port": port})
+    fleet.worker(cfg)
+    client = fleet.client(cfg)
+    ids = [_generate(client, [30 + i, 31], max_new_tokens=6, ignore_eos=True) for i in range(5)]
+    results = [_result(client, rid) for rid in ids]
+    generated = sum(len(r.generation.token_ids) for r in results)  # type: ignore[union-attr]
+    deadline = time.monotonic() + 10
+    while True:  # the success signal lands just after the result is stored
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        if _metric(text, "fleet_worker_time_to_first_token_seconds_count") >= 5 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert _metric(text, "fleet_worker_generated_tokens_total") == generated == 30
+    assert _metric(text, "fleet_worker_generation_finished_total", reason="length") == 5
+    assert _metric(text, "fleet_worker_time_to_first_token_seconds_count") == 5
+    assert _metric(text, "fleet_worker_inter_token_seconds_count") == 5
+    assert _metric(text, "fleet_worker_running_sequences") == 0

@@ -1,0 +1,91 @@
+"""Generation metrics: Prometheus series fed by the generation loop's step observer and by results.
+
+Series (label ``model``; times in seconds):
+
+===============================================  ==========  ============================================
+``fleet_worker_generated_tokens_total``          counter     tokens generated (prefill first tokens +
+                                                             decode tokens); ``rate()`` = tokens/s
+``fleet_worker_generation_finished_total``       counter     generations ended, by ``reason``: stop,
+                                                             length, cancelled, deadline
+``fleet_worker_time_to_first_token_seconds``     histogram   producer submit → first token
+``fleet_worker_inter_token_seconds``             histogram   mean time between a request's tokens
+``fleet_worker_generation_step_seconds``         histogram   one step: prefill + cache re-layout + decode
+``fleet_worker_kv_copy_seconds``                 histogram   cache re-layout time per step with a
+                                                             membership change
+``fleet_worker_running_sequences``               gauge       sequences in the running batch
+``fleet_worker_kv_tokens``                       gauge       real tokens held in the running KV cache
+===============================================  ==========  ============================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from workers.generation.loop import GenerationLoop, GenStepStats
+
+__all__ = ["GenerationMetrics"]
+
+TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+FINISH_REASONS = ("stop", "length", "cancelled", "deadline")
+
+
+class GenerationMetrics:
+    """The generation series of one worker, registered in ``registry``."""
+
+    def __init__(self, model: str, loop: GenerationLoop, registry: CollectorRegistry) -> None:
+        self.model = model
+        m = ["model"]
+        self.tokens = Counter("fleet_worker_generated_tokens", "Tokens generated.", m, registry=registry)
+        self.finished = Counter(
+            "fleet_worker_generation_finished", "Generations ended, by finish reason.", [*m, "reason"],
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "fleet_worker_time_to_first_token_seconds", "Producer submit to first token (s).", m,
+            buckets=TIME_BUCKETS, registry=registry,
+        )
+        self.inter_token = Histogram(
+            "fleet_worker_inter_token_seconds", "Mean time between a request's consecutive tokens (s).", m,
+            buckets=TIME_BUCKETS, registry=registry,
+        )
+        self.step = Histogram(
+            "fleet_worker_generation_step_seconds", "One generation step: prefill + re-layout + decode (s).", m,
+            buckets=TIME_BUCKETS, registry=registry,
+        )
+        self.copy = Histogram(
+            "fleet_worker_kv_copy_seconds", "KV cache re-layout per membership change (s).", m,
+            buckets=TIME_BUCKETS, registry=registry,
+        )
+        Gauge("fleet_worker_running_sequences", "Sequences in the running batch.", m, registry=registry).labels(
+            model
+        ).set_function(lambda: float(loop.active))
+        Gauge("fleet_worker_kv_tokens", "Real tokens in the running KV cache.", m, registry=registry).labels(
+            model
+        ).set_function(lambda: float(loop.state.kv_tokens))
+        for reason in FINISH_REASONS:
+            self.finished.labels(model, reason)
+        loop.observers.append(self.on_step)
+
+    def on_step(self, stats: GenStepStats) -> None:
+        """Generation-loop observer: one step ran."""
+        self.tokens.labels(self.model).inc(stats.tokens)
+        for reason in stats.finished:
+            self.finished.labels(self.model, reason).inc()
+        self.step.labels(self.model).observe((stats.prefill_ms + stats.copy_ms + stats.decode_ms) / 1000)
+        if stats.copy_ms > 0:
+            self.copy.labels(self.model).observe(stats.copy_ms / 1000)
+
+    def on_result(self, result: Any) -> None:
+        """A ``generate`` request succeeded: observe its first-token and inter-token times."""
+        generation = result.get("generation") if isinstance(result, dict) else None
+        timings = generation.get("timings") if isinstance(generation, dict) else None
+        if not isinstance(timings, dict):
+            return
+        ttft_ms = timings.get("time_to_first_token_ms")
+        if isinstance(ttft_ms, int | float):
+            self.ttft.labels(self.model).observe(ttft_ms / 1000)
+        gap_ms = timings.get("mean_inter_token_ms")
+        if isinstance(gap_ms, int | float) and len(generation.get("token_ids") or ()) > 1:  # type: ignore[union-attr]
+            self.inter_token.labels(self.model).observe(gap_ms / 1000)
