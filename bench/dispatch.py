@@ -3,7 +3,7 @@
 The identity model (one ``OneHot`` node) stands in for inference. For a closed loop against one
 worker it measures requests/s, the CPU milliseconds each process spends per request (producer =
 this bench process, Redis, worker) minus the engine's own time, and the Redis commands each
-request costs. Variants (Celery log level, lean Celery, the bulk-path prototype) run side by side:
+request costs. Variants (Celery log level, lean Celery, the bulk path) run side by side:
 every variant's worker is started at once, each on its own queue, and the loops visit them in
 interleaved rounds. With py-spy installed it also samples where the worker's and the producer's
 CPU goes.
@@ -19,13 +19,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.bulk_prototype import bulk_closed_loop
-from bench.load import ClosedLoopRun, closed_loop
+from bench.load import ClosedLoopRun, bulk_closed_loop, closed_loop
 from bench.procs import CpuMeter, FleetConfig, RunningFleet, redis_commandstats
 from bench.profile import fold_components, parse_raw, py_spy_path, record, top_functions
 from bench.stats import RequestRecord, summarize_run, summarize_runs
 
-__all__ = ["measure_dispatch"]
+__all__ = ["Variant", "measure_dispatch"]
+
+Variant = tuple[str, FleetConfig, int]
+"""(label, worker configuration, requests per message: 1 = one ``fleet.infer`` task per request,
+more = ``fleet.infer_bulk`` messages of that many requests)."""
 
 
 class _Tally:
@@ -37,6 +40,7 @@ class _Tally:
         self.runs: list[ClosedLoopRun] = []
 
     def result(self, clients: int, per_message: int) -> dict[str, Any]:
+        """The variant's figures per request (``per_message`` > 1: sent through ``fleet.infer_bulk``)."""
         summary = summarize_runs([(run.records, None) for run in self.runs])
         records = [r for run in self.runs for r in run.records if r.error is None and r.batch_size > 0]
         n = max(1, summary.requests)
@@ -46,6 +50,7 @@ class _Tally:
         return {
             "clients": clients,
             "requests_per_message": per_message,
+            "path": "fleet.infer_bulk" if per_message > 1 else "fleet.infer",
             "summary": summary.as_dict(),
             "cpu_ms_per_request": {k: round(v, 3) for k, v in per_process.items()},
             "inference_ms_per_request": round(infer_ms, 4),
@@ -94,7 +99,7 @@ def _profile(client: Any, fleet: RunningFleet, model: str, prompts: Sequence[Seq
 
 
 def measure_dispatch(
-    variants: dict[str, tuple[str, FleetConfig]],
+    variants: dict[str, Variant],
     redis_url: str,
     redis_pid: int,
     work_dir: Path,
@@ -107,14 +112,16 @@ def measure_dispatch(
     profile_s: float = 0.0,
     say: Any = None,
 ) -> dict[str, Any]:
-    """Dispatch-cost figures for each variant (key → (label, config of an identity model)).
+    """Dispatch-cost figures for each variant (key → (label, config of an identity model, requests
+    per message)).
 
     The first variant is the fleet as served: its figures are the top level of the result, the
-    others go under ``"ablations"``; ``profile_s`` > 0 adds a py-spy profile of the first. A config
-    with ``bulk=True`` is driven through the bulk prototype, ``max_batch_size`` requests per message.
+    others go under ``"ablations"``; ``profile_s`` > 0 adds a py-spy profile of the first. A variant
+    of more than one request per message is driven through the fleet's bulk path (``fleet.infer_bulk``).
     """
     log = say or (lambda msg: print(msg, file=sys.stderr))
-    fleets = {key: RunningFleet(cfg, redis_url, work_dir) for key, (_, cfg) in variants.items()}
+    fleets = {key: RunningFleet(cfg, redis_url, work_dir) for key, (_, cfg, _) in variants.items()}
+    per_message = {key: chunk for key, (_, _, chunk) in variants.items()}
     for fleet in fleets.values():
         fleet.spawn()
     try:
@@ -126,14 +133,14 @@ def measure_dispatch(
             closed_loop(clients_of[key], model, prompts, clients=clients, max_requests=4 * clients)  # warm
         for r in range(rounds):
             for key, fleet in fleets.items():
-                cfg, client, model = fleet.config, clients_of[key], fleet.config.model_name
+                client, model = clients_of[key], fleet.config.model_name
                 part = lone_requests // rounds
                 lone[key] += closed_loop(client, model, prompts[r * part :], clients=1, max_requests=part).records
                 pids = {"producer": os.getpid(), "redis": redis_pid, "worker": fleet.pid}
-                chunk = cfg.max_batch_size if cfg.bulk else 0
+                chunk = per_message[key]
 
                 def run(client: Any = client, model: str = model, chunk: int = chunk) -> ClosedLoopRun:
-                    if chunk:
+                    if chunk > 1:
                         n = max(2, 2 * clients // chunk)  # a chunk waits for its slowest request
                         return bulk_closed_loop(client, model, prompts, clients=n, chunk=chunk,
                                                 duration_s=duration_s / rounds)  # fmt: skip
@@ -141,8 +148,8 @@ def measure_dispatch(
 
                 _metered(tallies[key], pids, redis_url, run)
         results: dict[str, dict[str, Any]] = {}
-        for key, fleet in fleets.items():
-            chunk = fleet.config.max_batch_size if fleet.config.bulk else 1
+        for key in fleets:
+            chunk = per_message[key]
             results[key] = {
                 "label": str(variants[key][0]),
                 "lone": summarize_run(lone[key]).as_dict(),

@@ -2,8 +2,7 @@
 
 ``BENCH_CELERY_OVERRIDES`` (a JSON object of Celery settings) is applied to :data:`workers.app.app`
 before the worker starts, so the bench can price Celery's per-task extras (task events, the
-STARTED state, extended results) without changing the fleet's code; ``BENCH_BULK=1`` also registers
-the bulk-path prototype (:mod:`bench.bulk_prototype`). Not for production use.
+STARTED state, extended results) without changing the fleet's code. Not for production use.
 
 Run: ``BENCH_CELERY_OVERRIDES='{"task_track_started": false}' python -m bench.lean_worker worker -P threads …``
 """
@@ -17,10 +16,6 @@ import sys
 from workers.app import app
 
 app.conf.update(json.loads(os.environ.get("BENCH_CELERY_OVERRIDES", "{}")))
-if os.environ.get("BENCH_BULK") == "1":
-    from bench.bulk_prototype import register_bulk_task
-
-    register_bulk_task(app)
 
 if __name__ == "__main__":
     app.worker_main(sys.argv[1:])

@@ -4,6 +4,9 @@
   previous result is in (saturation throughput; ``clients=1`` is the lone-request latency).
 * :func:`open_loop` — Poisson arrivals at a set rate, independent of completions (latency under
   load); a pool of waiter threads collects each result as it becomes available.
+* :func:`bulk_closed_loop` — like :func:`closed_loop`, but each client sends ``chunk`` requests per
+  message through the fleet's bulk path (``FleetClient.submit_bulk`` → ``fleet.infer_bulk``) and
+  waits for all of them (``FleetClient.wait``).
 
 Latency is submit → result available, as the client sees it (``time.perf_counter``).
 """
@@ -13,14 +16,15 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from bench.stats import RequestRecord, poisson_arrivals
 from producer.client import FleetClient
 from protocol.errors import FleetError
+from protocol.messages import InferenceResult
 
-__all__ = ["ClosedLoopRun", "closed_loop", "open_loop"]
+__all__ = ["ClosedLoopRun", "bulk_closed_loop", "closed_loop", "open_loop", "run_threads"]
 
 RESULT_TIMEOUT_S = 120.0
 """Longest wait for one result before it counts as an error (s)."""
@@ -32,6 +36,15 @@ class ClosedLoopRun:
     def __init__(self, records: list[RequestRecord], window: tuple[float, float] | None) -> None:
         self.records = records
         self.window = window
+
+
+def run_threads(count: int, target: Callable[[], None], name: str) -> None:
+    """Run ``target`` on ``count`` daemon threads named ``name-<i>`` and wait for all of them."""
+    threads = [threading.Thread(target=target, name=f"{name}-{i}", daemon=True) for i in range(count)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
 
 
 def _one(client: FleetClient, model: str, ids: Sequence[int], top_k: int) -> RequestRecord:
@@ -87,11 +100,7 @@ def closed_loop(
             with lock:
                 records.append(rec)
 
-    threads = [threading.Thread(target=loop, name=f"bench-client-{i}", daemon=True) for i in range(clients)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    run_threads(clients, loop, "bench-client")
     window = (start + warmup_s, stop_at) if duration_s is not None else None
     return ClosedLoopRun(sorted(records, key=lambda r: r.submit_s), window)
 
@@ -141,3 +150,50 @@ def open_loop(
                 continue
             futures.append(pool.submit(wait_for, rid, ids, submitted))
     return sorted([f.result() for f in futures] + failed, key=lambda r: r.submit_s)
+
+
+def bulk_closed_loop(
+    client: FleetClient,
+    model: str,
+    prompts: Sequence[Sequence[int]],
+    *,
+    clients: int,
+    chunk: int,
+    duration_s: float,
+    top_k: int = 5,
+) -> ClosedLoopRun:
+    """``clients`` threads, each sending ``chunk`` requests as one ``fleet.infer_bulk`` message and
+    waiting for all of their results, for ``duration_s`` seconds.
+
+    A request's latency is its chunk's submit → the moment the client had every result of the chunk.
+    """
+    counter = itertools.count()
+    lock = threading.Lock()
+    records: list[RequestRecord] = []
+    stop_at = time.perf_counter() + duration_s
+
+    def loop() -> None:
+        while time.perf_counter() < stop_at:
+            with lock:
+                n = next(counter)
+            seqs = [prompts[(n * chunk + j) % len(prompts)] for j in range(chunk)]
+            start = time.perf_counter()
+            try:
+                results: list[InferenceResult | FleetError] = list(
+                    client.wait(client.submit_bulk(model, seqs, chunk_size=chunk, top_k=top_k),
+                                timeout_s=RESULT_TIMEOUT_S)
+                )  # fmt: skip
+            except FleetError as exc:
+                results = [exc] * len(seqs)
+            done = time.perf_counter()
+            recs = [
+                RequestRecord.from_result(start, done, r)
+                if isinstance(r, InferenceResult)
+                else RequestRecord(start, done, len(s), error=f"{type(r).__name__}: {r}")
+                for r, s in zip(results, seqs, strict=True)
+            ]
+            with lock:
+                records.extend(recs)
+
+    run_threads(clients, loop, "bench-bulk")
+    return ClosedLoopRun(sorted(records, key=lambda r: r.submit_s), None)

@@ -39,8 +39,9 @@ def method_notes(plan: dict[str, Any]) -> str:
             "worker's session options; its *mean ms* is one `session.run` of the whole batch.",
             f"- **Rows as served**: `fleet.infer`, one Celery task per request, C = {plan['concurrency']}, "
             f"max_batch_size {plan['max_batch_size']} (1 for the baseline), max_wait_ms {plan['max_wait_ms']:g}, "
-            "Celery log level WARNING. *Ablation* rows change one thing; *lean Celery* and the bulk prototype run "
-            "the same worker code through measurement-only launchers in `bench/` (no fleet code changed).\n",
+            "Celery log level WARNING. *Ablation* rows change one thing; *lean Celery* runs the same worker code "
+            "through a measurement-only launcher (`bench/lean_worker.py`, no fleet code changed); the bulk rows of "
+            "Dispatch cost go through the fleet's own `fleet.infer_bulk`.\n",
         ]
     )
 
@@ -115,7 +116,7 @@ def reading_notes(results: dict[str, Any]) -> str:
             f"{rows['batching']['workloads']['short']['lone']['latency']['p50_ms']:.0f} ms for the fleet), but each "
             "message costs it less than a full Celery task; under saturation it carries "
             f"{sat['peer']['short']['qps']:.1f} short req/s to the fleet's {sat['batching']['short']['qps']:.1f}. "
-            "The lean-Celery row (per-task extras off) and the bulk prototype in Dispatch cost show the fleet's "
+            "The lean-Celery row (per-task extras off) and the bulk path in Dispatch cost show the fleet's "
             "way past it."
         )
     return "\n".join(out) + "\n"

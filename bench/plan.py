@@ -47,8 +47,8 @@ class Plan:
     """py-spy profile of the dispatch loop (0 = none)."""
     peer: bool = True
     ablations: bool = True
-    """Extra rows and variants: lean Celery, ORT spin-waiting on, Celery log level INFO, the bulk-path
-    prototype, the LM-head-at-last-position model."""
+    """Extra rows and variants: lean Celery, ORT spin-waiting on, Celery log level INFO, the bulk path
+    (``fleet.infer_bulk``), the LM-head-at-last-position model."""
     int8_variants: bool = True
     """Also quantize static QDQ (+ symmetric) for the INT8 variants table."""
     peer_flush_interval_s: float = 0.05

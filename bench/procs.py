@@ -55,8 +55,6 @@ class FleetConfig:
     celery_loglevel: str = "INFO"
     """Celery's own log level (``fleet worker``'s default INFO logs every task twice)."""
     lean: bool = False
-    bulk: bool = False
-    """Measurement only: also register the bulk-path prototype (:mod:`bench.bulk_prototype`)."""
     """Measurement only: run the worker through :mod:`bench.lean_worker` with Celery's per-task
     extras off (task events, STARTED state, extended results), to price them."""
 
@@ -154,10 +152,8 @@ class RunningFleet:
         )
         cmd = self.worker.cmd
         cmd[cmd.index("--loglevel") + 1] = config.celery_loglevel
-        if config.lean or config.bulk:  # [python, -m, celery, -A, workers.app, worker, …] → bench.lean_worker
+        if config.lean:  # [python, -m, celery, -A, workers.app, worker, …] → bench.lean_worker
             cmd[1:5] = ["-m", "bench.lean_worker"]
-            self.worker.env["BENCH_BULK"] = "1" if config.bulk else "0"
-        if config.lean:
             cmd.remove("-E")
             self.worker.env["BENCH_CELERY_OVERRIDES"] = json.dumps(LEAN_OVERRIDES)
         self.client: FleetClient | None = None

@@ -302,9 +302,8 @@ def render(results: dict[str, Any], img_rel: str) -> str:
     ]
     parts += ["## Dispatch cost\n", dispatch_section(results) + "\n"]
     parts += [
-        "The fleet's own bulk path, `fleet.infer_bulk` (`FleetClient.submit_bulk`: many requests per message, "
-        "one result per request ID), landed after the prototype measured here; its side-by-side figures against "
-        "one task per request are in [bulk-path.md](bulk-path.md) (`python -m bench.bulk_vs_single`).\n"
+        "The bulk path with large chunks (512 requests per message, a burst of 2,000 requests) against one task "
+        "per request, end to end: [bulk-path.md](bulk-path.md) (`python -m bench.bulk_vs_single`).\n"
     ]
     peer_note = (
         f"celery-batches peer: Celery {peer.get('celery', '?')} in its own virtualenv, threads pool, "

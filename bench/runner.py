@@ -22,7 +22,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.dispatch import measure_dispatch
+from bench.dispatch import Variant, measure_dispatch
 from bench.limit import bare_latency_ms, bare_session, bare_throughput
 from bench.machine import machine_facts, tensorrt_available
 from bench.peer import PeerUnavailable, ensure_peer_venv
@@ -188,7 +188,7 @@ def _configs(plan: Plan, name: str, models: dict[str, Any], work_dir: Path) -> d
     return configs
 
 
-def _dispatch_variants(plan: Plan, name: str, path: Path) -> dict[str, tuple[str, FleetConfig]]:
+def _dispatch_variants(plan: Plan, name: str, path: Path) -> dict[str, Variant]:
     """The identity-model worker as served, and (full plan) the variants that price each cost."""
     cfg = FleetConfig(
         label="dispatch",
@@ -199,20 +199,19 @@ def _dispatch_variants(plan: Plan, name: str, path: Path) -> dict[str, tuple[str
         concurrency=plan.concurrency,
         celery_loglevel="WARNING",
     )
-    out = {"served": ("as served (Celery log level WARNING)", cfg)}
+    out: dict[str, Variant] = {"served": ("as served (Celery log level WARNING)", cfg, 1)}
     if plan.ablations:
-        variants: dict[str, tuple[str, dict[str, Any]]] = {
-            "info": ("Celery log level INFO (the `fleet worker` default)", {"celery_loglevel": "INFO"}),
-            "lean": ("lean Celery: no task events, no STARTED state, no extended result", {"lean": True}),
-            "bulk": (f"bulk prototype: {plan.concurrency} requests per message", {"bulk": True}),
-            "bulk+lean": (
-                f"bulk prototype ({plan.concurrency} per message) + lean Celery",
-                {"bulk": True, "lean": True},
-            ),
+        chunk = plan.concurrency
+        variants: dict[str, tuple[str, dict[str, Any], int]] = {
+            "info": ("Celery log level INFO (the `fleet worker` default)", {"celery_loglevel": "INFO"}, 1),
+            "lean": ("lean Celery: no task events, no STARTED state, no extended result", {"lean": True}, 1),
+            "bulk": (f"bulk path (`fleet.infer_bulk`): {chunk} requests per message", {}, chunk),
+            "bulk+lean": (f"bulk path ({chunk} per message) + lean Celery", {"lean": True}, chunk),
         }
-        for key, (label, changes) in variants.items():
+        for key, (label, changes, per_message) in variants.items():
             slug = key.replace("+", "-")
-            out[key] = (label, replace(cfg, label=f"dispatch-{slug}", model_name=f"{name}-{slug}", **changes))
+            variant = replace(cfg, label=f"dispatch-{slug}", model_name=f"{name}-{slug}", **changes)
+            out[key] = (label, variant, per_message)
     return out
 
 

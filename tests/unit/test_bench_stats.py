@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from bench.analysis import target_rows
-from bench.findings import dispatch_findings
+from bench.findings import PROTOTYPE_NOTE, dispatch_findings
 from bench.notes import last_position_note
 from bench.plots import latency_points
 from bench.profile import fold_components, parse_raw, top_functions
@@ -272,7 +272,8 @@ def test_dispatch_findings_quote_the_run() -> None:
             "loop": _loop(120.0, 5.0, 1.0, 6.0, 37.0, engine_ms=1.5),
             "ablations": {
                 "lean": {"loop": _loop(185.0, 3.5, 0.6, 4.4, 29.0)},
-                "bulk": {"loop": {**_loop(600.0, 1.0, 0.3, 1.5, 6.0), "requests_per_message": 16}},
+                "bulk": {"loop": {**_loop(600.0, 1.0, 0.3, 1.5, 6.0), "requests_per_message": 16,
+                                  "path": "fleet.infer_bulk"}},
             },
             "profile": {"worker": {"components": {"Celery task tracing (celery.app.trace)": 0.4}}},
         },
@@ -283,6 +284,11 @@ def test_dispatch_findings_quote_the_run() -> None:
     assert "≥ 40 % of its" in text
     assert "185 req/s" in text and "(1.54×)" in text
     assert "**600 req/s** (5.0× one task per request)" in text and "stays below 1,000" in text
+    assert "Measured on the landed path" in text and PROTOTYPE_NOTE in text  # the retired prototype's figures stay
+    legacy = {**results["dispatch"]["ablations"]["bulk"]["loop"]}
+    del legacy["path"]  # a run from before the prototype was retired
+    old = dispatch_findings({**results, "dispatch": {**results["dispatch"], "ablations": {"bulk": {"loop": legacy}}}})
+    assert "Measured with a prototype" in old and PROTOTYPE_NOTE not in old
     assert dispatch_findings({"meta": {}, "rows": {}}) == ""
 
 
