@@ -111,6 +111,11 @@ class EngineSettings(_Section):
     trt_int8: bool = False
     cache_dir: Path = Field(default=Path("var/trt-cache"), description="TensorRT engine + timing caches.")
     warmup: bool = Field(default=True, description="Run the extreme shapes once before consuming.")
+    lm_head_last: bool = Field(
+        default=True,
+        description="Causal LMs: rewrite the graph in memory at load so logits are computed at the last "
+        "position only (tools/lm_head_last.py); skipped for files with external data.",
+    )
 
     @model_validator(mode="after")
     def _known_providers(self) -> EngineSettings:

@@ -5,11 +5,14 @@ the vocabulary: for a batch of 8 x 256 tokens over 8,192 ids that is 64 MiB of f
 and an 8k-wide matrix product per position. This rewrite inserts, right before the final
 ``MatMul`` that produces ``logits``::
 
-    last   = ReduceSum(attention_mask, axis=1) - 1 - (total_len - seq_len)     # [batch]
+    last   = ReduceSum(attention_mask[:, past_len:], axis=1) - 1                 # [batch]
     hidden = GatherND(hidden, last[:, None], batch_dims=1)[:, None, :]           # [batch, 1, hidden]
 
-so ``logits`` becomes ``[batch, 1, vocab]`` (right padding: the last real token of row ``b`` sits at
-``sum(mask[b]) - 1 - past``). ``present.*`` outputs are untouched. It is a separate model file
+so ``logits`` becomes ``[batch, 1, vocab]``: the new tokens of a call are right-padded, so the last
+real one of row ``b`` sits at the count of its real new tokens minus one, whatever its past holds
+(a left-padded past in a decode step of the continuous-batching loop included). ``present.*``
+outputs are untouched. The worker applies this rewrite in memory when it loads a causal LM
+(``engine.lm_head_last``, on by default). It is a separate model file
 (version suffix ``-last``), never a replacement: a server must read position 0 of the new output,
 which ``workers/postprocess.last_positions`` does (it clips the index to the output length).
 
@@ -55,14 +58,14 @@ def rewrite_lm_head_last(model: onnx.ModelProto) -> onnx.ModelProto:
     ]
     graph.initializer.extend(consts)
     nodes = [
-        helper.make_node("ReduceSum", ["attention_mask", p + "axis1"], [p + "real_total"], keepdims=0),  # [B]
         helper.make_node("Shape", ["attention_mask"], [p + "mask_shape"]),
-        helper.make_node("Gather", [p + "mask_shape", p + "one"], [p + "total_len"], axis=0),
+        helper.make_node("Gather", [p + "mask_shape", p + "idx1"], [p + "total_len"], axis=0),  # [1]
         helper.make_node("Shape", ["input_ids"], [p + "ids_shape"]),
-        helper.make_node("Gather", [p + "ids_shape", p + "one"], [p + "seq_len"], axis=0),
-        helper.make_node("Sub", [p + "total_len", p + "seq_len"], [p + "past_len"]),
-        helper.make_node("Sub", [p + "real_total", p + "one"], [p + "last_abs"]),
-        helper.make_node("Sub", [p + "last_abs", p + "past_len"], [p + "last"]),  # [B]
+        helper.make_node("Gather", [p + "ids_shape", p + "idx1"], [p + "seq_len"], axis=0),  # [1]
+        helper.make_node("Sub", [p + "total_len", p + "seq_len"], [p + "past_len"]),  # [1]
+        helper.make_node("Slice", ["attention_mask", p + "past_len", p + "total_len", p + "axis1"], [p + "new_mask"]),
+        helper.make_node("ReduceSum", [p + "new_mask", p + "axis1"], [p + "real_new"], keepdims=0),  # [B]
+        helper.make_node("Sub", [p + "real_new", p + "one"], [p + "last"]),  # [B]
         helper.make_node("Unsqueeze", [p + "last", p + "idx1"], [p + "last_col"]),  # [B, 1]
         helper.make_node("GatherND", [hidden, p + "last_col"], [p + "picked"], batch_dims=1),  # [B, H]
         helper.make_node("Unsqueeze", [p + "picked", p + "idx1"], [p + "hidden_last"]),  # [B, 1, H]

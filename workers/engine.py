@@ -170,9 +170,13 @@ class Engine:
         self.requested = provider_chain(engine, batching, limits, card, names)
         self.ort_build = check_single_ort_build()
         started = time.perf_counter()
+        self.lm_head_last = False
+        source: str | bytes = str(model_path)
+        if engine.lm_head_last and card.kind == "causal_lm":
+            source = self._last_position_graph(model_path)
         try:
             self.session = ort.InferenceSession(
-                str(model_path),
+                source,
                 sess_options=session_options(engine),
                 providers=[name for name, _ in self.requested],
                 provider_options=[opts for _, opts in self.requested],
@@ -182,10 +186,12 @@ class Engine:
         self.load_ms = (time.perf_counter() - started) * 1000
         self.providers: list[str] = list(self.session.get_providers())
         log.info(
-            "model %s %s loaded in %.0f ms with %s; providers requested %s; ACTIVE %s",
+            "model %s %s loaded in %.0f ms (logits at the last position only: %s) with %s; "
+            "providers requested %s; ACTIVE %s",
             card.name,
             card.version,
             self.load_ms,
+            self.lm_head_last,
             self.ort_build,
             [n for n, _ in self.requested],
             self.providers,
@@ -220,6 +226,23 @@ class Engine:
             self.output_name = "last_hidden_state"
         if "input_ids" not in self._inputs:
             raise ModelLoadError(f"{model_path} has no 'input_ids' input", "inputs", "input_ids")
+
+    def _last_position_graph(self, model_path: Path) -> str | bytes:
+        """The graph with its LM head moved after a gather of the last position, as bytes; the path
+        itself when the rewrite does not apply (external data, or no single ``MatMul`` → ``logits``)."""
+        from tools.lm_head_last import rewrite_lm_head_last
+
+        try:
+            model = onnx.load(str(model_path), load_external_data=False)
+            if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
+                log.info("lm_head_last: %s keeps its weights in external data; serving the graph as it is", model_path)
+                return str(model_path)
+            rewritten: bytes = rewrite_lm_head_last(model).SerializeToString()
+        except (ValueError, onnx.checker.ValidationError) as exc:
+            log.info("lm_head_last does not apply to %s (%s); logits at every position", model_path, exc)
+            return str(model_path)
+        self.lm_head_last = True
+        return rewritten
 
     @property
     def has_kv_cache(self) -> bool:
