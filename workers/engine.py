@@ -92,12 +92,15 @@ def _profile(shapes: dict[str, tuple[int, ...]]) -> str:
 
 
 def _trt_shapes(
-    input_names: list[str], card: ModelCard, batch: int, tokens: int
+    input_names: list[str], card: ModelCard, batch: int, tokens: int, past: int = 0
 ) -> dict[str, tuple[int, ...]]:
+    """One TensorRT profile point: ``tokens`` new tokens per row over ``past`` cached ones."""
     out: dict[str, tuple[int, ...]] = {}
     for name in input_names:
         if name.startswith("past_key_values."):
-            out[name] = (batch, card.kv_heads, 0, card.head_dim)
+            out[name] = (batch, card.kv_heads, past, card.head_dim)
+        elif name == "attention_mask":
+            out[name] = (batch, past + tokens)
         else:
             out[name] = (batch, tokens)
     return out
@@ -114,7 +117,8 @@ def provider_chain(
     """The (provider, options) list to create the session with, filtered to what this ORT build has.
 
     TensorRT gets explicit optimisation profiles from ``max_batch_size`` x ``max_input_tokens`` so
-    its engine builds at session creation (never mid-traffic), plus engine and timing caches.
+    its engine builds at session creation (never mid-traffic), plus engine and timing caches. A model
+    with a KV cache also gets the decode range: a past of up to ``max_input_tokens + max_new_tokens``.
     """
     have = available if available is not None else ort.get_available_providers()
     chain: list[tuple[str, dict[str, Any]]] = []
@@ -126,6 +130,8 @@ def provider_chain(
         if name == "TensorrtExecutionProvider":
             cache = str(engine.cache_dir / card.name / card.version)
             half = max(1, limits.max_input_tokens // 2)
+            has_past = any(n.startswith("past_key_values.") for n in input_names)
+            max_past = limits.max_input_tokens + limits.max_new_tokens if has_past else 0
             options = {
                 "trt_fp16_enable": engine.trt_fp16,
                 "trt_int8_enable": engine.trt_int8,
@@ -135,10 +141,10 @@ def provider_chain(
                 "trt_timing_cache_path": cache,
                 "trt_profile_min_shapes": _profile(_trt_shapes(input_names, card, 1, 1)),
                 "trt_profile_opt_shapes": _profile(
-                    _trt_shapes(input_names, card, batching.max_batch_size, half)
+                    _trt_shapes(input_names, card, batching.max_batch_size, half, max_past // 2)
                 ),
                 "trt_profile_max_shapes": _profile(
-                    _trt_shapes(input_names, card, batching.max_batch_size, limits.max_input_tokens)
+                    _trt_shapes(input_names, card, batching.max_batch_size, limits.max_input_tokens, max_past)
                 ),
             }
         options.update(engine.provider_options.get(name, {}))

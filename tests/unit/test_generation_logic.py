@@ -155,3 +155,20 @@ def test_admission_respects_slots_kv_budget_and_static_mode() -> None:
     assert static.admissible(waiting) == 3
     huge = GenerationLoop(_NoDecoder(), BatchingSettings(max_batch_size=3, max_kv_tokens=10))  # type: ignore[arg-type]
     assert huge.admissible(waiting) == 1  # an empty batch always takes the oldest
+
+
+def test_tensorrt_profiles_cover_the_decode_range_of_a_kv_model() -> None:
+    from protocol.modelcard import ModelCard
+    from protocol.settings import EngineSettings, LimitSettings
+    from workers.engine import provider_chain
+
+    card = ModelCard(name="m", version="1", kind="causal_lm", vocab_size=300, max_positions=512, num_layers=1,
+                     num_heads=4, num_kv_heads=2, head_dim=8, hidden_size=32)
+    names = ["input_ids", "attention_mask", "position_ids", "past_key_values.0.key", "past_key_values.0.value"]
+    chain = provider_chain(EngineSettings(), BatchingSettings(max_batch_size=4), LimitSettings(max_input_tokens=64,
+                           max_new_tokens=100), card, names, available=["TensorrtExecutionProvider"])
+    options = chain[0][1]
+    assert options["trt_profile_min_shapes"].startswith("input_ids:1x1,attention_mask:1x1,")
+    assert "past_key_values.0.key:4x2x164x8" in options["trt_profile_max_shapes"]
+    assert "attention_mask:4x228" in options["trt_profile_max_shapes"]
+    assert "past_key_values.0.key:1x2x0x8" in options["trt_profile_min_shapes"]
