@@ -1,14 +1,21 @@
-"""The producer-side tokenizers: byte round trips and the errors of ``load_tokenizer``."""
+"""The producer-side tokenizers: byte round trips, the errors of ``load_tokenizer``, a tokenizer.json's
+own padding/truncation switched off, and text that is not valid Unicode refused."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer as LibTokenizer
 
-from protocol.errors import ModelLoadError
+from protocol.errors import InputTooLong, InvalidRequest, ModelLoadError, error_from_payload
 from protocol.modelcard import ModelCard
-from protocol.tokenization import BYTE_OFFSET, ByteTokenizer, HFTokenizer, load_tokenizer
+from protocol.settings import LimitSettings
+from protocol.tokenization import BYTE_OFFSET, ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from protocol.validation import check_input
+from tests.unit.tiny_tokenizers import byte_level_bpe, sentencepiece_bpe, wordpiece
 from tools.wordpiece import train_wordpiece
 
 
@@ -88,3 +95,83 @@ def test_load_wordpiece_tokenizer(tmp_path: Path) -> None:
     assert ids[0] == 2 and ids[-1] == 3  # [CLS] … [SEP]
     assert all(0 <= i < 512 for i in ids)
     assert tok.decode(ids) == "the queue grows, and nothing is lost."
+
+
+def test_load_no_tokenizer() -> None:
+    assert load_tokenizer(_card(tokenizer="none"), Path(".")) is None
+    assert load_tokenizer(_card(tokenizer="none", vocab_size=10), Path(".")) is None  # no byte-vocab check
+
+
+# -- a tokenizer.json's own padding and truncation are off ---------------------------------------------
+
+SHORT = "The queue grows, don't worry!"
+LONG = "the queue grows and the workers work " * 40  # ~280 tokens: over the file's 128 and the limit
+
+
+@pytest.mark.parametrize("factory", [wordpiece, byte_level_bpe], ids=["wordpiece", "bpe"])
+@pytest.mark.parametrize("text", [SHORT, LONG], ids=["short", "long"])
+def test_file_padding_and_truncation_are_ignored(
+    tmp_path: Path, factory: Callable[..., Path], text: str
+) -> None:
+    padded = factory(tmp_path / "padded.json", pad_to=128, truncate_at=128)
+    plain = factory(tmp_path / "plain.json")
+    assert len(LibTokenizer.from_file(str(padded)).encode(text).ids) == 128  # the file does pad/truncate
+    expected = LibTokenizer.from_file(str(plain)).encode(text).ids
+    assert HFTokenizer(padded).encode(text) == HFTokenizer(plain).encode(text) == expected
+    assert len(expected) < 40 if text is SHORT else len(expected) > 128
+
+
+@pytest.mark.parametrize("factory", [wordpiece, byte_level_bpe], ids=["wordpiece", "bpe"])
+def test_over_long_text_follows_the_fleet_limits(tmp_path: Path, factory: Callable[..., Path]) -> None:
+    ids = HFTokenizer(factory(tmp_path / "t.json", pad_to=128, truncate_at=128)).encode(LONG)
+    assert len(ids) > 128
+
+    def check(truncate: str) -> tuple[list[int], bool]:
+        limits = LimitSettings(max_input_tokens=128, truncate=truncate)  # type: ignore[arg-type]
+        checked = check_input(ids, limits=limits, vocab_size=1000)
+        return checked.input_ids, checked.truncated
+
+    with pytest.raises(InputTooLong, match="max_input_tokens=128") as info:
+        check("none")
+    assert (info.value.field, info.value.limit) == ("input_ids", 128)
+    assert check("left") == (ids[-128:], True)
+    assert check("right") == (ids[:128], True)
+
+
+def test_builder_wordpiece_file_has_no_padding_or_truncation(tmp_path: Path) -> None:
+    train_wordpiece(tmp_path / "wp.json", 512)
+    doc = json.loads((tmp_path / "wp.json").read_text())
+    assert doc["padding"] is None and doc["truncation"] is None
+
+
+# -- text that cannot be UTF-8 encoded -------------------------------------------------------------------
+
+
+def _tokenizers(tmp_path: Path) -> list[Tokenizer]:
+    return [
+        ByteTokenizer(),
+        HFTokenizer(wordpiece(tmp_path / "wp.json")),
+        HFTokenizer(byte_level_bpe(tmp_path / "bpe.json")),
+        HFTokenizer(sentencepiece_bpe(tmp_path / "sp.json")),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [("\ud800abc", "U+D800 at character 0"), ("abc\udfff", "U+DFFF at character 3"), ("ok \ud83d", "U+D83D")],
+)
+def test_lone_surrogates_are_refused_naming_text(tmp_path: Path, text: str, says: str) -> None:
+    for tok in _tokenizers(tmp_path):
+        with pytest.raises(InvalidRequest, match="lone surrogate") as info:
+            tok.encode(text)
+        assert type(info.value) is InvalidRequest and info.value.field == "text"
+        assert says in str(info.value)
+        rebuilt = error_from_payload("InvalidRequest", json.loads(json.dumps(info.value.args)))
+        assert (type(rebuilt), rebuilt.field, str(rebuilt)) == (InvalidRequest, "text", str(info.value))
+
+
+def test_surrogate_pairs_are_fine(tmp_path: Path) -> None:
+    paired = "\ud83d\ude42".encode("utf-16", "surrogatepass").decode("utf-16")  # a pair, joined: 🙂
+    assert paired == "🙂"
+    for tok in _tokenizers(tmp_path):
+        assert tok.encode(paired) == tok.encode("🙂") and tok.encode(paired)
