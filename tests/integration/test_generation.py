@@ -4,7 +4,11 @@ cancels stop a running sequence, and streams carry the tokens as they are produc
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -206,3 +210,26 @@ def test_generation_metrics_count_tokens_first_tokens_and_finish_reasons(fleet: 
     assert _metric(text, "fleet_worker_time_to_first_token_seconds_count") == 5
     assert _metric(text, "fleet_worker_inter_token_seconds_count") == 5
     assert _metric(text, "fleet_worker_running_sequences") == 0
+
+
+def test_fleet_submit_stream_prints_text_before_the_request_completes(fleet: Fleet) -> None:
+    cfg = fleet.config(models={MODEL: {"limits": {"max_new_tokens": 480}}})
+    fleet.worker(cfg)
+    client = fleet.client(cfg)
+    env = {**os.environ, "FLEET_CONFIG": str(cfg), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "producer.cli", "submit", "--model", MODEL, "--text", "Hello", "--stream",
+           "--max-new-tokens", "480", "--ignore-eos", "--request-id", "cli-stream-1"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.read(1)  # blocks until the first text arrives
+    status_at_first_text = client.status("cli-stream-1").value
+    out = proc.stdout.read()  # the rest, through the same buffered reader (communicate() would bypass it)
+    err = proc.stderr.read()
+    proc.wait(60)
+    assert proc.returncode == 0, err
+    assert first and status_at_first_text in ("queued", "running")
+    summary = json.loads(err.decode().strip().splitlines()[-1])
+    assert summary == {"request_id": "cli-stream-1", "finish_reason": "length",
+                       "usage": {"prompt_tokens": 5, "completion_tokens": 480, "total_tokens": 485}}
+    result = _result(client, "cli-stream-1")
+    assert (first + out).decode().rstrip("\n") == result.generation.text  # type: ignore[union-attr]
