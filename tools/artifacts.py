@@ -27,8 +27,10 @@ def model_path(out_dir: Path, name: str, version: str) -> Path:
 
 
 def card_metadata(card: ModelCard) -> dict[str, object]:
-    """The card fields copied into the ONNX ``metadata_props`` (read back by the worker's engine)."""
-    return {
+    """The card fields copied into the ONNX ``metadata_props`` (read back by the worker's engine).
+
+    ``num_kv_heads`` is there only when the card sets it (grouped-query attention)."""
+    meta: dict[str, object] = {
         "name": card.name,
         "version": card.version,
         "kind": card.kind,
@@ -39,6 +41,9 @@ def card_metadata(card: ModelCard) -> dict[str, object]:
         "head_dim": card.head_dim,
         "hidden_size": card.hidden_size,
     }
+    if card.num_kv_heads is not None:
+        meta["num_kv_heads"] = card.num_kv_heads
+    return meta
 
 
 def write_model(model: onnx.ModelProto, card: ModelCard, out_dir: Path) -> Path:

@@ -1,53 +1,36 @@
-"""A GPT-2 style causal LM with KV cache, exported with optimum's ``text-generation-with-past`` I/O.
+"""A GPT-2 style causal LM with KV cache, in optimum's ``text-generation-with-past`` I/O.
 
-Graph inputs (``L`` layers, ``h`` heads, ``d`` head dim)::
-
-    input_ids                   int64   [batch_size, sequence_length]
-    attention_mask              int64   [batch_size, past_sequence_length + sequence_length]
-    position_ids                int64   [batch_size, sequence_length]        values in [0, max_positions)
-    past_key_values.{i}.key     float32 [batch_size, h, past_sequence_length, d]    i = 0 … L-1
-    past_key_values.{i}.value   float32 [batch_size, h, past_sequence_length, d]
-
-Graph outputs::
-
-    logits                      float32 [batch_size, sequence_length, vocab_size]
-    present.{i}.key / .value    float32 [batch_size, h, past_sequence_length + sequence_length, d]
+Learned position embeddings, pre-LayerNorm blocks with a fused QKV projection and a GELU MLP, all
+with biases. Inputs and outputs are those of :mod:`tools.decoder_io` (``kv`` = the ``h`` attention
+heads), in the order of optimum's GPT-2 export: ``input_ids``, ``past_key_values.{i}.key/.value``,
+``attention_mask``, ``position_ids`` (``position_ids`` values in ``[0, max_positions)``).
 
 The query at absolute position ``past + j`` attends key ``t`` iff ``t <= past + j`` and
-``attention_mask[b, t] == 1``. So right padding never changes a real token's result, and a prefill
-is a call with empty past tensors ``[batch_size, h, 0, d]``.
+``attention_mask[b, t] == 1``. So padding on either side never changes a real token's result, and
+a prefill is a call with empty past tensors ``[batch_size, h, 0, d]``. The model's folder also gets
+``generation_config.json`` (EOS id 2) and ``tokenizer_config.json`` (chat template):
+:mod:`tools.generation_assets`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from onnx import TensorProto
-
-from protocol.modelcard import ModelCard
 from protocol.tokenization import ByteTokenizer
-from tools.artifacts import card_metadata, write_model
+from tools.decoder_io import LOGIT_STD, check_decoder_sizes, declare_io, lm_head, present, write_decoder
 from tools.onnx_graph import GraphBuilder
 from tools.onnx_layers import (
     WeightInit,
-    additive_bias,
     attention,
-    dim,
+    causal_bias,
     layer_norm,
     linear,
     merge_heads,
     mlp,
-    padding_allowed,
     qkv_heads,
 )
 
 __all__ = ["LOGIT_STD", "build_causal_lm", "causal_lm_parameter_count"]
-
-LOGIT_STD = 4.0
-"""Target standard deviation of the logits (units of log-probability): well spread, few near-ties."""
-
-BATCH, SEQ, PAST, TOTAL = "batch_size", "sequence_length", "past_sequence_length", \
-    "past_sequence_length + sequence_length"
 
 
 def causal_lm_parameter_count(*, num_layers: int, hidden_size: int, vocab_size: int, max_positions: int,
@@ -65,48 +48,15 @@ def causal_lm_parameter_count(*, num_layers: int, hidden_size: int, vocab_size: 
     return vocab_size * hid + max_positions * hid + num_layers * per_layer + 2 * hid + hid * vocab_size
 
 
-def _check_sizes(num_layers: int, hidden_size: int, num_heads: int, vocab_size: int,
-                 max_positions: int) -> None:
-    if vocab_size < ByteTokenizer.vocab_size:
-        raise ValueError(
-            f"vocab_size={vocab_size} is too small: the byte tokenizer needs at least "
-            f"{ByteTokenizer.vocab_size} ids (pad, bos, eos + 256 bytes)"
-        )
-    if num_layers < 1 or num_heads < 1 or max_positions < 1:
-        raise ValueError("num_layers, num_heads and max_positions must be >= 1")
-    if hidden_size % num_heads:
-        raise ValueError(f"hidden_size={hidden_size} is not a multiple of num_heads={num_heads}")
-
-
-def _causal_bias(g: GraphBuilder, input_ids: str, attention_mask: str) -> str:
-    """Float bias ``[B, 1, S, T]``: 0 where query ``j`` may see key ``t``, float32 min elsewhere."""
-    seq = dim(g, input_ids, 1, "seq_len")
-    total = dim(g, attention_mask, 1, "total_len")
-    past = g.op("Sub", [total, seq], hint="past_len")
-    one = g.i64(1, "one_i64")
-    q_pos = g.op("Range", [past, total, one], hint="query_positions")
-    k_pos = g.op("Range", [g.i64(0, "zero_i64"), total, one], hint="key_positions")
-    q_col = g.op("Unsqueeze", [q_pos, g.i64([1], "axes_1")], hint="query_col")     # [S, 1]
-    k_row = g.op("Unsqueeze", [k_pos, g.i64([0], "axes_0")], hint="key_row")       # [1, T]
-    causal = g.op("LessOrEqual", [k_row, q_col], hint="causal")                     # [S, T]
-    allowed = g.op("And", [causal, padding_allowed(g, attention_mask)], hint="allowed")  # [B, 1, S, T]
-    return additive_bias(g, allowed)
-
-
 def _decoder_layer(g: GraphBuilder, init: WeightInit, x: str, bias: str, i: int, *, num_heads: int,
                    hidden: int, intermediate: int) -> str:
     """One pre-LN block: ``x + attn(ln_1(x))`` then ``+ mlp(ln_2(·))``; also emits ``present.{i}.*``."""
     head_dim = hidden // num_heads
     prefix = f"h.{i}"
-    g.input(f"past_key_values.{i}.key", TensorProto.FLOAT, [BATCH, num_heads, PAST, head_dim])
-    g.input(f"past_key_values.{i}.value", TensorProto.FLOAT, [BATCH, num_heads, PAST, head_dim])
     normed = layer_norm(g, x, init.norm(f"{prefix}.ln_1", hidden), f"{prefix}.ln_1")
     q, k, v = qkv_heads(g, init, normed, f"{prefix}.attn", num_heads, hidden)
-    for kind, new in (("key", k), ("value", v)):
-        name = f"present.{i}.{kind}"
-        g.op("Concat", [f"past_key_values.{i}.{kind}", new], outputs=[name], axis=2)
-        g.output(name, TensorProto.FLOAT, [BATCH, num_heads, TOTAL, head_dim])
-    ctx = attention(g, q, f"present.{i}.key", f"present.{i}.value", bias, f"{prefix}.attn")
+    keys, values = (present(g, i, kind, new, num_heads, head_dim) for kind, new in (("key", k), ("value", v)))
+    ctx = attention(g, q, keys, values, bias, f"{prefix}.attn")
     w_o, b_o = init.dense(f"{prefix}.attn.out", hidden, hidden)
     attn_out = linear(g, merge_heads(g, ctx, hidden, f"{prefix}.attn.merge"), w_o, b_o, f"{prefix}.attn.out")
     x = g.op("Add", [x, attn_out], hint=f"{prefix}.resid_attn")
@@ -129,37 +79,30 @@ def build_causal_lm(out_dir: Path, *, name: str = "demo-lm", version: str = "1.0
 
     Returns:
         Path of the ``.onnx`` file; the card (kind ``causal_lm``, byte tokenizer, pad 0 / bos 1 /
-        eos 2) is next to it with a ``.json`` suffix.
+        eos 2) is next to it with a ``.json`` suffix, the generation assets in its folder.
 
     Raises:
         ValueError: vocabulary too small for the byte tokenizer, or inconsistent sizes.
     """
-    _check_sizes(num_layers, hidden_size, num_heads, vocab_size, max_positions)
+    check_decoder_sizes(num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
+                        vocab_size=vocab_size, max_positions=max_positions)
     inter = intermediate_size or 4 * hidden_size
     g = GraphBuilder(name)
     init = WeightInit(g, seed)
-    input_ids = g.input("input_ids", TensorProto.INT64, [BATCH, SEQ])
-    attention_mask = g.input("attention_mask", TensorProto.INT64, [BATCH, TOTAL])
-    position_ids = g.input("position_ids", TensorProto.INT64, [BATCH, SEQ])
-    g.output("logits", TensorProto.FLOAT, [BATCH, SEQ, vocab_size])  # first output, as optimum orders them
+    input_ids, attention_mask, position_ids = declare_io(
+        g, num_layers=num_layers, kv_heads=num_heads, head_dim=hidden_size // num_heads, vocab_size=vocab_size,
+        past_first=True)
 
     wte = init.normal("wte.weight", (vocab_size, hidden_size), 1.0)
     wpe = init.normal("wpe.weight", (max_positions, hidden_size), 0.5)
     tok = g.op("Gather", [wte, input_ids], hint="tok_emb", axis=0)
     pos = g.op("Gather", [wpe, position_ids], hint="pos_emb", axis=0)
     x = g.op("Add", [tok, pos], hint="embeddings")
-    bias = _causal_bias(g, input_ids, attention_mask)
+    bias = causal_bias(g, input_ids, attention_mask)
     for i in range(num_layers):
         x = _decoder_layer(g, init, x, bias, i, num_heads=num_heads, hidden=hidden_size, intermediate=inter)
-    x = layer_norm(g, x, init.norm("ln_f", hidden_size), "ln_f")
-    lm_head = init.normal("lm_head.weight", (hidden_size, vocab_size), LOGIT_STD / hidden_size**0.5)
-    g.op("MatMul", [x, lm_head], outputs=["logits"])
-
-    card = ModelCard(
-        name=name, version=version, kind="causal_lm", vocab_size=vocab_size, max_positions=max_positions,
-        num_layers=num_layers, num_heads=num_heads, head_dim=hidden_size // num_heads,
-        hidden_size=hidden_size, pad_token_id=ByteTokenizer.pad_token_id,
-        bos_token_id=ByteTokenizer.bos_token_id, eos_token_id=ByteTokenizer.eos_token_id,
-        tokenizer="byte", parameters=g.parameter_count, seed=seed,
-    )
-    return write_model(g.build(card_metadata(card)), card, out_dir)
+    lm_head(g, init, layer_norm(g, x, init.norm("ln_f", hidden_size), "ln_f"), hidden_size, vocab_size)
+    return write_decoder(
+        g, out_dir, eos_token_id=ByteTokenizer.eos_token_id, name=name, version=version, vocab_size=vocab_size,
+        max_positions=max_positions, num_layers=num_layers, num_heads=num_heads,
+        head_dim=hidden_size // num_heads, hidden_size=hidden_size, seed=seed)

@@ -2,13 +2,17 @@
 
 Presets (``--preset``), each one set of sizes per kind (``--kind``):
 
-* ``demo`` — ``demo-lm`` (2 layers, hidden 64, 4 heads, vocab 512, ~0.2 M weights),
-  ``demo-encoder`` (same sizes, vocab 1024, WordPiece tokenizer) and ``identity`` (vocab 512);
-  all three build in well under a second.
+* ``demo`` — ``demo-lm`` (GPT-2 style, 2 layers, hidden 64, 4 heads, vocab 512, ~0.2 M weights),
+  ``demo-llama`` (Llama style, same sizes with 2 KV heads), ``demo-encoder`` (same sizes, vocab 1024,
+  WordPiece tokenizer) and ``identity`` (vocab 512); all four build in well under a second.
 * ``bench`` — ``bench-lm`` (6 layers, hidden 512, 8 heads, vocab 8192, 512 positions, ~27.6 M weights),
-  ``bench-encoder`` (same sizes) and ``bench-identity`` (vocab 8192, for the queue's own cost).
+  ``bench-llama`` (same sizes, 2 KV heads, ~25 M weights), ``bench-encoder`` (same sizes) and
+  ``bench-identity`` (vocab 8192, for the queue's own cost).
 
-``--kind all`` (the default) builds the three kinds of the preset. Run it as
+The two causal-LM kinds are the two layouts of optimum's decoder exports: ``lm`` (GPT-2: learned
+positions, past inputs second) and ``llama`` (rotary positions, grouped-query attention, past inputs
+last); both folders also get ``generation_config.json`` and ``tokenizer_config.json`` (chat template).
+``--kind all`` (the default) builds every kind of the preset. Run it as
 ``python -m tools.build_model --preset bench`` or through the ``fleet`` CLI.
 """
 
@@ -25,7 +29,7 @@ from protocol.modelcard import load_card
 __all__ = ["KINDS", "PRESETS", "add_build_model_arguments", "main", "preset_parameter_count",
            "run_build_model"]
 
-KINDS = ("lm", "encoder", "identity")
+KINDS = ("lm", "llama", "encoder", "identity")
 """What ``--kind`` can name (besides ``all``)."""
 
 _DEMO_SIZES: dict[str, Any] = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "max_positions": 512}
@@ -34,11 +38,13 @@ _BENCH_SIZES: dict[str, Any] = {"num_layers": 6, "hidden_size": 512, "num_heads"
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "demo": {
         "lm": {"name": "demo-lm", **_DEMO_SIZES, "vocab_size": 512},
+        "llama": {"name": "demo-llama", **_DEMO_SIZES, "num_kv_heads": 2, "vocab_size": 512},
         "encoder": {"name": "demo-encoder", **_DEMO_SIZES, "vocab_size": 1024},
         "identity": {"name": "identity", "vocab_size": 512},
     },
     "bench": {
         "lm": {"name": "bench-lm", **_BENCH_SIZES, "vocab_size": 8192},
+        "llama": {"name": "bench-llama", **_BENCH_SIZES, "num_kv_heads": 2, "vocab_size": 8192},
         "encoder": {"name": "bench-encoder", **_BENCH_SIZES, "vocab_size": 8192},
         "identity": {"name": "bench-identity", "vocab_size": 8192},
     },
@@ -52,6 +58,10 @@ def _builder(kind: str) -> Callable[..., Path]:
         from tools.build_lm import build_causal_lm
 
         return build_causal_lm
+    if kind == "llama":
+        from tools.build_llama import build_llama
+
+        return build_llama
     if kind == "encoder":
         from tools.build_encoder import build_encoder
 
@@ -64,12 +74,13 @@ def _builder(kind: str) -> Callable[..., Path]:
 _OVERRIDES: dict[str, tuple[str, tuple[str, ...]]] = {
     "name": ("name", KINDS),
     "version": ("version", KINDS),
-    "layers": ("num_layers", ("lm", "encoder")),
-    "hidden": ("hidden_size", ("lm", "encoder")),
-    "heads": ("num_heads", ("lm", "encoder")),
+    "layers": ("num_layers", ("lm", "llama", "encoder")),
+    "hidden": ("hidden_size", ("lm", "llama", "encoder")),
+    "heads": ("num_heads", ("lm", "llama", "encoder")),
+    "kv_heads": ("num_kv_heads", ("llama",)),
     "vocab": ("vocab_size", KINDS),
     "max_positions": ("max_positions", KINDS),
-    "seed": ("seed", ("lm", "encoder")),
+    "seed": ("seed", ("lm", "llama", "encoder")),
 }
 
 
@@ -79,7 +90,12 @@ def preset_parameter_count(preset: str, kind: str) -> int:
     Raises:
         KeyError: unknown preset or kind.
     """
-    spec = {k: v for k, v in PRESETS[preset][kind].items() if k not in ("name", "num_heads")}
+    spec = {k: v for k, v in PRESETS[preset][kind].items() if k != "name"}
+    if kind == "llama":
+        from tools.build_llama import llama_parameter_count
+
+        return llama_parameter_count(**spec)
+    spec.pop("num_heads", None)
     if kind == "lm":
         from tools.build_lm import causal_lm_parameter_count
 
@@ -96,14 +112,16 @@ def add_build_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", type=Path, default=Path("models"),
                         help="model store root: writes OUT_DIR/NAME/NAME-VERSION.onnx (default: models)")
     parser.add_argument("--kind", choices=[*KINDS, "all"], default="all",
-                        help="which model to build (default: all = lm, encoder and identity)")
+                        help="which model to build: lm (GPT-2 style), llama (Llama style), encoder, identity "
+                        "(default: all of them)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="demo",
-                        help="size preset (default: demo, builds in about a second; bench: ~28 M weights)")
+                        help="size preset (default: demo, builds in about a second; bench: ~25-28 M weights per LM)")
     parser.add_argument("--name", help="model name (only with a single --kind)")
     parser.add_argument("--version", help="model version (default: 1.0.0)")
     parser.add_argument("--layers", type=int, help="number of transformer blocks")
     parser.add_argument("--hidden", type=int, help="hidden size (width)")
     parser.add_argument("--heads", type=int, help="attention heads (must divide --hidden)")
+    parser.add_argument("--kv-heads", type=int, help="llama only: KV heads (must divide --heads; default: 2)")
     parser.add_argument("--vocab", type=int, help="vocabulary size (>= 259 for the byte tokenizer)")
     parser.add_argument("--max-positions", type=int, help="longest past + sequence length (tokens)")
     parser.add_argument("--seed", type=int, help="weight seed (default: 0)")
@@ -113,7 +131,7 @@ def _specs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     """(kind, builder keyword arguments) for every model ``args`` asks for."""
     kinds = list(KINDS) if args.kind == "all" else [args.kind]
     if args.name is not None and len(kinds) > 1:
-        raise ValueError("--name needs a single --kind (lm, encoder or identity)")
+        raise ValueError(f"--name needs a single --kind ({', '.join(KINDS)})")
     specs = []
     for kind in kinds:
         spec = dict(PRESETS[args.preset][kind])

@@ -121,7 +121,7 @@ def feeds_for(
         feeds["token_type_ids"] = np.zeros_like(ids)
     for name in names:
         if name.startswith("past_key_values."):
-            feeds[name] = np.zeros((len(batch), card.num_heads, 0, card.head_dim), dtype=np.float32)
+            feeds[name] = np.zeros((len(batch), card.kv_heads, 0, card.head_dim), dtype=np.float32)
     return feeds
 
 

@@ -21,9 +21,12 @@ from onnx import TensorProto
 from tools.onnx_graph import FLOAT_MIN, GraphBuilder
 
 __all__ = [
+    "LN_EPSILON",
+    "RMS_EPSILON",
     "WeightInit",
     "additive_bias",
     "attention",
+    "causal_bias",
     "dim",
     "gelu",
     "layer_norm",
@@ -32,11 +35,19 @@ __all__ = [
     "mlp",
     "padding_allowed",
     "qkv_heads",
+    "repeat_kv",
+    "rms_norm",
+    "rotary",
+    "rotary_tables",
     "split_heads",
+    "swiglu_mlp",
 ]
 
 LN_EPSILON = 1e-5
 """LayerNormalization epsilon of every built model."""
+
+RMS_EPSILON = 1e-6
+"""RMSNorm epsilon of the Llama-style models (Llama's ``rms_norm_eps``)."""
 
 
 class WeightInit:
@@ -51,15 +62,23 @@ class WeightInit:
         values = self.rng.standard_normal(tuple(shape), dtype=np.float32) * np.float32(std)
         return self.g.weight(name, values + np.float32(mean))
 
+    def matrix(self, name: str, fan_in: int, fan_out: int, gain: float = 1.0) -> str:
+        """Weight ``name`` ``[fan_in, fan_out]`` (``x @ w`` layout) with std ``gain/sqrt(fan_in)``, no bias."""
+        return self.normal(name, (fan_in, fan_out), gain / math.sqrt(fan_in))
+
     def dense(self, prefix: str, fan_in: int, fan_out: int, gain: float = 1.0) -> tuple[str, str]:
         """Weight ``[fan_in, fan_out]`` with std ``gain/sqrt(fan_in)`` and a small bias ``[fan_out]``."""
-        w = self.normal(f"{prefix}.weight", (fan_in, fan_out), gain / math.sqrt(fan_in))
+        w = self.matrix(f"{prefix}.weight", fan_in, fan_out, gain)
         b = self.normal(f"{prefix}.bias", (fan_out,), 0.02)
         return w, b
 
+    def scale(self, name: str, hidden: int) -> str:
+        """A norm's scale ``[hidden]`` around 1 (RMSNorm has no bias)."""
+        return self.normal(name, (hidden,), 0.1, mean=1.0)
+
     def norm(self, prefix: str, hidden: int) -> tuple[str, str]:
         """LayerNorm scale (around 1) and bias (around 0), both ``[hidden]``."""
-        scale = self.normal(f"{prefix}.weight", (hidden,), 0.1, mean=1.0)
+        scale = self.scale(f"{prefix}.weight", hidden)
         return scale, self.normal(f"{prefix}.bias", (hidden,), 0.1)
 
 
@@ -95,6 +114,62 @@ def mlp(g: GraphBuilder, init: WeightInit, x: str, prefix: str, hidden: int, int
     w2, b2 = init.dense(f"{prefix}.fc_out", intermediate, hidden)
     up = gelu(g, linear(g, x, w1, b1, f"{prefix}.fc_in"), f"{prefix}.gelu")
     return linear(g, up, w2, b2, f"{prefix}.fc_out")
+
+
+def rms_norm(g: GraphBuilder, x: str, scale: str, hint: str, epsilon: float = RMS_EPSILON) -> str:
+    """RMSNorm over the last axis, ``scale * x / sqrt(mean(x²) + epsilon)`` (no centring, no bias).
+
+    Written as Pow → ReduceMean → Add → Sqrt → Div → Mul, the pattern ONNX Runtime fuses into one
+    SimplifiedLayerNormalization node.
+    """
+    squared = g.op("Pow", [x, g.f32(2.0, "two")], hint=f"{hint}_sq")
+    mean = g.op("ReduceMean", [squared], hint=f"{hint}_mean", axes=[-1], keepdims=1)  # axes: attribute in opset 17
+    rms = g.op("Sqrt", [g.op("Add", [mean, g.f32(epsilon, "rms_eps")], hint=f"{hint}_eps")], hint=f"{hint}_rms")
+    return g.op("Mul", [g.op("Div", [x, rms], hint=f"{hint}_div"), scale], hint=hint)
+
+
+def swiglu_mlp(g: GraphBuilder, init: WeightInit, x: str, prefix: str, hidden: int, intermediate: int) -> str:
+    """Llama's feed-forward block ``[B, S, H] -> [B, S, H]``: ``down(silu(gate(x)) * up(x))``, no biases."""
+    gate = linear(g, x, init.matrix(f"{prefix}.gate_proj.weight", hidden, intermediate), None, f"{prefix}.gate")
+    up = linear(g, x, init.matrix(f"{prefix}.up_proj.weight", hidden, intermediate), None, f"{prefix}.up")
+    silu = g.op("Mul", [gate, g.op("Sigmoid", [gate], hint=f"{prefix}.sigmoid")], hint=f"{prefix}.silu")
+    act = g.op("Mul", [silu, up], hint=f"{prefix}.act")
+    return linear(g, act, init.matrix(f"{prefix}.down_proj.weight", intermediate, hidden), None, f"{prefix}.down")
+
+
+def rotary_tables(g: GraphBuilder, position_ids: str, head_dim: int, theta: float) -> tuple[str, str]:
+    """``cos`` and ``sin`` ``[B, 1, S, d]`` of rotary embeddings at ``position_ids [B, S]``.
+
+    As Hugging Face's Llama: ``inv_freq[i] = theta^(-2i/d)`` for ``i < d/2``, angle ``= position *
+    inv_freq``, and both halves of the last axis repeat the same ``d/2`` angles (rotate-half layout).
+    """
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
+    both_halves = np.concatenate([inv_freq, inv_freq]).astype(np.float32)
+    pos = g.op("Cast", [position_ids], hint="rope_pos", to=TensorProto.FLOAT)
+    pos = g.op("Unsqueeze", [pos, g.i64([-1], "axes_last")], hint="rope_pos_col")              # [B, S, 1]
+    angles = g.op("Mul", [pos, g.const(both_halves, np.float32, "rope_inv_freq")], hint="rope_angles")
+    angles = g.op("Unsqueeze", [angles, g.i64([1], "axes_1")], hint="rope_angles_heads")      # [B, 1, S, d]
+    return g.op("Cos", [angles], hint="rope_cos"), g.op("Sin", [angles], hint="rope_sin")
+
+
+def rotary(g: GraphBuilder, x: str, tables: tuple[str, str], head_dim: int, hint: str) -> str:
+    """``x * cos + rotate_half(x) * sin`` for heads ``x [B, h, S, d]``; ``rotate_half = [-x2, x1]``."""
+    cos, sin = tables
+    half = g.i64([head_dim // 2, head_dim // 2], "rope_halves")
+    x1, x2 = g.op_multi("Split", [x, half], 2, hint=f"{hint}_halves", axis=-1)
+    rotated = g.op("Concat", [g.op("Neg", [x2], hint=f"{hint}_neg"), x1], hint=f"{hint}_rot", axis=-1)
+    return g.op("Add", [g.op("Mul", [x, cos], hint=f"{hint}_cos"), g.op("Mul", [rotated, sin], hint=f"{hint}_sin")],
+                hint=hint)
+
+
+def repeat_kv(g: GraphBuilder, x: str, kv_heads: int, groups: int, head_dim: int, hint: str) -> str:
+    """Grouped-query attention: ``[B, kv, T, d] -> [B, kv * groups, T, d]``, each KV head ``groups`` times
+    in a row (query head ``j`` reads KV head ``j // groups``, as Hugging Face's ``repeat_kv``)."""
+    if groups == 1:
+        return x
+    wide = g.op("Unsqueeze", [x, g.i64([2], "axes_2")], hint=f"{hint}_unsq")                  # [B, kv, 1, T, d]
+    wide = g.op("Expand", [wide, g.i64([1, 1, groups, 1, 1], f"{hint}_groups")], hint=f"{hint}_expand")
+    return g.op("Reshape", [wide, g.i64([0, kv_heads * groups, -1, head_dim], "repeat_kv_shape")], hint=hint)
 
 
 def split_heads(g: GraphBuilder, x: str, num_heads: int, head_dim: int, hint: str) -> str:
@@ -137,6 +212,26 @@ def attention(g: GraphBuilder, q: str, k: str, v: str, bias: str, hint: str) -> 
     masked = g.op("Add", [scores, bias], hint=f"{hint}_masked")
     probs = g.op("Softmax", [masked], hint=f"{hint}_probs", axis=-1)
     return g.op("MatMul", [probs, v], hint=hint)
+
+
+def causal_bias(g: GraphBuilder, input_ids: str, attention_mask: str) -> str:
+    """Float bias ``[B, 1, S, T]`` of a decoder with a KV cache: 0 where query ``j`` may see key ``t``.
+
+    Query ``j`` sits at absolute position ``past + j`` (``past = T - S``); it sees key ``t`` iff
+    ``t <= past + j`` and ``attention_mask[b, t] == 1``. Elsewhere the bias is float32 min, so padding
+    on either side (and holes in the cache) never changes a real token's result.
+    """
+    seq = dim(g, input_ids, 1, "seq_len")
+    total = dim(g, attention_mask, 1, "total_len")
+    past = g.op("Sub", [total, seq], hint="past_len")
+    one = g.i64(1, "one_i64")
+    q_pos = g.op("Range", [past, total, one], hint="query_positions")
+    k_pos = g.op("Range", [g.i64(0, "zero_i64"), total, one], hint="key_positions")
+    q_col = g.op("Unsqueeze", [q_pos, g.i64([1], "axes_1")], hint="query_col")     # [S, 1]
+    k_row = g.op("Unsqueeze", [k_pos, g.i64([0], "axes_0")], hint="key_row")       # [1, T]
+    causal = g.op("LessOrEqual", [k_row, q_col], hint="causal")                     # [S, T]
+    allowed = g.op("And", [causal, padding_allowed(g, attention_mask)], hint="allowed")  # [B, 1, S, T]
+    return additive_bias(g, allowed)
 
 
 def padding_allowed(g: GraphBuilder, attention_mask: str) -> str:
