@@ -141,7 +141,12 @@ class FleetClient:
         """
         _, info = self._model(model)
         if info.tokenizer is None:
-            raise InvalidRequest(f"no tokenizer for model {model!r} on this machine; send token ids", "text", None)
+            why = (
+                "has no tokenizer (its card says tokenizer 'none')"
+                if info.card is not None and info.card.tokenizer == "none"
+                else "has no tokenizer on this machine"
+            )
+            raise InvalidRequest(f"model {model!r} {why}: send input_ids", "text", None)
         return info.tokenizer.encode(text)
 
     def build_request(
@@ -170,9 +175,10 @@ class FleetClient:
         ids = list(input_ids) if input_ids is not None else self.tokenize(key, text or "")
         limits = self.settings.models[key].limits
         spec = _output_spec(kind=kind, top_k=top_k, normalize=normalize, generation=generation)
+        truncated = False
         if info.card is not None:
             checked = check_input(ids, limits=limits, vocab_size=info.card.vocab_size)
-            ids = checked.input_ids
+            ids, truncated = checked.input_ids, checked.truncated
             spec = resolve_output(spec, model_kind=info.card.kind, limits=limits)
         now = time.time()
         try:
@@ -181,6 +187,7 @@ class FleetClient:
                 input_ids=ids,
                 output=spec,
                 request_id=request_id or uuid.uuid4().hex,
+                truncated=truncated,
                 submitted_at_unix_s=now,
                 deadline_unix_s=now + deadline_s if deadline_s is not None else None,
             )

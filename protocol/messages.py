@@ -115,6 +115,9 @@ class InferenceRequest(_Frozen):
     input_ids: list[StrictInt] = Field(description="Token ids; never empty, each in [0, vocab_size).")
     output: OutputSpec = Field(default_factory=OutputSpec)
     request_id: str | None = Field(default=None, max_length=200)
+    truncated: StrictBool = Field(
+        default=False, description="The producer already cut input_ids to the model's limits (reported in the result)."
+    )
     submitted_at_unix_s: float | None = Field(default=None, description="Producer wall clock (s).")
     deadline_unix_s: float | None = Field(
         default=None, description="Wall-clock time after which the request is dropped as expired (s)."

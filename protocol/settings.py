@@ -131,7 +131,11 @@ class ModelSettings(_Section):
     """One served model: its file, version, route and limits."""
 
     path: Path = Field(description="ONNX file; its model card is the .json next to it.")
-    version: str | None = Field(default=None, description="Defaults to the card's version.")
+    version: str | None = Field(
+        default=None,
+        description="Defaults to the card's version (a model without a card: config.json's _fleet_version or "
+        "version, else 0.0.0).",
+    )
     queue: str | None = Field(default=None, description="Celery queue; defaults to 'fleet.<name>'.")
     batching: BatchingSettings = Field(default_factory=BatchingSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)

@@ -170,7 +170,7 @@ def _generation_result(
         version=runtime.version,
         kind="generate",
         input_tokens=len(prepared.checked.input_ids),
-        truncated=prepared.checked.truncated,
+        truncated=prepared.checked.truncated or request.truncated,
         generation=generation,
         timings=Timings(
             queue_wait_ms=round(_queue_wait_ms(request, done.prefill_started_unix_s, done.batch_wait_ms), 3),
@@ -202,7 +202,7 @@ def finish(runtime: WorkerRuntime, prepared: Prepared, *, request_id: str, worke
         version=runtime.version,
         kind=prepared.kind,  # type: ignore[arg-type]
         input_tokens=len(prepared.checked.input_ids),
-        truncated=prepared.checked.truncated,
+        truncated=prepared.checked.truncated or request.truncated,
         top_k=top,
         embedding=done.embedding,
         timings=Timings(

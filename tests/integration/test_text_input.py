@@ -70,8 +70,6 @@ def test_padded_tokenizer_file_gives_real_tokens_and_reported_truncation(fleet: 
     np.testing.assert_allclose(cut.embedding or [], first16.embedding or [], atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="FleetClient.build_request sends the truncated ids and drops "
-                   "CheckedInput.truncated, so a result never says truncated: true for a producer-side cut")
 def test_producer_side_truncation_reaches_the_result(fleet: Fleet) -> None:
     path, _ = _sentence_transformers_copy(fleet.model_dir, fleet.tmp_path / "st")
     cfg = fleet.config(models={"demo-encoder": {"path": str(path), "limits": {"max_input_tokens": 16,
