@@ -11,15 +11,17 @@ import redis
 
 from tests.integration.fleet_fixtures import Fleet
 from tools.build_encoder import build_encoder
+from tools.build_llama import build_llama
 from tools.build_lm import build_causal_lm
 from tools.redis_server import EmbeddedRedis
 
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo LM and encoder, built once per session from their fixed seeds."""
+    """The demo LMs (GPT-style and Llama-style) and encoder, built once per session from their fixed seeds."""
     root = tmp_path_factory.mktemp("models")
     build_causal_lm(root)
+    build_llama(root)
     build_encoder(root)
     return root
 

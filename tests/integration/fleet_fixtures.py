@@ -28,6 +28,12 @@ def base_config(model_dir: Path, redis_url: str) -> dict[str, Any]:
                 "limits": {"max_input_tokens": 128},
                 "engine": {"intra_op_threads": 1},
             },
+            "demo-llama": {
+                "path": str(model_dir / "demo-llama" / "demo-llama-1.0.0.onnx"),
+                "batching": {"max_batch_size": 8, "max_wait_ms": 2.0},
+                "limits": {"max_input_tokens": 128},
+                "engine": {"intra_op_threads": 1},
+            },
             "demo-encoder": {
                 "path": str(model_dir / "demo-encoder" / "demo-encoder-1.0.0.onnx"),
                 "batching": {"max_batch_size": 8, "max_wait_ms": 2.0},

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 import redis
 
 from producer.client import FleetClient
@@ -26,8 +27,8 @@ from tools.redis_server import free_port
 MODEL = "demo-lm"
 
 
-def _generate(client: FleetClient, prompt: list[int], **params: Any) -> str:
-    return client.submit(MODEL, prompt, generation=params)
+def _generate(client: FleetClient, prompt: list[int], model: str = MODEL, **params: Any) -> str:
+    return client.submit(model, prompt, generation=params)
 
 
 def _result(client: FleetClient, rid: str, timeout_s: float = 120) -> InferenceResult:
@@ -41,26 +42,29 @@ def _workload(seed: int, count: int) -> list[tuple[list[int], int]]:
     return [([rng.randrange(3, 259) for _ in range(rng.randint(1, 60))], rng.randint(1, 48)) for _ in range(count)]
 
 
-def _alone_then_together(fleet: Fleet, params: dict[str, Any]) -> tuple[list[InferenceResult], list[InferenceResult]]:
-    cfg = fleet.config(models={MODEL: {"batching": {"max_batch_size": 8}}})
-    fleet.worker(cfg, concurrency=8)
+def _alone_then_together(
+    fleet: Fleet, params: dict[str, Any], model: str = MODEL
+) -> tuple[list[InferenceResult], list[InferenceResult]]:
+    cfg = fleet.config(worker={"model": model}, models={model: {"batching": {"max_batch_size": 8}}})
+    fleet.worker(cfg, model=model, concurrency=8)
     client = fleet.client(cfg)
     work = _workload(7, 16)
     alone = [
-        _result(client, _generate(client, prompt, max_new_tokens=n, seed=i, **params))
+        _result(client, _generate(client, prompt, model, max_new_tokens=n, seed=i, **params))
         for i, (prompt, n) in enumerate(work)
     ]
     rng = random.Random(1)
     ids = []
     for i, (prompt, n) in enumerate(work):  # arrivals at random times, so sequences join mid-run
-        ids.append(_generate(client, prompt, max_new_tokens=n, seed=i, **params))
+        ids.append(_generate(client, prompt, model, max_new_tokens=n, seed=i, **params))
         time.sleep(rng.random() * 0.004)
     together = [_result(client, rid) for rid in ids]
     return alone, together
 
 
-def test_greedy_continuous_batching_gives_each_request_its_tokens_alone(fleet: Fleet) -> None:
-    alone, together = _alone_then_together(fleet, {"temperature": 0.0})
+@pytest.mark.parametrize("model", ["demo-lm", "demo-llama"])
+def test_greedy_continuous_batching_gives_each_request_its_tokens_alone(fleet: Fleet, model: str) -> None:
+    alone, together = _alone_then_together(fleet, {"temperature": 0.0}, model)
     assert [r.generation.token_ids for r in together] == [r.generation.token_ids for r in alone]  # type: ignore[union-attr]
     assert all(r.generation.timings.batch_size_max == 1 for r in alone)  # type: ignore[union-attr]
     assert max(r.generation.timings.batch_size_max for r in together) > 1  # type: ignore[union-attr]
@@ -233,3 +237,13 @@ def test_fleet_submit_stream_prints_text_before_the_request_completes(fleet: Fle
                        "usage": {"prompt_tokens": 5, "completion_tokens": 480, "total_tokens": 485}}
     result = _result(client, "cli-stream-1")
     assert (first + out).decode().rstrip("\n") == result.generation.text  # type: ignore[union-attr]
+
+
+def test_llama_layout_serves_next_token_top_k_from_the_same_worker(fleet: Fleet) -> None:
+    cfg = fleet.config(worker={"model": "demo-llama"})
+    fleet.worker(cfg, model="demo-llama")
+    client = fleet.client(cfg)
+    top = client.result(client.submit("demo-llama", [5, 6, 7], top_k=3), wait=True, timeout_s=30)
+    greedy = _result(client, _generate(client, [5, 6, 7], "demo-llama", max_new_tokens=1))
+    assert top is not None and top.top_k is not None and len(top.top_k) == 3
+    assert greedy.generation.token_ids == [top.top_k[0].token_id]  # type: ignore[union-attr]
