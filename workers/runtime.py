@@ -10,12 +10,14 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import redis
 from celery.worker import state as worker_state
 
 from protocol.errors import ConfigError, ModelLoadError
+from protocol.generation_config import load_generation_defaults
 from protocol.keys import CARD_KEY
 from protocol.modelcard import ModelCard, load_card
 from protocol.settings import FleetSettings, ModelSettings
@@ -151,7 +153,7 @@ def _generation_loop(engine: Engine, model: ModelSettings) -> GenerationLoop | N
     return GenerationLoop(Decoder(engine), model.batching)
 
 
-def _worker_tokenizer(card: ModelCard, model_path: Any) -> Tokenizer | None:
+def _worker_tokenizer(card: ModelCard, model_path: Path) -> Tokenizer | None:
     """The model's tokenizer for generated text and stop strings; None when it has none."""
     try:
         return load_tokenizer(card, model_path.parent)
@@ -160,12 +162,8 @@ def _worker_tokenizer(card: ModelCard, model_path: Any) -> Tokenizer | None:
         return None
 
 
-def _eos_token_ids(card: ModelCard, model_path: Any) -> frozenset[int]:
+def _eos_token_ids(card: ModelCard, model_path: Path) -> frozenset[int]:
     """EOS ids from generation_config.json next to the model and the card."""
-    try:
-        from protocol.generation_config import load_generation_defaults
-    except ImportError:  # pragma: no cover - during the transition to generation_config
-        return frozenset({card.eos_token_id} if card.eos_token_id is not None else ())
     return frozenset(load_generation_defaults(model_path, card).eos_token_ids)
 
 
