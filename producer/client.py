@@ -12,6 +12,7 @@ a worker makes is made here first, so bad input is refused before anything is qu
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import uuid
@@ -31,6 +32,7 @@ from producer.streams import iter_events
 from protocol.celeryconf import make_celery
 from protocol.errors import (
     FleetError,
+    IdempotencyConflict,
     InvalidRequest,
     RequestCancelled,
     RequestExpired,
@@ -83,6 +85,12 @@ def _output_spec(
         return OutputSpec(kind=kind, top_k=top_k, normalize=normalize, generation=params)  # type: ignore[arg-type]
     except ValidationError as exc:
         raise as_invalid_request(exc, prefix="output") from exc
+
+
+def request_fingerprint(request: InferenceRequest) -> str:
+    """sha256 of what makes a request the same request (model, ids, output); not its ID or timestamps."""
+    body = request.model_dump(mode="json", include={"model", "input_ids", "output", "truncated"})
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 class _ModelInfo:
@@ -244,13 +252,22 @@ class FleetClient:
         """
         rid = request.request_id or uuid.uuid4().hex
         marker_key = REQUEST_KEY.format(id=rid)
-        if admit and not self.redis.exists(marker_key):
+        fingerprint = request_fingerprint(request)
+        known = self.redis.get(marker_key)
+        if known is not None:
+            return self._resubmitted(rid, known, fingerprint)
+        if admit:
             self.admission.admit(request.model, rate_key=rate_key)
         marker = json.dumps(
-            {"model": request.model, "submitted_at_unix_s": request.submitted_at_unix_s, "kind": request.output.kind}
+            {
+                "model": request.model,
+                "submitted_at_unix_s": request.submitted_at_unix_s,
+                "kind": request.output.kind,
+                "fingerprint": fingerprint,
+            }
         )
         if not self.redis.set(marker_key, marker, nx=True, ex=self.settings.result_ttl_s):
-            return rid  # already submitted under this ID: idempotent
+            return self._resubmitted(rid, self.redis.get(marker_key), fingerprint)  # a concurrent twin won
         self.app.send_task(
             TASK_NAME,
             args=[request.model_dump(mode="json", exclude_none=True)],
@@ -258,6 +275,22 @@ class FleetClient:
             queue=self.settings.queue_for(request.model),
         )
         return rid
+
+    @staticmethod
+    def _resubmitted(request_id: str, marker: bytes | None, fingerprint: str) -> str:
+        """A known ID: the same body is the same request (returns its ID); another body is refused."""
+        try:
+            known = json.loads(marker).get("fingerprint") if marker else None
+        except (ValueError, AttributeError):
+            known = None
+        if known is not None and known != fingerprint:
+            raise IdempotencyConflict(
+                f"request_id {request_id!r} is already known with a different body; nothing was queued "
+                "(an idempotency key names one request: reuse it only to resubmit the same request)",
+                "request_id",
+                None,
+            )
+        return request_id
 
     def submit_many(
         self,
@@ -334,7 +367,14 @@ class FleetClient:
                 self.admission.admit(key, count=len(chunk), rate_key=rate_key)
                 with self.redis.pipeline(transaction=False) as pipe:
                     for r in chunk:
-                        marker = json.dumps({"model": key, "submitted_at_unix_s": r.submitted_at_unix_s})
+                        marker = json.dumps(
+                            {
+                                "model": key,
+                                "submitted_at_unix_s": r.submitted_at_unix_s,
+                                "kind": r.output.kind,
+                                "fingerprint": request_fingerprint(r),
+                            }
+                        )
                         pipe.set(REQUEST_KEY.format(id=r.request_id), marker, ex=self.settings.result_ttl_s)
                     pipe.execute()
                 self.app.send_task(

@@ -18,7 +18,8 @@
     ├── RequestExpired              its deadline passed before compute
     ├── RequestCancelled            it was cancelled before it ran
     ├── ResultTimeout               waiting for a result took longer than asked
-    └── RequestNotFound             no such request ID is known
+    ├── RequestNotFound             no such request ID is known
+    └── IdempotencyConflict         a known request ID was resubmitted with a different body
 
 Every class can be rebuilt from its ``args`` (Celery stores a task's exception as its type
 name plus ``args`` in JSON and rebuilds it on the client), so constructors take only
@@ -35,6 +36,7 @@ __all__ = [
     "DecodeError",
     "EmptyInput",
     "FleetError",
+    "IdempotencyConflict",
     "InputTooLong",
     "InvalidRequest",
     "ModelLoadError",
@@ -179,6 +181,12 @@ class RequestNotFound(FleetError):
     code = "not_found"
 
 
+class IdempotencyConflict(FleetError):
+    """A request ID already known was submitted again with a different body (HTTP 409); nothing was queued."""
+
+    code = "idempotency_conflict"
+
+
 _BY_NAME: dict[str, type[FleetError]] = {
     cls.__name__: cls
     for cls in (
@@ -198,6 +206,7 @@ _BY_NAME: dict[str, type[FleetError]] = {
         RequestCancelled,
         ResultTimeout,
         RequestNotFound,
+        IdempotencyConflict,
         FleetError,
     )
 }
