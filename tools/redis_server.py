@@ -16,7 +16,25 @@ from types import TracebackType
 
 import redis
 
-__all__ = ["EmbeddedRedis", "find_redis_server", "free_port"]
+__all__ = ["EmbeddedRedis", "PortInUse", "find_redis_server", "free_port"]
+
+
+class PortInUse(RuntimeError):
+    """The port asked for is already taken by another process (maybe another Redis)."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__(f"port {port} on 127.0.0.1 is already in use (another redis-server?); nothing was started")
+        self.port = port
+
+
+def port_is_free(port: int) -> bool:
+    """True when nothing listens on 127.0.0.1:``port`` and it can be bound now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def find_redis_server() -> str:
@@ -68,7 +86,17 @@ class EmbeddedRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 15.0) -> EmbeddedRedis:
-        """Start the server and wait until it answers PING (up to ``timeout_s``)."""
+        """Start the server and wait until it answers PING (up to ``timeout_s``).
+
+        Only this process's own server counts: the answer must come from its pid, so a Redis that
+        already listens on the port is never mistaken for it.
+
+        Raises:
+            PortInUse: the port is taken (nothing was started).
+            RuntimeError: redis-server exited; TimeoutError: it did not answer in time.
+        """
+        if not port_is_free(self.port):
+            raise PortInUse(self.port)
         args = [
             find_redis_server(),
             "--port",
@@ -95,17 +123,18 @@ class EmbeddedRedis:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                if client.ping():
+                if int(client.info("server")["process_id"]) == self.proc.pid:
                     return self
             except redis.ConnectionError:
-                if self.proc.poll() is not None:
-                    err = self.proc.stderr.read().decode() if self.proc.stderr else ""
-                    raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {err}") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"redis-server did not answer on port {self.port}") from None
-                time.sleep(0.05)
+                pass
             finally:
                 client.close()
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                raise RuntimeError(f"redis-server on port {self.port} exited with {self.proc.returncode}: {err}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"redis-server did not answer on port {self.port}")
+            time.sleep(0.05)
 
     def kill(self) -> None:
         """SIGKILL the server (data not written to AOF is lost)."""

@@ -1,0 +1,44 @@
+"""`fleet redis` never reports a server it did not start."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import redis
+
+from tools.redis_server import EmbeddedRedis, PortInUse
+
+
+def test_taken_port_is_refused_naming_the_port(redis_server: EmbeddedRedis) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "producer.cli", "redis", "--port", str(redis_server.port)],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert proc.returncode == 1
+    assert f"port {redis_server.port}" in proc.stderr and "already in use" in proc.stderr
+    assert "listening" not in proc.stdout
+
+
+def test_embedded_server_refuses_a_taken_port_and_answers_only_for_itself(redis_server: EmbeddedRedis) -> None:
+    with pytest.raises(PortInUse):
+        EmbeddedRedis(redis_server.port).start()
+    with EmbeddedRedis() as own:
+        assert own.proc is not None
+        info = redis.Redis(port=own.port).info("server")
+        assert int(info["process_id"]) == own.proc.pid
+
+
+def test_port_zero_picks_a_free_port_and_says_which() -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "producer.cli", "redis", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "listening on port" in line and "FLEET_REDIS_URL=redis://127.0.0.1:" in line
+        port = int(line.split("listening on port ")[1].split()[0])
+        assert redis.Redis(port=port).ping()
+    finally:
+        proc.terminate()
+        proc.wait(15)
