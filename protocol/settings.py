@@ -156,6 +156,11 @@ class WorkerSettings(_Section):
     heartbeat_s: float = Field(default=2.0, gt=0, le=60, description="Registry heartbeat period (s).")
     loglevel: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     metrics_port: int = Field(default=0, ge=0, le=65535, description="Prometheus port; 0 = off.")
+    metrics_host: str | None = Field(
+        default=None,
+        description="Address the metrics port binds; None = where the gateway binds (api.host, 127.0.0.1 by "
+        "default). Set 0.0.0.0 where a scraper on another host must reach it (docker-compose does).",
+    )
 
 
 class ApiSettings(_Section):
@@ -310,15 +315,16 @@ def load_settings(config_path: Path | str | None = None, **overrides: Any) -> Fl
         ConfigError: a value broke a rule; the message names the setting (dotted path) and the rule.
     """
     path = Path(config_path or os.environ.get("FLEET_CONFIG") or DEFAULT_CONFIG_PATH)
-    data: dict[str, Any] = {}
+    data: dict[str, Any] = {"models": {}}
     if path.exists():
         loaded = yaml.safe_load(path.read_text()) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: top level must be a mapping", "FLEET_CONFIG", "mapping")
-        data = loaded
+        data = {"models": {}, **loaded}
         _resolve_model_paths(data, path.parent)
     elif config_path is not None or "FLEET_CONFIG" in os.environ:
         raise ConfigError(f"config file {path} does not exist", "FLEET_CONFIG", str(path))
+    _name_env_only_models(data)
     try:
         settings = FleetSettings(**data)
     except ValidationError as exc:
@@ -330,6 +336,26 @@ def load_settings(config_path: Path | str | None = None, **overrides: Any) -> Fl
         except ValidationError as exc:
             raise ConfigError(_describe(exc), _first_loc(exc), None) from exc
     return settings
+
+
+def _name_env_only_models(data: dict[str, Any]) -> None:
+    """Give a model named only in the environment its hyphenated name.
+
+    Environment variable names cannot hold ``-``, so ``FLEET_MODELS__BENCH_LM__PATH`` names model
+    ``bench-lm`` (queue ``fleet.bench-lm``), the spelling every command and the docs use, unless the
+    YAML file spells that model otherwise (then the YAML spelling is kept).
+    """
+    if not isinstance(data.get("models"), dict):
+        return
+    known = {_norm(str(k)) for k in data["models"]}
+    prefix = "FLEET_MODELS__"
+    for var in os.environ:
+        if not var.upper().startswith(prefix) or "__" not in var[len(prefix):]:
+            continue
+        name = var[len(prefix):].split("__", 1)[0].lower().replace("_", "-")
+        if name and _norm(name) not in known:
+            data["models"][name] = {}
+            known.add(_norm(name))
 
 
 def _resolve_model_paths(data: dict[str, Any], base: Path) -> None:

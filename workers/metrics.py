@@ -27,7 +27,8 @@ Generation series (time to first token, inter-token time, generated tokens, runn
 KV tokens, finish reasons) are in :mod:`workers.generation_metrics`.
 
 ``rate(fleet_worker_tokens_total{kind="real"}[1m])`` is the worker's served tokens/s. The endpoint
-(``worker.metrics_port``; 0 = off) is plain HTTP without auth, like most exporters: keep it on a
+(``worker.metrics_port``; 0 = off) binds ``worker.metrics_host`` (default: the gateway's ``api.host``,
+127.0.0.1) and is plain HTTP without auth, like most exporters: keep it on a
 private network. The drain meter counts requests taken off the queue per wall-clock second
 (``fleet:drain:<model>:<second>`` in Redis), from which admission control estimates Retry-After.
 """
@@ -202,8 +203,9 @@ def install_metrics(runtime: WorkerRuntime, registry: CollectorRegistry | None =
     _connect_signals(metrics)
     port = runtime.settings.worker.metrics_port
     if port:
-        start_http_server(port, registry=registry or REGISTRY)
-        log.info("Prometheus metrics on :%d/metrics (plain HTTP, no auth)", port)
+        host = runtime.settings.worker.metrics_host or runtime.settings.api.host
+        start_http_server(port, addr=host, registry=registry or REGISTRY)
+        log.info("Prometheus metrics on %s:%d/metrics (plain HTTP, no auth)", host, port)
     _installed = metrics
     return metrics
 

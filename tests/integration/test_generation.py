@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import redis
 
@@ -214,6 +215,9 @@ def test_generation_metrics_count_tokens_first_tokens_and_finish_reasons(fleet: 
     assert _metric(text, "fleet_worker_time_to_first_token_seconds_count") == 5
     assert _metric(text, "fleet_worker_inter_token_seconds_count") == 5
     assert _metric(text, "fleet_worker_running_sequences") == 0
+    listening = {c.laddr.ip for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port
+                 and c.status == psutil.CONN_LISTEN}
+    assert listening == {"127.0.0.1"}  # where the gateway binds by default, not 0.0.0.0
 
 
 def test_fleet_submit_stream_prints_text_before_the_request_completes(fleet: Fleet) -> None:

@@ -159,3 +159,19 @@ def test_errors_survive_celery_style_rebuilding() -> None:
     assert isinstance(again, TokenOutOfRange) and again.field == "input_ids[3]"
     assert err.to_payload()["error"] == "token_out_of_range"
     assert type(error_from_payload("Nope", ["x"])).__name__ == "FleetError"
+
+
+def test_a_model_named_only_in_the_environment_keeps_its_hyphen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = write(tmp_path, {"models": MODEL})
+    monkeypatch.setenv("FLEET_MODELS__BENCH_LM__PATH", str(tmp_path / "bench-lm.onnx"))
+    monkeypatch.setenv("FLEET_MODELS__BENCH_LM__BATCHING__MAX_BATCH_SIZE", "4")
+    s = load_settings(cfg)
+    assert sorted(s.models) == ["bench-lm", "demo-lm"]
+    assert s.queue_for("bench_lm") == "fleet.bench-lm"
+    assert s.model("bench-lm").batching.max_batch_size == 4
+    assert load_settings(write(tmp_path, {"models": {"bench_lm": MODEL["demo-lm"]}})).queue_for("bench-lm") == (
+        "fleet.bench_lm"  # a YAML spelling wins
+    )
+
