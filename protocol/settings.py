@@ -393,7 +393,11 @@ def _first_loc(exc: ValidationError) -> str:
 def _describe(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "settings"
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        if not err["loc"]:  # a rule across several settings: its message names them
+            lines.append(f"invalid settings: {msg}")
+            continue
+        loc = ".".join(str(p) for p in err["loc"])
         env = "FLEET_" + "__".join(str(p).upper().replace("-", "_") for p in err["loc"])
-        lines.append(f"invalid setting {loc} ({env}): {err['msg']}")
+        lines.append(f"invalid setting {loc} ({env}): {msg}")
     return "; ".join(lines)

@@ -175,3 +175,12 @@ def test_a_model_named_only_in_the_environment_keeps_its_hyphen(
         "fleet.bench_lm"  # a YAML spelling wins
     )
 
+
+
+def test_a_rule_across_settings_is_reported_by_its_names_not_as_settings_fleet(tmp_path: Path) -> None:
+    cfg = write(tmp_path, {"models": MODEL, "worker": {"model": "demo-lm", "concurrency": 2}})
+    with pytest.raises(ConfigError) as info:
+        load_settings(cfg)
+    text = str(info.value)
+    assert "invalid setting settings" not in text and "(FLEET_)" not in text
+    assert text.startswith("invalid settings: worker.concurrency (2) must be >= models.demo-lm.batching.max_batch_size")
