@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.fleet_fixtures import Fleet
+from tests.tier_venv import pip_install_or_skip
 
 pytestmark = pytest.mark.gpu_wheel
 
@@ -31,8 +32,7 @@ def gpu_python() -> str:
     if not marker.exists():
         venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
         # the documented GPU install: FLEET_ORT=gpu makes setup.py depend on onnxruntime-gpu instead
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "-e", f"{ROOT}[gpu]", ORT_GPU],
-                       check=True, timeout=900, env={**os.environ, "FLEET_ORT": "gpu"})
+        pip_install_or_skip(python, ["-e", f"{ROOT}[gpu]", ORT_GPU], env={**os.environ, "FLEET_ORT": "gpu"})
         marker.touch()
     probe = subprocess.run(
         [str(python), "-c", "import onnxruntime as o, importlib.metadata as m; "

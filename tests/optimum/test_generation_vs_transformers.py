@@ -1,0 +1,162 @@
+"""Greedy generation under continuous batching gives exactly transformers' own tokens, on real optimum exports.
+
+A tiny random-weight GPT-2 and a tiny random Llama with grouped-query attention (2 KV heads for 4
+query heads) are built, exported by Hugging Face optimum to ONNX ``text-generation-with-past``, and
+run through ``generate()`` by transformers, one prompt at a time (``export_models.py``, run inside
+``var/optimum-venv``: torch, transformers, optimum, built once, about a minute). Then a real
+``celery worker`` per model serves the export, the prompts (1 to 60 tokens, 1 to 40 new tokens)
+arrive in a seeded random order at seeded random times, join the running batch at different
+decode steps, and every request's ``generation.token_ids`` (and finish reason: one EOS is chosen
+so that some requests end with 'stop') must equal transformers' exactly.
+
+Offline, or on a machine without the CPU torch wheel, the tier skips (see ``tests/tier_venv.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import venv
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from producer.client import FleetClient
+from protocol.errors import FleetError
+from protocol.messages import GenerationParams, InferenceRequest, InferenceResult, OutputSpec
+from tests.integration.fleet_fixtures import Fleet
+from tests.tier_venv import pip_install_or_skip
+from tools.redis_server import EmbeddedRedis
+
+pytestmark = [pytest.mark.optimum, pytest.mark.timeout(900)]  # the first run builds the venv (about a minute)
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV = ROOT / "var" / "optimum-venv"
+TORCH_CPU = "torch==2.13.0+cpu"
+"""The CPU wheel on this machine's disk (pip's find-links); any other torch would download CUDA."""
+PINS = (TORCH_CPU, "transformers==4.57.6", "optimum==2.1.0", "optimum-onnx==0.1.0", "onnx==1.23.2",
+        "onnxruntime==1.31.1")
+"""optimum-onnx 0.1.0 needs optimum ~=2.1.0 and transformers <4.58."""
+EXPORT_SCRIPT = Path(__file__).with_name("export_models.py")
+MODELS = ("hf-gpt2", "hf-llama")
+ARRIVAL_SEED = 7
+MAX_GAP_S = 0.02
+"""Largest random pause between two submissions (s): a few decode steps of these tiny models."""
+MAX_BATCH_SIZE = 8
+CONCURRENCY = 16
+
+
+@pytest.fixture(scope="session")
+def optimum_python() -> str:
+    """The tier's venv (built on first use, reused while ``PINS`` stay the same)."""
+    python = VENV / "bin" / "python"
+    marker = VENV / f".ready-{hashlib.sha256(' '.join(PINS).encode()).hexdigest()[:16]}"
+    if not marker.exists():
+        venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
+        pip_install_or_skip(python, PINS, local_only=[TORCH_CPU], timeout_s=600)
+        marker.touch()
+    return str(python)
+
+
+@pytest.fixture(scope="session")
+def exports(optimum_python: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """The two exports and transformers' references (``export_models.py``'s references.json)."""
+    out = tmp_path_factory.mktemp("optimum-exports")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([optimum_python, str(EXPORT_SCRIPT), str(out)], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, f"{EXPORT_SCRIPT.name} failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}"
+    return out, json.loads((out / "references.json").read_text())
+
+
+@pytest.fixture
+def served(request: pytest.FixtureRequest, exports: tuple[Path, dict[str, Any]], redis_server: EmbeddedRedis,
+           tmp_path: Path) -> Iterator[tuple[FleetClient, dict[str, Any]]]:
+    """A real worker serving ``request.param``'s export; yields a client and that model's references."""
+    model: str = request.param
+    out, refs = exports
+    spec = refs["models"][model]
+    fleet = Fleet(tmp_path, out, redis_server.url)
+    try:
+        cfg = fleet.config(
+            worker={"model": model, "concurrency": CONCURRENCY},
+            models={model: {
+                "path": str(out / spec["onnx"]),
+                "batching": {"max_batch_size": MAX_BATCH_SIZE, "max_wait_ms": 2.0},
+                "limits": {"max_input_tokens": 128, "max_new_tokens": 64},
+                "engine": {"intra_op_threads": 1},
+            }},
+        )
+        fleet.worker(cfg, model=model, concurrency=CONCURRENCY)
+        yield fleet.client(cfg), spec
+    finally:
+        fleet.close()
+
+
+def _submit(client: FleetClient, model: str, requests: list[dict[str, Any]], max_gap_s: float) -> list[str]:
+    """Send every request in a seeded random order, pausing a seeded random 0 to ``max_gap_s`` seconds
+    before each; returns their ids in ``requests`` order."""
+    rng = random.Random(ARRIVAL_SEED)
+    order = list(range(len(requests)))
+    rng.shuffle(order)
+    ids: dict[int, str] = {}
+    for i in order:
+        if max_gap_s:
+            time.sleep(rng.uniform(0, max_gap_s))
+        params = GenerationParams(max_new_tokens=requests[i]["max_new_tokens"], temperature=0.0)
+        ids[i] = client.send(InferenceRequest(model=model, input_ids=requests[i]["prompt"],
+                                              output=OutputSpec(kind="generate", generation=params)))
+    return [ids[i] for i in range(len(requests))]
+
+
+def _row(i: int, ref: dict[str, Any], got: InferenceResult | FleetError) -> str:
+    head = f"#{i} prompt {len(ref['prompt'])} tok, max_new {ref['max_new_tokens']}"
+    if not isinstance(got, InferenceResult) or got.generation is None:
+        return f"{head}: FAILED {got!r}"
+    gen = got.generation
+    t = gen.timings
+    same = gen.token_ids == ref["token_ids"] and gen.finish_reason == ref["finish_reason"]
+    line = (f"{head}: {'same' if same else 'DIFFERENT'}, {len(gen.token_ids)} tok {gen.finish_reason}, "
+            f"batch min/mean/max {t.batch_size_min}/{t.batch_size_mean}/{t.batch_size_max}, "
+            f"prefill batch {got.timings.batch_size}, {t.decode_steps} steps of {t.mean_inter_token_ms} ms")
+    if not same:
+        line += f"\n    transformers {ref['token_ids']} {ref['finish_reason']}\n    fleet        {gen.token_ids}"
+    return line
+
+
+@pytest.mark.parametrize("served", MODELS, indirect=True)
+def test_continuous_batching_gives_transformers_greedy_tokens(served: tuple[FleetClient, dict[str, Any]],
+                                                              request: pytest.FixtureRequest) -> None:
+    client, spec = served
+    model = request.node.callspec.params["served"]
+    requests = spec["requests"]
+    assert any(ref["finish_reason"] == "stop" for ref in requests), "no reference ends at the EOS"
+    for arrivals, max_gap_s in (("random arrivals", MAX_GAP_S), ("one burst", 0.0)):
+        results = client.wait(_submit(client, model, requests, max_gap_s), timeout_s=120)
+        report = "\n".join(_row(i, ref, got) for i, (ref, got) in enumerate(zip(requests, results, strict=True)))
+        print(f"\n{model} (EOS {spec['eos_token_id']}), {arrivals}:\n{report}")
+        generations = [r.generation for r in results if isinstance(r, InferenceResult) and r.generation is not None]
+        assert len(generations) == len(requests), report
+        mismatched = [i for i, (ref, gen) in enumerate(zip(requests, generations, strict=True))
+                      if gen.token_ids != ref["token_ids"] or gen.finish_reason != ref["finish_reason"]]
+        assert not mismatched, f"{model}, {arrivals}: requests {mismatched} differ from transformers:\n{report}"
+        # the comparison proves something only if requests really shared decode steps, and joined or
+        # left a running batch while others kept going
+        assert max(g.timings.batch_size_max for g in generations) > 1, report
+        assert any(g.timings.batch_size_min < g.timings.batch_size_max for g in generations), report
+
+
+def test_an_unreachable_index_skips_the_tier() -> None:
+    offline = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    offline |= {"PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": "http://127.0.0.1:9/simple/", "PIP_RETRIES": "0",
+                "PIP_TIMEOUT": "5"}
+    with pytest.raises(pytest.skip.Exception, match="package index unreachable"):
+        pip_install_or_skip(sys.executable, ["--dry-run", "--no-deps", "optimum-onnx==0.1.0"], env=offline,
+                            timeout_s=120)
