@@ -28,6 +28,7 @@ from celery.result import AsyncResult
 from pydantic import ValidationError
 
 from producer.admission import Admission
+from producer.reprs import request_argsrepr
 from producer.streams import iter_events
 from protocol.celeryconf import make_celery
 from protocol.errors import (
@@ -215,12 +216,15 @@ class FleetClient:
         kind: str | None = None,
         deadline_s: float | None = None,
         generation: GenerationParams | Mapping[str, Any] | None = None,
+        rate_key: str | None = None,
     ) -> str:
         """Queue one request; returns its ID at once.
 
         A caller-given ``request_id`` makes the submit idempotent: an ID already known is not
         queued twice. ``deadline_s`` (seconds from now): past it the request is never computed.
         ``generation`` makes it a ``generate`` job (:meth:`stream` then yields its tokens).
+        ``rate_key`` draws on that caller's rate-limit bucket (``admission.rate_capacity``), as the
+        gateway does per API key; None = no rate limit (the queue-depth cap always applies).
 
         Raises:
             InvalidRequest: bad input (nothing is queued).
@@ -237,14 +241,22 @@ class FleetClient:
             deadline_s=deadline_s,
             generation=generation,
         )
-        return self.send(request)
+        return self.send(request, rate_key=rate_key, text=text)
 
-    def send(self, request: InferenceRequest, *, rate_key: str | None = None, admit: bool = True) -> str:
+    def send(
+        self,
+        request: InferenceRequest,
+        *,
+        rate_key: str | None = None,
+        admit: bool = True,
+        text: str | None = None,
+    ) -> str:
         """Queue an already built request; returns its ID.
 
         Admission control runs first (unless ``admit`` is False: the caller already admitted it),
         except for an ID already known, which is never queued twice. ``rate_key`` names the
-        caller's rate-limit bucket (None = no rate limit; see :mod:`producer.admission`).
+        caller's rate-limit bucket (None = no rate limit; see :mod:`producer.admission`). ``text``
+        (what the ids were tokenized from) is shown beside them in Flower, never sent to the worker.
 
         Raises:
             QueueFull: the model's queue is at ``max_queue_depth``; nothing was queued.
@@ -273,6 +285,8 @@ class FleetClient:
             args=[request.model_dump(mode="json", exclude_none=True)],
             task_id=rid,
             queue=self.settings.queue_for(request.model),
+            argsrepr=request_argsrepr(request, text),
+            kwargsrepr="{}",
         )
         return rid
 

@@ -3,10 +3,12 @@ with a different body it is refused and nothing is queued."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import redis
 
-from protocol.errors import IdempotencyConflict
+from protocol.errors import IdempotencyConflict, RateLimited
 from tests.integration.fleet_fixtures import Fleet
 
 
@@ -26,3 +28,26 @@ def test_same_body_is_the_same_request_and_another_body_is_refused(fleet: Fleet)
     with pytest.raises(IdempotencyConflict):
         client.submit("demo-lm", [5, 6, 7], request_id="key-1", generation={"max_new_tokens": 4})
     assert r.llen(queue) == 1
+
+
+def test_python_client_draws_on_a_rate_key_bucket_like_the_gateway(fleet: Fleet) -> None:
+    cfg = fleet.config(admission={"rate_capacity": 2, "rate_refill_per_s": 0.001})
+    client = fleet.client(cfg)
+    assert client.submit("demo-lm", [5], rate_key="team-a") and client.submit("demo-lm", [6], rate_key="team-a")
+    with pytest.raises(RateLimited) as info:
+        client.submit("demo-lm", [7], rate_key="team-a")
+    assert info.value.retry_after_s >= 1
+    assert client.submit("demo-lm", [8], rate_key="team-b")  # another caller's bucket
+    assert client.submit("demo-lm", [9])  # no rate key: only the queue cap applies
+
+
+def test_flower_sees_the_request_as_json_with_its_text(fleet: Fleet) -> None:
+    cfg = fleet.config()
+    client = fleet.client(cfg)
+    rid = client.submit("demo-lm", text="Hi fleet", request_id="flower-args-1")
+    raw = redis.Redis.from_url(fleet.redis_url).lindex(client.settings.queue_for("demo-lm"), 0)
+    headers = json.loads(raw)["headers"]
+    shown = json.loads(headers["argsrepr"])
+    assert shown[0]["text"] == "Hi fleet" and shown[0]["request_id"] == rid
+    assert shown[0]["input_ids"] == [b + 3 for b in b"Hi fleet"]
+    assert headers["kwargsrepr"] == "{}"
