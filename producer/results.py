@@ -1,0 +1,221 @@
+"""Reading requests back by ID: status, results, waits, token streams and cancels.
+
+:class:`ResultReader` is the half of :class:`producer.client.FleetClient` that never queues
+anything; it needs only the client's Celery app, Redis connection and settings.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Sequence
+from enum import StrEnum
+from typing import Any
+
+import redis
+from celery import Celery
+from celery.exceptions import TimeoutError as CeleryTimeout
+from celery.result import AsyncResult
+
+from producer.streams import iter_events
+from protocol.errors import (
+    FleetError,
+    RequestCancelled,
+    RequestExpired,
+    RequestNotFound,
+    ResultTimeout,
+    error_from_payload,
+)
+from protocol.keys import CANCEL_CHANNEL, CANCEL_KEY, REQUEST_KEY
+from protocol.messages import InferenceResult, decode_result
+from protocol.settings import FleetSettings
+from protocol.streams import StreamEvent
+
+__all__ = ["RequestStatus", "ResultReader"]
+
+
+class RequestStatus(StrEnum):
+    """Lifecycle of one request as a client sees it."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    CANCELLED = "cancelled"
+    NOT_FOUND = "not_found"
+
+
+class ResultReader:
+    """Status, results, waits, streams and cancels of requests, by ID."""
+
+    app: Celery
+    redis: redis.Redis[bytes]
+    settings: FleetSettings
+
+    # -- status and results ----------------------------------------------------------------------
+    def _async(self, request_id: str) -> AsyncResult:
+        return AsyncResult(request_id, app=self.app)
+
+    def status(self, request_id: str) -> RequestStatus:
+        """Where ``request_id`` stands now."""
+        res = self._async(request_id)
+        state = res.state
+        if state == "SUCCESS":
+            return RequestStatus.SUCCEEDED
+        if state == "STARTED":
+            return RequestStatus.RUNNING
+        if state == "REVOKED":
+            return RequestStatus.CANCELLED
+        if state == "FAILURE":
+            err = self._as_fleet_error(res.result)
+            if isinstance(err, RequestExpired):
+                return RequestStatus.EXPIRED
+            if isinstance(err, RequestCancelled):
+                return RequestStatus.CANCELLED
+            return RequestStatus.FAILED
+        if self.redis.exists(CANCEL_KEY.format(id=request_id)):
+            return RequestStatus.CANCELLED
+        if self.redis.exists(REQUEST_KEY.format(id=request_id)):
+            return RequestStatus.QUEUED
+        return RequestStatus.NOT_FOUND
+
+    def result(self, request_id: str, *, wait: bool = False, timeout_s: float | None = None) -> InferenceResult | None:
+        """The result of ``request_id``; None if not ready and ``wait`` is False.
+
+        Waiting subscribes through the Celery result backend (pub/sub wakes the caller the moment the
+        result is stored) and always unsubscribes before returning: a timed-out ``AsyncResult.get`` would
+        otherwise stay subscribed until the garbage collector runs its ``__del__``, which then retries
+        whatever Redis is left for 20 s on whichever thread the collector happens to interrupt.
+
+        Raises:
+            FleetError: the request failed (the worker's error, rebuilt: InputTooLong, RequestExpired, …).
+            ResultTimeout: ``wait`` and no result within ``timeout_s`` (None: wait without limit).
+            RequestNotFound: not waiting, and the ID was never submitted or its result expired.
+        """
+        if not wait:
+            finished = self._finished([request_id])
+            if request_id in finished:
+                return self._raise_or_return(finished[request_id])
+            if self.status(request_id) is RequestStatus.NOT_FOUND:
+                raise RequestNotFound(f"no request {request_id!r} is known", "request_id", None)
+            return None
+        res = self._async(request_id)
+        try:
+            res.get(timeout=timeout_s, propagate=False, interval=0.05)
+        except CeleryTimeout as exc:
+            raise ResultTimeout(f"no result for {request_id} within {timeout_s} s", "timeout_s", timeout_s) from exc
+        finally:
+            self.app.backend.remove_pending_result(res)
+        outcome = self._outcome(request_id, {"status": res.state, "result": res.result})
+        if outcome is None:  # pragma: no cover - get() returned, so the state is a ready one
+            raise FleetError(f"request {request_id} ended in state {res.state}", "request_id", None)
+        return self._raise_or_return(outcome)
+
+    @staticmethod
+    def _raise_or_return(outcome: InferenceResult | FleetError) -> InferenceResult:
+        if isinstance(outcome, FleetError):
+            raise outcome
+        return outcome
+
+    def wait(
+        self, request_ids: Sequence[str], timeout_s: float = 60.0, *, poll_s: float = 0.005
+    ) -> list[InferenceResult | FleetError]:
+        """Results (or errors) of many requests, in order, waiting up to ``timeout_s`` overall.
+
+        Polls the result keys with MGET (one round trip per poll for up to 1,000 IDs), backing off
+        from ``poll_s`` to 100 ms; a request still unfinished at the deadline gets ``ResultTimeout``.
+        """
+        deadline = time.monotonic() + timeout_s
+        done: dict[str, InferenceResult | FleetError] = {}
+        remaining = list(dict.fromkeys(request_ids))
+        while remaining:
+            done.update(self._finished(remaining))
+            remaining = [rid for rid in remaining if rid not in done]
+            if remaining and time.monotonic() >= deadline:
+                for rid in remaining:
+                    done[rid] = ResultTimeout(f"no result for {rid} within {timeout_s} s", "timeout_s", timeout_s)
+                break
+            if remaining:
+                time.sleep(poll_s)
+                poll_s = min(0.1, poll_s * 1.5)
+        return [done[rid] for rid in request_ids]
+
+    def _finished(self, request_ids: Sequence[str]) -> dict[str, InferenceResult | FleetError]:
+        """The finished ones among ``request_ids``: one MGET of their stored results per 1,000 IDs."""
+        backend = self.app.backend
+        finished: dict[str, InferenceResult | FleetError] = {}
+        for start in range(0, len(request_ids), 1000):
+            chunk = request_ids[start : start + 1000]
+            raws = self.redis.mget([backend.get_key_for_task(rid) for rid in chunk])
+            for rid, raw in zip(chunk, raws, strict=True):
+                if raw is not None:
+                    outcome = self._outcome(rid, backend.decode_result(raw))
+                    if outcome is not None:
+                        finished[rid] = outcome
+        return finished
+
+    def _outcome(self, request_id: str, meta: dict[str, Any]) -> InferenceResult | FleetError | None:
+        """A finished request's result or error from its stored Celery meta; None while not finished."""
+        state = meta.get("status")
+        if state == "SUCCESS":
+            return decode_result(meta["result"])
+        if state == "FAILURE":
+            return self._as_fleet_error(meta["result"])
+        if state == "REVOKED":
+            return RequestCancelled(f"request {request_id} was cancelled", "request_id", None)
+        return None
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request that has not run, or a generation that runs; False when that is too late.
+
+        A running generation stops within one decode step and ends with ``finish_reason``
+        ``cancelled`` (its tokens so far are its result); a running one-step request cannot be stopped.
+        """
+        state = self._async(request_id).state
+        if state == "STARTED" and self._kind_of(request_id) == "generate":
+            self._mark_cancelled(request_id)
+            return True
+        if state in ("SUCCESS", "FAILURE", "STARTED", "REVOKED"):
+            return bool(state == "REVOKED")
+        self._mark_cancelled(request_id)
+        self.app.control.revoke(request_id)
+        return True
+
+    def _mark_cancelled(self, request_id: str) -> None:
+        """The cancel mark (read by the worker that dequeues it) and its announcement to running ones."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(CANCEL_KEY.format(id=request_id), "1", ex=self.settings.result_ttl_s)
+            pipe.publish(CANCEL_CHANNEL, request_id)
+            pipe.execute()
+
+    def _kind_of(self, request_id: str) -> str | None:
+        """The output kind recorded at submit (None for requests queued by other clients)."""
+        raw = self.redis.get(REQUEST_KEY.format(id=request_id))
+        try:
+            kind = json.loads(raw).get("kind") if raw else None
+        except (ValueError, AttributeError):
+            return None
+        return str(kind) if kind else None
+
+    def stream(self, request_id: str, *, timeout_s: float = 60.0) -> Iterator[StreamEvent]:
+        """The token events of generation ``request_id`` as they are produced (see :mod:`producer.streams`).
+
+        Each token index comes once, even across a redelivery; the last event is ``final`` (finish
+        reason, usage) or ``error``. Works before the worker starts it and after it finished
+        (the stream lives ``result_ttl_s``).
+
+        Raises:
+            ResultTimeout: no event for ``timeout_s`` seconds.
+        """
+        return iter_events(self.redis, request_id, timeout_s=timeout_s)
+
+    @staticmethod
+    def _as_fleet_error(value: Any) -> FleetError:
+        if isinstance(value, FleetError):
+            return value
+        if isinstance(value, BaseException):
+            return error_from_payload(type(value).__name__, value.args)
+        if isinstance(value, dict) and "exc_type" in value:
+            return error_from_payload(str(value["exc_type"]), value.get("exc_message", ()))
+        return FleetError(str(value), None, None)
