@@ -35,6 +35,7 @@ BASE = [
     "fastapi>=0.110",
     "uvicorn>=0.29",
     "httpx>=0.27",
+    "jinja2>=3.1",  # the gateway renders chat templates
 ]
 ORT_BUILDS = {"cpu": ["onnxruntime>=1.18"], "gpu": ["onnxruntime-gpu>=1.18"], "none": []}
 

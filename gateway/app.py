@@ -1,27 +1,31 @@
-"""The HTTP gateway (FastAPI): submit, poll, cancel; models, health, readiness, metrics.
+"""The HTTP gateway (FastAPI): the native API, the OpenAI-compatible routes, health and metrics.
 
 ::
 
-    POST   /v1/requests           202 + Location      queue one request
-    POST   /v1/requests:batch     202                 queue many (all or none)
-    GET    /v1/requests/{id}      200 | 404           status + result or error
-    DELETE /v1/requests/{id}      200 | 404 | 409     cancel a request that has not run
-    GET    /v1/models             200                 configured models, versions, readiness
-    GET    /healthz               200                 the process is alive
-    GET    /readyz[?model=m]      200 | 503           Redis reachable and >= 1 ready worker per model
-    GET    /metrics               200                 Prometheus text (plain, no auth)
-    GET    /docs, /openapi.json                       OpenAPI
+    POST   /v1/requests               202 + Location      queue one request
+    POST   /v1/requests:batch         202                 queue many (all or none)
+    GET    /v1/requests/{id}          200 | 404           status + result or error
+    GET    /v1/requests/{id}/stream   200 SSE | 404 | 409 a generation's token events as they come
+    DELETE /v1/requests/{id}          200 | 404 | 409     cancel a queued request or a running generation
+    GET    /v1/models                 200                 OpenAI's model list + versions, readiness, queue
+    POST   /v1/completions, /v1/chat/completions, /v1/embeddings      OpenAI-compatible (gateway.openai_routes)
+    GET    /healthz                   200                 the process is alive
+    GET    /readyz[?model=m]          200 | 503           Redis reachable and >= 1 ready worker per model
+    GET    /metrics                   200                 Prometheus text (plain, no auth)
+    GET    /docs, /openapi.json                           OpenAPI
 
-``/v1/*`` needs header ``X-API-Key`` when ``api.api_keys`` is set (missing or wrong → 401).
-Errors are JSON ``{"error", "type", "message", "field", "limit"}``: 413 body over
-``api.max_body_bytes`` or a batch over ``api.max_batch_requests``; 422 invalid input (e.g. more
-tokens than ``max_input_tokens``); 429 + ``Retry-After`` from admission control; 503 Redis down.
-Endpoints that touch Redis are plain ``def``: FastAPI runs them in its thread pool.
+``/v1/*`` needs an API key when ``api.api_keys`` is set, in header ``X-API-Key`` or
+``Authorization: Bearer`` (missing or wrong → 401). Native errors are JSON ``{"error", "type",
+"message", "field", "limit"}``, OpenAI routes answer in OpenAI's error shape (:mod:`gateway.errors`):
+413 body over ``api.max_body_bytes`` or a batch over ``api.max_batch_requests``; 422 invalid input
+(e.g. more tokens than ``max_input_tokens``); 429 + ``Retry-After`` from admission control; 503 Redis down.
+Native endpoints that touch Redis are plain ``def`` (FastAPI's thread pool); those that wait for
+results or streams are ``async`` on redis.asyncio, so an open stream costs no thread.
 """
 
 from __future__ import annotations
 
-import hmac
+import json
 import logging
 from collections import Counter as Tally
 from collections.abc import AsyncIterator
@@ -30,31 +34,29 @@ from typing import Annotated, Any
 
 import redis
 from celery.result import AsyncResult
-from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request, Response
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, FastAPI, Path, Query, Response
 from fastapi.responses import JSONResponse
-from fastapi.security import APIKeyHeader
-from kombu.exceptions import OperationalError
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from starlette.exceptions import HTTPException
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.middleware import BodyLimitMiddleware, GatewayMetrics, MetricsMiddleware
+from gateway.deps import CallerDep, Gateway, GatewayDep
+from gateway.errors import ERROR_RESPONSES, error_payload, install_error_handlers, relay_error
+from gateway.middleware import BodyLimitMiddleware, MetricsMiddleware
+from gateway.openai_routes import router as openai_router
+from gateway.outcomes import WAIT_S
 from gateway.schema import (
     REQUEST_ID_PATTERN,
     BatchAccepted,
     BatchSubmitBody,
     ErrorBody,
-    ModelInfo,
-    ModelList,
     RequestAccepted,
     RequestView,
     SubmitBody,
 )
-from producer.admission import rate_key_for
+from gateway.sse import EventStream, sse_frame
 from producer.client import FleetClient, RequestStatus
 from producer.registry import read_fleet_state, readiness_problems
+from producer.streams import aiter_events
 from protocol.errors import (
-    AdmissionRefused,
     FleetError,
     InvalidRequest,
     RequestCancelled,
@@ -62,124 +64,48 @@ from protocol.errors import (
     UnknownModel,
     error_from_payload,
 )
+from protocol.keys import REQUEST_KEY, STREAM_KEY
 from protocol.messages import InferenceRequest, decode_result
 from protocol.settings import FleetSettings
+from protocol.streams import StreamEvent
 
 __all__ = ["create_app", "serve"]
 
 log = logging.getLogger("fleet.api")
 
-API_KEY_HEADER = "X-API-Key"
-_api_key = APIKeyHeader(name=API_KEY_HEADER, auto_error=False, description="One of api.api_keys.")
-ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody, "description": text}
-    for code, text in {
-        401: "missing or wrong API key",
-        413: "body or batch too large",
-        422: "invalid request (names the field and the limit)",
-        429: "refused by admission control; see Retry-After",
-        503: "Redis unreachable",
-    }.items()
-}
 
-
-class Gateway:
-    """What every endpoint needs: settings, the client (Redis + Celery) and the metrics."""
-
-    def __init__(self, settings: FleetSettings, fleet: FleetClient) -> None:
-        self.settings = settings
-        self.fleet = fleet
-        self.registry = CollectorRegistry()
-        self.metrics = GatewayMetrics(self.registry, settings, fleet.redis)
-        self.keys = [k.encode() for k in settings.api.api_keys]
-
-    def build(self, body: SubmitBody) -> InferenceRequest:
-        """Validate and tokenize ``body`` exactly as a worker would (raises InvalidRequest)."""
-        return self.fleet.build_request(
-            body.model,
-            body.input_ids,
-            text=body.text,
-            request_id=body.request_id,
-            top_k=body.output.top_k,
-            normalize=body.output.normalize,
-            kind=body.output.kind,
-            deadline_s=body.deadline_s,
-        )
-
-
-def _gateway(request: Request) -> Gateway:
-    gateway: Gateway = request.app.state.gateway
-    return gateway
-
-
-GatewayDep = Annotated[Gateway, Depends(_gateway)]
-
-
-def _caller(api_key: Annotated[str | None, Depends(_api_key)], gw: GatewayDep) -> str:
-    """The caller's rate-limit bucket; 401 unless the key is one of api.api_keys (when any is set)."""
-    if gw.keys and not (api_key and any(hmac.compare_digest(api_key.encode(), k) for k in gw.keys)):
-        raise HTTPException(
-            401,
-            f"{'wrong' if api_key else 'missing'} API key: send header {API_KEY_HEADER} with one of "
-            "the keys in api.api_keys",
-            headers={"WWW-Authenticate": "ApiKey"},
-        )
-    return rate_key_for(api_key)
+def _build(gw: Gateway, body: SubmitBody) -> InferenceRequest:
+    """Validate and tokenize ``body`` exactly as a worker would (raises InvalidRequest)."""
+    return gw.fleet.build_request(
+        body.model,
+        body.input_ids,
+        text=body.text,
+        request_id=body.request_id,
+        top_k=body.output.top_k,
+        normalize=body.output.normalize,
+        kind=body.output.kind,
+        deadline_s=body.deadline_s,
+        generation=body.output.generation,
+    )
 
 
 def _error(status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(payload, status_code=status, headers=headers)
 
 
-def _payload(code: str, kind: str, message: str, field: str | None = None) -> dict[str, Any]:
-    return {"error": code, "type": kind, "message": message, "field": field, "limit": None}
-
-
 def _accepted(rid: str) -> RequestAccepted:
     return RequestAccepted(request_id=rid, location=f"/v1/requests/{rid}")
 
 
-# -- error handlers ------------------------------------------------------------------------------
-def _on_fleet_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, FleetError)
-    if isinstance(exc, AdmissionRefused):
-        _gateway(request).metrics.refused.labels(exc.code).inc()
-        return _error(429, exc.to_payload(), {"Retry-After": str(max(1, round(exc.retry_after_s)))})
-    status = 422 if isinstance(exc, InvalidRequest) else 404 if isinstance(exc, RequestNotFound) else 500
-    return _error(status, exc.to_payload())
-
-
-def _on_invalid(_: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, RequestValidationError)
-    errs = exc.errors()
-    first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
-    field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
-    more = f" (and {len(errs) - 1} more errors)" if len(errs) > 1 else ""
-    return _error(422, InvalidRequest(f"invalid field {field}: {first['msg']}{more}", field).to_payload())
-
-
-def _on_http(_: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, HTTPException)
-    code = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http")
-    return _error(exc.status_code, _payload(code, "HTTPError", str(exc.detail)), dict(exc.headers or {}))
-
-
-def _on_redis_down(_: Request, exc: Exception) -> JSONResponse:
-    log.warning("Redis unreachable: %s", exc)
-    msg = f"the queue (Redis) is unreachable: {type(exc).__name__}; retry later"
-    return _error(503, _payload("unavailable", type(exc).__name__, msg), {"Retry-After": "5"})
-
-
 # -- endpoints -----------------------------------------------------------------------------------
 router = APIRouter()
-CallerDep = Annotated[str, Depends(_caller)]
 RequestId = Annotated[str, Path(pattern=REQUEST_ID_PATTERN, description="The ID returned at submission.")]
 
 
 @router.post("/v1/requests", status_code=202, response_model=RequestAccepted, tags=["requests"])
 def submit(body: SubmitBody, response: Response, rate_key: CallerDep, gw: GatewayDep) -> RequestAccepted:
     """Validate, admit and queue one request; poll ``Location`` for its result."""
-    rid = gw.fleet.send(gw.build(body), rate_key=rate_key)
+    rid = gw.fleet.send(_build(gw, body), rate_key=rate_key)
     response.headers["Location"] = f"/v1/requests/{rid}"
     return _accepted(rid)
 
@@ -194,7 +120,7 @@ def submit_batch(body: BatchSubmitBody, rate_key: CallerDep, gw: GatewayDep) -> 
     built = []
     for i, item in enumerate(body.requests):
         try:
-            built.append(gw.build(item))
+            built.append(_build(gw, item))
         except InvalidRequest as exc:
             field = f"requests[{i}].{exc.field}"
             raise type(exc)(f"requests[{i}]: {exc.message}", field, exc.limit) from exc
@@ -214,43 +140,70 @@ def get_request(request_id: RequestId, _: CallerDep, gw: GatewayDep) -> RequestV
     "/v1/requests/{request_id}",
     response_model=RequestView,
     tags=["requests"],
-    responses={409: {"model": ErrorBody, "description": "it is running or already finished"}},
+    responses={409: {"model": ErrorBody, "description": "it finished, or it is a running one-step request"}},
 )
 def cancel(request_id: RequestId, _: CallerDep, gw: GatewayDep) -> RequestView | JSONResponse:
-    """Cancel a request that has not started; 409 when it is running or finished."""
+    """Cancel a queued request or a running generation; 409 when it is finished or a running one-step request."""
     status = gw.fleet.status(request_id)
     if status is RequestStatus.NOT_FOUND:
         raise RequestNotFound(f"no request {request_id!r} is known", "request_id", None)
     if status is not RequestStatus.CANCELLED and not gw.fleet.cancel(request_id):
         now = gw.fleet.status(request_id).value
-        msg = f"request {request_id} is {now}: only a request that has not started can be cancelled"
-        return _error(409, _payload("conflict", "Conflict", msg, "request_id"))
+        msg = f"request {request_id} is {now}: only a queued request or a running generation can be cancelled"
+        return _error(409, error_payload("conflict", "Conflict", msg, "request_id"))
     return _view(gw.fleet, request_id)
 
 
-@router.get("/v1/models", response_model=ModelList, tags=["fleet"])
-def models(_: CallerDep, gw: GatewayDep) -> ModelList:
-    """Every configured model: versions served, ready workers, queue depth and cap."""
-    state = read_fleet_state(gw.settings, gw.fleet.redis)
-    if state.redis_error:
-        raise redis.ConnectionError(state.redis_error)
-    return ModelList(
-        models=[
-            ModelInfo(
-                name=m.name,
-                queue=m.queue,
-                version=m.configured_version,
-                served_versions=m.versions,
-                ready=m.ready_workers > 0,
-                ready_workers=m.ready_workers,
-                workers=len(m.workers),
-                queue_depth=m.depth,
-                max_queue_depth=m.max_queue_depth,
-                max_input_tokens=gw.settings.models[m.name].limits.max_input_tokens,
-            )
-            for m in state.models
-        ]
-    )
+@router.get(
+    "/v1/requests/{request_id}/stream",
+    tags=["requests"],
+    status_code=200,
+    response_class=EventStream,
+    responses={
+        200: {"content": {"text/event-stream": {}}, "description": "SSE: one StreamEvent JSON per data: frame"},
+        409: {"model": ErrorBody, "description": "the request is not a generation, or its stream is gone"},
+    },
+)
+async def stream(request_id: RequestId, _: CallerDep, gw: GatewayDep) -> Response:
+    """A generation's events as they are produced (protocol.streams.StreamEvent JSON, one per frame).
+
+    From its first token (a stream opened before the worker starts waits for it), each token index
+    once, then ``final`` (finish_reason, usage) or ``error``. Leaving does not cancel the request:
+    ``DELETE /v1/requests/{id}`` does.
+    """
+    marker, has_stream, has_result = await _stream_facts(gw, request_id)
+    if marker is None and not has_stream:
+        raise RequestNotFound(f"no request {request_id!r} is known (never submitted, or expired)", "request_id", None)
+    kind = marker.get("kind") if marker else None
+    if (kind not in (None, "generate")) or (has_result and not has_stream):
+        what = f"a {kind} request" if kind not in (None, "generate") else "finished and has no stream (stream: false?)"
+        msg = f"request {request_id} is {what}: only generations stream; GET /v1/requests/{request_id} has its result"
+        return _error(409, error_payload("conflict", "Conflict", msg, "request_id"))
+    return EventStream(_native_frames(gw, request_id))
+
+
+async def _stream_facts(gw: Gateway, request_id: str) -> tuple[dict[str, Any] | None, bool, bool]:
+    """The submit marker (None when unknown), whether the stream exists, whether the result is stored."""
+    async with gw.aredis.pipeline(transaction=False) as pipe:
+        pipe.get(REQUEST_KEY.format(id=request_id))
+        pipe.exists(STREAM_KEY.format(id=request_id))
+        pipe.exists(gw.fleet.app.backend.get_key_for_task(request_id))
+        raw, has_stream, has_result = await pipe.execute()
+    try:
+        marker = json.loads(raw) if raw else None
+    except ValueError:
+        marker = {}
+    return (marker if isinstance(marker, dict) or marker is None else {}), bool(has_stream), bool(has_result)
+
+
+async def _native_frames(gw: Gateway, request_id: str) -> AsyncIterator[bytes]:
+    try:
+        async for event in aiter_events(gw.aredis, request_id, timeout_s=WAIT_S):
+            yield sse_frame(event.model_dump(mode="json", exclude_none=True))
+    except (FleetError, redis.RedisError) as exc:  # silence past WAIT_S, an unreadable entry, Redis trouble
+        err = relay_error(exc, request_id)
+        error = StreamEvent(type="error", index=0, error=type(err).__name__, message=err.message, field=err.field)
+        yield sse_frame(error.model_dump(mode="json", exclude_none=True))
 
 
 @router.get("/healthz", tags=["ops"])
@@ -285,24 +238,22 @@ def create_app(settings: FleetSettings, client: FleetClient | None = None) -> Fa
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        gateway.fleet.close()
+        await gateway.aclose()
 
     app = FastAPI(
         lifespan=lifespan,
         title="onnx-fleet gateway",
         version="1",
-        description="Queue inference requests for the onnx-fleet workers and poll their results by ID.",
-        responses=ERRORS,
+        description="Queue inference requests for the onnx-fleet workers and poll their results by ID; "
+        "OpenAI-compatible completions, chat completions, embeddings and models under /v1.",
+        responses=ERROR_RESPONSES,
     )
     app.state.gateway = gateway
     app.include_router(router)
+    app.include_router(openai_router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.api.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=gateway.metrics)  # outermost: counts 413s too
-    app.add_exception_handler(FleetError, _on_fleet_error)
-    app.add_exception_handler(RequestValidationError, _on_invalid)
-    app.add_exception_handler(HTTPException, _on_http)
-    app.add_exception_handler(redis.RedisError, _on_redis_down)
-    app.add_exception_handler(OperationalError, _on_redis_down)
+    install_error_handlers(app)
     return app
 
 

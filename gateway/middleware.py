@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.errors import error_payload, is_openai_path, openai_error
 from producer.admission import queue_depth
 from producer.registry import list_workers
 from protocol.settings import FleetSettings
@@ -48,10 +49,10 @@ class BodyLimitMiddleware:
             try:
                 size = int(declared)
             except ValueError:
-                await self._refuse(send, 400, "Content-Length is not an integer", None)
+                await self._refuse(scope, send, 400, "Content-Length is not an integer", None)
                 return
             if size > self.max_bytes:
-                await self._refuse(send, 413, f"request body has {size} bytes", size)
+                await self._refuse(scope, send, 413, f"request body has {size} bytes", size)
                 return
         chunks: list[bytes] = []
         total = 0
@@ -62,7 +63,7 @@ class BodyLimitMiddleware:
             chunk = message.get("body", b"")
             total += len(chunk)
             if total > self.max_bytes:
-                await self._refuse(send, 413, f"request body exceeds {total} bytes", total)
+                await self._refuse(scope, send, 413, f"request body exceeds {total} bytes", total)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -79,24 +80,14 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send: Send, status: int, what: str, size: int | None) -> None:
+    async def _refuse(self, scope: Scope, send: Send, status: int, what: str, size: int | None) -> None:
         if status == 413:
             message = f"{what}; the limit is api.max_body_bytes={self.max_bytes}"
-            payload = {
-                "error": "body_too_large",
-                "type": "PayloadTooLarge",
-                "message": message,
-                "field": "body",
-                "limit": self.max_bytes,
-            }
+            payload = error_payload("body_too_large", "PayloadTooLarge", message, "body", self.max_bytes)
         else:
-            payload = {
-                "error": "bad_request",
-                "type": "BadRequest",
-                "message": what,
-                "field": "Content-Length",
-                "limit": None,
-            }
+            payload = error_payload("bad_request", "BadRequest", what, "Content-Length")
+        if is_openai_path(str(scope.get("path", ""))):
+            payload = openai_error(status, payload)
         raw = json.dumps(payload).encode()
         await send(
             {

@@ -7,14 +7,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from producer.client import RequestStatus
+from protocol.messages import GenerationParams
 
 __all__ = [
     "REQUEST_ID_PATTERN",
     "BatchAccepted",
     "BatchSubmitBody",
     "ErrorBody",
-    "ModelInfo",
-    "ModelList",
     "OutputOptions",
     "RequestAccepted",
     "RequestView",
@@ -32,11 +31,19 @@ class _Body(BaseModel):
 class OutputOptions(_Body):
     """What the caller wants back (defaults follow the model's kind)."""
 
-    kind: Literal["next_token", "embedding"] | None = Field(
-        default=None, description="'next_token' (causal LM) or 'embedding' (encoder); default by model."
+    kind: Literal["next_token", "generate", "embedding"] | None = Field(
+        default=None,
+        description="'next_token' or 'generate' (causal LM), 'embedding' (encoder); default by model "
+        "('generate' when ``generation`` is given).",
     )
     top_k: StrictInt = Field(default=5, ge=1, description="Next-token candidates (<= the model's max_top_k).")
     normalize: StrictBool = Field(default=True, description="L2-normalise embeddings.")
+    generation: GenerationParams | None = Field(
+        default=None,
+        description="A generation's sampling and stop parameters (max_new_tokens <= the model's limit); "
+        "stream its tokens from GET /v1/requests/{id}/stream.",
+        examples=[{"max_new_tokens": 16}],
+    )
 
 
 class SubmitBody(_Body):
@@ -97,24 +104,3 @@ class RequestView(BaseModel):
     status: RequestStatus
     result: dict[str, Any] | None = Field(default=None, description="The InferenceResult JSON.")
     error: ErrorBody | None = None
-
-
-class ModelInfo(BaseModel):
-    """One configured model and who serves it."""
-
-    name: str
-    queue: str
-    version: str | None = Field(description="Configured version, else the model card's (None: unknown).")
-    served_versions: list[str] = Field(description="Versions that ready workers serve now.")
-    ready: bool = Field(description="At least one ready worker serves this model.")
-    ready_workers: int
-    workers: int
-    queue_depth: int
-    max_queue_depth: int
-    max_input_tokens: int
-
-
-class ModelList(BaseModel):
-    """Every configured model."""
-
-    models: list[ModelInfo]

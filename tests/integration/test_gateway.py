@@ -92,8 +92,10 @@ def test_submit_poll_result(served: Served) -> None:
     by_text = http.post("/v1/requests", json={"model": "demo-lm", "text": "hi", "request_id": "text-1"})
     assert by_text.status_code == 202 and by_text.json()["request_id"] == "text-1"
     assert _poll_done(http, "text-1")["result"]["input_tokens"] == 2
-    again = http.post("/v1/requests", json={"model": "demo-lm", "text": "other", "request_id": "text-1"})
-    assert again.status_code == 202  # idempotent: the known ID is not queued twice
+    again = http.post("/v1/requests", json={"model": "demo-lm", "text": "hi", "request_id": "text-1"})
+    assert again.status_code == 202  # idempotent: the known ID with the same body is not queued twice
+    other = http.post("/v1/requests", json={"model": "demo-lm", "text": "other", "request_id": "text-1"})
+    assert other.status_code == 409 and other.json()["error"] == "idempotency_conflict"  # another body: refused
     assert _poll_done(http, "text-1")["result"]["input_tokens"] == 2
 
 
@@ -139,9 +141,10 @@ def test_cancel_a_queued_request(served: Served) -> None:
 
 
 def test_models_lists_versions_and_readiness(served: Served) -> None:
-    resp = served.http.get("/v1/models")
-    assert resp.status_code == 200
-    models = {m["name"]: m for m in resp.json()["models"]}
+    resp = served.http.get("/v1/models")  # OpenAI's list shape, the fleet's fields on each entry
+    assert resp.status_code == 200 and resp.json()["object"] == "list"
+    models = {m["id"]: m for m in resp.json()["data"]}
+    assert models["demo-lm"]["object"] == "model" and models["demo-lm"]["owned_by"] == "onnx-fleet"
     assert models["demo-lm"]["ready"] is True and models["demo-lm"]["served_versions"] == ["1.0.0"]
     assert models["demo-lm"]["version"] == models["demo-encoder"]["version"] == "1.0.0"  # from the cards
     assert models["demo-lm"]["ready_workers"] == 1 and models["demo-lm"]["queue"] == "fleet.demo-lm"
@@ -162,7 +165,8 @@ def test_api_keys_are_required_on_v1(served: Served) -> None:
         ):
             resp = httpx.request(method, url + path, headers=headers, json=body if method == "POST" else None)
             assert resp.status_code == 401, (method, path, headers, resp.text)
-            assert "X-API-Key" in resp.json()["message"]
+            error = resp.json()["error"] if path == "/v1/models" else resp.json()  # /v1/models: OpenAI's shape
+            assert "X-API-Key" in error["message"]
     for path in ("/healthz", "/readyz", "/metrics", "/docs", "/openapi.json"):
         assert httpx.get(url + path).status_code in (200, 503), path
 

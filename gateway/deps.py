@@ -1,0 +1,81 @@
+"""What every route of the gateway depends on: the :class:`Gateway` state and the caller's API key.
+
+A key is accepted from either header: ``X-API-Key: <key>`` (the native API's) or
+``Authorization: Bearer <key>`` (what the OpenAI SDKs send). With ``api.api_keys`` empty, no key is
+needed. The key also names the caller's rate-limit bucket (:func:`producer.admission.rate_key_for`).
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated
+
+import redis.asyncio
+from fastapi import Depends, Request
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CollectorRegistry
+from starlette.exceptions import HTTPException
+
+from gateway.middleware import GatewayMetrics
+from producer.admission import rate_key_for
+from producer.client import FleetClient
+from protocol.settings import FleetSettings
+
+__all__ = ["API_KEY_HEADER", "MAX_REDIS_CONNECTIONS", "CallerDep", "Gateway", "GatewayDep", "gateway_of"]
+
+API_KEY_HEADER = "X-API-Key"
+MAX_REDIS_CONNECTIONS = 4096
+"""Connections of the gateway's asyncio Redis pool. Each open stream holds one while it waits in
+``XREAD BLOCK`` (and each waiting non-streaming call one per poll), so this bounds the streams one
+gateway process relays at once; past it a call fails with 503 (redis-py's default is 100)."""
+_api_key = APIKeyHeader(name=API_KEY_HEADER, auto_error=False, description="One of api.api_keys.")
+_bearer = HTTPBearer(auto_error=False, description="One of api.api_keys, as the OpenAI SDKs send it.")
+
+
+class Gateway:
+    """Per-process state: settings, the client (sync Redis + Celery, for submits), an asyncio Redis
+    client (for waiting on results and streams without a thread), and the metrics."""
+
+    def __init__(self, settings: FleetSettings, fleet: FleetClient) -> None:
+        self.settings = settings
+        self.fleet = fleet
+        self.aredis: redis.asyncio.Redis[bytes] = redis.asyncio.Redis.from_url(
+            settings.redis_url, max_connections=MAX_REDIS_CONNECTIONS
+        )
+        self.registry = CollectorRegistry()
+        self.metrics = GatewayMetrics(self.registry, settings, fleet.redis)
+        self.keys = [k.encode() for k in settings.api.api_keys]
+
+    async def aclose(self) -> None:
+        """Close both Redis clients and the Celery app."""
+        await self.aredis.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
+        self.fleet.close()
+
+
+def gateway_of(request: Request) -> Gateway:
+    """The app's :class:`Gateway`."""
+    gateway: Gateway = request.app.state.gateway
+    return gateway
+
+
+GatewayDep = Annotated[Gateway, Depends(gateway_of)]
+
+
+def _caller(
+    api_key: Annotated[str | None, Depends(_api_key)],
+    bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    gw: GatewayDep,
+) -> str:
+    """The caller's rate-limit bucket; 401 unless a key is one of api.api_keys (when any is set)."""
+    key = api_key or (bearer.credentials if bearer else None)
+    if gw.keys and not (key and any(hmac.compare_digest(key.encode(), k) for k in gw.keys)):
+        raise HTTPException(
+            401,
+            f"{'wrong' if key else 'missing'} API key: send header {API_KEY_HEADER} or "
+            "'Authorization: Bearer <key>' with one of the keys in api.api_keys",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    return rate_key_for(key)
+
+
+CallerDep = Annotated[str, Depends(_caller)]

@@ -1,0 +1,180 @@
+"""Error responses of the gateway, in the shape of the route that failed.
+
+* Native routes: ``{"error": code, "type": class, "message", "field", "limit"}`` (:class:`ErrorBody`).
+* OpenAI routes (:func:`is_openai_path`): ``{"error": {"message", "type", "param", "code"}}``, where
+  ``type`` is OpenAI's family (``invalid_request_error``, ``authentication_error``,
+  ``rate_limit_error``, ``timeout_error``, ``server_error``), ``param`` the field that broke a
+  limit and ``code`` the fleet's error code (``input_too_long``, ``queue_full``, …).
+
+Status codes: invalid input 422 on native routes and 400 on OpenAI ones (an unknown model: 404 there,
+as OpenAI answers); 401 bad key; 404 unknown request; 409 cancelled, or a known request ID sent again
+with another body; 413 body too large; 429 admission (+ ``Retry-After``); 503 Redis down; 504 no
+result in time (the request may still finish: poll ``GET /v1/requests/{id}`` with the ``X-Request-ID``
+header's value).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import redis
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from kombu.exceptions import OperationalError
+from starlette.exceptions import HTTPException
+
+from gateway.schema import ErrorBody
+from protocol.errors import (
+    AdmissionRefused,
+    FleetError,
+    IdempotencyConflict,
+    InvalidRequest,
+    RequestCancelled,
+    RequestExpired,
+    RequestNotFound,
+    ResultTimeout,
+    UnknownModel,
+)
+
+__all__ = [
+    "ERROR_RESPONSES",
+    "OPENAI_PATHS",
+    "error_payload",
+    "fleet_error_response",
+    "install_error_handlers",
+    "is_openai_path",
+    "openai_error",
+    "openai_error_of",
+    "relay_error",
+    "status_of",
+]
+
+log = logging.getLogger("fleet.api")
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody, "description": text}
+    for code, text in {
+        401: "missing or wrong API key",
+        413: "body or batch too large",
+        422: "invalid request (names the field and the limit)",
+        429: "refused by admission control; see Retry-After",
+        503: "Redis unreachable",
+    }.items()
+}
+"""The errors every native route may answer with, for the OpenAPI document."""
+
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models")
+"""Routes that answer in OpenAI's shapes (``/v1/models/{model}`` included)."""
+
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    429: "rate_limit_error",
+    504: "timeout_error",
+}
+
+
+def is_openai_path(path: str) -> bool:
+    """True for the OpenAI-compatible routes."""
+    return path in OPENAI_PATHS or path.startswith("/v1/models/")
+
+
+def openai_error(status: int, payload: dict[str, Any]) -> dict[str, Any]:
+    """A native error payload in OpenAI's shape."""
+    kind = _OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    error = {"message": payload["message"], "type": kind, "param": payload.get("field"), "code": payload["error"]}
+    return {"error": error}
+
+
+def openai_error_of(exc: FleetError) -> dict[str, Any]:
+    """``exc`` in OpenAI's shape (its ``type`` from the status it would answer with)."""
+    return openai_error(status_of(exc, openai=True), exc.to_payload())
+
+
+def relay_error(exc: Exception, request_id: str) -> FleetError:
+    """What a stream relay reports when reading the stream failed: ``exc`` itself when it is a FleetError
+    (silence past the wait, an unreadable entry), else Redis trouble, pointing at the ID to poll."""
+    if isinstance(exc, FleetError):
+        return exc
+    msg = f"the queue (Redis) failed while streaming {request_id}: {exc}; poll GET /v1/requests/{request_id}"
+    return FleetError(msg, "stream", None)
+
+
+def error_payload(code: str, kind: str, message: str, field: str | None = None, limit: Any = None) -> dict[str, Any]:
+    """A native error payload."""
+    return {"error": code, "type": kind, "message": message, "field": field, "limit": limit}
+
+
+def status_of(exc: FleetError, *, openai: bool) -> int:
+    """The HTTP status of a FleetError on a native (``openai`` False) or OpenAI route."""
+    if isinstance(exc, AdmissionRefused):
+        return 429
+    if isinstance(exc, UnknownModel) and openai:
+        return 404
+    if isinstance(exc, InvalidRequest):
+        return 400 if openai else 422
+    if isinstance(exc, RequestNotFound):
+        return 404
+    if isinstance(exc, RequestCancelled | IdempotencyConflict):
+        return 409
+    if isinstance(exc, ResultTimeout | RequestExpired):
+        return 504
+    return 500
+
+
+def _respond(
+    request: Request, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None
+) -> JSONResponse:
+    body = openai_error(status, payload) if is_openai_path(request.url.path) else payload
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def fleet_error_response(exc: FleetError, *, openai: bool, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The response for ``exc`` (``Retry-After`` added for admission refusals)."""
+    status = status_of(exc, openai=openai)
+    extra = dict(headers or {})
+    if isinstance(exc, AdmissionRefused):
+        extra["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+    payload = exc.to_payload()
+    return JSONResponse(openai_error(status, payload) if openai else payload, status_code=status, headers=extra)
+
+
+def _on_fleet_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, FleetError)
+    if isinstance(exc, AdmissionRefused):
+        request.app.state.gateway.metrics.refused.labels(exc.code).inc()
+    return fleet_error_response(exc, openai=is_openai_path(request.url.path))
+
+
+def _on_invalid(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errs = exc.errors()
+    first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+    field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
+    more = f" (and {len(errs) - 1} more errors)" if len(errs) > 1 else ""
+    err = InvalidRequest(f"invalid field {field}: {first['msg']}{more}", field)
+    return fleet_error_response(err, openai=is_openai_path(request.url.path))
+
+
+def _on_http(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPException)
+    code = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http")
+    payload = error_payload(code, "HTTPError", str(exc.detail))
+    return _respond(request, exc.status_code, payload, dict(exc.headers or {}))
+
+
+def _on_redis_down(request: Request, exc: Exception) -> JSONResponse:
+    log.warning("Redis unreachable: %s", exc)
+    msg = f"the queue (Redis) is unreachable: {type(exc).__name__}; retry later"
+    return _respond(request, 503, error_payload("unavailable", type(exc).__name__, msg), {"Retry-After": "5"})
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register the handlers above on ``app``."""
+    app.add_exception_handler(FleetError, _on_fleet_error)
+    app.add_exception_handler(RequestValidationError, _on_invalid)
+    app.add_exception_handler(HTTPException, _on_http)
+    app.add_exception_handler(redis.RedisError, _on_redis_down)
+    app.add_exception_handler(OperationalError, _on_redis_down)

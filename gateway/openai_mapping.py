@@ -1,0 +1,303 @@
+"""OpenAI requests into the fleet's own, and the fleet's results and stream events back (pure: no I/O).
+
+Requests
+    ``max_tokens`` (chat: ``max_completion_tokens`` first) → ``max_new_tokens``; default 16 on
+    ``/v1/completions`` (OpenAI's), the model's ``limits.max_new_tokens`` on chat.
+    ``temperature`` (default 1, OpenAI's; 0 = greedy), ``top_p``, ``seed`` (default 0: the fleet's
+    sampling is always seeded, so equal requests give equal tokens), ``stop`` (a string or a list)
+    map one to one, as do the fleet extensions ``top_k``, ``repetition_penalty``, ``ignore_eos``,
+    ``stop_token_ids``. Refused with a 400 naming the field: ``n``/``best_of`` other than 1,
+    non-zero ``frequency_penalty``/``presence_penalty`` (the fleet has ``repetition_penalty``
+    instead), ``logit_bias``, ``logprobs``/``top_logprobs``, ``echo``, ``suffix``, ``tools``,
+    ``tool_choice`` other than "none", ``response_format`` other than text, embedding ``dimensions``.
+
+Results
+    ``finish_reason``: the fleet's ``stop`` → "stop", ``length`` → "length", ``deadline`` →
+    "length" (a time budget ran out), ``cancelled`` → "stop" (only another caller's cancel shows
+    here; the native ``GET /v1/requests/{id}`` keeps the exact reason). ``usage`` is the worker's.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import struct
+from collections.abc import Sequence
+from typing import Any, Literal, TypeVar
+
+from pydantic import ValidationError
+
+from gateway.errors import openai_error_of
+from gateway.openai_schema import (
+    ChatBody,
+    ChatChoice,
+    ChatCompletion,
+    ChatResponseMessage,
+    CompletionBody,
+    CompletionChoice,
+    CompletionResponse,
+    CompletionUsage,
+    EmbeddingBody,
+    EmbeddingData,
+    EmbeddingList,
+    EmbeddingUsage,
+)
+from protocol.errors import FleetError, InvalidRequest, error_from_payload
+from protocol.messages import FinishReason, GenerationParams, InferenceResult, Usage, as_invalid_request
+from protocol.streams import StreamEvent
+
+__all__ = [
+    "COMPLETIONS_DEFAULT_MAX_TOKENS",
+    "DEFAULT_TEMPERATURE",
+    "ChunkWriter",
+    "Prompt",
+    "chat_messages",
+    "chat_response",
+    "check_supported",
+    "completion_prompt",
+    "completion_response",
+    "embedding_inputs",
+    "embedding_list",
+    "finish_reason",
+    "generation_params",
+    "rename_field",
+]
+
+DEFAULT_TEMPERATURE = 1.0
+"""OpenAI's default temperature."""
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+"""OpenAI's default ``max_tokens`` for ``/v1/completions``."""
+
+Prompt = tuple[list[int] | None, str | None]
+"""One prompt: ``(token ids, None)`` or ``(None, text)``."""
+Face = Literal["completion", "chat"]
+E = TypeVar("E", bound=FleetError)
+
+
+def _refuse(field: str, value: Any, why: str, limit: Any = None) -> InvalidRequest:
+    return InvalidRequest(f"{field} = {value!r} is not supported: {why}", field, limit)
+
+
+def check_supported(body: CompletionBody | ChatBody | EmbeddingBody) -> None:
+    """Refuse the OpenAI fields the fleet cannot honour.
+
+    Raises:
+        InvalidRequest: naming the first such field (``n``, ``frequency_penalty``, ``tools``, …).
+    """
+    if isinstance(body, EmbeddingBody):
+        if body.dimensions is not None:
+            raise _refuse("dimensions", body.dimensions, "embeddings have the model's own size")
+        return
+    if body.n not in (None, 1):
+        raise _refuse("n", body.n, "one choice per request (n=1); send separate requests", 1)
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(body, name)
+        if value not in (None, 0):
+            raise _refuse(name, value, "only 0; the fleet's repetition_penalty (in the body) penalises repeats", 0)
+    if body.logit_bias:
+        raise _refuse("logit_bias", body.logit_bias, "no logit bias")
+    if isinstance(body, CompletionBody):
+        checks = {"best_of": body.best_of not in (None, 1), "echo": bool(body.echo)}
+        checks |= {"logprobs": body.logprobs is not None, "suffix": body.suffix is not None}
+    else:
+        fmt = (body.response_format or {}).get("type", "text")
+        checks = {"logprobs": bool(body.logprobs), "top_logprobs": body.top_logprobs is not None}
+        checks |= {"tools": bool(body.tools), "tool_choice": body.tool_choice not in (None, "none")}
+        checks |= {"response_format": fmt != "text"}
+    for name, refused in checks.items():
+        if refused:
+            raise _refuse(name, getattr(body, name), "the fleet returns plain text without log-probabilities")
+
+
+def generation_params(body: CompletionBody | ChatBody, *, default_max_tokens: int) -> GenerationParams:
+    """The fleet's sampling parameters for ``body`` (``stream`` set from ``body.stream``).
+
+    Raises:
+        InvalidRequest: a value out of the fleet's range, naming the OpenAI field.
+    """
+    max_field = "max_completion_tokens" if isinstance(body, ChatBody) and body.max_completion_tokens else "max_tokens"
+    max_tokens = getattr(body, max_field)
+    fields: dict[str, Any] = {
+        "max_new_tokens": max_tokens if max_tokens is not None else default_max_tokens,
+        "temperature": DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+        "top_p": body.top_p,
+        "seed": body.seed,
+        "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
+        "top_k": body.top_k,
+        "repetition_penalty": body.repetition_penalty,
+        "ignore_eos": body.ignore_eos,
+        "stop_token_ids": body.stop_token_ids,
+        "stream": bool(body.stream),
+    }
+    try:
+        return GenerationParams.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValidationError as exc:
+        raise rename_field(as_invalid_request(exc), {"max_new_tokens": max_field}) from exc
+
+
+def rename_field(exc: E, names: dict[str, str], prefix: str = "") -> E:
+    """An InvalidRequest ``exc`` with its field named as the caller named it: ``prefix`` stripped, then
+    ``names`` applied to the whole field, else to its first name (``output.generation.max_new_tokens``
+    → ``max_tokens``, ``input_ids[3]`` → ``prompt[3]``); a renamed first name is renamed in the message
+    too. Other errors come back as they are."""
+    if not isinstance(exc, InvalidRequest) or not exc.field:
+        return exc
+    field = exc.field[len(prefix) :] if prefix and exc.field.startswith(prefix) else exc.field
+    if field in names:
+        return type(exc)(exc.message, names[field], exc.limit)
+    head = re.match(r"[A-Za-z_]*", field).group()  # type: ignore[union-attr]  # always matches
+    renamed = names.get(head, head) + field[len(head) :]
+    return type(exc)(exc.message.replace(exc.field, renamed), renamed, exc.limit)
+
+
+def _one(items: Sequence[Any], field: str) -> Any:
+    if len(items) != 1:
+        raise InvalidRequest(f"{field} holds {len(items)} prompts; send one prompt per request", field, 1)
+    return items[0]
+
+
+def completion_prompt(body: CompletionBody) -> Prompt:
+    """The one prompt of a completion: text, token ids, or a list of exactly one of either.
+
+    Raises:
+        InvalidRequest: several prompts, or none (field ``prompt``).
+    """
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return None, prompt
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return list(prompt), None  # type: ignore[arg-type]
+    first = _one(prompt, "prompt")
+    return (None, first) if isinstance(first, str) else (list(first), None)
+
+
+def _text_of(content: Any, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise InvalidRequest(
+                f"{where}.content[{j}].type = {part.type!r}: only text parts are supported",
+                f"{where}.content[{j}].type",
+                "text",
+            )
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def chat_messages(body: ChatBody) -> list[dict[str, Any]]:
+    """The conversation as a chat template sees it: ``{"role", "content"}`` (+ ``name``), content text.
+
+    Raises:
+        InvalidRequest: a content part that is not text (image, audio, …), naming it.
+    """
+    out = []
+    for i, message in enumerate(body.messages):
+        item = {"role": message.role, "content": _text_of(message.content, f"messages[{i}]")}
+        if message.name is not None:
+            item["name"] = message.name
+        out.append(item)
+    return out
+
+
+def embedding_inputs(body: EmbeddingBody) -> list[Prompt]:
+    """One prompt per vector asked for.
+
+    Raises:
+        InvalidRequest: an empty ``input``.
+    """
+    given = body.input
+    if isinstance(given, str):
+        return [(None, given)]
+    if not given:
+        raise InvalidRequest("input is empty: give a text, texts, token ids or lists of token ids", "input", 1)
+    if all(isinstance(x, int) for x in given):
+        return [(list(given), None)]  # type: ignore[arg-type]
+    return [(None, x) if isinstance(x, str) else (list(x), None) for x in given]  # type: ignore[arg-type]
+
+
+def finish_reason(reason: FinishReason | None) -> str:
+    """OpenAI's finish_reason for the fleet's (see the module docstring)."""
+    return {"length": "length", "deadline": "length"}.get(reason or "stop", "stop")
+
+
+def _usage(usage: Usage) -> CompletionUsage:
+    return CompletionUsage(**usage.model_dump())
+
+
+def completion_response(rid: str, model: str, created: int, result: InferenceResult) -> CompletionResponse:
+    """A finished generation as a ``text_completion``."""
+    gen = result.generation
+    if gen is None:  # pragma: no cover - a generate request always has one
+        raise ValueError(f"result {rid} holds no generation")
+    choice = CompletionChoice(text=gen.text or "", finish_reason=finish_reason(gen.finish_reason))
+    return CompletionResponse(id=f"cmpl-{rid}", created=created, model=model, choices=[choice], usage=_usage(gen.usage))
+
+
+def chat_response(rid: str, model: str, created: int, result: InferenceResult) -> ChatCompletion:
+    """A finished generation as a ``chat.completion``."""
+    gen = result.generation
+    if gen is None:  # pragma: no cover - a generate request always has one
+        raise ValueError(f"result {rid} holds no generation")
+    choice = ChatChoice(
+        message=ChatResponseMessage(content=gen.text or ""), finish_reason=finish_reason(gen.finish_reason)
+    )
+    return ChatCompletion(id=f"chatcmpl-{rid}", created=created, model=model, choices=[choice], usage=_usage(gen.usage))
+
+
+def embedding_list(model: str, results: Sequence[InferenceResult], encoding_format: str) -> EmbeddingList:
+    """Vectors in input order; ``base64`` packs each as little-endian float32, as OpenAI does."""
+    data = []
+    for i, result in enumerate(results):
+        vector = result.embedding or []
+        packed = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+        data.append(EmbeddingData(index=i, embedding=packed if encoding_format == "base64" else vector))
+    tokens = sum(r.input_tokens for r in results)
+    return EmbeddingList(data=data, model=model, usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+
+
+class ChunkWriter:
+    """Stream events of one generation → OpenAI chunk payloads (``data:`` frames without the framing).
+
+    Chat streams open with a ``{"role": "assistant"}`` delta; each token with text adds a delta; the
+    final event gives a chunk with ``finish_reason`` (and its held-back text), then — with
+    ``include_usage`` — a chunk with ``usage`` and no choices. An error event gives OpenAI's error
+    object, which the SDKs raise as ``APIError``.
+    """
+
+    def __init__(self, face: Face, rid: str, model: str, created: int, *, include_usage: bool = False) -> None:
+        self.face = face
+        self.model = model
+        self.created = created
+        self.include_usage = include_usage
+        self.id = f"chatcmpl-{rid}" if face == "chat" else f"cmpl-{rid}"
+        self.object = "chat.completion.chunk" if face == "chat" else "text_completion"
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        head = {"id": self.id, "object": self.object, "created": self.created, "model": self.model}
+        return {**head, "choices": choices, **extra}
+
+    def _choice(self, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+        if self.face == "completion":
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+        if text:
+            delta["content"] = text
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    def opening(self) -> list[dict[str, Any]]:
+        """What a stream starts with before any token (chat: the role)."""
+        return [self._chunk([self._choice(None, None, role=True)])] if self.face == "chat" else []
+
+    def on_event(self, event: StreamEvent) -> list[dict[str, Any]]:
+        """The payloads one event gives (none for a token that adds no text yet)."""
+        if event.type == "token":
+            return [self._chunk([self._choice(event.text, None)])] if event.text else []
+        if event.type == "error":
+            err = error_from_payload(event.error or "FleetError", [event.message or "", event.field, event.limit])
+            return [openai_error_of(err)]
+        out = [self._chunk([self._choice(event.text, finish_reason(event.finish_reason))])]
+        if self.include_usage and event.usage is not None:
+            out.append(self._chunk([], usage=_usage(event.usage).model_dump()))
+        return out

@@ -1,0 +1,294 @@
+"""OpenAI-compatible routes: the official SDKs work against ``base_url=http://<gateway>/v1``.
+
+::
+
+    POST /v1/completions        prompt (text or token ids) → text_completion   stream: SSE chunks
+    POST /v1/chat/completions   messages → chat template → chat.completion    stream: SSE chunks
+    POST /v1/embeddings         encoder models; float or base64 vectors
+    GET  /v1/models             OpenAI's list; each entry also carries the fleet's view of the model
+    GET  /v1/models/{model}     one entry
+
+``/v1/models`` is both faces' model list: OpenAI's shape (``{"object": "list", "data": [{"id",
+"object": "model", "created", "owned_by"}]}``) with the fleet's fields added to each entry (queue,
+version, served_versions, ready, ready_workers, workers, queue_depth, max_queue_depth,
+max_input_tokens, max_new_tokens); the SDKs keep extra keys as attributes.
+
+Every call becomes ordinary fleet requests (:meth:`FleetClient.build_request`, then
+:meth:`FleetClient.send` with admission control and the caller's rate bucket) and answers with
+header ``X-Request-ID`` (embeddings: the IDs, comma-separated), so a caller that gives up waiting can
+poll ``GET /v1/requests/{id}``. A non-streaming call waits on the event loop for the stored result
+(:mod:`gateway.outcomes`); a streaming one relays the request's Redis Stream (``XREAD BLOCK`` on
+redis.asyncio) as OpenAI chunks and ends with ``data: [DONE]``. If the client disconnects before
+the end, the request is cancelled (``fleet:cancel:<id>`` + ``fleet:cancels``): the worker ends the
+sequence at its next step. Mapping of fields and finish reasons: :mod:`gateway.openai_mapping`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from functools import lru_cache, partial
+from pathlib import Path
+from typing import Annotated, Any
+
+import redis
+from fastapi import APIRouter, Response
+from fastapi import Path as PathParam
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from gateway.chat import ChatTemplate, load_chat, render_chat
+from gateway.deps import CallerDep, Gateway, GatewayDep
+from gateway.errors import fleet_error_response, openai_error_of, relay_error
+from gateway.openai_mapping import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    ChunkWriter,
+    Face,
+    Prompt,
+    chat_messages,
+    chat_response,
+    check_supported,
+    completion_prompt,
+    completion_response,
+    embedding_inputs,
+    embedding_list,
+    generation_params,
+    rename_field,
+)
+from gateway.openai_schema import (
+    ChatBody,
+    ChatCompletion,
+    CompletionBody,
+    CompletionResponse,
+    EmbeddingBody,
+    EmbeddingList,
+    ModelObject,
+    ModelObjectList,
+)
+from gateway.outcomes import WAIT_S, await_outcomes
+from gateway.sse import DONE_FRAME, EventStream, sse_frame
+from producer.registry import read_fleet_state
+from producer.streams import aiter_events
+from protocol.errors import FleetError, InvalidRequest, ModelLoadError, RequestNotFound
+from protocol.generation_config import load_generation_defaults
+from protocol.keys import CANCEL_CHANNEL, CANCEL_KEY
+from protocol.messages import InferenceRequest, InferenceResult
+from protocol.modelcard import load_card
+
+__all__ = ["router"]
+
+log = logging.getLogger("fleet.api")
+
+router = APIRouter(tags=["openai"])
+SSE: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {}}, "description": "with stream: true, SSE chunks"}
+}
+
+
+@dataclass(frozen=True)
+class _ModelFacts:
+    """What the OpenAI routes read from a model's folder: its chat template and generation bounds."""
+
+    chat: ChatTemplate | None
+    default_max_new_tokens: int | None
+    max_positions: int | None
+
+
+@lru_cache(maxsize=64)
+def _facts(path: Path) -> _ModelFacts:
+    try:
+        card = load_card(path)
+    except ModelLoadError:  # the model file is not on this machine: workers validate for us
+        return _ModelFacts(None, None, None)
+    return _ModelFacts(load_chat(path), load_generation_defaults(path, card).max_new_tokens, card.max_positions)
+
+
+def _default_max_tokens(facts: _ModelFacts, prompt_tokens: int, fallback: int) -> int:
+    """The model's default ``max_new_tokens`` (else ``fallback``), cut to what fits beside the prompt."""
+    wanted = facts.default_max_new_tokens or fallback
+    room = facts.max_positions - prompt_tokens if facts.max_positions else wanted
+    return max(1, min(wanted, room))
+
+
+def _build(gw: Gateway, body: CompletionBody | ChatBody, prompt: Prompt, field: str) -> InferenceRequest:
+    """Tokenize, map the sampling fields and validate one generation (runs in a worker thread).
+
+    Raises:
+        InvalidRequest: naming the OpenAI field (``prompt``/``messages``, ``max_tokens``, …).
+    """
+    max_field = "max_completion_tokens" if isinstance(body, ChatBody) and body.max_completion_tokens else "max_tokens"
+    names = {"input_ids": field, "text": field, "max_new_tokens": max_field, "output.kind": "model"}
+    try:
+        key = gw.settings.model_key(body.model)
+        ids, text = prompt
+        ids = ids if ids is not None else gw.fleet.tokenize(key, text or "")
+        spec = gw.settings.models[key]
+        fallback = COMPLETIONS_DEFAULT_MAX_TOKENS if field == "prompt" else spec.limits.max_new_tokens
+        params = generation_params(body, default_max_tokens=_default_max_tokens(_facts(spec.path), len(ids), fallback))
+        return gw.fleet.build_request(key, ids, kind="generate", generation=params)
+    except InvalidRequest as exc:
+        raise rename_field(exc, names, prefix="output.generation.") from exc
+
+
+def _chat_prompt(gw: Gateway, body: ChatBody) -> Prompt:
+    key = gw.settings.model_key(body.model)
+    template = _facts(gw.settings.models[key].path).chat
+    if template is None:
+        raise InvalidRequest(
+            f"model {body.model!r} has no chat template (chat_template in tokenizer_config.json or "
+            "chat_template.jinja next to its file): use /v1/completions with a prompt",
+            "messages",
+        )
+    return None, render_chat(template, chat_messages(body))
+
+
+@router.post("/v1/completions", response_model=CompletionResponse, responses=SSE)
+async def completions(body: CompletionBody, rate_key: CallerDep, gw: GatewayDep) -> Response:
+    """Complete one prompt (text or token ids); ``stream: true`` for SSE chunks."""
+    check_supported(body)
+    request = await run_in_threadpool(_build, gw, body, completion_prompt(body), "prompt")
+    return await _generate(gw, request, rate_key, "completion", body)
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletion, responses=SSE)
+async def chat_completions(body: ChatBody, rate_key: CallerDep, gw: GatewayDep) -> Response:
+    """Answer a conversation rendered with the model's chat template; ``stream: true`` for SSE chunks."""
+    check_supported(body)
+    prompt = await run_in_threadpool(_chat_prompt, gw, body)
+    request = await run_in_threadpool(_build, gw, body, prompt, "messages")
+    return await _generate(gw, request, rate_key, "chat", body)
+
+
+async def _generate(
+    gw: Gateway, request: InferenceRequest, rate_key: str, face: Face, body: CompletionBody | ChatBody
+) -> Response:
+    rid = await run_in_threadpool(partial(gw.fleet.send, request, rate_key=rate_key))
+    headers = {"X-Request-ID": rid}
+    created = int(time.time())
+    if body.stream:
+        usage = bool(body.stream_options and body.stream_options.include_usage)
+        writer = ChunkWriter(face, rid, body.model, created, include_usage=usage)
+        ended: list[bool] = []
+        return EventStream(
+            _frames(gw, rid, writer, ended), finished=lambda: bool(ended), on_abort=partial(_cancel, gw, rid),
+            headers=headers,
+        )
+    try:
+        outcome = (await await_outcomes(gw.fleet, gw.aredis, [rid], timeout_s=WAIT_S))[rid]
+    except FleetError as exc:
+        return fleet_error_response(exc, openai=True, headers=headers)
+    if isinstance(outcome, FleetError):
+        names = {"input_ids": "prompt" if face == "completion" else "messages", "max_new_tokens": "max_tokens"}
+        return fleet_error_response(rename_field(outcome, names, "output.generation."), openai=True, headers=headers)
+    make = completion_response if face == "completion" else chat_response
+    return JSONResponse(make(rid, body.model, created, outcome).model_dump(mode="json"), headers=headers)
+
+
+async def _frames(gw: Gateway, rid: str, writer: ChunkWriter, ended: list[bool]) -> AsyncIterator[bytes]:
+    """The SSE frames of one generation; ``ended`` gets an entry once the stream's end was read."""
+    for payload in writer.opening():
+        yield sse_frame(payload)
+    try:
+        async for event in aiter_events(gw.aredis, rid, timeout_s=WAIT_S):
+            if event.is_last:
+                ended.append(True)
+            for payload in writer.on_event(event):
+                yield sse_frame(payload)
+    except (FleetError, redis.RedisError) as exc:  # say so; leave the request be (it can be polled)
+        ended.append(True)
+        yield sse_frame(openai_error_of(relay_error(exc, rid)))
+    yield DONE_FRAME
+
+
+async def _cancel(gw: Gateway, rid: str) -> None:
+    """The client left mid-stream: mark the request cancelled and tell the running workers."""
+    try:
+        async with gw.aredis.pipeline(transaction=False) as pipe:
+            pipe.set(CANCEL_KEY.format(id=rid), "1", ex=gw.settings.result_ttl_s)
+            pipe.publish(CANCEL_CHANNEL, rid)
+            await pipe.execute()
+    except redis.RedisError as exc:
+        log.warning("could not cancel %s after its client left: %s", rid, exc)
+
+
+@router.post("/v1/embeddings", response_model=EmbeddingList)
+async def embeddings(body: EmbeddingBody, rate_key: CallerDep, gw: GatewayDep) -> Response:
+    """One vector per input (text or token ids) from an encoder model; queued all or none."""
+    check_supported(body)
+    ids = await run_in_threadpool(_send_embeddings, gw, body, rate_key)
+    headers = {"X-Request-ID": ",".join(ids)}
+    try:
+        outcomes = await await_outcomes(gw.fleet, gw.aredis, ids, timeout_s=WAIT_S)
+    except FleetError as exc:
+        return fleet_error_response(exc, openai=True, headers=headers)
+    results: list[InferenceResult] = []
+    for i, rid in enumerate(ids):
+        outcome = outcomes[rid]
+        if isinstance(outcome, FleetError):
+            named = rename_field(outcome, {"input_ids": f"input[{i}]"})
+            return fleet_error_response(named, openai=True, headers=headers)
+        results.append(outcome)
+    vectors = embedding_list(body.model, results, body.encoding_format)
+    return JSONResponse(vectors.model_dump(mode="json"), headers=headers)
+
+
+def _send_embeddings(gw: Gateway, body: EmbeddingBody, rate_key: str) -> list[str]:
+    """Build every input's request, admit them together, queue them (in a worker thread)."""
+    prompts = embedding_inputs(body)
+    cap = gw.settings.api.max_batch_requests
+    if len(prompts) > cap:
+        raise InvalidRequest(f"input has {len(prompts)} items; the limit is api.max_batch_requests={cap}", "input", cap)
+    built = []
+    for i, (ids, text) in enumerate(prompts):
+        field = "input" if len(prompts) == 1 else f"input[{i}]"
+        try:
+            built.append(gw.fleet.build_request(body.model, ids, text=text, kind="embedding"))
+        except InvalidRequest as exc:
+            raise rename_field(exc, {"input_ids": field, "text": field, "output.kind": "model"}) from exc
+    gw.fleet.admission.check_queue(built[0].model, len(built))
+    gw.fleet.admission.take_rate(rate_key, len(built))
+    return [gw.fleet.send(r, admit=False) for r in built]
+
+
+def _model_objects(gw: Gateway) -> list[ModelObject]:
+    state = read_fleet_state(gw.settings, gw.fleet.redis)
+    if state.redis_error:
+        raise redis.ConnectionError(state.redis_error)
+    out = []
+    for m in state.models:
+        spec = gw.settings.models[m.name]
+        created = int(spec.path.stat().st_mtime) if spec.path.exists() else 0
+        out.append(
+            ModelObject(
+                id=m.name,
+                created=created,
+                queue=m.queue,
+                version=m.configured_version,
+                served_versions=m.versions,
+                ready=m.ready_workers > 0,
+                ready_workers=m.ready_workers,
+                workers=len(m.workers),
+                queue_depth=m.depth,
+                max_queue_depth=m.max_queue_depth,
+                max_input_tokens=spec.limits.max_input_tokens,
+                max_new_tokens=spec.limits.max_new_tokens,
+            )
+        )
+    return out
+
+
+@router.get("/v1/models", response_model=ModelObjectList, tags=["fleet"])
+def models(_: CallerDep, gw: GatewayDep) -> ModelObjectList:
+    """Every configured model, in OpenAI's list shape, with versions, readiness and queue depth."""
+    return ModelObjectList(data=_model_objects(gw))
+
+
+@router.get("/v1/models/{model}", response_model=ModelObject, tags=["fleet"])
+def model(model: Annotated[str, PathParam(max_length=200)], _: CallerDep, gw: GatewayDep) -> ModelObject:
+    """One configured model (404 when none has that name)."""
+    found = [m for m in _model_objects(gw) if m.id == model]
+    if not found:
+        raise RequestNotFound(f"no model {model!r} is configured; GET /v1/models lists them", "model", None)
+    return found[0]

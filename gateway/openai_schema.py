@@ -1,0 +1,208 @@
+"""Bodies of the OpenAI-compatible routes, as OpenAI names them, and the responses they get.
+
+Requests are parsed leniently enough for the official SDKs (every field they send is declared) and
+strictly otherwise: an unknown field is a 400 naming it, and a field the fleet cannot honour
+(``n`` > 1, penalties, tools, logprobs, …) is refused by :mod:`gateway.openai_mapping` with a 400
+naming it too. Fleet extensions ride in the same body (``extra_body`` in the SDKs): ``top_k``,
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+__all__ = [
+    "ChatBody",
+    "ChatChoice",
+    "ChatCompletion",
+    "ChatMessage",
+    "CompletionBody",
+    "CompletionChoice",
+    "CompletionResponse",
+    "ContentPart",
+    "EmbeddingBody",
+    "EmbeddingData",
+    "EmbeddingList",
+    "EmbeddingUsage",
+    "ModelObject",
+    "ModelObjectList",
+    "StreamOptions",
+]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    """``include_usage``: one more chunk before ``[DONE]``, with ``usage`` and no choices."""
+
+    include_usage: StrictBool = False
+    include_obfuscation: StrictBool | None = Field(default=None, description="Accepted and ignored.")
+
+
+class _Sampling(_Body):
+    model: StrictStr = Field(min_length=1, max_length=200, examples=["demo-lm"])
+    max_tokens: StrictInt | None = Field(default=None, ge=1, description="-> max_new_tokens.")
+    temperature: float | None = Field(default=None, ge=0, le=2, description="Default 1 (OpenAI's); 0 = greedy.")
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: StrictInt | None = Field(default=None, description="Must be 1.")
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    stop: StrictStr | list[StrictStr] | None = Field(default=None, description="Up to 16 stop strings.")
+    seed: StrictInt | None = Field(default=None, description="Sampling seed (>= 0); default 0.")
+    frequency_penalty: float | None = Field(default=None, description="Only 0 (use repetition_penalty).")
+    presence_penalty: float | None = Field(default=None, description="Only 0 (use repetition_penalty).")
+    logit_bias: dict[str, float] | None = Field(default=None, description="Not supported (must be empty).")
+    user: StrictStr | None = Field(default=None, description="Accepted and ignored.")
+    # fleet extensions (vLLM names)
+    top_k: StrictInt | None = Field(default=None, ge=0, description="Fleet: sample among the top k; 0 = off.")
+    repetition_penalty: float | None = Field(default=None, description="Fleet: CTRL-style penalty; 1 = off.")
+    ignore_eos: StrictBool | None = Field(default=None, description="Fleet: generate past the EOS token.")
+    stop_token_ids: list[StrictInt] | None = Field(default=None, description="Fleet: ids that end generation.")
+
+
+class CompletionBody(_Sampling):
+    """``POST /v1/completions``: one prompt (text, or token ids), one choice."""
+
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]] = Field(
+        examples=["Once upon a time"], description="Text, or token ids; a list of one of either is one prompt too."
+    )
+    echo: StrictBool | None = Field(default=None, description="Not supported (must be false).")
+    logprobs: StrictInt | None = Field(default=None, description="Not supported (must be null).")
+    best_of: StrictInt | None = Field(default=None, description="Must be 1.")
+    suffix: StrictStr | None = Field(default=None, description="Not supported (must be null).")
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is supported."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class ChatMessage(_Body):
+    """One turn of the conversation."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[ContentPart] | None = None
+    name: StrictStr | None = None
+
+
+class ChatBody(_Sampling):
+    """``POST /v1/chat/completions``: messages rendered with the model's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, description="-> max_new_tokens.")
+    logprobs: StrictBool | None = Field(default=None, description="Not supported (must be false).")
+    top_logprobs: StrictInt | None = Field(default=None, description="Not supported (must be null).")
+    tools: list[Any] | None = Field(default=None, description="Not supported.")
+    tool_choice: Any = Field(default=None, description="Not supported.")
+    parallel_tool_calls: StrictBool | None = Field(default=None, description="Accepted and ignored.")
+    response_format: dict[str, Any] | None = Field(default=None, description="Only {'type': 'text'}.")
+
+
+class EmbeddingBody(_Body):
+    """``POST /v1/embeddings`` (encoder models): one vector per input."""
+
+    model: StrictStr = Field(min_length=1, max_length=200, examples=["demo-encoder"])
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]] = Field(
+        description="A text, texts, token ids, or lists of token ids."
+    )
+    encoding_format: Literal["float", "base64"] = Field(
+        default="float", description="'base64': little-endian float32 bytes (the SDKs ask for this)."
+    )
+    dimensions: StrictInt | None = Field(default=None, description="Not supported (must be null).")
+    user: StrictStr | None = Field(default=None, description="Accepted and ignored.")
+
+
+# -- responses -----------------------------------------------------------------------------------
+class CompletionUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = Field(description="stop | length (a deadline is reported as length); None mid-stream.")
+
+
+class CompletionResponse(BaseModel):
+    """A completion, and each chunk of a streamed one (``object`` is the same for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: None = None
+    finish_reason: str
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: CompletionUsage
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str = Field(description="Floats, or base64 of little-endian float32.")
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
+class ModelObject(BaseModel):
+    """OpenAI's model object plus the fleet's view of it (extra keys the SDKs keep as attributes)."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(description="The model file's modification time (unix s); 0 when not on this machine.")
+    owned_by: str = "onnx-fleet"
+    queue: str
+    version: str | None = Field(description="Configured version, else the model card's (None: unknown).")
+    served_versions: list[str] = Field(description="Versions that ready workers serve now.")
+    ready: bool = Field(description="At least one ready worker serves this model.")
+    ready_workers: int
+    workers: int
+    queue_depth: int
+    max_queue_depth: int
+    max_input_tokens: int
+    max_new_tokens: int
+
+
+class ModelObjectList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelObject]

@@ -1,0 +1,156 @@
+"""Streaming through a real gateway: OpenAI chunks with the SDK, tokens before the request completes,
+cancel on disconnect, 200 concurrent streams through one gateway process, and the native SSE route."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from protocol.keys import CANCEL_KEY, STREAM_KEY
+from protocol.streams import StreamEvent, encode_event
+from tests.integration.openai_fixtures import API_KEY, Served, ops_models, ops_redis, served, stored_meta
+from tests.integration.ops_fixtures import wait_until
+
+__all__ = ["ops_models", "ops_redis", "served"]
+
+NO_EOS = {"ignore_eos": True}
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def client(served: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.base_url, api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def _data_frames(lines: list[str]) -> list[str]:
+    return [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+
+
+def test_chat_stream_tokens_arrive_before_the_request_completes(served: Served, client: openai.OpenAI) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model="demo-lm",
+        messages=[{"role": "user", "content": "Tell me a long story"}],
+        max_tokens=256,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=NO_EOS,
+    )
+    rid = raw.headers["x-request-id"]
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    chunks = []
+    at_first_token: list[bytes | None] = []
+    for chunk in raw.parse():
+        if not at_first_token and chunk.choices and chunk.choices[0].delta.content:
+            at_first_token.append(stored_meta(served, rid))  # the stored result, read as the first text arrives
+        chunks.append(chunk)
+    assert at_first_token, "no chunk carried text"
+    assert at_first_token[0] is None or json.loads(at_first_token[0])["status"] != "SUCCESS"
+    assert chunks[0].choices[0].delta.role == "assistant" and all(c.id == f"chatcmpl-{rid}" for c in chunks)
+    *body, finish, usage = chunks
+    assert finish.choices[0].finish_reason == "length" and usage.choices == []
+    assert usage.usage is not None and usage.usage.completion_tokens == 256
+    text = "".join(c.choices[0].delta.content or "" for c in [*body, finish])
+    assert len(body) > 10  # one chunk per token that completed a character, not one block at the end
+    assert text == served.finished(rid)["result"]["generation"]["text"]
+
+
+def test_completion_stream_matches_the_non_streamed_text(client: openai.OpenAI) -> None:
+    args: dict[str, Any] = {"model": "demo-lm", "prompt": "Once", "max_tokens": 20, "temperature": 0}
+    whole = client.completions.create(**args, extra_body=NO_EOS)
+    chunks = list(client.completions.create(**args, stream=True, extra_body=NO_EOS))
+    assert all(c.object == "text_completion" for c in chunks)
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_disconnect_cancels_the_generation(served: Served) -> None:
+    body = {"model": "demo-lm", "prompt": "Go on", "max_tokens": 256, "stream": True, "temperature": 0, **NO_EOS}
+    with httpx.stream("POST", served.gateway.url + "/v1/completions", json=body, headers=AUTH, timeout=30) as resp:
+        rid = resp.headers["x-request-id"]
+        lines = resp.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
+    # the connection is closed here, mid-stream
+    wait_until(lambda: served.redis.exists(CANCEL_KEY.format(id=rid)), 10, "the cancel mark")
+    gen = served.finished(rid)["result"]["generation"]
+    assert gen["finish_reason"] == "cancelled" and gen["usage"]["completion_tokens"] < 256
+
+
+def test_error_event_becomes_an_error_chunk_then_done(served: Served) -> None:
+    """plain-lm has no worker: its request waits in the queue, and an error event written into its
+    stream (what a worker writes when it refuses a request) reaches the client as OpenAI's error."""
+    body = {"model": "plain-lm", "prompt": "Hi", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", served.gateway.url + "/v1/completions", json=body, headers=AUTH, timeout=30) as resp:
+        assert resp.status_code == 200
+        rid = resp.headers["x-request-id"]
+        error = StreamEvent(type="error", index=0, error="RequestExpired", message="deadline passed", field="deadline")
+        served.redis.xadd(STREAM_KEY.format(id=rid), encode_event(error))
+        frames = _data_frames(list(resp.iter_lines()))
+    assert frames[-1] == "[DONE]" and len(frames) == 2
+    assert json.loads(frames[0])["error"] == {
+        "message": "deadline passed", "type": "timeout_error", "param": "deadline", "code": "expired"
+    }
+    assert not served.redis.exists(CANCEL_KEY.format(id=rid))  # the stream ended: nothing to cancel
+
+
+async def _one_stream(http: httpx.AsyncClient, i: int) -> tuple[int, str | None, bool, float]:
+    body = {"model": "demo-lm", "prompt": f"stream {i}", "max_tokens": 4, "temperature": 0, "stream": True, **NO_EOS}
+    started = time.monotonic()
+    tokens, finish, done = 0, None, False
+    async with http.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            tokens += 1
+            finish = choice["finish_reason"] or finish
+    return tokens, finish, done, time.monotonic() - started
+
+
+def test_200_concurrent_streams_through_one_gateway(served: Served) -> None:
+    async def run() -> list[tuple[int, str | None, bool, float]]:
+        limits = httpx.Limits(max_connections=250, max_keepalive_connections=250)
+        async with httpx.AsyncClient(base_url=served.gateway.url, headers=AUTH, limits=limits, timeout=120) as http:
+            return await asyncio.gather(*(_one_stream(http, i) for i in range(200)))
+
+    started = time.monotonic()
+    outcomes = asyncio.run(run())
+    wall_s = time.monotonic() - started
+    assert all(done and finish == "length" and tokens >= 1 for tokens, finish, done, _ in outcomes), outcomes
+    print(f"200 streams of 4 tokens: {wall_s:.1f} s wall, slowest {max(o[3] for o in outcomes):.1f} s")
+
+
+def test_native_stream_of_a_native_generation(served: Served) -> None:
+    http = served.http
+    generation = {"max_new_tokens": 16, "ignore_eos": True}
+    resp = http.post("/v1/requests", json={"model": "demo-lm", "text": "Hi", "output": {"generation": generation}})
+    assert resp.status_code == 202, resp.text
+    rid = resp.json()["request_id"]
+    with http.stream("GET", f"/v1/requests/{rid}/stream") as sse:
+        assert sse.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(frame) for frame in _data_frames(list(sse.iter_lines()))]
+    tokens = [e for e in events if e["type"] == "token"]
+    assert [e["index"] for e in tokens] == list(range(16))
+    assert events[-1]["type"] == "final" and events[-1]["finish_reason"] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == 16
+    text = "".join(e.get("text", "") for e in events)
+    assert text == served.finished(rid)["result"]["generation"]["text"]
+    again = http.get(f"/v1/requests/{rid}/stream")  # after the end: the whole stream again, at once
+    assert _data_frames(again.text.splitlines()) == [json.dumps(e, separators=(",", ":")) for e in events]
+
+    plain = http.post("/v1/requests", json={"model": "demo-lm", "input_ids": [5, 6, 7]}).json()["request_id"]
+    conflict = http.get(f"/v1/requests/{plain}/stream")
+    assert conflict.status_code == 409 and "next_token" in conflict.json()["message"]
+    assert http.get("/v1/requests/never-submitted/stream").status_code == 404

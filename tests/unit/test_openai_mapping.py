@@ -1,0 +1,309 @@
+"""The OpenAI face's translation, pure: request fields → GenerationParams, refusals naming the field,
+prompts, chat rendering, results and stream events → OpenAI's shapes, error statuses."""
+
+from __future__ import annotations
+
+import base64
+import struct
+from typing import Any
+
+import pytest
+
+from gateway.chat import ChatTemplate, render_chat
+from gateway.errors import is_openai_path, openai_error, openai_error_of, status_of
+from gateway.openai_mapping import (
+    ChunkWriter,
+    chat_messages,
+    check_supported,
+    completion_prompt,
+    embedding_inputs,
+    embedding_list,
+    finish_reason,
+    generation_params,
+    rename_field,
+)
+from gateway.openai_schema import ChatBody, CompletionBody, EmbeddingBody
+from protocol.errors import (
+    IdempotencyConflict,
+    InputTooLong,
+    InvalidRequest,
+    QueueFull,
+    RequestCancelled,
+    RequestExpired,
+    RequestNotFound,
+    ResultTimeout,
+    UnknownModel,
+)
+from protocol.messages import Usage
+from protocol.streams import StreamEvent
+from tools.generation_assets import CHAT_TEMPLATE
+
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def completion(**fields: Any) -> CompletionBody:
+    return CompletionBody.model_validate({"model": "m", "prompt": "p", **fields})
+
+
+def chat(**fields: Any) -> ChatBody:
+    return ChatBody.model_validate({"model": "m", "messages": HI, **fields})
+
+
+# -- refusals ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (completion(n=2), "n"),
+        (completion(best_of=3), "best_of"),
+        (completion(frequency_penalty=0.1), "frequency_penalty"),
+        (completion(presence_penalty=-1.0), "presence_penalty"),
+        (completion(logit_bias={"5": 1.0}), "logit_bias"),
+        (completion(echo=True), "echo"),
+        (completion(logprobs=0), "logprobs"),
+        (completion(suffix="!"), "suffix"),
+        (chat(n=4), "n"),
+        (chat(logprobs=True), "logprobs"),
+        (chat(top_logprobs=2), "top_logprobs"),
+        (chat(tools=[{"type": "function"}]), "tools"),
+        (chat(tool_choice="auto"), "tool_choice"),
+        (chat(response_format={"type": "json_object"}), "response_format"),
+        (EmbeddingBody(model="e", input="x", dimensions=8), "dimensions"),
+    ],
+)
+def test_unsupported_fields_are_refused_by_name(body: Any, field: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        check_supported(body)
+    assert info.value.field == field and f"{field} = " in info.value.message
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        completion(),
+        completion(n=1, best_of=1, frequency_penalty=0, presence_penalty=0.0, logit_bias={}, echo=False, user="u"),
+        chat(n=1, logprobs=False, tool_choice="none", tools=[], response_format={"type": "text"}),
+        chat(parallel_tool_calls=True, stream_options={"include_usage": True}),
+        EmbeddingBody(model="e", input=["a"], encoding_format="base64", user="u"),
+    ],
+)
+def test_what_the_sdks_send_by_default_passes(body: Any) -> None:
+    check_supported(body)
+
+
+# -- sampling ------------------------------------------------------------------------------------
+def test_openai_defaults_and_one_to_one_fields() -> None:
+    assert generation_params(completion(), default_max_tokens=16).model_dump() == {
+        "max_new_tokens": 16, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0,
+        "stop_token_ids": [], "stop": [], "seed": None, "ignore_eos": False, "stream": False,
+    }  # fmt: skip
+    params = generation_params(
+        completion(max_tokens=7, temperature=0, top_p=0.5, seed=3, stop="\n", stream=True, top_k=4,
+                   repetition_penalty=1.2, ignore_eos=True, stop_token_ids=[2]),
+        default_max_tokens=16,
+    )  # fmt: skip
+    assert (params.max_new_tokens, params.temperature, params.top_p, params.seed) == (7, 0.0, 0.5, 3)
+    assert params.stop == ["\n"] and params.stream is True and params.top_k == 4
+    assert params.repetition_penalty == 1.2 and params.ignore_eos is True and params.stop_token_ids == [2]
+    assert generation_params(completion(stop=["a", "b"]), default_max_tokens=1).stop == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({}, 64),
+        ({"max_tokens": 5}, 5),
+        ({"max_completion_tokens": 9}, 9),
+        ({"max_tokens": 5, "max_completion_tokens": 9}, 9),
+    ],
+)
+def test_chat_length_prefers_max_completion_tokens(fields: dict[str, Any], expected: int) -> None:
+    assert generation_params(chat(**fields), default_max_tokens=64).max_new_tokens == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (completion(seed=-1), "seed"),
+        (completion(repetition_penalty=0.0), "repetition_penalty"),
+        (completion(stop=[str(i) for i in range(17)]), "stop"),
+        (completion(stop=["x" * 300]), "stop"),
+        (completion(top_k=2, stop_token_ids=list(range(65))), "stop_token_ids"),
+    ],
+)
+def test_out_of_range_values_name_the_openai_field(body: CompletionBody, field: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        generation_params(body, default_max_tokens=16)
+    assert info.value.field == field, info.value.message
+
+
+@pytest.mark.parametrize(
+    ("field", "names", "prefix", "renamed"),
+    [
+        ("output.generation.max_new_tokens", {"max_new_tokens": "max_tokens"}, "output.generation.", "max_tokens"),
+        ("input_ids", {"input_ids": "prompt"}, "", "prompt"),
+        ("input_ids[3]", {"input_ids": "input[1]"}, "", "input[1][3]"),
+        ("output.kind", {"output.kind": "model"}, "output.generation.", "model"),
+        ("request_id", {"input_ids": "prompt"}, "", "request_id"),
+    ],
+)
+def test_rename_field(field: str, names: dict[str, str], prefix: str, renamed: str) -> None:
+    exc = rename_field(InputTooLong(f"{field} has 70 tokens", field, 64), names, prefix)
+    assert isinstance(exc, InputTooLong) and exc.field == renamed and exc.limit == 64
+    not_invalid = RequestExpired("late", field, None)
+    assert rename_field(not_invalid, names, prefix) is not_invalid
+
+
+# -- prompts -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [("Hi", (None, "Hi")), (["Hi"], (None, "Hi")), ([5, 6], ([5, 6], None)), ([[5, 6]], ([5, 6], None))],
+)
+def test_completion_prompt_forms(prompt: Any, expected: Any) -> None:
+    assert completion_prompt(completion(prompt=prompt)) == expected
+
+
+@pytest.mark.parametrize("prompt", [["a", "b"], [[1], [2]], []])
+def test_one_prompt_per_completion(prompt: Any) -> None:
+    with pytest.raises(InvalidRequest, match="one prompt per request") as info:
+        completion_prompt(completion(prompt=prompt))
+    assert info.value.field == "prompt"
+
+
+def test_embedding_inputs() -> None:
+    assert embedding_inputs(EmbeddingBody(model="e", input="a")) == [(None, "a")]
+    assert embedding_inputs(EmbeddingBody(model="e", input=["a", "b"])) == [(None, "a"), (None, "b")]
+    assert embedding_inputs(EmbeddingBody(model="e", input=[1, 2])) == [([1, 2], None)]
+    assert embedding_inputs(EmbeddingBody(model="e", input=[[1], [2, 3]])) == [([1], None), ([2, 3], None)]
+    with pytest.raises(InvalidRequest) as info:
+        embedding_inputs(EmbeddingBody(model="e", input=[]))
+    assert info.value.field == "input"
+
+
+def test_chat_messages_join_text_parts_and_refuse_others() -> None:
+    body = chat(messages=[
+        {"role": "system", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+        {"role": "user", "content": "Hi", "name": "ann"},
+        {"role": "assistant", "content": None},
+    ])  # fmt: skip
+    assert chat_messages(body) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi", "name": "ann"},
+        {"role": "assistant", "content": ""},
+    ]
+    image = chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}])
+    with pytest.raises(InvalidRequest) as info:
+        chat_messages(image)
+    assert info.value.field == "messages[0].content[0].type"
+
+
+def test_chat_template_renders_as_transformers_does() -> None:
+    template = ChatTemplate(CHAT_TEMPLATE)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert render_chat(template, messages) == "<|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n"
+    hf_style = ChatTemplate(
+        "{{ bos_token }}{% for m in messages %}\n  {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}",
+        bos_token="<s>",
+    )
+    assert render_chat(hf_style, HI) == "<s>  user: Hi\nassistant:"  # trim_blocks / lstrip_blocks on
+    strict = ChatTemplate("{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}{% endif %}")
+    with pytest.raises(InvalidRequest, match="system first") as info:
+        render_chat(strict, HI)
+    assert info.value.field == "messages"
+    with pytest.raises(InvalidRequest):
+        render_chat(ChatTemplate("{{ messages[0].__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}"), HI)
+
+
+# -- results and streams -------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("fleet", "openai"), [("stop", "stop"), ("length", "length"), ("deadline", "length"), ("cancelled", "stop")]
+)
+def test_finish_reasons(fleet: Any, openai: str) -> None:
+    assert finish_reason(fleet) == openai
+
+
+USAGE = Usage(prompt_tokens=3, completion_tokens=2, total_tokens=5)
+
+
+def test_chat_chunks_open_with_the_role_and_end_with_finish_and_usage() -> None:
+    writer = ChunkWriter("chat", "r1", "demo-lm", 100, include_usage=True)
+    (opening,) = writer.opening()
+    assert opening["id"] == "chatcmpl-r1" and opening["object"] == "chat.completion.chunk"
+    assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    (tok,) = writer.on_event(StreamEvent(type="token", index=0, token_id=9, text="He"))
+    assert tok["choices"][0] == {"index": 0, "delta": {"content": "He"}, "logprobs": None, "finish_reason": None}
+    assert writer.on_event(StreamEvent(type="token", index=1, token_id=200, text="")) == []  # half a character
+    final, usage = writer.on_event(StreamEvent(type="final", index=2, text="é", finish_reason="length", usage=USAGE))
+    assert final["choices"][0]["delta"] == {"content": "é"} and final["choices"][0]["finish_reason"] == "length"
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+
+
+def test_completion_chunks() -> None:
+    writer = ChunkWriter("completion", "r2", "demo-lm", 100)
+    assert writer.opening() == []
+    (tok,) = writer.on_event(StreamEvent(type="token", index=0, token_id=9, text="a"))
+    assert tok["object"] == "text_completion" and tok["id"] == "cmpl-r2"
+    assert tok["choices"] == [{"index": 0, "text": "a", "logprobs": None, "finish_reason": None}]
+    (final,) = writer.on_event(StreamEvent(type="final", index=1, finish_reason="stop", usage=USAGE))
+    assert final["choices"][0]["text"] == "" and final["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    ("error", "status_type", "code"),
+    [
+        ("InputTooLong", "invalid_request_error", "input_too_long"),
+        ("RequestExpired", "timeout_error", "expired"),
+        ("RequestCancelled", "invalid_request_error", "cancelled"),
+        ("SomethingNew", "server_error", "fleet_error"),
+    ],
+)
+def test_error_events_become_openai_errors(error: str, status_type: str, code: str) -> None:
+    event = StreamEvent(type="error", index=0, error=error, message="why", field="input_ids", limit=64)
+    (payload,) = ChunkWriter("chat", "r", "m", 1).on_event(event)
+    assert payload == {"error": {"message": "why", "type": status_type, "param": "input_ids", "code": code}}
+
+
+def test_base64_embeddings_are_little_endian_float32() -> None:
+    from protocol.messages import InferenceResult
+
+    result = InferenceResult.model_validate({
+        "request_id": "r", "model": "e", "version": "1", "kind": "embedding", "input_tokens": 2,
+        "embedding": [0.5, -1.0, 0.25],
+        "timings": {"queue_wait_ms": 0, "batch_wait_ms": 0, "inference_ms": 0, "batch_size": 1,
+                    "padded_tokens": 2, "worker": "w"},
+    })  # fmt: skip
+    packed = embedding_list("e", [result, result], "base64")
+    raw = base64.b64decode(str(packed.data[1].embedding))
+    assert struct.unpack("<3f", raw) == (0.5, -1.0, 0.25) and packed.data[1].index == 1
+    assert packed.usage.prompt_tokens == packed.usage.total_tokens == 4
+    assert embedding_list("e", [result], "float").data[0].embedding == [0.5, -1.0, 0.25]
+
+
+# -- error statuses and shapes -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("exc", "native", "openai"),
+    [
+        (InputTooLong("m", "input_ids", 1), 422, 400),
+        (UnknownModel("m", "model", None), 422, 404),
+        (QueueFull("m", "model", 1, 2.0), 429, 429),
+        (RequestNotFound("m", "request_id", None), 404, 404),
+        (RequestCancelled("m", "request_id", None), 409, 409),
+        (IdempotencyConflict("m", "request_id", None), 409, 409),
+        (ResultTimeout("m", "timeout_s", 1), 504, 504),
+        (RequestExpired("m", "deadline", None), 504, 504),
+    ],
+)
+def test_status_of(exc: Any, native: int, openai: int) -> None:
+    assert (status_of(exc, openai=False), status_of(exc, openai=True)) == (native, openai)
+
+
+def test_openai_shapes_and_paths() -> None:
+    payload = {"error": "queue_full", "type": "QueueFull", "message": "full", "field": "model", "limit": 4}
+    assert openai_error(429, payload) == {
+        "error": {"message": "full", "type": "rate_limit_error", "param": "model", "code": "queue_full"}
+    }
+    assert openai_error_of(InputTooLong("long", "prompt", 64))["error"]["type"] == "invalid_request_error"
+    assert openai_error(401, {**payload, "error": "unauthorized"})["error"]["type"] == "authentication_error"
+    assert [is_openai_path(p) for p in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")] == [True] * 3
+    assert is_openai_path("/v1/models") and is_openai_path("/v1/models/demo-lm")
+    assert not any(is_openai_path(p) for p in ("/v1/requests", "/v1/requests/x/stream", "/healthz"))
