@@ -98,6 +98,7 @@ class _ModelFacts:
 
 @lru_cache(maxsize=64)
 def _facts(path: Path) -> _ModelFacts:
+    """Read once per model file and process: a template added later needs a gateway restart."""
     try:
         card = load_card(path)
     except ModelLoadError:  # the model file is not on this machine: workers validate for us
