@@ -25,8 +25,10 @@ results or streams are ``async`` on redis.asyncio, so an open stream costs no th
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 from collections import Counter as Tally
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -72,6 +74,9 @@ from protocol.streams import StreamEvent
 __all__ = ["create_app", "serve"]
 
 log = logging.getLogger("fleet.api")
+
+STREAM_GRACE_S = 2.0
+"""How long a finished request without a stream is re-checked before it is called stream-less (s)."""
 
 
 def _build(gw: Gateway, body: SubmitBody) -> InferenceRequest:
@@ -183,12 +188,22 @@ async def stream(request_id: RequestId, _: CallerDep, gw: GatewayDep) -> Respons
 
 
 async def _stream_facts(gw: Gateway, request_id: str) -> tuple[dict[str, Any] | None, bool, bool]:
-    """The submit marker (None when unknown), whether the stream exists, whether the result is stored."""
-    async with gw.aredis.pipeline(transaction=False) as pipe:
-        pipe.get(REQUEST_KEY.format(id=request_id))
-        pipe.exists(STREAM_KEY.format(id=request_id))
-        pipe.exists(gw.fleet.app.backend.get_key_for_task(request_id))
-        raw, has_stream, has_result = await pipe.execute()
+    """The submit marker (None when unknown), whether the stream exists, whether the result is stored.
+
+    A worker stores the result from its task thread and writes stream entries from its publisher
+    thread, so a just-finished generation's stream may appear a moment after its result: a stored
+    result without a stream is re-checked for up to :data:`STREAM_GRACE_S`.
+    """
+    deadline = time.monotonic() + STREAM_GRACE_S
+    while True:
+        async with gw.aredis.pipeline(transaction=False) as pipe:
+            pipe.get(REQUEST_KEY.format(id=request_id))
+            pipe.exists(STREAM_KEY.format(id=request_id))
+            pipe.exists(gw.fleet.app.backend.get_key_for_task(request_id))
+            raw, has_stream, has_result = await pipe.execute()
+        if has_stream or not has_result or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(0.05)
     try:
         marker = json.loads(raw) if raw else None
     except ValueError:

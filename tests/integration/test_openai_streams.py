@@ -139,7 +139,7 @@ def test_native_stream_of_a_native_generation(served: Served) -> None:
     assert resp.status_code == 202, resp.text
     rid = resp.json()["request_id"]
     with http.stream("GET", f"/v1/requests/{rid}/stream") as sse:
-        assert sse.headers["content-type"].startswith("text/event-stream")
+        assert sse.headers["content-type"].startswith("text/event-stream"), (sse.status_code, sse.read())
         events = [json.loads(frame) for frame in _data_frames(list(sse.iter_lines()))]
     tokens = [e for e in events if e["type"] == "token"]
     assert [e["index"] for e in tokens] == list(range(16))
@@ -150,6 +150,11 @@ def test_native_stream_of_a_native_generation(served: Served) -> None:
     again = http.get(f"/v1/requests/{rid}/stream")  # after the end: the whole stream again, at once
     assert _data_frames(again.text.splitlines()) == [json.dumps(e, separators=(",", ":")) for e in events]
 
+    quiet = {"model": "demo-lm", "text": "Hi", "output": {"generation": {"max_new_tokens": 2, "stream": False}}}
+    unstreamed = http.post("/v1/requests", json=quiet).json()["request_id"]
+    served.finished(unstreamed)
+    refused = http.get(f"/v1/requests/{unstreamed}/stream")
+    assert refused.status_code == 409 and "no stream" in refused.json()["message"]
     plain = http.post("/v1/requests", json={"model": "demo-lm", "input_ids": [5, 6, 7]}).json()["request_id"]
     conflict = http.get(f"/v1/requests/{plain}/stream")
     assert conflict.status_code == 409 and "next_token" in conflict.json()["message"]
