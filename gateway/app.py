@@ -98,8 +98,8 @@ def _error(status: int, payload: dict[str, Any], headers: dict[str, str] | None 
     return JSONResponse(payload, status_code=status, headers=headers)
 
 
-def _accepted(rid: str) -> RequestAccepted:
-    return RequestAccepted(request_id=rid, location=f"/v1/requests/{rid}")
+def _accepted(rid: str, status: RequestStatus = RequestStatus.QUEUED) -> RequestAccepted:
+    return RequestAccepted(request_id=rid, status=status, location=f"/v1/requests/{rid}")
 
 
 # -- endpoints -----------------------------------------------------------------------------------
@@ -109,10 +109,14 @@ RequestId = Annotated[str, Path(pattern=REQUEST_ID_PATTERN, description="The ID 
 
 @router.post("/v1/requests", status_code=202, response_model=RequestAccepted, tags=["requests"])
 def submit(body: SubmitBody, response: Response, rate_key: CallerDep, gw: GatewayDep) -> RequestAccepted:
-    """Validate, admit and queue one request; poll ``Location`` for its result."""
+    """Validate, admit and queue one request; poll ``Location`` for its result.
+
+    A caller-given ``request_id`` is an idempotency key: resubmitting the same body answers the
+    request's real status (it may have finished long ago); another body under a known ID is 409.
+    """
     rid = gw.fleet.send(_build(gw, body), rate_key=rate_key)
     response.headers["Location"] = f"/v1/requests/{rid}"
-    return _accepted(rid)
+    return _accepted(rid, gw.fleet.status(rid) if body.request_id else RequestStatus.QUEUED)
 
 
 @router.post("/v1/requests:batch", status_code=202, response_model=BatchAccepted, tags=["requests"])

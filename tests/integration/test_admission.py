@@ -69,8 +69,8 @@ def test_queue_cap_refuses_with_retry_after_and_accepted_requests_complete(ops_f
         with pytest.raises(QueueFull) as info:
             client.submit("demo-lm", [1, 2])
         assert info.value.retry_after_s == MAX_RETRY_AFTER_S and info.value.limit == 4
-        # a request ID already accepted is not refused: resubmitting it is a no-op
-        assert client.submit("demo-lm", [9], request_id=accepted[0]) == accepted[0]
+        # a request ID already accepted is not refused: resubmitting the same request is a no-op
+        assert client.submit("demo-lm", [3, 4, 5], request_id=accepted[0]) == accepted[0]
         # waiting on a queued request times out cleanly and leaves no result subscription behind
         with pytest.raises(ResultTimeout) as timed_out:
             client.result(accepted[0], wait=True, timeout_s=0.2)

@@ -94,6 +94,7 @@ def test_submit_poll_result(served: Served) -> None:
     assert _poll_done(http, "text-1")["result"]["input_tokens"] == 2
     again = http.post("/v1/requests", json={"model": "demo-lm", "text": "hi", "request_id": "text-1"})
     assert again.status_code == 202  # idempotent: the known ID with the same body is not queued twice
+    assert again.json()["status"] == "succeeded"  # and it answers its real status, not "queued"
     other = http.post("/v1/requests", json={"model": "demo-lm", "text": "other", "request_id": "text-1"})
     assert other.status_code == 409 and other.json()["error"] == "idempotency_conflict"  # another body: refused
     assert _poll_done(http, "text-1")["result"]["input_tokens"] == 2
