@@ -185,12 +185,29 @@ class MetricsMiddleware:
 
 
 def _route_template(scope: Scope) -> str:
+    """The route template the request matched (set by the router, or found again for requests refused
+    before routing, such as a 413 from the body limit); "unmatched" for paths no route serves."""
     route: Any = scope.get("route")
     if route is not None and hasattr(route, "path"):
         return str(route.path)
     app: Any = scope.get("app")
-    for candidate in getattr(getattr(app, "router", None), "routes", []):
+    return _match_template(getattr(getattr(app, "router", None), "routes", []), scope) or "unmatched"
+
+
+def _match_template(routes: Any, scope: Scope) -> str | None:
+    """Depth-first search of ``routes``: plain routes carry ``path``; included routers (FastAPI wraps
+    them, e.g. ``_IncludedRouter``) carry their own routes and are searched in turn."""
+    for candidate in routes:
+        inner = getattr(getattr(candidate, "original_router", candidate), "routes", None)
+        if inner is not None and not hasattr(candidate, "path"):
+            found = _match_template(inner, scope)
+            if found:
+                return found
+            continue
+        path = getattr(candidate, "path", None)
+        if path is None:
+            continue
         match, _ = candidate.matches(scope)
         if match is Match.FULL:
-            return str(candidate.path)
-    return "unmatched"
+            return str(path)
+    return None
