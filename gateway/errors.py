@@ -152,10 +152,27 @@ def _on_invalid(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errs = exc.errors()
     first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":
+        err = InvalidRequest(_json_error_message(first, exc.body), "body", "JSON")
+        return fleet_error_response(err, openai=is_openai_path(request.url.path))
     field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
     more = f" (and {len(errs) - 1} more errors)" if len(errs) > 1 else ""
     err = InvalidRequest(f"invalid field {field}: {first['msg']}{more}", field)
     return fleet_error_response(err, openai=is_openai_path(request.url.path))
+
+
+def _json_error_message(error: Any, body: Any) -> str:
+    """'body is not valid JSON: <why> at line L column C' from FastAPI's json_invalid error (its loc
+    holds a character offset, which is not a field)."""
+    loc = error.get("loc", ())
+    offset = loc[1] if len(loc) > 1 and isinstance(loc[1], int) else None
+    why = (error.get("ctx") or {}).get("error") or error.get("msg", "JSON decode error")
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body if isinstance(body, str) else None
+    if offset is None or text is None:
+        return f"body is not valid JSON: {why}"
+    line = text.count("\n", 0, offset) + 1
+    column = offset - (text.rfind("\n", 0, offset) + 1) + 1
+    return f"body is not valid JSON: {why} at line {line} column {column} (character {offset})"
 
 
 def _on_http(request: Request, exc: Exception) -> JSONResponse:

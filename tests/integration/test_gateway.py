@@ -180,6 +180,10 @@ def test_limits_are_named(served: Served) -> None:
     key = ("fleet_gateway_requests_total", (("method", "POST"), ("route", "/v1/requests"), ("status", "413")))
     assert counted[key] >= 1
     assert "object has no attribute" not in served.gateway.log_path.read_text()
+    broken = http.post("/v1/requests", content=b'{"model": "demo-lm",\n "input_ids": [1, 2,}',
+                       headers={"Content-Type": "application/json"})
+    assert broken.status_code == 422 and broken.json()["field"] == "body"  # not a character offset
+    assert "line 2 column 21" in broken.json()["message"]
     long = http.post("/v1/requests", json={"model": "demo-lm", "input_ids": [1] * 65})
     assert long.status_code == 422
     assert long.json()["type"] == "InputTooLong" and "max_input_tokens=64" in long.json()["message"]
