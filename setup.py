@@ -33,6 +33,7 @@ BASE = [
     "tokenizers>=0.19",
     "prometheus-client>=0.20",
     "fastapi>=0.110",
+    "fastapi-offline>=1.7",  # Swagger UI / ReDoc assets served by the gateway itself (no CDN)
     "uvicorn>=0.29",
     "httpx>=0.27",
     "jinja2>=3.1",  # the gateway renders chat templates

@@ -38,6 +38,7 @@ import redis
 from celery.result import AsyncResult
 from fastapi import APIRouter, FastAPI, Path, Query, Response
 from fastapi.responses import JSONResponse
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.deps import CallerDep, Gateway, GatewayDep
@@ -259,7 +260,9 @@ def create_app(settings: FleetSettings, client: FleetClient | None = None) -> Fa
         yield
         await gateway.aclose()
 
-    app = FastAPI(
+    # Swagger UI and ReDoc from the assets fastapi-offline vendors (served under /static-offline-docs),
+    # never from a CDN: /docs works where the gateway cannot reach the internet.
+    app = FastAPIOffline(
         lifespan=lifespan,
         title="onnx-fleet gateway",
         version="1",
