@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from bench.findings import dispatch_findings
+from bench.genreport import generation_target
 
 __all__ = ["dispatch_section", "target_rows", "targets_section"]
 
@@ -106,6 +107,9 @@ def target_rows(results: dict[str, Any]) -> list[list[str]]:
                 _met(ratio <= 0.30),
             ]
         )
+    gen = generation_target(results.get("generation"))
+    if gen:
+        rows.append(gen)
     d = results.get("dispatch", {}).get("loop")
     if d:
         qps = float(d["summary"]["qps"])

@@ -4,6 +4,8 @@
   previous result is in (saturation throughput; ``clients=1`` is the lone-request latency).
 * :func:`open_loop` — Poisson arrivals at a set rate, independent of completions (latency under
   load); a pool of waiter threads collects each result as it becomes available.
+* :func:`scheduled` — the open loop's engine: any request at any set of submit times (all at once
+  included), each result collected as it becomes available.
 * :func:`bulk_closed_loop` — like :func:`closed_loop`, but each client sends ``chunk`` requests per
   message through the fleet's bulk path (``FleetClient.submit_bulk`` → ``fleet.infer_bulk``) and
   waits for all of them (``FleetClient.wait``).
@@ -18,13 +20,16 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
 
 from bench.stats import RequestRecord, poisson_arrivals
 from producer.client import FleetClient
 from protocol.errors import FleetError
 from protocol.messages import InferenceResult
 
-__all__ = ["ClosedLoopRun", "bulk_closed_loop", "closed_loop", "open_loop", "run_threads"]
+__all__ = ["ClosedLoopRun", "bulk_closed_loop", "closed_loop", "open_loop", "run_threads", "scheduled"]
+
+R = TypeVar("R")
 
 RESULT_TIMEOUT_S = 120.0
 """Longest wait for one result before it counts as an error (s)."""
@@ -122,34 +127,59 @@ def open_loop(
     completions). Results are collected by up to ``waiters`` threads.
     """
     arrivals = poisson_arrivals(rate_qps, duration_s, seed)
-    futures: list[Future[RequestRecord]] = []
 
-    def wait_for(rid: str, ids: Sequence[int], submitted: float) -> RequestRecord:
+    def record(n: int, submitted: float, done: float, out: InferenceResult | FleetError) -> RequestRecord:
+        if isinstance(out, InferenceResult):
+            return RequestRecord.from_result(submitted, done, out)
+        return RequestRecord(submitted, done, len(prompts[n % len(prompts)]), error=f"{type(out).__name__}: {out}")
+
+    def submit(n: int) -> str:
+        return client.submit(model, prompts[n % len(prompts)], top_k=top_k)
+
+    return sorted(scheduled(client, arrivals, submit, record, waiters=waiters), key=lambda r: r.submit_s)
+
+
+def scheduled(
+    client: FleetClient,
+    offsets: Sequence[float],
+    submit: Callable[[int], str],
+    record: Callable[[int, float, float, InferenceResult | FleetError], R],
+    *,
+    waiters: int = 64,
+) -> list[R]:
+    """Submit request ``n`` (``submit(n)`` returns its ID) at ``offsets[n]`` seconds from the start and
+    collect each result on a pool of ``waiters`` threads as it becomes available.
+
+    A submit that falls behind its schedule goes out at once (arrivals never wait for completions).
+    Returns ``record(n, submitted_s, done_s, result or error)`` per request, in submit order; a
+    refused submit is recorded with its error at once.
+    """
+    futures: list[Future[R]] = []
+    refused: list[R] = []
+
+    def wait_for(n: int, rid: str, submitted: float) -> R:
         try:
-            result = client.result(rid, wait=True, timeout_s=RESULT_TIMEOUT_S)
+            result: InferenceResult | FleetError | None = client.result(rid, wait=True, timeout_s=RESULT_TIMEOUT_S)
         except FleetError as exc:
-            return RequestRecord(submitted, time.perf_counter(), len(ids), error=f"{type(exc).__name__}: {exc}")
-        done = time.perf_counter()
-        if result is None:  # pragma: no cover
-            return RequestRecord(submitted, done, len(ids), error="no result")
-        return RequestRecord.from_result(submitted, done, result)
+            result = exc
+        if result is None:  # pragma: no cover - wait=True returns a result or raises
+            result = FleetError("no result", "request_id", rid)
+        return record(n, submitted, time.perf_counter(), result)
 
-    failed: list[RequestRecord] = []
     with ThreadPoolExecutor(max_workers=waiters, thread_name_prefix="bench-waiter") as pool:
         start = time.perf_counter()
-        for n, offset in enumerate(arrivals):
+        for n, offset in enumerate(offsets):
             delay = start + offset - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
-            ids = prompts[n % len(prompts)]
             submitted = time.perf_counter()
             try:
-                rid = client.submit(model, ids, top_k=top_k)
+                rid = submit(n)
             except FleetError as exc:
-                failed.append(RequestRecord(submitted, time.perf_counter(), len(ids), error=str(exc)))
+                refused.append(record(n, submitted, time.perf_counter(), exc))
                 continue
-            futures.append(pool.submit(wait_for, rid, ids, submitted))
-    return sorted([f.result() for f in futures] + failed, key=lambda r: r.submit_s)
+            futures.append(pool.submit(wait_for, n, rid, submitted))
+    return [f.result() for f in futures] + refused
 
 
 def bulk_closed_loop(

@@ -1,17 +1,49 @@
-"""How long each phase of the bench runs: the full plan (~10 minutes on 2 cores) and ``--quick``.
+"""How long each phase of the bench runs: the full plan (~15 minutes on 2 cores) and ``--quick``.
 
 Durations are in seconds, request counts in requests. Workloads are the issue's two prompt
-shapes: ``long`` (128–256 tokens) and ``short`` (8–16 tokens).
+shapes: ``long`` (128–256 tokens) and ``short`` (8–16 tokens), and the generation mix
+(:class:`GenPlan`: prompts 8–128 tokens, outputs 4–128 tokens).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["WORKLOADS", "Plan", "full_plan", "quick_plan"]
+__all__ = ["WORKLOADS", "GenPlan", "Plan", "full_plan", "quick_plan"]
 
 WORKLOADS: dict[str, tuple[int, int]] = {"long": (128, 256), "short": (8, 16)}
 """Workload name → (min, max) prompt length (tokens), uniform."""
+
+
+@dataclass(frozen=True)
+class GenPlan:
+    """Sizes of the generation phase (token counts in tokens, durations in seconds)."""
+
+    max_batch_size: int = 16
+    """Of the static and continuous rows (the one-at-a-time row runs 1)."""
+    concurrency: int = 32
+    """Worker tokens C of the static and continuous rows: C > max_batch_size keeps the next joiners
+    inside the worker, so a freed slot is refilled at the next step (the one-at-a-time row runs C = 1)."""
+    prompt_tokens: tuple[int, int] = (8, 128)
+    output_tokens: tuple[int, int] = (4, 128)
+    """``max_new_tokens`` range; requests set ``ignore_eos``, so each makes exactly that many."""
+    requests: int = 32
+    """The saturation workload: all submitted at once."""
+    rounds: int = 3
+    """Saturation runs per row, the rows' order reversed every other round (pooled)."""
+    open_fractions: tuple[float, ...] = (0.25, 0.5, 1.0)
+    """Offered loads (Poisson), as fractions of the continuous row's saturation request rate."""
+    open_duration_s: float = 8.0
+    open_min_requests: int = 6
+    open_max_requests: int = 24
+    """Requests per offered-load run: rate x duration, clamped to [min, max] (bounds the drain time of an
+    overloaded row)."""
+    warm_requests: int = 2
+    limit_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    limit_steps: int = 0
+    """Decode steps per limit point (0 = the workload's mean output length)."""
+    profile_runs: int = 10
+    """Decode steps under ORT's profiler (at max_batch_size)."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +83,7 @@ class Plan:
     (``fleet.infer_bulk``), the LM-head-at-last-position model."""
     int8_variants: bool = True
     """Also quantize static QDQ (+ symmetric) for the INT8 variants table."""
+    generation: GenPlan = field(default_factory=GenPlan)
     peer_flush_interval_s: float = 0.05
     """celery-batches' flush timer (s): the 50 ms window of the issue's tuned peer."""
     seed: int = 0
@@ -82,4 +115,9 @@ def quick_plan() -> Plan:
         peer=False,
         ablations=False,
         int8_variants=False,
+        generation=GenPlan(
+            max_batch_size=4, concurrency=8, prompt_tokens=(8, 32), output_tokens=(4, 16), requests=8,
+            rounds=1, open_fractions=(0.5,), open_duration_s=1.0, open_min_requests=3, open_max_requests=6,
+            warm_requests=1, limit_batch_sizes=(1, 4), limit_steps=8, profile_runs=2,
+        ),
     )

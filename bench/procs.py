@@ -54,6 +54,12 @@ class FleetConfig:
     engine_extra: dict[str, Any] = field(default_factory=dict)
     celery_loglevel: str = "INFO"
     """Celery's own log level (``fleet worker``'s default INFO logs every task twice)."""
+    continuous: bool = True
+    """Generation: continuous batching (False = static: a batch runs until its last sequence ends)."""
+    max_new_tokens: int = 256
+    """Generation: the largest ``max_new_tokens`` a request may ask for."""
+    metrics_port: int = 0
+    """The worker's Prometheus port (0 = off); the generation rows read its step and KV-copy times."""
     lean: bool = False
     """Measurement only: run the worker through :mod:`bench.lean_worker` with Celery's per-task
     extras off (task events, STARTED state, extended results), to price them."""
@@ -64,7 +70,12 @@ class FleetConfig:
             "redis_url": redis_url,
             "result_ttl_s": 600,
             "visibility_timeout_s": 600,
-            "worker": {"model": self.model_name, "concurrency": self.concurrency, "loglevel": "WARNING"},
+            "worker": {
+                "model": self.model_name,
+                "concurrency": self.concurrency,
+                "loglevel": "WARNING",
+                "metrics_port": self.metrics_port,
+            },
             "models": {
                 self.model_name: {
                     "path": str(self.model_path.resolve()),
@@ -72,8 +83,9 @@ class FleetConfig:
                         "max_batch_size": self.max_batch_size,
                         "max_wait_ms": self.max_wait_ms,
                         "max_batch_tokens": self.max_batch_size * self.max_input_tokens,
+                        "continuous": self.continuous,
                     },
-                    "limits": {"max_input_tokens": self.max_input_tokens},
+                    "limits": {"max_input_tokens": self.max_input_tokens, "max_new_tokens": self.max_new_tokens},
                     "engine": {"providers": list(self.providers), **self.engine_extra},
                     "max_queue_depth": 100_000,
                 }

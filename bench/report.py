@@ -5,12 +5,12 @@ The formatting helpers at the top are pure; :func:`write_report` writes the Mark
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from bench.analysis import dispatch_section, targets_section
+from bench.genreport import generation_section, plot_generation
+from bench.markdown import fmt, md_table, mib
 from bench.notes import last_position_note, method_notes, reading_notes
 from bench.plots import plot_latency_vs_qps
 
@@ -35,28 +35,6 @@ HEADERS = [
     "model file MiB",
     "QPS / limit",
 ]
-
-
-def fmt(value: Any, digits: int = 1) -> str:
-    """A number with ``digits`` decimals; '–' for None or NaN; strings pass through."""
-    if value is None:
-        return "–"
-    if isinstance(value, str):
-        return value
-    x = float(value)
-    return "–" if math.isnan(x) else f"{x:,.{digits}f}"
-
-
-def mib(num_bytes: Any) -> str:
-    """Bytes as MiB with one decimal ('–' when unknown)."""
-    return "–" if num_bytes is None else f"{float(num_bytes) / 2**20:,.1f}"
-
-
-def md_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A GitHub Markdown table (cells are used as given; '|' inside a cell is escaped)."""
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def limit_at(limit: dict[str, Any], batch_size: int) -> float:
@@ -305,6 +283,7 @@ def render(results: dict[str, Any], img_rel: str) -> str:
         "The bulk path with large chunks (512 requests per message, a burst of 2,000 requests) against one task "
         "per request, end to end: [bulk-path.md](bulk-path.md) (`python -m bench.bulk_vs_single`).\n"
     ]
+    parts += [generation_section(results, img_rel)]
     peer_note = (
         f"celery-batches peer: Celery {peer.get('celery', '?')} in its own virtualenv, threads pool, "
         f"concurrency 1, prefetch multiplier 64, flush_every {plan['max_batch_size']}, flush_interval "
@@ -330,6 +309,7 @@ def write_report(results: dict[str, Any], out_md: Path, img_dir: Path) -> None:
     img_dir.mkdir(parents=True, exist_ok=True)
     for wl in ("long", "short"):
         plot_latency_vs_qps(results, wl, img_dir / f"latency-vs-qps-{wl}.png")
+    plot_generation(results, img_dir / "generation-vs-load.png")
     out_md.parent.mkdir(parents=True, exist_ok=True)
     try:
         rel = img_dir.resolve().relative_to(out_md.parent.resolve()).as_posix()

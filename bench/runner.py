@@ -1,4 +1,4 @@
-"""The bench run: models → the limit → every configuration of the table → dispatch cost → report.
+"""The bench run: models → the limit → every configuration of the table → dispatch cost → generation → report.
 
 Everything runs on the same machine in one run, so ratios are measured side by side: the fleet
 configurations and the peer are served at once and visited in interleaved rounds (see
@@ -23,6 +23,7 @@ from typing import Any
 from tqdm import tqdm
 
 from bench.dispatch import Variant, measure_dispatch
+from bench.generation import measure_generation
 from bench.limit import bare_latency_ms, bare_session, bare_throughput
 from bench.machine import machine_facts, tensorrt_available
 from bench.peer import PeerUnavailable, ensure_peer_venv
@@ -38,7 +39,7 @@ from tools.lm_head_last import write_last_variant
 from tools.quantize import QuantizationRefused, QuantizeConfig, quantize_model, report_path_for
 from tools.redis_server import EmbeddedRedis
 
-__all__ = ["run_bench"]
+__all__ = ["run_bench", "run_generation_only"]
 
 Say = Callable[[str], None]
 Prompts = dict[str, list[list[int]]]
@@ -254,6 +255,47 @@ def _serve_and_measure(
     return rows
 
 
+def _generation(plan: Plan, model: Path, redis_url: str, work_dir: Path, command: str, say: Say) -> dict[str, Any]:
+    """The generation phase, stamped with the run it came from (it can be rerun alone)."""
+    started = time.time()
+    machine = machine_facts()
+    out = measure_generation(plan.generation, model, redis_url, work_dir, max_wait_ms=plan.max_wait_ms,
+                             seed=plan.seed, say=say)  # fmt: skip
+    out["meta"] = {
+        "command": command, "commit": machine["git_commit"], "dirty": machine["git_dirty"], "started_unix_s": started,
+        "load_average_start": machine["load_average_start"], "load_average_end": [round(x, 2) for x in os.getloadavg()],
+    }  # fmt: skip
+    return out
+
+
+def run_generation_only(plan: Plan, args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """Rerun only the generation phase: its figures replace ``generation`` in the ``args.json_path``
+    results of an earlier run, and the report is rewritten from them.
+
+    Raises:
+        FileNotFoundError: there are no earlier results to merge into.
+    """
+    json_path = Path(args.json_path)
+    results: dict[str, Any] = json.loads(json_path.read_text())
+    work_dir = Path(args.work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    spec = PRESETS[plan.preset]["lm"]
+    model = work_dir / "models" / spec["name"] / f"{spec['name']}-1.0.0.onnx"
+
+    def say(msg: str) -> None:
+        print(f"[bench] {msg}", file=sys.stderr)
+
+    if not model.exists():
+        say(f"building the {plan.preset} lm model → {model}")
+        build_model_main(["--preset", plan.preset, "--kind", "lm", "--out-dir", str(work_dir / "models")])
+    with EmbeddedRedis() as redis:
+        results["generation"] = _generation(plan, model, redis.url, work_dir, command, say)
+    json_path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    write_report(results, Path(args.out), Path(args.img_dir))
+    say(f"generation done in {results['generation']['duration_s']:.0f} s: {args.out}, {json_path}")
+    return results
+
+
 def run_bench(plan: Plan, args: argparse.Namespace, command: str) -> dict[str, Any]:
     """Run every phase of ``plan``; write the JSON results and the Markdown report; return the results.
 
@@ -263,7 +305,7 @@ def run_bench(plan: Plan, args: argparse.Namespace, command: str) -> dict[str, A
     work_dir = Path(args.work_dir)
     shutil.rmtree(work_dir / "logs", ignore_errors=True)  # worker logs of this run only
     work_dir.mkdir(parents=True, exist_ok=True)
-    steps = ["models", "limit (before)", "fleet + peer", "limit (after)", "dispatch", "report"]
+    steps = ["models", "limit (before)", "fleet + peer", "limit (after)", "dispatch", "generation", "report"]
     bar = tqdm(total=len(steps), desc="bench", unit="phase", file=sys.stderr)
 
     def say(msg: str) -> None:
@@ -313,6 +355,9 @@ def run_bench(plan: Plan, args: argparse.Namespace, command: str) -> dict[str, A
             prompts["short"], clients=plan.dispatch_clients, duration_s=plan.dispatch_duration_s,
             lone_requests=plan.dispatch_lone_requests, rounds=plan.rounds, profile_s=plan.profile_s, say=say,
         )  # fmt: skip
+        bar.update()
+        step("generation")
+        results["generation"] = _generation(plan, Path(models["fp32"]), redis.url, work_dir, command, say)
         bar.update()
     results["meta"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     results["meta"]["duration_s"] = round(time.monotonic() - started, 1)

@@ -1,4 +1,5 @@
-"""``fleet bench --quick`` end to end: the harness runs every phase on the real path and writes its report.
+"""``fleet bench --quick`` end to end: the harness runs every phase on the real path and writes its report,
+a tiny generation row (one at a time, static, continuous, the in-process limit) on the demo LM included.
 
 A smoke run, not a speed test: it checks that every row was measured (or says why not), that the
 numbers are well formed, and that the Markdown, the JSON and the plots exist. Never asserts speed.
@@ -52,16 +53,32 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
     assert dispatch["redis_calls_per_request"]["lpush"] >= 1  # one message per request
     assert results["models"]["variants"]["dynamic"]["written"] is True
 
+    gen = results["generation"]
+    total = gen["workload"]["output_tokens_total"]
+    for key in ("one_at_a_time", "static", "continuous"):
+        row = gen["rows"][key]
+        assert row["status"] == "ok", key
+        for summary in (row["saturation"], *[p["summary"] for p in row["open"]]):
+            assert summary["requests"] > 0 and summary["errors"] == 0 and summary["tokens_per_s"] > 0, key
+            assert 0 < summary["ttft"]["p50_ms"] <= summary["ttft"]["p99_ms"] <= summary["latency"]["max_ms"]
+        assert row["saturation"]["tokens"] == total * gen["plan"]["rounds"]  # ignore_eos: exactly max_new_tokens
+        assert row["saturation"]["worker"]["tokens"] == row["saturation"]["tokens"]  # the worker's own count
+    assert gen["rows"]["one_at_a_time"]["saturation"]["mean_batch"] == 1.0
+    assert gen["limit"]["best"]["tokens_per_s"] > 0 and gen["limit"]["relayout"]["relayout_ms"] > 0
+    assert all(run["tokens"] == total for run in gen["limit"]["loop"].values())
+    assert 0 < gen["limit"]["profile"]["concat_share"] < 1
+    assert gen["meta"]["command"].startswith("fleet bench --quick") and gen["meta"]["commit"]
+
     md = out_md.read_text()
     for text in (
         "baseline (FP32, max_batch_size 1)", "+ dynamic batching", "+ INT8 (dynamic)", "+ TensorRT EP FP16",
         "limit: bare session.run", "peer: celery-batches", "skipped (--quick)", "## Dispatch cost", "## Targets",
-        "fleet bench --quick",
+        "fleet bench --quick", "## Generation — continuous batching", "continuous batching ≥ 3× one-at-a-time",
+        "in process: continuous generation loop", "limit: bare decode loop", "peer: onnxruntime-genai",
     ):  # fmt: skip
         assert text in md, text
     if rows["tensorrt"]["status"] != "ok":
         assert "needs a GPU" in md
-    for wl in ("long", "short"):
-        png = img / f"latency-vs-qps-{wl}.png"
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        assert f"img/latency-vs-qps-{wl}.png" in md
+    for name in ("latency-vs-qps-long", "latency-vs-qps-short", "generation-vs-load"):
+        assert (img / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"img/{name}.png" in md

@@ -1,4 +1,5 @@
-"""Pure parts of the bench and of the quantization report: statistics, KL, profiles, formatting."""
+"""Pure parts of the bench and of the quantization report: statistics (generation included), KL, profiles,
+formatting."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 
 from bench.analysis import target_rows
 from bench.findings import PROTOTYPE_NOTE, dispatch_findings
+from bench.genreport import generation_target
+from bench.genstats import GenRecord, arrival_offsets, metric_delta, parse_metrics, step_shares, summarize_generation
 from bench.notes import last_position_note
 from bench.plots import latency_points
 from bench.profile import fold_components, parse_raw, top_functions
@@ -22,6 +25,7 @@ from bench.stats import (
     summarize_run,
     summarize_runs,
 )
+from protocol.messages import Generation, GenerationTimings, InferenceResult, Timings, Usage
 from tools.quant_accuracy import compare_logits, log_softmax
 
 
@@ -303,3 +307,96 @@ def test_last_position_note() -> None:
     note = last_position_note(results)
     assert "FP32 long b=1: 1.20×" in note and "FP32 long b=8: 1.50×" in note
     assert last_position_note({"meta": {}, "limit": {"fp32": {}}}) == ""
+
+
+def _gen(submit: float, done: float, tokens: int, ttft: float, gap: float, batch: float = 4.0) -> GenRecord:
+    return GenRecord(submit, done, 10, tokens, ttft, gap, 1.0, batch)
+
+
+def test_gen_record_from_result() -> None:
+    result = InferenceResult(
+        request_id="r", model="m", version="1", kind="generate", input_tokens=12,
+        generation=Generation(
+            token_ids=[5, 6, 7], text=None, finish_reason="length",
+            usage=Usage(prompt_tokens=12, completion_tokens=3, total_tokens=15),
+            timings=GenerationTimings(time_to_first_token_ms=40.0, mean_inter_token_ms=9.0, decode_steps=2,
+                                      batch_size_min=1, batch_size_mean=2.5, batch_size_max=4),
+        ),
+        timings=Timings(queue_wait_ms=3.0, batch_wait_ms=1.0, inference_ms=20.0, batch_size=1, padded_tokens=12,
+                        worker="w"),
+    )  # fmt: skip
+    rec = GenRecord.from_result(1.0, 1.5, result)
+    assert (rec.prompt_tokens, rec.completion_tokens, rec.ttft_ms, rec.inter_token_ms) == (12, 3, 40.0, 9.0)
+    assert (rec.queue_wait_ms, rec.batch_mean, rec.latency_ms) == (3.0, 2.5, 500.0)
+    with pytest.raises(ValueError):
+        GenRecord.from_result(0, 1, result.model_copy(update={"generation": None}))
+
+
+def test_summarize_generation_pools_runs_by_their_spans() -> None:
+    a = [_gen(0.0, 1.0, 30, 100.0, 10.0, batch=2.0), _gen(0.0, 2.0, 10, 300.0, 20.0, batch=6.0)]
+    b = [_gen(10.0, 11.0, 20, 200.0, math.nan), _gen(10.0, 10.5, 0, math.nan, math.nan, batch=math.nan)]
+    b.append(GenRecord(10.0, 12.0, 10, error="boom"))
+    s = summarize_generation([a, b])
+    assert (s.requests, s.errors, s.tokens) == (4, 1, 60)
+    assert s.span_s == pytest.approx(2.0 + 2.0) and s.tokens_per_s == pytest.approx(15.0)  # 60 tokens / 4 s
+    assert s.ttft.count == 3 and s.ttft.p50_ms == pytest.approx(200.0)
+    assert s.inter_token.count == 2 and s.inter_token.max_ms == 20.0  # NaN gaps (one token) left out
+    assert s.mean_batch == pytest.approx((2 * 30 + 6 * 10 + 4 * 20) / 60)  # token-weighted
+    empty = summarize_generation([])
+    assert empty.tokens_per_s == 0.0 and empty.requests == 0
+
+
+def test_arrival_offsets() -> None:
+    assert arrival_offsets(None, 3, seed=0) == [0.0, 0.0, 0.0]
+    poisson = arrival_offsets(50.0, 2000, seed=1)
+    assert poisson == arrival_offsets(50.0, 2000, seed=1) and poisson == sorted(poisson) and poisson[0] > 0
+    assert 2000 / poisson[-1] == pytest.approx(50.0, rel=0.06)
+    for bad in ((0.0, 3), (1.0, -1)):
+        with pytest.raises(ValueError):
+            arrival_offsets(*bad, seed=0)
+
+
+def test_step_shares() -> None:
+    steps = [
+        {"prefill_ms": 30.0, "copy_ms": 10.0, "decode_ms": 60.0, "running": 4, "tokens": 8, "kv_tokens": 40,
+         "kv_slots": 80},
+        {"prefill_ms": 0.0, "copy_ms": 0.0, "decode_ms": 50.0, "running": 2, "tokens": 2, "kv_tokens": 30,
+         "kv_slots": 40},
+        {"prefill_ms": 50.0, "copy_ms": 0.0, "decode_ms": 0.0, "running": 0, "tokens": 1},
+    ]  # fmt: skip
+    sh = step_shares(steps)
+    assert sh["step_ms_total"] == 200.0 and sh["steps"] == 3.0 and sh["tokens"] == 11.0
+    assert (sh["prefill_share"], sh["copy_share"], sh["decode_share"]) == (0.4, 0.05, 0.55)
+    assert sh["mean_running"] == 3.0 and sh["relayouts"] == 1.0 and sh["copy_ms_per_relayout"] == 10.0
+    assert sh["kv_fill"] == pytest.approx(70 / 120)
+    assert math.isnan(step_shares([])["copy_share"])
+
+
+def test_parse_metrics_and_delta() -> None:
+    text = (
+        "# HELP fleet_worker_kv_copy_seconds KV\n# TYPE fleet_worker_kv_copy_seconds histogram\n"
+        'fleet_worker_kv_copy_seconds_bucket{le="0.01",model="m"} 3.0\n'
+        'fleet_worker_kv_copy_seconds_sum{model="m"} 0.25\n'
+        'fleet_worker_kv_copy_seconds_sum{model="n"} 0.5\n'
+        "fleet_worker_generated_tokens_total 12.0\n"
+    )
+    names = ("fleet_worker_kv_copy_seconds_sum", "fleet_worker_generated_tokens_total", "absent")
+    values = parse_metrics(text, names)
+    assert values == {"fleet_worker_kv_copy_seconds_sum": 0.75, "fleet_worker_generated_tokens_total": 12.0,
+                      "absent": 0.0}  # fmt: skip
+    assert metric_delta({"absent": 1.0}, values)["absent"] == -1.0
+
+
+def _gen_row(tokens_per_s: float, p99: float) -> dict[str, object]:
+    return {"status": "ok", "saturation": {"tokens_per_s": tokens_per_s, "ttft": {"p99_ms": p99}}}
+
+
+def test_generation_target() -> None:
+    gen = {"rows": {"one_at_a_time": _gen_row(100.0, 9000.0), "continuous": _gen_row(310.0, 2500.0)}}
+    row = generation_target(gen)
+    assert row is not None and row[3] == "met"
+    assert row[2] == "3.10× (310.0 vs 100.0 tokens/s; TTFT p99 2,500 vs 9,000 ms)"
+    gen["rows"]["continuous"] = _gen_row(250.0, 2500.0)
+    assert generation_target(gen)[3] == "**not met**"  # type: ignore[index]
+    assert generation_target(None) is None
+    assert generation_target({"rows": {"continuous": {"status": "skipped"}}}) is None

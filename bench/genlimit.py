@@ -1,0 +1,206 @@
+"""The generation limit: the worker's own generation code in this process, no Celery, no Redis.
+
+* :func:`decode_limit` — :class:`~workers.generation.decoder.Decoder` + ``KVState`` directly: prefill
+  ``b`` prompts, then the same number of decode steps for every row (nobody leaves, nobody joins),
+  greedy. The ceiling of a batch of ``b`` on this workload's prompts.
+* :func:`loop_run` — :class:`~workers.generation.loop.GenerationLoop` driven as the worker's
+  scheduler drives it (``admissible`` → ``step``) over a whole workload submitted at once, with an
+  observer on every step: tokens/s, time to first token, and where the step time went (prefill, KV
+  re-layout on membership changes, decode).
+* :func:`relayout_cost` — one membership change (a row leaves, one joins) against a single copy of
+  the cache it produces.
+* :func:`concat_share` — ONNX Runtime's profiler over decode steps: the share of the graph's node
+  time spent in ``Concat`` — ``present = Concat(past, new)``, the copy of the whole KV cache every
+  decode step makes inside the model.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from bench.genstats import step_shares
+from bench.stats import summarize_latencies
+from protocol.messages import GenerationParams
+from protocol.modelcard import ModelCard
+from protocol.settings import BatchingSettings, EngineSettings, LimitSettings
+from workers.engine import Engine, session_options
+from workers.generation.decoder import Decoder, KVState
+from workers.generation.loop import GenerationLoop, GenStepStats
+from workers.generation.sequence import GenSequence
+
+__all__ = ["Work", "concat_share", "decode_limit", "load_engine", "loop_run", "relayout_cost"]
+
+Work = list[tuple[list[int], int]]
+"""A generation workload: (prompt ids, max_new_tokens) per request."""
+
+ENGINE = EngineSettings(providers=["CPUExecutionProvider"])
+"""The worker's engine settings as the bench serves them (CPU, spin-waiting off)."""
+
+
+def load_engine(model_path: Path, card: ModelCard, max_batch_size: int) -> Engine:
+    """An engine with the worker's session options (no warm-up)."""
+    return Engine(model_path, card, ENGINE, BatchingSettings(max_batch_size=max_batch_size), LimitSettings())
+
+
+def decode_limit(engine: Engine, prompts: Sequence[Sequence[int]], batch_size: int, steps: int) -> dict[str, Any]:
+    """Prefill ``batch_size`` prompts together, then ``steps`` decode steps for all rows (greedy).
+
+    Returns tokens/s with the prefill counted (``tokens_per_s``: ``b x (steps + 1)`` tokens over
+    prefill + re-layout + decode) and without (``decode_tokens_per_s``), and ms per decode step.
+    """
+    decoder = Decoder(engine)
+    rows = [list(prompts[i % len(prompts)]) for i in range(batch_size)]
+    state = KVState()
+    started = time.perf_counter()
+    prefill = decoder.prefill(rows)
+    copy_ms = state.relayout([], prefill, list(range(batch_size)))
+    tokens = [int(t) for t in np.argmax(prefill.last_logits, axis=1)]
+    decode_started = time.perf_counter()
+    for _ in range(steps):
+        logits, _ms = decoder.decode(state, tokens)
+        tokens = [int(t) for t in np.argmax(logits, axis=1)]
+    ended = time.perf_counter()
+    decode_s = ended - decode_started
+    return {
+        "batch_size": batch_size,
+        "steps": steps,
+        "tokens_per_s": batch_size * (steps + 1) / (ended - started),
+        "decode_tokens_per_s": batch_size * steps / decode_s,
+        "step_ms": 1000 * decode_s / steps,
+        "prefill_ms": prefill.engine_ms,
+        "relayout_ms": copy_ms,
+    }
+
+
+def relayout_cost(engine: Engine, prompts: Sequence[Sequence[int]], batch_size: int, steps: int,
+                  repeats: int = 3) -> dict[str, Any]:  # fmt: skip
+    """The price of one membership change in a running batch: ``KVState.relayout`` dropping one row and
+    joining one new sequence, against a single copy of the resulting cache into preallocated arrays
+    (the least any re-layout that moves the cache has to pay). Best of ``repeats`` each."""
+    decoder = Decoder(engine)
+    state = KVState()
+    prefill = decoder.prefill([list(prompts[i % len(prompts)]) for i in range(batch_size)])
+    state.relayout([], prefill, list(range(batch_size)))
+    tokens = [3] * batch_size
+    for _ in range(steps):
+        decoder.decode(state, tokens)
+    joiner = decoder.prefill([list(prompts[batch_size % len(prompts)])])
+    relayout_ms, copy_ms, mib = [], [], 0.0
+    for _ in range(repeats):
+        trial = KVState()
+        trial.values, trial.mask, trial.positions = dict(state.values), state.mask, state.positions
+        relayout_ms.append(trial.relayout(list(range(1, batch_size)), joiner, [0]))
+        arrays = [np.asarray(v) for v in trial.values.values()]
+        targets = [np.empty_like(a) for a in arrays]
+        started = time.perf_counter()
+        for dst, src in zip(targets, arrays, strict=True):
+            np.copyto(dst, src)
+        copy_ms.append(1000 * (time.perf_counter() - started))
+        mib = sum(a.nbytes for a in arrays) / 2**20
+    return {
+        "batch_size": batch_size,
+        "cache_width": int(state.mask.shape[1]),
+        "cache_mib": mib,
+        "relayout_ms": min(relayout_ms),
+        "one_copy_ms": min(copy_ms),
+        "copies": min(relayout_ms) / max(1e-9, min(copy_ms)),
+    }
+
+
+def loop_run(engine: Engine, work: Work, *, max_batch_size: int, continuous: bool) -> dict[str, Any]:
+    """Every request of ``work`` waiting at once, served by a :class:`GenerationLoop` until all end.
+
+    Returns tokens/s, TTFT and inter-token distributions (ms) and :func:`~bench.genstats.step_shares`.
+    """
+    prefill_cap = max_batch_size * max(len(p) for p, _ in work)
+    batching = BatchingSettings(
+        max_batch_size=max_batch_size, max_batch_tokens=prefill_cap, continuous=continuous
+    )
+    loop = GenerationLoop(Decoder(engine), batching)
+    steps: list[dict[str, float]] = []
+
+    def observe(s: GenStepStats) -> None:
+        step = {k: float(v) for k, v in asdict(s).items() if k not in ("finished", "first_token_ms")}
+        step["kv_slots"] = float(loop.state.mask.size)  # rows x cache width after the step
+        steps.append(step)
+
+    loop.observers.append(observe)
+    started = time.monotonic()
+    waiting = [
+        GenSequence(request_id=str(i), prompt=list(p), arrived_s=started, eos_ids=frozenset(),
+                    params=GenerationParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, stream=False))
+        for i, (p, n) in enumerate(work)
+    ]  # fmt: skip
+    pending = list(waiting)
+    while pending or loop.has_work():
+        count = loop.admissible(pending)
+        joiners, pending = pending[:count], pending[count:]
+        loop.step(joiners)
+    elapsed = time.monotonic() - started
+    outcomes = [s.future.result() for s in waiting]
+    tokens = sum(len(o.token_ids) for o in outcomes)
+    ttft = [1000 * (o.first_token_unix_s - o.prefill_started_unix_s) + o.batch_wait_ms for o in outcomes]
+    gaps = [o.mean_inter_token_ms for o in outcomes if len(o.token_ids) > 1]
+    return {
+        "max_batch_size": max_batch_size,
+        "continuous": continuous,
+        "requests": len(work),
+        "tokens": tokens,
+        "seconds": elapsed,
+        "tokens_per_s": tokens / elapsed,
+        "ttft": asdict(summarize_latencies(ttft)),
+        "inter_token": asdict(summarize_latencies(gaps)),
+        "shares": step_shares(steps),
+    }
+
+
+def _decode_feeds(card: ModelCard, names: Sequence[str], batch_size: int, past: int) -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    feeds: dict[str, Any] = {
+        "input_ids": rng.integers(3, card.vocab_size, size=(batch_size, 1), dtype=np.int64),
+        "attention_mask": np.ones((batch_size, past + 1), dtype=np.int64),
+        "position_ids": np.full((batch_size, 1), past, dtype=np.int64),
+    }
+    shape = (batch_size, card.kv_heads, past, card.head_dim)
+    for name in names:
+        if name.startswith("past_key_values."):
+            feeds[name] = rng.standard_normal(shape, dtype=np.float32)
+    return {k: v for k, v in feeds.items() if k in names}
+
+
+def concat_share(model_path: Path, card: ModelCard, *, batch_size: int, past: int, runs: int) -> dict[str, Any]:
+    """ORT's node time by operator over ``runs`` decode steps of ``batch_size`` rows at ``past`` cached
+    tokens; ``concat_share`` = the ``Concat`` nodes' share (the KV cache appended into ``present``)."""
+    with tempfile.TemporaryDirectory(prefix="fleet-gen-profile-") as tmp:
+        opts = session_options(ENGINE)
+        opts.enable_profiling = True
+        opts.profile_file_prefix = str(Path(tmp) / "decode")
+        sess = ort.InferenceSession(str(model_path), opts, providers=["CPUExecutionProvider"])
+        feeds = _decode_feeds(card, [i.name for i in sess.get_inputs()], batch_size, past)
+        for _ in range(runs):
+            sess.run(None, feeds)
+        events = json.loads(Path(sess.end_profiling()).read_text())
+    by_op: Counter[str] = Counter()
+    for ev in events:
+        if ev.get("cat") == "Node" and str(ev.get("name", "")).endswith("_kernel_time"):
+            by_op[str(ev.get("args", {}).get("op_name", "?"))] += int(ev.get("dur", 0))
+    total = sum(by_op.values())
+    shares = {op: us / total for op, us in by_op.most_common(6)} if total else {}
+    return {
+        "batch_size": batch_size,
+        "past_tokens": past,
+        "runs": runs,
+        "node_ms_per_step": total / 1000 / max(1, runs),
+        "concat_share": by_op.get("Concat", 0) / total if total else float("nan"),
+        "top_ops": shares,
+    }
