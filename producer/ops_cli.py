@@ -21,10 +21,12 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import redis
 
+from producer import flower_config
 from protocol.errors import ConfigError, InvalidRequest
 from protocol.keys import WORKER_KEY_PREFIX
 from protocol.settings import FleetSettings, load_settings
@@ -191,8 +193,24 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 
 # -- fleet flower ----------------------------------------------------------------------------------
-def flower_command(settings: FleetSettings, host: str | None, port: int | None) -> tuple[list[str], dict[str, str]]:
-    """The Flower command line and its environment (basic auth travels in env, not in ``ps``).
+FLOWER_TASKS_COLUMNS = ("uuid", "state", "args", "result", "worker", "routing_key", "runtime", "received", "exception")
+"""The Tasks page's columns (Flower's ``--tasks_columns`` slugs): request ID, state, request JSON,
+result JSON, the worker, the queue, seconds it ran, when a worker received it, the error (last: it
+is the one column Flower does not cap in width)."""
+FLOWER_DB = Path("var/flower/flower.db")
+"""Where Flower keeps the tasks and workers it saw (``--persistent``), relative to the working directory."""
+FLOWER_STATE_SAVE_INTERVAL_MS = 10_000
+"""How often Flower saves that state besides at a clean stop (``--state_save_interval``, ms)."""
+
+
+def flower_command(
+    settings: FleetSettings, host: str | None, port: int | None, db: Path = FLOWER_DB
+) -> tuple[list[str], dict[str, str]]:
+    """The Flower command line and its environment.
+
+    The basic-auth users and the broker URL (which may hold a password) travel in the environment,
+    not in ``ps``. Flower shows :data:`FLOWER_TASKS_COLUMNS`, formats args and results as JSON
+    (``--conf`` :mod:`producer.flower_config`) and keeps what it saw in ``db`` across restarts.
 
     Raises:
         ConfigError: ``flower.basic_auth`` is empty: Flower never runs without auth.
@@ -207,18 +225,26 @@ def flower_command(settings: FleetSettings, host: str | None, port: int | None) 
         sys.executable,
         "-m",
         "celery",
-        "-b",
-        settings.redis_url,
         "flower",
         f"--address={host or settings.flower.host}",
         f"--port={port or settings.flower.port}",
+        f"--conf={Path(flower_config.__file__).resolve()}",
+        f"--tasks_columns={','.join(FLOWER_TASKS_COLUMNS)}",
+        "--persistent=True",
+        f"--db={db.resolve()}",
+        f"--state_save_interval={FLOWER_STATE_SAVE_INTERVAL_MS}",
     ]
-    env = {**os.environ, "FLOWER_BASIC_AUTH": ",".join(settings.flower.basic_auth)}
+    env = {
+        **os.environ,
+        "CELERY_BROKER_URL": settings.redis_url,
+        "FLOWER_BASIC_AUTH": ",".join(settings.flower.basic_auth),
+    }
     return cmd, env
 
 
 def cmd_flower(args: argparse.Namespace) -> int:
-    cmd, env = flower_command(_settings(args), args.host, args.port)
+    cmd, env = flower_command(_settings(args), args.host, args.port, args.db)
+    args.db.resolve().parent.mkdir(parents=True, exist_ok=True)
     os.execvpe(cmd[0], cmd, env)
     return 0  # pragma: no cover - execvpe does not return
 
@@ -254,6 +280,9 @@ def register(sub: Any) -> None:
     common(p)
     p.add_argument("--host", default=None, help="bind address (default: settings flower.host)")
     p.add_argument("--port", type=int, default=None, help="port (default: settings flower.port)")
+    p.add_argument(
+        "--db", type=Path, default=FLOWER_DB, help=f"file where Flower keeps what it saw (default: {FLOWER_DB})"
+    )
     p.set_defaults(func=cmd_flower)
 
 

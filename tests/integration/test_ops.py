@@ -1,9 +1,8 @@
-"""Operating the fleet: readiness (/readyz and ``fleet probe``), ``fleet status``, Flower."""
+"""Operating the fleet: readiness (/readyz and ``fleet probe``), ``fleet status`` (Flower: test_flower.py)."""
 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from typing import Any
 
@@ -11,8 +10,7 @@ import httpx
 
 from producer.client import FleetClient
 from protocol.settings import load_settings
-from tests.integration.ops_fixtures import API_KEY, OpsFleet, ops_fleet, ops_models, ops_redis, wait_until
-from tools.redis_server import free_port
+from tests.integration.ops_fixtures import API_KEY, OpsFleet, ops_fleet, ops_models, ops_redis
 from workers.health import list_workers
 
 __all__ = ["ops_fleet", "ops_models", "ops_redis"]
@@ -94,43 +92,3 @@ def test_status_shows_workers_and_queues(ops_fleet: OpsFleet) -> None:
     encoder_row = next(line for line in text.splitlines() if line.startswith("demo-encoder"))
     assert encoder_row.split()[:4] == ["demo-encoder", "fleet.demo-encoder", "2", "10000"]
     assert "NOT READY: model 'demo-encoder' has no worker" in text
-
-
-def test_flower_with_basic_auth_lists_tasks_the_worker_ran(ops_fleet: OpsFleet) -> None:
-    port = free_port()
-    auth = ("ops", "flower-pw-1")
-    config = ops_fleet.config(flower={"port": port, "basic_auth": ["ops:flower-pw-1"]})
-    # started as the README says: `fleet flower` (settings give the port and the basic-auth users)
-    flower = ops_fleet.spawn([sys.executable, "-m", "producer.cli", "flower", "--config", str(config)], name="flower")
-    worker = ops_fleet.worker(config)
-    url = f"http://127.0.0.1:{port}"
-
-    def lists_worker() -> bool:
-        assert flower.poll() is None, "flower exited"
-        try:
-            resp = httpx.get(url + "/api/workers", auth=auth, params={"refresh": "true"}, timeout=5)
-        except httpx.HTTPError:
-            return False
-        return resp.status_code == 200 and worker.hostname in resp.json()
-
-    wait_until(lists_worker, 60, "Flower to list the worker", poll_s=0.3)
-    assert httpx.get(url + "/api/tasks").status_code == 401
-    assert httpx.get(url + "/api/tasks", auth=("ops", "wrong")).status_code == 401
-
-    client = FleetClient(load_settings(config))
-    try:
-        ids = [client.submit("demo-lm", [5, 6, i], request_id=f"flower-{i}") for i in range(3)]
-        assert all(r is not None for r in (client.result(rid, wait=True, timeout_s=30) for rid in ids))
-    finally:
-        client.close()
-
-    def tasks_listed() -> dict[str, Any] | None:
-        tasks: dict[str, Any] = httpx.get(url + "/api/tasks", auth=auth, timeout=5).json()
-        ok = all(tasks.get(rid, {}).get("state") == "SUCCESS" for rid in ids)
-        return tasks if ok else None
-
-    tasks = wait_until(tasks_listed, 30, "Flower to list the three tasks as SUCCESS", poll_s=0.3)
-    for rid in ids:
-        assert tasks[rid]["name"] == "fleet.infer" and tasks[rid]["worker"] == worker.hostname
-    info = httpx.get(f"{url}/api/task/info/flower-0", auth=auth, timeout=5).json()
-    assert "'model': 'demo-lm'" in info["args"] and "flower-0" in info["result"]
