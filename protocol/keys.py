@@ -6,6 +6,8 @@ __all__ = [
     "CANCEL_CHANNEL",
     "CANCEL_KEY",
     "CARD_KEY",
+    "DEAD_LETTER_KEY",
+    "DELIVERIES_KEY",
     "DRAIN_KEY",
     "RATE_KEY",
     "REQUEST_KEY",
@@ -31,3 +33,9 @@ RATE_KEY = "fleet:rate:{key}"
 """A rate-limit token bucket (hash: tokens, ts) for one caller; ``key`` is a hash of the API key."""
 STREAM_KEY = "fleet:stream:{id}"
 """A generation's token events (Redis Stream, TTL = result_ttl_s); see :mod:`protocol.streams`."""
+DEAD_LETTER_KEY = "fleet:dead-letter"
+"""Queue items a worker refused or gave up on (Redis list, newest first, capped): one JSON entry each,
+see :mod:`protocol.deadletter`; ``fleet dead-letter`` lists, shows, requeues and purges them."""
+DELIVERIES_KEY = "fleet:deliveries:{id}"
+"""How many times the message with task ID ``id`` has been delivered to a worker (integer, TTL); written
+from its first redelivery on, see :mod:`workers.deliveries`."""

@@ -156,6 +156,13 @@ class WorkerSettings(_Section):
     heartbeat_s: float = Field(default=2.0, gt=0, le=60, description="Registry heartbeat period (s).")
     loglevel: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     metrics_port: int = Field(default=0, ge=0, le=65535, description="Prometheus port; 0 = off.")
+    max_deliveries: int = Field(
+        default=3,
+        ge=1,
+        le=1000,
+        description="Times one message may be delivered; a message back after that many deliveries without "
+        "an ack (its worker died each time: segfault, OOM, os._exit) is dead-lettered, not run again.",
+    )
     metrics_host: str | None = Field(
         default=None,
         description="Address the metrics port binds; None = where the gateway binds (api.host, 127.0.0.1 by "

@@ -1,33 +1,85 @@
-"""Poison-message guard for the Redis broker transport.
+"""Poison-message guard: no queue item, however malformed, stops a worker.
 
-kombu's Redis transport decodes each popped queue item with ``json.loads`` inside the worker's
-event loop; an item that is not JSON, or not a kombu message envelope, raises there and Celery
-stops the whole worker ("Unrecoverable error"). Anyone who can ``LPUSH`` to a queue could take
-the fleet down that way. :class:`GuardedChannel` catches those items, moves the raw bytes to the
-dead-letter list ``fleet:dead-letter`` (nothing is silently lost) and keeps consuming.
+kombu's Redis transport decodes each popped item inside the worker's event loop, and Celery's
+strategy unpacks its headers and body there too; an exception in either stops the whole worker
+("Unrecoverable error"), the unacked item comes back, and the next worker dies on it. What they
+do catch, they drop with a log line. :class:`GuardedChannel` sits where the item is popped
+(``_brpop_read``), before any of that, and for each item:
 
-Installed by :func:`install` in the worker process only (producers never decode queue items).
+1. checks the envelope (:func:`workers.message_check.parse_envelope`);
+2. counts the delivery when kombu marked it redelivered (:mod:`workers.deliveries`) and gives up
+   on a message past ``worker.max_deliveries`` (its processing killed the worker each time);
+3. checks headers, content type, encodings and body layout
+   (:func:`workers.message_check.check_message`);
+4. hands it to kombu and Celery only when every check passed.
+
+A refused item is pushed to the dead-letter list with why, where and when
+(:mod:`protocol.deadletter`), gets a FAILURE result under its task ID when it has one (stored
+through the app's result backend, as Celery stores a task's failure, with a
+:class:`~protocol.errors.DecodeError` naming the field), and is gone from the queue: it was popped
+and never entered kombu's unacked set, which is what an ack would do.
+
+:func:`install` runs in the worker process only (producers never decode queue items).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
+from celery import Celery, signals
 from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
-from kombu.utils.json import loads
 
-__all__ = ["DEAD_LETTER_KEY", "GuardedChannel", "install"]
+from protocol.deadletter import MAX_ENTRIES, Reason, encode_entry, make_entry
+from protocol.errors import DecodeError, FleetError
+from protocol.keys import DEAD_LETTER_KEY
+from protocol.settings import FleetSettings
+from workers.deliveries import count_delivery, count_ttl_s, over_limit
+from workers.message_check import Accepted, Envelope, Refused, check_message, parse_envelope
+
+__all__ = ["DEAD_LETTER_KEY", "CheckedMessage", "GuardConfig", "GuardedChannel", "configure", "install"]
 
 log = logging.getLogger("fleet.poison")
 
-DEAD_LETTER_KEY = "fleet:dead-letter"
-_MAX_DEAD_LETTERS = 10_000
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """What the guard needs from the worker: its app (task names, result backend) and limits."""
+
+    app: Celery
+    hostname: str
+    max_deliveries: int
+    count_ttl_s: int
+
+
+_config: GuardConfig | None = None
+
+
+class CheckedMessage(virtual.Message):
+    """kombu's message, holding the body the guard already decoded: Celery's ``Request`` reads
+    ``message.payload`` in the event loop, and need not decode the same bytes a second time."""
+
+    def __init__(self, payload: Any, channel: Any = None, **kwargs: Any) -> None:
+        super().__init__(payload, channel=channel, **kwargs)  # type: ignore[no-untyped-call]
+        checked = getattr(channel, "checked_bodies", None)
+        body = checked.pop(self.delivery_tag, None) if isinstance(checked, dict) else None
+        if body is not None:
+            self._decoded_cache = body
 
 
 class GuardedChannel(kombu_redis.Channel):
-    """kombu's Redis channel, except that undecodable queue items are dead-lettered, not fatal."""
+    """kombu's Redis channel, except that it only delivers items Celery can take (see the module doc)."""
+
+    Message = CheckedMessage
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.checked_bodies: dict[str, list[Any]] = {}
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
 
     def _brpop_read(self, **options: Any) -> bool:
         try:
@@ -39,18 +91,10 @@ class GuardedChannel(kombu_redis.Channel):
             if not dest__item:
                 raise kombu_redis.Empty()  # type: ignore[attr-defined]
             dest, item = dest__item
-            dest = bytes_to_str(dest).rsplit(self.sep, 1)[0]  # type: ignore[no-untyped-call]
-            self._queue_cycle.rotate(dest)
-            try:
-                message = loads(bytes_to_str(item))  # type: ignore[no-untyped-call]
-                props = message.get("properties") if isinstance(message, dict) else None
-                if not isinstance(props, dict) or "body" not in message or not {
-                    "delivery_tag", "delivery_info"} <= props.keys():
-                    raise ValueError("not a kombu message envelope (body, properties.delivery_tag/info)")
-            except (TypeError, ValueError, UnicodeDecodeError) as exc:
-                self._dead_letter(dest, item, exc)
-                return True
-            self.connection._deliver(message, dest)
+            list_key = bytes_to_str(dest)  # type: ignore[no-untyped-call]
+            queue = list_key.rsplit(self.sep, 1)[0]
+            self._queue_cycle.rotate(queue)
+            self._admit(queue, list_key, item if isinstance(item, bytes) else str(item).encode())
             return True
         finally:
             self._in_poll = None  # type: ignore[assignment]
@@ -58,18 +102,152 @@ class GuardedChannel(kombu_redis.Channel):
             if flush is not None:
                 flush()
 
-    def _dead_letter(self, queue: str, item: bytes | str, exc: Exception) -> None:
-        raw = item if isinstance(item, bytes) else str(item).encode()
-        log.error("queue %s: dropped an item that is not a Celery/kombu JSON message (%s); "
-                  "moved %d bytes to %s", queue, exc, len(raw), DEAD_LETTER_KEY)
+    def _admit(self, queue: str, list_key: str, item: bytes) -> None:
+        """Deliver ``item`` to kombu/Celery, or dead-letter it; never raises for the item's sake."""
+        try:
+            verdict = self._verdict(item)
+        except Exception as exc:  # a bug in the checks must not become the poison either
+            log.exception("queue %s: the checks raised on an item", queue)
+            verdict = Refused(Reason.WORKER_ERROR, "item", f"the checks raised {type(exc).__name__}: {exc}"[:500],
+                              "an item the checks can read")
+        if isinstance(verdict, Refused):
+            self._dead_letter(queue, list_key, item, verdict)
+            return
+        envelope, checked = verdict
+        tag: str = envelope.payload["properties"]["delivery_tag"]
+        self.checked_bodies[tag] = checked.body
+        try:
+            self.connection._deliver(envelope.payload, queue)
+        except Exception as exc:  # a guard of last resort: whatever the checks missed must not stop us
+            # kombu counts KeyError among "connection errors" (a stale poller fd); from Celery's
+            # strategy it means a message it could not read, so only real I/O errors go up
+            if isinstance(exc, self.connection_errors + self.connection.channel_errors) and not isinstance(
+                exc, KeyError
+            ):
+                raise
+            log.exception("queue %s: Celery raised on a message that passed the checks", queue)
+            self._forget_unacked(tag)
+            self._dead_letter(queue, list_key, item, Refused(
+                Reason.WORKER_ERROR, "message", f"the worker raised {type(exc).__name__}: {exc}"[:500],
+                "a message Celery accepts", envelope.task_id, envelope.task))
+        finally:
+            self.checked_bodies.pop(tag, None)
+
+    def _verdict(self, item: bytes) -> Refused | tuple[Envelope, Accepted]:
+        """Envelope, delivery count, then the rest (:mod:`workers.message_check`)."""
+        cfg = _config
+        envelope = parse_envelope(item)
+        if isinstance(envelope, Refused):
+            return envelope
+        if cfg is not None and envelope.task_id is not None and envelope.redelivered:
+            deliveries = self._count(cfg, envelope.task_id)
+            if deliveries is not None and over_limit(deliveries, cfg.max_deliveries):
+                return Refused(
+                    Reason.MAX_DELIVERIES, "deliveries",
+                    f"delivered {deliveries - 1} times without an ack (its worker died each time, or it outlived "
+                    f"the visibility timeout); max_deliveries={cfg.max_deliveries}",
+                    str(cfg.max_deliveries), envelope.task_id, envelope.task, deliveries,
+                )
+        checked = check_message(envelope, cfg.app.tasks if cfg is not None else None)
+        return checked if isinstance(checked, Refused) else (envelope, checked)
+
+    def _count(self, cfg: GuardConfig, task_id: str) -> int | None:
         try:
             with self.conn_or_acquire() as client:
-                client.lpush(DEAD_LETTER_KEY, raw)
-                client.ltrim(DEAD_LETTER_KEY, 0, _MAX_DEAD_LETTERS - 1)
+                return count_delivery(client, task_id, redelivered=True, ttl_s=cfg.count_ttl_s)
+        except Exception:  # an uncounted delivery still runs, as it would have without the guard
+            log.exception("could not count a delivery of %s", task_id)
+            return None
+
+    def _dead_letter(self, queue: str, list_key: str, item: bytes, refused: Refused) -> None:
+        """Push the entry, then store the FAILURE result of the message's task ID (when it has one)."""
+        cfg = _config
+        log.error("queue %s: dead-lettered %s (%d bytes, task id %s): %s: %s", queue, refused.reason.value,
+                  len(item), refused.task_id, refused.field, refused.detail)
+        entry = make_entry(item, reason=refused.reason, detail=refused.detail, field=refused.field, queue=queue,
+                           list_key=list_key, now_unix_s=time.time(), task_id=refused.task_id, task=refused.task,
+                           worker=cfg.hostname if cfg else None, deliveries=refused.deliveries)
+        try:
+            with self.conn_or_acquire() as client:
+                pipe = client.pipeline(transaction=True)
+                pipe.lpush(DEAD_LETTER_KEY, encode_entry(entry))
+                pipe.ltrim(DEAD_LETTER_KEY, 0, MAX_ENTRIES - 1)
+                pipe.execute()
         except Exception:  # the guard must never become the thing that kills the worker
             log.exception("could not write the dead letter")
+        if refused.task_id is not None and cfg is not None:
+            _store_failure(cfg, refused.task_id, refused.task, queue, _failure(refused))
+
+    def _forget_unacked(self, delivery_tag: str) -> None:
+        """Ack a delivery that Celery raised on, if kombu took it in, so it is not restored later."""
+        try:
+            if delivery_tag in getattr(self.qos, "_delivered", {}):
+                self.qos.ack(delivery_tag)
+        except Exception:
+            log.exception("could not ack delivery %s", delivery_tag)
 
 
-def install() -> None:
-    """Make every Redis transport in this process use :class:`GuardedChannel`."""
+def _failure(refused: Refused) -> FleetError:
+    """The error stored for a dead-lettered message: DecodeError naming the field that broke; a plain
+    FleetError (field ``deliveries``, limit ``max_deliveries``) for one that killed its workers."""
+    message = f"dead-lettered ({refused.reason.value}): {refused.detail}"
+    if refused.reason is Reason.MAX_DELIVERIES:
+        return FleetError(message, refused.field, int(refused.limit))
+    return DecodeError(message, refused.field, refused.limit)
+
+
+def _store_failure(cfg: GuardConfig, task_id: str, task: str | None, queue: str, error: FleetError) -> None:
+    """FAILURE for ``task_id`` through the app's result backend, as Celery stores a failed task's.
+
+    The backend never overwrites a SUCCESS (a stray copy of a finished request fails nothing).
+    """
+    request = SimpleNamespace(
+        id=task_id, task=task, args=None, kwargs=None, hostname=cfg.hostname, retries=0,
+        delivery_info={"routing_key": queue}, chord=None, chain=None, errbacks=None, group=None,
+        parent_id=None, children=[], stamps=None, ignore_result=False,
+    )
+    try:
+        cfg.app.backend.mark_as_failure(task_id, error, request=request, call_errbacks=False)
+    except Exception:
+        log.exception("could not store the FAILURE result of %s", task_id)
+
+
+def configure(app: Celery, settings: FleetSettings, hostname: str) -> GuardConfig:
+    """Bind the guard to this worker's app and settings (task names, result backend, max_deliveries)."""
+    global _config
+    _config = GuardConfig(
+        app=app,
+        hostname=hostname,
+        max_deliveries=settings.worker.max_deliveries,
+        count_ttl_s=count_ttl_s(
+            visibility_timeout_s=settings.visibility_timeout_s,
+            result_ttl_s=settings.result_ttl_s,
+            max_deliveries=settings.worker.max_deliveries,
+        ),
+    )
+    return _config
+
+
+def _configure_from_worker(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    """``celeryd_after_setup``: the worker's app and hostname are known, its runtime (settings) is built."""
+    from workers.runtime import current_runtime
+
+    runtime = current_runtime()
+    if instance is None or runtime is None:
+        log.warning("poison guard: no worker runtime; task names, delivery counts and FAILURE results are off")
+        return
+    configure(instance.app, runtime.settings, str(instance.hostname))
+
+
+def install(app: Celery | None = None, settings: FleetSettings | None = None, hostname: str | None = None) -> None:
+    """Make every Redis transport in this process use :class:`GuardedChannel`.
+
+    With ``app`` and ``settings`` the guard is configured at once; without them (called from
+    ``worker_init``) it configures itself at ``celeryd_after_setup``, from the worker being set up and
+    the runtime :mod:`workers.runtime` built, before the consumer starts.
+    """
     kombu_redis.Transport.Channel = GuardedChannel
+    if app is not None and settings is not None:
+        configure(app, settings, hostname or "unknown")
+    else:
+        signals.celeryd_after_setup.connect(_configure_from_worker, weak=False)

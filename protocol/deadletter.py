@@ -1,0 +1,197 @@
+"""Dead-letter entries: the queue items a worker refused or gave up on, kept with why and where.
+
+Workers push one JSON :class:`DeadLetter` per item onto the Redis list ``fleet:dead-letter``
+(:data:`protocol.keys.DEAD_LETTER_KEY`, newest first, capped at :data:`MAX_ENTRIES`); the
+``fleet dead-letter`` commands read them. The entry keeps the raw item byte for byte (UTF-8 text
+when it is, else base64), so ``requeue`` can put the original message back on the list it came from.
+
+Reasons (:class:`Reason`), in the order a worker checks them:
+
+* ``not_json``: the queue item is not JSON; ``not_a_message``: JSON, but not a kombu envelope
+  (``body``, ``headers``, ``properties.delivery_tag``/``delivery_info`` of the right types);
+* ``max_deliveries``: delivered more than ``worker.max_deliveries`` times without an ack (its
+  worker died each time: segfault, OOM kill, ``os._exit``);
+* ``bad_headers``: not Celery protocol 2 headers (``task``, ``id``, ``eta``, ``timelimit``, …);
+  ``unknown_task``: no worker task of that name;
+* ``pickle`` and ``content_type``: the body is not JSON-serialized (the fleet accepts JSON only);
+  ``bad_encoding``: ``body_encoding``, ``content-encoding`` or compression the fleet does not read;
+* ``body_not_json``: the body does not parse as JSON; ``bad_body``: it does, but is not
+  ``[args (list), kwargs (object), embed (object)]``;
+* ``worker_error``: it passed every check and Celery still raised on it (a guard of last resort).
+
+Only ``unknown_task`` and ``max_deliveries`` entries can be requeued as they are
+(:func:`requeue_allowed`): the others would be refused again.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import uuid
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from protocol.errors import DecodeError
+
+__all__ = [
+    "MAX_ENTRIES",
+    "DeadLetter",
+    "Reason",
+    "decode_entry",
+    "encode_entry",
+    "make_entry",
+    "read_entry",
+    "requeue_allowed",
+]
+
+MAX_ENTRIES = 10_000
+"""The dead-letter list keeps this many entries (the oldest go first)."""
+
+
+class Reason(StrEnum):
+    """Why an item was dead-lettered (see the module docstring)."""
+
+    NOT_JSON = "not_json"
+    NOT_A_MESSAGE = "not_a_message"
+    MAX_DELIVERIES = "max_deliveries"
+    BAD_HEADERS = "bad_headers"
+    UNKNOWN_TASK = "unknown_task"
+    PICKLE = "pickle"
+    CONTENT_TYPE = "content_type"
+    BAD_ENCODING = "bad_encoding"
+    BODY_NOT_JSON = "body_not_json"
+    BAD_BODY = "bad_body"
+    WORKER_ERROR = "worker_error"
+    LEGACY = "legacy"
+
+
+_REQUEUE_SAFE = frozenset({Reason.MAX_DELIVERIES, Reason.UNKNOWN_TASK})
+
+
+def requeue_allowed(reason: Reason) -> bool:
+    """True when requeueing an entry of this reason can succeed as it is (no ``--force`` needed)."""
+    return reason in _REQUEUE_SAFE
+
+
+class DeadLetter(BaseModel):
+    """One dead-lettered queue item. Times are wall-clock Unix seconds."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_version: Literal[1] = 1
+    id: str = Field(min_length=1, description="This entry's ID (not the task's).")
+    reason: Reason
+    detail: str = Field(description="What was wrong, in words.")
+    field: str | None = Field(default=None, description="The part of the item that broke, e.g. 'body[1]'.")
+    queue: str = Field(description="The queue the item was taken from.")
+    list_key: str = Field(description="The Redis list it was popped from (a priority list has a suffix).")
+    task_id: str | None = Field(default=None, description="The message's task ID, when it had a usable one.")
+    task: str | None = Field(default=None, description="The task name in its headers, when it had one.")
+    worker: str | None = Field(default=None, description="Hostname of the worker that dead-lettered it.")
+    deliveries: int | None = Field(default=None, description="Deliveries counted (max_deliveries entries).")
+    dead_lettered_at_unix_s: float
+    raw: str = Field(description="The queue item, as text (raw_encoding utf-8) or base64.")
+    raw_encoding: Literal["utf-8", "base64"] = "utf-8"
+
+    def raw_bytes(self) -> bytes:
+        """The queue item exactly as it was popped."""
+        return base64.b64decode(self.raw) if self.raw_encoding == "base64" else self.raw.encode("utf-8")
+
+    def summary(self) -> dict[str, object]:
+        """The columns ``fleet dead-letter list`` prints."""
+        return {
+            "id": self.id,
+            "reason": self.reason.value,
+            "field": self.field,
+            "queue": self.queue,
+            "task_id": self.task_id,
+            "task": self.task,
+            "dead_lettered_at_unix_s": self.dead_lettered_at_unix_s,
+            "detail": self.detail,
+        }
+
+
+def make_entry(
+    raw: bytes,
+    *,
+    reason: Reason,
+    detail: str,
+    field: str | None,
+    queue: str,
+    list_key: str,
+    now_unix_s: float,
+    task_id: str | None = None,
+    task: str | None = None,
+    worker: str | None = None,
+    deliveries: int | None = None,
+) -> DeadLetter:
+    """A new entry for ``raw`` with a fresh ID; text items are kept as text, others as base64."""
+    encoding: Literal["utf-8", "base64"] = "utf-8"
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text, encoding = base64.b64encode(raw).decode("ascii"), "base64"
+    return DeadLetter(
+        id=uuid.uuid4().hex,
+        reason=reason,
+        detail=detail,
+        field=field,
+        queue=queue,
+        list_key=list_key,
+        task_id=task_id,
+        task=task,
+        worker=worker,
+        deliveries=deliveries,
+        dead_lettered_at_unix_s=now_unix_s,
+        raw=text,
+        raw_encoding=encoding,
+    )
+
+
+def encode_entry(entry: DeadLetter) -> bytes:
+    """The list item for ``entry``."""
+    return entry.model_dump_json().encode("utf-8")
+
+
+def decode_entry(data: bytes) -> DeadLetter:
+    """Parse one list item written by :func:`encode_entry`.
+
+    Raises:
+        DecodeError: ``data`` is not such an entry (the field that broke is named).
+    """
+    try:
+        return DeadLetter.model_validate_json(data)
+    except ValidationError as exc:
+        errs = exc.errors()
+        field = ".".join(str(p) for p in errs[0]["loc"]) if errs and errs[0]["loc"] else "entry"
+        raise DecodeError(f"not a dead-letter entry: {errs[0]['msg'] if errs else exc}", field, None) from exc
+
+
+def read_entry(data: bytes) -> DeadLetter:
+    """Like :func:`decode_entry`, but an item from before entries had a schema (the bare queue item that
+    an older worker pushed) becomes a ``legacy`` entry whose ID is derived from its bytes."""
+    try:
+        return decode_entry(data)
+    except DecodeError:
+        pass
+    queue = "unknown"
+    try:
+        doc = json.loads(data)
+        routing_key = doc["properties"]["delivery_info"]["routing_key"]
+        if isinstance(routing_key, str) and routing_key:
+            queue = routing_key
+    except Exception:  # a legacy item is anything at all; the queue is only a hint
+        pass
+    entry = make_entry(
+        data,
+        reason=Reason.LEGACY,
+        detail="pushed by a worker before dead-letter entries had a schema",
+        field=None,
+        queue=queue,
+        list_key=queue,
+        now_unix_s=0.0,
+    )
+    return entry.model_copy(update={"id": "legacy-" + hashlib.sha256(data).hexdigest()[:16]})
