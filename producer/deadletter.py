@@ -1,0 +1,122 @@
+"""The dead-letter list from the operator's side: read, requeue, purge (``fleet dead-letter``).
+
+Entries are :class:`protocol.deadletter.DeadLetter` JSON items on the Redis list
+``fleet:dead-letter``, newest first; workers only ever push to it. Here entries are found by
+their own ID or by the task ID they carry, and removed by value (``LREM``), so a worker pushing
+meanwhile never disturbs an operation.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from protocol.deadletter import DeadLetter, read_entry, requeue_allowed
+from protocol.errors import InvalidRequest, RequestNotFound
+from protocol.keys import DEAD_LETTER_KEY, DELIVERIES_KEY
+
+__all__ = ["DeadLetterStore", "fresh_delivery"]
+
+# Take the entry off the dead-letter list and put its item back on its queue in one step: two
+# operators requeueing the same entry push it once, and a crash in between loses nothing.
+_REQUEUE = """
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 1 then
+  redis.call('LPUSH', KEYS[2], ARGV[2])
+  redis.call('DEL', KEYS[3])
+  return 1
+end
+return 0
+"""
+
+
+def fresh_delivery(item: bytes) -> bytes:
+    """``item`` without kombu's ``redelivered`` marks, so a requeued message counts its deliveries anew.
+
+    Anything that is not a JSON envelope with those marks comes back unchanged, byte for byte.
+    """
+    try:
+        doc = json.loads(item)
+    except ValueError:
+        return item
+    changed = False
+    if isinstance(doc, dict):
+        headers, props = doc.get("headers"), doc.get("properties")
+        info = props.get("delivery_info") if isinstance(props, dict) else None
+        for part in (headers, info):
+            if isinstance(part, dict) and "redelivered" in part:
+                del part["redelivered"]
+                changed = True
+    return json.dumps(doc).encode("utf-8") if changed else item
+
+
+class DeadLetterStore:
+    """Operations on the dead-letter list of one Redis (a redis-py client returning bytes)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def entries(self) -> list[tuple[bytes, DeadLetter]]:
+        """Every entry, newest first, with the list item it was read from."""
+        return [(item, read_entry(item)) for item in self.client.lrange(DEAD_LETTER_KEY, 0, -1)]
+
+    def find(self, ident: str) -> tuple[bytes, DeadLetter]:
+        """The entry with ID ``ident``, else the newest entry whose task ID is ``ident``.
+
+        Raises:
+            RequestNotFound: no such entry.
+        """
+        entries = self.entries()
+        for item, entry in entries:
+            if entry.id == ident:
+                return item, entry
+        for item, entry in entries:
+            if entry.task_id == ident:
+                return item, entry
+        raise RequestNotFound(f"no dead-letter entry with ID or task ID {ident!r}", "id", None)
+
+    def requeue(self, ident: str, *, force: bool = False) -> DeadLetter:
+        """Push the entry's message back onto the list it came from and remove the entry.
+
+        Its delivery count is reset (and its ``redelivered`` marks dropped), so it gets
+        ``max_deliveries`` deliveries again.
+
+        Raises:
+            RequestNotFound: no such entry (or another operator took it first).
+            InvalidRequest: the entry's reason means a worker would refuse it again (a malformed
+                message); ``force`` pushes it anyway.
+        """
+        stored, entry = self.find(ident)
+        if not requeue_allowed(entry.reason) and not force:
+            raise InvalidRequest(
+                f"entry {entry.id} was dead-lettered as {entry.reason.value} ({entry.detail}); a worker would "
+                "refuse it again. Use --force to requeue it anyway",
+                "force",
+                entry.reason.value,
+            )
+        deliveries_key = DELIVERIES_KEY.format(id=entry.task_id or "")
+        done = self.client.eval(
+            _REQUEUE, 3, DEAD_LETTER_KEY, entry.list_key, deliveries_key, stored, fresh_delivery(entry.raw_bytes())
+        )
+        if not done:
+            raise RequestNotFound(f"dead-letter entry {entry.id} was removed meanwhile", "id", None)
+        return entry
+
+    def purge(self, *, older_than_s: float, now_unix_s: float) -> int:
+        """Remove the entries dead-lettered more than ``older_than_s`` ago; returns how many went."""
+        removed = 0
+        for item, entry in self.entries():
+            if now_unix_s - entry.dead_lettered_at_unix_s > older_than_s:
+                removed += int(self.client.lrem(DEAD_LETTER_KEY, 1, item))
+        return removed
+
+    def purge_all(self) -> int:
+        """Remove every entry; returns how many there were."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.llen(DEAD_LETTER_KEY)
+        pipe.delete(DEAD_LETTER_KEY)
+        count, _ = pipe.execute()
+        return int(count)
+
+    def count(self) -> int:
+        """Entries in the list now."""
+        return int(self.client.llen(DEAD_LETTER_KEY))

@@ -1,0 +1,136 @@
+"""``fleet dead-letter list|show|requeue|purge``: the queue items workers refused or gave up on.
+
+``producer.cli`` calls :func:`register` with its sub-parsers. Every command prints one JSON
+document. Exit codes follow ``fleet``'s: 0 ok; 1 no such entry; 2 refused (a malformed message
+without ``--force``, bad arguments or settings).
+
+::
+
+    fleet dead-letter list [--limit N]          # newest first: id, reason, field, queue, task id, when
+    fleet dead-letter show ID                   # the full entry, raw message included (ID or task ID)
+    fleet dead-letter requeue ID [--force]      # the message back onto its queue, deliveries counted anew
+    fleet dead-letter purge --older-than S | --all
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import redis
+
+from producer.deadletter import DeadLetterStore
+from protocol.deadletter import DeadLetter, requeue_allowed
+from protocol.settings import FleetSettings, load_settings
+
+__all__ = ["register"]
+
+
+def _print(doc: Any) -> None:
+    print(json.dumps(doc))
+
+
+def _settings(args: argparse.Namespace) -> FleetSettings:
+    return load_settings(args.config)
+
+
+def _store(settings: FleetSettings) -> DeadLetterStore:
+    return DeadLetterStore(redis.Redis.from_url(settings.redis_url, socket_timeout=10))
+
+
+def _when(entry: DeadLetter) -> str:
+    return datetime.fromtimestamp(entry.dead_lettered_at_unix_s, UTC).isoformat(timespec="seconds")
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    store = _store(_settings(args))
+    entries = store.entries()
+    shown = entries[: args.limit] if args.limit else entries
+    _print({
+        "count": len(entries),
+        "entries": [{**e.summary(), "dead_lettered_at": _when(e)} for _, e in shown],
+    })
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    _, entry = _store(_settings(args)).find(args.id)
+    _print({**entry.model_dump(mode="json"), "dead_lettered_at": _when(entry),
+            "requeue_allowed": requeue_allowed(entry.reason)})
+    return 0
+
+
+def cmd_requeue(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    entry = _store(settings).requeue(args.id, force=args.force)
+    forgot = _forget_guard_failure(settings, entry.task_id) if entry.task_id else False
+    _print({"id": entry.id, "requeued": True, "task_id": entry.task_id, "queue": entry.queue,
+            "list_key": entry.list_key, "reason": entry.reason.value, "forced": bool(args.force),
+            "failure_cleared": forgot})
+    return 0
+
+
+def _forget_guard_failure(settings: FleetSettings, task_id: str) -> bool:
+    """Delete the FAILURE result the guard stored for ``task_id`` (never another result): the requeued
+    message will write its own, and until then the request reads as queued again."""
+    from protocol.celeryconf import make_celery
+
+    app = make_celery(settings)
+    try:
+        meta = app.backend.get_task_meta(task_id)
+        if meta.get("status") == "FAILURE" and str(meta.get("result", "")).startswith("dead-lettered"):
+            app.backend.forget(task_id)
+            return True
+        return False
+    finally:
+        app.close()
+
+
+def cmd_purge(args: argparse.Namespace) -> int:
+    store = _store(_settings(args))
+    purged = store.purge_all() if args.all else store.purge(older_than_s=args.older_than, now_unix_s=time.time())
+    _print({"purged": purged, "remaining": store.count()})
+    return 0
+
+
+def _seconds(raw: str) -> float:
+    value = float(raw)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be >= 0 seconds")
+    return value
+
+
+def register(sub: Any) -> None:
+    """Add ``dead-letter`` and its sub-commands to the ``fleet`` sub-parsers."""
+    p = sub.add_parser("dead-letter", help="list, show, requeue or purge the queue items workers dead-lettered")
+    dl = p.add_subparsers(dest="dead_letter_command", required=True)
+
+    def common(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--config", default=None, help="YAML settings (default: $FLEET_CONFIG or configs/fleet.yaml)")
+
+    q = dl.add_parser("list", help="entries, newest first: id, reason, field, queue, task id, when")
+    common(q)
+    q.add_argument("--limit", type=int, default=100, help="print at most N entries (0 = all; default 100)")
+    q.set_defaults(func=cmd_list)
+
+    q = dl.add_parser("show", help="one entry in full, raw message included")
+    common(q)
+    q.add_argument("id", help="the entry's ID, or the task ID it carries")
+    q.set_defaults(func=cmd_show)
+
+    q = dl.add_parser("requeue", help="push an entry's message back onto its queue and remove the entry")
+    common(q)
+    q.add_argument("id", help="the entry's ID, or the task ID it carries")
+    q.add_argument("--force", action="store_true",
+                   help="requeue even a malformed message (a worker will dead-letter it again)")
+    q.set_defaults(func=cmd_requeue)
+
+    q = dl.add_parser("purge", help="remove entries: those older than S seconds, or all")
+    common(q)
+    which = q.add_mutually_exclusive_group(required=True)
+    which.add_argument("--older-than", type=_seconds, metavar="S", help="entries dead-lettered more than S s ago")
+    which.add_argument("--all", action="store_true", help="every entry")
+    q.set_defaults(func=cmd_purge)

@@ -1,0 +1,104 @@
+"""``fleet dead-letter list|show|requeue|purge`` against entries a real worker wrote."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from producer.cli import main as fleet_main
+from protocol.keys import DEAD_LETTER_KEY, DELIVERIES_KEY
+from protocol.messages import InferenceResult
+from tests.integration.fleet_fixtures import Fleet
+from tests.queue_items import envelope, good_body, raw
+
+QUEUE = "fleet.demo-lm"
+REQUEST = {"model": "demo-lm", "input_ids": [5, 6, 7], "output": {"top_k": 2}}
+
+
+def fleet_json(capsys: pytest.CaptureFixture[str], config: Path, *argv: str) -> tuple[int, Any]:
+    """Run ``fleet dead-letter ...`` in this process; returns its exit code and the JSON it printed."""
+    code = fleet_main(["dead-letter", argv[0], "--config", str(config), *argv[1:]])
+    out = capsys.readouterr().out.strip().splitlines()
+    return code, json.loads(out[-1]) if out else None
+
+
+def _wait_for_entries(r: redis.Redis[bytes], n: int) -> None:
+    deadline = time.monotonic() + 30
+    while r.llen(DEAD_LETTER_KEY) < n:
+        assert time.monotonic() < deadline, f"{r.llen(DEAD_LETTER_KEY)} dead letters, expected {n}"
+        time.sleep(0.05)
+
+
+def test_list_show_requeue_purge(fleet: Fleet, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = fleet.config()
+    fleet.worker(cfg)
+    client = fleet.client(cfg)
+    r = redis.Redis.from_url(fleet.redis_url)
+
+    # a good message that (as far as the counter knows) already killed 3 workers, one for a task no
+    # worker here runs, and one whose body is not [args, kwargs, embed]
+    gave_up = envelope(QUEUE, good_body(REQUEST), task_id="gave-up-1")
+    gave_up["headers"]["redelivered"] = True
+    gave_up["properties"]["delivery_info"]["redelivered"] = True
+    r.set(DELIVERIES_KEY.format(id="gave-up-1"), 3)
+    r.lpush(QUEUE, raw(gave_up))
+    r.lpush(QUEUE, raw(envelope(QUEUE, good_body(REQUEST), task="fleet.not-here", task_id="unknown-1")))
+    r.lpush(QUEUE, raw(envelope(QUEUE, b'{"model": "demo-lm"}', task_id="bad-body-1")))
+    _wait_for_entries(r, 3)
+
+    code, doc = fleet_json(capsys, cfg, "list")
+    assert code == 0 and doc["count"] == 3
+    assert [(e["task_id"], e["reason"], e["queue"]) for e in doc["entries"]] == [
+        ("bad-body-1", "bad_body", QUEUE), ("unknown-1", "unknown_task", QUEUE), ("gave-up-1", "max_deliveries", QUEUE),
+    ]
+    assert all(e["id"] and e["dead_lettered_at"] and e["detail"] for e in doc["entries"])
+    code, doc = fleet_json(capsys, cfg, "list", "--limit", "1")
+    assert code == 0 and doc["count"] == 3 and len(doc["entries"]) == 1
+
+    code, shown = fleet_json(capsys, cfg, "show", "bad-body-1")  # by task ID
+    assert code == 0 and shown["reason"] == "bad_body" and shown["field"] == "body"
+    assert shown["requeue_allowed"] is False and json.loads(shown["raw"])["headers"]["id"] == "bad-body-1"
+    code, by_id = fleet_json(capsys, cfg, "show", shown["id"])  # by entry ID
+    assert code == 0 and by_id == shown
+    code, missing = fleet_json(capsys, cfg, "show", "no-such-entry")
+    assert code == 1 and missing["type"] == "RequestNotFound"
+
+    # a malformed body is not requeued unless forced
+    code, refused = fleet_json(capsys, cfg, "requeue", "bad-body-1")
+    assert code == 2 and refused["type"] == "InvalidRequest" and refused["field"] == "force"
+    assert r.llen(DEAD_LETTER_KEY) == 3
+
+    # the message the counter gave up on goes back, its count and its FAILURE cleared, and now runs
+    assert client.status("gave-up-1").value == "failed"
+    code, requeued = fleet_json(capsys, cfg, "requeue", "gave-up-1")
+    assert code == 0 and requeued["requeued"] is True and requeued["failure_cleared"] is True
+    assert requeued["reason"] == "max_deliveries" and requeued["queue"] == QUEUE
+    result = client.result("gave-up-1", wait=True, timeout_s=30)
+    assert isinstance(result, InferenceResult) and result.top_k is not None and len(result.top_k) == 2
+    assert r.llen(DEAD_LETTER_KEY) == 2
+
+    # forced: the malformed message goes back and is dead-lettered again, as a new entry
+    code, forced = fleet_json(capsys, cfg, "requeue", shown["id"], "--force")
+    assert code == 0 and forced["forced"] is True
+    deadline = time.monotonic() + 30
+    while True:
+        code, doc = fleet_json(capsys, cfg, "list")
+        if [e["task_id"] for e in doc["entries"]] == ["bad-body-1", "unknown-1"]:
+            break
+        assert time.monotonic() < deadline, doc
+        time.sleep(0.05)
+    assert doc["entries"][0]["id"] != shown["id"]
+
+    code, purged = fleet_json(capsys, cfg, "purge", "--older-than", "3600")
+    assert code == 0 and purged == {"purged": 0, "remaining": doc["count"]}
+    code, purged = fleet_json(capsys, cfg, "purge", "--older-than", "0")
+    assert code == 0 and purged["purged"] == doc["count"] and purged["remaining"] == 0
+    r.lpush(QUEUE, raw(envelope(QUEUE, b"[1, 2]", task_id="bad-body-2")))
+    _wait_for_entries(r, 1)
+    code, purged = fleet_json(capsys, cfg, "purge", "--all")
+    assert code == 0 and purged == {"purged": 1, "remaining": 0}
