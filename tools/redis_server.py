@@ -30,6 +30,9 @@ class PortInUse(RuntimeError):
 def port_is_free(port: int) -> bool:
     """True when nothing listens on 127.0.0.1:``port`` and it can be bound now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # as redis-server itself binds: a port whose last connections sit in TIME_WAIT (a server just
+        # killed) is free; one with a listener is not (Linux refuses that bind even with SO_REUSEADDR)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:

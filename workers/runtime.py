@@ -71,6 +71,8 @@ class WorkerRuntime:
             backlog=_celery_backlog,
             generation=_generation_loop(self.engine, self.model),
         )
+        if self.scheduler.generation is not None and self.model.engine.warmup:
+            self.warmup_ms += self.scheduler.generation.warm_up()
         self.ready = False
         self.in_flight = 0
         self._count_lock = threading.Lock()

@@ -34,12 +34,18 @@ from workers.runtime import WorkerRuntime, current_runtime
 __all__ = ["register_tasks"]
 
 EXPECTED_ERRORS = (InvalidRequest, RequestExpired, RequestCancelled)
+RESULT_REPR_MAX = 16_384
+"""Characters of a result Celery's events carry to Flower (its default, 1,024, cuts embeddings)."""
 
 
 def register_tasks(app: Celery) -> None:
     """Register ``fleet.infer`` and ``fleet.infer_bulk`` on ``app``."""
 
-    @app.task(name=TASK_NAME, bind=True, throws=EXPECTED_ERRORS, acks_late=True)  # type: ignore[untyped-decorator]
+    # resultrepr_maxsize: Celery's task-succeeded event (what Flower shows) carries a repr of the result,
+    # cut at 1 KiB by default; an embedding or a generation's ids need more to stay readable.
+    @app.task(  # type: ignore[untyped-decorator]
+        name=TASK_NAME, bind=True, throws=EXPECTED_ERRORS, acks_late=True, resultrepr_maxsize=RESULT_REPR_MAX
+    )
     def infer(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """One request: ``args=[{"model": ..., "input_ids": [...], ...}]`` (or ``kwargs={"request": {...}}``)."""
         runtime = _runtime()

@@ -19,6 +19,7 @@ import pytest
 import redis
 
 from producer.client import FleetClient
+from protocol.errors import InvalidRequest
 from protocol.keys import STREAM_KEY
 from protocol.messages import InferenceResult
 from protocol.streams import StreamEvent, decode_event
@@ -56,9 +57,10 @@ def _alone_then_together(
     ]
     rng = random.Random(1)
     ids = []
-    for i, (prompt, n) in enumerate(work):  # arrivals at random times, so sequences join mid-run
+    for i, (prompt, n) in enumerate(work):
         ids.append(_generate(client, prompt, model, max_new_tokens=n, seed=i, **params))
-        time.sleep(rng.random() * 0.004)
+        if i >= len(work) // 2:  # a burst (they surely share steps), then arrivals at random times mid-run
+            time.sleep(rng.random() * 0.004)
     together = [_result(client, rid) for rid in ids]
     return alone, together
 
@@ -251,3 +253,19 @@ def test_llama_layout_serves_next_token_top_k_from_the_same_worker(fleet: Fleet)
     greedy = _result(client, _generate(client, [5, 6, 7], "demo-llama", max_new_tokens=1))
     assert top is not None and top.top_k is not None and len(top.top_k) == 3
     assert greedy.generation.token_ids == [top.top_k[0].token_id]  # type: ignore[union-attr]
+
+
+def test_bad_generation_arguments_raise_fleet_errors_naming_the_field(fleet: Fleet) -> None:
+    client = fleet.client(fleet.config())
+    with pytest.raises(InvalidRequest) as info:
+        client.submit(MODEL, [5], generation={"temperature": -1})
+    assert info.value.field == "output.generation.temperature"
+    with pytest.raises(InvalidRequest) as info:
+        client.submit(MODEL, [5], generation={"max_new_tokens": 10_000})
+    assert info.value.field == "output.generation.max_new_tokens" and info.value.limit == 256
+    with pytest.raises(InvalidRequest) as info:
+        client.submit(MODEL, [5], generation={"stop": [""]})
+    assert info.value.field == "output.generation.stop"
+    with pytest.raises(InvalidRequest) as info:
+        client.submit("demo-encoder", [5], generation={"max_new_tokens": 4})
+    assert info.value.field == "output.kind"

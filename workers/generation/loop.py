@@ -197,6 +197,19 @@ class GenerationLoop:
             return True
         return False
 
+    def warm_up(self) -> float:
+        """One prefill and one decode step at ``max_batch_size`` rows (before the worker consumes, so a
+        model whose cache does not round-trip fails at start, and TensorRT has seen the decode shapes).
+        Returns the time it took (ms)."""
+        started = time.perf_counter()
+        token = min(self.decoder.engine.card.vocab_size - 1, 3)
+        rows = list(range(self.max_batch_size))
+        prefill = self.decoder.prefill([[token, token] for _ in rows])
+        state = KVState()
+        state.relayout([], prefill, rows)
+        self.decoder.decode(state, [token for _ in rows])
+        return (time.perf_counter() - started) * 1000
+
     def fail_all(self, exc: BaseException) -> None:
         """The engine failed: end every running sequence with ``exc`` and reset the batch."""
         for seq in self.running:
