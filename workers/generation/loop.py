@@ -116,7 +116,7 @@ class GenerationLoop:
                 done = seq.accept(prefill.last_logits[j])
                 first_ms.append((self.clock() - seq.arrived_s) * 1000)
                 if done:
-                    finished.append(self._finish(seq))
+                    finished.append(seq.end().finish_reason)
                 else:
                     joined.append(j)
         copy_ms = 0.0
@@ -152,7 +152,7 @@ class GenerationLoop:
         for row, seq in enumerate(self.running):
             seq.note_decode(rows, decode_ms)
             if seq.accept(logits[row]):
-                finished.append(self._finish(seq))
+                finished.append(seq.end().finish_reason)
         return decode_ms, rows
 
     def _stopped(self, seq: GenSequence, now: float, finished: list[FinishReason]) -> bool:
@@ -173,10 +173,6 @@ class GenerationLoop:
         seq.end(reason)
         finished.append(reason)
         return True
-
-    def _finish(self, seq: GenSequence) -> FinishReason:
-        outcome = seq.end()
-        return outcome.finish_reason
 
     @staticmethod
     def _refuse_before_start(seq: GenSequence, now: float) -> bool:

@@ -11,9 +11,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import numpy as np
+import numpy.typing as npt
+
 from protocol.messages import FinishReason, GenerationParams, Usage
 from protocol.streams import StreamEvent
-from protocol.tokenization import Tokenizer
+from protocol.tokenization import IncrementalDetokenizer, Tokenizer
 from workers.generation.sampling import Sampler
 from workers.generation.stops import scan_stops
 
@@ -45,33 +48,6 @@ class GenOutcome:
     prefill_started_unix_s: float
 
 
-class _Detok:
-    """Text so far via the tokenizer's incremental detokenizer (or nothing without a tokenizer)."""
-
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
-        self._inc = None
-        if tokenizer is not None:
-            from protocol.tokenization import IncrementalDetokenizer
-
-            self._inc = IncrementalDetokenizer(tokenizer)
-
-    @property
-    def available(self) -> bool:
-        return self._inc is not None
-
-    def add(self, token_id: int) -> None:
-        if self._inc is not None:
-            self._inc.add(token_id)
-
-    def finish(self) -> None:
-        if self._inc is not None:
-            self._inc.flush()
-
-    @property
-    def text(self) -> str:
-        return self._inc.text if self._inc is not None else ""
-
-
 @dataclass(eq=False)
 class GenSequence:
     """A generation request inside the worker."""
@@ -92,7 +68,7 @@ class GenSequence:
     def __post_init__(self) -> None:
         self.generated: list[int] = []
         self.sampler = Sampler(self.params)
-        self._detok = _Detok(self.tokenizer)
+        self._detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         self._shown = 0
         self._searched = 0
         self._cut: int | None = None
@@ -129,9 +105,14 @@ class GenSequence:
         self._sizes.append(batch)
         self.engine_ms += engine_ms
 
-    def accept(self, logits_row: object) -> bool:
+    @property
+    def text(self) -> str:
+        """Detokenized output so far (empty without a tokenizer)."""
+        return self._detok.text if self._detok is not None else ""
+
+    def accept(self, logits_row: npt.NDArray[np.floating]) -> bool:
         """Choose the next token from ``logits_row`` [vocab]; returns True when the sequence ended."""
-        token = self.sampler.pick(logits_row, self.history)  # type: ignore[arg-type]
+        token = self.sampler.pick(logits_row, self.history)
         now = time.monotonic()
         if not self.generated:
             self._first_unix = time.time()
@@ -143,7 +124,8 @@ class GenSequence:
         if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
             self.finish_reason = "stop"
         else:
-            self._detok.add(token)
+            if self._detok is not None:
+                self._detok.add(token)
             self._check_stop_strings()
         if self.finish_reason is None and len(self.generated) >= p.max_new_tokens:
             self.finish_reason = "length"
@@ -154,7 +136,7 @@ class GenSequence:
         return self.finish_reason is not None
 
     def _check_stop_strings(self) -> None:
-        if not self.params.stop or not self._detok.available:
+        if not self.params.stop or self._detok is None:
             return
         text = self._detok.text
         scan = scan_stops(text, self.params.stop, self._searched)
@@ -165,7 +147,7 @@ class GenSequence:
 
     def _release(self, *, final: bool) -> str:
         """Text not yet shown that can be shown now (all of it, cut at a stop string, when final)."""
-        text = self._detok.text
+        text = self.text
         if final:
             end = self._cut if self._cut is not None else len(text)
         else:
@@ -186,7 +168,8 @@ class GenSequence:
         resolve its future; returns the outcome."""
         if reason is not None:
             self.finish_reason = reason
-        self._detok.finish()
+        if self._detok is not None:
+            self._detok.flush()
         tail = self._release(final=True)
         final = self.finish_reason or "length"
         usage = Usage(
@@ -202,7 +185,7 @@ class GenSequence:
         sizes = self._sizes or [self.prefill_batch or 1]
         outcome = GenOutcome(
             token_ids=list(self.generated),
-            text=self._detok.text[: self._shown] if self._detok.available else None,
+            text=self.text[: self._shown] if self._detok is not None else None,
             finish_reason=final,
             prompt_tokens=len(self.prompt),
             first_token_unix_s=self._first_unix,
