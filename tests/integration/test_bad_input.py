@@ -45,7 +45,7 @@ def test_client_refuses_before_queueing(fleet: Fleet, kwargs: dict[str, object],
 
 def test_unknown_model_is_refused_by_the_client(fleet: Fleet) -> None:
     client = fleet.client(fleet.config())
-    with pytest.raises(UnknownModel, match="configured models: demo-encoder, demo-lm"):
+    with pytest.raises(UnknownModel, match="configured models: demo-encoder, demo-llama, demo-lm"):
         client.submit("nope", [1, 2])
 
 
@@ -92,8 +92,8 @@ def test_worker_fails_bad_messages_and_keeps_serving(fleet: Fleet) -> None:
     good = client.submit("demo-lm", [5, 6, 7])
     result = client.result(good, wait=True, timeout_s=30)
     assert result is not None and result.top_k
-    assert pickled.state == "PENDING"  # never executed
-    assert r.llen("fleet:dead-letter") == 2  # the two non-messages were kept, not lost
+    assert pickled.state == "FAILURE"  # refused (JSON only) and never executed
+    assert r.llen("fleet:dead-letter") == 3  # the two non-messages and the pickle message were kept
     assert worker.proc is not None and worker.proc.poll() is None
     assert "ContentDisallowed" in worker.log_tail(200000) or "disallowed" in worker.log_tail(200000).lower()
     plain.close()
