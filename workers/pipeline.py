@@ -141,12 +141,46 @@ def _queue_wait_ms(request: InferenceRequest, batch_started_unix_s: float, fallb
     return max(0.0, (batch_started_unix_s - request.submitted_at_unix_s) * 1000)
 
 
-def _generation_result(
-    runtime: WorkerRuntime, prepared: Prepared, done: GenOutcome, *, request_id: str, worker: str
-) -> InferenceResult:
+def _encode(
+    runtime: WorkerRuntime,
+    prepared: Prepared,
+    *,
+    request_id: str,
+    worker: str,
+    started_unix_s: float,
+    batch_wait_ms: float,
+    inference_ms: float,
+    batch_size: int,
+    padded_tokens: int,
+    **outputs: Any,
+) -> dict[str, Any]:
+    """The JSON result: what every kind shares (IDs, version, input, timings) plus its ``outputs``."""
+    request = prepared.request
+    result = InferenceResult(
+        request_id=request_id,
+        model=runtime.model_key,
+        version=runtime.version,
+        kind=prepared.kind,  # type: ignore[arg-type]
+        input_tokens=len(prepared.checked.input_ids),
+        truncated=prepared.checked.truncated or request.truncated,
+        timings=Timings(
+            queue_wait_ms=round(_queue_wait_ms(request, started_unix_s, batch_wait_ms), 3),
+            batch_wait_ms=round(batch_wait_ms, 3),
+            inference_ms=round(inference_ms, 3),
+            batch_size=batch_size,
+            padded_tokens=padded_tokens,
+            worker=worker,
+        ),
+        **outputs,
+    )
+    return result.model_dump(mode="json")
+
+
+def _generation(prepared: Prepared, done: GenOutcome) -> Generation:
+    """A finished generation's output, its time to first token counted from the producer's submit."""
     request = prepared.request
     ttft_from = request.submitted_at_unix_s or (done.prefill_started_unix_s - done.batch_wait_ms / 1000)
-    generation = Generation(
+    return Generation(
         token_ids=done.token_ids,
         text=done.text,
         finish_reason=done.finish_reason,
@@ -164,23 +198,6 @@ def _generation_result(
             batch_size_max=done.batch_size_max,
         ),
     )
-    return InferenceResult(
-        request_id=request_id,
-        model=runtime.model_key,
-        version=runtime.version,
-        kind="generate",
-        input_tokens=len(prepared.checked.input_ids),
-        truncated=prepared.checked.truncated or request.truncated,
-        generation=generation,
-        timings=Timings(
-            queue_wait_ms=round(_queue_wait_ms(request, done.prefill_started_unix_s, done.batch_wait_ms), 3),
-            batch_wait_ms=round(done.batch_wait_ms, 3),
-            inference_ms=round(done.engine_ms, 3),
-            batch_size=done.prefill_batch_size,
-            padded_tokens=done.prefill_padded_tokens,
-            worker=worker,
-        ),
-    )
 
 
 def finish(runtime: WorkerRuntime, prepared: Prepared, *, request_id: str, worker: str) -> dict[str, Any]:
@@ -189,32 +206,21 @@ def finish(runtime: WorkerRuntime, prepared: Prepared, *, request_id: str, worke
     Re-raises the job's error.
     """
     done = prepared.future.result()
+    ids = {"request_id": request_id, "worker": worker}
     if isinstance(done, GenOutcome):
-        result = _generation_result(runtime, prepared, done, request_id=request_id, worker=worker)
-        return result.model_dump(mode="json")
-    request = prepared.request
+        return _encode(
+            runtime, prepared, **ids, started_unix_s=done.prefill_started_unix_s, batch_wait_ms=done.batch_wait_ms,
+            inference_ms=done.engine_ms, batch_size=done.prefill_batch_size,
+            padded_tokens=done.prefill_padded_tokens, generation=_generation(prepared, done),
+        )
     top = None
     if done.top_ids is not None and done.top_logprobs is not None:
         top = [TopToken(token_id=t, logprob=lp) for t, lp in zip(done.top_ids, done.top_logprobs, strict=True)]
-    result = InferenceResult(
-        request_id=request_id,
-        model=runtime.model_key,
-        version=runtime.version,
-        kind=prepared.kind,  # type: ignore[arg-type]
-        input_tokens=len(prepared.checked.input_ids),
-        truncated=prepared.checked.truncated or request.truncated,
-        top_k=top,
-        embedding=done.embedding,
-        timings=Timings(
-            queue_wait_ms=round(_queue_wait_ms(request, done.batch_started_unix_s, done.batch_wait_ms), 3),
-            batch_wait_ms=round(done.batch_wait_ms, 3),
-            inference_ms=round(done.inference_ms, 3),
-            batch_size=done.batch_size,
-            padded_tokens=done.padded_tokens,
-            worker=worker,
-        ),
+    return _encode(
+        runtime, prepared, **ids, started_unix_s=done.batch_started_unix_s, batch_wait_ms=done.batch_wait_ms,
+        inference_ms=done.inference_ms, batch_size=done.batch_size, padded_tokens=done.padded_tokens,
+        top_k=top, embedding=done.embedding,
     )
-    return result.model_dump(mode="json")
 
 
 def handle_request(runtime: WorkerRuntime, payload: Any, *, request_id: str, worker: str) -> dict[str, Any]:
