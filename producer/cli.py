@@ -217,7 +217,8 @@ def _register_extensions(sub: Any) -> None:
     """Commands that live in their own modules (gateway, status, bench, quantize) add themselves here."""
     import importlib
 
-    for module_name in ("producer.ops_cli", "bench.cli", "tools.quantize_cli", "producer.deadletter_cli"):
+    for module_name in ("producer.ops_cli", "bench.cli", "tools.quantize_cli", "producer.deadletter_cli",
+                        "producer.models_cli"):
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:

@@ -34,6 +34,7 @@ __all__ = [
     "FlowerSettings",
     "LimitSettings",
     "ModelSettings",
+    "StoreSettings",
     "WorkerSettings",
     "deep_merge",
     "load_settings",
@@ -141,6 +142,64 @@ class ModelSettings(_Section):
     limits: LimitSettings = Field(default_factory=LimitSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     max_queue_depth: int = Field(default=10_000, ge=1, description="Admission cap on queued requests.")
+    store_version: str | None = Field(
+        default=None,
+        description="Serve this version from the model store (section 'store'): the worker fetches it into "
+        "store.cache_dir, verifies every file's sha256 and only then loads it; 'path' may then be left out.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _path_from_store(cls, data: Any) -> Any:
+        # a store-served model needs no local path: this one never exists, so producers and the gateway
+        # read the card the worker publishes in Redis, as they do for any model not on their machine
+        if isinstance(data, dict) and data.get("store_version") and data.get("path") is None:
+            return {**data, "path": Path(f"store:{data['store_version']}")}
+        return data
+
+
+class StoreSettings(_Section):
+    """The model store (``store/``): where versions are published and workers fetch them from.
+
+    Names only. S3 credentials come from the environment or boto3's chain (``AWS_ACCESS_KEY_ID`` /
+    ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, an instance role), never from this file.
+    """
+
+    backend: Literal["none", "s3", "local"] = Field(default="none", description="'none' = no store.")
+    endpoint_url: str | None = Field(
+        default=None, pattern=r"^https?://", description="S3 endpoint; None = AWS (or $AWS_ENDPOINT_URL_S3)."
+    )
+    bucket: str | None = Field(default=None, min_length=3, max_length=63, description="S3 bucket (backend s3).")
+    region: str | None = Field(default=None, description="S3 region; None = boto3's default.")
+    root: Path | None = Field(default=None, description="Directory of the store (backend local).")
+    cache_dir: Path = Field(
+        default=Path("var/model-cache"),
+        description="Where workers keep verified versions: <cache_dir>/<model>/<version>/.",
+    )
+    reverify_cached: bool = Field(
+        default=False,
+        description="Re-hash a cached version's files at every start (default: sizes + the verification marker).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_secrets(cls, data: Any) -> Any:
+        secret_words = ("secret", "access_key", "password", "token", "credential")
+        for key in data if isinstance(data, dict) else ():
+            if any(word in str(key).lower() for word in secret_words):
+                raise ValueError(
+                    f"store.{key}: credentials are never read from the settings; set AWS_ACCESS_KEY_ID and "
+                    "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) in the environment"
+                )
+        return data
+
+    @model_validator(mode="after")
+    def _backend_needs(self) -> StoreSettings:
+        if self.backend == "s3" and not self.bucket:
+            raise ValueError("store.backend is 's3': set store.bucket")
+        if self.backend == "local" and self.root is None:
+            raise ValueError("store.backend is 'local': set store.root (a directory)")
+        return self
 
 
 class WorkerSettings(_Section):
@@ -235,6 +294,7 @@ class FleetSettings(BaseSettings):
     api: ApiSettings = Field(default_factory=ApiSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     flower: FlowerSettings = Field(default_factory=FlowerSettings)
+    store: StoreSettings = Field(default_factory=StoreSettings)
 
     @classmethod
     def settings_customise_sources(
@@ -271,6 +331,13 @@ class FleetSettings(BaseSettings):
                 names[norm] = key
                 merged[key] = value
         return {**data, "models": merged}
+
+    @model_validator(mode="after")
+    def _check_store(self) -> FleetSettings:
+        served = [name for name, model in self.models.items() if model.store_version]
+        if served and self.store.backend == "none":
+            raise ValueError(f"models.{served[0]}.store_version is set but store.backend is 'none': configure 'store'")
+        return self
 
     @model_validator(mode="after")
     def _check_models(self) -> FleetSettings:
@@ -370,7 +437,7 @@ def _resolve_model_paths(data: dict[str, Any], base: Path) -> None:
     for model in (data.get("models") or {}).values():
         if not isinstance(model, dict):
             continue
-        if "path" in model and not Path(str(model["path"])).is_absolute():
+        if model.get("path") is not None and not Path(str(model["path"])).is_absolute():
             model["path"] = str((base / str(model["path"])).resolve())
         engine = model.get("engine")
         if (

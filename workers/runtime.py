@@ -22,6 +22,7 @@ from protocol.keys import CARD_KEY
 from protocol.modelcard import ModelCard, load_card
 from protocol.settings import FleetSettings, ModelSettings
 from protocol.tokenization import Tokenizer, load_tokenizer
+from store.resolve import resolve_model
 from workers.engine import Engine
 from workers.generation.decoder import Decoder
 from workers.generation.loop import GenerationLoop
@@ -56,6 +57,9 @@ class WorkerRuntime:
                 "worker.concurrency",
                 self.model.batching.max_batch_size,
             )
+        # model store hook (store/): with models.<m>.store_version set, path = the cached copy fetched and
+        # verified against the version's manifest (ChecksumMismatch, a ModelLoadError, stops the start)
+        self.model = resolve_model(settings, self.model_key)
         self.card: ModelCard = load_card(self.model.path)
         self.version = self.model.version or self.card.version
         self.engine = Engine(

@@ -1,0 +1,231 @@
+"""Verified download of a version into the local cache: ``<cache_dir>/<model>/<version>/``.
+
+The files are downloaded into a private ``.<version>.partial-<pid>-…`` folder beside the final one,
+each checked against the manifest (sha256 and size) as soon as it lands; only when every file
+matches are the manifest and a verification marker written and the folder renamed into place (one
+atomic rename). A mismatch removes the partial folder and raises :class:`ChecksumMismatch` naming
+the file and both checksums, so no half-verified version is ever in the cache.
+
+Reuse: a version already in the cache is used without asking the store (versions are immutable, so
+a worker also starts while the store is down). The check is cheap: the marker must hold the sha256
+of the cached ``manifest.json`` and every file must exist with its manifest size. Hashing every
+byte again at each start would cost seconds per GB; the folder only ever appears through the rename
+above, after a full verification, so what the marker guards against is truncation and deletion,
+not bit rot. ``reverify=True`` (``store.reverify_cached``) re-hashes everything instead. A cached
+version that fails its check is removed and fetched again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from protocol.errors import ModelLoadError
+from store.backend import Backend, ProgressBar, progress_bar
+from store.errors import ChecksumMismatch, ObjectMissing, VersionNotFound
+from store.files import hash_file
+from store.manifest import MANIFEST_NAME, Manifest, ManifestFile, check_name, decode_manifest, manifest_digest
+from store.publish import CLAIM_NAME
+
+__all__ = ["MARKER_NAME", "cached_model_file", "fetch"]
+
+log = logging.getLogger("fleet.store")
+
+MARKER_NAME = ".fleet-verified.json"
+"""Written into a version's cache folder after every file matched its manifest."""
+
+
+def fetch(
+    backend: Backend,
+    model: str,
+    version: str,
+    cache_dir: Path,
+    *,
+    reverify: bool = False,
+    manifest_sha256: str | None = None,
+    progress: ProgressBar | None = None,
+) -> Path:
+    """The verified local copy of ``model`` ``version``: the path of its ONNX file in the cache.
+
+    Args:
+        cache_dir: the cache's root; the version lands in ``<cache_dir>/<model>/<version>/``.
+        reverify: re-hash a cached version's files instead of the cheap check.
+        manifest_sha256: when given (e.g. recorded with a pin), the manifest's own sha256 must equal it.
+
+    Raises:
+        InvalidRequest: a bad model or version name.
+        VersionNotFound: no manifest is published for it (a claim alone: a push is unfinished).
+        ChecksumMismatch: a file (or the manifest) is not what the manifest (or ``manifest_sha256``) says.
+        ModelLoadError: the manifest is invalid, names another version, or lists a file the store lacks.
+        StoreError: the store cannot be reached or refused.
+    """
+    check_name(model, "model")
+    check_name(version, "version")
+    final = Path(cache_dir) / model / version
+    cached = cached_model_file(final, model, version, reverify=reverify, manifest_sha256=manifest_sha256)
+    if cached is not None:
+        return cached
+    prefix = f"{model}/{version}/"
+    raw = backend.read(prefix + MANIFEST_NAME)
+    if raw is None:
+        unfinished = " (a push has claimed it but not finished)" if backend.exists(prefix + CLAIM_NAME) else ""
+        raise VersionNotFound(
+            f"{model} {version} is not published in {backend.location}{unfinished}", "version", version
+        )
+    where = backend.url_of(prefix + MANIFEST_NAME)
+    _check_manifest_digest(raw, manifest_sha256, model, version, where)
+    manifest = _decoded(raw, model, version, where)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_partials(final.parent, version)
+    partial = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{version}.partial-{os.getpid()}-"))
+    try:
+        with progress_bar(progress, f"fetch {model} {version}", manifest.total_bytes) as advance:
+            for entry in manifest.files:
+                dest = partial / entry.path
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    backend.download(prefix + entry.path, dest, advance)
+                except ObjectMissing as exc:
+                    raise ModelLoadError(
+                        f"{model} {version}: {entry.path} is listed in the manifest but missing from the store "
+                        f"({backend.url_of(prefix + entry.path)})",
+                        entry.path,
+                        entry.sha256,
+                    ) from exc
+                _verify(dest, entry, model, version, backend.url_of(prefix + entry.path))
+        (partial / MANIFEST_NAME).write_bytes(raw)
+        marker = {"manifest_sha256": manifest_digest(raw), "verified_unix_s": time.time(), "pid": os.getpid()}
+        (partial / MARKER_NAME).write_text(json.dumps(marker) + "\n")
+        _install(partial, final)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)  # gone already when the rename happened
+    log.info("fetched %s %s (%d files, %d bytes) from %s into %s", model, version, len(manifest.files),
+             manifest.total_bytes, backend.location, final)
+    found = cached_model_file(final, model, version, reverify=False, manifest_sha256=manifest_sha256)
+    if found is None:  # another process replaced it between the rename and now
+        raise ModelLoadError(f"{final} changed while it was being installed", "cache_dir", str(final))
+    return found
+
+
+def cached_model_file(
+    folder: Path, model: str, version: str, *, reverify: bool = False, manifest_sha256: str | None = None
+) -> Path | None:
+    """The ONNX file of the verified version in ``folder``; None when it is not there (or failed its
+    check, in which case the folder is removed so that it is fetched anew)."""
+    if not folder.is_dir():
+        return None
+    problem = _cache_problem(folder, model, version, reverify, manifest_sha256)
+    if problem is None:
+        manifest = decode_manifest((folder / MANIFEST_NAME).read_bytes(), str(folder / MANIFEST_NAME))
+        return folder / manifest.model_file
+    log.warning("cached %s %s in %s is not usable (%s): removing it to fetch again", model, version, folder, problem)
+    _remove(folder)
+    return None
+
+
+def _cache_problem(
+    folder: Path, model: str, version: str, reverify: bool, manifest_sha256: str | None
+) -> str | None:
+    try:
+        raw = (folder / MANIFEST_NAME).read_bytes()
+        marker = json.loads((folder / MARKER_NAME).read_text())
+    except (OSError, ValueError) as exc:
+        return f"no readable manifest and marker: {exc}"
+    digest = manifest_digest(raw)
+    if not isinstance(marker, dict) or marker.get("manifest_sha256") != digest:
+        return "the marker does not match the manifest"
+    if manifest_sha256 is not None and digest != manifest_sha256:
+        return f"manifest sha256 {digest}, expected {manifest_sha256}"
+    try:
+        manifest = _decoded(raw, model, version, str(folder / MANIFEST_NAME))
+    except ModelLoadError as exc:
+        return str(exc)
+    for entry in manifest.files:
+        path = folder / entry.path
+        size = path.stat().st_size if path.is_file() else None
+        if size != entry.size_bytes:
+            return f"{entry.path} has {size} bytes, the manifest says {entry.size_bytes}"
+        if reverify and hash_file(path)[0] != entry.sha256:
+            return f"{entry.path} no longer has sha256 {entry.sha256}"
+    return None
+
+
+def _decoded(raw: bytes, model: str, version: str, where: str) -> Manifest:
+    manifest = decode_manifest(raw, where)
+    if (manifest.model, manifest.version) != (model, version):
+        raise ModelLoadError(
+            f"manifest {where} describes {manifest.model} {manifest.version}, not {model} {version}",
+            MANIFEST_NAME,
+            f"{model} {version}",
+        )
+    return manifest
+
+
+def _check_manifest_digest(raw: bytes, expected: str | None, model: str, version: str, where: str) -> None:
+    actual = manifest_digest(raw)
+    if expected is not None and actual != expected:
+        raise ChecksumMismatch(
+            f"{model} {version}: {MANIFEST_NAME} ({where}) does not match: sha256 expected {expected}, got {actual}",
+            MANIFEST_NAME,
+            expected,
+        )
+
+
+def _verify(path: Path, entry: ManifestFile, model: str, version: str, source: str) -> None:
+    """Raise :class:`ChecksumMismatch` unless ``path`` has ``entry``'s sha256 and size."""
+    sha256, size = hash_file(path)
+    if sha256 != entry.sha256 or size != entry.size_bytes:
+        raise ChecksumMismatch(
+            f"{model} {version}: {entry.path} does not match its manifest: sha256 expected {entry.sha256}, "
+            f"got {sha256}; size expected {entry.size_bytes} bytes, got {size} (from {source}); "
+            "the version was not installed",
+            entry.path,
+            entry.sha256,
+        )
+
+
+def _install(partial: Path, final: Path) -> None:
+    """Rename the verified ``partial`` folder to ``final``. When a racing process got there first, its
+    copy (verified just the same) is kept, unless it fails its check: then it is removed and replaced."""
+    try:
+        partial.rename(final)
+        return
+    except OSError:
+        if not final.exists():
+            raise
+    if cached_model_file(final, final.parent.name, final.name) is None:
+        partial.rename(final)
+
+
+def _remove(folder: Path) -> None:
+    """Move ``folder`` aside (one rename, so it vanishes at once for readers) and delete it."""
+    aside = folder.with_name(f".{folder.name}.stale-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        folder.rename(aside)
+    except OSError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _sweep_partials(parent: Path, version: str) -> None:
+    """Delete partial and stale folders of ``version`` left by processes that are gone."""
+    for entry in parent.glob(f".{version}.*-*-*"):
+        pid = entry.name.split("-")[-2] if entry.name.count("-") >= 2 else ""
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True

@@ -1,0 +1,108 @@
+"""The model store on a local (or mounted) directory: ``<root>/<model>/<version>/<file>``.
+
+Writes go to a temporary file in the target's folder and are renamed into place, so a reader never
+sees half a file; an exclusive write links the finished file in (``link`` fails when the name is
+taken), which is atomic on every POSIX filesystem, NFS included.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from store.backend import Progress
+from store.errors import ObjectExists, ObjectMissing, StoreError
+from store.files import CHUNK_BYTES
+
+__all__ = ["LocalBackend"]
+
+
+class LocalBackend:
+    """A directory as the store (see the module docstring); ``root`` is created when missing."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root).resolve()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create the store directory {self.root}: {exc}", "store.root", str(root)) from exc
+
+    @property
+    def location(self) -> str:
+        return str(self.root)
+
+    def url_of(self, key: str) -> str:
+        return str(self._path(key))
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / key).resolve()
+        if path != self.root and self.root not in path.parents:
+            raise StoreError(f"key {key!r} leaves the store directory {self.root}", "key", key)
+        return path
+
+    def read(self, key: str) -> bytes | None:
+        try:
+            return self._path(key).read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+
+    def _temp_beside(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+        return Path(name)
+
+    def write(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
+        path = self._path(key)
+        tmp = self._temp_beside(path)
+        try:
+            tmp.write_bytes(data)
+            if exclusive:
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    raise ObjectExists(f"{path} already exists", key, "absent") from None
+            else:
+                os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def upload(self, key: str, source: Path, progress: Progress | None = None) -> int:
+        path = self._path(key)
+        tmp = self._temp_beside(path)
+        try:
+            _copy(source, tmp, progress)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return path.stat().st_size
+
+    def download(self, key: str, dest: Path, progress: Progress | None = None) -> None:
+        path = self._path(key)
+        if not path.is_file():
+            raise ObjectMissing(f"{path} does not exist", key, None)
+        _copy(path, dest, progress)
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def children(self, prefix: str) -> list[str]:
+        folder = self._path(prefix) if prefix else self.root
+        if not folder.is_dir():
+            return []
+        return sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+
+def _copy(source: Path, dest: Path, progress: Progress | None) -> None:
+    with source.open("rb") as src, dest.open("wb") as out:
+        if progress is None:
+            shutil.copyfileobj(src, out, CHUNK_BYTES)
+            return
+        while chunk := src.read(CHUNK_BYTES):
+            out.write(chunk)
+            progress(len(chunk))
