@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException
 from gateway.middleware import GatewayMetrics
 from producer.admission import rate_key_for
 from producer.client import FleetClient
+from protocol.redis_conn import async_client
 from protocol.settings import FleetSettings
 
 __all__ = ["API_KEY_HEADER", "MAX_REDIS_CONNECTIONS", "CallerDep", "Gateway", "GatewayDep", "gateway_of"]
@@ -39,9 +40,7 @@ class Gateway:
     def __init__(self, settings: FleetSettings, fleet: FleetClient) -> None:
         self.settings = settings
         self.fleet = fleet
-        self.aredis: redis.asyncio.Redis[bytes] = redis.asyncio.Redis.from_url(
-            settings.redis_url, max_connections=MAX_REDIS_CONNECTIONS
-        )
+        self.aredis: redis.asyncio.Redis[bytes] = async_client(settings, max_connections=MAX_REDIS_CONNECTIONS)
         self.registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry, settings, fleet.redis)
         self.keys = [k.encode() for k in settings.api.api_keys]

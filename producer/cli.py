@@ -17,6 +17,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from protocol.errors import ConfigError, FleetError, InvalidRequest
+from protocol.redis_conn import mask_url, passwords_in, redact
 
 __all__ = ["main"]
 
@@ -245,8 +246,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fleet: {exc}", file=sys.stderr)
         return 1
     except (RedisConnectionError, KombuOperationalError) as exc:
-        url = os.environ.get("FLEET_REDIS_URL", "the redis_url setting")
-        print(f"fleet: cannot reach Redis ({url}): {exc} — start one with `fleet redis` or set FLEET_REDIS_URL.",
+        url = mask_url(os.environ.get("FLEET_REDIS_URL", "the redis_url setting"))
+        why = redact(str(exc), *passwords_in(os.environ.get("FLEET_REDIS_URL", "")))
+        print(f"fleet: cannot reach Redis ({url}): {why} — start one with `fleet redis` or set FLEET_REDIS_URL.",
               file=sys.stderr)
         return 1
 

@@ -20,7 +20,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import redis
 from celery import Celery
 from pydantic import ValidationError
 
@@ -43,6 +42,7 @@ from protocol.messages import (
     as_invalid_request,
 )
 from protocol.modelcard import ModelCard, load_card
+from protocol.redis_conn import sync_client
 from protocol.settings import FleetSettings, load_settings
 from protocol.tokenization import Tokenizer, load_tokenizer
 from protocol.validation import check_input, resolve_output
@@ -86,7 +86,7 @@ class FleetClient(ResultReader):
     def __init__(self, settings: FleetSettings, celery_app: Celery | None = None) -> None:
         self.settings = settings
         self.app = celery_app or make_celery(settings, "onnx-fleet-producer")
-        self.redis = redis.Redis.from_url(settings.redis_url)
+        self.redis = sync_client(settings)
         self.admission = Admission(self.redis, settings)
         self._models: dict[str, _ModelInfo] = {}
 

@@ -20,10 +20,9 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-import redis
-
 from producer.deadletter import DeadLetterStore
 from protocol.deadletter import DeadLetter, requeue_allowed
+from protocol.redis_conn import sync_client
 from protocol.settings import FleetSettings, load_settings
 
 __all__ = ["register"]
@@ -38,7 +37,7 @@ def _settings(args: argparse.Namespace) -> FleetSettings:
 
 
 def _store(settings: FleetSettings) -> DeadLetterStore:
-    return DeadLetterStore(redis.Redis.from_url(settings.redis_url, socket_timeout=10))
+    return DeadLetterStore(sync_client(settings, socket_timeout=10))
 
 
 def _when(entry: DeadLetter) -> str:

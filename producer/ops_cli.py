@@ -27,8 +27,10 @@ from typing import Any
 import redis
 
 from producer import flower_config
+from producer.flower_broker import flower_broker_env
 from protocol.errors import ConfigError, InvalidRequest
 from protocol.keys import WORKER_KEY_PREFIX
+from protocol.redis_conn import describe_redis_error, sync_client
 from protocol.settings import FleetSettings, load_settings
 
 __all__ = ["format_status", "main", "register"]
@@ -41,9 +43,7 @@ def _settings(args: argparse.Namespace) -> FleetSettings:
 
 
 def _redis(settings: FleetSettings) -> redis.Redis[bytes]:
-    return redis.Redis.from_url(
-        settings.redis_url, socket_connect_timeout=PROBE_TIMEOUT_S, socket_timeout=PROBE_TIMEOUT_S
-    )
+    return sync_client(settings, socket_connect_timeout=PROBE_TIMEOUT_S, socket_timeout=PROBE_TIMEOUT_S)
 
 
 # -- fleet api -------------------------------------------------------------------------------------
@@ -178,7 +178,7 @@ def probe(settings: FleetSettings, kind: str, *, worker: str | None, models: lis
         keys = [settings.model_key(m) for m in models] if models else None
         return readiness_problems(read_fleet_state(settings, client), keys)
     except redis.RedisError as exc:
-        return [f"Redis unreachable: {exc}"]
+        return [describe_redis_error(exc, settings)]
     finally:
         client.close()
 
@@ -236,7 +236,7 @@ def flower_command(
     ]
     env = {
         **os.environ,
-        "CELERY_BROKER_URL": settings.redis_url,
+        **flower_broker_env(settings),  # the URL (maybe with a password), TLS options, Sentinel master
         "FLOWER_BASIC_AUTH": ",".join(settings.flower.basic_auth),
     }
     return cmd, env

@@ -22,6 +22,7 @@ from producer.admission import Admission, queue_depth
 from protocol.errors import ModelLoadError
 from protocol.keys import CARD_KEY, WORKER_KEY_PREFIX
 from protocol.modelcard import ModelCard, card_path_for, load_card
+from protocol.redis_conn import describe_redis_error
 from protocol.settings import FleetSettings
 
 __all__ = [
@@ -136,7 +137,7 @@ def read_fleet_state(settings: FleetSettings, client: redis.Redis[bytes], now_s:
                 )
             )
     except redis.RedisError as exc:
-        return FleetState(redis_error=f"Redis at {_safe_url(settings.redis_url)} unreachable: {exc}")
+        return FleetState(redis_error=describe_redis_error(exc, settings))
     return FleetState(redis_error=None, models=models, workers=workers)
 
 
@@ -170,11 +171,3 @@ def readiness_problems(state: FleetState, models: list[str] | None = None) -> li
                 else f"model {name!r} has no worker"
             )
     return problems
-
-
-def _safe_url(url: str) -> str:
-    """``url`` without a password."""
-    scheme, sep, rest = url.partition("://")
-    if "@" in rest:
-        rest = "***@" + rest.split("@", 1)[1]
-    return f"{scheme}{sep}{rest}"

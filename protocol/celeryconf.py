@@ -7,6 +7,7 @@ from typing import Any
 from celery import Celery
 from kombu import Queue  # type: ignore[attr-defined]
 
+from protocol.redis_conn import celery_redis_config
 from protocol.settings import FleetSettings
 
 __all__ = ["celery_config", "make_celery"]
@@ -17,8 +18,10 @@ def celery_config(settings: FleetSettings) -> dict[str, Any]:
 
     ``acks_late`` + ``task_reject_on_worker_lost`` + the Redis ``visibility_timeout`` give
     at-least-once delivery; ``worker_prefetch_multiplier=1`` with the threads pool makes the
-    worker's concurrency the token bucket, so excess load waits in Redis.
+    worker's concurrency the token bucket, so excess load waits in Redis. The broker and backend
+    URLs, their TLS options and Sentinel's master name come from :func:`protocol.redis_conn.celery_redis_config`.
     """
+    redis_conf = celery_redis_config(settings)
     worker_model = settings.worker.model
     queues = []
     if _configured(settings, worker_model):
@@ -48,8 +51,13 @@ def celery_config(settings: FleetSettings) -> dict[str, Any]:
             # default); make a dead worker's requests come back within ~1/4 of the visibility timeout
             "unacked_restore_interval": _restore_interval_s(settings.visibility_timeout_s),
             "unacked_restore_throttle": 1,
+            **redis_conf.pop("broker_transport_options", {}),
         },
-        "result_backend_transport_options": {"visibility_timeout": settings.visibility_timeout_s},
+        "result_backend_transport_options": {
+            "visibility_timeout": settings.visibility_timeout_s,
+            **redis_conf.pop("result_backend_transport_options", {}),
+        },
+        **redis_conf,
         "task_queues": queues or None,
         "task_default_queue": queues[0].name if queues else "celery",
         "worker_cancel_long_running_tasks_on_connection_loss": False,
@@ -71,6 +79,7 @@ def _configured(settings: FleetSettings, model: str) -> bool:
 
 def make_celery(settings: FleetSettings, name: str = "onnx-fleet") -> Celery:
     """A Celery app bound to ``settings``, with no tasks registered (producers use it as is)."""
-    app = Celery(name, broker=settings.redis_url, backend=settings.redis_url, set_as_current=False)
-    app.conf.update(celery_config(settings))
+    conf = celery_config(settings)
+    app = Celery(name, broker=conf["broker_url"], backend=conf["result_backend"], set_as_current=False)
+    app.conf.update(conf)
     return app

@@ -34,6 +34,7 @@ __all__ = [
     "FlowerSettings",
     "LimitSettings",
     "ModelSettings",
+    "RedisSettings",
     "StoreSettings",
     "WorkerSettings",
     "deep_merge",
@@ -274,14 +275,38 @@ class FlowerSettings(_Section):
         return entries
 
 
+class RedisSettings(_Section):
+    """How to reach Redis beyond ``redis_url``: TLS files and the Sentinel master (see
+    :mod:`protocol.redis_conn`). Paths and names only: a password travels in ``FLEET_REDIS_URL``."""
+
+    tls_ca_file: Path | None = Field(
+        default=None, description="rediss://: CA bundle (PEM) the server's certificate is checked against."
+    )
+    tls_cert_file: Path | None = Field(default=None, description="rediss://: client certificate (PEM), if asked.")
+    tls_key_file: Path | None = Field(default=None, description="rediss://: the client certificate's key (PEM).")
+    sentinel_master: str | None = Field(
+        default=None, description="sentinel://: the master name the sentinels monitor (required with one)."
+    )
+
+
 class FleetSettings(BaseSettings):
     """Everything one process needs; see the module docstring for sources and priorities."""
 
     model_config = SettingsConfigDict(
-        env_prefix="FLEET_", env_nested_delimiter="__", case_sensitive=False, extra="forbid", frozen=True
+        env_prefix="FLEET_",
+        env_nested_delimiter="__",
+        case_sensitive=False,
+        extra="forbid",
+        frozen=True,
+        hide_input_in_errors=True,  # a rejected redis_url may hold a password: never echo it back
     )
 
-    redis_url: str = Field(default="redis://127.0.0.1:6379/0", pattern=r"^(redis|rediss|unix)://")
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        pattern=r"^(redis|rediss|unix|sentinel)://",
+        description="redis://, rediss:// (TLS), unix:// or sentinel://host:port;sentinel://… (protocol.redis_conn).",
+    )
+    redis: RedisSettings = Field(default_factory=RedisSettings)
     result_ttl_s: int = Field(default=3600, ge=1, le=30 * 86400, description="How long results live (s).")
     visibility_timeout_s: int = Field(
         default=3600,
@@ -331,6 +356,16 @@ class FleetSettings(BaseSettings):
                 names[norm] = key
                 merged[key] = value
         return {**data, "models": merged}
+
+    @model_validator(mode="after")
+    def _check_redis(self) -> FleetSettings:
+        scheme = self.redis_url.partition("://")[0].lower()
+        tls_files = [n for n in ("tls_ca_file", "tls_cert_file", "tls_key_file") if getattr(self.redis, n)]
+        if tls_files and scheme != "rediss":
+            raise ValueError(f"redis.{tls_files[0]} is set but redis_url is not rediss:// (TLS files need one)")
+        if scheme == "sentinel" and not self.redis.sentinel_master:
+            raise ValueError("redis_url is sentinel://: set redis.sentinel_master to the name the sentinels monitor")
+        return self
 
     @model_validator(mode="after")
     def _check_store(self) -> FleetSettings:

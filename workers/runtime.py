@@ -20,6 +20,7 @@ from protocol.errors import ConfigError, ModelLoadError
 from protocol.generation_config import load_generation_defaults
 from protocol.keys import CARD_KEY
 from protocol.modelcard import ModelCard, load_card
+from protocol.redis_conn import sync_client
 from protocol.settings import FleetSettings, ModelSettings
 from protocol.tokenization import Tokenizer, load_tokenizer
 from store.resolve import resolve_model
@@ -81,9 +82,9 @@ class WorkerRuntime:
         self.in_flight = 0
         self._count_lock = threading.Lock()
         self.started_unix_s = time.time()
-        self.redis = redis.Redis.from_url(settings.redis_url, socket_timeout=10)
+        self.redis = sync_client(settings, socket_timeout=10)
         self.streams = StreamPublisher(
-            redis.Redis.from_url(settings.redis_url, socket_timeout=10),
+            sync_client(settings, socket_timeout=10),
             ttl_s=settings.result_ttl_s,
             max_len=self.model.limits.max_new_tokens + 16,
         )
