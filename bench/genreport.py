@@ -149,7 +149,8 @@ def generation_section(results: dict[str, Any], img_rel: str) -> str:
         f"Measured by `{meta.get('command', 'fleet bench')}` at commit {meta.get('commit', '?')}"
         f"{' (uncommitted changes)' if meta.get('dirty') else ''} in {fmt(gen['duration_s'], 0)} s (load average "
         f"{meta.get('load_average_start')} → {meta.get('load_average_end')}). Model `{gen['model']}`; "
-        f"{wl['requests']} `generate` requests (`fleet.infer`, greedy, `ignore_eos`): prompts "
+        f"{wl['requests']} `generate` requests per saturation round, {gp.get('rounds', 1)} rounds (the rows' order "
+        "reversed every other round, pooled); requests are `fleet.infer` tasks, greedy, `ignore_eos`; prompts "
         f"{gp['prompt_tokens'][0]}–{gp['prompt_tokens'][1]} tokens (mean {fmt(wl['prompt_tokens_mean'], 0)}), outputs "
         f"{gp['output_tokens'][0]}–{gp['output_tokens'][1]} tokens (mean {fmt(wl['output_tokens_mean'], 0)}, "
         f"{wl['output_tokens_total']} in all). Each row is its own worker on its own queue, served at once, "
@@ -169,7 +170,9 @@ def generation_section(results: dict[str, Any], img_rel: str) -> str:
         f"Poisson arrivals at {', '.join(f'{f:.0%}' for f in gp['open_fractions'])} of the continuous row's saturation "
         f"request rate, the same requests for every row (rate × {gp['open_duration_s']:g} s, clamped to "
         f"{gp['open_min_requests']}–{gp['open_max_requests']} requests, so a p99 is close to the maximum); the "
-        "dashed lines are each row's saturation tokens/s.\n",
+        "dashed lines are each row's saturation tokens/s. The rows of one load point run within seconds of each "
+        "other; the saturation rounds ran earlier, so on a shared machine whose background load changes (see the "
+        "load average above) compare rows at one load point rather than a load point with a dashed line.\n",
         f"![generation: tokens/s and TTFT p99 against offered load]({img_rel}/generation-vs-load.png)\n",
         load_table(gen) + "\n",
         "### The limit and where a step's time goes\n",
