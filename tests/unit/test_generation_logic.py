@@ -11,7 +11,7 @@ import pytest
 from protocol.messages import GenerationParams
 from protocol.settings import BatchingSettings
 from protocol.tokenization import ByteTokenizer
-from workers.generation.kvcache import drop_rows, join_rows, trim_leading_pads
+from workers.generation.kvcache import relayout, right_aligned_mask
 from workers.generation.loop import GenerationLoop
 from workers.generation.sampling import Sampler, apply_repetition_penalty, nucleus_probs
 from workers.generation.sequence import GenSequence
@@ -71,30 +71,24 @@ def test_scan_stops(text: str, stops: list[str], match: int | None, safe: int) -
     assert (scan.match_at, scan.safe_end) == (match, safe)
 
 
-def _cache(rows: list[list[float]], width: int) -> tuple[dict[str, Any], np.ndarray]:
+def _cache(rows: list[list[float]], width: int) -> tuple[dict[str, Any], list[int]]:
     arr = np.zeros((len(rows), 1, width, 1), dtype=np.float32)
-    mask = np.zeros((len(rows), width), dtype=np.int64)
     for r, values in enumerate(rows):
         arr[r, 0, width - len(values):, 0] = values
-        mask[r, width - len(values):] = 1
-    return {"past_key_values.0.key": arr}, mask
+    return {"past_key_values.0.key": arr}, [len(v) for v in rows]
 
 
-def test_join_right_aligns_every_row() -> None:
-    cache, mask = _cache([[1, 2], [3]], 2)
-    joiner = {"past_key_values.0.key": np.array([[[7], [8], [9]]], dtype=np.float32)}
-    joined, new_mask = join_rows(cache, mask, [joiner], [3])
-    assert new_mask.tolist() == [[0, 1, 1], [0, 0, 1], [1, 1, 1]]
-    assert joined["past_key_values.0.key"][:, 0, :, 0].tolist() == [[0, 1, 2], [0, 0, 3], [7, 8, 9]]
-
-
-def test_drop_rows_trims_columns_nobody_needs() -> None:
-    cache, mask = _cache([[1, 2, 3], [4]], 3)
-    kept, new_mask = drop_rows(cache, mask, [1])
-    assert new_mask.tolist() == [[1]]
-    assert kept["past_key_values.0.key"][:, 0, :, 0].tolist() == [[4]]
-    same, same_mask = trim_leading_pads(cache, mask)
-    assert same_mask.shape == (2, 3) and same is cache
+def test_relayout_keeps_rows_appends_joiners_right_aligned_and_trims_width() -> None:
+    cache, positions = _cache([[1, 2], [3], [4, 5, 6]], 3)
+    joiner = {"past_key_values.0.key": np.array([[[7], [8]]], dtype=np.float32)}
+    out, mask = relayout(cache, positions, [1, 0], [joiner], [2])  # row 2 (the widest) leaves
+    assert mask.tolist() == [[0, 1], [1, 1], [1, 1]]
+    assert out["past_key_values.0.key"][:, 0, :, 0].tolist() == [[0, 3], [1, 2], [7, 8]]
+    wider = {"past_key_values.0.key": np.array([[[9], [9], [9], [9]]], dtype=np.float32)}
+    out, mask = relayout(cache, positions, [0], [wider], [4])
+    assert mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
+    assert out["past_key_values.0.key"][:, 0, :, 0].tolist() == [[0, 0, 1, 2], [9, 9, 9, 9]]
+    assert right_aligned_mask([0, 2], 2).tolist() == [[0, 0], [1, 1]]
 
 
 def _seq(max_new: int, prompt_len: int = 4, **params: Any) -> GenSequence:

@@ -23,7 +23,7 @@ import onnxruntime as ort
 
 from protocol.errors import ModelLoadError
 from workers.engine import Engine
-from workers.generation.kvcache import Cache, drop_rows, join_rows
+from workers.generation.kvcache import Cache, relayout
 from workers.padding import pad_batch
 
 __all__ = ["Decoder", "KVState", "PrefillOutput"]
@@ -67,28 +67,29 @@ class KVState:
         return int(self.positions.sum())
 
     def as_numpy(self) -> Cache:
-        """The cache as numpy arrays (copies OrtValues out of ORT's memory)."""
+        """The cache as numpy arrays (views of ORT's memory for CPU OrtValues, copies for device ones)."""
         return {
             name: value if isinstance(value, np.ndarray) else np.asarray(value.numpy())
             for name, value in self.values.items()
         }
 
     def relayout(self, keep: list[int], joiners: PrefillOutput | None, joined: list[int]) -> float:
-        """Keep rows ``keep`` (in order), then append ``joiners``' rows ``joined``; returns copy ms."""
+        """Keep rows ``keep`` (in order), then append ``joiners``' rows ``joined``; returns copy ms.
+
+        One pass (:func:`~workers.generation.kvcache.relayout`): the kept rows are read straight out
+        of ORT's memory (``OrtValue.numpy()`` is a view on CPU) and every real entry is copied once.
+        """
         started = time.perf_counter()
-        cache: Cache | None = None
-        mask: npt.NDArray[np.int64] | None = None
-        positions = self.positions[keep] if self.rows else np.zeros(0, dtype=np.int64)
-        if self.rows and keep:
-            cache, mask = drop_rows(self.as_numpy(), self.mask, keep)
-        if joiners is not None and joined:
-            entries = [joiners.caches[j] for j in joined]
-            lengths = [joiners.lengths[j] for j in joined]
-            cache, mask = join_rows(cache, mask, entries, lengths)
-            positions = np.concatenate([positions, np.asarray(lengths, dtype=np.int64)])
-        self.values = dict(cache or {})
-        self.mask = mask if mask is not None else np.zeros((0, 0), dtype=np.int64)
-        self.positions = positions
+        cache = self.as_numpy() if self.rows and keep else None
+        entries = [joiners.caches[j] for j in joined] if joiners is not None else []
+        lengths = [joiners.lengths[j] for j in joined] if joiners is not None else []
+        kept = self.positions[keep] if self.rows else np.zeros(0, dtype=np.int64)
+        self.values, self.mask = (
+            relayout(cache, self.positions.tolist(), keep, entries, lengths)
+            if keep or entries
+            else ({}, np.zeros((0, 0), dtype=np.int64))
+        )
+        self.positions = np.concatenate([kept, np.asarray(lengths, dtype=np.int64)])
         return (time.perf_counter() - started) * 1000
 
 
