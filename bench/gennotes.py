@@ -58,7 +58,8 @@ def generation_reading(gen: dict[str, Any]) -> str:
         f"loop (nobody leaves), a decode step of batch {b} makes {fmt(bb['decode_tokens_per_s'], 0)} tokens/s "
         f"against {fmt(b1['decode_tokens_per_s'], 0)} at batch 1 "
         f"({float(bb['decode_tokens_per_s']) / float(b1['decode_tokens_per_s']):.1f}×); with each batch's prefill "
-        f"counted (prompts padded to the longest, full-vocabulary logits at every position) it is {bare:.1f}×, and "
+        f"counted (prompts padded to the longest in the batch; the LM head runs at the last position only) it is "
+        f"{bare:.1f}×, and "
         f"{float(best['tokens_per_s']) / float(b1['tokens_per_s']):.1f}× at the best batch ({best['batch_size']}).",
         f"- **The workers are compute-bound, not dispatch-bound**: the continuous worker's engine thread was busy "
         f"{pct(wc['busy_share'])} of its saturation runs, at {fmt(_ms_per_step(wc), 1)} ms per step for a mean batch "

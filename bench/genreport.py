@@ -132,8 +132,8 @@ def _relayout_note(gen: dict[str, Any]) -> str:
         f"{fmt(r['cache_mib'], 1)} MiB of KV cache): `KVState.relayout` dropping one row and joining one sequence "
         f"takes {fmt(r['relayout_ms'], 1)} ms; one copy of the cache it produces into preallocated arrays takes "
         f"{fmt(r['one_copy_ms'], 1)} ms, so the re-layout moves the cache about {fmt(r['copies'], 1)} times over "
-        "(drop_rows' fancy-index copy, trim_leading_pads' contiguous copy when the width shrinks, join_rows' new "
-        "zeroed arrays).\n"
+        "(`workers.generation.kvcache.relayout` copies each real entry once, reading the kept rows straight from "
+        "ORT's memory; the rest is allocation and zeroing the padding).\n"
     )
 
 
