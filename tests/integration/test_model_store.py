@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,10 +79,21 @@ def config(tmp_path: Path) -> Path:
     return path
 
 
+def _private_copy(folder: Path, tmp_path: Path) -> Path:
+    """The base model's files of ``folder`` (no variants) in a folder of this test's own."""
+    out = tmp_path / folder.name
+    out.mkdir()
+    for path in folder.iterdir():
+        if path.name.startswith(f"{folder.name}-1.0.0.") or not path.name.startswith(folder.name):
+            shutil.copy2(path, out / path.name)
+    return out
+
+
 def test_push_list_show_and_a_second_push_refused(
-    s3: EmbeddedSeaweed, model_dir: Path, config: Path, capsys: pytest.CaptureFixture[str]
+    s3: EmbeddedSeaweed, model_dir: Path, config: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    onnx_file = model_dir / "demo-lm" / "demo-lm-1.0.0.onnx"
+    # a private copy of the demo LM's folder: other tests add variants (-last, -int8) to the shared one
+    onnx_file = _private_copy(model_dir / "demo-lm", tmp_path) / "demo-lm-1.0.0.onnx"
     version = _version()
     code, pushed = fleet_json(capsys, config, "push", str(onnx_file), "--name", "demo-lm", "--version", version)
     assert code == 0 and pushed["published"] is True
