@@ -91,3 +91,14 @@ def test_each_profile_starts_its_worker_flavour_and_every_dependency(profiles: s
         deps = service.get("depends_on") or {}
         for dep, spec in (deps.items() if isinstance(deps, dict) else ((d, {}) for d in deps)):
             assert dep in services or spec.get("required") is False, f"{name} needs {dep}, not started"
+
+
+@pytest.mark.parametrize("dockerfile", ["deploy/Dockerfile.cpu", "deploy/Dockerfile.gpu"])
+def test_every_package_the_project_installs_is_copied_into_the_images(dockerfile: str) -> None:
+    import tomllib
+
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    text = (ROOT / dockerfile).read_text()
+    for pattern in packages["include"]:
+        name = pattern.rstrip("*")
+        assert f"COPY {name} {name}" in text, f"{dockerfile} does not copy package {name}/ (pip install . drops it)"
