@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint bench bench-quick models clean
+.PHONY: demo test lint bench bench-quick models clean reliability
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,14 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(BIN)/fleet bench --quick
+
+## reliability: the fault matrix (tests/integration/test_faults.py: worker kill/term, Redis restart, stall,
+## full AOF disk, network cut, memory limit; real processes, ~2.5 min, root for the last three) -> the
+## table in docs/reliability.md, from var/reliability/*.json (rendered even when a test fails; exit = pytest's)
+reliability: $(STAMP)
+	rm -rf var/reliability
+	$(BIN)/python -m pytest -rxs tests/integration/test_faults.py; status=$$?; \
+	$(BIN)/python -m bench.fault_table --records var/reliability --doc docs/reliability.md; exit $$status
 
 clean:
 	rm -rf $(VENV) models var .pytest_cache .mypy_cache .ruff_cache
