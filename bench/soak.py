@@ -16,13 +16,14 @@ smoke run of the same code.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -332,4 +333,5 @@ def _write(run: SoakRun, out: Path) -> None:
         render_plot(run, img)
         plot_rel = os.path.relpath(img, out.parent)
     out.write_text(render_markdown(run, plot_rel))
+    out.with_suffix(".json").write_text(json.dumps(asdict(run), indent=1))  # the samples, to re-render or compare
     _say(f"report: {out}")

@@ -42,6 +42,8 @@ class Plateau:
     middle_mean: float
     last_mean: float
     peak: float
+    last_slope_per_min: float = 0.0
+    """Least-squares slope of the last third (units per minute): near 0 once settled."""
 
     @property
     def growth(self) -> float:
@@ -53,8 +55,16 @@ class Plateau:
         return self.growth <= tolerance or self.last_mean - self.middle_mean <= slack
 
 
-def plateau(name: str, values: Sequence[float]) -> Plateau:
-    """Thirds of ``values`` (at least 3 readings).
+def _slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    if len(xs) < 2:
+        return 0.0
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den if den else 0.0
+
+
+def plateau(name: str, values: Sequence[float], times_s: Sequence[float] | None = None) -> Plateau:
+    """Thirds of ``values`` (at least 3 readings), taken at ``times_s`` (default: one per minute).
 
     Raises:
         ValueError: fewer than 3 values.
@@ -64,7 +74,9 @@ def plateau(name: str, values: Sequence[float]) -> Plateau:
     third = len(values) // 3
     middle = values[third : 2 * third]
     last = values[2 * third :]
-    return Plateau(name, float(values[0]), statistics.fmean(middle), statistics.fmean(last), float(max(values)))
+    times = list(times_s) if times_s is not None else [60.0 * i for i in range(len(values))]
+    slope = 60.0 * _slope(times[2 * third :], last)
+    return Plateau(name, float(values[0]), statistics.fmean(middle), statistics.fmean(last), float(max(values)), slope)
 
 
 def key_prefix(key: str) -> str:
@@ -103,8 +115,9 @@ def _mib(n: float) -> str:
 def plateaus(run: SoakRun) -> list[Plateau]:
     """One plateau per process RSS series, one for Redis ``used_memory`` (needs 3+ samples)."""
     names = sorted({name for s in run.samples for name in s.rss_bytes})
-    out = [plateau(f"RSS {n}", [float(s.rss_bytes.get(n, 0)) for s in run.samples]) for n in names]
-    out.append(plateau("Redis used_memory", [float(s.redis_used_memory_bytes) for s in run.samples]))
+    times = [s.t_s for s in run.samples]
+    out = [plateau(f"RSS {n}", [float(s.rss_bytes.get(n, 0)) for s in run.samples], times) for n in names]
+    out.append(plateau("Redis used_memory", [float(s.redis_used_memory_bytes) for s in run.samples], times))
     return out
 
 
@@ -137,14 +150,15 @@ def render_markdown(run: SoakRun, plot_path: str | None) -> str:
             f"warm-up). Flat: the last third is at most {PLATEAU_TOLERANCE:.0%} or "
             f"{_mib(PLATEAU_SLACK_BYTES)} MiB above the middle.",
             "",
-            "| series | first (MiB) | middle third (MiB) | last third (MiB) | peak (MiB) | growth | verdict |",
-            "|---|---|---|---|---|---|---|",
+            "| series | first (MiB) | middle third (MiB) | last third (MiB) | peak (MiB) | growth "
+            "| last-third slope (MiB/min) | verdict |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for p in rows:
             verdict = "plateau" if p.flat() else "**still growing**"
             lines.append(
                 f"| {p.name} | {_mib(p.first)} | {_mib(p.middle_mean)} | {_mib(p.last_mean)} | {_mib(p.peak)} "
-                f"| {p.growth:+.1%} | {verdict} |"
+                f"| {p.growth:+.1%} | {p.last_slope_per_min / 1048576:+.2f} | {verdict} |"
             )
         first, last = run.samples[0], run.samples[-1]
         lines += ["", "## Open file descriptors", "", "| process | first | last | max |", "|---|---|---|---|"]
