@@ -127,6 +127,9 @@ def cmd_redis(args: argparse.Namespace) -> int:
     except PortInUse as exc:
         print(f"fleet redis: {exc}; choose another with --port N, or --port 0 for a free one", file=sys.stderr)
         return 1
+    from tools.processes import interrupt_on_stop_signals
+
+    interrupt_on_stop_signals()
     print(f"redis-server listening on port {server.port} (pid {server.proc.pid if server.proc else '?'}): "
           f"export FLEET_REDIS_URL={server.url}   (Ctrl-C stops it)", flush=True)
     try:

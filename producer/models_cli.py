@@ -103,6 +103,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_store(args: argparse.Namespace) -> int:
+    from tools.processes import interrupt_on_stop_signals
     from tools.redis_server import PortInUse
     from tools.seaweed_server import EmbeddedSeaweed, weed_version
 
@@ -122,9 +123,10 @@ def cmd_store(args: argparse.Namespace) -> int:
     pid = server.proc.pid if server.proc else "?"
     print(f"SeaweedFS {weed_version()} S3 at {server.endpoint_url}, bucket {server.bucket}, data in {server.data_dir} "
           f"(pid {pid}; log {server.log_path}):\nexport {exports}\n(Ctrl-C stops it)", flush=True)
+    interrupt_on_stop_signals()
     try:
         if server.proc is not None:
-            server.proc.wait()  # until Ctrl-C (or the server dies)
+            server.proc.wait()  # until Ctrl-C / SIGTERM (or the server dies)
     except KeyboardInterrupt:
         pass
     finally:

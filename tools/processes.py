@@ -33,6 +33,22 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
+def interrupt_on_stop_signals() -> None:
+    """Make SIGINT and SIGTERM raise KeyboardInterrupt in this (main-thread) process.
+
+    A foreground command (``fleet redis``, ``fleet store``) stops its server cleanly on Ctrl-C; but a
+    process started asynchronously by a non-interactive shell (``cmd &`` in a script, CI) inherits
+    SIGINT *ignored*, and Python then installs no handler at all, so Ctrl-C and ``kill -INT`` would do
+    nothing. Setting the handlers explicitly makes both signals work however the command was started.
+    """
+
+    def _interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
+
+
 def worker_command(
     model: str, concurrency: int, hostname: str, queue: str, loglevel: str = "INFO", python: str | None = None
 ) -> list[str]:

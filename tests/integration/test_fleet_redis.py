@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 
@@ -30,15 +31,22 @@ def test_embedded_server_refuses_a_taken_port_and_answers_only_for_itself(redis_
         assert int(info["process_id"]) == own.proc.pid
 
 
-def test_port_zero_picks_a_free_port_and_says_which() -> None:
+def test_port_zero_picks_a_free_port_and_says_which_and_ctrl_c_stops_it() -> None:
     proc = subprocess.Popen([sys.executable, "-m", "producer.cli", "redis", "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # as a script's `cmd &` starts it: SIGINT inherited ignored
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
         assert "listening on port" in line and "FLEET_REDIS_URL=redis://127.0.0.1:" in line
         port = int(line.split("listening on port ")[1].split()[0])
         assert redis.Redis(port=port).ping()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(15) == 0
+        with pytest.raises(redis.ConnectionError):
+            redis.Redis(port=port, socket_connect_timeout=1).ping()
     finally:
-        proc.terminate()
-        proc.wait(15)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(15)

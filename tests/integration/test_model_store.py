@@ -257,6 +257,8 @@ def test_fleet_store_prints_what_to_export_and_stops_on_ctrl_c(model_dir: Path, 
     proc = subprocess.Popen(
         [sys.executable, "-m", "producer.cli", "store", "--port", "0", "--dir", str(tmp_path / "sw")],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        # as a script's `cmd &` starts it (CI): SIGINT inherited ignored; Ctrl-C must stop it all the same
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     try:
         assert proc.stdout is not None
