@@ -19,7 +19,8 @@
     ├── RequestCancelled            it was cancelled before it ran
     ├── ResultTimeout               waiting for a result took longer than asked
     ├── RequestNotFound             no such request ID is known
-    └── IdempotencyConflict         a known request ID was resubmitted with a different body
+    ├── IdempotencyConflict         a known request ID was resubmitted with a different body
+    └── StateChangeRefused          a model-state change (pin, canary, promote, rollback) broke a rule
 
 Every class can be rebuilt from its ``args`` (Celery stores a task's exception as its type
 name plus ``args`` in JSON and rebuilds it on the client), so constructors take only
@@ -47,6 +48,7 @@ __all__ = [
     "RequestExpired",
     "RequestNotFound",
     "ResultTimeout",
+    "StateChangeRefused",
     "TokenOutOfRange",
     "UnknownModel",
     "error_from_payload",
@@ -187,6 +189,12 @@ class IdempotencyConflict(FleetError):
     code = "idempotency_conflict"
 
 
+class StateChangeRefused(FleetError):
+    """A change of a model's desired state was refused (no canary to promote, a weight out of range)."""
+
+    code = "state_change_refused"
+
+
 _BY_NAME: dict[str, type[FleetError]] = {
     cls.__name__: cls
     for cls in (
@@ -207,6 +215,7 @@ _BY_NAME: dict[str, type[FleetError]] = {
         ResultTimeout,
         RequestNotFound,
         IdempotencyConflict,
+        StateChangeRefused,
         FleetError,
     )
 }

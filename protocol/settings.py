@@ -29,6 +29,7 @@ __all__ = [
     "AdmissionSettings",
     "ApiSettings",
     "BatchingSettings",
+    "CanarySettings",
     "EngineSettings",
     "FleetSettings",
     "FlowerSettings",
@@ -129,6 +130,34 @@ class EngineSettings(_Section):
         return self
 
 
+class CanarySettings(_Section):
+    """When a canary version is rolled back without a human (:func:`protocol.model_state.guard_canary`).
+
+    The canary is judged over the last ``window_s`` seconds of finished requests (only those since
+    the last change of the model's state), and only once it has ``min_requests`` of them there.
+    """
+
+    window_s: float = Field(default=60.0, gt=0, le=86_400, description="Window of outcomes judged (s).")
+    min_requests: int = Field(
+        default=20, ge=1, le=1_000_000, description="Canary requests the window must hold before any verdict."
+    )
+    max_error_rate: float = Field(
+        default=0.05, ge=0, le=1, description="Largest canary error rate (failed / finished) tolerated."
+    )
+    max_p99_ms: float | None = Field(
+        default=None, gt=0, description="Largest canary p99 latency, enqueue to result (ms); None = off."
+    )
+    max_p99_ratio: float | None = Field(
+        default=3.0,
+        gt=0,
+        description="Largest canary p99 / stable p99 (both over the window; checked when the stable version "
+        "also has min_requests there); None = off.",
+    )
+    check_interval_s: float = Field(
+        default=2.0, gt=0, le=3600, description="How often each worker's reconciler runs the guard (s)."
+    )
+
+
 class ModelSettings(_Section):
     """One served model: its file, version, route and limits."""
 
@@ -143,6 +172,7 @@ class ModelSettings(_Section):
     limits: LimitSettings = Field(default_factory=LimitSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     max_queue_depth: int = Field(default=10_000, ge=1, description="Admission cap on queued requests.")
+    canary: CanarySettings = Field(default_factory=CanarySettings)
     store_version: str | None = Field(
         default=None,
         description="Serve this version from the model store (section 'store'): the worker fetches it into "
@@ -222,6 +252,13 @@ class WorkerSettings(_Section):
         le=1000,
         description="Times one message may be delivered; a message back after that many deliveries without "
         "an ack (its worker died each time: segfault, OOM, os._exit) is dead-lettered, not run again.",
+    )
+    reconcile_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=3600,
+        description="How often a worker re-reads its model's desired state (pinned / canary version) besides "
+        "the pub/sub notice: pub/sub is instant but lossy across reconnects; the periodic read converges.",
     )
     metrics_host: str | None = Field(
         default=None,
@@ -406,6 +443,10 @@ class FleetSettings(BaseSettings):
         """Celery queue that carries requests for model ``name``."""
         key = self.model_key(name)
         return self.models[key].queue or f"fleet.{key}"
+
+    def canary_queue_for(self, name: str) -> str:
+        """Celery queue that carries model ``name``'s canary traffic: its queue + ``.canary``."""
+        return self.queue_for(name) + ".canary"
 
 
 def _norm(name: str) -> str:
