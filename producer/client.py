@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from producer.admission import Admission
 from producer.reprs import request_argsrepr
 from producer.results import RequestStatus, ResultReader
+from producer.routing import Router
 from protocol.celeryconf import make_celery
 from protocol.errors import (
     IdempotencyConflict,
@@ -41,6 +42,7 @@ from protocol.messages import (
     OutputSpec,
     as_invalid_request,
 )
+from protocol.model_state import Role
 from protocol.modelcard import ModelCard, load_card
 from protocol.redis_conn import sync_client
 from protocol.settings import FleetSettings, load_settings
@@ -88,6 +90,7 @@ class FleetClient(ResultReader):
         self.app = celery_app or make_celery(settings, "onnx-fleet-producer")
         self.redis = sync_client(settings)
         self.admission = Admission(self.redis, settings)
+        self.router = Router(self.redis, settings)
         self._models: dict[str, _ModelInfo] = {}
 
     @classmethod
@@ -197,6 +200,7 @@ class FleetClient(ResultReader):
         deadline_s: float | None = None,
         generation: GenerationParams | Mapping[str, Any] | None = None,
         rate_key: str | None = None,
+        routing_key: str | None = None,
     ) -> str:
         """Queue one request; returns its ID at once.
 
@@ -205,6 +209,8 @@ class FleetClient(ResultReader):
         ``generation`` makes it a ``generate`` job (:meth:`stream` then yields its tokens).
         ``rate_key`` draws on that caller's rate-limit bucket (``admission.rate_capacity``), as the
         gateway does per API key; None = no rate limit (the queue-depth cap always applies).
+        ``routing_key`` (default: the request ID) decides, sticky, whether a model with a canary
+        serves it from the canary (:mod:`producer.routing`).
 
         Raises:
             InvalidRequest: bad input (nothing is queued).
@@ -221,7 +227,7 @@ class FleetClient(ResultReader):
             deadline_s=deadline_s,
             generation=generation,
         )
-        return self.send(request, rate_key=rate_key, text=text)
+        return self.send(request, rate_key=rate_key, text=text, routing_key=routing_key)
 
     def send(
         self,
@@ -230,6 +236,8 @@ class FleetClient(ResultReader):
         rate_key: str | None = None,
         admit: bool = True,
         text: str | None = None,
+        routing_key: str | None = None,
+        role: Role | None = None,
     ) -> str:
         """Queue an already built request; returns its ID.
 
@@ -237,6 +245,8 @@ class FleetClient(ResultReader):
         except for an ID already known, which is never queued twice. ``rate_key`` names the
         caller's rate-limit bucket (None = no rate limit; see :mod:`producer.admission`). ``text``
         (what the ids were tokenized from) is shown beside them in Flower, never sent to the worker.
+        The queue is the model's stable or canary queue, chosen by ``routing_key`` (default: the
+        request ID), or the one of ``role`` when given (``fleet models compare``'s shadow sample).
 
         Raises:
             QueueFull: the model's queue is at ``max_queue_depth``; nothing was queued.
@@ -260,11 +270,13 @@ class FleetClient(ResultReader):
         )
         if not self.redis.set(marker_key, marker, nx=True, ex=self.settings.result_ttl_s):
             return self._resubmitted(rid, self.redis.get(marker_key), fingerprint)  # a concurrent twin won
+        model = request.model
+        queue = self.router.queue(model, role) if role else self.router.choose(model, routing_key or rid)
         self.app.send_task(
             TASK_NAME,
             args=[request.model_dump(mode="json", exclude_none=True)],
             task_id=rid,
-            queue=self.settings.queue_for(request.model),
+            queue=queue,
             argsrepr=request_argsrepr(request, text),
             kwargsrepr="{}",
         )
@@ -331,6 +343,7 @@ class FleetClient(ResultReader):
         chunk_size: int = 512,
         progress: bool = False,
         rate_key: str | None = None,
+        routing_keys: Sequence[str] | None = None,
         **options: Any,
     ) -> list[str]:
         """Queue many requests as ``fleet.infer_bulk`` messages of ``chunk_size`` requests each.
@@ -338,6 +351,8 @@ class FleetClient(ResultReader):
         Each request still gets its own ID and result (``result``/``wait``/``status`` work as for
         ``submit``), but the broker and backend work is paid per message: use it when one Celery
         task per request is the bottleneck. Flower shows the bulk tasks, not each request.
+        With a canary set, each chunk is split by role (sticky by ``routing_keys[i]``, default the
+        request IDs) into one message per role queue.
 
         Raises:
             InvalidRequest: a bad request (nothing is queued); QueueFull / RateLimited from admission.
@@ -353,7 +368,10 @@ class FleetClient(ResultReader):
             for item in inputs
         ]
         key = self.settings.model_key(model)
-        queue = self.settings.queue_for(key)
+        keys = list(routing_keys) if routing_keys is not None else [str(r.request_id) for r in requests]
+        if len(keys) != len(requests):
+            raise InvalidRequest(f"routing_keys has {len(keys)} keys for {len(requests)} inputs", "routing_keys",
+                                 len(requests))
         ids: list[str] = []
         with tqdm(total=len(requests), desc=f"bulk {key}", unit="req", disable=not progress) as bar:
             for start in range(0, len(requests), chunk_size):
@@ -371,11 +389,15 @@ class FleetClient(ResultReader):
                         )
                         pipe.set(REQUEST_KEY.format(id=r.request_id), marker, ex=self.settings.result_ttl_s)
                     pipe.execute()
-                self.app.send_task(
-                    BULK_TASK_NAME,
-                    args=[{"requests": [r.model_dump(mode="json", exclude_none=True) for r in chunk]}],
-                    queue=queue,
-                )
+                by_queue: dict[str, list[InferenceRequest]] = {}
+                for r, routing_key in zip(chunk, keys[start : start + chunk_size], strict=True):
+                    by_queue.setdefault(self.router.choose(key, routing_key), []).append(r)
+                for queue, part in by_queue.items():
+                    self.app.send_task(
+                        BULK_TASK_NAME,
+                        args=[{"requests": [r.model_dump(mode="json", exclude_none=True) for r in part]}],
+                        queue=queue,
+                    )
                 ids.extend(str(r.request_id) for r in chunk)
                 bar.update(len(chunk))
         return ids

@@ -52,6 +52,7 @@ __all__ = [
     "Outcome",
     "Published",
     "Refusal",
+    "Role",
     "Split",
     "Verdict",
     "canary_verdict",

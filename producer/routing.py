@@ -1,0 +1,69 @@
+"""Where a request is queued: its model's stable queue or canary queue (:mod:`protocol.model_state`).
+
+The producer and the gateway decide at submit time with :class:`Router`, which reads each model's
+state from Redis at most once per ``STATE_CACHE_S`` (1 s): a change of the canary split reaches new
+submissions within a second, and a busy producer costs Redis one GET per model per second, not one
+per request. Requests already queued stay where they are (workers consume both queues).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import redis
+
+from protocol.model_state import ModelState, Role, read_state, route
+from protocol.settings import FleetSettings
+
+__all__ = ["STATE_CACHE_S", "Router"]
+
+STATE_CACHE_S = 1.0
+"""How long a model's state read from Redis is reused for routing (s)."""
+
+
+class Router:
+    """Chooses the queue of each request; thread-safe.
+
+    ``clock`` (monotonic seconds) is injectable for tests of the cache.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis[bytes],
+        settings: FleetSettings,
+        *,
+        cache_s: float = STATE_CACHE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client = client
+        self.settings = settings
+        self.cache_s = cache_s
+        self.clock = clock
+        self._states: dict[str, tuple[float, ModelState | None]] = {}
+        self._lock = threading.Lock()
+
+    def state(self, model: str) -> ModelState | None:
+        """Model ``model``'s (a configured key) state, at most ``cache_s`` old."""
+        now = self.clock()
+        with self._lock:
+            cached = self._states.get(model)
+        if cached is not None and now - cached[0] < self.cache_s:
+            return cached[1]
+        state = read_state(self.client, model)
+        with self._lock:
+            self._states[model] = (now, state)
+        return state
+
+    def role(self, model: str, routing_key: str) -> Role:
+        """``stable`` or ``canary`` for a request of ``model`` with this routing key (sticky)."""
+        return route(self.state(model), routing_key)
+
+    def queue(self, model: str, role: Role) -> str:
+        """The Celery queue of ``role`` for ``model``."""
+        return self.settings.canary_queue_for(model) if role == "canary" else self.settings.queue_for(model)
+
+    def choose(self, model: str, routing_key: str) -> str:
+        """The queue a request of ``model`` with ``routing_key`` goes to now."""
+        return self.queue(model, self.role(model, routing_key))
