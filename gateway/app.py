@@ -115,7 +115,7 @@ def submit(body: SubmitBody, response: Response, rate_key: CallerDep, gw: Gatewa
     A caller-given ``request_id`` is an idempotency key: resubmitting the same body answers the
     request's real status (it may have finished long ago); another body under a known ID is 409.
     """
-    rid = gw.fleet.send(_build(gw, body), rate_key=rate_key)
+    rid = gw.fleet.send(_build(gw, body), rate_key=rate_key, routing_key=body.routing_key)
     response.headers["Location"] = f"/v1/requests/{rid}"
     return _accepted(rid, gw.fleet.status(rid) if body.request_id else RequestStatus.QUEUED)
 
@@ -137,7 +137,9 @@ def submit_batch(body: BatchSubmitBody, rate_key: CallerDep, gw: GatewayDep) -> 
     for model, count in Tally(r.model for r in built).items():
         gw.fleet.admission.check_queue(model, count)
     gw.fleet.admission.take_rate(rate_key, len(built))
-    return BatchAccepted(requests=[_accepted(gw.fleet.send(r, admit=False)) for r in built])
+    keys = [item.routing_key for item in body.requests]
+    sent = [gw.fleet.send(r, admit=False, routing_key=key) for r, key in zip(built, keys, strict=True)]
+    return BatchAccepted(requests=[_accepted(rid) for rid in sent])
 
 
 @router.get("/v1/requests/{request_id}", response_model=RequestView, tags=["requests"])

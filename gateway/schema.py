@@ -65,6 +65,13 @@ class SubmitBody(_Body):
     deadline_s: float | None = Field(
         default=None, gt=0, le=86_400, description="Drop the request if it has not run within this many s."
     )
+    routing_key: StrictStr | None = Field(
+        default=None,
+        min_length=1,
+        max_length=200,
+        description="Sticky key for a model's canary split (e.g. a session ID): the same key always gets "
+        "the same version while the split stands. Default: the request ID.",
+    )
 
 
 class BatchSubmitBody(_Body):

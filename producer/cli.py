@@ -54,6 +54,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         deadline_s=args.deadline_s,
         generation=generation_from_args(args),
+        routing_key=args.routing_key,
     )
     if args.stream:
         return print_stream(client, rid, args.timeout)
@@ -163,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--text", help="text, tokenized here with the model's tokenizer")
     p.add_argument("--top-k", type=int, default=5, help="next-token candidates (default 5)")
     p.add_argument("--request-id", default=None, help="caller-given ID (idempotent submit)")
+    p.add_argument("--routing-key", default=None,
+                   help="sticky key for a canary split (e.g. a session ID; default: the request ID)")
     p.add_argument(
         "--deadline-s", type=float, default=None, help="drop the request if not run within S seconds"
     )
