@@ -1,0 +1,104 @@
+"""Canary routing: the producer splits a model's traffic by role queue, sticky by key, and a real
+fleet serves the canary share from the canary version (two versions published on a real S3 server)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+
+from producer.client import FleetClient
+from protocol.messages import InferenceResult
+from protocol.model_state import pin, read_state, route, set_canary
+from store import ModelStore
+from store.s3 import S3Backend
+from tests.integration.fleet_fixtures import Fleet
+from tests.integration.test_model_store import BUCKET, _version, s3, seaweed  # noqa: F401  (fixtures)
+from tools.seaweed_server import EmbeddedSeaweed
+
+MODEL = "demo-lm"
+
+
+def _queued_request_ids(client: FleetClient, queue: str) -> list[str]:
+    """The request IDs inside the bulk messages waiting on ``queue`` (Celery protocol 2, JSON body)."""
+    ids: list[str] = []
+    for raw in client.redis.lrange(queue, 0, -1):
+        body = json.loads(base64.b64decode(json.loads(raw)["body"]))
+        ids.extend(item["request_id"] for item in body[0][0]["requests"])
+    return ids
+
+
+def test_producer_queues_each_request_on_the_role_its_key_routes_to(fleet: Fleet) -> None:
+    cfg = fleet.config()
+    settings = fleet.settings(cfg)
+    client = fleet.client(cfg)
+    pin(client.redis, MODEL, "1.0.0", "test@host")
+    set_canary(client.redis, MODEL, "2.0.0", 10, "test@host")
+    state = read_state(client.redis, MODEL)
+    ids = client.submit_bulk(MODEL, [[5 + i % 50] for i in range(2000)], chunk_size=500, top_k=1)
+    on_canary = _queued_request_ids(client, settings.canary_queue_for(MODEL))
+    on_stable = _queued_request_ids(client, settings.queue_for(MODEL))
+    assert sorted(on_canary + on_stable) == sorted(ids)
+    assert set(on_canary) == {rid for rid in ids if route(state, rid) == "canary"}
+    assert abs(len(on_canary) / len(ids) - 0.10) <= 0.03
+
+
+def _wait_canary_served(client: FleetClient, version: str, timeout_s: float = 90) -> None:
+    """Until a request sent to the canary queue comes back computed by ``version``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        req = client.build_request(MODEL, [5, 6], top_k=1)
+        rid = client.send(req, role="canary")
+        res = client.result(rid, wait=True, timeout_s=30)
+        if isinstance(res, InferenceResult) and res.version == version:
+            return
+        time.sleep(0.2)  # the reconciler is still fetching / warming the canary
+    raise AssertionError(f"no worker served canary {version} within {timeout_s} s")
+
+
+def test_split_90_10_over_2000_requests_and_sticky_keys_on_a_real_fleet(
+    fleet: Fleet, s3: EmbeddedSeaweed, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    store = ModelStore(S3Backend(BUCKET, endpoint_url=s3.endpoint_url, client=s3.client()), tmp_path / "push")
+    v1, v2 = _version(), _version()
+    for version in (v1, v2):
+        store.push(model_dir / MODEL / f"{MODEL}-1.0.0.onnx", MODEL, version)
+    cfg = fleet.config(
+        store={"backend": "s3", "endpoint_url": s3.endpoint_url, "bucket": BUCKET, "cache_dir": str(tmp_path / "c")},
+        models={MODEL: {"path": None, "store_version": v1}},
+    )
+    fleet.worker(cfg)
+    client = fleet.client(cfg)
+    pin(client.redis, MODEL, v1, "test@host", store=store)
+    set_canary(client.redis, MODEL, v2, 10, "test@host", store=store)
+    _wait_canary_served(client, v2)
+
+    ids = client.submit_bulk(MODEL, [[5 + i % 50] for i in range(2000)], chunk_size=250, top_k=1)
+    results = client.wait(ids, 240)
+    versions = Counter(r.version for r in results if isinstance(r, InferenceResult))
+    assert sum(versions.values()) == len(ids)
+    share = versions[v2] / len(ids)
+    print(f"canary share over {len(ids)} requests at weight 10: {share:.4f} ({dict(versions)})")
+    assert abs(share - 0.10) <= 0.03
+    roles = Counter(r.model_dump().get("role") for r in results if isinstance(r, InferenceResult))
+    assert roles["canary"] == versions[v2]
+
+    # a repeated routing key always lands on the same version (weight 50: both versions get keys)
+    set_canary(client.redis, MODEL, v2, 50, "test@host", store=store)
+    state = read_state(client.redis, MODEL)
+    sticky = fleet.client(cfg)  # a fresh producer: its state cache holds the new split
+    keys = [f"session-{k}" for k in range(20)]
+    sent = [(keys[i % 20], sticky.submit(MODEL, [7, 8], routing_key=keys[i % 20], top_k=1)) for i in range(200)]
+    got = sticky.wait([rid for _, rid in sent], 120)
+    per_key: dict[str, set[str]] = defaultdict(set)
+    for (key, _), res in zip(sent, got, strict=True):
+        assert isinstance(res, InferenceResult)
+        per_key[key].add(res.version)
+    assert all(len(served) == 1 for served in per_key.values()), per_key
+    assert {next(iter(served)) for served in per_key.values()} == {v1, v2}
+    for key, served in per_key.items():
+        assert served == {v2 if route(state, key) == "canary" else v1}
