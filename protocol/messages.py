@@ -181,7 +181,11 @@ class InferenceResult(_Frozen):
     schema_version: Literal[1] = 1
     request_id: str
     model: str
-    version: str
+    version: str = Field(description="The model version that computed this result.")
+    role: Literal["stable", "canary"] | None = Field(
+        default=None, description="The role of the engine that computed it (a canary-queue request runs on "
+        "stable when the worker has no canary loaded)."
+    )
     kind: OutputKind
     input_tokens: int = Field(description="Tokens actually computed (after truncation).")
     truncated: bool = False

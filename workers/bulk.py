@@ -18,7 +18,7 @@ from protocol.messages import MAX_BULK_REQUESTS
 from workers.metrics import outcome_of, queue_wait_ms_of
 from workers.pipeline import Prepared, finish, prepare
 from workers.runtime import WorkerRuntime
-from workers.scheduler import Job
+from workers.scheduler import Job, Role
 
 __all__ = ["handle_bulk", "summarize"]
 
@@ -49,8 +49,12 @@ def _request_ids(items: list[Any]) -> list[str]:
     return ids
 
 
-def handle_bulk(runtime: WorkerRuntime, payload: dict[str, Any], *, worker: str, backend: Any) -> dict[str, Any]:
+def handle_bulk(
+    runtime: WorkerRuntime, payload: dict[str, Any], *, worker: str, backend: Any, role: Role = "stable"
+) -> dict[str, Any]:
     """Serve every request of one bulk message; returns :func:`summarize`'s summary.
+
+    ``role``: the role of the queue the message came from (see :func:`workers.pipeline.prepare`).
 
     Raises:
         DecodeError / InvalidRequest: the message itself is malformed (no request ran).
@@ -70,7 +74,7 @@ def handle_bulk(runtime: WorkerRuntime, payload: dict[str, Any], *, worker: str,
     prepared: list[Prepared | FleetError] = []
     for rid, item, mark in zip(ids, items, cancelled, strict=True):
         try:
-            prepared.append(prepare(runtime, item, collector, request_id=rid, cancelled=bool(mark)))
+            prepared.append(prepare(runtime, item, collector, request_id=rid, cancelled=bool(mark), role=role))
         except FleetError as exc:
             prepared.append(exc)
     for _ in ids:

@@ -29,7 +29,7 @@ from protocol.messages import (
 from protocol.validation import CheckedInput, check_input, resolve_output
 from workers.generation.sequence import GenOutcome, GenSequence
 from workers.runtime import WorkerRuntime
-from workers.scheduler import Arrival, Job, JobResult
+from workers.scheduler import Arrival, Job, JobResult, Role
 
 __all__ = ["Prepared", "finish", "handle_request", "prepare"]
 
@@ -43,11 +43,14 @@ class Prepared:
         checked: CheckedInput,
         kind: str,
         future: Future[JobResult] | Future[GenOutcome],
+        seq: GenSequence | None = None,
     ) -> None:
         self.request = request
         self.checked = checked
         self.kind = kind
         self.future = future
+        self.seq = seq
+        """The generation (its ``served_version`` says which version it ran on); None for one-step jobs."""
 
 
 def _check_generation(runtime: WorkerRuntime, output: OutputSpec, prompt_tokens: int) -> GenerationParams:
@@ -85,9 +88,18 @@ def _check_generation(runtime: WorkerRuntime, output: OutputSpec, prompt_tokens:
 
 
 def prepare(
-    runtime: WorkerRuntime, payload: Any, arrival: Arrival | Any, *, request_id: str, cancelled: bool = False
+    runtime: WorkerRuntime,
+    payload: Any,
+    arrival: Arrival | Any,
+    *,
+    request_id: str,
+    cancelled: bool = False,
+    role: Role = "stable",
 ) -> Prepared:
     """Decode and validate one request, then submit it to the scheduler through ``arrival``.
+
+    ``role`` is the role of the queue it came from: a canary-queue request runs on the canary engine
+    when this worker has one loaded, else on stable. Generations run on the stable version.
 
     Raises:
         FleetError: invalid, expired, cancelled, or meant for another model.
@@ -131,8 +143,9 @@ def prepare(
         future: Future[Any] = (
             submit_gen(seq) if submit_gen is not None else runtime.scheduler.submit_generation(seq)
         )
-        return Prepared(request, checked, kind, future)
-    return Prepared(request, checked, kind, arrival.submit(Job(checked.input_ids, output, deadline_mono)))
+        return Prepared(request, checked, kind, future, seq)
+    job = Job(checked.input_ids, output, deadline_mono, role=role, submitted_unix_s=request.submitted_at_unix_s)
+    return Prepared(request, checked, kind, arrival.submit(job))
 
 
 def _queue_wait_ms(request: InferenceRequest, batch_started_unix_s: float, fallback_ms: float) -> float:
@@ -152,14 +165,18 @@ def _encode(
     inference_ms: float,
     batch_size: int,
     padded_tokens: int,
+    version: str,
+    role: Role,
     **outputs: Any,
 ) -> dict[str, Any]:
-    """The JSON result: what every kind shares (IDs, version, input, timings) plus its ``outputs``."""
+    """The JSON result: what every kind shares (IDs, the version and role that computed it, input,
+    timings) plus its ``outputs``."""
     request = prepared.request
     result = InferenceResult(
         request_id=request_id,
         model=runtime.model_key,
-        version=runtime.version,
+        version=version,
+        role=role,
         kind=prepared.kind,  # type: ignore[arg-type]
         input_tokens=len(prepared.checked.input_ids),
         truncated=prepared.checked.truncated or request.truncated,
@@ -212,6 +229,8 @@ def finish(runtime: WorkerRuntime, prepared: Prepared, *, request_id: str, worke
             runtime, prepared, **ids, started_unix_s=done.prefill_started_unix_s, batch_wait_ms=done.batch_wait_ms,
             inference_ms=done.engine_ms, batch_size=done.prefill_batch_size,
             padded_tokens=done.prefill_padded_tokens, generation=_generation(prepared, done),
+            version=(prepared.seq.served_version if prepared.seq is not None else "") or runtime.version,
+            role="stable",
         )
     top = None
     if done.top_ids is not None and done.top_logprobs is not None:
@@ -219,11 +238,13 @@ def finish(runtime: WorkerRuntime, prepared: Prepared, *, request_id: str, worke
     return _encode(
         runtime, prepared, **ids, started_unix_s=done.batch_started_unix_s, batch_wait_ms=done.batch_wait_ms,
         inference_ms=done.inference_ms, batch_size=done.batch_size, padded_tokens=done.padded_tokens,
-        top_k=top, embedding=done.embedding,
+        top_k=top, embedding=done.embedding, version=done.version or runtime.version, role=done.role,
     )
 
 
-def handle_request(runtime: WorkerRuntime, payload: Any, *, request_id: str, worker: str) -> dict[str, Any]:
+def handle_request(
+    runtime: WorkerRuntime, payload: Any, *, request_id: str, worker: str, role: Role = "stable"
+) -> dict[str, Any]:
     """Serve one request end to end on this worker; returns the JSON result.
 
     A generation holds its token of the bucket until its last token. A failure of a request that
@@ -236,7 +257,7 @@ def handle_request(runtime: WorkerRuntime, payload: Any, *, request_id: str, wor
     try:
         with runtime.scheduler.arrival() as arrival:
             cancelled = bool(runtime.redis.exists(CANCEL_KEY.format(id=request_id)))
-            prepared = prepare(runtime, payload, arrival, request_id=request_id, cancelled=cancelled)
+            prepared = prepare(runtime, payload, arrival, request_id=request_id, cancelled=cancelled, role=role)
         return finish(runtime, prepared, request_id=request_id, worker=worker)
     except Exception as exc:
         runtime.streams.fail_if_generating(request_id, payload, exc)

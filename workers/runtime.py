@@ -1,7 +1,10 @@
-"""The per-process worker runtime: settings, model card, engine, scheduler and heartbeat.
+"""The per-process worker runtime: settings, loaded versions, scheduler and heartbeat.
 
 Built once at ``worker_init`` (before the consumer starts), so a worker never takes a request
 before its model is loaded and warmed up. Task threads reach it through :func:`current_runtime`.
+It holds the stable version and, while the model has a canary, the canary version
+(:class:`~workers.engines.LoadedModel` each); :meth:`WorkerRuntime.swap` replaces either between
+batches. Which versions to hold is decided by :mod:`workers.reconcile` from the state in Redis.
 """
 
 from __future__ import annotations
@@ -10,26 +13,24 @@ import logging
 import os
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import redis
 from celery.worker import state as worker_state
 
 from protocol.errors import ConfigError, ModelLoadError
-from protocol.generation_config import load_generation_defaults
 from protocol.keys import CARD_KEY
-from protocol.modelcard import ModelCard, load_card
+from protocol.modelcard import ModelCard
 from protocol.redis_conn import sync_client
 from protocol.settings import FleetSettings, ModelSettings
-from protocol.tokenization import Tokenizer, load_tokenizer
-from store.resolve import resolve_model
+from protocol.tokenization import Tokenizer
 from workers.engine import Engine
-from workers.generation.decoder import Decoder
-from workers.generation.loop import GenerationLoop
+from workers.engines import LoadedModel
 from workers.health import Heartbeat
+from workers.outcomes import OutcomeWriter
 from workers.policy import BatchPolicy
-from workers.scheduler import Scheduler
+from workers.reconcile import Reconciler
+from workers.scheduler import Role, Scheduler
 from workers.stream_publisher import StreamPublisher
 
 __all__ = ["WorkerRuntime", "current_runtime", "start_runtime", "stop_runtime"]
@@ -48,50 +49,101 @@ class WorkerRuntime:
         self.hostname = hostname
         self.concurrency = concurrency
         self.model_key = settings.model_key(settings.worker.model)
-        self.model: ModelSettings = settings.models[self.model_key]
+        configured: ModelSettings = settings.models[self.model_key]
         self.queue = settings.queue_for(self.model_key)
-        if concurrency < self.model.batching.max_batch_size:
+        self.canary_queue = settings.canary_queue_for(self.model_key)
+        if concurrency < configured.batching.max_batch_size:
             raise ConfigError(
                 f"worker concurrency {concurrency} < models.{self.model_key}.batching.max_batch_size "
-                f"{self.model.batching.max_batch_size}: a batch can never exceed the tokens a worker holds; "
+                f"{configured.batching.max_batch_size}: a batch can never exceed the tokens a worker holds; "
                 "raise -c/--concurrency (FLEET_WORKER__CONCURRENCY) or lower max_batch_size",
                 "worker.concurrency",
-                self.model.batching.max_batch_size,
+                configured.batching.max_batch_size,
             )
-        # model store hook (store/): with models.<m>.store_version set, path = the cached copy fetched and
-        # verified against the version's manifest (ChecksumMismatch, a ModelLoadError, stops the start)
-        self.model = resolve_model(settings, self.model_key)
-        self.card: ModelCard = load_card(self.model.path)
-        self.version = self.model.version or self.card.version
-        self.engine = Engine(
-            self.model.path, self.card, self.model.engine, self.model.batching, self.model.limits
-        )
-        self.warmup_ms = self.engine.warm_up() if self.model.engine.warmup else 0.0
-        self.tokenizer: Tokenizer | None = _worker_tokenizer(self.card, self.model.path)
-        self.eos_token_ids = _eos_token_ids(self.card, self.model.path)
-        b = self.model.batching
+        self.redis = sync_client(settings, socket_timeout=10)
+        # The desired state in Redis wins over the config: a worker down during a change converges on start.
+        self.reconciler = Reconciler(self.redis, settings, self.model_key, hostname)
+        self.stable: LoadedModel = self.reconciler.initial()
+        self.canary: LoadedModel | None = None
+        self.warmup_ms = self.stable.warmup_ms
+        b = configured.batching
         self.scheduler = Scheduler(
-            self.engine,
+            self.stable.engine,
             BatchPolicy(b.max_batch_size, b.max_wait_ms, b.max_batch_tokens, b.close_when_idle),
             backlog=_celery_backlog,
-            generation=_generation_loop(self.engine, self.model),
+            generation=self.stable.generation,
+            version=self.stable.version,
         )
-        if self.scheduler.generation is not None and self.model.engine.warmup:
-            self.warmup_ms += self.scheduler.generation.warm_up()
+        self.last_refusal: dict[str, Any] | None = None
         self.ready = False
         self.in_flight = 0
         self._count_lock = threading.Lock()
         self.started_unix_s = time.time()
-        self.redis = sync_client(settings, socket_timeout=10)
         self.streams = StreamPublisher(
             sync_client(settings, socket_timeout=10),
             ttl_s=settings.result_ttl_s,
             max_len=self.model.limits.max_new_tokens + 16,
         )
         self.heartbeat = Heartbeat(self.redis, hostname, self.snapshot, settings.worker.heartbeat_s)
+        self.scheduler.add_outcome_observer(
+            OutcomeWriter(self.redis, self.model_key, lambda: self.reconciler.canary_active)
+        )
+        self.reconciler.attach(self)
+
+    # The stable version's parts, as the pipeline validates requests against them.
+    @property
+    def model(self) -> ModelSettings:
+        """``models.<m>`` of the stable version (``path`` = the file loaded)."""
+        return self.stable.model
+
+    @property
+    def card(self) -> ModelCard:
+        """The stable version's model card."""
+        return self.stable.card
+
+    @property
+    def version(self) -> str:
+        """The stable version (what results of the stable role report)."""
+        return self.stable.version
+
+    @property
+    def engine(self) -> Engine:
+        """The stable engine."""
+        return self.stable.engine
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The stable version's tokenizer (None: generations return ids only)."""
+        return self.stable.tokenizer
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """EOS ids of the stable version."""
+        return self.stable.eos_token_ids
+
+    def swap(self, role: Role, loaded: LoadedModel | None) -> None:
+        """Serve ``role`` with ``loaded`` from the next batch on (None drops the canary).
+
+        The old engine stays referenced by the batch (or generation) running on it and is freed when
+        that ends.
+        """
+        if role == "stable":
+            if loaded is None:
+                raise ValueError("the stable role always has a model")
+            old_loop = self.stable.generation
+            if old_loop is not None and loaded.generation is not None:
+                loaded.generation.observers.extend(old_loop.observers)  # metrics follow the new loop
+            self.scheduler.swap("stable", loaded.engine, loaded.version, loaded.generation)
+            self.stable = loaded
+        else:
+            self.scheduler.swap("canary", None if loaded is None else loaded.engine,
+                                "" if loaded is None else loaded.version)
+            self.canary = loaded
+        self.heartbeat.beat()
 
     def start(self) -> None:
-        """Start the scheduler thread, publish the model card and the first heartbeat."""
+        """Start the scheduler thread, publish the model card and the first heartbeat, load a canary
+        the state names, then follow the state (the reconciler thread)."""
         self.scheduler.start()
         self.streams.start()
         try:
@@ -99,12 +151,14 @@ class WorkerRuntime:
         except redis.RedisError as exc:
             log.warning("could not publish the model card: %s", exc)
         self.heartbeat.start()
+        self.reconciler.start()
         log.info(
-            "worker %s serves model %s %s from queue %s with %d tokens on %s",
+            "worker %s serves model %s %s from queues %s and %s with %d tokens on %s",
             self.hostname,
             self.model_key,
             self.version,
             self.queue,
+            self.canary_queue,
             self.concurrency,
             self.engine.providers,
         )
@@ -118,6 +172,7 @@ class WorkerRuntime:
     def stop(self) -> None:
         """Drain the scheduler and withdraw the heartbeat."""
         self.ready = False
+        self.reconciler.stop()
         self.scheduler.stop()
         self.streams.stop()
         self.heartbeat.stop()
@@ -139,7 +194,10 @@ class WorkerRuntime:
             "pid": os.getpid(),
             "model": self.model_key,
             "version": self.version,
+            "canary_version": self.canary.version if self.canary is not None else None,
+            "last_refusal": self.last_refusal,
             "queue": self.queue,
+            "canary_queue": self.canary_queue,
             "providers": self.engine.providers,
             "ready": self.ready,
             "warm": self.model.engine.warmup,
@@ -151,27 +209,6 @@ class WorkerRuntime:
             "started_unix_s": self.started_unix_s,
             "max_batch_size": self.model.batching.max_batch_size,
         }
-
-
-def _generation_loop(engine: Engine, model: ModelSettings) -> GenerationLoop | None:
-    """The continuous-batching loop for a causal LM with a KV cache; None for other models."""
-    if engine.card.kind != "causal_lm" or not engine.has_kv_cache:
-        return None
-    return GenerationLoop(Decoder(engine), model.batching)
-
-
-def _worker_tokenizer(card: ModelCard, model_path: Path) -> Tokenizer | None:
-    """The model's tokenizer for generated text and stop strings; None when it has none."""
-    try:
-        return load_tokenizer(card, model_path.parent)
-    except Exception as exc:  # no tokenizer: generations return ids only
-        log.warning("model %s has no usable tokenizer (%s): generations return token ids without text", card.name, exc)
-        return None
-
-
-def _eos_token_ids(card: ModelCard, model_path: Path) -> frozenset[int]:
-    """EOS ids from generation_config.json next to the model and the card."""
-    return frozenset(load_generation_defaults(model_path, card).eos_token_ids)
 
 
 def _celery_backlog() -> int:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -36,9 +37,12 @@ from workers.padding import PaddedBatch, pad_batch
 from workers.policy import BatchPolicy, Dispatch, Pending, Wait
 from workers.postprocess import last_positions, masked_mean_pool, top_k_logprobs
 
-__all__ = ["Arrival", "BatchStats", "Job", "JobResult", "Scheduler"]
+__all__ = ["Arrival", "BatchStats", "Job", "JobOutcome", "JobResult", "Role", "Scheduler", "Served"]
 
 log = logging.getLogger("fleet.scheduler")
+
+
+Role = Literal["stable", "canary"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,30 @@ class JobResult:
     batch_wait_ms: float
     inference_ms: float
     batch_started_unix_s: float
+    version: str = ""
+    """The model version that computed this result."""
+    role: Role = "stable"
+    """The role of the engine that computed it (a canary-queue job runs on stable when no canary is loaded)."""
+
+
+@dataclass(frozen=True)
+class Served:
+    """One loaded engine, the version it holds and its role; batches capture it at their start."""
+
+    engine: Engine
+    version: str
+    role: Role
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """How one job of a batch ended, for the per-version outcome stream."""
+
+    version: str
+    role: Role
+    ok: bool
+    submitted_unix_s: float | None
+    """The producer's submit time (wall clock, s); None when the request did not carry it."""
 
 
 @dataclass
@@ -65,6 +93,9 @@ class Job:
     """Monotonic deadline (s); past it the job is dropped before compute."""
     arrived_s: float = 0.0
     future: Future[JobResult] = field(default_factory=Future)
+    role: Role = "stable"
+    """Which engine the request asked for (its queue's role); canary falls back to stable."""
+    submitted_unix_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +111,7 @@ class BatchStats:
 
 
 Observer = Callable[[BatchStats], None]
+OutcomeObserver = Callable[[list[JobOutcome]], None]
 _Output = tuple[list[int] | None, list[float] | None, list[float] | None]
 
 
@@ -111,11 +143,16 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         backlog: Callable[[], int] | None = None,
         generation: GenerationLoop | None = None,
+        version: str = "",
     ) -> None:
         """``backlog()`` counts requests the worker has received but not yet started (Celery's
         reserved-but-not-active set); like announced arrivals, they keep the window open.
-        ``generation`` serves generate jobs (None: the model cannot generate)."""
-        self.engine = engine
+        ``generation`` serves generate jobs (None: the model cannot generate). ``engine`` is the
+        stable engine holding model ``version``; :meth:`swap` replaces it or sets a canary."""
+        self._stable = Served(engine, version, "stable")
+        self._canary: Served | None = None
+        self._retiring: list[GenerationLoop] = []
+        self._outcome_observers: list[OutcomeObserver] = []
         self._backlog = backlog or (lambda: 0)
         self.policy = policy
         self.clock = clock
@@ -132,6 +169,55 @@ class Scheduler:
     def add_observer(self, observer: Observer) -> None:
         """Call ``observer(stats)`` after every batch (from the scheduler thread; keep it cheap)."""
         self._observers.append(observer)
+
+    def add_outcome_observer(self, observer: OutcomeObserver) -> None:
+        """Call ``observer(outcomes)`` once per batch with every job's outcome, failures included."""
+        self._outcome_observers.append(observer)
+
+    @property
+    def engine(self) -> Engine:
+        """The stable engine (the one a new batch of the stable role runs on)."""
+        return self._stable.engine
+
+    @property
+    def stable(self) -> Served:
+        """The stable engine and its version."""
+        return self._stable
+
+    @property
+    def canary(self) -> Served | None:
+        """The canary engine and its version; None when no canary is loaded."""
+        return self._canary
+
+    def swap(
+        self, role: Role, engine: Engine | None, version: str, generation: GenerationLoop | None = None
+    ) -> None:
+        """Serve ``role`` with ``engine`` (model ``version``) from the next batch on.
+
+        A batch already running keeps the engine it captured at its start; the old engine is freed
+        when the last reference (that batch) ends. ``engine=None`` for the canary role drops the
+        canary (its queued requests then run on stable). For the stable role, ``generation`` is the
+        new engine's generation loop: sequences already running finish on the old loop (stepped until
+        it is empty); new sequences join the new one.
+        """
+        with self._cond:
+            if role == "canary":
+                self._canary = None if engine is None else Served(engine, version, "canary")
+            else:
+                if engine is None:
+                    raise ValueError("the stable role always has an engine")
+                self._stable = Served(engine, version, "stable")
+                old = self.generation
+                if old is not None and old is not generation and old.has_work():
+                    self._retiring.append(old)
+                self.generation = generation
+            self._cond.notify_all()
+
+    def _served_for(self, role: Role) -> Served:
+        """The engine a job of ``role`` runs on now (caller holds the lock)."""
+        if role == "canary" and self._canary is not None:
+            return self._canary
+        return self._stable
 
     def start(self) -> None:
         """Start the scheduler thread."""
@@ -217,15 +303,19 @@ class Scheduler:
             self._cond.notify_all()
         return job.future
 
-    def _next_work(self) -> tuple[list[Job], str, list[GenSequence]] | None:
-        """The next one-step batch (maybe empty) and the generations joining at the next step.
+    def _next_work(self) -> tuple[list[Job], str, Served | None, list[GenSequence]] | None:
+        """The next one-step batch (maybe empty) with the engine it runs on, and the generations
+        joining at the next step.
 
+        A batch never mixes engines: it takes, of the jobs the policy dispatches, those that run on
+        the same engine as the oldest; the others stay pending for the next batch.
         Blocks only while there is nothing to do: a running generation means a step is due now.
         """
         with self._cond:
             while True:
                 gen = self.generation
-                gen_busy = gen is not None and (gen.has_work() or bool(self._gen_waiting))
+                self._retiring = [loop for loop in self._retiring if loop.has_work()]
+                gen_busy = (gen is not None and (gen.has_work() or bool(self._gen_waiting))) or bool(self._retiring)
                 if self._stopping and not self._pending and not gen_busy:
                     return None
                 on_the_way = 0 if self._stopping else self._arriving + self._backlog()
@@ -234,17 +324,24 @@ class Scheduler:
                 )
                 batch: list[Job] = []
                 reason = ""
+                served: Served | None = None
                 if isinstance(decision, Dispatch):
-                    batch = self._pending[: decision.count]
-                    del self._pending[: decision.count]
+                    served = self._served_for(self._pending[0].role)
+                    chosen = self._pending[: decision.count]
+                    batch = [j for j in chosen if self._served_for(j.role) is served]
+                    self._pending = [j for j in chosen if self._served_for(j.role) is not served] + self._pending[
+                        decision.count :
+                    ]
                     reason = decision.reason
                 joiners: list[GenSequence] = []
                 if gen is not None and self._gen_waiting:
                     count = gen.admissible(self._gen_waiting)
                     joiners = self._gen_waiting[:count]
                     del self._gen_waiting[:count]
-                if batch or joiners or (gen is not None and gen.has_work()):
-                    return batch, reason, joiners
+                    for seq in joiners:
+                        seq.served_version = self._stable.version
+                if batch or joiners or (gen is not None and gen.has_work()) or self._retiring:
+                    return batch, reason, served, joiners
                 timeout = None if not isinstance(decision, Wait) or decision.until_s is None else max(
                     0.0, decision.until_s - self.clock()
                 )
@@ -255,26 +352,32 @@ class Scheduler:
             nxt = self._next_work()
             if nxt is None:
                 return
-            batch, reason, joiners = nxt
-            if batch:
+            batch, reason, served, joiners = nxt
+            if batch and served is not None:
                 try:
-                    self._run(batch, reason)
+                    self._run(batch, reason, served)
                 except Exception as exc:  # never let one batch kill the thread
                     log.exception("batch failed unexpectedly")
                     for job in batch:
                         if not job.future.done():
                             job.future.set_exception(exc)
+            for old in list(self._retiring):  # sequences started on a swapped-out engine finish there
+                self._step_generation(old, [])
             if self.generation is not None and (joiners or self.generation.has_work()):
-                try:
-                    self.generation.step(joiners)
-                except Exception as exc:  # an engine failure ends the running generations, not the worker
-                    log.exception("generation step failed")
-                    for seq in joiners:
-                        if not seq.future.done():
-                            seq.future.set_exception(exc)
-                    self.generation.fail_all(exc)
+                self._step_generation(self.generation, joiners)
 
-    def _run(self, batch: list[Job], reason: str) -> None:
+    @staticmethod
+    def _step_generation(loop: GenerationLoop, joiners: list[GenSequence]) -> None:
+        try:
+            loop.step(joiners)
+        except Exception as exc:  # an engine failure ends the running generations, not the worker
+            log.exception("generation step failed")
+            for seq in joiners:
+                if not seq.future.done():
+                    seq.future.set_exception(exc)
+            loop.fail_all(exc)
+
+    def _run(self, batch: list[Job], reason: str, served: Served) -> None:
         now = self.clock()
         live: list[Job] = []
         for job in batch:
@@ -291,22 +394,38 @@ class Scheduler:
         if not live:
             return
         try:
-            self._compute(live, reason, expired=len(batch) - len(live))
+            self._compute(live, reason, len(batch) - len(live), served)
         except Exception as exc:
             if len(live) == 1:
                 live[0].future.set_exception(exc)
-                return
-            # One request must never fail its neighbours: retry each alone.
-            log.warning("batch of %d failed (%s); retrying each request alone", len(live), exc)
-            for job in live:
-                try:
-                    self._compute([job], "isolate", expired=0)
-                except Exception as single_exc:
-                    job.future.set_exception(single_exc)
+            else:
+                # One request must never fail its neighbours: retry each alone.
+                log.warning("batch of %d failed (%s); retrying each request alone", len(live), exc)
+                for job in live:
+                    try:
+                        self._compute([job], "isolate", 0, served)
+                    except Exception as single_exc:
+                        job.future.set_exception(single_exc)
+        self._report_outcomes(live, served)
 
-    def _outputs(self, jobs: list[Job], out: npt.NDArray[np.float32], padded: PaddedBatch) -> list[_Output]:
+    def _report_outcomes(self, jobs: list[Job], served: Served) -> None:
+        if not self._outcome_observers:
+            return
+        outcomes = [
+            JobOutcome(served.version, served.role, job.future.exception() is None, job.submitted_unix_s)
+            for job in jobs
+        ]
+        for observer in self._outcome_observers:
+            try:
+                observer(outcomes)
+            except Exception:
+                log.exception("outcome observer failed")
+
+    def _outputs(
+        self, engine: Engine, jobs: list[Job], out: npt.NDArray[np.float32], padded: PaddedBatch
+    ) -> list[_Output]:
         """Each job's small result from the batch's raw output (top-k or pooled vector)."""
-        if self.engine.card.kind == "causal_lm":
+        if engine.card.kind == "causal_lm":
             ids, logprobs = top_k_logprobs(last_positions(out, padded.lengths), max(j.output.top_k for j in jobs))
             return [
                 (ids[row, : j.output.top_k].tolist(), logprobs[row, : j.output.top_k].tolist(), None)
@@ -321,14 +440,15 @@ class Scheduler:
             results.append((None, None, vec.astype(np.float32).tolist()))
         return results
 
-    def _compute(self, jobs: list[Job], reason: str, expired: int) -> None:
+    def _compute(self, jobs: list[Job], reason: str, expired: int, served: Served) -> None:
+        engine = served.engine
         started_unix = time.time()
         start = self.clock()
-        padded = pad_batch([j.input_ids for j in jobs], self.engine.card.pad_token_id)
-        out = self.engine.run(padded)
+        padded = pad_batch([j.input_ids for j in jobs], engine.card.pad_token_id)
+        out = engine.run(padded)
         inference_ms = (self.clock() - start) * 1000
         self.batches_run += 1
-        outputs = self._outputs(jobs, out, padded)
+        outputs = self._outputs(engine, jobs, out, padded)
         for job, (top_ids, top_logprobs, embedding) in zip(jobs, outputs, strict=True):
             job.future.set_result(
                 JobResult(
@@ -340,6 +460,8 @@ class Scheduler:
                     batch_wait_ms=(start - job.arrived_s) * 1000,
                     inference_ms=inference_ms,
                     batch_started_unix_s=started_unix,
+                    version=served.version,
+                    role=served.role,
                 )
             )
         stats = BatchStats(len(jobs), padded.real_tokens, padded.padded_tokens, inference_ms, reason, expired)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery import Celery, Task
+from celery import Celery, Task, signals
 
 from protocol.errors import (
     DecodeError,
@@ -30,16 +30,20 @@ from protocol.messages import (
 from workers.bulk import handle_bulk
 from workers.pipeline import handle_request
 from workers.runtime import WorkerRuntime, current_runtime
+from workers.scheduler import Role
 
 __all__ = ["register_tasks"]
 
 EXPECTED_ERRORS = (InvalidRequest, RequestExpired, RequestCancelled)
+CANARY_SUFFIX = ".canary"
+"""A model's canary queue is its queue + this suffix (``FleetSettings.canary_queue_for``)."""
 RESULT_REPR_MAX = 16_384
 """Characters of a result Celery's events carry to Flower (its default, 1,024, cuts embeddings)."""
 
 
 def register_tasks(app: Celery) -> None:
-    """Register ``fleet.infer`` and ``fleet.infer_bulk`` on ``app``."""
+    """Register ``fleet.infer`` and ``fleet.infer_bulk`` on ``app``; its workers consume the canary queues."""
+    consume_canary_queues(app)
 
     # resultrepr_maxsize: Celery's task-succeeded event (what Flower shows) carries a repr of the result,
     # cut at 1 KiB by default; an embedding or a generation's ids need more to stay readable.
@@ -61,7 +65,8 @@ def register_tasks(app: Celery) -> None:
                 1,
             )
         return handle_request(
-            runtime, payload, request_id=str(self.request.id), worker=str(self.request.hostname or runtime.hostname)
+            runtime, payload, request_id=str(self.request.id), worker=str(self.request.hostname or runtime.hostname),
+            role=role_of(self),
         )
 
     @app.task(name=BULK_TASK_NAME, bind=True, throws=EXPECTED_ERRORS, acks_late=True)  # type: ignore[untyped-decorator]
@@ -71,8 +76,32 @@ def register_tasks(app: Celery) -> None:
         if len(args) != 1 or kwargs or not isinstance(args[0], dict):
             raise DecodeError("fleet.infer_bulk takes exactly one JSON object {requests: [...]}", "args", 1)
         return handle_bulk(
-            runtime, args[0], worker=str(self.request.hostname or runtime.hostname), backend=self.backend
+            runtime, args[0], worker=str(self.request.hostname or runtime.hostname), backend=self.backend,
+            role=role_of(self),
         )
+
+
+def consume_canary_queues(app: Celery) -> None:
+    """Make every worker of ``app`` also consume ``<queue>.canary`` for each model queue it consumes
+    (whatever ``-Q`` named): canary traffic runs on its canary engine, or on stable when it has none,
+    so no request is stranded when a canary is set or dropped."""
+
+    def add(sender: Any = None, instance: Any = None, **_: Any) -> None:
+        if getattr(instance, "app", None) is not app:
+            return
+        queues = instance.app.amqp.queues
+        for name in list(queues.consume_from or queues):
+            if not name.endswith(CANARY_SUFFIX):
+                queues.select_add(name + CANARY_SUFFIX)
+
+    signals.celeryd_after_setup.connect(add, weak=False)
+
+
+def role_of(task: Task) -> Role:
+    """The role of the queue this message was taken from: ``canary`` for ``<queue>.canary``."""
+    info = getattr(task.request, "delivery_info", None) or {}
+    routing_key = str(info.get("routing_key") or "")
+    return "canary" if routing_key.endswith(CANARY_SUFFIX) else "stable"
 
 
 def _runtime() -> WorkerRuntime:

@@ -64,6 +64,8 @@ class GenSequence:
     future: Future[GenOutcome] = field(default_factory=Future)
     cancel_requested: bool = False
     """Set (from any thread) to stop the sequence at the next step with finish_reason 'cancelled'."""
+    served_version: str = ""
+    """The model version of the loop it joined (set by the scheduler at admission)."""
 
     def __post_init__(self) -> None:
         self.generated: list[int] = []

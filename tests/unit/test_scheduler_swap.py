@@ -1,0 +1,109 @@
+"""Engine swap between batches: roles, fallbacks and versions (fake engines; no ORT, no Redis)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from protocol.messages import OutputSpec
+from protocol.modelcard import ModelCard
+from workers.padding import PaddedBatch
+from workers.policy import BatchPolicy
+from workers.scheduler import Job, JobOutcome, JobResult, Scheduler
+
+CARD = ModelCard(name="fake", version="0", kind="causal_lm", vocab_size=32, max_positions=64, num_layers=1,
+                 num_heads=1, head_dim=1, hidden_size=1)
+
+
+class ShiftEngine:
+    """Top-1 = (last token + shift) % 32, so a result shows which engine computed it; can block or fail."""
+
+    card = CARD
+
+    def __init__(self, shift: int, fail: bool = False) -> None:
+        self.shift = shift
+        self.fail = fail
+        self.batches: list[int] = []
+        self.gate: threading.Event | None = None
+        self.entered = threading.Event()
+
+    def run(self, batch: PaddedBatch) -> Any:
+        self.entered.set()
+        if self.gate is not None:
+            self.gate.wait(10)
+        self.batches.append(len(batch.lengths))
+        if self.fail:
+            raise RuntimeError("canary exploded")
+        b, s = batch.input_ids.shape
+        logits = np.zeros((b, s, 32), dtype=np.float32)
+        for row in range(b):
+            for col in range(s):
+                logits[row, col, (int(batch.input_ids[row, col]) + self.shift) % 32] = 10.0
+        return logits
+
+
+def job(token: int, role: str = "stable") -> Job:
+    return Job([token], OutputSpec(kind="next_token", top_k=1), role=role, submitted_unix_s=None)  # type: ignore[arg-type]
+
+
+def done(j: Job) -> JobResult:
+    return j.future.result(timeout=10)
+
+
+def test_a_batch_never_mixes_engines_and_canary_jobs_fall_back_to_stable() -> None:
+    stable, canary = ShiftEngine(1), ShiftEngine(2)
+    sched = Scheduler(stable, BatchPolicy(8, 50, 1000, close_when_idle=False), version="v1")  # type: ignore[arg-type]
+    outcomes: list[JobOutcome] = []
+    sched.add_outcome_observer(outcomes.extend)
+    sched.swap("canary", canary, "v2")  # type: ignore[arg-type]
+    jobs = [job(t, "canary" if t % 2 else "stable") for t in range(1, 9)]
+    for j in jobs:
+        sched.submit(j)
+    sched.start()
+    results = [done(j) for j in jobs]
+    for j, r in zip(jobs, results, strict=True):
+        expected = ("v2", "canary", 2) if j.role == "canary" else ("v1", "stable", 1)
+        assert (r.version, r.role, r.top_ids[0] if r.top_ids else None) == (*expected[:2], j.input_ids[0] + expected[2])
+    assert sum(stable.batches) == 4 and sum(canary.batches) == 4  # split by engine, none mixed
+
+    sched.swap("canary", None, "")  # the canary is dropped: canary-role jobs run on stable
+    late = job(5, "canary")
+    sched.submit(late)
+    assert (done(late).version, done(late).role, done(late).top_ids) == ("v1", "stable", [6])
+    sched.stop()
+    assert [(o.version, o.role, o.ok) for o in outcomes].count(("v2", "canary", True)) == 4
+    assert len(outcomes) == 9
+
+
+def test_a_swap_takes_effect_at_the_next_batch_and_the_running_batch_keeps_its_engine() -> None:
+    old, new = ShiftEngine(1), ShiftEngine(3)
+    old.gate = threading.Event()
+    sched = Scheduler(old, BatchPolicy(1, 0, 1000, close_when_idle=True), version="v1")  # type: ignore[arg-type]
+    sched.start()
+    first = job(4)
+    sched.submit(first)
+    assert old.entered.wait(10)
+    sched.swap("stable", new, "v2")  # type: ignore[arg-type]
+    second = job(4)
+    sched.submit(second)
+    old.gate.set()
+    assert (done(first).version, done(first).top_ids) == ("v1", [5])
+    assert (done(second).version, done(second).top_ids) == ("v2", [7])
+    sched.stop()
+
+
+def test_failed_canary_requests_are_reported_as_failed_outcomes() -> None:
+    sched = Scheduler(ShiftEngine(1), BatchPolicy(4, 10_000, 1000, close_when_idle=False), version="v1")  # type: ignore[arg-type]
+    sched.swap("canary", ShiftEngine(2, fail=True), "bad")  # type: ignore[arg-type]
+    outcomes: list[JobOutcome] = []
+    sched.add_outcome_observer(outcomes.extend)
+    jobs = [job(t, "canary") for t in range(4)]
+    for j in jobs:
+        sched.submit(j)
+    sched.start()
+    for j in jobs:
+        assert isinstance(j.future.exception(timeout=10), RuntimeError)
+    sched.stop()
+    assert [(o.version, o.role, o.ok) for o in outcomes] == [("bad", "canary", False)] * 4

@@ -1,0 +1,90 @@
+"""One loaded model version: its settings, card, engine, generation loop and tokenizer.
+
+:func:`load_version` is the whole path from a version name to an engine ready to take a batch: fetch
+and verify through the store (:func:`store.resolve.resolve_model`), read the card, open the ORT
+session, warm it up at the extreme shapes. The worker runtime loads its stable version with it at
+start, and the reconciler (:mod:`workers.reconcile`) loads pinned and canary versions with it while
+the old engine keeps serving; nothing here touches the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from protocol.generation_config import load_generation_defaults
+from protocol.modelcard import ModelCard, load_card
+from protocol.settings import FleetSettings, ModelSettings
+from protocol.tokenization import Tokenizer, load_tokenizer
+from store.resolve import resolve_model
+from workers.engine import Engine
+from workers.generation.decoder import Decoder
+from workers.generation.loop import GenerationLoop
+
+__all__ = ["LoadedModel", "load_version"]
+
+log = logging.getLogger("fleet.worker")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model version loaded, verified and warmed up in this process."""
+
+    version: str
+    model: ModelSettings
+    """``models.<m>`` with ``path`` = the file actually loaded (the verified cache copy for a store version)."""
+    card: ModelCard
+    engine: Engine
+    generation: GenerationLoop | None
+    tokenizer: Tokenizer | None
+    eos_token_ids: frozenset[int]
+    load_ms: float
+    """Fetch + verify + session creation + warm-up (ms)."""
+    warmup_ms: float
+
+
+def load_version(settings: FleetSettings, key: str, version: str | None = None) -> LoadedModel:
+    """Load model ``key`` at ``version`` (None: the configured ``store_version`` or ``path``).
+
+    Raises:
+        ChecksumMismatch / VersionNotFound / StoreError: the version cannot be fetched as published.
+        ModelLoadError / ProviderUnavailable / FileNotFoundError: it cannot be opened as configured.
+        Exception: ORT's own errors while creating the session or warming it up.
+    """
+    started = time.monotonic()
+    model = resolve_model(settings, key, version=version)
+    card = load_card(model.path)
+    engine = Engine(model.path, card, model.engine, model.batching, model.limits)
+    warmup_ms = engine.warm_up() if model.engine.warmup else 0.0
+    generation = _generation_loop(engine, model)
+    if generation is not None and model.engine.warmup:
+        warmup_ms += generation.warm_up()
+    return LoadedModel(
+        version=model.version or card.version,
+        model=model,
+        card=card,
+        engine=engine,
+        generation=generation,
+        tokenizer=_worker_tokenizer(card, model.path),
+        eos_token_ids=frozenset(load_generation_defaults(model.path, card).eos_token_ids),
+        load_ms=(time.monotonic() - started) * 1000,
+        warmup_ms=warmup_ms,
+    )
+
+
+def _generation_loop(engine: Engine, model: ModelSettings) -> GenerationLoop | None:
+    """The continuous-batching loop for a causal LM with a KV cache; None for other models."""
+    if engine.card.kind != "causal_lm" or not engine.has_kv_cache:
+        return None
+    return GenerationLoop(Decoder(engine), model.batching)
+
+
+def _worker_tokenizer(card: ModelCard, model_path: Path) -> Tokenizer | None:
+    """The model's tokenizer for generated text and stop strings; None when it has none."""
+    try:
+        return load_tokenizer(card, model_path.parent)
+    except Exception as exc:  # no tokenizer: generations return ids only
+        log.warning("model %s has no usable tokenizer (%s): generations return token ids without text", card.name, exc)
+        return None
