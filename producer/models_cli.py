@@ -12,6 +12,8 @@ the store cannot be reached); 2 bad arguments or settings (no store configured, 
     fleet models list [M]                            # models, or M's versions (published / unfinished)
     fleet models show M V                            # the version's manifest
     fleet models fetch M V [--cache-dir DIR]         # download + verify into the cache (what workers do)
+
+The desired state (pin, canary, promote, rollback, history, compare) is in :mod:`producer.lifecycle_cli`.
 """
 
 from __future__ import annotations
@@ -144,7 +146,9 @@ def register(sub: Any) -> None:
     p.add_argument("--bucket", default="fleet-models", help="bucket to create (default fleet-models)")
     p.set_defaults(func=cmd_store)
 
-    models = sub.add_parser("models", help="model versions in the store: push, list, show, fetch")
+    models = sub.add_parser(
+        "models", help="model versions: push, list, show, fetch; pin, canary, promote, rollback, history, compare"
+    )
     msub = models.add_subparsers(dest="models_command", required=True)
 
     p = msub.add_parser("push", help="publish a model file (or its folder) as a new version")
@@ -172,3 +176,7 @@ def register(sub: Any) -> None:
     p.add_argument("version")
     p.add_argument("--cache-dir", type=Path, default=None, help="default: the store.cache_dir setting")
     p.set_defaults(func=cmd_fetch)
+
+    from producer.lifecycle_cli import register as register_lifecycle
+
+    register_lifecycle(msub)

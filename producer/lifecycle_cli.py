@@ -1,0 +1,216 @@
+"""``fleet models pin|canary|promote|rollback|history|compare``: a model's desired state in Redis.
+
+Registered by :mod:`producer.models_cli` under ``fleet models``. Every change is one transaction
+recorded in the model's history (:mod:`protocol.model_state`); workers follow it. Output is one JSON
+document on stdout. Exit codes follow ``fleet``'s: 0 ok; 1 refused (not published, no canary to
+promote or roll back; the message says why); 2 bad arguments or settings (unknown model, a weight
+outside 1..99).
+
+::
+
+    fleet models pin M V                     # V serves all of M's traffic (the canary, if any, stays)
+    fleet models canary M V --weight 10      # 10 % of M's traffic to V, sticky by routing key
+    fleet models promote M                   # the canary becomes stable
+    fleet models rollback M [--reason TEXT]  # drop the canary (or return to the stable before the last pin)
+    fleet models history M [--last N]        # who changed what, when, why
+    fleet models compare M [--window-s S] [--shadow N | --prompts FILE]   # per-version figures
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from protocol.canary_verdict import version_figures
+from protocol.model_state import (
+    HistoryEntry,
+    Published,
+    history,
+    pin,
+    promote,
+    read_outcomes,
+    read_state,
+    refusals,
+    rollback,
+    set_canary,
+)
+from protocol.redis_conn import sync_client
+from protocol.settings import FleetSettings, load_settings
+
+__all__ = ["default_by", "register"]
+
+
+def default_by() -> str:
+    """``$USER@hostname``: who a change is recorded as, unless ``--by`` says otherwise."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def _print(doc: Any) -> None:
+    print(json.dumps(doc))
+
+
+def _context(args: argparse.Namespace) -> tuple[FleetSettings, redis.Redis[bytes], str]:
+    settings = load_settings(args.config)
+    return settings, sync_client(settings), settings.model_key(args.model)
+
+
+def _published(settings: FleetSettings) -> Published | None:
+    """The store pins are checked against (None when no store is configured)."""
+    if settings.store.backend == "none":
+        return None
+    from store.model_store import open_store
+
+    return open_store(settings.store)
+
+
+def _change_doc(r: redis.Redis[bytes], model: str, entry: HistoryEntry) -> dict[str, Any]:
+    state = read_state(r, model)
+    return {"model": model, "change": entry.model_dump(mode="json", by_alias=True),
+            "state": state.model_dump(mode="json") if state else None}
+
+
+def cmd_pin(args: argparse.Namespace) -> int:
+    settings, r, model = _context(args)
+    entry = pin(r, model, args.version, args.by, store=_published(settings))
+    _print(_change_doc(r, model, entry))
+    return 0
+
+
+def cmd_canary(args: argparse.Namespace) -> int:
+    settings, r, model = _context(args)
+    entry = set_canary(r, model, args.version, args.weight, args.by, store=_published(settings))
+    _print(_change_doc(r, model, entry))
+    return 0
+
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    _, r, model = _context(args)
+    _print(_change_doc(r, model, promote(r, model, args.by)))
+    return 0
+
+
+def cmd_rollback(args: argparse.Namespace) -> int:
+    _, r, model = _context(args)
+    _print(_change_doc(r, model, rollback(r, model, args.by, reason=args.reason)))
+    return 0
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    _, r, model = _context(args)
+    state = read_state(r, model)
+    _print({"model": model, "state": state.model_dump(mode="json") if state else None,
+            "history": [e.model_dump(mode="json", by_alias=True) for e in history(r, model, last=args.last)],
+            "refusals": [x.model_dump(mode="json") for x in refusals(r, model, last=args.last)]})
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    settings, r, model = _context(args)
+    state = read_state(r, model)
+    window_s = args.window_s if args.window_s is not None else settings.model(model).canary.window_s
+    samples = read_outcomes(r, model, window_s)
+    figures = version_figures(samples)
+    roles = {v: sorted({s.role for s in samples if s.version == v}) for v in figures}
+    doc: dict[str, Any] = {
+        "model": model,
+        "window_s": window_s,
+        "state": state.model_dump(mode="json") if state else None,
+        "versions": [{**f.to_dict(), "roles": roles[v]} for v, f in figures.items()],
+        "shadow": None,
+    }
+    if state is not None and state.canary is not None and (args.shadow or args.prompts):
+        doc["shadow"] = _shadow(settings, model, state, args)
+    _print(doc)
+    return 0
+
+
+def _shadow(settings: FleetSettings, model: str, state: Any, args: argparse.Namespace) -> dict[str, Any] | None:
+    from producer.client import FleetClient
+    from producer.shadow import load_prompts, shadow_agreement, synthetic_prompts
+
+    client = FleetClient(settings)
+    try:
+        _, info = client._model(model)
+        if info.card is None or info.card.kind != "causal_lm":
+            return None  # agreement of next tokens means something for LMs only
+        prompts: list[str | list[int]]
+        if args.prompts:
+            prompts = load_prompts(Path(args.prompts))
+        else:
+            limit = settings.model(model).limits.max_input_tokens
+            prompts = list(synthetic_prompts(args.shadow, info.card.vocab_size, limit))
+        return shadow_agreement(client, model, state, prompts)
+    finally:
+        client.close()
+
+
+def _weight(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 1 <= value <= 99:
+        raise argparse.ArgumentTypeError(f"weight must be an integer from 1 to 99 (percent of traffic), got {raw!r}")
+    return value
+
+
+def _shadow_count(raw: str) -> int:
+    value = int(raw)
+    if not 0 <= value <= 10_000:
+        raise argparse.ArgumentTypeError(f"shadow must be from 0 to 10000 prompts, got {raw}")
+    return value
+
+
+def register(msub: Any) -> None:
+    """Add the lifecycle commands to ``fleet models``' sub-parsers."""
+    from producer.cli import _add_common
+
+    def common(p: argparse.ArgumentParser, *, by: bool = True) -> None:
+        _add_common(p)
+        p.add_argument("model", help="a configured model, e.g. demo-lm")
+        if by:
+            p.add_argument("--by", default=default_by(), help="who the change is recorded as (default $USER@host)")
+
+    p = msub.add_parser("pin", help="serve VERSION for all of the model's (stable) traffic")
+    common(p)
+    p.add_argument("version")
+    p.set_defaults(func=cmd_pin)
+
+    p = msub.add_parser("canary", help="send --weight percent of the model's traffic to VERSION")
+    common(p)
+    p.add_argument("version")
+    p.add_argument("--weight", type=_weight, required=True, help="percent of traffic to the canary, 1..99")
+    p.set_defaults(func=cmd_canary)
+
+    p = msub.add_parser("promote", help="make the canary the stable version")
+    common(p)
+    p.set_defaults(func=cmd_promote)
+
+    p = msub.add_parser("rollback", help="drop the canary (or, with none, return to the stable before the last pin)")
+    common(p)
+    p.add_argument("--reason", default=None, help="why, recorded in the history")
+    p.set_defaults(func=cmd_rollback)
+
+    p = msub.add_parser("history", help="the model's state, its changes and the workers' refusals")
+    common(p, by=False)
+    p.add_argument("--last", type=int, default=None, help="only the last N entries")
+    p.set_defaults(func=cmd_history)
+
+    p = msub.add_parser("compare", help="per-version requests, error rate, p50/p99 (and LM agreement)")
+    common(p, by=False)
+    p.add_argument("--window-s", type=float, default=None, help="default: models.<m>.canary.window_s")
+    p.add_argument("--shadow", type=_shadow_count, default=0,
+                   help="LMs with a canary: send N generated prompts to both versions and report top-1 agreement")
+    p.add_argument("--prompts", default=None, help="LMs: a JSON list of texts or id lists to use as the shadow sample")
+    p.set_defaults(func=cmd_compare)
+
