@@ -5,22 +5,16 @@ from __future__ import annotations
 
 import base64
 import json
-import time
 from collections import Counter, defaultdict
 from pathlib import Path
-
-import pytest
 
 from producer.client import FleetClient
 from protocol.messages import InferenceResult
 from protocol.model_state import pin, read_state, route, set_canary
-from store import ModelStore
-from store.s3 import S3Backend
+from tests.integration.canary_fixtures import MODEL, publish_two_versions, wait_canary_served
 from tests.integration.fleet_fixtures import Fleet
-from tests.integration.test_model_store import BUCKET, _version, s3, seaweed  # noqa: F401  (fixtures)
+from tests.integration.test_model_store import s3, seaweed  # noqa: F401  (fixtures)
 from tools.seaweed_server import EmbeddedSeaweed
-
-MODEL = "demo-lm"
 
 
 def _queued_request_ids(client: FleetClient, queue: str) -> list[str]:
@@ -47,35 +41,15 @@ def test_producer_queues_each_request_on_the_role_its_key_routes_to(fleet: Fleet
     assert abs(len(on_canary) / len(ids) - 0.10) <= 0.03
 
 
-def _wait_canary_served(client: FleetClient, version: str, timeout_s: float = 90) -> None:
-    """Until a request sent to the canary queue comes back computed by ``version``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        req = client.build_request(MODEL, [5, 6], top_k=1)
-        rid = client.send(req, role="canary")
-        res = client.result(rid, wait=True, timeout_s=30)
-        if isinstance(res, InferenceResult) and res.version == version:
-            return
-        time.sleep(0.2)  # the reconciler is still fetching / warming the canary
-    raise AssertionError(f"no worker served canary {version} within {timeout_s} s")
-
-
 def test_split_90_10_over_2000_requests_and_sticky_keys_on_a_real_fleet(
-    fleet: Fleet, s3: EmbeddedSeaweed, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+    fleet: Fleet, s3: EmbeddedSeaweed, model_dir: Path, tmp_path: Path  # noqa: F811
 ) -> None:
-    store = ModelStore(S3Backend(BUCKET, endpoint_url=s3.endpoint_url, client=s3.client()), tmp_path / "push")
-    v1, v2 = _version(), _version()
-    for version in (v1, v2):
-        store.push(model_dir / MODEL / f"{MODEL}-1.0.0.onnx", MODEL, version)
-    cfg = fleet.config(
-        store={"backend": "s3", "endpoint_url": s3.endpoint_url, "bucket": BUCKET, "cache_dir": str(tmp_path / "c")},
-        models={MODEL: {"path": None, "store_version": v1}},
-    )
+    cfg, store, v1, v2 = publish_two_versions(fleet, s3, model_dir, tmp_path)
     fleet.worker(cfg)
     client = fleet.client(cfg)
     pin(client.redis, MODEL, v1, "test@host", store=store)
     set_canary(client.redis, MODEL, v2, 10, "test@host", store=store)
-    _wait_canary_served(client, v2)
+    wait_canary_served(client, v2)
 
     ids = client.submit_bulk(MODEL, [[5 + i % 50] for i in range(2000)], chunk_size=250, top_k=1)
     results = client.wait(ids, 240)

@@ -1,0 +1,94 @@
+"""``fleet models pin|canary|promote|rollback|history|compare`` against a real Redis, a real S3 store
+(SeaweedFS) and a real worker that follows the state."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from producer.cli import main as fleet_main
+from protocol.messages import InferenceResult
+from tests.integration.canary_fixtures import MODEL, publish_two_versions, wait_canary_served
+from tests.integration.fleet_fixtures import Fleet
+from tests.integration.test_model_store import s3, seaweed  # noqa: F401  (fixtures)
+from tools.seaweed_server import EmbeddedSeaweed
+
+
+def fleet_json(capsys: pytest.CaptureFixture[str], config: Path, *argv: str) -> tuple[int, Any, str]:
+    """Run ``fleet models …`` in this process: exit code, the JSON it printed (or None), stderr."""
+    code = fleet_main(["models", argv[0], "--config", str(config), *argv[1:]])
+    captured = capsys.readouterr()
+    out = captured.out.strip().splitlines()
+    return code, json.loads(out[-1]) if out else None, captured.err
+
+
+def test_lifecycle_commands_record_history_and_refuse_clearly(
+    fleet: Fleet, s3: EmbeddedSeaweed, model_dir: Path, tmp_path: Path,  # noqa: F811
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    cfg, _, v1, v2 = publish_two_versions(fleet, s3, model_dir, tmp_path)
+
+    code, doc, err = fleet_json(capsys, cfg, "pin", MODEL, "9.9.9")
+    assert code == 1 and doc["type"] == "VersionNotFound" and f"{MODEL} 9.9.9 is not published" in err
+    code, doc, _ = fleet_json(capsys, cfg, "promote", MODEL)
+    assert code == 1 and doc["type"] == "StateChangeRefused" and "no canary to promote" in doc["message"]
+    with pytest.raises(SystemExit) as exit_info:
+        fleet_json(capsys, cfg, "canary", MODEL, v2, "--weight", "150")
+    assert exit_info.value.code == 2 and "weight must be an integer from 1 to 99" in capsys.readouterr().err
+    code, _, err = fleet_json(capsys, cfg, "pin", "no-such-model", v1)
+    assert code == 2 and "unknown model 'no-such-model'" in err
+
+    assert fleet_json(capsys, cfg, "pin", MODEL, v1, "--by", "ann@ops")[0] == 0
+    code, doc, _ = fleet_json(capsys, cfg, "canary", MODEL, v2, "--weight", "10")
+    assert code == 0 and doc["state"]["canary"] == v2 and doc["state"]["canary_weight"] == 10
+    assert doc["change"]["by"].count("@") == 1  # $USER@host by default
+    code, doc, _ = fleet_json(capsys, cfg, "rollback", MODEL, "--reason", "p99 too high")
+    assert code == 0 and doc["state"]["canary"] is None and doc["state"]["stable"] == v1
+    fleet_json(capsys, cfg, "canary", MODEL, v2, "--weight", "20")
+    code, doc, _ = fleet_json(capsys, cfg, "promote", MODEL)
+    assert code == 0 and doc["state"] == {**doc["state"], "stable": v2, "canary": None, "canary_weight": 0}
+
+    code, doc, _ = fleet_json(capsys, cfg, "history", MODEL)
+    assert code == 0
+    entries = doc["history"]
+    rows = [(e["action"], e["from"]["stable"], e["to"]["stable"], e["to"]["canary"], e["reason"]) for e in entries]
+    assert rows == [
+        ("pin", None, v1, None, None),
+        ("canary", v1, v1, v2, None),
+        ("rollback", v1, v1, None, "p99 too high"),
+        ("canary", v1, v1, v2, None),
+        ("promote", v1, v2, None, None),
+    ]
+    assert doc["history"][0]["by"] == "ann@ops"
+    assert len(fleet_json(capsys, cfg, "history", MODEL, "--last", "2")[1]["history"]) == 2
+
+
+def test_compare_reports_per_version_figures_and_shadow_agreement(
+    fleet: Fleet, s3: EmbeddedSeaweed, model_dir: Path, tmp_path: Path,  # noqa: F811
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    cfg, _, v1, v2 = publish_two_versions(fleet, s3, model_dir, tmp_path)
+    fleet.worker(cfg)
+    fleet_json(capsys, cfg, "pin", MODEL, v1)
+    fleet_json(capsys, cfg, "canary", MODEL, v2, "--weight", "30")
+    client = fleet.client(cfg)
+    wait_canary_served(client, v2)
+    ids = client.submit_bulk(MODEL, [[5 + i % 40, 9] for i in range(400)], chunk_size=100, top_k=1)
+    results = [r for r in client.wait(ids, 120) if isinstance(r, InferenceResult)]
+    assert len(results) == 400
+    served = {v: sum(r.version == v for r in results) for v in (v1, v2)}
+
+    code, doc, _ = fleet_json(capsys, cfg, "compare", MODEL, "--window-s", "600", "--shadow", "16")
+    assert code == 0
+    figures = {f["version"]: f for f in doc["versions"]}
+    for version in (v1, v2):  # the outcomes stream also holds the probes of wait_canary_served
+        assert figures[version]["requests"] >= served[version] > 0
+        assert figures[version]["errors"] == 0 and figures[version]["error_rate"] == 0
+        assert 0 < figures[version]["p50_ms"] <= figures[version]["p99_ms"]
+    assert figures[v2]["roles"] == ["canary"]
+    shadow = doc["shadow"]
+    assert shadow["prompts"] == 16 and shadow["compared"] == 16 and shadow["failed"] == 0
+    assert shadow["agreement"] == 1.0  # the two versions are the same bytes
