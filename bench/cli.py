@@ -2,7 +2,8 @@
 
 ``fleet bench`` runs the full table (~15 minutes on 2 cores, the generation rows included) and rewrites
 ``docs/benchmarks.md``, ``docs/benchmarks.json`` and the plots in ``docs/img/``; ``fleet bench --only
-generation`` reruns the generation rows alone (~5 minutes) into the same files; ``fleet bench --quick``
+generation`` reruns the generation rows alone (~5 minutes) into the same files, ``fleet bench --only dispatch
+--label after`` the dispatch cost per path (~3 minutes); ``fleet bench --quick``
 is the CI smoke run (demo model, ~60 s, no peer), written to ``var/bench-quick/`` unless ``--out`` says
 otherwise.
 """
@@ -51,9 +52,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-peer", action="store_true", help="skip the celery-batches peer row")
     p.add_argument(
         "--only",
-        choices=["generation"],
+        choices=["generation", "dispatch"],
         default=None,
         help="rerun one phase alone and merge its figures into the --json results of an earlier run",
+    )
+    p.add_argument(
+        "--label",
+        default="latest",
+        help="--only dispatch: name of this run in the before/after table (e.g. before, after)",
+    )
+    p.add_argument(
+        "--dispatch-json",
+        type=Path,
+        default=None,
+        help="--only dispatch: also write this run's dispatch figures alone to this file",
     )
     p.add_argument(
         "--render-only",
@@ -101,6 +113,11 @@ def run(args: argparse.Namespace) -> int:
         from bench.runner import run_generation_only
 
         run_generation_only(plan, args, command)
+        return 0
+    if args.only == "dispatch":
+        from bench.dispatch_only import run_dispatch_only
+
+        run_dispatch_only(plan, args, command)
         return 0
     run_bench(plan, args, command)
     return 0

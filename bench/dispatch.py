@@ -5,8 +5,8 @@ worker it measures requests/s, the CPU milliseconds each process spends per requ
 this bench process, Redis, worker) minus the engine's own time, and the Redis commands each
 request costs. Variants (Celery log level, lean Celery, the bulk path) run side by side:
 every variant's worker is started at once, each on its own queue, and the loops visit them in
-interleaved rounds. With py-spy installed it also samples where the worker's and the producer's
-CPU goes.
+interleaved rounds (:func:`dispatch_variants`: one per Celery extra turned off, all off, the bulk
+path). With py-spy installed it also samples where the worker's and the producer's CPU goes.
 """
 
 from __future__ import annotations
@@ -16,19 +16,53 @@ import sys
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from bench.load import ClosedLoopRun, bulk_closed_loop, closed_loop
+from bench.plan import Plan
 from bench.procs import CpuMeter, FleetConfig, RunningFleet, redis_commandstats
 from bench.profile import fold_components, parse_raw, py_spy_path, record, top_functions
 from bench.stats import RequestRecord, summarize_run, summarize_runs
 
-__all__ = ["Variant", "measure_dispatch"]
+__all__ = ["EXTRAS_OFF", "Variant", "dispatch_variants", "measure_dispatch"]
 
 Variant = tuple[str, FleetConfig, int]
 """(label, worker configuration, requests per message: 1 = one ``fleet.infer`` task per request,
 more = ``fleet.infer_bulk`` messages of that many requests)."""
+
+
+EXTRAS_OFF = {"task_events": False, "track_started": False, "result_extended": False}
+"""The ``celery`` settings of the lean variant: every per-task extra of protocol/celeryconf.py off."""
+
+
+def dispatch_variants(plan: Plan, name: str, path: Path) -> dict[str, Variant]:
+    """The identity-model worker as served, and (full plan) one variant per Celery extra turned off,
+    all of them off, the bulk path, and the bulk path with every extra off."""
+    cfg = FleetConfig(
+        label="dispatch",
+        model_name=f"{name}-served",
+        model_path=path,
+        max_batch_size=plan.concurrency,
+        max_wait_ms=plan.max_wait_ms,
+        concurrency=plan.concurrency,
+        celery_loglevel="WARNING",
+    )
+    out: dict[str, Variant] = {"served": ("as served (Celery log level WARNING)", cfg, 1)}
+    changes: dict[str, tuple[str, dict[str, bool], int]] = {
+        "no-events": ("no task events (`celery.task_events: false`, worker without -E)", {"task_events": False}, 1),
+        "no-started": ("no STARTED state (`celery.track_started: false`)", {"track_started": False}, 1),
+        "lean": ("lean Celery: no task events, no STARTED state, no extended result", EXTRAS_OFF, 1),
+        "bulk": (f"bulk path (`fleet.infer_bulk`): {plan.concurrency} requests per message", {}, plan.concurrency),
+        "bulk+lean": (f"bulk path ({plan.concurrency} per message) + lean Celery", EXTRAS_OFF, plan.concurrency),
+    }
+    for key, (label, celery, per_message) in changes.items():
+        if plan.ablations or key == "bulk":
+            slug = key.replace("+", "-")
+            variant = replace(cfg, label=f"dispatch-{slug}", model_name=f"{name}-{slug}", celery=celery)
+            out[key] = (label, variant, per_message)
+    return out
 
 
 class _Tally:

@@ -63,6 +63,9 @@ class FleetConfig:
     lean: bool = False
     """Measurement only: run the worker through :mod:`bench.lean_worker` with Celery's per-task
     extras off (task events, STARTED state, extended results), to price them."""
+    celery: dict[str, bool] = field(default_factory=dict)
+    """The ``celery`` settings section (:class:`protocol.settings.CelerySettings`) of this worker and its
+    client, e.g. ``{"task_events": False}`` (then the worker also runs without ``-E``)."""
 
     def yaml_doc(self, redis_url: str) -> dict[str, Any]:
         """The settings document for ``FLEET_CONFIG``."""
@@ -90,6 +93,7 @@ class FleetConfig:
                     "max_queue_depth": 100_000,
                 }
             },
+            **({"celery": dict(self.celery)} if self.celery else {}),
         }
 
     def write(self, folder: Path, redis_url: str) -> Path:
@@ -164,6 +168,8 @@ class RunningFleet:
         )
         cmd = self.worker.cmd
         cmd[cmd.index("--loglevel") + 1] = config.celery_loglevel
+        if config.celery.get("task_events") is False:
+            cmd.remove("-E")
         if config.lean:  # [python, -m, celery, -A, workers.app, worker, …] → bench.lean_worker
             cmd[1:5] = ["-m", "bench.lean_worker"]
             cmd.remove("-E")

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.analysis import dispatch_section, targets_section
+from bench.ceiling import ceiling_section
 from bench.genreport import generation_section, plot_generation
 from bench.markdown import fmt, md_table, mib
 from bench.notes import last_position_note, method_notes, reading_notes
@@ -278,7 +279,7 @@ def render(results: dict[str, Any], img_rel: str) -> str:
         limit_table(results) + "\n",
         last_position_note(results),
     ]
-    parts += ["## Dispatch cost\n", dispatch_section(results) + "\n"]
+    parts += ["## Dispatch cost\n", dispatch_section(results) + "\n", ceiling_section(results)]
     parts += [
         "The bulk path with large chunks (512 requests per message, a burst of 2,000 requests) against one task "
         "per request, end to end: [bulk-path.md](bulk-path.md) (`python -m bench.bulk_vs_single`).\n"

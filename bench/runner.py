@@ -22,7 +22,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.dispatch import Variant, measure_dispatch
+from bench.dispatch import dispatch_variants, measure_dispatch
 from bench.generation import measure_generation
 from bench.limit import bare_latency_ms, bare_session, bare_throughput
 from bench.machine import machine_facts, tensorrt_available
@@ -189,33 +189,6 @@ def _configs(plan: Plan, name: str, models: dict[str, Any], work_dir: Path) -> d
     return configs
 
 
-def _dispatch_variants(plan: Plan, name: str, path: Path) -> dict[str, Variant]:
-    """The identity-model worker as served, and (full plan) the variants that price each cost."""
-    cfg = FleetConfig(
-        label="dispatch",
-        model_name=f"{name}-served",
-        model_path=path,
-        max_batch_size=plan.concurrency,
-        max_wait_ms=plan.max_wait_ms,
-        concurrency=plan.concurrency,
-        celery_loglevel="WARNING",
-    )
-    out: dict[str, Variant] = {"served": ("as served (Celery log level WARNING)", cfg, 1)}
-    if plan.ablations:
-        chunk = plan.concurrency
-        variants: dict[str, tuple[str, dict[str, Any], int]] = {
-            "info": ("Celery log level INFO (the `fleet worker` default)", {"celery_loglevel": "INFO"}, 1),
-            "lean": ("lean Celery: no task events, no STARTED state, no extended result", {"lean": True}, 1),
-            "bulk": (f"bulk path (`fleet.infer_bulk`): {chunk} requests per message", {}, chunk),
-            "bulk+lean": (f"bulk path ({chunk} per message) + lean Celery", {"lean": True}, chunk),
-        }
-        for key, (label, changes, per_message) in variants.items():
-            slug = key.replace("+", "-")
-            variant = replace(cfg, label=f"dispatch-{slug}", model_name=f"{name}-{slug}", **changes)
-            out[key] = (label, variant, per_message)
-    return out
-
-
 def _serve_and_measure(
     plan: Plan, args: argparse.Namespace, configs: dict[str, FleetConfig], redis_url: str, prompts: Prompts, say: Say
 ) -> dict[str, Any]:
@@ -351,7 +324,7 @@ def run_bench(plan: Plan, args: argparse.Namespace, command: str) -> dict[str, A
         flush_redis(redis.url)
         ident = load_card(Path(models["identity"]))
         results["dispatch"] = measure_dispatch(
-            _dispatch_variants(plan, ident.name, Path(models["identity"])), redis.url, redis.proc.pid, work_dir,
+            dispatch_variants(plan, ident.name, Path(models["identity"])), redis.url, redis.proc.pid, work_dir,
             prompts["short"], clients=plan.dispatch_clients, duration_s=plan.dispatch_duration_s,
             lone_requests=plan.dispatch_lone_requests, rounds=plan.rounds, profile_s=plan.profile_s, say=say,
         )  # fmt: skip

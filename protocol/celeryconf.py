@@ -20,6 +20,7 @@ def celery_config(settings: FleetSettings) -> dict[str, Any]:
     at-least-once delivery; ``worker_prefetch_multiplier=1`` with the threads pool makes the
     worker's concurrency the token bucket, so excess load waits in Redis. The broker and backend
     URLs, their TLS options and Sentinel's master name come from :func:`protocol.redis_conn.celery_redis_config`.
+    Celery's per-task extras (events, the STARTED state, extended results) follow ``settings.celery``.
     """
     redis_conf = celery_redis_config(settings)
     worker_model = settings.worker.model
@@ -33,16 +34,16 @@ def celery_config(settings: FleetSettings) -> dict[str, Any]:
         "result_accept_content": ["json"],
         "event_serializer": "json",
         "result_expires": settings.result_ttl_s,
-        "result_extended": True,
+        "result_extended": settings.celery.result_extended,
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "task_acks_on_failure_or_timeout": True,
-        "task_track_started": True,
+        "task_track_started": settings.celery.track_started,
         "worker_prefetch_multiplier": 1,
         "worker_concurrency": settings.worker.concurrency,
         "worker_pool": "threads",
-        "worker_send_task_events": True,
-        "task_send_sent_event": True,
+        "worker_send_task_events": settings.celery.task_events,
+        "task_send_sent_event": settings.celery.task_events,
         "worker_hijack_root_logger": False,
         "broker_connection_retry_on_startup": True,
         "broker_transport_options": {

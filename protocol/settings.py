@@ -30,6 +30,7 @@ __all__ = [
     "ApiSettings",
     "BatchingSettings",
     "CanarySettings",
+    "CelerySettings",
     "EngineSettings",
     "FleetSettings",
     "FlowerSettings",
@@ -290,6 +291,13 @@ class AdmissionSettings(_Section):
     max_retry_after_s: int = Field(
         default=60, ge=1, le=86_400, description="Cap on the Retry-After a refusal advises (s)."
     )
+    queue_depth_cache_ms: float = Field(
+        default=250,
+        ge=0,
+        le=5_000,
+        description="How long a producer reuses one queue-depth read, adding what it admitted since (ms); "
+        "0 = read on every submission. Other producers' submissions inside it are not seen.",
+    )
 
 
 class FlowerSettings(_Section):
@@ -326,6 +334,28 @@ class RedisSettings(_Section):
     )
 
 
+# -- Celery's per-task extras (dispatch cost; priced per request in docs/benchmarks.md) ------------
+class CelerySettings(_Section):
+    """Celery's per-task extras: each costs Redis commands and CPU on every request (see the
+    Dispatch cost section of ``docs/benchmarks.md``). The defaults keep Flower's live view."""
+
+    task_events: bool = Field(
+        default=True,
+        description="Task events (sent by the producer; received, started, succeeded by the worker): what "
+        "Flower shows. One PUBLISH each. `fleet worker` also passes -E, which turns the worker's on regardless.",
+    )
+    track_started: bool = Field(
+        default=True,
+        description="Store a STARTED state when a task starts (SETEX + PUBLISH): what RequestStatus RUNNING "
+        "and a generation's stream wait read.",
+    )
+    result_extended: bool = Field(
+        default=False,
+        description="Store the task's name, args, worker and queue beside its result (Celery's result_extended): "
+        "nothing in the fleet reads them, and the args repeat the input ids in every stored result.",
+    )
+
+
 class FleetSettings(BaseSettings):
     """Everything one process needs; see the module docstring for sources and priorities."""
 
@@ -357,6 +387,7 @@ class FleetSettings(BaseSettings):
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     flower: FlowerSettings = Field(default_factory=FlowerSettings)
     store: StoreSettings = Field(default_factory=StoreSettings)
+    celery: CelerySettings = Field(default_factory=CelerySettings)
 
     @classmethod
     def settings_customise_sources(

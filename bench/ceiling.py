@@ -1,0 +1,204 @@
+"""The one-Redis ceiling per path, the lone-request breakdown and the before/after table (pure).
+
+Every worker and producer of a fleet shares one Redis, and a Redis server executes commands on one
+core: at ``r`` Redis CPU-ms per request it serves at most ``1000 / r`` requests/s, however many
+workers are added. :func:`path_summary` condenses one dispatch run into per-path figures;
+the ``*_table`` functions render them as Markdown.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from bench.markdown import fmt, md_table
+
+__all__ = ["ceiling_rps", "ceiling_section", "path_summary"]
+
+PATH_LABELS = {
+    "served": "`fleet.infer` (FleetClient.submit + result)",
+    "no-events": "`fleet.infer`, no task events",
+    "no-started": "`fleet.infer`, no STARTED state",
+    "lean": "`fleet.infer`, lean Celery (no events, STARTED state, extended result)",
+    "bulk": "`fleet.infer_bulk` (FleetClient.submit_bulk + wait)",
+    "gateway": "gateway (POST /v1/requests + polled GET)",
+}
+"""Paths of the summary, in table order (keys of the dispatch results)."""
+
+LONE_STEPS = {
+    "producer": "producer: build, admission, idempotency marker, publish",
+    "broker_and_task_start": "broker wake-up (BRPOP) + Celery task start",
+    "batch_window": "batch window (scheduler)",
+    "engine": "engine (`session.run`)",
+    "result_and_wakeup": "result store + publish, client wake-up",
+    "total": "**round trip**",
+    "over_bare_ms": "**over one bare `session.run`**",
+}
+
+
+def ceiling_rps(redis_cpu_ms: float) -> float:
+    """Requests/s at 100 % of one Redis core for ``redis_cpu_ms`` per request (NaN when unknown or 0)."""
+    return 1000.0 / redis_cpu_ms if redis_cpu_ms > 0 else float("nan")
+
+
+def _row(loop: dict[str, Any]) -> dict[str, Any]:
+    cpu = loop["cpu_ms_per_request"]
+    redis_ms = float(cpu.get("redis", 0.0))
+    front = float(cpu.get("producer", cpu.get("gateway", 0.0)))
+    return {
+        "qps": loop["summary"]["qps"],
+        "redis_calls": loop["redis_calls_total_per_request"],
+        "redis_calls_by_command": loop["redis_calls_per_request"],
+        "redis_cpu_ms": round(redis_ms, 3),
+        "front_cpu_ms": round(front, 3),
+        "worker_cpu_ms": round(float(cpu.get("worker", 0.0)), 3),
+        "total_cpu_ms": round(sum(float(v) for v in cpu.values()), 3),
+        "ceiling_rps": round(ceiling_rps(redis_ms), 0),
+    }
+
+
+def path_summary(dispatch: dict[str, Any]) -> dict[str, Any]:
+    """Per-path figures of one dispatch run (see ``PATH_LABELS``), its lone request and its commit."""
+    paths: dict[str, Any] = {"served": _row(dispatch["loop"])}
+    for key, abl in (dispatch.get("ablations") or {}).items():
+        if key in PATH_LABELS:
+            paths[key] = _row(abl["loop"])
+    if "gateway" in dispatch:
+        paths["gateway"] = _row(dispatch["gateway"])
+    meta = dispatch.get("meta", {})
+    lone = dispatch.get("lone_profile", {})
+    return {
+        "commit": meta.get("commit"),
+        "dirty": meta.get("dirty"),
+        "paths": paths,
+        "lone_p50_ms": dispatch["lone"]["latency"]["p50_ms"],
+        "lone_over_bare_ms": (lone.get("pubsub") or {}).get("over_bare_ms"),
+    }
+
+
+def _paths_table(summary: dict[str, Any]) -> str:
+    rows = [
+        [
+            PATH_LABELS[k],
+            fmt(p["qps"], 0),
+            fmt(p["redis_calls"], 1),
+            fmt(p["redis_cpu_ms"], 3),
+            fmt(p["front_cpu_ms"], 2),
+            fmt(p["worker_cpu_ms"], 2),
+            fmt(p["total_cpu_ms"], 2),
+            f"**{fmt(p['ceiling_rps'], 0)}**",
+        ]
+        for k, p in summary["paths"].items()
+    ]
+    head = [
+        "path",
+        "req/s, one worker",
+        "Redis commands/request",
+        "Redis CPU-ms/request",
+        "producer or gateway CPU-ms",
+        "worker CPU-ms",
+        "total CPU-ms/request",
+        "one-Redis ceiling, req/s",
+    ]
+    return md_table(head, rows)
+
+
+def _lone_table(lone: dict[str, Any]) -> str:
+    rows = [[label, fmt(lone["pubsub"].get(k), 2), fmt(lone["poll"].get(k), 2)] for k, label in LONE_STEPS.items()]
+    return md_table(["step (median ms)", "waiting on pub/sub (`result(wait=True)`)", "polling MGET (`wait`)"], rows)
+
+
+def _ratio(new: float, old: float) -> str:
+    return "–" if not old or math.isnan(old) or math.isnan(new) else f"{new / old:.2f}×"
+
+
+def _before_after_table(runs: dict[str, Any]) -> str:
+    rows = []
+    labels = list(runs)
+    first = runs[labels[0]]
+    for label in labels:
+        run = runs[label]
+        for key, p in run["paths"].items():
+            base = first["paths"].get(key)
+            rows.append(
+                [
+                    f"{label} ({(run.get('commit') or '?')[:7]}{'+' if run.get('dirty') else ''})",
+                    PATH_LABELS[key],
+                    fmt(p["qps"], 0),
+                    fmt(p["redis_calls"], 1),
+                    fmt(p["redis_cpu_ms"], 3),
+                    fmt(p["total_cpu_ms"], 2),
+                    fmt(p["ceiling_rps"], 0),
+                    _ratio(p["qps"], base["qps"]) if base else "–",
+                    _ratio(p["redis_calls"], base["redis_calls"]) if base else "–",
+                    _ratio(p["total_cpu_ms"], base["total_cpu_ms"]) if base else "–",
+                ]
+            )
+        rows.append(
+            [
+                f"{label}: lone request p50 / over bare",
+                "",
+                fmt(run.get("lone_p50_ms"), 2) + " ms",
+                "",
+                "",
+                "",
+                "",
+                "",
+                "",
+                fmt(run.get("lone_over_bare_ms"), 2) + " ms",
+            ]
+        )
+    head = [
+        "run",
+        "path",
+        "req/s",
+        "Redis cmds/req",
+        "Redis CPU-ms/req",
+        "total CPU-ms/req",
+        "ceiling req/s",
+        f"req/s vs {labels[0]}",
+        f"cmds vs {labels[0]}",
+        f"CPU vs {labels[0]}",
+    ]
+    return md_table(head, rows)
+
+
+def ceiling_section(results: dict[str, Any]) -> str:
+    """The ``### Per path`` part of Dispatch cost: paths table, gateway commands, lone profile, runs."""
+    d = results.get("dispatch") or {}
+    if "loop" not in d:
+        return ""
+    summary = path_summary(d)
+    out = [
+        "### Per path: Redis commands, CPU and the one-Redis ceiling\n",
+        "Per request, each path on its own worker of the identity model (closed loop). CPU-ms are user + system "
+        "time of each process (the gateway path's HTTP callers are not counted). Redis runs commands on one core, "
+        "so **the one-Redis ceiling is 1000 / Redis CPU-ms per request**: the most requests/s the whole fleet "
+        "can carry on that path through one Redis, however many workers are added.\n",
+        _paths_table(summary) + "\n",
+    ]
+    gw = d.get("gateway")
+    if gw:
+        out.append(
+            f"Gateway: callers poll `GET /v1/requests/{{id}}` from 2 ms, backing off ×1.5 to 20 ms "
+            f"({gw['polls_per_request']} GETs per request); Redis commands per request: "
+            + ", ".join(f"`{k}` {v}" for k, v in gw["redis_calls_per_request"].items())
+            + "\n"
+        )
+    lone = d.get("lone_profile")
+    if lone:
+        out += [
+            f"**Where a lone request's time goes** ({lone['requests']} requests one at a time, identity model; "
+            f"one bare `session.run` of it: {fmt(lone['bare_session_run_ms'], 3)} ms). Steps from the worker's "
+            "own timings: `queue_wait_ms` (submit → batch start) minus the batch window minus the producer's "
+            "part is the broker and task start; the round trip minus `queue_wait_ms` and the engine is the "
+            "result's way back.\n",
+            _lone_table(lone) + "\n",
+        ]
+    runs = results.get("dispatch_runs") or {}
+    if runs:
+        out += [
+            "### Before and after (one `fleet bench --only dispatch` run each)\n",
+            _before_after_table(runs) + "\n",
+        ]
+    return "\n".join(out)

@@ -1,0 +1,54 @@
+"""The one-Redis ceiling and the per-path summary of a dispatch run (bench.ceiling, pure)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from bench.ceiling import ceiling_rps, ceiling_section, path_summary
+
+
+def _loop(qps: float, front: str, front_ms: float, redis_ms: float, worker_ms: float, calls: float) -> dict[str, Any]:
+    return {
+        "summary": {"qps": qps},
+        "cpu_ms_per_request": {front: front_ms, "redis": redis_ms, "worker": worker_ms},
+        "redis_calls_per_request": {"lpush": 1.0, "get": calls - 1.0},
+        "redis_calls_total_per_request": calls,
+    }
+
+
+def _dispatch(redis_ms: float, calls: float) -> dict[str, Any]:
+    return {
+        "loop": _loop(100, "producer", 3.0, redis_ms, 4.0, calls),
+        "lone": {"latency": {"p50_ms": 9.0}},
+        "ablations": {"bulk": {"loop": _loop(500, "producer", 0.5, 0.1, 1.0, 5.0)}, "info": {"loop": {}}},
+        "gateway": {**_loop(60, "gateway", 9.0, 1.0, 6.0, 40.0), "polls_per_request": 2.5},
+        "meta": {"commit": "abcdef0123", "dirty": False},
+    }
+
+
+def test_ceiling_is_one_redis_core_over_redis_cpu_per_request() -> None:
+    assert ceiling_rps(0.8) == 1250.0
+    assert math.isnan(ceiling_rps(0.0))
+
+
+def test_summary_has_each_path_with_totals_and_ceiling() -> None:
+    s = path_summary(_dispatch(0.5, 30.0))
+    assert list(s["paths"]) == ["served", "bulk", "gateway"]  # unknown variants ("info") left out
+    served = s["paths"]["served"]
+    assert served["total_cpu_ms"] == 7.5 and served["ceiling_rps"] == 2000 and served["redis_calls"] == 30.0
+    assert s["paths"]["gateway"]["front_cpu_ms"] == 9.0 and s["paths"]["gateway"]["ceiling_rps"] == 1000
+    assert s["commit"] == "abcdef0123" and s["lone_p50_ms"] == 9.0
+
+
+def test_section_renders_paths_and_before_after_ratios() -> None:
+    before, after = path_summary(_dispatch(1.0, 40.0)), path_summary(_dispatch(0.5, 20.0))
+    text = ceiling_section({"dispatch": _dispatch(0.5, 20.0), "dispatch_runs": {"before": before, "after": after}})
+    assert "| `fleet.infer` (FleetClient.submit + result) | 100 | 20.0 | 0.500 |" in text
+    assert "**2,000**" in text
+    after_row = next(line for line in text.splitlines() if line.startswith("| after (abcdef0") and "submit +" in line)
+    assert after_row.endswith("| 1.00× | 0.50× | 0.94× |")  # req/s, commands, CPU against the first run
+
+
+def test_no_dispatch_run_renders_nothing() -> None:
+    assert ceiling_section({}) == ""
