@@ -11,6 +11,13 @@ Two checks, shared by :class:`producer.client.FleetClient` and the HTTP gateway:
   ``admission.rate_refill_per_s``), kept in a Redis hash and updated by one Lua script, so every
   gateway replica draws on the same bucket. Empty bucket → :class:`~protocol.errors.RateLimited`.
 
+**Depth cache**: a producer reuses one queue-depth read for ``admission.queue_depth_cache_ms``
+(default 250 ms), adding every request it admitted since (:class:`DepthCache`), so most submissions
+cost no Redis command for admission; the read is renewed whenever the estimate would reach the cap,
+so one producer alone never passes it. What *other* producers queued during the window is not seen:
+across replicas the cap may be overshot by what they admit in that time (set 0 to read on every
+submission).
+
 The drain rate comes from per-second counters that workers increment as they take requests off
 the queue (``fleet:drain:<model>:<second>``, see :mod:`workers.metrics`).
 
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -37,6 +45,7 @@ __all__ = [
     "TOKEN_BUCKET_LUA",
     "Admission",
     "BucketDecision",
+    "DepthCache",
     "bucket_take",
     "drain_rate_per_s",
     "queue_depth",
@@ -130,6 +139,38 @@ def queue_retry_after_s(depth: int, cap: int, count: int, rate_per_s: float, max
     return _clamp(math.ceil(excess / rate_per_s), max_s)
 
 
+class DepthCache:
+    """Queue depths read from Redis, reused for ``ttl_s`` seconds plus what this process admitted since.
+
+    Pure bookkeeping (the caller passes the monotonic time and does the Redis read); not thread-safe
+    on its own (:class:`Admission` holds a lock around it). ``ttl_s`` = 0 keeps nothing.
+    """
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._entries: dict[str, tuple[float, int]] = {}  # queue -> (read at, depth read + admitted since)
+
+    def admits(self, queue: str, count: int, cap: int, now_s: float) -> bool:
+        """True (and ``count`` is added to the estimate) when a fresh read leaves room for ``count``;
+        False means: read the depth again (:meth:`store`) and decide on that."""
+        entry = self._entries.get(queue)
+        if entry is None or now_s - entry[0] >= self.ttl_s or entry[1] + count > cap:
+            return False
+        self._entries[queue] = (entry[0], entry[1] + count)
+        return True
+
+    def store(self, queue: str, depth: int, now_s: float) -> None:
+        """Remember ``depth`` (requests), just read from Redis at ``now_s``."""
+        if self.ttl_s > 0:
+            self._entries[queue] = (now_s, depth)
+
+    def add(self, queue: str, count: int) -> None:
+        """``count`` more requests were admitted to ``queue`` on a fresh read."""
+        entry = self._entries.get(queue)
+        if entry is not None:
+            self._entries[queue] = (entry[0], entry[1] + count)
+
+
 def rate_key_for(api_key: str | None) -> str:
     """The bucket name for ``api_key``: a short SHA-256 digest, so keys never sit in Redis in clear."""
     if not api_key:
@@ -194,16 +235,24 @@ class Admission:
     """The admission checks for one process, over one Redis connection pool.
 
     ``clock`` is the wall clock (s) used to read the per-second drain counters; the token bucket
-    runs on Redis's own clock so that replicas with skewed clocks agree.
+    runs on Redis's own clock so that replicas with skewed clocks agree; ``monotonic`` (s) dates the
+    queue-depth reads of the :class:`DepthCache`.
     """
 
     def __init__(
-        self, client: redis.Redis[bytes], settings: FleetSettings, clock: Callable[[], float] = time.time
+        self,
+        client: redis.Redis[bytes],
+        settings: FleetSettings,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.redis = client
         self.settings = settings
         self.clock = clock
+        self.monotonic = monotonic
         self._bucket = client.register_script(TOKEN_BUCKET_LUA)
+        self._depths = DepthCache(settings.admission.queue_depth_cache_ms / 1000)
+        self._depths_lock = threading.Lock()
 
     def admit(self, model: str, *, count: int = 1, rate_key: str | None = None) -> None:
         """Admit ``count`` requests for ``model`` from caller ``rate_key`` (None = no rate limit).
@@ -229,8 +278,13 @@ class Admission:
         key = self.settings.model_key(model)
         cap = self.settings.models[key].max_queue_depth
         queue = self.settings.queue_for(key)
+        with self._depths_lock:
+            if self._depths.admits(queue, count, cap, self.monotonic()):
+                return
         depth = queue_depth(self.redis, queue)
         if depth + count <= cap:
+            with self._depths_lock:
+                self._depths.store(queue, depth + count, self.monotonic())
             return
         rate = self.drain_rate_per_s(key)
         retry = queue_retry_after_s(depth, cap, count, rate, self.settings.admission.max_retry_after_s)

@@ -31,6 +31,8 @@ from protocol.celeryconf import make_celery
 from protocol.errors import (
     IdempotencyConflict,
     InvalidRequest,
+    QueueFull,
+    RateLimited,
 )
 from protocol.keys import CARD_KEY, REQUEST_KEY
 from protocol.messages import (
@@ -255,11 +257,19 @@ class FleetClient(ResultReader):
         rid = request.request_id or uuid.uuid4().hex
         marker_key = REQUEST_KEY.format(id=rid)
         fingerprint = request_fingerprint(request)
-        known = self.redis.get(marker_key)
-        if known is not None:
-            return self._resubmitted(rid, known, fingerprint)
+        rate_limited = rate_key is not None and self.settings.admission.rate_capacity > 0
+        if rate_limited or not admit:  # a known ID must not spend rate tokens: look it up first
+            known = self.redis.get(marker_key)
+            if known is not None:
+                return self._resubmitted(rid, known, fingerprint)
         if admit:
-            self.admission.admit(request.model, rate_key=rate_key)
+            try:  # usually no Redis command at all (producer.admission.DepthCache)
+                self.admission.admit(request.model, rate_key=rate_key)
+            except (QueueFull, RateLimited):
+                known = self.redis.get(marker_key)  # a known ID answers with its ID, even at the cap
+                if known is None:
+                    raise
+                return self._resubmitted(rid, known, fingerprint)
         marker = json.dumps(
             {
                 "model": request.model,
@@ -269,7 +279,7 @@ class FleetClient(ResultReader):
             }
         )
         if not self.redis.set(marker_key, marker, nx=True, ex=self.settings.result_ttl_s):
-            return self._resubmitted(rid, self.redis.get(marker_key), fingerprint)  # a concurrent twin won
+            return self._resubmitted(rid, self.redis.get(marker_key), fingerprint)  # known, or a concurrent twin won
         model = request.model
         queue = self.router.queue(model, role) if role else self.router.choose(model, routing_key or rid)
         self.app.send_task(

@@ -1,0 +1,48 @@
+"""Fewer Redis commands per submission, same guarantees: against a real redis-server (no worker, so the
+queue length is the truth).
+
+A producer reads a queue's depth once per ``admission.queue_depth_cache_ms`` and adds what it admitted
+since; it still refuses at the cap, and a known ID still answers with its ID there.
+"""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from bench.procs import redis_commandstats
+from producer.admission import Admission
+from protocol.errors import QueueFull
+from tests.integration.fleet_fixtures import Fleet
+
+
+def test_submit_reads_the_depth_once_per_window_and_still_refuses_at_the_cap(fleet: Fleet) -> None:
+    cfg = fleet.config(models={"demo-lm": {"max_queue_depth": 6}}, admission={"queue_depth_cache_ms": 1000})
+    client = fleet.client(cfg)
+    client.admission = Admission(client.redis, client.settings, monotonic=lambda: 50.0)  # the window never ends
+    client.router.clock = lambda: 50.0  # nor does the routing state's (one GET per second otherwise)
+    queue = client.settings.queue_for("demo-lm")
+    r = redis.Redis.from_url(fleet.redis_url)
+    client.submit("demo-lm", [1])  # connections, scripts and the result subscription are set up here
+    before = redis_commandstats(fleet.redis_url)
+    ids = [client.submit("demo-lm", [2, i + 3]) for i in range(5)]
+    after = redis_commandstats(fleet.redis_url)
+    calls = {k: v - before.get(k, 0) for k, v in after.items()}
+    assert calls.get("llen", 0) == 0  # the first submission's read still holds: 1 + 5 = the cap
+    assert calls.get("get", 0) == 0 and calls.get("exists", 0) == 0  # no look-up before SET NX
+    assert calls["set"] == 5 and calls["lpush"] == 5
+    with pytest.raises(QueueFull) as info:  # the estimate would pass the cap: a fresh read refuses
+        client.submit("demo-lm", [9])
+    assert info.value.limit == 6 and info.value.field == "max_queue_depth"
+    assert client.submit("demo-lm", [2, 3], request_id=ids[0]) == ids[0]  # a known ID is not refused
+    assert r.llen(queue) == 6
+
+
+def test_a_second_producer_reads_its_own_depth_and_is_refused_at_the_cap(fleet: Fleet) -> None:
+    cfg = fleet.config(models={"demo-lm": {"max_queue_depth": 3}}, admission={"queue_depth_cache_ms": 1000})
+    first, second = fleet.client(cfg), fleet.client(cfg)
+    for i in range(3):
+        first.submit("demo-lm", [i + 1])
+    with pytest.raises(QueueFull):
+        second.submit("demo-lm", [7])
+    assert redis.Redis.from_url(fleet.redis_url).llen(first.settings.queue_for("demo-lm")) == 3
