@@ -140,6 +140,9 @@ class Timings(_Frozen):
     batch_size: int = Field(description="Sequences in the batch it ran in.")
     padded_tokens: int = Field(description="batch_size x padded length of that batch.")
     worker: str = Field(description="Celery hostname of the worker that computed it.")
+    batch_started_unix_s: float | None = Field(
+        default=None, description="When its batch (or a generation's prefill) was formed (wall clock, s)."
+    )
 
 
 class Usage(_Frozen):

@@ -187,6 +187,7 @@ def _encode(
             batch_size=batch_size,
             padded_tokens=padded_tokens,
             worker=worker,
+            batch_started_unix_s=started_unix_s,
         ),
         **outputs,
     )

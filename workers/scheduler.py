@@ -70,6 +70,9 @@ class Served:
     engine: Engine
     version: str
     role: Role
+    since_unix_s: float = 0.0
+    """When it started serving its role (wall clock, s; set under the scheduler's lock, so every batch
+    formed on it has ``batch_started_unix_s`` >= this, and every batch formed before has less)."""
 
 
 @dataclass(frozen=True)
@@ -149,7 +152,7 @@ class Scheduler:
         reserved-but-not-active set); like announced arrivals, they keep the window open.
         ``generation`` serves generate jobs (None: the model cannot generate). ``engine`` is the
         stable engine holding model ``version``; :meth:`swap` replaces it or sets a canary."""
-        self._stable = Served(engine, version, "stable")
+        self._stable = Served(engine, version, "stable", time.time())
         self._canary: Served | None = None
         self._retiring: list[GenerationLoop] = []
         self._outcome_observers: list[OutcomeObserver] = []
@@ -202,11 +205,11 @@ class Scheduler:
         """
         with self._cond:
             if role == "canary":
-                self._canary = None if engine is None else Served(engine, version, "canary")
+                self._canary = None if engine is None else Served(engine, version, "canary", time.time())
             else:
                 if engine is None:
                     raise ValueError("the stable role always has an engine")
-                self._stable = Served(engine, version, "stable")
+                self._stable = Served(engine, version, "stable", time.time())
                 old = self.generation
                 if old is not None and old is not generation and old.has_work():
                     self._retiring.append(old)
@@ -303,9 +306,9 @@ class Scheduler:
             self._cond.notify_all()
         return job.future
 
-    def _next_work(self) -> tuple[list[Job], str, Served | None, list[GenSequence]] | None:
-        """The next one-step batch (maybe empty) with the engine it runs on, and the generations
-        joining at the next step.
+    def _next_work(self) -> tuple[list[Job], str, Served | None, float, list[GenSequence]] | None:
+        """The next one-step batch (maybe empty) with the engine it runs on and when it was formed
+        (wall clock, s: its ``batch_started_unix_s``), and the generations joining at the next step.
 
         A batch never mixes engines: it takes, of the jobs the policy dispatches, those that run on
         the same engine as the oldest; the others stay pending for the next batch.
@@ -325,7 +328,9 @@ class Scheduler:
                 batch: list[Job] = []
                 reason = ""
                 served: Served | None = None
+                formed_unix_s = 0.0
                 if isinstance(decision, Dispatch):
+                    formed_unix_s = time.time()
                     served = self._served_for(self._pending[0].role)
                     chosen = self._pending[: decision.count]
                     batch = [j for j in chosen if self._served_for(j.role) is served]
@@ -341,7 +346,7 @@ class Scheduler:
                     for seq in joiners:
                         seq.served_version = self._stable.version
                 if batch or joiners or (gen is not None and gen.has_work()) or self._retiring:
-                    return batch, reason, served, joiners
+                    return batch, reason, served, formed_unix_s, joiners
                 timeout = None if not isinstance(decision, Wait) or decision.until_s is None else max(
                     0.0, decision.until_s - self.clock()
                 )
@@ -352,10 +357,10 @@ class Scheduler:
             nxt = self._next_work()
             if nxt is None:
                 return
-            batch, reason, served, joiners = nxt
+            batch, reason, served, formed_unix_s, joiners = nxt
             if batch and served is not None:
                 try:
-                    self._run(batch, reason, served)
+                    self._run(batch, reason, served, formed_unix_s)
                 except Exception as exc:  # never let one batch kill the thread
                     log.exception("batch failed unexpectedly")
                     for job in batch:
@@ -377,7 +382,7 @@ class Scheduler:
                     seq.future.set_exception(exc)
             loop.fail_all(exc)
 
-    def _run(self, batch: list[Job], reason: str, served: Served) -> None:
+    def _run(self, batch: list[Job], reason: str, served: Served, formed_unix_s: float) -> None:
         now = self.clock()
         live: list[Job] = []
         for job in batch:
@@ -394,7 +399,7 @@ class Scheduler:
         if not live:
             return
         try:
-            self._compute(live, reason, len(batch) - len(live), served)
+            self._compute(live, reason, len(batch) - len(live), served, formed_unix_s)
         except Exception as exc:
             if len(live) == 1:
                 live[0].future.set_exception(exc)
@@ -403,7 +408,7 @@ class Scheduler:
                 log.warning("batch of %d failed (%s); retrying each request alone", len(live), exc)
                 for job in live:
                     try:
-                        self._compute([job], "isolate", 0, served)
+                        self._compute([job], "isolate", 0, served, formed_unix_s)
                     except Exception as single_exc:
                         job.future.set_exception(single_exc)
         self._report_outcomes(live, served)
@@ -440,9 +445,9 @@ class Scheduler:
             results.append((None, None, vec.astype(np.float32).tolist()))
         return results
 
-    def _compute(self, jobs: list[Job], reason: str, expired: int, served: Served) -> None:
+    def _compute(self, jobs: list[Job], reason: str, expired: int, served: Served, formed_unix_s: float) -> None:
         engine = served.engine
-        started_unix = time.time()
+        started_unix = formed_unix_s
         start = self.clock()
         padded = pad_batch([j.input_ids for j in jobs], engine.card.pad_token_id)
         out = engine.run(padded)
