@@ -81,7 +81,7 @@ def format_status(doc: dict[str, Any]) -> str:
         [
             str(w.get("hostname")),
             str(w.get("model")),
-            str(w.get("version")),
+            str(w.get("version")) + (f" +canary {w['canary_version']}" if w.get("canary_version") else ""),
             "yes" if w.get("ready") else "no",
             f"{w.get('in_flight', 0)}/{w.get('concurrency', '?')}",
             str(w.get("batches_run", 0)),
@@ -111,6 +111,10 @@ def format_status(doc: dict[str, Any]) -> str:
         lines.append("(no live worker)")
     lines += ["", "QUEUES"]
     lines += _table(["MODEL", "QUEUE", "DEPTH", "CAP", "IN-FLIGHT", "READY", "OLDEST WAITING", "DRAIN REQ/S"], queues)
+    if doc.get("models"):
+        from producer.model_status import format_model_states
+
+        lines += ["", *format_model_states(doc["models"])]
     if doc["problems"]:
         lines += ["", "NOT READY: " + "; ".join(doc["problems"])]
     return "\n".join(lines)
@@ -139,7 +143,10 @@ def status_document(settings: FleetSettings, client: redis.Redis[bytes]) -> dict
         }
         for m in state.models
     ]
-    return {"workers": workers, "queues": queues, "problems": readiness_problems(state)}
+    from producer.model_status import model_states
+
+    return {"workers": workers, "queues": queues, "models": model_states(settings, client),
+            "problems": readiness_problems(state)}
 
 
 def cmd_status(args: argparse.Namespace) -> int:

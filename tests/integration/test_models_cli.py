@@ -11,6 +11,8 @@ import pytest
 
 from producer.cli import main as fleet_main
 from protocol.messages import InferenceResult
+from protocol.model_state import pin, record_refusal, set_canary
+from store import ChecksumMismatch
 from tests.integration.canary_fixtures import MODEL, publish_two_versions, wait_canary_served
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.test_model_store import s3, seaweed  # noqa: F401  (fixtures)
@@ -92,3 +94,30 @@ def test_compare_reports_per_version_figures_and_shadow_agreement(
     shadow = doc["shadow"]
     assert shadow["prompts"] == 16 and shadow["compared"] == 16 and shadow["failed"] == 0
     assert shadow["agreement"] == 1.0  # the two versions are the same bytes
+
+
+def test_status_shows_versions_changes_and_refusals(fleet: Fleet, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = fleet.config()
+    client = fleet.client(cfg)
+    pin(client.redis, MODEL, "1.0.0", "ann@ops")
+    set_canary(client.redis, MODEL, "1.1.0", 10, "ann@ops")
+    err = ChecksumMismatch("demo-lm/1.1.0/demo-lm.onnx: sha256 is 1111, the manifest says 2222", "f", "2222")
+    record_refusal(client.redis, MODEL, "w1@host", "1.1.0", err)
+    client.redis.rpush(fleet.settings(cfg).canary_queue_for(MODEL), b"{}")  # one message waiting
+
+    assert fleet_main(["status", "--json", "--config", str(cfg)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    row = next(m for m in doc["models"] if m["model"] == MODEL)
+    assert (row["stable"], row["canary"], row["canary_weight"], row["generation"]) == ("1.0.0", "1.1.0", 10, 2)
+    assert row["canary_queue"] == "fleet.demo-lm.canary" and row["canary_queue_depth"] == 1
+    assert [e["action"] for e in row["last_changes"]] == ["pin", "canary"]
+    [refusal] = row["last_refusals"]
+    assert refusal["worker"] == "w1@host" and refusal["error_type"] == "ChecksumMismatch"
+    assert "the manifest says 2222" in refusal["error"]
+
+    assert fleet_main(["status", "--config", str(cfg)]) == 0
+    text = capsys.readouterr().out
+    assert "demo-lm: 1.0.0 + canary 1.1.0 10% (generation 2, canary queue fleet.demo-lm.canary depth 1)" in text
+    assert "canary by ann@ops  1.0.0 -> 1.0.0 + canary 1.1.0 10%" in text
+    assert ("REFUSED 0 s ago  w1@host refused 1.1.0: ChecksumMismatch: demo-lm/1.1.0/demo-lm.onnx: sha256 is 1111, "
+            "the manifest says 2222") in text
