@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+import redis
 from celery import Celery, signals
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
@@ -38,9 +39,17 @@ from kombu.utils.encoding import bytes_to_str
 from protocol.deadletter import MAX_ENTRIES, Reason, encode_entry, make_entry
 from protocol.errors import DecodeError, FleetError
 from protocol.keys import DEAD_LETTER_KEY
+from protocol.redis_conn import sync_client
 from protocol.settings import FleetSettings
 from workers.deliveries import count_delivery, count_ttl_s, over_limit
 from workers.message_check import Accepted, Envelope, Refused, check_message, parse_envelope
+from workers.redis_refusals import (
+    BrokerChannelClosed,
+    ParkedItems,
+    RedisRefusingWrites,
+    is_write_refusal,
+    raise_write_refusals_as_connection_errors,
+)
 
 __all__ = ["DEAD_LETTER_KEY", "CheckedMessage", "GuardConfig", "GuardedChannel", "configure", "install"]
 
@@ -55,6 +64,8 @@ class GuardConfig:
     hostname: str
     max_deliveries: int
     count_ttl_s: int
+    parked: ParkedItems | None = None
+    """Messages popped just before Redis began refusing writes, held until they can go back."""
 
 
 _config: GuardConfig | None = None
@@ -88,6 +99,11 @@ class GuardedChannel(kombu_redis.Channel):
             except self.connection_errors:
                 self.client.connection.disconnect()
                 raise
+            except redis.exceptions.ResponseError as exc:
+                if not is_write_refusal(exc):
+                    raise
+                self.client.connection.disconnect()  # Celery reconnects, with backoff, until Redis takes writes
+                raise RedisRefusingWrites(f"Redis refused BRPOP: {exc}") from exc
             if not dest__item:
                 raise kombu_redis.Empty()  # type: ignore[attr-defined]
             dest, item = dest__item
@@ -119,6 +135,10 @@ class GuardedChannel(kombu_redis.Channel):
         try:
             self.connection._deliver(envelope.payload, queue)
         except Exception as exc:  # a guard of last resort: whatever the checks missed must not stop us
+            if is_write_refusal(exc):
+                # popped, but Redis refused to record it as unacked: only this process holds it now
+                self._park(list_key, item)
+                raise RedisRefusingWrites(f"Redis refused to record a message from {queue}: {exc}") from exc
             # kombu counts KeyError among "connection errors" (a stale poller fd); from Celery's
             # strategy it means a message it could not read, so only real I/O errors go up
             if isinstance(exc, self.connection_errors + self.connection.channel_errors) and not isinstance(
@@ -178,6 +198,23 @@ class GuardedChannel(kombu_redis.Channel):
         if refused.task_id is not None and cfg is not None:
             _store_failure(cfg, refused.task_id, refused.task, queue, _failure(refused))
 
+    def _park(self, list_key: str, item: bytes) -> None:
+        parked = _config.parked if _config is not None else None
+        if parked is None:
+            log.error("Redis refused to record a message taken from %s and no store for it is configured: "
+                      "it is lost (%d bytes)", list_key, len(item))
+            return
+        parked.park(list_key, item)
+
+    def _connparams(self, asynchronous: bool = False) -> Any:
+        # kombu reads the connection's address from its transport's client, which is None once the
+        # consumer closed the connection to reconnect: a task thread acking then raised AttributeError
+        # in the event loop, "Unrecoverable error", and the worker exited. A closed channel is a lost
+        # connection, which Celery handles by reconnecting.
+        if getattr(self.connection, "client", None) is None:
+            raise BrokerChannelClosed("the broker connection of this channel was closed (reconnecting)")
+        return super()._connparams(asynchronous)  # type: ignore[no-untyped-call]
+
     def _forget_unacked(self, delivery_tag: str) -> None:
         """Ack a delivery that Celery raised on, if kombu took it in, so it is not restored later."""
         try:
@@ -224,6 +261,7 @@ def configure(app: Celery, settings: FleetSettings, hostname: str) -> GuardConfi
             result_ttl_s=settings.result_ttl_s,
             max_deliveries=settings.worker.max_deliveries,
         ),
+        parked=ParkedItems(lambda: sync_client(settings, socket_timeout=5)),
     )
     return _config
 
@@ -247,6 +285,7 @@ def install(app: Celery | None = None, settings: FleetSettings | None = None, ho
     the runtime :mod:`workers.runtime` built, before the consumer starts.
     """
     kombu_redis.Transport.Channel = GuardedChannel
+    raise_write_refusals_as_connection_errors()
     if app is not None and settings is not None:
         configure(app, settings, hostname or "unknown")
     else:

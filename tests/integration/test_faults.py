@@ -161,9 +161,9 @@ def test_redis_restart_with_aof_under_load(tmp_path: Path, model_dir: Path, sign
             + (", ".join(f"{k} {v}" for k, v in load.refused.items()) or "none"),
         ))
         assert not lost and not errors, (lost, errors)
-        if spare is not None:
-            pytest.xfail("the worker exited when Redis went away (kombu: AttributeError 'NoneType' object has no "
-                         "attribute 'hostname' on an ack racing the reconnect); nothing was lost once restarted")
+        # an ack racing the reconnect used to kill it (kombu AttributeError in _connparams, 1 run in 5);
+        # workers/poison.py makes a closed channel a lost connection, which Celery reconnects on
+        assert spare is None, "the worker exited when Redis went away:\n" + w.log_tail()
     finally:
         fleet.close()
         server.stop()
@@ -253,11 +253,10 @@ def test_full_disk_for_aof(tmp_path: Path, model_dir: Path) -> None:
             + (", ".join(f"{k} {v}" for k, v in load.refused.items()) or "none")
             + (f"; lost were accepted {lost_when} s from the first refused write" if lost else ""),
         ))
-        # Redis refusing writes is outside what the fleet promises: what is lost must lie in the full window
-        assert all(-2.0 <= t <= t_back - first_refusal for t in lost_when), lost_when
-        if spare is not None:
-            pytest.xfail("the worker exited on Redis's MISCONF answer (Celery: Unrecoverable error: ResponseError); "
-                         "a replacement served the rest, losses confined to the moment the disk filled")
+        # MISCONF is a write refusal the worker rides out (workers/redis_refusals.py): it reconnects with
+        # backoff, holds a message Redis refused to record, retries result writes; nothing is lost
+        assert spare is None, "the worker exited on MISCONF:\n" + w.log_tail()
+        assert not lost, f"lost {lost}, accepted {lost_when} s from the first refused write"
     finally:
         if fleet is not None:
             fleet.close()
