@@ -1,0 +1,73 @@
+"""Automatic rollback (issue 10, must-show 4): a canary whose model fails at run time, 30 % of the
+traffic under load, is rolled back by the workers' guard without a human; the history says why.
+
+The canary version passes the worker's warm-up and fails every real request (a ``Gather`` out of
+bounds, ``tests/integration/model_versions.py``); everything runs against a real S3 server.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import redis
+
+from protocol.model_state import AUTO_ROLLBACKS_KEY, history, read_state, set_canary
+from tests.integration.fleet_fixtures import Fleet
+from tests.integration.lifecycle_fixtures import (
+    Load,
+    Watch,
+    collect,
+    lifecycle_config,
+    publish,
+    send_to_role,
+    wait_until,
+)
+from tests.integration.model_versions import MODEL
+from tests.integration.test_model_store import s3, seaweed  # noqa: F401  (fixtures: one SeaweedFS per session)
+from tools.seaweed_server import EmbeddedSeaweed
+
+BOUNDS = {"window_s": 10, "min_requests": 10, "max_error_rate": 0.05, "check_interval_s": 0.5}
+
+
+def test_a_failing_canary_is_rolled_back_automatically_and_stable_keeps_serving(
+    fleet: Fleet, s3: EmbeddedSeaweed, tmp_path: Path  # noqa: F811
+) -> None:
+    stable, bad = publish(s3, tmp_path, 1.0), publish(s3, tmp_path, 2.0, fail_on_real_input=True)
+    cfg = lifecycle_config(fleet, s3, stable.version, tmp_path / "cache", canary=BOUNDS)
+    worker = fleet.worker(cfg, MODEL, hostname="w1-canary@test")
+    r = redis.Redis.from_url(fleet.redis_url)
+    watch = Watch(fleet.redis_url, [worker.hostname])
+    client = fleet.client(cfg)
+    load = Load(client).start()
+    try:
+        load.submitted_after(20)
+        set_canary(r, MODEL, bad.version, 30, "test@canary")
+        started = time.monotonic()
+        auto = wait_until(lambda: [h for h in history(r, MODEL) if h.action == "auto-rollback"], 60, "auto-rollback")
+        elapsed_s = time.monotonic() - started
+        wait_until(lambda: watch.all_serve(stable.version, None), 30, "the worker to drop its canary")
+        after = [send_to_role(client, "canary", f"canary queue after rollback {i}") for i in range(10)]
+        load.submitted_after(20)
+    finally:
+        ids = load.stop()
+        watch.stop()
+    results, failures = collect(client, ids)
+    late, late_failures = collect(client, after)
+    entry = auto[0]
+    state = read_state(r, MODEL)
+    figures = (entry.figures or {}).get("canary") or {}
+    print(f"\ncanary: auto-rollback {elapsed_s:.1f} s after `canary --weight 30` (window {BOUNDS['window_s']} s, "
+          f"min_requests {BOUNDS['min_requests']}); reason: {entry.reason}; figures {entry.figures}; "
+          f"submitted {len(ids)}, completed {len(results)} (all on {sorted({x.version for x in results})}), "
+          f"failed {len(failures)} (the canary's); canary-queue requests after the rollback: "
+          f"{len(late)} completed on {sorted({(x.version, x.role) for x in late})}, {len(late_failures)} failed")
+    assert state is not None and state.canary is None and state.canary_weight == 0
+    assert entry.by == "auto-rollback" and entry.from_.canary == bad.version and entry.to.canary is None
+    assert entry.reason is not None and "error rate" in entry.reason and bad.version in entry.reason
+    assert figures["version"] == bad.version and figures["requests"] >= BOUNDS["min_requests"]
+    assert figures["error_rate"] > BOUNDS["max_error_rate"]
+    assert int(r.get(AUTO_ROLLBACKS_KEY.format(model=MODEL)) or 0) == 1
+    assert failures and all("Gather" in f for f in failures)  # only the canary's requests failed
+    assert {x.version for x in results} == {stable.version} and len(results) + len(failures) == len(ids)
+    assert not late_failures and {(x.version, x.role) for x in late} == {(stable.version, "stable")}
