@@ -1,7 +1,12 @@
 """CLI glue for ``fleet quantize`` (see :mod:`tools.quantize`); ``register(subparsers)`` adds it.
 
 Prints the JSON report on stdout. Exit codes: 0 written; 1 refused by the accuracy gate (the
-message on stderr gives the measured figures, nothing is written); 2 bad arguments or files.
+message on stderr gives the measured figures, nothing is written) or by the store (``--publish``:
+the version exists, the store cannot be reached); 2 bad arguments or files.
+
+``--publish VERSION`` then pushes the written INT8 file, its card and its ``.report.json`` to the
+model store (``store`` settings) as ``<name>/<VERSION>``, e.g. ``demo-lm/1.2.3-int8``; the JSON on
+stdout gains ``published`` (the version's summary and manifest checksum).
 """
 
 from __future__ import annotations
@@ -10,7 +15,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from store.model_store import ModelStore
 
 __all__ = ["register", "run_quantize"]
 
@@ -91,6 +99,14 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing quantized file")
     p.add_argument("--quiet", action="store_true", help="no progress output on stderr")
+    p.add_argument(
+        "--publish", default=None, metavar="VERSION",
+        help="push the INT8 result (with its card and report) to the model store as VERSION, e.g. 1.2.3-int8",
+    )
+    p.add_argument("--name", default=None, help="--publish: model name in the store (default: the card's name)")
+    p.add_argument(
+        "--config", default=None, help="--publish: YAML settings naming the store (default: $FLEET_CONFIG)"
+    )
     p.set_defaults(func=run_quantize)
 
 
@@ -118,6 +134,12 @@ def run_quantize(args: argparse.Namespace) -> int:
         intra_op_threads=args.threads,
         overwrite=args.overwrite,
     )
+    store = None
+    if args.publish:  # a missing or bad store setting is found before the minutes of quantization
+        from protocol.settings import load_settings
+        from store.model_store import open_store
+
+        store = open_store(load_settings(args.config).store)
     try:
         outcome = quantize_model(args.model, cfg, progress=not args.quiet)
     except QuantizationRefused as exc:
@@ -127,7 +149,17 @@ def run_quantize(args: argparse.Namespace) -> int:
     except (ValueError, FileExistsError, FileNotFoundError, ModelLoadError) as exc:
         print(f"fleet quantize: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(outcome.report))
+    published = None
+    if store is not None and outcome.path is not None:
+        from store.errors import StoreError
+
+        try:
+            published = _publish(store, outcome.path, args.publish, args.name)
+        except StoreError as exc:
+            print(json.dumps({**outcome.report, "published": None}))
+            print(f"fleet quantize: wrote {outcome.path} but did not publish it: {exc}", file=sys.stderr)
+            return 1
+    print(json.dumps({**outcome.report, "published": published} if args.publish else outcome.report))
     rep = outcome.report
     print(
         f"fleet quantize: wrote {outcome.path} ({rep['sizes']['ratio']:.0%} of FP32 size, top-1 agreement "
@@ -136,3 +168,15 @@ def run_quantize(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _publish(store: ModelStore, path: Path, version: str, name: str | None) -> dict[str, Any]:
+    """Push the quantized file's version to the store; its summary and manifest checksum."""
+    from protocol.modelcard import load_card
+    from store.manifest import manifest_digest
+
+    model = name or load_card(path).name
+    manifest = store.push(path, model, version)
+    return {**manifest.summary(), "model": model, "store": store.location,
+            "manifest_sha256": manifest_digest(store.manifest_bytes(model, version)),
+            "paths": [f.path for f in manifest.files]}

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from store import ChecksumMismatch
 from tests.integration.canary_fixtures import MODEL, publish_two_versions, wait_canary_served
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.test_model_store import s3, seaweed  # noqa: F401  (fixtures)
+from tools.build_lm import build_causal_lm
 from tools.seaweed_server import EmbeddedSeaweed
 
 
@@ -121,3 +123,27 @@ def test_status_shows_versions_changes_and_refusals(fleet: Fleet, capsys: pytest
     assert "canary by ann@ops  1.0.0 -> 1.0.0 + canary 1.1.0 10%" in text
     assert ("REFUSED 0 s ago  w1@host refused 1.1.0: ChecksumMismatch: demo-lm/1.1.0/demo-lm.onnx: sha256 is 1111, "
             "the manifest says 2222") in text
+
+
+def test_quantize_publishes_its_int8_result_with_the_report(
+    s3: EmbeddedSeaweed, tmp_path: Path, capsys: pytest.CaptureFixture[str],  # noqa: F811
+) -> None:
+    fp32 = build_causal_lm(tmp_path / "models")
+    version = f"1.0.0-int8-{uuid.uuid4().hex[:8]}"
+    config = tmp_path / "fleet.yaml"
+    config.write_text("{}\n")  # the store comes from FLEET_STORE__* (the s3 fixture), credentials too
+    code = fleet_main(["quantize", str(fp32), "--mode", "dynamic", "--eval-count", "8", "--latency-rounds", "1",
+                       "--quiet", "--publish", version, "--config", str(config)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    doc = json.loads(out.strip().splitlines()[-1])
+    published = doc["published"]
+    assert published["model"] == "demo-lm" and published["version"] == version
+    ours = {"demo-lm-1.0.0-int8.json", "demo-lm-1.0.0-int8.onnx", "demo-lm-1.0.0-int8.report.json"}
+    assert ours <= set(published["paths"]) and "demo-lm-1.0.0.onnx" not in published["paths"]
+    code, shown, _ = fleet_json(capsys, config, "show", "demo-lm", version)
+    roles = {f["path"]: f["role"] for f in shown["manifest"]["files"]}
+    assert code == 0 and roles["demo-lm-1.0.0-int8.report.json"] == "report"
+    assert shown["manifest"]["precision"] == "int8"
+    code, again, err = fleet_json(capsys, config, "show", "demo-lm", version + "-nope")
+    assert code == 1 and "is not published" in err
