@@ -145,5 +145,5 @@ def test_quantize_publishes_its_int8_result_with_the_report(
     roles = {f["path"]: f["role"] for f in shown["manifest"]["files"]}
     assert code == 0 and roles["demo-lm-1.0.0-int8.report.json"] == "report"
     assert shown["manifest"]["precision"] == "int8"
-    code, again, err = fleet_json(capsys, config, "show", "demo-lm", version + "-nope")
+    code, _, err = fleet_json(capsys, config, "show", "demo-lm", version + "-nope")
     assert code == 1 and "is not published" in err
