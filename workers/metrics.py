@@ -21,7 +21,16 @@ Series (label ``model`` on each; times in seconds, as Prometheus expects):
 ``fleet_worker_tokens_per_second``          histogram   real tokens / engine time, per batch
 ``fleet_worker_in_flight``                  gauge       requests held (tokens of C in use)
 ``fleet_worker_ready``                      gauge       1 once the worker consumes
+``fleet_worker_computed_total``             counter     requests computed, by ``version`` (the model
+                                                        version that ran them), ``role`` (stable |
+                                                        canary) and ``outcome`` (ok | failed)
+``fleet_worker_latency_seconds``            histogram   producer submit → end of its batch, by
+                                                        ``version`` and ``role``
 ==========================================  ==========  ==================================================
+
+The per-version series come from the scheduler's outcome hook (every batch, whatever the model
+state); ``fleet_worker_batches_total`` carries ``version`` too. The series above them keep only
+``model`` (and their own label), so existing queries and dashboards are unchanged.
 
 Generation series (time to first token, inter-token time, generated tokens, running sequences,
 KV tokens, finish reasons) are in :mod:`workers.generation_metrics`.
@@ -48,7 +57,7 @@ from protocol.keys import DRAIN_KEY
 from protocol.messages import BULK_TASK_NAME, TASK_NAME
 from workers.generation_metrics import GenerationMetrics
 from workers.runtime import WorkerRuntime
-from workers.scheduler import BatchStats
+from workers.scheduler import BatchStats, JobOutcome
 
 __all__ = ["WorkerMetrics", "install_metrics", "outcome_of", "queue_wait_ms_of"]
 
@@ -96,7 +105,17 @@ class WorkerMetrics:
             buckets=TIME_BUCKETS,
             registry=registry,
         )
-        self.batches = Counter("fleet_worker_batches", "Batches run.", [*m, "reason"], registry=registry)
+        self.batches = Counter(
+            "fleet_worker_batches", "Batches run.", [*m, "reason", "version"], registry=registry
+        )
+        self.computed = Counter(
+            "fleet_worker_computed", "Requests computed, by model version, role and outcome (ok | failed).",
+            [*m, "version", "role", "outcome"], registry=registry,
+        )
+        self.latency = Histogram(
+            "fleet_worker_latency_seconds", "Producer submit to the end of its batch, by version and role (s).",
+            [*m, "version", "role"], buckets=TIME_BUCKETS, registry=registry,
+        )
         self.batch_size = Histogram(
             "fleet_worker_batch_size", "Sequences per batch.", m, buckets=SIZE_BUCKETS, registry=registry
         )
@@ -138,7 +157,7 @@ class WorkerMetrics:
     # -- hooks ---------------------------------------------------------------------------------
     def on_batch(self, stats: BatchStats) -> None:
         """Scheduler observer: one batch ran."""
-        self.batches.labels(self.model, stats.reason).inc()
+        self.batches.labels(self.model, stats.reason, stats.version).inc()
         self.batch_size.labels(self.model).observe(stats.size)
         self.tokens.labels(self.model, "real").inc(stats.real_tokens)
         self.tokens.labels(self.model, "padded").inc(stats.padded_tokens)
@@ -148,6 +167,14 @@ class WorkerMetrics:
         self.inference.labels(self.model).observe(seconds)
         if seconds > 0:
             self.tokens_per_s.labels(self.model).observe(stats.real_tokens / seconds)
+
+    def on_outcomes(self, outcomes: list[JobOutcome]) -> None:
+        """Scheduler outcome observer: every request of one batch, with the version that computed it."""
+        now = time.time()
+        for o in outcomes:
+            self.computed.labels(self.model, o.version, o.role, "ok" if o.ok else "failed").inc()
+            if o.submitted_unix_s is not None:
+                self.latency.labels(self.model, o.version, o.role).observe(max(0.0, now - o.submitted_unix_s))
 
     def on_dequeued(self, count: int = 1) -> None:
         """``count`` requests left the queue for this worker: count them for the drain meter."""
@@ -200,6 +227,7 @@ def install_metrics(runtime: WorkerRuntime, registry: CollectorRegistry | None =
 
     metrics = WorkerMetrics(runtime, registry or REGISTRY)
     runtime.scheduler.add_observer(metrics.on_batch)
+    runtime.scheduler.add_outcome_observer(metrics.on_outcomes)
     _connect_signals(metrics)
     port = runtime.settings.worker.metrics_port
     if port:

@@ -111,6 +111,8 @@ class BatchStats:
     inference_ms: float
     reason: str
     expired: int
+    version: str = ""
+    """The model version the batch ran on."""
 
 
 Observer = Callable[[BatchStats], None]
@@ -469,7 +471,9 @@ class Scheduler:
                     role=served.role,
                 )
             )
-        stats = BatchStats(len(jobs), padded.real_tokens, padded.padded_tokens, inference_ms, reason, expired)
+        stats = BatchStats(
+            len(jobs), padded.real_tokens, padded.padded_tokens, inference_ms, reason, expired, served.version
+        )
         for observer in self._observers:
             try:
                 observer(stats)

@@ -56,12 +56,14 @@ def publish(s3: EmbeddedSeaweed, tmp_path: Path, scale: float, *, fail_on_real_i
     return Published(version, top1_logprob(scale))
 
 
-def lifecycle_config(fleet: Fleet, s3: EmbeddedSeaweed, first: str, cache_dir: Path, **model: Any) -> Path:
-    """A config serving the identity model from the store at version ``first``; ``model`` merges into
-    ``models.identity`` (e.g. ``canary={...}``)."""
+def lifecycle_config(
+    fleet: Fleet, s3: EmbeddedSeaweed, first: str, cache_dir: Path, worker: dict[str, Any] | None = None, **model: Any
+) -> Path:
+    """A config serving the identity model from the store at version ``first``; ``worker`` merges into
+    the ``worker`` section, ``model`` into ``models.identity`` (e.g. ``canary={...}``)."""
     return fleet.config(
         store={"backend": "s3", "endpoint_url": s3.endpoint_url, "bucket": BUCKET, "cache_dir": str(cache_dir)},
-        worker={"model": MODEL, "reconcile_interval_s": 2.0},
+        worker={"model": MODEL, "reconcile_interval_s": 2.0, **(worker or {})},
         models={MODEL: {"path": None, "store_version": first, "batching": {"max_batch_size": 8, "max_wait_ms": 2.0},
                         "limits": {"max_input_tokens": 64}, "engine": {"intra_op_threads": 1}, **model}},
     )

@@ -24,7 +24,9 @@ from tests.integration.lifecycle_fixtures import (
     wait_until,
 )
 from tests.integration.model_versions import MODEL
+from tests.integration.ops_fixtures import scrape
 from tests.integration.test_model_store import s3, seaweed  # noqa: F401  (fixtures: one SeaweedFS per session)
+from tools.redis_server import free_port
 from tools.seaweed_server import EmbeddedSeaweed
 
 BOUNDS = {"window_s": 10, "min_requests": 10, "max_error_rate": 0.05, "check_interval_s": 0.5}
@@ -34,7 +36,8 @@ def test_a_failing_canary_is_rolled_back_automatically_and_stable_keeps_serving(
     fleet: Fleet, s3: EmbeddedSeaweed, tmp_path: Path  # noqa: F811
 ) -> None:
     stable, bad = publish(s3, tmp_path, 1.0), publish(s3, tmp_path, 2.0, fail_on_real_input=True)
-    cfg = lifecycle_config(fleet, s3, stable.version, tmp_path / "cache", canary=BOUNDS)
+    port = free_port()
+    cfg = lifecycle_config(fleet, s3, stable.version, tmp_path / "cache", worker={"metrics_port": port}, canary=BOUNDS)
     worker = fleet.worker(cfg, MODEL, hostname="w1-canary@test")
     r = redis.Redis.from_url(fleet.redis_url)
     watch = Watch(fleet.redis_url, [worker.hostname])
@@ -71,3 +74,16 @@ def test_a_failing_canary_is_rolled_back_automatically_and_stable_keeps_serving(
     assert failures and all("Gather" in f for f in failures)  # only the canary's requests failed
     assert {x.version for x in results} == {stable.version} and len(results) + len(failures) == len(ids)
     assert not late_failures and {(x.version, x.role) for x in late} == {(stable.version, "stable")}
+
+    # metrics carry the version: the canary's failures and the stable version's successes, apart
+    w = scrape(f"http://127.0.0.1:{port}/metrics")
+
+    def computed(version: str, role: str, outcome: str) -> float:
+        labels = (("model", MODEL), ("outcome", outcome), ("role", role), ("version", version))
+        return w.get(("fleet_worker_computed_total", labels), 0.0)
+
+    assert computed(bad.version, "canary", "failed") == len(failures)
+    assert computed(bad.version, "canary", "ok") == 0
+    assert computed(stable.version, "stable", "ok") >= len(results)
+    assert w[("fleet_worker_latency_seconds_count", (("model", MODEL), ("role", "canary"), ("version", bad.version)))] \
+        == len(failures)
