@@ -11,7 +11,7 @@ outside 1..99).
     fleet models pin M V                     # V serves all of M's traffic (the canary, if any, stays)
     fleet models canary M V --weight 10      # 10 % of M's traffic to V, sticky by routing key
     fleet models promote M                   # the canary becomes stable
-    fleet models rollback M [--reason TEXT]  # drop the canary (or return to the stable before the last pin)
+    fleet models rollback M [--reason TEXT]  # drop the canary (with none: undo the last pin or promote)
     fleet models history M [--last N]        # who changed what, when, why
     fleet models compare M [--window-s S] [--shadow N | --prompts FILE]   # per-version figures
 """
@@ -196,7 +196,7 @@ def register(msub: Any) -> None:
     common(p)
     p.set_defaults(func=cmd_promote)
 
-    p = msub.add_parser("rollback", help="drop the canary (or, with none, return to the stable before the last pin)")
+    p = msub.add_parser("rollback", help="drop the canary (with none: undo the last pin or promote)")
     common(p)
     p.add_argument("--reason", default=None, help="why, recorded in the history")
     p.set_defaults(func=cmd_rollback)

@@ -305,25 +305,26 @@ def rollback(
     *,
     expect_generation: int | None = None,
 ) -> HistoryEntry:
-    """Drop the canary (all traffic back to stable); with no canary, return the stable version to the
-    one before the last change of it (an earlier pin or promote; None = the configured version).
+    """Drop the canary (all traffic back to stable); with no canary, undo the last pin or promote: the
+    stable version returns to the one it replaced (None = the configured one). Repeated rollbacks walk
+    further back, one pin or promote at a time.
 
     Raises:
-        StateChangeRefused: neither a canary nor an earlier stable version to return to; or
+        StateChangeRefused: neither a canary nor a pin or promote left to undo; or
             ``expect_generation`` is given and the state changed since.
     """
-    earlier = _earlier_stable(history(r, model))
 
     def decide(cur: ModelState) -> Split:
         if cur.canary is not None:
             return Split(stable=cur.stable)
         if auto:
             raise StateChangeRefused(f"{model} has no canary to roll back", "canary", None)
-        if cur.stable is None or earlier is None or earlier[0] != cur.stable:
+        earlier = _undo_stack(history(r, model))
+        if not earlier:
             raise StateChangeRefused(
-                f"{model} has no canary and no earlier stable version to roll back to", "canary", None
+                f"{model} has no canary and no pin or promote to undo", "canary", None
             )
-        return Split(stable=earlier[1])
+        return Split(stable=earlier[-1])
 
     action: Action = "auto-rollback" if auto else "rollback"
     return _change(
@@ -331,12 +332,18 @@ def rollback(
     )
 
 
-def _earlier_stable(entries: list[HistoryEntry]) -> tuple[str, str | None] | None:
-    """(current stable, the stable before it) from the last history entry that changed the stable."""
-    for entry in reversed(entries):
-        if entry.to.stable != entry.from_.stable and entry.to.stable is not None:
-            return entry.to.stable, entry.from_.stable
-    return None
+def _undo_stack(entries: list[HistoryEntry]) -> list[str | None]:
+    """The stable versions a rollback would return to, most recent last: every pin or promote that
+    changed the stable pushes the one it replaced; every rollback that changed it pops one."""
+    stack: list[str | None] = []
+    for entry in entries:
+        if entry.from_.stable == entry.to.stable:
+            continue
+        if entry.action in ("pin", "promote"):
+            stack.append(entry.from_.stable)
+        elif entry.action == "rollback" and stack:
+            stack.pop()
+    return stack
 
 
 # ---- refusals (written by workers) ----

@@ -75,7 +75,7 @@ def test_refused_changes_leave_state_alone(r: redis.Redis[bytes], tmp_path: Path
     assert exc.value.field == "weight" and exc.value.limit == "1..99"
     with pytest.raises(StateChangeRefused, match="no canary to promote"):
         promote(r, "m", "u@h")
-    with pytest.raises(StateChangeRefused, match="n has no canary and no earlier stable version"):
+    with pytest.raises(StateChangeRefused, match="n has no canary and no pin or promote to undo"):
         rollback(r, "n", "u@h")
     with pytest.raises(StateChangeRefused, match="already the stable version"):
         set_canary(r, "m", "1", 10, "u@h")
@@ -139,3 +139,17 @@ def test_guard_rolls_back_once_under_concurrent_callers(r: redis.Redis[bytes]) -
     state = read_state(r, "m")
     assert state is not None and state.canary is None and state.stable == "1"
     assert guard_canary(r, settings, "m") is None  # no canary any more
+
+
+def test_repeated_rollbacks_undo_pins_one_at_a_time(r: redis.Redis[bytes]) -> None:
+    for version in ("A", "B", "A"):
+        pin(r, "m", version, "u@h")
+    walked = []
+    for _ in range(3):
+        rollback(r, "m", "u@h")
+        state = read_state(r, "m")
+        assert state is not None
+        walked.append(state.stable)
+    assert walked == ["B", "A", None]  # None: back to the configured version
+    with pytest.raises(StateChangeRefused, match="no pin or promote to undo"):
+        rollback(r, "m", "u@h")
