@@ -80,6 +80,10 @@ class _ModelInfo:
         self.tokenizer = tokenizer
 
 
+def _no_send_time_subscription(producer: Any, task_id: str) -> None:
+    """Replaces the result backend's ``on_task_call`` (see :class:`FleetClient`): subscribe on wait only."""
+
+
 class FleetClient(ResultReader):
     """Producer-side API over Celery + Redis. Thread-safe for concurrent submits.
 
@@ -90,6 +94,11 @@ class FleetClient(ResultReader):
     def __init__(self, settings: FleetSettings, celery_app: Celery | None = None) -> None:
         self.settings = settings
         self.app = celery_app or make_celery(settings, "onnx-fleet-producer")
+        # Celery subscribes to a task's result channel as it sends the task, and the AsyncResult that
+        # send_task returns (dropped here) unsubscribes at once: 2 wasted commands per request.
+        # ResultReader.result subscribes when it waits, then reads the stored result once, so a
+        # result published in between is not missed.
+        self.app.backend.on_task_call = _no_send_time_subscription
         self.redis = sync_client(settings)
         self.admission = Admission(self.redis, settings)
         self.router = Router(self.redis, settings)

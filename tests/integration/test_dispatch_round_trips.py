@@ -46,3 +46,21 @@ def test_a_second_producer_reads_its_own_depth_and_is_refused_at_the_cap(fleet: 
     with pytest.raises(QueueFull):
         second.submit("demo-lm", [7])
     assert redis.Redis.from_url(fleet.redis_url).llen(first.settings.queue_for("demo-lm")) == 3
+
+
+def test_waiting_on_a_result_subscribes_once_and_sending_does_not(fleet: Fleet) -> None:
+    cfg = fleet.config()
+    fleet.worker(cfg)
+    client = fleet.client(cfg)
+    client.result(client.submit("demo-lm", [1, 2]), wait=True, timeout_s=60)  # connections set up
+    before = redis_commandstats(fleet.redis_url)
+    results = [client.result(client.submit("demo-lm", [3, i + 4]), wait=True, timeout_s=60) for i in range(3)]
+    after = redis_commandstats(fleet.redis_url)
+    calls = {k: v - before.get(k, 0) for k, v in after.items()}
+    assert [r.input_tokens for r in results if r is not None] == [2, 2, 2]
+    assert calls["subscribe"] == 3 and calls["unsubscribe"] == 3  # one of each per wait, none per send
+    assert not client.app.backend.result_consumer.subscribed_to
+    late = client.submit("demo-lm", [5, 6])  # a result stored before anyone waits is still read
+    fleet_done = client.wait([late], timeout_s=60)[0]
+    got = client.result(late, wait=True, timeout_s=60)
+    assert got is not None and got == fleet_done
