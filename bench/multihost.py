@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -99,8 +100,12 @@ def _round(hf: HostFleet, config: Path, workers: list[WorkerProcess], args: argp
     n = max(res["requests"], 1)
     idle = (m1.idle + getattr(m1, "iowait", 0.0)) - (m0.idle + getattr(m0, "iowait", 0.0))
     span = sum(m1) - sum(m0)
+    busy_pct = 100 * (1 - idle / span) if span > 0 else float("nan")
+    fleet_cores_pct = 100 * ((r1 - r0) + (w1 - w0) + res["cpu_s"]) / res["wall_s"]
     return {
-        "machine_busy_pct": 100 * (1 - idle / span) if span > 0 else float("nan"),
+        "machine_busy_pct": busy_pct,
+        # the rest of the busy time: other processes on this machine (and the kernel's softirq work)
+        "others_core_pct": busy_pct * (psutil.cpu_count() or 1) - fleet_cores_pct,
         "hosts": len(workers), **res,
         "redis_core_pct": 100 * (r1 - r0) / res["wall_s"], "redis_cpu_ms_per_req": 1000 * (r1 - r0) / n,
         "workers_core_pct": 100 * (w1 - w0) / res["wall_s"], "workers_cpu_ms_per_req": 1000 * (w1 - w0) / n,
@@ -110,6 +115,7 @@ def _round(hf: HostFleet, config: Path, workers: list[WorkerProcess], args: argp
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every round of the bench (see the module docstring); returns the report document."""
+    started_load = os.getloadavg()
     folder = Path(tempfile.mkdtemp(prefix="fleet-multihost-"))
     model = build_identity(folder / "models")
     rounds: list[dict[str, Any]] = []
@@ -128,24 +134,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"[multihost] {n} worker host(s): {rounds[-1]['qps']:.0f} req/s, Redis "
                   f"{rounds[-1]['redis_core_pct']:.0f} % of a core", flush=True)
     return {"rounds": rounds, "clients": args.clients, "duration_s": args.duration, "warmup_s": args.warmup,
-            "cpus": psutil.cpu_count(), "command": "python -m bench.multihost " + " ".join(args.argv)}
+            "cpus": psutil.cpu_count(), "load_average_at_start": started_load,
+            "command": "python -m bench.multihost " + " ".join(args.argv)}
 
 
 def render_table(doc: dict[str, Any]) -> str:
-    """The rounds as a Markdown table, in the order they ran, with each round's ratio to the first 1-host round."""
+    """The rounds as a Markdown table, in the order they ran, with each round's ratio to the first 1-host round.
+
+    *One-Redis ceiling* = 1000 / Redis CPU-ms per request: the requests/s at which that round's traffic
+    would keep one Redis core 100 % busy.
+    """
     base = next(r["qps"] for r in doc["rounds"] if r["hosts"] == 1)
     rows = [[str(i + 1), str(r["hosts"]), fmt(r["qps"], 0), f"{r['qps'] / base:.2f}×", fmt(r["p50_ms"]),
-             fmt(r["p99_ms"]), fmt(r["mean_batch"]), fmt(r["redis_core_pct"], 0), fmt(r["redis_cpu_ms_per_req"], 2),
+             fmt(r["p99_ms"]), fmt(r["mean_batch"]), fmt(r["redis_core_pct"], 0),
+             fmt(r["redis_cpu_ms_per_req"], 2), fmt(1000 / r["redis_cpu_ms_per_req"], 0),
              fmt(r["workers_cpu_ms_per_req"], 2), fmt(r["client_cpu_ms_per_req"], 2),
-             fmt(r["machine_busy_pct"], 0), str(r["errors"])]
+             fmt(r["machine_busy_pct"], 0), fmt(r["others_core_pct"], 0), str(r["errors"])]
             for i, r in enumerate(doc["rounds"])]
     return md_table(["round", "worker hosts", "req/s", "vs 1 host", "p50 ms", "p99 ms", "mean batch",
-                     "Redis % of a core", "Redis CPU-ms/req", "workers CPU-ms/req", "client CPU-ms/req",
-                     "machine busy %", "errors"], rows)
+                     "Redis % of a core", "Redis CPU-ms/req", "one-Redis ceiling req/s", "workers CPU-ms/req",
+                     "client CPU-ms/req", "machine busy %", "others % of a core", "errors"], rows)
 
 
 def splice(doc_path: Path, table: str, command: str) -> None:
-    """Replace what stands between the multihost markers of ``doc_path`` with ``table`` (and the command).
+    """Replace what stands between the multihost markers of ``doc_path`` with ``command`` (a line) and ``table``.
 
     Raises:
         ValueError: the file lacks either marker.
@@ -154,7 +166,7 @@ def splice(doc_path: Path, table: str, command: str) -> None:
     if BEGIN not in text or END not in text:
         raise ValueError(f"{doc_path} has no {BEGIN} … {END} block to replace")
     head, rest = text.split(BEGIN, 1)
-    doc_path.write_text(f"{head}{BEGIN}\n`{command}`:\n\n{table}\n{END}{rest.split(END, 1)[1]}")
+    doc_path.write_text(f"{head}{BEGIN}\n{command}:\n\n{table}\n{END}{rest.split(END, 1)[1]}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -185,7 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = render_table(doc)
     print(table)
     if args.doc is not None:
-        splice(args.doc, table, doc["command"])
+        load = ", ".join(f"{x:.1f}" for x in doc["load_average_at_start"])
+        splice(args.doc, table, f"`{doc['command']}` on {doc['cpus']} CPUs (load average {load} when it began)")
     return 0
 
 

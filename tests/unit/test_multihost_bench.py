@@ -22,7 +22,7 @@ def test_round_order_goes_up_then_down(hosts: int, passes: int, expected: list[i
 def _round(hosts: int, qps: float) -> dict[str, float]:
     return {"hosts": hosts, "qps": qps, "p50_ms": 10.0, "p99_ms": 30.0, "mean_batch": 2.0, "redis_core_pct": 12.0,
             "redis_cpu_ms_per_req": 0.6, "workers_cpu_ms_per_req": 4.0, "client_cpu_ms_per_req": 3.0,
-            "machine_busy_pct": 95.0, "errors": 0}
+            "machine_busy_pct": 95.0, "others_core_pct": 40.0, "errors": 0}
 
 
 def test_table_gives_each_round_its_ratio_to_the_first_one_host_round() -> None:
