@@ -104,3 +104,20 @@ def test_a_corrupted_version_is_refused_and_the_old_one_keeps_serving(
     assert all(x.top_k is not None and abs(x.top_k[0].logprob - good.logprob) < 1e-4 for x in results)
     beat = json.loads(r.get(WORKER_KEY_PREFIX + worker.hostname) or b"{}")
     assert beat["version"] == good.version and beat["last_refusal"]["version"] == bad.version
+
+
+def test_a_worker_down_during_a_change_starts_on_the_version_in_force(
+    fleet: Fleet, s3: EmbeddedSeaweed, tmp_path: Path  # noqa: F811
+) -> None:
+    v1, v2 = publish(s3, tmp_path, 1.0), publish(s3, tmp_path, 2.0)
+    cfg = lifecycle_config(fleet, s3, v1.version, tmp_path / "cache")  # its config still says v1
+    r = redis.Redis.from_url(fleet.redis_url)
+    pin(r, MODEL, v2.version, "test@down")  # while no worker runs
+    worker = fleet.worker(cfg, MODEL, hostname="w1-late@test")
+    beat = json.loads(r.get(WORKER_KEY_PREFIX + worker.hostname) or b"{}")
+    client = fleet.client(cfg)
+    first = client.result(client.submit(MODEL, text="first request", top_k=1), wait=True, timeout_s=30)
+    assert beat["version"] == v2.version and beat["ready"]
+    assert first is not None and first.version == v2.version and first.top_k is not None
+    assert abs(first.top_k[0].logprob - v2.logprob) < 1e-4
+    assert not (tmp_path / "cache" / MODEL / v1.version).exists()  # the configured version was never loaded

@@ -7,8 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from protocol.messages import OutputSpec
+from protocol.messages import GenerationParams, OutputSpec
 from protocol.modelcard import ModelCard
+from workers.generation.sequence import GenSequence
 from workers.padding import PaddedBatch
 from workers.policy import BatchPolicy
 from workers.scheduler import Job, JobOutcome, JobResult, Scheduler
@@ -107,3 +108,67 @@ def test_failed_canary_requests_are_reported_as_failed_outcomes() -> None:
         assert isinstance(j.future.exception(timeout=10), RuntimeError)
     sched.stop()
     assert [(o.version, o.role, o.ok) for o in outcomes] == [("bad", "canary", False)] * 4
+
+
+class FakeLoop:
+    """A generation loop whose sequences finish after ``steps`` steps with the loop's name as result;
+    its first step waits for ``release`` (so a test can swap while a sequence runs)."""
+
+    def __init__(self, name: str, steps: int = 2) -> None:
+        self.name = name
+        self.steps = steps
+        self.running: dict[GenSequence, int] = {}
+        self.joined: list[str] = []
+        self.admitted = threading.Event()
+        self.release = threading.Event()
+        self.observers: list[Any] = []
+
+    @property
+    def active(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.running)
+
+    def admissible(self, waiting: list[GenSequence]) -> int:
+        return len(waiting)
+
+    def step(self, joiners: list[GenSequence]) -> None:
+        for seq in joiners:
+            self.running[seq] = self.steps
+            self.joined.append(seq.request_id)
+        if joiners:
+            self.admitted.set()
+            self.release.wait(10)
+        for seq in list(self.running):
+            self.running[seq] -= 1
+            if self.running[seq] == 0:
+                del self.running[seq]
+                seq.future.set_result(self.name)  # type: ignore[arg-type]
+
+    def fail_all(self, exc: BaseException) -> None:
+        for seq in self.running:
+            seq.future.set_exception(exc)
+        self.running.clear()
+
+
+def seq(rid: str) -> GenSequence:
+    return GenSequence(request_id=rid, prompt=[1, 2], params=GenerationParams(), eos_ids=frozenset())
+
+
+def test_running_generations_finish_on_the_old_loop_and_new_ones_join_the_new_one() -> None:
+    old, new = FakeLoop("old"), FakeLoop("new")
+    new.release.set()
+    sched = Scheduler(ShiftEngine(1), BatchPolicy(4, 50, 1000), generation=old, version="v1")  # type: ignore[arg-type]
+    sched.start()
+    first = seq("first")
+    sched.submit_generation(first)
+    assert old.admitted.wait(10)
+    sched.swap("stable", ShiftEngine(2), "v2", new)  # type: ignore[arg-type]
+    second = seq("second")
+    sched.submit_generation(second)
+    old.release.set()
+    assert first.future.result(timeout=10) == "old" and second.future.result(timeout=10) == "new"
+    assert (first.served_version, second.served_version) == ("v1", "v2")
+    assert old.joined == ["first"] and new.joined == ["second"]
+    sched.stop()
