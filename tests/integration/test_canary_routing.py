@@ -76,3 +76,41 @@ def test_split_90_10_over_2000_requests_and_sticky_keys_on_a_real_fleet(
     assert {next(iter(served)) for served in per_key.values()} == {v1, v2}
     for key, served in per_key.items():
         assert served == {v2 if route(state, key) == "canary" else v1}
+
+
+def _queued_single_ids(client: FleetClient, queue: str) -> set[str]:
+    """Task IDs of the fleet.infer messages waiting on ``queue``."""
+    return {json.loads(raw)["headers"]["id"] for raw in client.redis.lrange(queue, 0, -1)}
+
+
+def test_gateway_routes_by_the_bodys_routing_key(fleet: Fleet) -> None:
+    from fastapi.testclient import TestClient
+
+    from gateway.app import create_app
+
+    cfg = fleet.config()
+    settings = fleet.settings(cfg)
+    client = fleet.client(cfg)
+    pin(client.redis, MODEL, "1.0.0", "test@host")
+    set_canary(client.redis, MODEL, "2.0.0", 50, "test@host")
+    state = read_state(client.redis, MODEL)
+    keys = [f"user-{k}" for k in range(10)]
+    with TestClient(create_app(settings)) as http:
+        sent = []
+        for i in range(30):
+            body = {"model": MODEL, "input_ids": [5, 6], "routing_key": keys[i % 10]}
+            resp = http.post("/v1/requests", json=body)
+            assert resp.status_code == 202, resp.text
+            sent.append((keys[i % 10], resp.json()["request_id"]))
+        batch = http.post("/v1/requests:batch", json={"requests": [
+            {"model": MODEL, "input_ids": [5], "routing_key": key} for key in keys]})
+        assert batch.status_code == 202, batch.text
+        sent += [(key, item["request_id"]) for key, item in zip(keys, batch.json()["requests"], strict=True)]
+        too_long = http.post("/v1/requests", json={"model": MODEL, "input_ids": [5], "routing_key": "k" * 201})
+        assert too_long.status_code == 422 and "routing_key" in too_long.text
+    on_canary = _queued_single_ids(client, settings.canary_queue_for(MODEL))
+    on_stable = _queued_single_ids(client, settings.queue_for(MODEL))
+    assert on_canary | on_stable == {rid for _, rid in sent} and not on_canary & on_stable
+    for key, rid in sent:
+        assert (rid in on_canary) == (route(state, key) == "canary")
+    assert 0 < len(on_canary) < len(sent)
