@@ -13,10 +13,11 @@ from typing import Any
 
 from bench.markdown import fmt, md_table
 
-__all__ = ["ceiling_rps", "ceiling_section", "path_summary"]
+__all__ = ["ceiling_rps", "ceiling_section", "path_summary", "targets_table"]
 
 PATH_LABELS = {
     "served": "`fleet.infer` (FleetClient.submit + result)",
+    "legacy": "`fleet.infer` as before issue 11 (old producer round trips, extended results)",
     "no-events": "`fleet.infer`, no task events",
     "no-started": "`fleet.infer`, no STARTED state",
     "lean": "`fleet.infer`, lean Celery (no events, STARTED state, extended result)",
@@ -163,6 +164,47 @@ def _before_after_table(runs: dict[str, Any]) -> str:
     return md_table(head, rows)
 
 
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "**not met**"
+
+
+def targets_table(runs: dict[str, Any]) -> str:
+    """Issue 11's targets for ``fleet.infer``: as served against the old path run beside it in the same run
+    (``legacy``; else the first run), with the lean and bulk variants to show what reaching them takes."""
+    if not runs:
+        return ""
+    last = runs[list(runs)[-1]]
+    if "legacy" in last["paths"]:
+        base, what = last, "the old path, same run"
+    elif len(runs) > 1:
+        base, what = runs[next(iter(runs))], f"run {next(iter(runs))}"
+    else:
+        return ""
+    b = base["paths"].get("legacy", base["paths"]["served"])
+    a = last["paths"]["served"]
+    rows = [
+        ["Redis commands per request ≤ 0.5×", f"{fmt(b['redis_calls'], 1)} → {fmt(a['redis_calls'], 1)}",
+         _ratio(a["redis_calls"], b["redis_calls"]), _verdict(a["redis_calls"] <= 0.5 * b["redis_calls"])],
+        ["CPU-ms per request ≤ 0.5×", f"{fmt(b['total_cpu_ms'], 2)} → {fmt(a['total_cpu_ms'], 2)}",
+         _ratio(a["total_cpu_ms"], b["total_cpu_ms"]), _verdict(a["total_cpu_ms"] <= 0.5 * b["total_cpu_ms"])],
+        ["requests/s of one worker ≥ 2×", f"{fmt(b['qps'], 0)} → {fmt(a['qps'], 0)}",
+         _ratio(a["qps"], b["qps"]), _verdict(a["qps"] >= 2 * b["qps"])],
+    ]  # fmt: skip
+    over = last.get("lone_over_bare_ms")
+    if over is not None:
+        rows.append(["lone request within 5 ms of a bare run", f"{fmt(over, 2)} ms over", "", _verdict(over <= 5.0)])
+    for key in ("lean", "bulk"):
+        p = last["paths"].get(key)
+        if p:
+            rows.append([
+                f"for scale: {PATH_LABELS[key]}",
+                f"{fmt(p['redis_calls'], 1)} commands, {fmt(p['total_cpu_ms'], 2)} CPU-ms, {fmt(p['qps'], 0)} req/s",
+                f"{_ratio(p['redis_calls'], b['redis_calls'])} commands, {_ratio(p['qps'], b['qps'])} req/s",
+                "",
+            ])  # fmt: skip
+    return md_table([f"target (`fleet.infer` as served vs {what})", "before → after", "ratio", "verdict"], rows)
+
+
 def ceiling_section(results: dict[str, Any]) -> str:
     """The ``### Per path`` part of Dispatch cost: paths table, gateway commands, lone profile, runs."""
     d = results.get("dispatch") or {}
@@ -201,4 +243,7 @@ def ceiling_section(results: dict[str, Any]) -> str:
             "### Before and after (one `fleet bench --only dispatch` run each)\n",
             _before_after_table(runs) + "\n",
         ]
+        targets = targets_table(runs)
+        if targets:
+            out += ["**Issue 11's targets** (measured, not asserted in tests):\n", targets + "\n"]
     return "\n".join(out)

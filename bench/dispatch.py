@@ -50,6 +50,9 @@ def dispatch_variants(plan: Plan, name: str, path: Path) -> dict[str, Variant]:
         celery_loglevel="WARNING",
     )
     out: dict[str, Variant] = {"served": ("as served (Celery log level WARNING)", cfg, 1)}
+    if plan.ablations:  # the old path beside the new one, in the same run
+        label = "before issue 11: the producer's old round trips, extended results (bench/legacy_client.py)"
+        out["legacy"] = (label, replace(cfg, label="dispatch-legacy", model_name=f"{name}-legacy", legacy=True), 1)
     changes: dict[str, tuple[str, dict[str, bool], int]] = {
         "no-events": ("no task events (`celery.task_events: false`, worker without -E)", {"task_events": False}, 1),
         "no-started": ("no STARTED state (`celery.track_started: false`)", {"track_started": False}, 1),

@@ -63,13 +63,16 @@ class FleetConfig:
     lean: bool = False
     """Measurement only: run the worker through :mod:`bench.lean_worker` with Celery's per-task
     extras off (task events, STARTED state, extended results), to price them."""
+    legacy: bool = False
+    """Measurement only: the producer and settings as they were before issue 11's dispatch changes
+    (:mod:`bench.legacy_client`), to run the old path beside the new one."""
     celery: dict[str, bool] = field(default_factory=dict)
     """The ``celery`` settings section (:class:`protocol.settings.CelerySettings`) of this worker and its
     client, e.g. ``{"task_events": False}`` (then the worker also runs without ``-E``)."""
 
     def yaml_doc(self, redis_url: str) -> dict[str, Any]:
         """The settings document for ``FLEET_CONFIG``."""
-        return {
+        doc: dict[str, Any] = {
             "redis_url": redis_url,
             "result_ttl_s": 600,
             "visibility_timeout_s": 600,
@@ -95,6 +98,12 @@ class FleetConfig:
             },
             **({"celery": dict(self.celery)} if self.celery else {}),
         }
+        if self.legacy:
+            from bench.legacy_client import LEGACY_SETTINGS
+
+            for section, values in LEGACY_SETTINGS.items():
+                doc[section] = {**doc.get(section, {}), **values}
+        return doc
 
     def write(self, folder: Path, redis_url: str) -> Path:
         """Write ``<folder>/<label>.yaml``; returns its path."""
@@ -193,7 +202,12 @@ class RunningFleet:
         """Wait until the worker's heartbeat says ready; return a client (seconds to ready in ``start_s``)."""
         self.worker.wait_ready(timeout_s)
         self.start_s = time.monotonic() - self._began
-        self.client = FleetClient(self.settings)
+        if self.config.legacy:
+            from bench.legacy_client import LegacyFleetClient
+
+            self.client = LegacyFleetClient(self.settings)
+        else:
+            self.client = FleetClient(self.settings)
         if self.config.lean:
             self.client.app.conf.task_send_sent_event = False
         return self.client

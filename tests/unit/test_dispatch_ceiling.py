@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from bench.ceiling import ceiling_rps, ceiling_section, path_summary
+from bench.ceiling import ceiling_rps, ceiling_section, path_summary, targets_table
 
 
 def _loop(qps: float, front: str, front_ms: float, redis_ms: float, worker_ms: float, calls: float) -> dict[str, Any]:
@@ -52,3 +52,21 @@ def test_section_renders_paths_and_before_after_ratios() -> None:
 
 def test_no_dispatch_run_renders_nothing() -> None:
     assert ceiling_section({}) == ""
+
+
+def test_targets_compare_the_last_run_with_the_first() -> None:
+    before, after = path_summary(_dispatch(1.0, 40.0)), path_summary(_dispatch(0.5, 20.0))
+    after["lone_over_bare_ms"] = 4.0
+    rows = targets_table({"before": before, "after": after}).splitlines()
+    assert rows[2].startswith("| Redis commands per request ≤ 0.5× | 40.0 → 20.0 | 0.50× | met |")
+    assert rows[3].endswith("| 0.94× | **not met** |")  # CPU 8.0 → 7.5
+    assert rows[4].endswith("| **not met** |") and rows[5].endswith("| met |")  # same req/s; 4 ms over bare
+    assert targets_table({"before": before}) == ""  # nothing to compare with
+
+
+def test_targets_prefer_the_old_path_of_the_same_run() -> None:
+    run = path_summary(_dispatch(0.5, 20.0))
+    run["paths"]["legacy"] = {**run["paths"]["served"], "redis_calls": 50.0, "qps": 40.0}
+    table = targets_table({"after": run})
+    assert "vs the old path, same run" in table
+    assert "| 50.0 → 20.0 | 0.40× | met |" in table and "| 40 → 100 | 2.50× | met |" in table
