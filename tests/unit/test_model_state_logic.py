@@ -93,3 +93,34 @@ def test_canary_verdict_table(
         assert verdict.reason is not None and reason_part in verdict.reason
     assert verdict.canary is not None and verdict.canary.requests == canary_n
     assert verdict.figures()["canary"]["requests"] == canary_n
+
+
+class _CountingRedis:
+    """Answers GET with a stored state and counts the reads (the Router's only Redis call)."""
+
+    def __init__(self, raw: bytes | None) -> None:
+        self.raw = raw
+        self.gets = 0
+
+    def get(self, key: str) -> bytes | None:
+        self.gets += 1
+        return self.raw
+
+
+def test_router_reads_the_state_at_most_once_per_cache_period() -> None:
+    from producer.routing import Router
+    from protocol.settings import load_settings
+
+    settings = load_settings(None, models={"m": {"path": "/nonexistent.onnx"}})
+    fake = _CountingRedis(_state(100 - 1).model_dump_json().encode())
+    now = [0.0]
+    router = Router(fake, settings, cache_s=1.0, clock=lambda: now[0])  # type: ignore[arg-type]
+    queues = {router.choose("m", f"k{i}") for i in range(200)}
+    assert queues == {"fleet.m", "fleet.m.canary"} and fake.gets == 1
+    now[0] = 0.99
+    router.choose("m", "k")
+    assert fake.gets == 1
+    fake.raw = None  # the canary was dropped: seen once the cached state is 1 s old
+    now[0] = 1.0
+    assert {router.choose("m", f"k{i}") for i in range(200)} == {"fleet.m"} and fake.gets == 2
+    assert router.queue("m", "canary") == "fleet.m.canary"
