@@ -165,7 +165,8 @@ async def chat_completions(body: ChatBody, rate_key: CallerDep, gw: GatewayDep) 
 async def _generate(
     gw: Gateway, request: InferenceRequest, rate_key: str, face: Face, body: CompletionBody | ChatBody
 ) -> Response:
-    rid = await run_in_threadpool(partial(gw.fleet.send, request, rate_key=rate_key))
+    # OpenAI's ``user`` (an end-user ID) is the sticky key of a canary split
+    rid = await run_in_threadpool(partial(gw.fleet.send, request, rate_key=rate_key, routing_key=body.user))
     headers = {"X-Request-ID": rid}
     created = int(time.time())
     if body.stream:
@@ -250,7 +251,7 @@ def _send_embeddings(gw: Gateway, body: EmbeddingBody, rate_key: str) -> list[st
             raise rename_field(exc, {"input_ids": field, "text": field, "output.kind": "model"}) from exc
     gw.fleet.admission.check_queue(built[0].model, len(built))
     gw.fleet.admission.take_rate(rate_key, len(built))
-    return [gw.fleet.send(r, admit=False) for r in built]
+    return [gw.fleet.send(r, admit=False, routing_key=body.user) for r in built]
 
 
 def _model_objects(gw: Gateway) -> list[ModelObject]:

@@ -56,7 +56,9 @@ class _Sampling(_Body):
     frequency_penalty: float | None = Field(default=None, description="Only 0 (use repetition_penalty).")
     presence_penalty: float | None = Field(default=None, description="Only 0 (use repetition_penalty).")
     logit_bias: dict[str, float] | None = Field(default=None, description="Not supported (must be empty).")
-    user: StrictStr | None = Field(default=None, description="Accepted and ignored.")
+    user: StrictStr | None = Field(
+        default=None, description="End-user ID: the sticky key of a canary split (default: the request ID)."
+    )
     # fleet extensions (vLLM names)
     top_k: StrictInt | None = Field(default=None, ge=0, description="Fleet: sample among the top k; 0 = off.")
     repetition_penalty: float | None = Field(default=None, description="Fleet: CTRL-style penalty; 1 = off.")
@@ -117,7 +119,9 @@ class EmbeddingBody(_Body):
         default="float", description="'base64': little-endian float32 bytes (the SDKs ask for this)."
     )
     dimensions: StrictInt | None = Field(default=None, description="Not supported (must be null).")
-    user: StrictStr | None = Field(default=None, description="Accepted and ignored.")
+    user: StrictStr | None = Field(
+        default=None, description="End-user ID: the sticky key of a canary split (default: the request ID)."
+    )
 
 
 # -- responses -----------------------------------------------------------------------------------
