@@ -1,8 +1,9 @@
 """The worker's hook into the store: which file a model is loaded from.
 
-:func:`resolve_model` is called once, where the worker runtime reads ``models.<m>`` (before the card,
-the engine and the tokenizer): a model with ``store_version`` is fetched and verified into the
-local cache, and the settings the runtime then uses point at the cached file.
+:func:`resolve_model` is called for every version a worker loads (:func:`workers.engines.load_version`:
+the configured or pinned stable version at start, then each pinned or canary version the reconciler
+switches to), before the card, the engine and the tokenizer: a store version is fetched and verified
+into the local cache, and the settings the worker then uses point at the cached file.
 """
 
 from __future__ import annotations

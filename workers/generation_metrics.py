@@ -19,6 +19,7 @@ Series (label ``model``; times in seconds):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -34,8 +35,15 @@ FINISH_REASONS = ("stop", "length", "cancelled", "deadline")
 class GenerationMetrics:
     """The generation series of one worker, registered in ``registry``."""
 
-    def __init__(self, model: str, loop: GenerationLoop, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, model: str, loop: GenerationLoop, registry: CollectorRegistry,
+        current: Callable[[], GenerationLoop | None] | None = None,
+    ) -> None:
+        """``loop`` is observed now (a swap hands its observers on to the next loop); ``current()``
+        returns the loop serving now, for the gauges (default: ``loop``), so a swapped-out loop (and its
+        engine) is not kept alive by a gauge."""
         self.model = model
+        now = current or (lambda: loop)
         m = ["model"]
         self.tokens = Counter("fleet_worker_generated_tokens", "Tokens generated.", m, registry=registry)
         self.finished = Counter(
@@ -60,10 +68,10 @@ class GenerationMetrics:
         )
         Gauge("fleet_worker_running_sequences", "Sequences in the running batch.", m, registry=registry).labels(
             model
-        ).set_function(lambda: float(loop.active))
+        ).set_function(lambda: float(g.active) if (g := now()) is not None else 0.0)
         Gauge("fleet_worker_kv_tokens", "Real tokens in the running KV cache.", m, registry=registry).labels(
             model
-        ).set_function(lambda: float(loop.state.kv_tokens))
+        ).set_function(lambda: float(g.state.kv_tokens) if (g := now()) is not None else 0.0)
         for reason in FINISH_REASONS:
             self.finished.labels(model, reason)
         loop.observers.append(self.on_step)

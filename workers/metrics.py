@@ -152,7 +152,10 @@ class WorkerMetrics:
         for outcome in ("succeeded", "invalid", "expired", "cancelled", "failed"):
             self.requests.labels(self.model, outcome)  # export zeros, so rate() sees the series start
         loop = runtime.scheduler.generation
-        self.generation = GenerationMetrics(self.model, loop, registry) if loop is not None else None
+        scheduler = runtime.scheduler
+        self.generation = (
+            GenerationMetrics(self.model, loop, registry, lambda: scheduler.generation) if loop is not None else None
+        )
 
     # -- hooks ---------------------------------------------------------------------------------
     def on_batch(self, stats: BatchStats) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -78,20 +80,26 @@ def test_a_batch_never_mixes_engines_and_canary_jobs_fall_back_to_stable() -> No
     assert len(outcomes) == 9
 
 
-def test_a_swap_takes_effect_at_the_next_batch_and_the_running_batch_keeps_its_engine() -> None:
+def test_a_swap_takes_effect_at_the_next_batch_and_the_old_engine_is_freed_after_its_last_batch() -> None:
     old, new = ShiftEngine(1), ShiftEngine(3)
-    old.gate = threading.Event()
+    gate, entered = threading.Event(), old.entered
+    old.gate = gate
+    old_ref = weakref.ref(old)
     sched = Scheduler(old, BatchPolicy(1, 0, 1000, close_when_idle=True), version="v1")  # type: ignore[arg-type]
+    del old
     sched.start()
     first = job(4)
     sched.submit(first)
-    assert old.entered.wait(10)
+    assert entered.wait(10)
     sched.swap("stable", new, "v2")  # type: ignore[arg-type]
     second = job(4)
     sched.submit(second)
-    old.gate.set()
+    assert old_ref() is not None  # the running batch still holds it
+    gate.set()
     assert (done(first).version, done(first).top_ids) == ("v1", [5])
     assert (done(second).version, done(second).top_ids) == ("v2", [7])
+    gc.collect()
+    assert old_ref() is None  # its last batch ended: nothing holds the old engine (its ORT session) any more
     sched.stop()
 
 
