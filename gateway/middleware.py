@@ -14,7 +14,7 @@ from typing import Any
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.errors import error_payload, is_openai_path, openai_error
 from producer.admission import queue_depth
 from producer.registry import list_workers
+from protocol.model_state import AUTO_ROLLBACKS_KEY, read_state
 from protocol.settings import FleetSettings
 
 __all__ = ["BodyLimitMiddleware", "GatewayMetrics", "MetricsMiddleware"]
@@ -110,21 +111,38 @@ class _FleetCollector(Collector):
         self.settings = settings
         self.client = client
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         up = GaugeMetricFamily("fleet_redis_up", "1 when the gateway reaches Redis.")
         depth = GaugeMetricFamily("fleet_queue_depth", "Requests waiting per model queue.", labels=["model"])
         ready = GaugeMetricFamily("fleet_ready_workers", "Ready workers per model.", labels=["model"])
+        canary_depth = GaugeMetricFamily(
+            "fleet_canary_queue_depth", "Requests waiting on each model's canary queue.", labels=["model"]
+        )
+        weight = GaugeMetricFamily(
+            "fleet_model_canary_weight", "Percent of a model's traffic routed to its canary (0 = none).",
+            labels=["model"],
+        )
+        rollbacks = CounterMetricFamily(
+            "fleet_model_auto_rollbacks", "Canaries rolled back automatically, per model.", labels=["model"]
+        )
         try:
             workers = list_workers(self.client)
             for name in self.settings.models:
                 depth.add_metric([name], queue_depth(self.client, self.settings.queue_for(name)))
                 ready.add_metric([name], sum(1 for w in workers if w.get("model") == name and w.get("ready")))
+                canary_depth.add_metric([name], queue_depth(self.client, self.settings.canary_queue_for(name)))
+                state = read_state(self.client, name)
+                weight.add_metric([name], state.canary_weight if state and state.canary else 0)
+                rollbacks.add_metric([name], int(self.client.get(AUTO_ROLLBACKS_KEY.format(model=name)) or 0))
             up.add_metric([], 1)
         except redis.RedisError:
             up.add_metric([], 0)
         yield up
         yield depth
         yield ready
+        yield canary_depth
+        yield weight
+        yield rollbacks
 
 
 class GatewayMetrics:

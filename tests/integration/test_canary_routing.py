@@ -8,6 +8,8 @@ import json
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from producer.client import FleetClient
 from protocol.messages import InferenceResult
 from protocol.model_state import pin, read_state, route, set_canary
@@ -108,9 +110,17 @@ def test_gateway_routes_by_the_bodys_routing_key(fleet: Fleet) -> None:
         sent += [(key, item["request_id"]) for key, item in zip(keys, batch.json()["requests"], strict=True)]
         too_long = http.post("/v1/requests", json={"model": MODEL, "input_ids": [5], "routing_key": "k" * 201})
         assert too_long.status_code == 422 and "routing_key" in too_long.text
+        client.redis.set("fleet:model-auto-rollbacks:demo-lm", 2)
+        metrics = {(s.name, s.labels.get("model")): s.value
+                   for family in text_string_to_metric_families(http.get("/metrics").text) for s in family.samples}
     on_canary = _queued_single_ids(client, settings.canary_queue_for(MODEL))
     on_stable = _queued_single_ids(client, settings.queue_for(MODEL))
     assert on_canary | on_stable == {rid for _, rid in sent} and not on_canary & on_stable
     for key, rid in sent:
         assert (rid in on_canary) == (route(state, key) == "canary")
     assert 0 < len(on_canary) < len(sent)
+    assert metrics[("fleet_canary_queue_depth", MODEL)] == len(on_canary)
+    assert metrics[("fleet_queue_depth", MODEL)] == len(on_stable)
+    assert metrics[("fleet_model_canary_weight", MODEL)] == 50
+    assert metrics[("fleet_model_auto_rollbacks_total", MODEL)] == 2
+    assert metrics[("fleet_model_canary_weight", "demo-encoder")] == 0
