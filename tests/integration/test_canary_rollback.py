@@ -8,11 +8,12 @@ bounds, ``tests/integration/model_versions.py``); everything runs against a real
 from __future__ import annotations
 
 import time
+from collections import Counter
 from pathlib import Path
 
 import redis
 
-from protocol.model_state import AUTO_ROLLBACKS_KEY, history, read_state, set_canary
+from protocol.model_state import AUTO_ROLLBACKS_KEY, history, promote, read_state, set_canary
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.lifecycle_fixtures import (
     Load,
@@ -87,3 +88,39 @@ def test_a_failing_canary_is_rolled_back_automatically_and_stable_keeps_serving(
     assert computed(stable.version, "stable", "ok") >= len(results)
     assert w[("fleet_worker_latency_seconds_count", (("model", MODEL), ("role", "canary"), ("version", bad.version)))] \
         == len(failures)
+
+
+def test_a_good_canary_serves_its_share_then_is_promoted_without_a_failure(
+    fleet: Fleet, s3: EmbeddedSeaweed, tmp_path: Path  # noqa: F811
+) -> None:
+    stable, good = publish(s3, tmp_path, 1.0), publish(s3, tmp_path, 2.0)
+    logprob_of = {stable.version: stable.logprob, good.version: good.logprob}
+    cfg = lifecycle_config(fleet, s3, stable.version, tmp_path / "cache", canary=BOUNDS)
+    worker = fleet.worker(cfg, MODEL, hostname="w1-promote@test")
+    r = redis.Redis.from_url(fleet.redis_url)
+    watch = Watch(fleet.redis_url, [worker.hostname])
+    client = fleet.client(cfg)
+    load = Load(client).start()
+    try:
+        load.submitted_after(10)
+        set_canary(r, MODEL, good.version, 50, "test@promote")
+        wait_until(lambda: watch.all_serve(stable.version, good.version), 60, "the worker to load the canary")
+        load.submitted_after(40)
+        promote(r, MODEL, "test@promote")
+        wait_until(lambda: watch.all_serve(good.version, None), 60, "the worker to serve the promoted version")
+        load.submitted_after(20)
+    finally:
+        ids = load.stop()
+        watch.stop()
+    results, failures = collect(client, ids)
+    pairs = dict(Counter((x.version, x.role) for x in results))
+    print(f"\npromote: submitted {len(ids)}, completed {len(results)}, failed {len(failures)}; by (version, role) "
+          f"{pairs}; auto-rollbacks {[h.action for h in history(r, MODEL)].count('auto-rollback')}")
+    assert not failures and len(results) == len(ids)
+    assert all(x.top_k is not None and abs(x.top_k[0].logprob - logprob_of[x.version]) < 1e-4 for x in results)
+    assert pairs.get((good.version, "canary"), 0) > 0 and pairs.get((stable.version, "stable"), 0) > 0
+    assert pairs.get((good.version, "stable"), 0) > 0  # after the promotion
+    assert set(pairs) <= {(stable.version, "stable"), (good.version, "canary"), (good.version, "stable")}
+    assert [h.action for h in history(r, MODEL)] == ["canary", "promote"]  # the guard let a good canary be
+    assert "loaded identity " + good.version in worker.log_tail(200_000)
+    assert worker.log_tail(200_000).count("loaded identity " + good.version) == 1  # promoted without a reload
