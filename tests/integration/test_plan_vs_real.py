@@ -1,0 +1,31 @@
+"""fleet plan's model against a real fleet on this machine: the same short trace, p50/p99 queue wait.
+
+One real celery worker on a real redis-server serves an LM big enough for the engine to matter
+(planner.validate.build_model). A backlog queued before the worker starts gives this machine's
+capacity; a Poisson trace at a quarter of it with a 2 s burst at 1.5x is replayed for real and
+through the model (fed the service the worker reported in that run and the real submit times).
+The model's p50 and p99 queue wait must agree with the measured ones within max(50 %, 10 ms)
+(planner.replay.agreement); wrong models (two workers instead of one; engine time only, without the
+worker's per-request cost) must fall outside it at p50 or p99.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from planner.validate import MODEL, build_model, check, model_config
+from tests.integration.fleet_fixtures import Fleet
+
+pytestmark = pytest.mark.slow
+
+
+def test_simulated_queue_wait_agrees_with_a_real_run(fleet: Fleet, tmp_path: Path) -> None:
+    config = fleet.config(models={MODEL: model_config(build_model(tmp_path / "models"))})
+    result = check(fleet.client(config), lambda: fleet.worker(config, MODEL, concurrency=8))
+    print(result.to_json())
+    for check_at in result.agreements():
+        assert check_at.ok, check_at
+    for name in ("two workers", "engine time only"):
+        assert not result.passes(result.wrong[name]), (name, result.agreements(result.wrong[name]))
