@@ -11,8 +11,10 @@ import hashlib
 import json
 from pathlib import Path
 
+import pytest
 import redis
 
+from producer.cli import main as fleet_main
 from protocol.keys import WORKER_KEY_PREFIX
 from protocol.model_state import pin, refusals, rollback
 from tests.integration.fleet_fixtures import Fleet
@@ -73,7 +75,7 @@ def _sha(data: bytes) -> str:
 
 
 def test_a_corrupted_version_is_refused_and_the_old_one_keeps_serving(
-    fleet: Fleet, s3: EmbeddedSeaweed, tmp_path: Path  # noqa: F811
+    fleet: Fleet, s3: EmbeddedSeaweed, tmp_path: Path, capsys: pytest.CaptureFixture[str]  # noqa: F811
 ) -> None:
     good, bad = publish(s3, tmp_path, 1.0), publish(s3, tmp_path, 3.0)
     key = f"{MODEL}/{bad.version}/{MODEL}-{bad.version}.onnx"
@@ -93,8 +95,8 @@ def test_a_corrupted_version_is_refused_and_the_old_one_keeps_serving(
     finally:
         ids = load.stop()
     results, failures = collect(client, ids)
-    print(f"\nrefusal: {refused[0].error_type}: {refused[0].error}; submitted {len(ids)}, completed {len(results)}, "
-          f"failed {len(failures)}; versions {sorted({x.version for x in results})}")
+    summary = (f"\nrefusal: {refused[0].error_type}: {refused[0].error}; submitted {len(ids)}, "
+               f"completed {len(results)}, failed {len(failures)}; versions {sorted({x.version for x in results})}")
     assert refused[0].worker == worker.hostname and refused[0].version == bad.version
     assert refused[0].error_type == "ChecksumMismatch"
     assert f"{MODEL}-{bad.version}.onnx" in refused[0].error
@@ -104,6 +106,14 @@ def test_a_corrupted_version_is_refused_and_the_old_one_keeps_serving(
     assert all(x.top_k is not None and abs(x.top_k[0].logprob - good.logprob) < 1e-4 for x in results)
     beat = json.loads(r.get(WORKER_KEY_PREFIX + worker.hostname) or b"{}")
     assert beat["version"] == good.version and beat["last_refusal"]["version"] == bad.version
+
+    capsys.readouterr()
+    assert fleet_main(["status", "--config", str(cfg)]) == 0
+    status = capsys.readouterr().out
+    refused_line = next(line for line in status.splitlines() if "REFUSED" in line)
+    print(f"{summary}\nfleet status: {refused_line[:160]}…")
+    assert worker.hostname in refused_line and bad.version in refused_line and "ChecksumMismatch" in refused_line
+    assert _sha(original) in refused_line and _sha(tampered) in refused_line
 
 
 def test_a_worker_down_during_a_change_starts_on_the_version_in_force(
