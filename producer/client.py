@@ -81,7 +81,20 @@ class _ModelInfo:
 
 
 def _no_send_time_subscription(producer: Any, task_id: str) -> None:
-    """Replaces the result backend's ``on_task_call`` (see :class:`FleetClient`): subscribe on wait only."""
+    """Replaces the result backend's ``on_task_call``: subscribe on wait only (see :func:`_quiet_backend`)."""
+
+
+def _quiet_backend(app: Celery) -> None:
+    """Stop this thread's result backend from subscribing to a task's result channel as it is sent.
+
+    Celery subscribes on send, and the AsyncResult that ``send_task`` returns (dropped by the fleet)
+    unsubscribes at once: 2 wasted Redis commands per request. ``ResultReader.result`` subscribes when
+    it waits, then reads the stored result once, so a result published in between is not missed.
+    Celery keeps one Redis result backend per thread (it is not ``thread_safe``), hence per call.
+    """
+    backend = app.backend
+    if vars(backend).get("on_task_call") is not _no_send_time_subscription:
+        backend.on_task_call = _no_send_time_subscription
 
 
 class FleetClient(ResultReader):
@@ -94,11 +107,6 @@ class FleetClient(ResultReader):
     def __init__(self, settings: FleetSettings, celery_app: Celery | None = None) -> None:
         self.settings = settings
         self.app = celery_app or make_celery(settings, "onnx-fleet-producer")
-        # Celery subscribes to a task's result channel as it sends the task, and the AsyncResult that
-        # send_task returns (dropped here) unsubscribes at once: 2 wasted commands per request.
-        # ResultReader.result subscribes when it waits, then reads the stored result once, so a
-        # result published in between is not missed.
-        self.app.backend.on_task_call = _no_send_time_subscription
         self.redis = sync_client(settings)
         self.admission = Admission(self.redis, settings)
         self.router = Router(self.redis, settings)
@@ -291,6 +299,7 @@ class FleetClient(ResultReader):
             return self._resubmitted(rid, self.redis.get(marker_key), fingerprint)  # known, or a concurrent twin won
         model = request.model
         queue = self.router.queue(model, role) if role else self.router.choose(model, routing_key or rid)
+        _quiet_backend(self.app)
         self.app.send_task(
             TASK_NAME,
             args=[request.model_dump(mode="json", exclude_none=True)],
@@ -411,6 +420,7 @@ class FleetClient(ResultReader):
                 by_queue: dict[str, list[InferenceRequest]] = {}
                 for r, routing_key in zip(chunk, keys[start : start + chunk_size], strict=True):
                     by_queue.setdefault(self.router.choose(key, routing_key), []).append(r)
+                _quiet_backend(self.app)
                 for queue, part in by_queue.items():
                     self.app.send_task(
                         BULK_TASK_NAME,
