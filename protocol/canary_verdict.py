@@ -108,14 +108,19 @@ def canary_verdict(
     """Judge the ``canary`` version against ``bounds`` over one window of ``samples``.
 
     Figures are per version (a canary-queue request computed by the stable version, as happens just
-    after a change, counts for the stable version). No rollback until the canary has
+    after a change, counts for the stable version); with ``stable`` None (no pin) the busiest other
+    version is the stable one. No rollback until the canary has
     ``bounds.min_requests`` samples; then it is rolled back when its error rate exceeds
     ``max_error_rate``, its p99 exceeds ``max_p99_ms``, or (when the stable version also has
     ``min_requests``) its p99 exceeds ``max_p99_ratio`` x the stable p99.
     """
     figures = version_figures(samples)
     can = figures.get(canary)
-    sta = figures.get(stable) if stable is not None and stable != canary else None
+    if stable is None:  # no pin: the stable role serves the configured version, whatever its name
+        others = [f for v, f in figures.items() if v != canary]
+        sta = max(others, key=lambda f: f.requests) if others else None
+    else:
+        sta = figures.get(stable) if stable != canary else None
     if can is None or can.requests < bounds.min_requests:
         return Verdict(False, None, can, sta)
     if can.error_rate > bounds.max_error_rate:
@@ -137,7 +142,7 @@ def canary_verdict(
     ):
         reason = (
             f"canary {canary} p99 {can.p99_ms:.1f} ms > max_p99_ratio {bounds.max_p99_ratio} x stable "
-            f"{stable} p99 {sta.p99_ms:.1f} ms"
+            f"{sta.version} p99 {sta.p99_ms:.1f} ms"
         )
         return Verdict(True, reason, can, sta)
     return Verdict(False, None, can, sta)

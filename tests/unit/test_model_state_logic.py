@@ -124,3 +124,10 @@ def test_router_reads_the_state_at_most_once_per_cache_period() -> None:
     now[0] = 1.0
     assert {router.choose("m", f"k{i}") for i in range(200)} == {"fleet.m"} and fake.gets == 2
     assert router.queue("m", "canary") == "fleet.m.canary"
+
+
+def test_verdict_without_a_pin_compares_with_the_configured_version() -> None:
+    samples = [*_samples("1.0.0", "stable", 100), *_samples("2", "canary", 40, latency_ms=31.0)]
+    verdict = canary_verdict(samples, BOUNDS, canary="2", stable=None)
+    assert verdict.rollback and verdict.stable is not None and verdict.stable.version == "1.0.0"
+    assert verdict.reason is not None and "stable 1.0.0 p99 10.0 ms" in verdict.reason
