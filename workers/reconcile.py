@@ -58,6 +58,8 @@ class Reconciler:
         """The stable version asked for and loaded; None = the configured one."""
         self.canary_active = False
         """The state has a canary: per-request outcomes are recorded (zero cost otherwise)."""
+        self.last_refusal: dict[str, Any] | None = None
+        """The last version this worker refused (heartbeat ``last_refusal``): version, error_type, error, at_unix_s."""
         self._refused: dict[str, int] = {}
         """Version -> state generation at which it was refused (not retried until the state changes)."""
         self._stop = threading.Event()
@@ -156,13 +158,12 @@ class Reconciler:
         self._refused[version] = state.generation if state is not None else 0
         log.error("worker %s refuses %s %s, keeps serving its current version: %s", self.hostname, self.model,
                   version, exc)
+        self.last_refusal = {"version": version, "error_type": type(exc).__name__, "error": str(exc),
+                             "at_unix_s": time.time()}
         try:
-            refusal = record_refusal(self.redis, self.model, self.hostname, version, exc)
+            record_refusal(self.redis, self.model, self.hostname, version, exc)
         except redis.RedisError as err:
             log.warning("could not record the refusal: %s", err)
-            return
-        if self.runtime is not None:
-            self.runtime.last_refusal = refusal.model_dump(mode="json")
 
     def _read(self) -> ModelState | None:
         try:

@@ -74,7 +74,6 @@ class WorkerRuntime:
             generation=self.stable.generation,
             version=self.stable.version,
         )
-        self.last_refusal: dict[str, Any] | None = None
         self.ready = False
         self.in_flight = 0
         self._count_lock = threading.Lock()
@@ -196,7 +195,7 @@ class WorkerRuntime:
             "version": self.scheduler.stable.version,
             "version_since_unix_s": self.scheduler.stable.since_unix_s,
             "canary_version": self.canary.version if self.canary is not None else None,
-            "last_refusal": self.last_refusal,
+            "last_refusal": self.reconciler.last_refusal,
             "queue": self.queue,
             "canary_queue": self.canary_queue,
             "providers": self.engine.providers,
