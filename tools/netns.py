@@ -34,7 +34,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, TypeVar
 
-__all__ = ["NetHost", "NetLab", "NetnsError", "unavailable_reason"]
+__all__ = ["NetHost", "NetLab", "NetnsError", "lab_pid", "unavailable_reason"]
 
 T = TypeVar("T")
 
@@ -53,12 +53,20 @@ def unavailable_reason() -> str | None:
         return "needs root to make network namespaces (ip netns)"
     if shutil.which("ip") is None:
         return "needs iproute2 (the ip command)"
-    probe = f"{LAB_PREFIX}-probe-{os.getpid()}-{secrets.token_hex(2)}"
+    probe = f"{LAB_PREFIX}-{os.getpid()}-{secrets.token_hex(2)}-probe"
     out = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, check=False)
     if out.returncode != 0:
         return f"cannot make a network namespace here: {out.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
     return None
+
+
+def lab_pid(netns: str) -> int | None:
+    """The process id a lab's namespace name carries (``fleetlab-<pid>-<tag>-<host>``); None for other names."""
+    parts = netns.split("-")
+    if len(parts) < 4 or parts[0] != LAB_PREFIX or not parts[1].isdigit():
+        return None
+    return int(parts[1])
 
 
 def _ip(*args: str) -> None:
@@ -150,12 +158,22 @@ class NetLab:
         self.hosts: dict[str, NetHost] = {}
         self._made: list[str] = []
 
+    @staticmethod
+    def sweep_stale() -> list[str]:
+        """Delete the namespaces of labs whose process is gone (a run killed before its teardown); returns them."""
+        names = sorted(p.name for p in NETNS_DIR.glob(f"{LAB_PREFIX}-*")) if NETNS_DIR.is_dir() else []
+        stale = [n for n in names if (pid := lab_pid(n)) is not None and not Path(f"/proc/{pid}").exists()]
+        for netns in stale:
+            subprocess.run(["ip", "netns", "del", netns], capture_output=True, check=False)
+        return stale
+
     def open(self) -> NetLab:
-        """Make the switch namespace and its bridge ``br0``.
+        """Make the switch namespace and its bridge ``br0`` (first removing what dead runs left behind).
 
         Raises:
             NetnsError: iproute2 refused (not root, no namespaces here).
         """
+        self.sweep_stale()
         _ip("netns", "add", self.switch)
         self._made.append(self.switch)
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
