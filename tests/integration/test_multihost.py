@@ -219,6 +219,9 @@ def test_worker_host_cut_off_under_load_loses_nothing(tmp_path: Path) -> None:
           f"{len(differing)}); Redis clients by host {dict(hosts)}; cut {t_cut - t0:.1f} s after the start, held "
           f"requests served {held_done_s:.1f} s after the cut, {time.monotonic() - t0:.1f} s in all")
     assert not lost and not wrong, (lost, wrong)
+    # the duplicate checks below see every result, or fail here rather than pass on nothing
+    assert not set(final) - set(computed), "results missing from the workers' logs (Celery's INFO 'succeeded' line)"
+    assert not set(final) - set(writes.writes), "stored results not seen published on celery-task-meta-<id>"
     assert held and all(w not in (None, w1.hostname) for w in served_by.values()), served_by
     assert not differing, {rid: twice[rid] for rid in differing}
     assert not unlike, {rid: recomputed[rid] for rid in unlike}
