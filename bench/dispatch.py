@@ -33,7 +33,7 @@ Variant = tuple[str, FleetConfig, int]
 more = ``fleet.infer_bulk`` messages of that many requests)."""
 
 
-EXTRAS_OFF = {"task_events": False, "track_started": False, "result_extended": False}
+EXTRAS_OFF = {"task_events": False, "sent_events": False, "track_started": False, "result_extended": False}
 """The ``celery`` settings of the lean variant: every per-task extra of protocol/celeryconf.py off."""
 
 
@@ -54,7 +54,11 @@ def dispatch_variants(plan: Plan, name: str, path: Path) -> dict[str, Variant]:
         label = "before issue 11: the producer's old round trips, extended results (bench/legacy_client.py)"
         out["legacy"] = (label, replace(cfg, label="dispatch-legacy", model_name=f"{name}-legacy", legacy=True), 1)
     changes: dict[str, tuple[str, dict[str, bool], int]] = {
-        "no-events": ("no task events (`celery.task_events: false`, worker without -E)", {"task_events": False}, 1),
+        "no-events": (
+            "no task events (`celery.task_events` and `celery.sent_events` false, worker without -E)",
+            {"task_events": False, "sent_events": False},
+            1,
+        ),
         "no-started": ("no STARTED state (`celery.track_started: false`)", {"track_started": False}, 1),
         "lean": ("lean Celery: no task events, no STARTED state, no extended result", EXTRAS_OFF, 1),
         "bulk": (f"bulk path (`fleet.infer_bulk`): {plan.concurrency} requests per message", {}, plan.concurrency),

@@ -6,8 +6,9 @@ new path side by side in one run (the machine is shared: runs an hour apart are 
 * a marker ``GET`` before the ``SET NX`` of every submission;
 * Celery's send-time result subscription (``SUBSCRIBE`` on send, ``UNSUBSCRIBE`` when the dropped
   ``AsyncResult`` goes);
-* the queue depth read on every submission: the worker's config sets ``admission.queue_depth_cache_ms: 0``
-  and ``celery.result_extended: true`` (see :attr:`bench.procs.FleetConfig.legacy`).
+* the queue depth read on every submission and extended results: the variant's config sets
+  ``admission.queue_depth_cache_ms: 0`` and ``celery.result_extended: true`` (see
+  :attr:`bench.procs.FleetConfig.legacy`).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def celery_config(settings: FleetSettings) -> dict[str, Any]:
         "worker_concurrency": settings.worker.concurrency,
         "worker_pool": "threads",
         "worker_send_task_events": settings.celery.task_events,
-        "task_send_sent_event": settings.celery.task_events,
+        "task_send_sent_event": settings.celery.sent_events,
         "worker_hijack_root_logger": False,
         "broker_connection_retry_on_startup": True,
         "broker_transport_options": {

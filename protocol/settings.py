@@ -341,8 +341,13 @@ class CelerySettings(_Section):
 
     task_events: bool = Field(
         default=True,
-        description="Task events (sent by the producer; received, started, succeeded by the worker): what "
-        "Flower shows. One PUBLISH each. `fleet worker` also passes -E, which turns the worker's on regardless.",
+        description="The worker's task events (received, started, succeeded): what Flower shows. Buffered into "
+        "a few PUBLISHes; `fleet worker` also passes -E, which turns them on regardless.",
+    )
+    sent_events: bool = Field(
+        default=True,
+        description="The producer's task-sent event (one PUBLISH per request): Flower lists a request while it "
+        "waits in the queue and shows its queue (routing_key); without it, only from when a worker receives it.",
     )
     track_started: bool = Field(
         default=True,

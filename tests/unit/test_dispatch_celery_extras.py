@@ -11,7 +11,7 @@ from protocol.errors import ConfigError
 from protocol.settings import FleetSettings, load_settings
 
 
-def test_defaults_keep_events_and_started_and_drop_extended_results() -> None:
+def test_defaults_keep_flowers_events_and_started_and_drop_extended_results() -> None:
     conf = celery_config(FleetSettings())
     assert conf["worker_send_task_events"] is True and conf["task_send_sent_event"] is True
     assert conf["task_track_started"] is True
@@ -26,6 +26,7 @@ def _empty_config(tmp_path: Path) -> Path:
 
 def test_each_extra_is_a_setting(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("FLEET_CELERY__TASK_EVENTS", "false")
+    monkeypatch.setenv("FLEET_CELERY__SENT_EVENTS", "false")
     monkeypatch.setenv("FLEET_CELERY__TRACK_STARTED", "false")
     monkeypatch.setenv("FLEET_CELERY__RESULT_EXTENDED", "true")
     conf = celery_config(load_settings(_empty_config(tmp_path)))
