@@ -12,7 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from producer.client import FleetClient
 from protocol.messages import InferenceResult
-from protocol.model_state import pin, read_state, route, set_canary
+from protocol.model_state import ModelState, pin, read_state, route, set_canary
+from protocol.settings import FleetSettings
 from tests.integration.canary_fixtures import MODEL, publish_two_versions, wait_canary_served
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.test_model_store import s3, seaweed  # noqa: F401  (fixtures)
@@ -28,13 +29,17 @@ def _queued_request_ids(client: FleetClient, queue: str) -> list[str]:
     return ids
 
 
-def test_producer_queues_each_request_on_the_role_its_key_routes_to(fleet: Fleet) -> None:
+def _with_canary(fleet: Fleet, weight: int) -> tuple[FleetSettings, FleetClient, ModelState | None]:
+    """Settings, a client, and the state after pinning 1.0.0 with canary 2.0.0 at ``weight`` percent."""
     cfg = fleet.config()
-    settings = fleet.settings(cfg)
     client = fleet.client(cfg)
     pin(client.redis, MODEL, "1.0.0", "test@host")
-    set_canary(client.redis, MODEL, "2.0.0", 10, "test@host")
-    state = read_state(client.redis, MODEL)
+    set_canary(client.redis, MODEL, "2.0.0", weight, "test@host")
+    return fleet.settings(cfg), client, read_state(client.redis, MODEL)
+
+
+def test_producer_queues_each_request_on_the_role_its_key_routes_to(fleet: Fleet) -> None:
+    settings, client, state = _with_canary(fleet, 10)
     ids = client.submit_bulk(MODEL, [[5 + i % 50] for i in range(2000)], chunk_size=500, top_k=1)
     on_canary = _queued_request_ids(client, settings.canary_queue_for(MODEL))
     on_stable = _queued_request_ids(client, settings.queue_for(MODEL))
@@ -90,12 +95,7 @@ def test_gateway_routes_by_the_bodys_routing_key(fleet: Fleet) -> None:
 
     from gateway.app import create_app
 
-    cfg = fleet.config()
-    settings = fleet.settings(cfg)
-    client = fleet.client(cfg)
-    pin(client.redis, MODEL, "1.0.0", "test@host")
-    set_canary(client.redis, MODEL, "2.0.0", 50, "test@host")
-    state = read_state(client.redis, MODEL)
+    settings, client, state = _with_canary(fleet, 50)
     keys = [f"user-{k}" for k in range(10)]
     with TestClient(create_app(settings)) as http:
         sent = []
