@@ -127,14 +127,14 @@ class HostFleet:
             "--appendonly", "no", "--dir", str(data), "--protected-mode", "no", "--loglevel", "warning",
         ])
 
-        def ping() -> bool:
+        def ping(client: redis.Redis[bytes]) -> bool:
             self._check_alive("redis")
             try:
-                return bool(self.redis().ping())
+                return bool(client.ping())
             except redis.ConnectionError:
                 return False
 
-        self.wait(lambda: self.on_client(ping), timeout_s, "redis-server on the redis host")
+        self.wait(lambda: self.ask_redis(ping), timeout_s, "redis-server on the redis host")
 
     def config(self, model_path: Path, **overrides: Any) -> Path:
         """Write an identity-model config pointing at the redis host (``overrides`` merged); returns its path."""
@@ -196,9 +196,18 @@ class HostFleet:
         """Run ``fn`` on a thread inside the client host (its sockets leave from the client's address)."""
         return self.client_host.call(fn, *args, **kwargs)
 
-    def redis(self) -> redis.Redis[bytes]:
-        """A redis-py client for the redis host; use it only inside a host (e.g. in :meth:`on_client`)."""
+    def redis_client(self) -> redis.Redis[bytes]:
+        """A redis-py client for the redis host; use it only inside a host (e.g. in :meth:`on_client`); close it."""
         return redis.Redis(host=self.redis_host.ip, port=REDIS_PORT, socket_connect_timeout=2, socket_timeout=5)
+
+    def ask_redis(self, fn: Callable[[redis.Redis[bytes]], T]) -> T:
+        """``fn(client)`` from the client host, on a fresh Redis client closed afterwards."""
+
+        def run() -> T:
+            with self.redis_client() as client:
+                return fn(client)
+
+        return self.on_client(run)
 
     def wait(self, check: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.05) -> Any:
         """Poll ``check()`` until truthy (returned).

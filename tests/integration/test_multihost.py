@@ -63,7 +63,8 @@ class ResultWrites:
 
     def _run(self) -> None:
         self.hf.client_host.enter()
-        pubsub = self.hf.redis().pubsub(ignore_subscribe_messages=True)
+        client = self.hf.redis_client()
+        pubsub = client.pubsub(ignore_subscribe_messages=True)
         pubsub.psubscribe("celery-task-meta-*")
         pubsub.get_message(timeout=5)  # the subscription's confirmation
         self._ready.set()
@@ -74,6 +75,7 @@ class ResultWrites:
                 if meta.get("status") == "SUCCESS":
                     self.writes[meta["task_id"]].append(meta["result"])
         pubsub.close()
+        client.close()
 
     def stop(self) -> None:
         self._stop.set()
@@ -175,7 +177,7 @@ def test_worker_host_cut_off_under_load_loses_nothing(tmp_path: Path) -> None:
         hf.wait_workers([w1])
 
         def w1_in_flight() -> int:
-            raw = hf.on_client(lambda: hf.redis().get(WORKER_KEY_PREFIX + w1.hostname))
+            raw = hf.ask_redis(lambda r: r.get(WORKER_KEY_PREFIX + w1.hostname))
             return int(json.loads(raw)["in_flight"]) if raw else -1
 
         w1_log = w1.log_path or tmp_path
@@ -200,7 +202,7 @@ def test_worker_host_cut_off_under_load_loses_nothing(tmp_path: Path) -> None:
         ids = [rid for rid, _ in load.accepted]
         views = hf.on_client(_results, url, ids, 10 * VISIBILITY_S + 30)
         hf.wait(lambda: w1_in_flight() == 0, 30, "w1 to finish what it holds")
-        clients = hf.on_client(lambda: hf.redis().client_list())
+        clients = hf.ask_redis(lambda r: r.client_list())
         hosts = Counter(hf.host_of(c["addr"].rsplit(":", 1)[0]) for c in clients)
         writes.stop()
 
