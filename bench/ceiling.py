@@ -13,7 +13,7 @@ from typing import Any
 
 from bench.markdown import fmt, md_table
 
-__all__ = ["ceiling_rps", "ceiling_section", "path_summary", "targets_table"]
+__all__ = ["ceiling_rps", "ceiling_section", "floor_note", "path_summary", "targets_table"]
 
 PATH_LABELS = {
     "served": "`fleet.infer` (FleetClient.submit + result)",
@@ -164,6 +164,40 @@ def _before_after_table(runs: dict[str, Any]) -> str:
     return md_table(head, rows)
 
 
+FLOOR_GROUPS = {
+    "kombu's delivery with per-request acks (`lpush`, `brpop`, `zadd`/`hset` on take, `zrem`/`hdel` on ack, "
+    "each pair in `multi`/`exec`)": ("lpush", "brpop", "zadd", "hset", "zrem", "hdel"),
+    "Celery's result store and wait (`get` before each write, `setex`+`publish` in `multi`/`exec`, the "
+    "waiter's `subscribe`/`get`/`unsubscribe`)": ("get", "setex", "publish", "subscribe", "unsubscribe"),
+    "the fleet's own (`set` marker, `exists` cancel key, `incrby`/`expire` drain meter, admission's `llen`)": (
+        "set", "exists", "incrby", "expire", "llen"),
+}  # fmt: skip
+"""Who issues which command of a request with every Celery extra off (from reading kombu, Celery and the fleet)."""
+
+
+def floor_note(lean: dict[str, Any]) -> str:
+    """What one request still costs with every Celery extra off, split by who issues it (Markdown)."""
+    calls = lean["redis_calls_by_command"]
+    pairs = calls.get("multi", 0.0)
+    kombu_pairs = min(pairs, 2.0 * calls.get("zadd", 0.0))  # one transaction on take, one on ack
+    parts = []
+    for label, names in FLOOR_GROUPS.items():
+        n = sum(calls.get(k, 0.0) for k in names)
+        if names[0] == "lpush":
+            n += 2 * kombu_pairs
+        elif names[0] == "get":
+            n += 2 * max(0.0, pairs - kombu_pairs)
+        parts.append(f"{label}: {fmt(n, 1)}")
+    return (
+        f"**What Celery itself costs.** With every extra off (lean), a request still takes "
+        f"{fmt(lean['redis_calls'], 1)} Redis commands and {fmt(lean['redis_cpu_ms'], 3)} Redis CPU-ms (one-Redis "
+        f"ceiling {fmt(lean['ceiling_rps'], 0)} req/s), and {fmt(lean['total_cpu_ms'], 2)} CPU-ms in all: "
+        + "; ".join(parts)
+        + ". The first two are what at-least-once delivery with per-request acks and per-request results cost "
+        "through Celery and kombu; below them only the bulk path goes (one message, one take and one ack per chunk)."
+    )
+
+
 def _verdict(ok: bool) -> str:
     return "met" if ok else "**not met**"
 
@@ -246,4 +280,7 @@ def ceiling_section(results: dict[str, Any]) -> str:
         targets = targets_table(runs)
         if targets:
             out += ["**Issue 11's targets** (measured, not asserted in tests):\n", targets + "\n"]
+        lean = runs[list(runs)[-1]]["paths"].get("lean")
+        if lean:
+            out.append(floor_note(lean) + "\n")
     return "\n".join(out)

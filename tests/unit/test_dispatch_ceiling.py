@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from bench.ceiling import ceiling_rps, ceiling_section, path_summary, targets_table
+from bench.ceiling import ceiling_rps, ceiling_section, floor_note, path_summary, targets_table
 
 
 def _loop(qps: float, front: str, front_ms: float, redis_ms: float, worker_ms: float, calls: float) -> dict[str, Any]:
@@ -70,3 +70,16 @@ def test_targets_prefer_the_old_path_of_the_same_run() -> None:
     table = targets_table({"after": run})
     assert "vs the old path, same run" in table
     assert "| 50.0 → 20.0 | 0.40× | met |" in table and "| 40 → 100 | 2.50× | met |" in table
+
+
+def test_floor_note_splits_the_lean_commands_by_who_issues_them() -> None:
+    lean = {
+        "redis_calls": 21.0, "redis_cpu_ms": 0.4, "ceiling_rps": 2500.0, "total_cpu_ms": 5.0,
+        "redis_calls_by_command": {"lpush": 1, "brpop": 1, "zadd": 1, "hset": 1, "zrem": 1, "hdel": 1, "multi": 3,
+                                   "exec": 3, "get": 2, "setex": 1, "publish": 1, "subscribe": 1, "unsubscribe": 1,
+                                   "set": 1, "exists": 1, "incrby": 1, "expire": 1},
+    }  # fmt: skip
+    note = floor_note(lean)
+    assert "per-request acks (" in note and "): 10.0;" in note  # 6 commands + 2 multi/exec pairs
+    assert "`unsubscribe`): 8.0;" in note  # 6 + 1 multi/exec pair
+    assert "admission's `llen`): 4.0." in note
