@@ -308,6 +308,8 @@ class FleetClient(ResultReader):
             argsrepr=request_argsrepr(request, text),
             kwargsrepr="{}",
         )
+        if role is None:  # not a shadow request itself
+            self.router.sample_prompt(model, rid, request.input_ids)
         return rid
 
     @staticmethod

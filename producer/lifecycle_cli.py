@@ -36,6 +36,7 @@ from protocol.model_state import (
     promote,
     read_outcomes,
     read_state,
+    recent_prompts,
     refusals,
     rollback,
     set_canary,
@@ -145,11 +146,13 @@ def _shadow(settings: FleetSettings, model: str, state: Any, args: argparse.Name
             return None  # agreement of next tokens means something for LMs only
         prompts: list[str | list[int]]
         if args.prompts:
-            prompts = load_prompts(Path(args.prompts))
-        else:
+            prompts, recent = load_prompts(Path(args.prompts)), 0
+        else:  # the recent prompts producers sampled, topped up with generated ones
+            prompts = list(recent_prompts(client.redis, model, args.shadow))
+            recent = len(prompts)
             limit = settings.model(model).limits.max_input_tokens
-            prompts = list(synthetic_prompts(args.shadow, info.card.vocab_size, limit))
-        return shadow_agreement(client, model, state, prompts)
+            prompts += synthetic_prompts(args.shadow - recent, info.card.vocab_size, limit)
+        return {**shadow_agreement(client, model, state, prompts), "recent_prompts": recent}
     finally:
         client.close()
 
@@ -210,7 +213,8 @@ def register(msub: Any) -> None:
     common(p, by=False)
     p.add_argument("--window-s", type=float, default=None, help="default: models.<m>.canary.window_s")
     p.add_argument("--shadow", type=_shadow_count, default=0,
-                   help="LMs with a canary: send N generated prompts to both versions and report top-1 agreement")
+                   help="LMs with a canary: send N recent prompts (topped up with generated ones) to both versions "
+                   "and report top-1 agreement")
     p.add_argument("--prompts", default=None, help="LMs: a JSON list of texts or id lists to use as the shadow sample")
     p.set_defaults(func=cmd_compare)
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import redis
 
-from protocol.model_state import ModelState, Role, read_state, route
+from protocol.model_state import ModelState, Role, read_state, record_recent_prompt, route, samples_prompt
 from protocol.settings import FleetSettings
 
 __all__ = ["STATE_CACHE_S", "Router"]
@@ -67,3 +67,10 @@ class Router:
     def choose(self, model: str, routing_key: str) -> str:
         """The queue a request of ``model`` with ``routing_key`` goes to now."""
         return self.queue(model, self.role(model, routing_key))
+
+    def sample_prompt(self, model: str, request_id: str, input_ids: Sequence[int]) -> None:
+        """While ``model`` has a canary, keep 1 in 20 requests' prompts for ``fleet models compare``'s
+        shadow sample (one pipelined round trip for a sampled request; nothing otherwise)."""
+        state = self.state(model)
+        if state is not None and state.canary is not None and samples_prompt(request_id):
+            record_recent_prompt(self.client, model, input_ids)

@@ -8,6 +8,8 @@ Keys (``model`` is the configured model key, :meth:`FleetSettings.model_key`)::
     fleet:model-outcomes:{model}     stream of finished requests while a canary is set (MAXLEN ~ 20000):
                                      version, role (stable|canary), ok (1|0), latency_ms, at (unix s)
     fleet:model-auto-rollbacks:{model}  counter of automatic rollbacks
+    fleet:model-recent-prompts:{model}  list of JSON token-id lists: 1 in 20 requests' prompts, sampled
+                                     by producers while a canary is set (last 200, expires after a day)
     fleet:model-changes              pub/sub channel: the model name, published after every change
 
 Every change (:func:`pin`, :func:`set_canary`, :func:`promote`, :func:`rollback`) is one
@@ -28,6 +30,7 @@ whose results name the stable and the canary version are compared.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterable
 from hashlib import sha256
@@ -45,6 +48,7 @@ __all__ = [
     "CHANGES_CHANNEL",
     "HISTORY_KEY",
     "OUTCOMES_KEY",
+    "RECENT_PROMPTS_KEY",
     "REFUSALS_KEY",
     "STATE_KEY",
     "HistoryEntry",
@@ -63,12 +67,15 @@ __all__ = [
     "promote",
     "read_outcomes",
     "read_state",
+    "recent_prompts",
     "record_outcomes",
+    "record_recent_prompt",
     "record_refusal",
     "refusals",
     "rollback",
     "route",
     "routing_fraction",
+    "samples_prompt",
     "set_canary",
 ]
 
@@ -77,6 +84,7 @@ HISTORY_KEY = "fleet:model-history:{model}"
 REFUSALS_KEY = "fleet:model-refusals:{model}"
 OUTCOMES_KEY = "fleet:model-outcomes:{model}"
 AUTO_ROLLBACKS_KEY = "fleet:model-auto-rollbacks:{model}"
+RECENT_PROMPTS_KEY = "fleet:model-recent-prompts:{model}"
 GUARD_LOCK_KEY = "fleet:model-guard-lock:{model}"
 CHANGES_CHANNEL = "fleet:model-changes"
 
@@ -86,6 +94,9 @@ REFUSALS_TTL_S = 7 * 86_400
 OUTCOMES_MAXLEN = 20_000
 GUARD_LOCK_MS = 5_000
 MIN_WEIGHT, MAX_WEIGHT = 1, 99
+RECENT_PROMPTS_KEEP = 200
+RECENT_PROMPTS_TTL_S = 86_400
+RECENT_SAMPLE_FRACTION = 0.05
 
 Role = Literal["stable", "canary"]
 Action = Literal["pin", "canary", "promote", "rollback", "auto-rollback"]
@@ -366,6 +377,29 @@ def refusals(r: redis.Redis[bytes], model: str, last: int | None = None) -> list
     """The model's recorded refusals, oldest first (only the ``last`` N when given)."""
     start = -last if last else 0
     return [Refusal.model_validate_json(raw) for raw in r.lrange(REFUSALS_KEY.format(model=model), start, -1)]
+
+
+# ---- recent prompts (sampled by producers while a canary is set: compare's shadow sample) ----
+
+
+def samples_prompt(request_id: str) -> bool:
+    """Whether the prompt of ``request_id`` is one of the sampled 1 in 20 (a hash apart from routing's)."""
+    return routing_fraction("recent-prompt:" + request_id) < RECENT_SAMPLE_FRACTION
+
+
+def record_recent_prompt(r: redis.Redis[bytes], model: str, input_ids: Iterable[int]) -> None:
+    """Keep ``input_ids`` among the model's recent prompts (newest first, the last 200, for a day)."""
+    key = RECENT_PROMPTS_KEY.format(model=model)
+    pipe = r.pipeline(transaction=False)
+    pipe.lpush(key, json.dumps(list(input_ids)))
+    pipe.ltrim(key, 0, RECENT_PROMPTS_KEEP - 1)
+    pipe.expire(key, RECENT_PROMPTS_TTL_S)
+    pipe.execute()
+
+
+def recent_prompts(r: redis.Redis[bytes], model: str, n: int) -> list[list[int]]:
+    """Up to ``n`` of the model's most recent sampled prompts (token ids), newest first."""
+    return [json.loads(raw) for raw in r.lrange(RECENT_PROMPTS_KEY.format(model=model), 0, n - 1)] if n > 0 else []
 
 
 # ---- outcomes (written by workers while a canary is set) ----

@@ -12,7 +12,7 @@ import pytest
 
 from producer.cli import main as fleet_main
 from protocol.messages import InferenceResult
-from protocol.model_state import pin, record_refusal, set_canary
+from protocol.model_state import pin, recent_prompts, record_refusal, samples_prompt, set_canary
 from store import ChecksumMismatch
 from tests.integration.canary_fixtures import MODEL, publish_two_versions, wait_canary_served
 from tests.integration.fleet_fixtures import Fleet
@@ -84,6 +84,11 @@ def test_compare_reports_per_version_figures_and_shadow_agreement(
     results = [r for r in client.wait(ids, 120) if isinstance(r, InferenceResult)]
     assert len(results) == 400
     served = {v: sum(r.version == v for r in results) for v in (v1, v2)}
+    # one request in 20 (by a hash of its ID) leaves its prompt for the shadow sample while a canary is set
+    singles = [(client.submit(MODEL, [9, 5 + i], top_k=1), [9, 5 + i]) for i in range(120)]
+    assert all(isinstance(r, InferenceResult) for r in client.wait([rid for rid, _ in singles], 60))
+    sampled = [ids for rid, ids in singles if samples_prompt(rid)]
+    assert recent_prompts(client.redis, MODEL, 200) == sampled[::-1]
 
     code, doc, _ = fleet_json(capsys, cfg, "compare", MODEL, "--window-s", "600", "--shadow", "16")
     assert code == 0
@@ -96,6 +101,7 @@ def test_compare_reports_per_version_figures_and_shadow_agreement(
     shadow = doc["shadow"]
     assert shadow["prompts"] == 16 and shadow["compared"] == 16 and shadow["failed"] == 0
     assert shadow["agreement"] == 1.0  # the two versions are the same bytes
+    assert shadow["recent_prompts"] == min(16, len(sampled))
 
 
 def test_status_shows_versions_changes_and_refusals(fleet: Fleet, capsys: pytest.CaptureFixture[str]) -> None:

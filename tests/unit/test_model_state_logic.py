@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from protocol.canary_verdict import Outcome, canary_verdict, percentile, version_figures
-from protocol.model_state import ModelState, route, routing_fraction
+from protocol.model_state import ModelState, route, routing_fraction, samples_prompt
 from protocol.settings import CanarySettings
 
 
@@ -131,3 +131,11 @@ def test_verdict_without_a_pin_compares_with_the_configured_version() -> None:
     verdict = canary_verdict(samples, BOUNDS, canary="2", stable=None)
     assert verdict.rollback and verdict.stable is not None and verdict.stable.version == "1.0.0"
     assert verdict.reason is not None and "stable 1.0.0 p99 10.0 ms" in verdict.reason
+
+
+def test_one_prompt_in_20_is_sampled_apart_from_routing() -> None:
+    ids = [f"req-{i}" for i in range(20_000)]
+    sampled = {rid for rid in ids if samples_prompt(rid)}
+    assert abs(len(sampled) / len(ids) - 0.05) < 0.006
+    on_canary = {rid for rid in ids if route(_state(10), rid) == "canary"}
+    assert 0.07 < len(sampled & on_canary) / len(sampled) < 0.13  # independent of the routing hash
