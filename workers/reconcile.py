@@ -32,6 +32,7 @@ from protocol.model_state import CHANGES_CHANNEL, ModelState, guard_canary, read
 from protocol.redis_conn import sync_client
 from protocol.settings import FleetSettings
 from workers.engines import LoadedModel, load_version
+from workers.reconcile_plan import Held, plan, wanted_stable
 from workers.scheduler import Role
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ class Reconciler:
         self.model = model
         self.hostname = hostname
         self.runtime: WorkerRuntime | None = None
+        self._configured = settings.models[model].store_version
         self.applied_stable: str | None = None
         """The stable version asked for and loaded; None = the configured one."""
         self.canary_active = False
@@ -75,16 +77,20 @@ class Reconciler:
         Raises:
             Exception: the configured version itself cannot be loaded (the worker must not start).
         """
-        state = self._read()
-        wanted = self._wanted_stable(state)
-        if wanted is not None:
+        try:
+            state = read_state(self.redis, self.model)
+        except redis.RedisError as exc:
+            log.warning("cannot read the model state at start (loading the configured version): %s", exc)
+            state = None
+        wanted = wanted_stable(state, self._configured)
+        if wanted != self._configured:
             try:
                 loaded = load_version(self.settings, self.model, wanted)
                 self.applied_stable = wanted
                 return loaded
             except Exception as exc:
                 self._refuse(wanted, state, exc)
-        self.applied_stable = self.settings.models[self.model].store_version
+        self.applied_stable = self._configured
         return load_version(self.settings, self.model)
 
     def attach(self, runtime: WorkerRuntime) -> None:
@@ -103,32 +109,28 @@ class Reconciler:
 
     # -- one pass -------------------------------------------------------------------------------
     def sync(self) -> ModelState | None:
-        """Read the state and load / swap / drop versions until this worker matches it."""
+        """Read the state and load / swap / drop versions until this worker matches it (see
+        :func:`workers.reconcile_plan.plan`). A failed read changes nothing: the worker keeps what it serves."""
         runtime = self.runtime
         assert runtime is not None, "attach() the runtime first"
-        state = self._read()
+        try:
+            state = read_state(self.redis, self.model)
+        except redis.RedisError as exc:
+            log.warning("cannot read the model state (serving what is loaded): %s", exc)
+            return None
         self.canary_active = state is not None and state.canary is not None
-        wanted = self._wanted_stable(state)
-        if wanted != self.applied_stable and not self._was_refused(wanted, state):
-            canary = runtime.canary
-            if canary is not None and wanted is not None and canary.version == wanted:
-                self._swap("stable", canary, wanted)  # a promotion: the canary's engine becomes stable
-            else:
-                self._load("stable", wanted, state)
-        wanted_canary = state.canary if state is not None else None
-        if wanted_canary is None:
-            if runtime.canary is not None:
-                runtime.swap("canary", None)
-                log.info("worker %s dropped its canary: canary-queue requests now run on stable", self.hostname)
-        elif (runtime.canary is None or runtime.canary.version != wanted_canary) and not self._was_refused(
-            wanted_canary, state
-        ):
-            self._load("canary", wanted_canary, state)
+        held = Held(self.applied_stable, runtime.canary.version if runtime.canary is not None else None)
+        steps = plan(state, self._configured, held, self._refused)
+        if steps.promote_canary and runtime.canary is not None:
+            self._swap("stable", runtime.canary, runtime.canary.version)  # its engine becomes stable, no reload
+        elif steps.load_stable:
+            self._load("stable", steps.stable, state)
+        if steps.drop_canary:
+            runtime.swap("canary", None)
+            log.info("worker %s dropped its canary: canary-queue requests now run on stable", self.hostname)
+        if steps.load_canary is not None:
+            self._load("canary", steps.load_canary, state)
         return state
-
-    def _wanted_stable(self, state: ModelState | None) -> str | None:
-        pinned = state.stable if state is not None else None
-        return pinned or self.settings.models[self.model].store_version
 
     def _load(self, role: Role, version: str | None, state: ModelState | None) -> None:
         try:
@@ -150,10 +152,6 @@ class Reconciler:
             runtime.swap("canary", loaded)
         log.info("worker %s serves %s %s as %s from the next batch", self.hostname, self.model, loaded.version, role)
 
-    def _was_refused(self, version: str | None, state: ModelState | None) -> bool:
-        generation = state.generation if state is not None else 0
-        return version is not None and self._refused.get(version) == generation
-
     def _refuse(self, version: str, state: ModelState | None, exc: BaseException) -> None:
         self._refused[version] = state.generation if state is not None else 0
         log.error("worker %s refuses %s %s, keeps serving its current version: %s", self.hostname, self.model,
@@ -164,13 +162,6 @@ class Reconciler:
             record_refusal(self.redis, self.model, self.hostname, version, exc)
         except redis.RedisError as err:
             log.warning("could not record the refusal: %s", err)
-
-    def _read(self) -> ModelState | None:
-        try:
-            return read_state(self.redis, self.model)
-        except redis.RedisError as exc:
-            log.warning("cannot read the model state (serving what is loaded): %s", exc)
-            return None
 
     # -- the thread -----------------------------------------------------------------------------
     def _wait_s(self) -> float:

@@ -16,7 +16,7 @@ import redis
 
 from producer.cli import main as fleet_main
 from protocol.keys import WORKER_KEY_PREFIX
-from protocol.model_state import pin, refusals, rollback
+from protocol.model_state import STATE_KEY, ModelState, pin, refusals, rollback
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.lifecycle_fixtures import BUCKET, Load, Watch, collect, lifecycle_config, publish, wait_until
 from tests.integration.model_versions import MODEL
@@ -131,3 +131,22 @@ def test_a_worker_down_during_a_change_starts_on_the_version_in_force(
     assert first is not None and first.version == v2.version and first.top_k is not None
     assert abs(first.top_k[0].logprob - v2.logprob) < 1e-4
     assert not (tmp_path / "cache" / MODEL / v1.version).exists()  # the configured version was never loaded
+
+
+def test_a_change_whose_notice_was_lost_is_applied_by_the_periodic_re_read(
+    fleet: Fleet, s3: EmbeddedSeaweed, tmp_path: Path  # noqa: F811
+) -> None:
+    v1, v2 = publish(s3, tmp_path, 1.0), publish(s3, tmp_path, 2.0)
+    cfg = lifecycle_config(fleet, s3, v1.version, tmp_path / "cache", worker={"reconcile_interval_s": 1.0})
+    worker = fleet.worker(cfg, MODEL, hostname="w1-reread@test")
+    r = redis.Redis.from_url(fleet.redis_url)
+    watch = Watch(fleet.redis_url, [worker.hostname])
+    try:
+        # the state as a pin writes it, but no message on fleet:model-changes (as if lost in a reconnect)
+        r.set(STATE_KEY.format(model=MODEL), ModelState(model=MODEL, stable=v2.version, generation=1).model_dump_json())
+        wait_until(lambda: watch.all_serve(v2.version), 60, "the worker to re-read the state")
+    finally:
+        watch.stop()
+    client = fleet.client(cfg)
+    result = client.result(client.submit(MODEL, text="after the re-read", top_k=1), wait=True, timeout_s=30)
+    assert result is not None and result.version == v2.version

@@ -1,0 +1,45 @@
+"""The reconciler's decision table (pure: no Redis, no ORT)."""
+
+from __future__ import annotations
+
+import pytest
+
+from protocol.model_state import ModelState
+from workers.reconcile_plan import Held, Steps, plan
+
+
+def state(stable: str | None = None, canary: str | None = None, generation: int = 1) -> ModelState:
+    return ModelState(model="m", stable=stable, canary=canary, canary_weight=10 if canary else 0,
+                      generation=generation)
+
+
+@pytest.mark.parametrize(
+    ("desired", "configured", "held", "refused", "expected"),
+    [
+        # no state: serve the configuration
+        (None, "v1", Held("v1", None), {}, Steps()),
+        (None, None, Held(None, None), {}, Steps()),
+        # a pin: load it; a rollback to no pin: back to the configured version (None = the configured file)
+        (state("v2"), "v1", Held("v1", None), {}, Steps(load_stable=True, stable="v2")),
+        (state(None, generation=3), "v1", Held("v2", None), {}, Steps(load_stable=True, stable="v1")),
+        (None, None, Held("v2", None), {}, Steps(load_stable=True, stable=None)),
+        # a canary: load it; dropped (rollback): drop it; replaced: load the new one
+        (state(None, "v2"), "v1", Held("v1", None), {}, Steps(load_canary="v2")),
+        (state(None), "v1", Held("v1", "v2"), {}, Steps(drop_canary=True)),
+        (state(None, "v3"), "v1", Held("v1", "v2"), {}, Steps(load_canary="v3")),
+        # a promotion reuses the canary's engine (and empties the canary slot)
+        (state("v2"), "v1", Held("v1", "v2"), {}, Steps(promote_canary=True, drop_canary=True)),
+        # promoted, then a new canary at once
+        (state("v2", "v3"), "v1", Held("v1", "v2"), {}, Steps(promote_canary=True, load_canary="v3")),
+        # a version refused at this generation is not tried again; at a later one it is
+        (state("bad", generation=4), "v1", Held("v1", None), {"bad": 4}, Steps()),
+        (state("bad", generation=5), "v1", Held("v1", None), {"bad": 4}, Steps(load_stable=True, stable="bad")),
+        (state(None, "bad", generation=4), "v1", Held("v1", None), {"bad": 4}, Steps()),
+    ],
+)
+def test_plan(
+    desired: ModelState | None, configured: str | None, held: Held, refused: dict[str, int], expected: Steps
+) -> None:
+    steps = plan(desired, configured, held, refused)
+    assert steps == expected
+    assert steps.nothing == (expected == Steps())
