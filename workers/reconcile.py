@@ -89,7 +89,7 @@ class Reconciler:
                 self.applied_stable = wanted
                 return loaded
             except Exception as exc:
-                self._refuse(wanted, state, exc)
+                self._refuse(wanted or "configured", state, exc)
         self.applied_stable = self._configured
         return load_version(self.settings, self.model)
 
