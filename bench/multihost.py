@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -39,7 +38,7 @@ from tools.multihost import HostFleet
 from tools.netns import unavailable_reason
 from tools.processes import WorkerProcess
 
-__all__ = ["main", "render_table", "round_order", "splice"]
+__all__ = ["main", "render_table", "round_figures", "round_order", "splice"]
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "var" / "bench" / "multihost.json"
@@ -54,30 +53,9 @@ def round_order(max_hosts: int, passes: int) -> list[int]:
     return [n for p in range(passes) for n in (up if p % 2 == 0 else up[::-1])]
 
 
-# -- the load generator (runs on the client host) ---------------------------------------------------
-def _load(args: argparse.Namespace) -> int:
-    from bench.load import closed_loop
-    from bench.stats import summarize_runs
-    from producer.client import FleetClient
-    from protocol.settings import load_settings
-
-    client = FleetClient(load_settings(Path(args.config)))
-    closed_loop(client, "identity", PROMPTS, clients=args.clients, max_requests=4 * args.clients)  # warm
-    cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    run = closed_loop(client, "identity", PROMPTS, clients=args.clients, duration_s=args.duration,
-                      warmup_s=args.warmup)
-    cpu1, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - t0
-    s = summarize_runs([(run.records, run.window)], clients=args.clients)
-    client.close()
-    print(json.dumps({"qps": s.qps, "qps_counted": s.qps_counted, "p50_ms": s.latency.p50_ms,
-                      "p99_ms": s.latency.p99_ms, "errors": s.errors, "requests": len(run.records),
-                      "mean_batch": s.mean_batch_size, "wall_s": wall,
-                      "cpu_s": (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)}))
-    return 0
-
-
-# -- the orchestrator ---------------------------------------------------------------------------------
+# -- meters -----------------------------------------------------------------------------------------
 def _cpu_s(pids: Sequence[int]) -> float:
+    """User + system CPU seconds so far of the processes ``pids`` (threads included)."""
     total = 0.0
     for pid in pids:
         t = psutil.Process(pid).cpu_times()
@@ -85,41 +63,80 @@ def _cpu_s(pids: Sequence[int]) -> float:
     return total
 
 
+def _machine_busy_idle_s() -> tuple[float, float]:
+    """(busy, idle) CPU seconds of the whole machine so far (guest time is already inside user time)."""
+    t = psutil.cpu_times()
+    idle = t.idle + getattr(t, "iowait", 0.0)
+    busy = t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0) + getattr(t, "steal", 0.0)
+    return busy, idle
+
+
+def _meter(groups: dict[str, list[int]]) -> dict[str, float]:
+    busy, idle = _machine_busy_idle_s()
+    return {"machine_busy": busy, "machine_idle": idle, "self": _cpu_s([os.getpid()]),
+            **{name: _cpu_s(pids) for name, pids in groups.items()}}
+
+
+# -- the load generator (runs on the client host) ---------------------------------------------------
+def _load(args: argparse.Namespace) -> int:
+    """Warm up, then one timed closed loop; prints its figures and the CPU each process group spent in it."""
+    from bench.load import closed_loop
+    from bench.stats import summarize_runs
+    from producer.client import FleetClient
+    from protocol.settings import load_settings
+
+    groups: dict[str, list[int]] = json.loads(args.meter)
+    client = FleetClient(load_settings(Path(args.config)))
+    closed_loop(client, "identity", PROMPTS, clients=args.clients, max_requests=4 * args.clients)  # warm
+    before, t0 = _meter(groups), time.perf_counter()
+    run = closed_loop(client, "identity", PROMPTS, clients=args.clients, duration_s=args.duration,
+                      warmup_s=args.warmup)
+    after, wall = _meter(groups), time.perf_counter() - t0
+    s = summarize_runs([(run.records, run.window)], clients=args.clients)
+    client.close()
+    print(json.dumps({"qps": s.qps, "qps_counted": s.qps_counted, "p50_ms": s.latency.p50_ms,
+                      "p99_ms": s.latency.p99_ms, "errors": s.errors, "requests": len(run.records),
+                      "mean_batch": s.mean_batch_size, "wall_s": wall,
+                      "cpu_s": {k: after[k] - before[k] for k in after}}))
+    return 0
+
+
+# -- the orchestrator ---------------------------------------------------------------------------------
+def round_figures(res: dict[str, Any], cpus: int) -> dict[str, Any]:
+    """Per-request CPU and shares of a core from a load run's output (``cpu_s`` per group over ``wall_s``)."""
+    cpu, wall, n = res["cpu_s"], res["wall_s"], max(res["requests"], 1)
+    span = cpu["machine_busy"] + cpu["machine_idle"]
+    busy_pct = 100 * cpu["machine_busy"] / span if span > 0 else float("nan")
+    fleet_s = cpu["redis"] + cpu["workers"] + cpu["self"]
+    out: dict[str, Any] = {
+        "machine_busy_pct": busy_pct,
+        # the rest of the busy time: other processes on this machine (and the kernel's own work, the bridge's)
+        "others_core_pct": busy_pct * cpus - 100 * fleet_s / wall,
+    }
+    for name, key in (("redis", "redis"), ("workers", "workers"), ("client", "self")):
+        out[f"{name}_core_pct"] = 100 * cpu[key] / wall
+        out[f"{name}_cpu_ms_per_req"] = 1000 * cpu[key] / n
+    return out
+
+
 def _round(hf: HostFleet, config: Path, workers: list[WorkerProcess], args: argparse.Namespace) -> dict[str, Any]:
-    redis_pid = hf.pid_of("redis")
-    worker_pids = [w.proc.pid for w in workers if w.proc is not None]
+    groups = {"redis": [hf.pid_of("redis")], "workers": [w.proc.pid for w in workers if w.proc is not None]}
     argv = [sys.executable, "-m", "bench.multihost", "load", "--config", str(config), "--clients",
-            str(args.clients), "--duration", str(args.duration), "--warmup", str(args.warmup)]
-    r0, w0, m0 = _cpu_s([redis_pid]), _cpu_s(worker_pids), psutil.cpu_times()
+            str(args.clients), "--duration", str(args.duration), "--warmup", str(args.warmup),
+            "--meter", json.dumps(groups)]
     out = subprocess.run(hf.client_host.command(argv), capture_output=True, text=True, cwd=ROOT, check=False)
-    r1, w1, m1 = _cpu_s([redis_pid]), _cpu_s(worker_pids), psutil.cpu_times()
     if out.returncode != 0:
         raise RuntimeError(f"the load generator failed ({out.returncode}): {out.stderr[-3000:]}")
     res: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
-    # the warm-up before the timed loop is outside wall_s: CPU is priced per request over the timed loop
-    n = max(res["requests"], 1)
-    idle = (m1.idle + getattr(m1, "iowait", 0.0)) - (m0.idle + getattr(m0, "iowait", 0.0))
-    span = sum(m1) - sum(m0)
-    busy_pct = 100 * (1 - idle / span) if span > 0 else float("nan")
-    fleet_cores_pct = 100 * ((r1 - r0) + (w1 - w0) + res["cpu_s"]) / res["wall_s"]
-    return {
-        "machine_busy_pct": busy_pct,
-        # the rest of the busy time: other processes on this machine (and the kernel's softirq work)
-        "others_core_pct": busy_pct * (psutil.cpu_count() or 1) - fleet_cores_pct,
-        "hosts": len(workers), **res,
-        "redis_core_pct": 100 * (r1 - r0) / res["wall_s"], "redis_cpu_ms_per_req": 1000 * (r1 - r0) / n,
-        "workers_core_pct": 100 * (w1 - w0) / res["wall_s"], "workers_cpu_ms_per_req": 1000 * (w1 - w0) / n,
-        "client_core_pct": 100 * res["cpu_s"] / res["wall_s"], "client_cpu_ms_per_req": 1000 * res["cpu_s"] / n,
-    }
+    return {"hosts": len(workers), **res, **round_figures(res, psutil.cpu_count() or 1)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every round of the bench (see the module docstring); returns the report document."""
     started_load = os.getloadavg()
-    folder = Path(tempfile.mkdtemp(prefix="fleet-multihost-"))
-    model = build_identity(folder / "models")
     rounds: list[dict[str, Any]] = []
-    with HostFleet(folder, worker_hosts=args.hosts) as hf:
+    with tempfile.TemporaryDirectory(prefix="fleet-multihost-") as tmp, HostFleet(Path(tmp), args.hosts) as hf:
+        model = build_identity(Path(tmp) / "models")
         hf.start_redis()
         config = hf.config(model, worker={"concurrency": 16, "loglevel": "WARNING"},
                            models={"identity": {"batching": {"max_batch_size": 16}, "max_queue_depth": 100_000}})
@@ -169,6 +186,13 @@ def splice(doc_path: Path, table: str, command: str) -> None:
     doc_path.write_text(f"{head}{BEGIN}\n{command}:\n\n{table}\n{END}{rest.split(END, 1)[1]}")
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 600:
+        raise argparse.ArgumentTypeError(f"{text} s is outside 0..600 s")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["load"]:
@@ -177,15 +201,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--clients", type=int, required=True)
         p.add_argument("--duration", type=float, required=True)
         p.add_argument("--warmup", type=float, required=True)
+        p.add_argument("--meter", required=True, help='JSON {"group": [pid, ...]}: CPU measured per group')
         return _load(p.parse_args(argv[1:]))
     p = argparse.ArgumentParser(prog="python -m bench.multihost", description=__doc__.split("\n\n")[0])
-    p.add_argument("--hosts", type=int, default=3, choices=range(1, 10), help="most worker hosts (default 3)")
-    p.add_argument("--passes", type=int, default=2, help="up 1..N, then down N..1, … (default 2)")
-    p.add_argument("--clients", type=int, default=32, help="closed-loop client threads (default 32)")
-    p.add_argument("--duration", type=float, default=12.0, help="seconds per round (default 12)")
-    p.add_argument("--warmup", type=float, default=2.0, help="seconds not counted at a round's start (default 2)")
+    p.add_argument("--hosts", type=int, default=3, choices=range(1, 10), metavar="1..9",
+                   help="most worker hosts (default 3)")
+    p.add_argument("--passes", type=int, default=2, choices=range(1, 5), metavar="1..4",
+                   help="up 1..N, then down N..1, … (default 2)")
+    p.add_argument("--clients", type=int, default=32, choices=range(1, 257), metavar="1..256",
+                   help="closed-loop client threads (default 32)")
+    p.add_argument("--duration", type=_seconds, default=12.0, help="seconds per round, 1..600 (default 12)")
+    p.add_argument("--warmup", type=_seconds, default=2.0,
+                   help="seconds not counted at a round's start, below --duration (default 2)")
     p.add_argument("--doc", type=Path, help="Markdown file whose multihost block gets the table")
     args = p.parse_args(argv)
+    if args.warmup >= args.duration:
+        p.error(f"--warmup {args.warmup:g} must be below --duration {args.duration:g}")
     args.argv = argv
     why = unavailable_reason()
     if why is not None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.multihost import BEGIN, END, render_table, round_order, splice
+from bench.multihost import BEGIN, END, main, render_table, round_figures, round_order, splice
 
 
 @pytest.mark.parametrize(("hosts", "passes", "expected"), [
@@ -48,3 +48,25 @@ def test_splice_refuses_a_file_without_markers(tmp_path: Path) -> None:
     doc.write_text("# Scale\n")
     with pytest.raises(ValueError, match="multihost:begin"):
         splice(doc, "| new |", "cmd")
+
+
+def test_round_figures_price_each_group_per_request_and_leave_the_rest_to_others() -> None:
+    res = {"wall_s": 10.0, "requests": 1000, "cpu_s": {"machine_busy": 18.0, "machine_idle": 2.0, "redis": 1.0,
+                                                       "workers": 6.0, "self": 4.0}}
+    f = round_figures(res, cpus=2)
+    assert f["machine_busy_pct"] == pytest.approx(90.0)
+    assert f["redis_core_pct"] == pytest.approx(10.0) and f["redis_cpu_ms_per_req"] == pytest.approx(1.0)
+    assert f["workers_cpu_ms_per_req"] == pytest.approx(6.0) and f["client_cpu_ms_per_req"] == pytest.approx(4.0)
+    assert f["others_core_pct"] == pytest.approx(180.0 - 110.0)  # 1.8 cores busy, the fleet used 1.1
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--passes", "0"], "--passes"),
+    (["--duration", "900"], "outside 0..600"),
+    (["--duration", "5", "--warmup", "5"], "--warmup 5 must be below --duration 5"),
+])
+def test_bad_options_are_refused_naming_the_option(argv: list[str], says: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert says in capsys.readouterr().err
