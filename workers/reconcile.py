@@ -105,7 +105,8 @@ class Reconciler:
     def stop(self) -> None:
         """Stop the thread (waits briefly)."""
         self._stop.set()
-        self._thread.join(5.0)
+        if self._thread.is_alive():
+            self._thread.join(5.0)
 
     # -- one pass -------------------------------------------------------------------------------
     def sync(self) -> ModelState | None:
@@ -171,11 +172,12 @@ class Reconciler:
         return interval
 
     def _loop(self) -> None:
+        subscriber = sync_client(self.settings, socket_timeout=None)  # one pool; pubsub objects come and go
         pubsub: Any = None
         while not self._stop.is_set():
             try:
                 if pubsub is None:
-                    pubsub = sync_client(self.settings, socket_timeout=None).pubsub(ignore_subscribe_messages=True)
+                    pubsub = subscriber.pubsub(ignore_subscribe_messages=True)
                     pubsub.subscribe(CHANGES_CHANNEL)
                     self.sync()  # a change may have been published while we were not subscribed
                 deadline = time.monotonic() + self._wait_s()
@@ -200,6 +202,7 @@ class Reconciler:
                 log.exception("reconciler pass failed")
                 self._stop.wait(RETRY_AFTER_ERROR_S)
         _close(pubsub)
+        subscriber.close()
 
 
 def _names(message: dict[str, Any], model: str) -> bool:
