@@ -213,8 +213,8 @@ class Scheduler:
                     raise ValueError("the stable role always has an engine")
                 self._stable = Served(engine, version, "stable", time.time())
                 old = self.generation
-                if old is not None and old is not generation and old.has_work():
-                    self._retiring.append(old)
+                if old is not None and old is not generation:
+                    self._retiring.append(old)  # kept (and stepped) while it has running sequences
                 self.generation = generation
             self._cond.notify_all()
 
@@ -308,9 +308,12 @@ class Scheduler:
             self._cond.notify_all()
         return job.future
 
-    def _next_work(self) -> tuple[list[Job], str, Served | None, float, list[GenSequence]] | None:
+    def _next_work(
+        self,
+    ) -> tuple[list[Job], str, Served | None, float, GenerationLoop | None, list[GenSequence]] | None:
         """The next one-step batch (maybe empty) with the engine it runs on and when it was formed
-        (wall clock, s: its ``batch_started_unix_s``), and the generations joining at the next step.
+        (wall clock, s: its ``batch_started_unix_s``), and the generation loop with the sequences
+        joining it at the next step (both taken under the lock, so a swap never moves joiners to another loop).
 
         A batch never mixes engines: it takes, of the jobs the policy dispatches, those that run on
         the same engine as the oldest; the others stay pending for the next batch.
@@ -348,7 +351,7 @@ class Scheduler:
                     for seq in joiners:
                         seq.served_version = self._stable.version
                 if batch or joiners or (gen is not None and gen.has_work()) or self._retiring:
-                    return batch, reason, served, formed_unix_s, joiners
+                    return batch, reason, served, formed_unix_s, gen, joiners
                 timeout = None if not isinstance(decision, Wait) or decision.until_s is None else max(
                     0.0, decision.until_s - self.clock()
                 )
@@ -359,7 +362,7 @@ class Scheduler:
             nxt = self._next_work()
             if nxt is None:
                 return
-            batch, reason, served, formed_unix_s, joiners = nxt
+            batch, reason, served, formed_unix_s, gen, joiners = nxt
             if batch and served is not None:
                 try:
                     self._run(batch, reason, served, formed_unix_s)
@@ -369,9 +372,10 @@ class Scheduler:
                         if not job.future.done():
                             job.future.set_exception(exc)
             for old in list(self._retiring):  # sequences started on a swapped-out engine finish there
-                self._step_generation(old, [])
-            if self.generation is not None and (joiners or self.generation.has_work()):
-                self._step_generation(self.generation, joiners)
+                if old is not gen:
+                    self._step_generation(old, [])
+            if gen is not None and (joiners or gen.has_work()):
+                self._step_generation(gen, joiners)
 
     @staticmethod
     def _step_generation(loop: GenerationLoop, joiners: list[GenSequence]) -> None:
