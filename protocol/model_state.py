@@ -95,6 +95,8 @@ OUTCOMES_MAXLEN = 20_000
 GUARD_LOCK_MS = 5_000
 MIN_WEIGHT, MAX_WEIGHT = 1, 99
 RECENT_PROMPTS_KEEP = 200
+AT_PRECISION_S = 0.001
+"""Outcomes carry ``at`` rounded to the millisecond: one finished just after a change may read as just before."""
 RECENT_PROMPTS_TTL_S = 86_400
 RECENT_SAMPLE_FRACTION = 0.05
 
@@ -428,7 +430,7 @@ def read_outcomes(r: redis.Redis[bytes], model: str, window_s: float, *, since_u
         f = {k.decode() if isinstance(k, bytes) else k: v.decode() if isinstance(v, bytes) else v
              for k, v in fields.items()}
         at = float(f["at"])
-        if at >= floor:
+        if at >= floor - AT_PRECISION_S:
             role: Role = "canary" if f["role"] == "canary" else "stable"
             out.append(Outcome(f["version"], role, f["ok"] == "1", float(f["latency_ms"]), at))
     return out
