@@ -350,9 +350,10 @@ class CelerySettings(_Section):
         "waits in the queue and shows its queue (routing_key); without it, only from when a worker receives it.",
     )
     track_started: bool = Field(
-        default=True,
-        description="Store a STARTED state when a task starts (SETEX + PUBLISH): what RequestStatus RUNNING "
-        "and a generation's stream wait read.",
+        default=False,
+        description="Store a STARTED state when any task starts (GET, SETEX + PUBLISH): RequestStatus RUNNING. "
+        "Off, a worker stores it for generation requests only (they run long enough to be seen running, and "
+        "cancel reads it); a one-step request goes from queued to its result.",
     )
     result_extended: bool = Field(
         default=False,

@@ -12,6 +12,7 @@ The per-request pipeline both use lives in :mod:`workers.pipeline`. Any
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from celery import Celery, Task, signals
@@ -64,6 +65,8 @@ def register_tasks(app: Celery) -> None:
                 "args",
                 1,
             )
+        if not self.app.conf.task_track_started and _generates(payload):
+            self.update_state(state="STARTED", meta={"pid": os.getpid(), "hostname": self.request.hostname})
         return handle_request(
             runtime, payload, request_id=str(self.request.id), worker=str(self.request.hostname or runtime.hostname),
             role=role_of(self),
@@ -102,6 +105,13 @@ def role_of(task: Task) -> Role:
     info = getattr(task.request, "delivery_info", None) or {}
     routing_key = str(info.get("routing_key") or "")
     return "canary" if routing_key.endswith(CANARY_SUFFIX) else "stable"
+
+
+def _generates(payload: Any) -> bool:
+    """Whether a request payload asks to generate: its STARTED state is stored even with ``celery.track_started``
+    off, since a generation runs long enough for ``running`` to matter and ``cancel`` reads it."""
+    output = payload.get("output") if isinstance(payload, dict) else None
+    return isinstance(output, dict) and (output.get("kind") == "generate" or output.get("generation") is not None)
 
 
 def _runtime() -> WorkerRuntime:

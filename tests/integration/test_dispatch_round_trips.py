@@ -71,3 +71,19 @@ def test_waiting_on_a_result_subscribes_once_and_sending_does_not(fleet: Fleet) 
     fleet_done = client.wait([late], timeout_s=60)[0]
     got = client.result(late, wait=True, timeout_s=60)
     assert got is not None and got == fleet_done
+
+
+def test_started_is_stored_for_generations_only(fleet: Fleet) -> None:
+    cfg = fleet.config()
+    fleet.worker(cfg)
+    client = fleet.client(cfg)
+    client.result(client.submit("demo-lm", [1, 2]), wait=True, timeout_s=60)  # connections set up
+
+    def setex_during(generation: dict[str, int] | None = None) -> int:
+        before = redis_commandstats(fleet.redis_url)
+        rid = client.submit("demo-lm", [3, 4], generation=generation)
+        assert client.result(rid, wait=True, timeout_s=60) is not None
+        return redis_commandstats(fleet.redis_url)["setex"] - before.get("setex", 0)
+
+    assert setex_during() == 1  # the result only: a one-step request goes from queued to its result
+    assert setex_during(generation={"max_new_tokens": 3}) == 2  # STARTED, then the result

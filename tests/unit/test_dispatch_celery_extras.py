@@ -11,10 +11,10 @@ from protocol.errors import ConfigError
 from protocol.settings import FleetSettings, load_settings
 
 
-def test_defaults_keep_flowers_events_and_started_and_drop_extended_results() -> None:
+def test_defaults_keep_flowers_events_and_drop_started_and_extended_results() -> None:
     conf = celery_config(FleetSettings())
     assert conf["worker_send_task_events"] is True and conf["task_send_sent_event"] is True
-    assert conf["task_track_started"] is True
+    assert conf["task_track_started"] is False  # workers store STARTED for generations only
     assert conf["result_extended"] is False
 
 
@@ -27,11 +27,11 @@ def _empty_config(tmp_path: Path) -> Path:
 def test_each_extra_is_a_setting(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("FLEET_CELERY__TASK_EVENTS", "false")
     monkeypatch.setenv("FLEET_CELERY__SENT_EVENTS", "false")
-    monkeypatch.setenv("FLEET_CELERY__TRACK_STARTED", "false")
+    monkeypatch.setenv("FLEET_CELERY__TRACK_STARTED", "true")
     monkeypatch.setenv("FLEET_CELERY__RESULT_EXTENDED", "true")
     conf = celery_config(load_settings(_empty_config(tmp_path)))
     assert conf["worker_send_task_events"] is False and conf["task_send_sent_event"] is False
-    assert conf["task_track_started"] is False
+    assert conf["task_track_started"] is True
     assert conf["result_extended"] is True
 
 
