@@ -19,7 +19,7 @@ PATH_LABELS = {
     "served": "`fleet.infer` (FleetClient.submit + result)",
     "legacy": "`fleet.infer` as before issue 11 (old producer round trips, extended results)",
     "no-events": "`fleet.infer`, no task events",
-    "no-started": "`fleet.infer`, no STARTED state",
+    "started": "`fleet.infer`, STARTED stored for every request",
     "lean": "`fleet.infer`, lean Celery (no events, STARTED state, extended result)",
     "bulk": "`fleet.infer_bulk` (FleetClient.submit_bulk + wait)",
     "gateway": "gateway (POST /v1/requests + polled GET)",

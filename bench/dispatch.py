@@ -38,7 +38,7 @@ EXTRAS_OFF = {"task_events": False, "sent_events": False, "track_started": False
 
 
 def dispatch_variants(plan: Plan, name: str, path: Path) -> dict[str, Variant]:
-    """The identity-model worker as served, and (full plan) one variant per Celery extra turned off,
+    """The identity-model worker as served, and (full plan) the old path, one variant per Celery extra toggled,
     all of them off, the bulk path, and the bulk path with every extra off."""
     cfg = FleetConfig(
         label="dispatch",
@@ -59,7 +59,7 @@ def dispatch_variants(plan: Plan, name: str, path: Path) -> dict[str, Variant]:
             {"task_events": False, "sent_events": False},
             1,
         ),
-        "no-started": ("no STARTED state (`celery.track_started: false`)", {"track_started": False}, 1),
+        "started": ("STARTED stored for every request (`celery.track_started: true`)", {"track_started": True}, 1),
         "lean": ("lean Celery: no task events, no STARTED state, no extended result", EXTRAS_OFF, 1),
         "bulk": (f"bulk path (`fleet.infer_bulk`): {plan.concurrency} requests per message", {}, plan.concurrency),
         "bulk+lean": (f"bulk path ({plan.concurrency} per message) + lean Celery", EXTRAS_OFF, plan.concurrency),

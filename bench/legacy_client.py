@@ -6,9 +6,9 @@ new path side by side in one run (the machine is shared: runs an hour apart are 
 * a marker ``GET`` before the ``SET NX`` of every submission;
 * Celery's send-time result subscription (``SUBSCRIBE`` on send, ``UNSUBSCRIBE`` when the dropped
   ``AsyncResult`` goes);
-* the queue depth read on every submission and extended results: the variant's config sets
-  ``admission.queue_depth_cache_ms: 0`` and ``celery.result_extended: true`` (see
-  :attr:`bench.procs.FleetConfig.legacy`).
+* the queue depth read on every submission, a STARTED state for every request and extended results: the
+  variant's config sets ``admission.queue_depth_cache_ms: 0``, ``celery.track_started: true`` and
+  ``celery.result_extended: true`` (see :attr:`bench.procs.FleetConfig.legacy`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ __all__ = ["LEGACY_SETTINGS", "LegacyFleetClient"]
 
 LEGACY_SETTINGS: dict[str, dict[str, Any]] = {
     "admission": {"queue_depth_cache_ms": 0},
-    "celery": {"result_extended": True},
+    "celery": {"result_extended": True, "track_started": True},
 }
 """Settings sections of the old path (merged into the variant's config)."""
 
