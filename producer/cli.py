@@ -225,11 +225,11 @@ def _register_extensions(sub: Any) -> None:
     import importlib
 
     for module_name in ("producer.ops_cli", "bench.cli", "tools.quantize_cli", "producer.deadletter_cli",
-                        "producer.models_cli", "producer.soak_cli"):
+                        "producer.models_cli", "producer.soak_cli", "planner.cli"):
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
-            if exc.name == module_name:
+            if exc.name in (module_name, module_name.partition(".")[0]):  # e.g. an install older than the package
                 continue
             raise
         module.register(sub)
