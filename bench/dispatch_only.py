@@ -25,7 +25,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.ceiling import path_summary
+from bench.analysis import dispatch_section
+from bench.ceiling import ceiling_section, path_summary
 from bench.dispatch import dispatch_variants, measure_dispatch
 from bench.limit import bare_latency_ms, bare_session
 from bench.machine import machine_facts
@@ -76,16 +77,15 @@ def _probe(plan: Plan, model_path: Path, served: Any, redis: EmbeddedRedis, work
 
 
 def run_dispatch_only(plan: Plan, args: argparse.Namespace, command: str) -> dict[str, Any]:
-    """Rerun the dispatch phase; merge it into ``args.json_path`` and rewrite the report.
+    """Rerun the dispatch phase; merge it into ``args.json_path`` and rewrite the report (with no
+    earlier results there, write them and the dispatch sections alone to ``args.out``).
 
     ``args.label`` names this run in the before/after table (``dispatch_runs``); ``args.dispatch_json``
     (optional) also receives this run's dispatch figures alone.
-
-    Raises:
-        FileNotFoundError: there are no earlier results to merge into.
     """
     json_path = Path(args.json_path)
-    results: dict[str, Any] = json.loads(json_path.read_text())
+    merge = json_path.exists()
+    results: dict[str, Any] = json.loads(json_path.read_text()) if merge else {"meta": {"machine": machine_facts()}}
     work_dir = Path(args.work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
 
@@ -118,7 +118,11 @@ def run_dispatch_only(plan: Plan, args: argparse.Namespace, command: str) -> dic
     results.setdefault("dispatch_runs", {})[args.label] = path_summary(dispatch)
     if getattr(args, "dispatch_json", None):
         Path(args.dispatch_json).write_text(json.dumps(dispatch, indent=1, default=str) + "\n")
+    json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(results, indent=1, default=str) + "\n")
-    write_report(results, Path(args.out), Path(args.img_dir))
+    if merge:
+        write_report(results, Path(args.out), Path(args.img_dir))
+    else:  # nothing to merge into: the dispatch sections alone
+        Path(args.out).write_text(f"## Dispatch cost\n\n{dispatch_section(results)}\n\n{ceiling_section(results)}")
     say(f"dispatch done in {dispatch['meta']['duration_s']:.0f} s: {args.out}, {json_path}")
     return results

@@ -82,3 +82,26 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
     for name in ("latency-vs-qps-long", "latency-vs-qps-short", "generation-vs-load"):
         assert (img / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"img/{name}.png" in md
+
+
+@pytest.mark.timeout(240)
+def test_quick_dispatch_phase_alone_measures_each_path(tmp_path: Path) -> None:
+    out_md, raw = tmp_path / "dispatch.md", tmp_path / "dispatch.json"
+    cmd = [
+        sys.executable, "-m", "producer.cli", "bench", "--quick", "--only", "dispatch", "--label", "smoke",
+        "--out", str(out_md), "--json", str(raw), "--work-dir", str(tmp_path / "work"),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=220, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads(raw.read_text())
+    run = results["dispatch_runs"]["smoke"]
+    assert set(run["paths"]) == {"served", "bulk", "gateway"}
+    for name, path in run["paths"].items():
+        assert path["qps"] > 0 and path["redis_cpu_ms"] > 0 and path["ceiling_rps"] > 0, name
+        assert path["redis_calls_by_command"]["lpush"] > 0 and path["total_cpu_ms"] > path["redis_cpu_ms"], name
+    assert results["dispatch"]["gateway"]["errors"] == 0
+    lone = results["dispatch"]["lone_profile"]
+    for mode in ("pubsub", "poll"):
+        assert lone[mode]["total"] > lone[mode]["engine"] > 0, mode
+    text = out_md.read_text()
+    assert "one-Redis ceiling" in text and "Where a lone request's time goes" in text
