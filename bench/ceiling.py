@@ -253,6 +253,15 @@ def ceiling_section(results: dict[str, Any]) -> str:
         "can carry on that path through one Redis, however many workers are added.\n",
         _paths_table(summary) + "\n",
     ]
+    meta = d.get("meta")
+    if meta:
+        dirty = " (uncommitted changes)" if meta.get("dirty") else ""
+        out.insert(
+            2,
+            f"Measured by `{meta.get('command')}` at commit {meta.get('commit')}{dirty} in "
+            f"{fmt(meta.get('duration_s'), 0)} s, load average {meta.get('load_average_start')} → "
+            f"{meta.get('load_average_end')} on a shared machine: compare rows of one run, not runs.\n",
+        )
     gw = d.get("gateway")
     if gw:
         out.append(
