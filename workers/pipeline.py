@@ -98,8 +98,8 @@ def prepare(
 ) -> Prepared:
     """Decode and validate one request, then submit it to the scheduler through ``arrival``.
 
-    ``role`` is the role of the queue it came from: a canary-queue request runs on the canary engine
-    when this worker has one loaded, else on stable. Generations run on the stable version.
+    ``role`` is the role of the queue it came from: a canary-queue request (one-step or generation)
+    runs on the canary engine when this worker has one loaded, else on stable.
 
     Raises:
         FleetError: invalid, expired, cancelled, or meant for another model.
@@ -137,6 +137,8 @@ def prepare(
             tokenizer=runtime.tokenizer,
             deadline_s=deadline_mono,
             emit=runtime.streams.publish,
+            role=role,
+            submitted_unix_s=request.submitted_at_unix_s,
         )
         runtime.streams.watch(seq)
         submit_gen = getattr(arrival, "submit_generation", None)
@@ -231,7 +233,7 @@ def finish(runtime: WorkerRuntime, prepared: Prepared, *, request_id: str, worke
             inference_ms=done.engine_ms, batch_size=done.prefill_batch_size,
             padded_tokens=done.prefill_padded_tokens, generation=_generation(prepared, done),
             version=(prepared.seq.served_version if prepared.seq is not None else "") or runtime.version,
-            role="stable",
+            role=prepared.seq.served_role if prepared.seq is not None else "stable",
         )
     top = None
     if done.top_ids is not None and done.top_logprobs is not None:

@@ -135,8 +135,12 @@ class WorkerRuntime:
             self.scheduler.swap("stable", loaded.engine, loaded.version, loaded.generation)
             self.stable = loaded
         else:
+            stable_loop = self.stable.generation
+            if loaded is not None and loaded.generation is not None and stable_loop is not None:
+                loaded.generation.observers.extend(stable_loop.observers)  # generation metrics count it too
             self.scheduler.swap("canary", None if loaded is None else loaded.engine,
-                                "" if loaded is None else loaded.version)
+                                "" if loaded is None else loaded.version,
+                                None if loaded is None else loaded.generation)
             self.canary = loaded
         self.heartbeat.beat()
 

@@ -156,7 +156,10 @@ class Scheduler:
         stable engine holding model ``version``; :meth:`swap` replaces it or sets a canary."""
         self._stable = Served(engine, version, "stable", time.time())
         self._canary: Served | None = None
+        self._canary_generation: GenerationLoop | None = None
         self._retiring: list[GenerationLoop] = []
+        self._gen_live: list[GenSequence] = []
+        """Generations admitted to a loop and not yet reported to the outcome observers."""
         self._outcome_observers: list[OutcomeObserver] = []
         self._backlog = backlog or (lambda: 0)
         self.policy = policy
@@ -201,13 +204,17 @@ class Scheduler:
 
         A batch already running keeps the engine it captured at its start; the old engine is freed
         when the last reference (that batch) ends. ``engine=None`` for the canary role drops the
-        canary (its queued requests then run on stable). For the stable role, ``generation`` is the
-        new engine's generation loop: sequences already running finish on the old loop (stepped until
-        it is empty); new sequences join the new one.
+        canary (its queued requests then run on stable). ``generation`` is the new engine's
+        generation loop (None: it cannot generate): sequences already running finish on the old loop
+        (stepped until it is empty); new sequences join the new one.
         """
         with self._cond:
             if role == "canary":
                 self._canary = None if engine is None else Served(engine, version, "canary", time.time())
+                old_canary = self._canary_generation
+                if old_canary is not None and old_canary is not generation:
+                    self._retiring.append(old_canary)  # kept (and stepped) while it has running sequences
+                self._canary_generation = generation if engine is not None else None
             else:
                 if engine is None:
                     raise ValueError("the stable role always has an engine")
@@ -223,6 +230,35 @@ class Scheduler:
         if role == "canary" and self._canary is not None:
             return self._canary
         return self._stable
+
+    def _loops(self) -> list[tuple[GenerationLoop, Served]]:
+        """The generation loops new sequences may join, with the engine of each (caller holds the lock)."""
+        loops = [] if self.generation is None else [(self.generation, self._stable)]
+        if self._canary_generation is not None and self._canary is not None:
+            loops.append((self._canary_generation, self._canary))
+        return loops
+
+    def _admit(self) -> list[tuple[GenerationLoop, list[GenSequence]]]:
+        """Each joinable loop with the waiting sequences it admits now (caller holds the lock).
+
+        A canary-role sequence joins the canary's loop when one is loaded, else the stable loop.
+        """
+        work: list[tuple[GenerationLoop, list[GenSequence]]] = []
+        canary_loop = self._canary_generation if self._canary is not None else None
+        for loop, served in self._loops():
+            mine = [
+                q for q in self._gen_waiting
+                if (q.role == "canary" and canary_loop is not None) == (loop is canary_loop)
+            ]
+            joiners = mine[: loop.admissible(mine)] if mine else []
+            for seq in joiners:
+                seq.served_version, seq.served_role = served.version, served.role
+            if joiners:
+                taken = set(map(id, joiners))
+                self._gen_waiting = [q for q in self._gen_waiting if id(q) not in taken]
+                self._gen_live.extend(joiners)
+            work.append((loop, joiners))
+        return work
 
     def start(self) -> None:
         """Start the scheduler thread."""
@@ -281,8 +317,8 @@ class Scheduler:
     def generating(self) -> int:
         """Generations waiting to join or running."""
         with self._cond:
-            running = self.generation.active if self.generation is not None else 0
-            return len(self._gen_waiting) + running
+            loops = [self.generation, self._canary_generation, *self._retiring]
+            return len(self._gen_waiting) + sum(loop.active for loop in loops if loop is not None)
 
     def submit_many(self, jobs: list[Job]) -> None:
         """Hand several jobs over at once, so the policy sees them together (bulk messages)."""
@@ -310,10 +346,10 @@ class Scheduler:
 
     def _next_work(
         self,
-    ) -> tuple[list[Job], str, Served | None, float, GenerationLoop | None, list[GenSequence]] | None:
+    ) -> tuple[list[Job], str, Served | None, float, list[tuple[GenerationLoop, list[GenSequence]]]] | None:
         """The next one-step batch (maybe empty) with the engine it runs on and when it was formed
-        (wall clock, s: its ``batch_started_unix_s``), and the generation loop with the sequences
-        joining it at the next step (both taken under the lock, so a swap never moves joiners to another loop).
+        (wall clock, s: its ``batch_started_unix_s``), and each generation loop with the sequences
+        joining it at the next step (taken under the lock, so a swap never moves joiners to another loop).
 
         A batch never mixes engines: it takes, of the jobs the policy dispatches, those that run on
         the same engine as the oldest; the others stay pending for the next batch.
@@ -321,9 +357,10 @@ class Scheduler:
         """
         with self._cond:
             while True:
-                gen = self.generation
+                loops = [loop for loop, _ in self._loops()]
                 self._retiring = [loop for loop in self._retiring if loop.has_work()]
-                gen_busy = (gen is not None and (gen.has_work() or bool(self._gen_waiting))) or bool(self._retiring)
+                running = any(loop.has_work() for loop in loops) or bool(self._retiring)
+                gen_busy = running or (bool(loops) and bool(self._gen_waiting))
                 if self._stopping and not self._pending and not gen_busy:
                     return None
                 on_the_way = 0 if self._stopping else self._arriving + self._backlog()
@@ -343,15 +380,9 @@ class Scheduler:
                         decision.count :
                     ]
                     reason = decision.reason
-                joiners: list[GenSequence] = []
-                if gen is not None and self._gen_waiting:
-                    count = gen.admissible(self._gen_waiting)
-                    joiners = self._gen_waiting[:count]
-                    del self._gen_waiting[:count]
-                    for seq in joiners:
-                        seq.served_version = self._stable.version
-                if batch or joiners or (gen is not None and gen.has_work()) or self._retiring:
-                    return batch, reason, served, formed_unix_s, gen, joiners
+                gen_work = self._admit() if self._gen_waiting else [(loop, []) for loop in loops]
+                if batch or running or any(joiners for _, joiners in gen_work):
+                    return batch, reason, served, formed_unix_s, gen_work
                 timeout = None if not isinstance(decision, Wait) or decision.until_s is None else max(
                     0.0, decision.until_s - self.clock()
                 )
@@ -362,7 +393,7 @@ class Scheduler:
             nxt = self._next_work()
             if nxt is None:
                 return
-            batch, reason, served, formed_unix_s, gen, joiners = nxt
+            batch, reason, served, formed_unix_s, gen_work = nxt
             if batch and served is not None:
                 try:
                     self._run(batch, reason, served, formed_unix_s)
@@ -371,11 +402,15 @@ class Scheduler:
                     for job in batch:
                         if not job.future.done():
                             job.future.set_exception(exc)
+            current = [loop for loop, _ in gen_work]
             for old in list(self._retiring):  # sequences started on a swapped-out engine finish there
-                if old is not gen:
+                if old not in current:
                     self._step_generation(old, [])
-            if gen is not None and (joiners or gen.has_work()):
-                self._step_generation(gen, joiners)
+            for loop, joiners in gen_work:
+                if joiners or loop.has_work():
+                    self._step_generation(loop, joiners)
+            if self._gen_live:
+                self._report_generations()
 
     @staticmethod
     def _step_generation(loop: GenerationLoop, joiners: list[GenSequence]) -> None:
@@ -418,6 +453,21 @@ class Scheduler:
                     except Exception as single_exc:
                         job.future.set_exception(single_exc)
         self._report_outcomes(live, served)
+
+    def _report_generations(self) -> None:
+        """Hand the generations that ended since the last step to the outcome observers (one call)."""
+        ended = [q for q in self._gen_live if q.future.done()]
+        if not ended:
+            return
+        self._gen_live = [q for q in self._gen_live if not q.future.done()]
+        outcomes = [
+            JobOutcome(q.served_version, q.served_role, q.future.exception() is None, q.submitted_unix_s) for q in ended
+        ]
+        for observer in self._outcome_observers:
+            try:
+                observer(outcomes)
+            except Exception:
+                log.exception("outcome observer failed")
 
     def _report_outcomes(self, jobs: list[Job], served: Served) -> None:
         if not self._outcome_observers:

@@ -8,14 +8,19 @@ bounds, ``tests/integration/model_versions.py``); everything runs against a real
 from __future__ import annotations
 
 import time
+import uuid
 from collections import Counter
 from pathlib import Path
 
 import redis
 
+from protocol.messages import GenerationParams, InferenceRequest, OutputSpec
 from protocol.model_state import AUTO_ROLLBACKS_KEY, history, promote, read_state, set_canary
+from store import ModelStore
+from store.s3 import S3Backend
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.lifecycle_fixtures import (
+    BUCKET,
     Load,
     Watch,
     collect,
@@ -124,3 +129,37 @@ def test_a_good_canary_serves_its_share_then_is_promoted_without_a_failure(
     assert [h.action for h in history(r, MODEL)] == ["canary", "promote"]  # the guard let a good canary be
     assert "loaded identity " + good.version in worker.log_tail(200_000)
     assert worker.log_tail(200_000).count("loaded identity " + good.version) == 1  # promoted without a reload
+
+
+def test_generations_on_the_canary_queue_run_on_the_canary_version(
+    fleet: Fleet, s3: EmbeddedSeaweed, model_dir: Path, tmp_path: Path  # noqa: F811
+) -> None:
+    onnx_file = model_dir / "demo-lm" / "demo-lm-1.0.0.onnx"
+    store = ModelStore(S3Backend(BUCKET, endpoint_url=s3.endpoint_url, client=s3.client()), tmp_path / "push")
+    v1, v2 = (f"1.0.0-{uuid.uuid4().hex[:8]}" for _ in range(2))
+    for version in (v1, v2):
+        store.push(onnx_file, "demo-lm", version)
+    cfg = fleet.config(
+        store={"backend": "s3", "endpoint_url": s3.endpoint_url, "bucket": BUCKET, "cache_dir": str(tmp_path / "c")},
+        models={"demo-lm": {"path": None, "store_version": v1}},
+    )
+    worker = fleet.worker(cfg, "demo-lm", hostname="w1-gen-canary@test")
+    r = redis.Redis.from_url(fleet.redis_url)
+    watch = Watch(fleet.redis_url, [worker.hostname])
+    set_canary(r, "demo-lm", v2, 10, "test@gen")
+    try:
+        wait_until(lambda: watch.all_serve(v1, v2), 60, "the worker to load the canary")
+    finally:
+        watch.stop()
+    client = fleet.client(cfg)
+    output = OutputSpec(kind="generate", generation=GenerationParams(max_new_tokens=4))
+    ids = {role: [client.send(InferenceRequest(model="demo-lm", input_ids=[5, 6, 7 + i], output=output), role=role)
+                  for i in range(4)] for role in ("stable", "canary")}
+    done = {role: collect(client, rids) for role, rids in ids.items()}
+    served = {role: sorted({(x.version, x.role) for x in res}) for role, (res, _) in done.items()}
+    print(f"\ngenerations by queue role -> (version, role) that computed them: {served}")
+    assert all(not failures and len(res) == 4 for res, failures in done.values())
+    assert all(x.generation is not None and len(x.generation.token_ids) == 4 for res, _ in done.values() for x in res)
+    assert served == {"stable": [(v1, "stable")], "canary": [(v2, "canary")]}
+    tokens = {role: [x.generation.token_ids if x.generation else None for x in res] for role, (res, _) in done.items()}
+    assert tokens["stable"] == tokens["canary"]  # the two versions are the same bytes: the same greedy tokens

@@ -180,3 +180,27 @@ def test_running_generations_finish_on_the_old_loop_and_new_ones_join_the_new_on
     assert (first.served_version, second.served_version) == ("v1", "v2")
     assert old.joined == ["first"] and new.joined == ["second"]
     sched.stop()
+
+
+def test_canary_generations_join_the_canary_loop_and_are_reported_as_outcomes() -> None:
+    stable, canary = FakeLoop("stable"), FakeLoop("canary")
+    stable.release.set()
+    sched = Scheduler(ShiftEngine(1), BatchPolicy(4, 50, 1000), generation=stable, version="v1")  # type: ignore[arg-type]
+    outcomes: list[JobOutcome] = []
+    sched.add_outcome_observer(outcomes.extend)
+    sched.swap("canary", ShiftEngine(2), "v2", canary)  # type: ignore[arg-type]
+    sched.start()
+    on_canary = seq("on-canary")
+    on_canary.role = "canary"
+    sched.submit_generation(on_canary)
+    assert canary.admitted.wait(10)
+    sched.swap("canary", None, "")  # dropped while it runs: it finishes there; later canary ones go to stable
+    later = seq("later")
+    later.role = "canary"
+    sched.submit_generation(later)
+    canary.release.set()
+    assert on_canary.future.result(timeout=10) == "canary" and later.future.result(timeout=10) == "stable"
+    assert (on_canary.served_version, on_canary.served_role) == ("v2", "canary")
+    assert (later.served_version, later.served_role) == ("v1", "stable")
+    sched.stop()
+    assert sorted((o.version, o.role, o.ok) for o in outcomes) == [("v1", "stable", True), ("v2", "canary", True)]

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -64,8 +65,14 @@ class GenSequence:
     future: Future[GenOutcome] = field(default_factory=Future)
     cancel_requested: bool = False
     """Set (from any thread) to stop the sequence at the next step with finish_reason 'cancelled'."""
+    role: Literal["stable", "canary"] = "stable"
+    """The role of the queue it came from: a canary generation runs on the canary's loop when one is loaded."""
+    submitted_unix_s: float | None = None
+    """The producer's submit time (wall clock, s), for the per-version outcome stream."""
     served_version: str = ""
     """The model version of the loop it joined (set by the scheduler at admission)."""
+    served_role: Literal["stable", "canary"] = "stable"
+    """The role of the loop it joined (set by the scheduler at admission)."""
 
     def __post_init__(self) -> None:
         self.generated: list[int] = []
