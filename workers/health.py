@@ -1,7 +1,8 @@
 """Worker registry: each worker publishes a heartbeat hash to Redis with a TTL.
 
-Key ``fleet:worker:<hostname>`` holds a JSON document (hostname, model, version, active
-providers, ready, concurrency = tokens, in-flight, batches run, pid, queue) that expires after
+Key ``fleet:worker:<hostname>`` holds a JSON document (hostname, model, the stable ``version`` and
+``version_since_unix_s``, ``canary_version``, ``last_refusal``, active providers, ready,
+concurrency = tokens, in-flight, batches run, pid, queue and canary queue) that expires after
 three heartbeat periods, so a dead worker disappears by itself. ``fleet:model:<name>:card``
 holds the model card, so producers on other machines can validate and tokenize without the file.
 """
