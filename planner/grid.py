@@ -28,7 +28,8 @@ class GridRow:
         """The row as figures (ms, requests, replica-minutes)."""
         s, o = self.scaler, self.outcome
         return {"list_length": s.list_length, "polling_interval_s": s.polling_interval_s,
-                "min_replicas": s.min_replicas, "max_replicas": s.max_replicas, "cooldown_s": s.cooldown_s,
+                "min_replicas": s.min_replicas, "idle_replicas": s.idle_replicas, "max_replicas": s.max_replicas,
+                "cooldown_s": s.cooldown_s,
                 "p50_queue_wait_ms": round(o.percentile_ms(50), 1), "p99_queue_wait_ms": round(o.percentile_ms(99), 1),
                 "refused": o.refused, "replica_minutes": round(o.replica_minutes, 1), "peak_replicas": o.max_replicas}
 
@@ -36,11 +37,16 @@ class GridRow:
 def run_grid(trace: Trace, service: ServiceTimes, shape: FleetShape, base: ScalerSettings, *,
              list_lengths: Sequence[int], polling_intervals_s: Sequence[float], min_replicas: Sequence[int],
              progress: bool = True) -> list[GridRow]:
-    """The model once per (listLength, pollingInterval, minReplicaCount); other settings from ``base``."""
+    """The model once per (listLength, pollingInterval, minReplicaCount); other settings from ``base``.
+
+    A ``minReplicaCount`` above 0 is paired with ``idleReplicaCount: 0`` (activation from zero kept).
+    """
     combos = list(itertools.product(list_lengths, polling_intervals_s, min_replicas))
     rows = []
     for length, poll_s, low in tqdm(combos, desc="fleet plan", unit="setting", disable=not progress):
-        scaler = replace(base, list_length=length, polling_interval_s=poll_s, min_replicas=low)
+        # minReplicaCount > 0 comes with idleReplicaCount 0: the fleet still sleeps at zero when idle.
+        scaler = replace(base, list_length=length, polling_interval_s=poll_s, min_replicas=low,
+                         idle_replicas=0 if low > 0 else None)
         rows.append(GridRow(scaler, simulate(trace, service, shape, scaler)))
     return rows
 

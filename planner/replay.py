@@ -110,15 +110,25 @@ class Calibration:
 
 
 def engine_times(*runs: Measured, fallback: ServiceTimes | None = None) -> ServiceTimes:
-    """Median reported ``inference_ms`` by batch size over ``runs``; sizes they lack come from ``fallback``."""
+    """Engine time by batch size over ``runs``: a straight line ``a + b x size`` fitted to the median
+    reported ``inference_ms`` of each size (weighted by how many batches of that size ran), so a size
+    seen twice during a noisy moment does not make the curve jump; sizes up to the largest seen.
+    Without any batch, ``fallback``."""
     engine: dict[int, list[float]] = defaultdict(list)
     for m in runs:
         for size, eng in zip(m.batch_size, m.inference_ms, strict=True):
             engine[int(size)].append(float(eng))
-    points = {n: max(0.01, statistics.median(v)) for n, v in engine.items()}
-    for n, ms in fallback.points if fallback is not None else ():
-        points.setdefault(n, ms)
-    return ServiceTimes(tuple(sorted(points.items())))
+    if not engine:
+        if fallback is None:
+            raise ValueError("no batches to measure engine times on")
+        return fallback
+    sizes = sorted(engine)
+    medians = [statistics.median(engine[n]) for n in sizes]
+    if len(sizes) == 1:
+        return ServiceTimes(((sizes[0], max(0.01, medians[0])),))
+    slope, intercept = np.polyfit(sizes, medians, 1, w=[len(engine[n]) ** 0.5 for n in sizes])
+    floor = min(medians)
+    return ServiceTimes(tuple((n, max(floor, float(intercept + slope * n))) for n in range(1, sizes[-1] + 1)))
 
 
 def _batches(m: Measured) -> dict[str, list[tuple[float, int, float]]]:

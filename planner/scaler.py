@@ -13,8 +13,9 @@ What is modelled (one decision per ``polling_interval_s``; the clock is passed i
   decision, within ``[max(min_replicas, 1), max_replicas]``.
 - **Scale down.** The HPA's stabilization window: the largest recommendation of the last
   ``scale_down_stabilization_s`` (default 300 s, as in Kubernetes) wins.
-- **Back to zero.** When no trigger has been active for ``cooldown_s``, KEDA scales to
-  ``min_replicas`` (0 lets the fleet sleep).
+- **Back to zero.** When no trigger has been active for ``cooldown_s``, KEDA scales to 0 if
+  ``min_replicas`` is 0 or ``idle_replicas`` is 0; with ``idle_replicas`` 0 an activation goes
+  straight to ``min_replicas`` (a warm floor while traffic flows, nothing while it does not).
 
 Not modelled: the HPA's 10 % tolerance, its separate 15 s sync period (decisions follow KEDA's
 polling interval), metric scrape lag of Prometheus, and pod scheduling beyond a fixed start time.
@@ -34,7 +35,10 @@ class ScalerSettings:
     """The ScaledObject's numbers (names as in ``deploy/k8s/keda-worker-*.yaml``) and the pod start time."""
 
     min_replicas: int = 0
-    """``minReplicaCount``: 0 lets the fleet scale to zero."""
+    """``minReplicaCount``: the floor while any trigger is active (0 lets the fleet scale to zero)."""
+    idle_replicas: int | None = None
+    """``idleReplicaCount`` (KEDA allows only 0): inactive for ``cooldown_s`` → this many, and on activation
+    straight back to ``min_replicas``; None = not set."""
     max_replicas: int = 8
     """``maxReplicaCount``."""
     polling_interval_s: float = 5.0
@@ -61,6 +65,9 @@ class ScalerSettings:
                              f">= 1 (got {self.list_length})")
         if self.cooldown_s < 0 or self.start_s < 0 or self.scale_down_stabilization_s < 0:
             raise ValueError("cooldown_s, start_s and scale_down_stabilization_s must be >= 0")
+        if self.idle_replicas is not None and not 0 <= self.idle_replicas < self.min_replicas:
+            raise ValueError(f"idle_replicas must be >= 0 and < min_replicas ({self.min_replicas}), "
+                             f"got {self.idle_replicas}")
         if self.held_threshold is not None and self.held_threshold < 1:
             raise ValueError(f"held_threshold must be >= 1 or None, got {self.held_threshold}")
 
@@ -70,7 +77,8 @@ class Autoscaler:
     """Replica decisions for one ScaledObject; call :meth:`decide` every ``polling_interval_s``."""
 
     settings: ScalerSettings
-    _last_active_s: float = -math.inf
+    _last_active_s: float = 0.0
+    """Last poll a trigger was active (s); the cooldown also counts from the start, as KEDA's does from creation."""
     _recommendations: deque[tuple[float, int]] = field(default_factory=deque)
 
     def _active(self, waiting: int, held: int) -> bool:
@@ -89,10 +97,13 @@ class Autoscaler:
         s = self.settings
         if self._active(waiting, held):
             self._last_active_s = now_s
+        can_sleep = s.min_replicas == 0 or s.idle_replicas == 0
         if current == 0:
             self._recommendations.clear()
-            return max(s.min_replicas, 1 if self._active(waiting, held) else 0)
-        if s.min_replicas == 0 and now_s - self._last_active_s >= s.cooldown_s:
+            if self._active(waiting, held):
+                return max(s.min_replicas, 1)
+            return 0 if can_sleep else s.min_replicas
+        if can_sleep and now_s - self._last_active_s >= s.cooldown_s:
             self._recommendations.clear()
             return 0
         floor = max(s.min_replicas, 1)

@@ -111,7 +111,16 @@ def test_autoscaler_goes_to_zero_after_the_cooldown_only_when_min_is_zero() -> N
         assert auto.decide(100.0, 1, waiting=0, held=0) == expected
 
 
-@pytest.mark.parametrize("bad", [{"min_replicas": 3, "max_replicas": 2}, {"polling_interval_s": 0},
+def test_idle_replica_count_sleeps_at_zero_and_wakes_to_the_floor() -> None:
+    auto = Autoscaler(ScalerSettings(min_replicas=3, idle_replicas=0, held_threshold=None, cooldown_s=100.0,
+                                     scale_down_stabilization_s=0.0))
+    assert auto.decide(0.0, 0, waiting=1, held=0) == 3  # activation goes straight to minReplicaCount
+    assert auto.decide(50.0, 3, waiting=0, held=0) == 3
+    assert auto.decide(100.0, 3, waiting=0, held=0) == 0  # idle for the cooldown: idleReplicaCount
+    assert auto.decide(105.0, 0, waiting=0, held=0) == 0
+
+
+@pytest.mark.parametrize("bad", [{"min_replicas": 1, "idle_replicas": 1}, {"min_replicas": 3, "max_replicas": 2}, {"polling_interval_s": 0},
                                  {"list_length": 0}, {"held_threshold": 0}])
 def test_scaler_settings_name_the_broken_field(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
