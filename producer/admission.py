@@ -222,12 +222,14 @@ return {allowed, string.format('%.9f', tokens)}
 """
 
 
-def queue_depth(client: redis.Redis[bytes], queue: str) -> int:
-    """Requests waiting in Celery queue ``queue`` (its Redis list plus kombu's priority siblings)."""
+def queue_depth(client: redis.Redis[bytes], queue: str, *more: str) -> int:
+    """Requests waiting in Celery queue ``queue`` and any ``more`` queues (each one's Redis list plus
+    kombu's priority siblings), read in one round trip."""
     with client.pipeline(transaction=False) as pipe:
-        pipe.llen(queue)
-        for step in KOMBU_PRIORITY_STEPS:
-            pipe.llen(f"{queue}{KOMBU_PRIORITY_SEP}{step}")
+        for name in (queue, *more):
+            pipe.llen(name)
+            for step in KOMBU_PRIORITY_STEPS:
+                pipe.llen(f"{name}{KOMBU_PRIORITY_SEP}{step}")
         return sum(int(n) for n in pipe.execute())
 
 
@@ -270,7 +272,10 @@ class Admission:
             self.take_rate(rate_key, count)
 
     def check_queue(self, model: str, count: int = 1) -> None:
-        """Refuse when ``count`` more requests would push ``model``'s queue past its cap.
+        """Refuse when ``count`` more requests would push ``model``'s queues past its cap.
+
+        The cap is the model's: its stable queue and its canary queue together (every worker of the
+        model takes from both), so a canary split never lets more than ``max_queue_depth`` wait.
 
         Raises:
             QueueFull: with ``retry_after_s`` from the measured drain rate.
@@ -281,7 +286,7 @@ class Admission:
         with self._depths_lock:
             if self._depths.admits(queue, count, cap, self.monotonic()):
                 return
-        depth = queue_depth(self.redis, queue)
+        depth = queue_depth(self.redis, queue, self.settings.canary_queue_for(key))
         if depth + count <= cap:
             with self._depths_lock:
                 self._depths.store(queue, depth + count, self.monotonic())
@@ -289,7 +294,7 @@ class Admission:
         rate = self.drain_rate_per_s(key)
         retry = queue_retry_after_s(depth, cap, count, rate, self.settings.admission.max_retry_after_s)
         raise QueueFull(
-            f"queue {queue} of model {key!r} holds {depth} requests; the limit is "
+            f"queues {queue} and its .canary of model {key!r} hold {depth} requests; the limit is "
             f"models.{key}.max_queue_depth={cap} (draining at {rate:.2f} req/s; retry after {retry} s)",
             "max_queue_depth",
             cap,

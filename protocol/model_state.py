@@ -86,6 +86,8 @@ OUTCOMES_KEY = "fleet:model-outcomes:{model}"
 AUTO_ROLLBACKS_KEY = "fleet:model-auto-rollbacks:{model}"
 RECENT_PROMPTS_KEY = "fleet:model-recent-prompts:{model}"
 GUARD_LOCK_KEY = "fleet:model-guard-lock:{model}"
+GUARD_TURN_KEY = "fleet:model-guard-turn:{model}"
+"""Whose turn it is to judge the canary (see :func:`guard_canary`'s ``one_caller_per_s``)."""
 CHANGES_CHANNEL = "fleet:model-changes"
 
 HISTORY_KEEP = 1000
@@ -436,12 +438,24 @@ def read_outcomes(r: redis.Redis[bytes], model: str, window_s: float, *, since_u
     return out
 
 
-def guard_canary(r: redis.Redis[bytes], settings: FleetSettings, model: str) -> Verdict | None:
+def guard_canary(
+    r: redis.Redis[bytes], settings: FleetSettings, model: str, *, one_caller_per_s: float | None = None
+) -> Verdict | None:
     """Judge the model's canary over its window; roll it back (``by="auto-rollback"``) when it broke
     its bounds. None when the model has no canary. Concurrent callers roll back at most once (a short
-    SET NX lock, and the rollback only applies to the generation that was judged)."""
+    SET NX lock, and the rollback only applies to the generation that was judged).
+
+    ``one_caller_per_s`` (seconds; the workers pass ``canary.check_interval_s``): at most one caller
+    fleet-wide judges per that period (a SET NX PX turn), so N workers read the outcome window (up to
+    the stream's 20,000 entries) once per period instead of N times. Returns None when another caller
+    has the turn.
+    """
     state = read_state(r, model)
     if state is None or state.canary is None:
+        return None
+    if one_caller_per_s is not None and not r.set(
+        GUARD_TURN_KEY.format(model=model), "1", nx=True, px=max(1, int(one_caller_per_s * 1000))
+    ):
         return None
     bounds = settings.model(model).canary
     samples = read_outcomes(r, model, bounds.window_s, since_unix_s=state.changed_at_unix_s)

@@ -189,7 +189,8 @@ class Reconciler:
                     break
                 state = self.sync()
                 if state is not None and state.canary is not None:
-                    verdict = guard_canary(self.redis, self.settings, self.model)
+                    verdict = guard_canary(self.redis, self.settings, self.model,
+                                           one_caller_per_s=self.settings.model(self.model).canary.check_interval_s)
                     if verdict is not None and verdict.rollback:
                         log.warning("canary %s of %s rolled back: %s", state.canary, self.model, verdict.reason)
                         self.sync()

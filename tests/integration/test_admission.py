@@ -190,3 +190,25 @@ def test_deadline_passed_in_queue_is_expired_and_never_computed(ops_fleet: OpsFl
     heartbeat = wait_until(lambda: worker.wait_ready(5).get("batches_run") == 1, 10, "batches_run in heartbeat")
     assert heartbeat
     http.close()
+
+
+def test_the_cap_counts_the_canary_queue_too(redis_server: Any) -> None:
+    """Every worker of a model takes from its stable and its canary queue; requests waiting in either
+    count against ``max_queue_depth`` (a 10 % canary split used to let the canary queue grow unbounded)."""
+    import redis as redis_lib
+
+    settings = load_settings(None, models={"m": {"path": "/nonexistent.onnx", "max_queue_depth": 5}},
+                             admission={"queue_depth_cache_ms": 0})
+    r = redis_lib.Redis.from_url(redis_server.url)
+    stable, canary = settings.queue_for("m"), settings.canary_queue_for("m")
+    try:
+        r.lpush(stable, *[b"waiting"] * 3)
+        admission = Admission(r, settings)
+        admission.check_queue("m", 2)  # 3 + 2 = the cap: admitted
+        r.lpush(canary, *[b"waiting"] * 2)
+        with pytest.raises(QueueFull) as full:
+            admission.check_queue("m", 1)
+        assert full.value.field == "max_queue_depth" and full.value.limit == 5
+        assert "holds 5" in str(full.value) or "hold 5" in str(full.value), full.value
+    finally:
+        r.delete(stable, canary)

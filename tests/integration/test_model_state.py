@@ -141,6 +141,25 @@ def test_guard_rolls_back_once_under_concurrent_callers(r: redis.Redis[bytes]) -
     assert guard_canary(r, settings, "m") is None  # no canary any more
 
 
+def test_one_worker_per_check_interval_reads_the_outcome_window(r: redis.Redis[bytes]) -> None:
+    """Every worker runs the guard every check_interval_s; only one of them per interval reads the window."""
+    settings = load_settings(None, models={"m": {"path": "/nonexistent.onnx"}})
+    pin(r, "m", "1", "u@h")
+    set_canary(r, "m", "2", 10, "u@h")
+    pipe = r.pipeline(transaction=False)
+    record_outcomes(pipe, "m", [*_outcomes("1", "stable", 30, True), *_outcomes("2", "canary", 30, True)])
+    pipe.execute()
+    r.config_resetstat()
+    judged = [guard_canary(r, settings, "m", one_caller_per_s=30.0) for _ in range(6)]
+    reads = int(r.info("commandstats").get("cmdstat_xrange", {}).get("calls", 0)) + int(
+        r.info("commandstats").get("cmdstat_xrevrange", {}).get("calls", 0))
+    assert judged[0] is not None and not judged[0].rollback
+    assert judged[1:] == [None] * 5, judged
+    assert reads == 1, reads
+    r.delete("fleet:model-guard-turn:m")
+    assert guard_canary(r, settings, "m", one_caller_per_s=30.0) is not None  # the next period's turn
+
+
 def test_repeated_rollbacks_undo_pins_one_at_a_time(r: redis.Redis[bytes]) -> None:
     for version in ("A", "B", "A"):
         pin(r, "m", version, "u@h")
