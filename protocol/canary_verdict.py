@@ -9,12 +9,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from protocol.settings import CanarySettings
 
-__all__ = ["Outcome", "Verdict", "VersionFigures", "canary_verdict", "percentile", "version_figures"]
+__all__ = [
+    "Outcome",
+    "Verdict",
+    "VersionFigures",
+    "canary_verdict",
+    "percentile",
+    "unserved_canary_verdict",
+    "version_figures",
+]
 
 Role = Literal["stable", "canary"]
 
@@ -146,3 +154,27 @@ def canary_verdict(
         )
         return Verdict(True, reason, can, sta)
     return Verdict(False, None, can, sta)
+
+
+def unserved_canary_verdict(
+    verdict: Verdict, samples: Sequence[Outcome], canary: str, refused: Sequence[tuple[str, str]], min_requests: int
+) -> Verdict:
+    """``verdict``, or a rollback when the canary cannot be loaded anywhere its traffic goes.
+
+    Workers run a canary-queue request on stable while they have no canary loaded, so a canary that
+    every worker refused (a checksum mismatch, a load error) would stay "in force" forever while
+    serving nothing, and the error-rate bounds would never see it. Rolled back when at least one
+    worker refused ``canary`` since it was set (``refused``: (worker, "ErrorType: message") pairs),
+    at least ``min_requests`` canary-role requests finished in the window, and none of them was
+    computed by ``canary``.
+    """
+    if verdict.rollback or not refused:
+        return verdict
+    canary_role = [s for s in samples if s.role == "canary"]
+    if len(canary_role) < min_requests or any(s.version == canary for s in canary_role):
+        return verdict
+    workers = sorted({worker for worker, _ in refused})
+    return replace(verdict, rollback=True, reason=(
+        f"canary {canary} was refused by {len(workers)} worker(s) ({', '.join(workers[:5])}) and computed none of "
+        f"the {len(canary_role)} canary requests in the window (stable served them): {refused[-1][1][:300]}"
+    ))

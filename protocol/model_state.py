@@ -39,7 +39,7 @@ from typing import Any, Literal, Protocol
 import redis
 from pydantic import BaseModel, ConfigDict, Field
 
-from protocol.canary_verdict import Outcome, Verdict, canary_verdict
+from protocol.canary_verdict import Outcome, Verdict, canary_verdict, unserved_canary_verdict
 from protocol.errors import StateChangeRefused
 from protocol.settings import FleetSettings
 
@@ -460,6 +460,9 @@ def guard_canary(
     bounds = settings.model(model).canary
     samples = read_outcomes(r, model, bounds.window_s, since_unix_s=state.changed_at_unix_s)
     verdict = canary_verdict(samples, bounds, canary=state.canary, stable=state.stable)
+    refused = [(x.worker, f"{x.error_type}: {x.error}") for x in refusals(r, model)
+               if x.version == state.canary and x.at_unix_s >= state.changed_at_unix_s]
+    verdict = unserved_canary_verdict(verdict, samples, state.canary, refused, bounds.min_requests)
     if not verdict.rollback:
         return verdict
     if not r.set(GUARD_LOCK_KEY.format(model=model), "1", nx=True, px=GUARD_LOCK_MS):

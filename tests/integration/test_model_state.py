@@ -160,6 +160,26 @@ def test_one_worker_per_check_interval_reads_the_outcome_window(r: redis.Redis[b
     assert guard_canary(r, settings, "m", one_caller_per_s=30.0) is not None  # the next period's turn
 
 
+def test_a_canary_every_worker_refused_is_rolled_back_once_its_traffic_ran_on_stable(r: redis.Redis[bytes]) -> None:
+    """A canary no worker could load served nothing: its traffic ran on stable and the error-rate bounds
+    never saw it. Rolled back, with the refusal as the reason, once min_requests canary requests finished."""
+    settings = load_settings(None, models={"m": {"path": "/nonexistent.onnx", "canary": {"min_requests": 10}}})
+    pin(r, "m", "1", "u@h")
+    set_canary(r, "m", "2", 10, "u@h")
+    pipe = r.pipeline(transaction=False)
+    record_outcomes(pipe, "m", [*_outcomes("1", "stable", 30, True), *_outcomes("1", "canary", 12, True)])
+    pipe.execute()
+    verdict = guard_canary(r, settings, "m")
+    assert verdict is not None and not verdict.rollback  # no refusal: a worker may still be loading it
+    record_refusal(r, "m", "w1@host", "2", ValueError("demo-lm 2: model.onnx does not match its manifest"))
+    verdict = guard_canary(r, settings, "m")
+    assert verdict is not None and verdict.rollback and verdict.reason is not None
+    assert "refused by 1 worker(s) (w1@host)" in verdict.reason and "does not match its manifest" in verdict.reason
+    state = read_state(r, "m")
+    assert state is not None and state.canary is None and state.stable == "1"
+    assert [e.action for e in history(r, "m")][-1] == "auto-rollback"
+
+
 def test_repeated_rollbacks_undo_pins_one_at_a_time(r: redis.Redis[bytes]) -> None:
     for version in ("A", "B", "A"):
         pin(r, "m", version, "u@h")
