@@ -31,7 +31,6 @@ from tests.integration.lifecycle_fixtures import (
 )
 from tests.integration.model_versions import MODEL
 from tests.integration.ops_fixtures import scrape
-from tests.integration.test_model_store import s3, seaweed  # noqa: F401  (fixtures: one SeaweedFS per session)
 from tools.redis_server import free_port
 from tools.seaweed_server import EmbeddedSeaweed
 
@@ -39,7 +38,7 @@ BOUNDS = {"window_s": 10, "min_requests": 10, "max_error_rate": 0.05, "check_int
 
 
 def test_a_failing_canary_is_rolled_back_automatically_and_stable_keeps_serving(
-    fleet: Fleet, s3: EmbeddedSeaweed, tmp_path: Path  # noqa: F811
+    fleet: Fleet, s3: EmbeddedSeaweed, tmp_path: Path
 ) -> None:
     stable, bad = publish(s3, tmp_path, 1.0), publish(s3, tmp_path, 2.0, fail_on_real_input=True)
     port = free_port()
@@ -96,7 +95,7 @@ def test_a_failing_canary_is_rolled_back_automatically_and_stable_keeps_serving(
 
 
 def test_a_good_canary_serves_its_share_then_is_promoted_without_a_failure(
-    fleet: Fleet, s3: EmbeddedSeaweed, tmp_path: Path  # noqa: F811
+    fleet: Fleet, s3: EmbeddedSeaweed, tmp_path: Path
 ) -> None:
     stable, good = publish(s3, tmp_path, 1.0), publish(s3, tmp_path, 2.0)
     logprob_of = {stable.version: stable.logprob, good.version: good.logprob}
@@ -132,7 +131,7 @@ def test_a_good_canary_serves_its_share_then_is_promoted_without_a_failure(
 
 
 def test_generations_on_the_canary_queue_run_on_the_canary_version(
-    fleet: Fleet, s3: EmbeddedSeaweed, model_dir: Path, tmp_path: Path  # noqa: F811
+    fleet: Fleet, s3: EmbeddedSeaweed, model_dir: Path, tmp_path: Path
 ) -> None:
     onnx_file = model_dir / "demo-lm" / "demo-lm-1.0.0.onnx"
     store = ModelStore(S3Backend(BUCKET, endpoint_url=s3.endpoint_url, client=s3.client()), tmp_path / "push")

@@ -16,7 +16,6 @@ from protocol.model_state import ModelState, pin, read_state, route, set_canary
 from protocol.settings import FleetSettings
 from tests.integration.canary_fixtures import MODEL, publish_two_versions, wait_canary_served
 from tests.integration.fleet_fixtures import Fleet
-from tests.integration.test_model_store import s3, seaweed  # noqa: F401  (fixtures)
 from tools.seaweed_server import EmbeddedSeaweed
 
 
@@ -49,7 +48,7 @@ def test_producer_queues_each_request_on_the_role_its_key_routes_to(fleet: Fleet
 
 
 def test_split_90_10_over_2000_requests_and_sticky_keys_on_a_real_fleet(
-    fleet: Fleet, s3: EmbeddedSeaweed, model_dir: Path, tmp_path: Path  # noqa: F811
+    fleet: Fleet, s3: EmbeddedSeaweed, model_dir: Path, tmp_path: Path
 ) -> None:
     cfg, store, v1, v2 = publish_two_versions(fleet, s3, model_dir, tmp_path)
     fleet.worker(cfg)

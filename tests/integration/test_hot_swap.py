@@ -20,12 +20,11 @@ from protocol.model_state import STATE_KEY, ModelState, pin, refusals, rollback
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.lifecycle_fixtures import BUCKET, Load, Watch, collect, lifecycle_config, publish, wait_until
 from tests.integration.model_versions import MODEL
-from tests.integration.test_model_store import s3, seaweed  # noqa: F401  (fixtures: one SeaweedFS per session)
 from tools.seaweed_server import EmbeddedSeaweed
 
 
 def test_pin_rollback_pin_under_load_with_two_workers_loses_nothing(
-    fleet: Fleet, s3: EmbeddedSeaweed, tmp_path: Path  # noqa: F811
+    fleet: Fleet, s3: EmbeddedSeaweed, tmp_path: Path
 ) -> None:
     v1, v2 = publish(s3, tmp_path, 1.0), publish(s3, tmp_path, 2.0)
     logprob_of = {v1.version: v1.logprob, v2.version: v2.logprob}
@@ -75,7 +74,7 @@ def _sha(data: bytes) -> str:
 
 
 def test_a_corrupted_version_is_refused_and_the_old_one_keeps_serving(
-    fleet: Fleet, s3: EmbeddedSeaweed, tmp_path: Path, capsys: pytest.CaptureFixture[str]  # noqa: F811
+    fleet: Fleet, s3: EmbeddedSeaweed, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     good, bad = publish(s3, tmp_path, 1.0), publish(s3, tmp_path, 3.0)
     key = f"{MODEL}/{bad.version}/{MODEL}-{bad.version}.onnx"
@@ -123,7 +122,7 @@ def test_a_corrupted_version_is_refused_and_the_old_one_keeps_serving(
 
 
 def test_a_worker_down_during_a_change_starts_on_the_version_in_force(
-    fleet: Fleet, s3: EmbeddedSeaweed, tmp_path: Path  # noqa: F811
+    fleet: Fleet, s3: EmbeddedSeaweed, tmp_path: Path
 ) -> None:
     v1, v2 = publish(s3, tmp_path, 1.0), publish(s3, tmp_path, 2.0)
     cfg = lifecycle_config(fleet, s3, v1.version, tmp_path / "cache")  # its config still says v1
@@ -140,7 +139,7 @@ def test_a_worker_down_during_a_change_starts_on_the_version_in_force(
 
 
 def test_a_change_whose_notice_was_lost_is_applied_by_the_periodic_re_read(
-    fleet: Fleet, s3: EmbeddedSeaweed, tmp_path: Path  # noqa: F811
+    fleet: Fleet, s3: EmbeddedSeaweed, tmp_path: Path
 ) -> None:
     v1, v2 = publish(s3, tmp_path, 1.0), publish(s3, tmp_path, 2.0)
     cfg = lifecycle_config(fleet, s3, v1.version, tmp_path / "cache", worker={"reconcile_interval_s": 1.0})

@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,25 +31,6 @@ from tests.integration.fleet_fixtures import Fleet
 from tools.seaweed_server import EmbeddedSeaweed
 
 BUCKET = "fleet-models"
-
-
-@pytest.fixture(scope="session")
-def seaweed() -> Iterator[EmbeddedSeaweed]:
-    """One SeaweedFS (weed server -s3) for the session; killed and its data removed at the end."""
-    server = EmbeddedSeaweed(bucket=BUCKET).start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def s3(seaweed: EmbeddedSeaweed, monkeypatch: pytest.MonkeyPatch) -> EmbeddedSeaweed:
-    """The session's server, its credentials and FLEET_STORE__* in this process's environment (and so
-    in the workers it starts): the fleet reads credentials from the environment only."""
-    for key, value in seaweed.env().items():
-        monkeypatch.setenv(key, value)
-    return seaweed
 
 
 def _store(server: EmbeddedSeaweed, cache_dir: Path) -> ModelStore:

@@ -17,7 +17,6 @@ from protocol.model_state import pin, recent_prompts, record_refusal, samples_pr
 from store import ChecksumMismatch
 from tests.integration.canary_fixtures import MODEL, publish_two_versions, wait_canary_served
 from tests.integration.fleet_fixtures import Fleet
-from tests.integration.test_model_store import s3, seaweed  # noqa: F401  (fixtures)
 from tools.build_lm import build_causal_lm
 from tools.seaweed_server import EmbeddedSeaweed
 
@@ -31,7 +30,7 @@ def fleet_json(capsys: pytest.CaptureFixture[str], config: Path, *argv: str) -> 
 
 
 def test_lifecycle_commands_record_history_and_refuse_clearly(
-    fleet: Fleet, s3: EmbeddedSeaweed, model_dir: Path, tmp_path: Path,  # noqa: F811
+    fleet: Fleet, s3: EmbeddedSeaweed, model_dir: Path, tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     cfg, _, v1, v2 = publish_two_versions(fleet, s3, model_dir, tmp_path)
@@ -72,7 +71,7 @@ def test_lifecycle_commands_record_history_and_refuse_clearly(
 
 
 def test_compare_reports_per_version_figures_and_shadow_agreement(
-    fleet: Fleet, s3: EmbeddedSeaweed, model_dir: Path, tmp_path: Path,  # noqa: F811
+    fleet: Fleet, s3: EmbeddedSeaweed, model_dir: Path, tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     cfg, _, v1, v2 = publish_two_versions(fleet, s3, model_dir, tmp_path)
@@ -133,7 +132,7 @@ def test_status_shows_versions_changes_and_refusals(fleet: Fleet, capsys: pytest
 
 
 def test_quantize_publishes_its_int8_result_with_the_report(
-    s3: EmbeddedSeaweed, tmp_path: Path, capsys: pytest.CaptureFixture[str],  # noqa: F811
+    s3: EmbeddedSeaweed, tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
     fp32 = build_causal_lm(tmp_path / "models")
     version = f"1.0.0-int8-{uuid.uuid4().hex[:8]}"

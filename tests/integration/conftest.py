@@ -1,0 +1,34 @@
+"""Fixtures shared by the integration modules that need a real S3 server.
+
+One SeaweedFS per test session (its start-up costs ~5–20 s on this machine): defined here, not
+imported into each module, because a session fixture imported into N modules is N fixtures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tools.seaweed_server import EmbeddedSeaweed
+
+BUCKET = "fleet-models"
+
+
+@pytest.fixture(scope="session")
+def seaweed() -> Iterator[EmbeddedSeaweed]:
+    """One SeaweedFS (weed server -s3) for the session; killed and its data removed at the end."""
+    server = EmbeddedSeaweed(bucket=BUCKET).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3(seaweed: EmbeddedSeaweed, monkeypatch: pytest.MonkeyPatch) -> EmbeddedSeaweed:
+    """The session's server, its credentials and FLEET_STORE__* in this process's environment (and so
+    in the workers it starts): the fleet reads credentials from the environment only."""
+    for key, value in seaweed.env().items():
+        monkeypatch.setenv(key, value)
+    return seaweed
