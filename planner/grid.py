@@ -52,6 +52,11 @@ def run_grid(trace: Trace, service: ServiceTimes, shape: FleetShape, base: Scale
 
 
 def best_row(rows: Sequence[GridRow], slo_p99_ms: float) -> GridRow | None:
-    """The cheapest row (replica-minutes) that refuses nothing and keeps p99 queue wait within ``slo_p99_ms``."""
+    """The cheapest row (replica-minutes) that refuses nothing and keeps p99 queue wait within ``slo_p99_ms``.
+
+    Ties (same cost and p99) go to the longer pollingInterval and the larger listLength: the same
+    outcome for fewer KEDA polls of Redis and fewer scale-ups on a short spike.
+    """
     fit = [r for r in rows if r.outcome.refused == 0 and r.outcome.percentile_ms(99) <= slo_p99_ms]
-    return min(fit, key=lambda r: (r.outcome.replica_minutes, r.outcome.percentile_ms(99)), default=None)
+    return min(fit, key=lambda r: (round(r.outcome.replica_minutes, 1), round(r.outcome.percentile_ms(99), 1),
+                                   -r.scaler.polling_interval_s, -r.scaler.list_length), default=None)

@@ -120,7 +120,8 @@ def test_idle_replica_count_sleeps_at_zero_and_wakes_to_the_floor() -> None:
     assert auto.decide(105.0, 0, waiting=0, held=0) == 0
 
 
-@pytest.mark.parametrize("bad", [{"min_replicas": 1, "idle_replicas": 1}, {"min_replicas": 3, "max_replicas": 2}, {"polling_interval_s": 0},
+@pytest.mark.parametrize("bad", [{"min_replicas": 1, "idle_replicas": 1}, {"min_replicas": 3, "max_replicas": 2},
+                                 {"polling_interval_s": 0},
                                  {"list_length": 0}, {"held_threshold": 0}])
 def test_scaler_settings_name_the_broken_field(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
