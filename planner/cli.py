@@ -62,7 +62,9 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
     table = markdown_table(rows, best)
     (out / "plan-grid.md").write_text(table)
     plot_grid(rows, best, args.slo_p99_ms, out / "img" / "plan-grid.png")
-    plot_timeline(trace, best or rows[0], out / "img" / "plan-timeline.png")
+    cheapest = min(rows, key=lambda r: r.outcome.replica_minutes)
+    shown = [("chosen", best)] if best is not None else []
+    plot_timeline(trace, [*shown, ("cheapest", cheapest)], out / "img" / "plan-timeline.png")
     doc = {"requests": len(trace), "duration_s": trace.duration_s, "series": args.series,
            "service_batch_ms": {str(n): round(ms, 2) for n, ms in service.points},
            "shape": vars(shape), "base": vars(base), "slo_p99_ms": args.slo_p99_ms,

@@ -65,24 +65,26 @@ def plot_grid(rows: Sequence[GridRow], best: GridRow | None, slo_p99_ms: float, 
     plt.close(fig)
 
 
-def plot_timeline(trace: Trace, row: GridRow, path: Path) -> None:
-    """Arrival rate, replicas and queue length over the trace for one setting."""
+def plot_timeline(trace: Trace, rows: Sequence[tuple[str, GridRow]], path: Path) -> None:
+    """Arrival rate, then replicas and requests waiting over the trace for each labelled setting."""
     plt = _pyplot()
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
+    fig, axes = plt.subplots(1 + len(rows), 1, figsize=(9, 2.4 * (1 + len(rows))), sharex=True)
     bin_s = max(1.0, trace.duration_s / 600)
     starts, rate = trace.rate_per_s(bin_s)
-    top.plot(starts / 3600, rate, color="tab:blue", linewidth=0.8)
-    top.set_ylabel("arrivals / s")
-    times = [t / 3600 for t, _, _ in row.outcome.timeline]
-    bottom.step(times, [c for _, c, _ in row.outcome.timeline], where="post", color="tab:green", label="replicas")
-    twin = bottom.twinx()
-    twin.plot(times, [w for _, _, w in row.outcome.timeline], color="tab:red", linewidth=0.6, label="waiting")
-    twin.set_ylabel("requests waiting", color="tab:red")
-    bottom.set_ylabel("replicas", color="tab:green")
-    bottom.set_xlabel("hours")
-    s = row.scaler
-    top.set_title(f"listLength {s.list_length}, pollingInterval {s.polling_interval_s:g} s, minReplicas "
-                  f"{s.min_replicas}, cooldown {s.cooldown_s:g} s, start {s.start_s:g} s")
+    axes[0].plot(starts / 3600, rate, color="tab:blue", linewidth=0.8)
+    axes[0].set_ylabel("arrivals / s")
+    for ax, (label, row) in zip(axes[1:], rows, strict=True):
+        times = [t / 3600 for t, _, _ in row.outcome.timeline]
+        ax.step(times, [c for _, c, _ in row.outcome.timeline], where="post", color="tab:green")
+        ax.set_ylabel("replicas", color="tab:green")
+        twin = ax.twinx()
+        twin.plot(times, [w for _, _, w in row.outcome.timeline], color="tab:red", linewidth=0.6)
+        twin.set_ylabel("waiting", color="tab:red")
+        s, o = row.scaler, row.outcome
+        ax.set_title(f"{label}: listLength {s.list_length}, pollingInterval {s.polling_interval_s:g} s, "
+                     f"minReplicas {s.min_replicas}; p99 {o.percentile_ms(99):,.0f} ms, "
+                     f"{o.replica_minutes:,.0f} replica-min", fontsize=9)
+    axes[-1].set_xlabel("hours")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
