@@ -178,19 +178,23 @@ class Agreement:
     percentile: float
     predicted_ms: float
     measured_ms: float
-    tolerance_ms: float
+    low_ms: float
+    high_ms: float
 
     @property
     def ok(self) -> bool:
-        return abs(self.predicted_ms - self.measured_ms) <= self.tolerance_ms
+        return self.low_ms <= self.predicted_ms <= self.high_ms
 
 
-REL_TOLERANCE = 0.5
-"""Predicted within ±50 % of measured ..."""
+TOLERANCE_FACTOR = 3.0
+"""Predicted between measured / 3 and measured x 3 ... (the wrong models in docs/plan.md are 8-14x off
+at p50; the right one ran 0.53-0.97x of measured in development runs on a shared 2-core box)"""
 ABS_TOLERANCE_MS = 10.0
 """... or within ±10 ms, whichever is wider (scheduling noise on a busy 2-core box)."""
 
 
 def agreement(percentile: float, predicted_ms: float, measured_ms: float) -> Agreement:
-    """Compare at ``percentile`` with the stated tolerance: max(50 % of measured, 10 ms)."""
-    return Agreement(percentile, predicted_ms, measured_ms, max(REL_TOLERANCE * measured_ms, ABS_TOLERANCE_MS))
+    """Compare at ``percentile`` with the stated tolerance: within a factor of 3 of measured, or 10 ms."""
+    low = min(measured_ms / TOLERANCE_FACTOR, measured_ms - ABS_TOLERANCE_MS)
+    high = max(measured_ms * TOLERANCE_FACTOR, measured_ms + ABS_TOLERANCE_MS)
+    return Agreement(percentile, predicted_ms, measured_ms, max(0.0, low), high)

@@ -92,7 +92,7 @@ class Validation:
             "mean_batch_size": round(float(self.real.batch_size.mean()), 2),
             "measured": {f"p{q}": round(self.real.percentile_ms(q), 1) for q in (50, 99)},
             "predicted": {f"p{q}": round(self.predicted.percentile_ms(q), 1) for q in (50, 99)},
-            "tolerance": {f"p{a.percentile:g}": round(a.tolerance_ms, 1) for a in self.agreements()},
+            "tolerance": {f"p{a.percentile:g}": [round(a.low_ms, 1), round(a.high_ms, 1)] for a in self.agreements()},
             "agrees": self.passes(),
             "wrong_models": {name: {f"p{q}": round(o.percentile_ms(q), 1) for q in (50, 99)}
                              | {"passes": self.passes(o)} for name, o in self.wrong.items()},
