@@ -145,8 +145,9 @@ def status_document(settings: FleetSettings, client: redis.Redis[bytes]) -> dict
     ]
     from producer.model_status import model_states
 
-    return {"workers": workers, "queues": queues, "models": model_states(settings, client),
-            "problems": readiness_problems(state)}
+    # Redis down: readiness_problems says so (URL masked); there are no version states to read
+    models = [] if state.redis_error else model_states(settings, client)
+    return {"workers": workers, "queues": queues, "models": models, "problems": readiness_problems(state)}
 
 
 def cmd_status(args: argparse.Namespace) -> int:
