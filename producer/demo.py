@@ -127,8 +127,10 @@ def run_demo(args: argparse.Namespace) -> int:
             server = stack.enter_context(EmbeddedRedis())
             redis_url = server.url
             _say(f"private redis-server on {redis_url}")
-        settings = load_settings(args.config, redis_url=redis_url)
         env = {"FLEET_CONFIG": str(Path(args.config).resolve())} if args.config else {}
+        if getattr(args, "versions", False):
+            env |= _start_store(stack, logdir)
+        settings = load_settings(args.config, redis_url=redis_url)
         workers = []
         for model in models:
             w = WorkerProcess(
@@ -152,8 +154,34 @@ def run_demo(args: argparse.Namespace) -> int:
             )
         if flower_url and _wait_http(flower_url + "/api/workers", auth):
             _say(f"Flower at {flower_url} (user {auth[0]}, password {auth[1]})")
-        return _drive(settings, args, models, flower_url, auth if flower_url else None)
+        status = _drive(settings, args, models, flower_url, auth if flower_url else None)
+        if getattr(args, "versions", False) and lm in models:
+            from producer.demo_versions import run_versions_tour
+
+            lm_hosts = [w.hostname for w in workers if w.model == lm]
+            status = max(status, run_versions_tour(settings, lm_hosts, logdir))
+        return status
     return 1  # pragma: no cover
+
+
+def _start_store(stack: ExitStack, workdir: Path) -> dict[str, str]:
+    """An embedded SeaweedFS for ``--versions``; its settings go into this process and the workers."""
+    from tools.seaweed_server import EmbeddedSeaweed
+
+    server = stack.enter_context(EmbeddedSeaweed(data_dir=workdir / "seaweedfs"))
+    env = server.env() | {"FLEET_STORE__CACHE_DIR": str(workdir / "model-cache"), "FLEET_WORKER__HEARTBEAT_S": "1"}
+    for key, value in env.items():
+        stack.callback(_restore_env, key, os.environ.get(key))
+        os.environ[key] = value
+    _say(f"embedded S3 store (SeaweedFS) at {server.endpoint_url}, bucket {server.bucket}")
+    return env
+
+
+def _restore_env(key: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
 
 
 def _drive(
