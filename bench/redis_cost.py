@@ -29,6 +29,7 @@ from bench.procs import CpuMeter, redis_commandstats
 from bench.stats import RequestRecord, summarize_run
 from producer.client import FleetClient
 from protocol.messages import InferenceResult
+from tools.processes import stop_process
 from tools.redis_server import free_port
 
 __all__ = ["GatewayServer", "lone_profile", "measure_gateway", "per_request"]
@@ -70,13 +71,7 @@ class GatewayServer:
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 15 s."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc, 15)
 
 
 def _http_one(http: httpx.Client, model: str, ids: Sequence[int], poll_s: float) -> tuple[RequestRecord, int]:

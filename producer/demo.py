@@ -26,7 +26,7 @@ from protocol.errors import FleetError
 from protocol.messages import InferenceResult
 from protocol.modelcard import ModelCard, load_card
 from protocol.settings import FleetSettings, load_settings
-from tools.processes import WorkerProcess, die_with_parent
+from tools.processes import WorkerProcess, die_with_parent, stop_process
 from tools.redis_server import EmbeddedRedis, free_port
 
 __all__ = ["run_demo"]
@@ -80,15 +80,6 @@ def _start_flower(redis_url: str, logdir: Path) -> tuple[subprocess.Popen[bytes]
         preexec_fn=die_with_parent,
     )
     return proc, f"http://127.0.0.1:{port}", (user, password)
-
-
-def _stop_process(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
 
 
 def _wait_http(url: str, auth: tuple[str, str], timeout_s: float = 30.0) -> bool:
@@ -146,7 +137,7 @@ def run_demo(args: argparse.Namespace) -> int:
         flower_url = None
         if not args.no_flower:
             proc, flower_url, auth = _start_flower(redis_url, logdir)
-            stack.callback(_stop_process, proc)
+            stack.callback(stop_process, proc, 15)
         for w in workers:
             doc = w.wait_ready()
             _say(

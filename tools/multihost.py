@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -34,7 +32,7 @@ import yaml
 
 from protocol.settings import deep_merge, load_settings
 from tools.netns import NetHost, NetLab
-from tools.processes import WorkerProcess
+from tools.processes import WorkerProcess, poll_until, stop_process
 from tools.redis_server import find_redis_server
 
 __all__ = ["GATEWAY_PORT", "REDIS_PORT", "HostFleet", "identity_config"]
@@ -55,16 +53,6 @@ def identity_config(model_path: Path, redis_url: str, **overrides: Any) -> dict[
                                 "limits": {"max_input_tokens": 128}, "engine": {"intra_op_threads": 1}}},
     }
     return deep_merge(base, overrides)
-
-
-def _stop(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 class HostFleet:
@@ -215,14 +203,7 @@ class HostFleet:
         Raises:
             TimeoutError: still falsy after ``timeout_s``.
         """
-        deadline = time.monotonic() + timeout_s
-        while True:
-            value = check()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
-            time.sleep(poll_s)
+        return poll_until(check, timeout_s, what, poll_s)
 
     # -- teardown ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -236,7 +217,7 @@ class HostFleet:
         for t in stoppers:
             t.join()
         for _, proc, log in reversed(self._procs):
-            _stop(proc, 10)
+            stop_process(proc, 10, kill_group=True)
             log.close()
         self._procs.clear()
         self.lab.close()

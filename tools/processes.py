@@ -8,14 +8,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import redis
 
 from protocol.keys import WORKER_KEY_PREFIX
 
-__all__ = ["WorkerProcess", "die_with_parent", "worker_command"]
+__all__ = ["WorkerProcess", "die_with_parent", "poll_until", "stop_process", "worker_command"]
 
 
 def die_with_parent() -> None:
@@ -31,6 +32,37 @@ def die_with_parent() -> None:
 
         pr_set_pdeathsig = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float, *, kill_group: bool = False) -> None:
+    """SIGTERM ``proc``, then SIGKILL it (its whole process group with ``kill_group``) after ``grace_s`` s."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        if kill_group:
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
+        proc.wait(10)
+
+
+def poll_until(check: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.05) -> Any:
+    """Poll ``check()`` every ``poll_s`` s until it returns something truthy (returned).
+
+    Raises:
+        TimeoutError: still falsy after ``timeout_s`` s (the message names ``what``).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(poll_s)
 
 
 def interrupt_on_stop_signals() -> None:
@@ -166,12 +198,8 @@ class WorkerProcess:
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """Warm shutdown (SIGTERM: finish held requests), SIGKILL after ``timeout_s``; returns the exit code."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        if self.proc:
+            stop_process(self.proc, timeout_s, kill_group=True)
         if self._log:
             self._log.close()
             self._log = None

@@ -29,18 +29,19 @@ RESULT_WRITE_MAX_SLEEP_MS = 1000
 """Longest wait between two tries of a result write, in milliseconds (exponential from 10 ms)."""
 
 
-class RefusalTolerantRedisBackend(RedisBackend):  # type: ignore[misc]
+class _RetriesWriteRefusals:
+    """The retry rule both backends share: Celery's own, plus Redis's temporary write refusals."""
+
+    def exception_safe_to_retry(self, exc: BaseException) -> bool:
+        return bool(super().exception_safe_to_retry(exc)) or is_write_refusal(exc)  # type: ignore[misc]
+
+
+class RefusalTolerantRedisBackend(_RetriesWriteRefusals, RedisBackend):  # type: ignore[misc]
     """Celery's Redis backend; a write Redis refuses for now is retried like a lost connection."""
 
-    def exception_safe_to_retry(self, exc: BaseException) -> bool:
-        return bool(super().exception_safe_to_retry(exc)) or is_write_refusal(exc)
 
-
-class RefusalTolerantSentinelBackend(SentinelBackend):  # type: ignore[misc]
+class RefusalTolerantSentinelBackend(_RetriesWriteRefusals, SentinelBackend):  # type: ignore[misc]
     """Celery's Sentinel backend with the same retry rule (``READONLY`` during a failover, …)."""
-
-    def exception_safe_to_retry(self, exc: BaseException) -> bool:
-        return bool(super().exception_safe_to_retry(exc)) or is_write_refusal(exc)
 
 
 def install(app: Celery) -> None:

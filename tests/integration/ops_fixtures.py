@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from protocol.settings import load_settings
 from tools.build_encoder import build_encoder
 from tools.build_lm import build_causal_lm
-from tools.processes import WorkerProcess
+from tools.processes import WorkerProcess, poll_until
 from tools.redis_server import EmbeddedRedis, free_port
 
 __all__ = [
@@ -48,14 +47,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def wait_until(check: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.05) -> Any:
     """Poll ``check()`` until it returns something truthy (returned); fail the test after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(poll_s)
+    try:
+        return poll_until(check, timeout_s, what, poll_s)
+    except TimeoutError as exc:
+        pytest.fail(str(exc))
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
