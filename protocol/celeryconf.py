@@ -7,6 +7,7 @@ from typing import Any
 from celery import Celery
 from kombu import Queue  # type: ignore[attr-defined]
 
+from protocol import kombu_channel
 from protocol.redis_conn import celery_redis_config
 from protocol.settings import FleetSettings
 
@@ -80,6 +81,7 @@ def _configured(settings: FleetSettings, model: str) -> bool:
 
 def make_celery(settings: FleetSettings, name: str = "onnx-fleet") -> Celery:
     """A Celery app bound to ``settings``, with no tasks registered (producers use it as is)."""
+    kombu_channel.install()  # one redis.Redis per channel, not one per command sent
     conf = celery_config(settings)
     app = Celery(name, broker=conf["broker_url"], backend=conf["result_backend"], set_as_current=False)
     app.conf.update(conf)

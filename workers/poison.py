@@ -39,6 +39,7 @@ from kombu.utils.encoding import bytes_to_str
 from protocol.deadletter import MAX_ENTRIES, Reason, encode_entry, make_entry
 from protocol.errors import DecodeError, FleetError
 from protocol.keys import DEAD_LETTER_KEY
+from protocol.kombu_channel import PlainPipelineQoS, ReusesSyncClient
 from protocol.redis_conn import sync_client
 from protocol.settings import FleetSettings
 from workers.deliveries import count_delivery, count_ttl_s, over_limit
@@ -83,10 +84,11 @@ class CheckedMessage(virtual.Message):
             self._decoded_cache = body
 
 
-class GuardedChannel(kombu_redis.Channel):
+class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
     """kombu's Redis channel, except that it only delivers items Celery can take (see the module doc)."""
 
     Message = CheckedMessage
+    QoS = PlainPipelineQoS
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.checked_bodies: dict[str, list[Any]] = {}

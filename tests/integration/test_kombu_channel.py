@@ -1,0 +1,48 @@
+"""``protocol.kombu_channel`` and the worker path's Redis commands: one client per channel and pool, no
+``MULTI``/``EXEC`` per delivery, one store script per result (real redis-server and worker)."""
+
+from __future__ import annotations
+
+from kombu.transport import redis as kombu_redis
+
+from bench.procs import redis_commandstats
+from protocol.celeryconf import make_celery
+from protocol.kombu_channel import FleetChannel, PlainPipelineQoS
+from protocol.settings import load_settings
+from tests.integration.fleet_fixtures import Fleet
+from tools.redis_server import EmbeddedRedis
+
+PROBE = {"info", "hello", "client"}  # redis_commandstats's own connection
+
+
+def test_a_channel_reuses_one_client_until_its_pool_changes(redis_server: EmbeddedRedis) -> None:
+    app = make_celery(load_settings(redis_url=redis_server.url), "channel-test")
+    assert kombu_redis.Transport.Channel is FleetChannel
+    with app.connection_for_write() as conn:
+        channel = conn.default_channel
+        assert isinstance(channel, FleetChannel) and isinstance(channel.qos, PlainPipelineQoS)
+        first = channel._create_client()
+        assert channel._create_client() is first
+        assert first.ping()
+        channel._pool = None  # what kombu does when it drops its pools on a reconnect
+        again = channel._create_client()
+        assert again is not first and again.ping()
+        assert channel._create_client(asynchronous=True) is not again  # kombu's own, for BRPOP
+    app.close()
+
+
+def test_a_request_takes_no_transaction_and_one_store_script(fleet: Fleet) -> None:
+    cfg = fleet.config()
+    fleet.worker(cfg)
+    client = fleet.client(cfg)
+    for i in range(2):  # connections, the script and the routing state are set up here
+        client.result(client.submit("demo-lm", [1, i + 2]), wait=True, timeout_s=60)
+    before = redis_commandstats(fleet.redis_url)
+    for i in range(10):
+        assert client.result(client.submit("demo-lm", [3, i + 4]), wait=True, timeout_s=60) is not None
+    after = redis_commandstats(fleet.redis_url)
+    calls = {k: v - before.get(k, 0) for k, v in after.items() if k not in PROBE}
+    assert calls.get("multi", 0) == 0 and calls.get("exec", 0) == 0, calls  # plain pipelines and a script
+    assert calls["evalsha"] == 10 and calls["lpush"] == 10 and calls["zadd"] == 10 and calls["hdel"] == 10
+    assert calls.get("incrby", 0) <= 4, calls  # the drain meter: twice a second, not per request
+    assert calls["subscribe"] == 10 and calls["unsubscribe"] == 10
