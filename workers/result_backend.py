@@ -8,6 +8,12 @@ connections. These classes add Redis's temporary write refusals (``MISCONF``, ``
 thread holds its request (and its token) until the result is written, and the request is never
 acked without one.
 
+Each result is also written by one Lua script (:class:`_StoresWithOneScript`) instead of Celery's
+``GET`` (is a SUCCESS already stored?) followed by ``MULTI``/``SETEX``/``PUBLISH``/``EXEC``: one round
+trip and 3 Redis commands (``EVALSHA``, ``SET``, ``PUBLISH``) instead of two round trips and 5, and the
+check and the write are one atomic step, so a redelivered request's late result can no longer
+overwrite a SUCCESS another worker wrote in between (Celery's check-then-write leaves that window).
+
 Installed for the worker's app only (:func:`install`): producers keep Celery's behaviour of raising.
 """
 
@@ -15,12 +21,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery import Celery
+from celery import Celery, states
+from celery.backends.base import BackendStoreError
 from celery.backends.redis import RedisBackend, SentinelBackend
+from kombu.utils.encoding import bytes_to_str
 
 from workers.redis_refusals import is_write_refusal
 
-__all__ = ["RESULT_WRITE_MAX_SLEEP_MS", "RESULT_WRITE_RETRIES", "RefusalTolerantRedisBackend",
+__all__ = ["RESULT_WRITE_MAX_SLEEP_MS", "RESULT_WRITE_RETRIES", "STORE_RESULT_SCRIPT", "RefusalTolerantRedisBackend",
            "RefusalTolerantSentinelBackend", "install"]
 
 RESULT_WRITE_RETRIES = 3600
@@ -36,11 +44,64 @@ class _RetriesWriteRefusals:
         return bool(super().exception_safe_to_retry(exc)) or is_write_refusal(exc)  # type: ignore[misc]
 
 
-class RefusalTolerantRedisBackend(_RetriesWriteRefusals, RedisBackend):  # type: ignore[misc]
+STORE_RESULT_SCRIPT = """
+local ttl = tonumber(ARGV[2])
+local function write()
+  if ttl > 0 then return redis.call('SET', KEYS[1], ARGV[1], 'EX', ttl) end
+  return redis.call('SET', KEYS[1], ARGV[1])
+end
+local stored
+if ttl > 0 then
+  stored = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ttl)
+else
+  stored = redis.call('SET', KEYS[1], ARGV[1], 'NX')
+end
+if not stored then
+  local ok, current = pcall(cjson.decode, redis.call('GET', KEYS[1]))
+  if ok and type(current) == 'table' and current['status'] == 'SUCCESS' then
+    return 0
+  end
+  write()
+end
+redis.call('PUBLISH', KEYS[1], ARGV[1])
+return 1
+"""
+"""Store one result unless a SUCCESS is stored already; publish it when stored. KEYS[1]: the result key;
+ARGV[1]: the encoded (JSON) meta; ARGV[2]: time to live in seconds (0 = none). Returns 1 when
+written, 0 when a SUCCESS was kept. The usual case (no state stored yet) is one ``SET NX`` and one
+``PUBLISH``; a stored state (a generation's STARTED) is read and overwritten unless it is a SUCCESS."""
+
+
+class _StoresWithOneScript:
+    """Celery's ``_store_result`` (same meta, same refusal to overwrite a SUCCESS, same size limit),
+    done by :data:`STORE_RESULT_SCRIPT` in one round trip."""
+
+    _store_script: Any = None
+
+    def _store_result(self, task_id: Any, result: Any, state: str, traceback: Any = None, request: Any = None,
+                      **kwargs: Any) -> Any:  # fmt: skip
+        backend: Any = self
+        meta = backend._get_result_meta(result=result, state=state, traceback=traceback, request=request)
+        meta["task_id"] = bytes_to_str(task_id)  # type: ignore[no-untyped-call]
+        value = backend.encode(meta)
+        if isinstance(value, str) and len(value) > backend._MAX_STR_VALUE_SIZE:
+            raise BackendStoreError("value too large for Redis backend", state=state, task_id=task_id)
+        expires = getattr(backend, "failure_expires", backend.expires) if state == states.FAILURE else backend.expires
+        ttl = int(expires.total_seconds()) if hasattr(expires, "total_seconds") else int(expires or 0)
+        backend.ensure(self._run_store_script, (backend.get_key_for_task(task_id), value, max(0, ttl)))
+        return result
+
+    def _run_store_script(self, key: Any, value: Any, ttl_s: int) -> Any:
+        if self._store_script is None:
+            self._store_script = self.client.register_script(STORE_RESULT_SCRIPT)  # type: ignore[attr-defined]
+        return self._store_script(keys=[key], args=[value, ttl_s], client=self.client)  # type: ignore[attr-defined]
+
+
+class RefusalTolerantRedisBackend(_RetriesWriteRefusals, _StoresWithOneScript, RedisBackend):  # type: ignore[misc]
     """Celery's Redis backend; a write Redis refuses for now is retried like a lost connection."""
 
 
-class RefusalTolerantSentinelBackend(_RetriesWriteRefusals, SentinelBackend):  # type: ignore[misc]
+class RefusalTolerantSentinelBackend(_RetriesWriteRefusals, _StoresWithOneScript, SentinelBackend):  # type: ignore[misc]
     """Celery's Sentinel backend with the same retry rule (``READONLY`` during a failover, …)."""
 
 

@@ -1,0 +1,70 @@
+"""The worker's one-script result store (``workers.result_backend``) against a real redis-server: Celery's
+rules (keep a SUCCESS, publish what is stored, the failure TTL) in one round trip and 3 commands."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import redis
+from celery import states
+
+from bench.procs import redis_commandstats
+from protocol.celeryconf import make_celery
+from protocol.settings import load_settings
+from tools.redis_server import EmbeddedRedis
+from workers import result_backend
+
+PROBE = {"info", "hello", "client"}  # redis_commandstats's own connection
+
+
+def _backend(url: str, **conf: Any) -> Any:
+    app = make_celery(load_settings(redis_url=url), "store-script-test")
+    result_backend.install(app)
+    app.conf.update(conf)
+    backend = app.backend
+    assert isinstance(backend, result_backend.RefusalTolerantRedisBackend)
+    return backend
+
+
+def _calls(url: str, before: dict[str, int]) -> dict[str, int]:
+    after = redis_commandstats(url)
+    return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0) and k not in PROBE}
+
+
+def test_a_result_is_stored_and_published_in_one_script(redis_server: EmbeddedRedis) -> None:
+    backend = _backend(redis_server.url)
+    r = redis.Redis(port=redis_server.port)
+    listener = r.pubsub(ignore_subscribe_messages=True)
+    listener.subscribe(backend.get_key_for_task("t1"))
+    backend.store_result("t0", {"warm": 1}, states.SUCCESS)  # loads the script
+    before = redis_commandstats(redis_server.url)
+    backend.store_result("t1", {"n": 1}, states.SUCCESS)
+    assert _calls(redis_server.url, before) == {"evalsha": 1, "set": 1, "publish": 1}
+    stored = json.loads(r.get(backend.get_key_for_task("t1")) or b"{}")
+    assert stored["status"] == "SUCCESS" and stored["result"] == {"n": 1} and stored["task_id"] == "t1"
+    assert 0 < r.ttl(backend.get_key_for_task("t1")) <= backend.expires
+    deadline = time.monotonic() + 5
+    message = None
+    while message is None and time.monotonic() < deadline:
+        message = listener.get_message(timeout=0.5)
+    assert message is not None and json.loads(message["data"])["status"] == "SUCCESS"
+
+
+def test_a_success_is_kept_and_an_earlier_state_is_overwritten(redis_server: EmbeddedRedis) -> None:
+    backend = _backend(redis_server.url, result_failure_expires=30)
+    r = redis.Redis(port=redis_server.port)
+    key = backend.get_key_for_task("t2")
+    backend.store_result("t2", {"pid": 1}, states.STARTED)  # a generation's STARTED...
+    backend.store_result("t2", {"n": 2}, states.SUCCESS)  # ...is overwritten by its result
+    before = redis_commandstats(redis_server.url)
+    backend.store_result("t2", None, states.FAILURE)  # a redelivered copy failing late: SUCCESS is kept
+    calls = _calls(redis_server.url, before)
+    assert calls.get("publish", 0) == 0 and calls["evalsha"] == 1
+    assert json.loads(r.get(key) or b"{}")["status"] == "SUCCESS"
+    backend.store_result("t3", None, states.FAILURE)  # a failure lives result_failure_expires seconds
+    assert 0 < r.ttl(backend.get_key_for_task("t3")) <= 30
+    r.set(backend.get_key_for_task("t4"), b"not json")  # unreadable state: overwritten, as Celery would
+    backend.store_result("t4", {"n": 4}, states.SUCCESS)
+    assert json.loads(r.get(backend.get_key_for_task("t4")) or b"{}")["status"] == "SUCCESS"
