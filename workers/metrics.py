@@ -39,7 +39,8 @@ KV tokens, finish reasons) are in :mod:`workers.generation_metrics`.
 (``worker.metrics_port``; 0 = off) binds ``worker.metrics_host`` (default: the gateway's ``api.host``,
 127.0.0.1) and is plain HTTP without auth, like most exporters: keep it on a
 private network. The drain meter counts requests taken off the queue per wall-clock second
-(``fleet:drain:<model>:<second>`` in Redis), from which admission control estimates Retry-After.
+(``fleet:drain:<model>:<second>`` in Redis, written twice a second: :mod:`workers.drain_meter`), from
+which admission control estimates Retry-After.
 """
 
 from __future__ import annotations
@@ -48,13 +49,12 @@ import logging
 import time
 from typing import Any
 
-import redis
 from celery import signals
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from protocol.errors import InvalidRequest, RequestCancelled, RequestExpired
-from protocol.keys import DRAIN_KEY
 from protocol.messages import BULK_TASK_NAME, TASK_NAME
+from workers.drain_meter import DrainMeter
 from workers.generation_metrics import GenerationMetrics
 from workers.runtime import WorkerRuntime
 from workers.scheduler import BatchStats, JobOutcome
@@ -93,6 +93,7 @@ class WorkerMetrics:
 
     def __init__(self, runtime: WorkerRuntime, registry: CollectorRegistry) -> None:
         self.runtime = runtime
+        self.drain = DrainMeter(runtime.model_key, lambda: runtime.redis, runtime.settings.admission.drain_window_s)
         self.model = runtime.model_key
         m = ["model"]
         self.requests = Counter(
@@ -180,18 +181,9 @@ class WorkerMetrics:
                 self.latency.labels(self.model, o.version, o.role).observe(max(0.0, now - o.submitted_unix_s))
 
     def on_dequeued(self, count: int = 1) -> None:
-        """``count`` requests left the queue for this worker: count them for the drain meter."""
-        if count <= 0:
-            return
-        key = DRAIN_KEY.format(model=self.model, second=int(time.time()))
-        window_s = self.runtime.settings.admission.drain_window_s
-        try:
-            with self.runtime.redis.pipeline(transaction=False) as pipe:
-                pipe.incrby(key, count)
-                pipe.expire(key, int(window_s) + 5)
-                pipe.execute()
-        except redis.RedisError as exc:  # metrics never fail a request
-            log.warning("drain meter update failed: %s", exc)
+        """``count`` requests left the queue for this worker: count them for the drain meter
+        (in memory; :class:`workers.drain_meter.DrainMeter` writes them to Redis twice a second)."""
+        self.drain.add(count)
 
     def on_finished(self, result: Any, exc: BaseException | None) -> None:
         """A request finished (``exc`` None = success with ``result``, the task's JSON value)."""
@@ -280,3 +272,4 @@ def _connect_signals(metrics: WorkerMetrics) -> None:
     signals.task_success.connect(success, weak=False)
     signals.task_failure.connect(failure, weak=False)
     signals.task_revoked.connect(revoked, weak=False)
+    signals.worker_shutdown.connect(lambda **_: metrics.drain.close(), weak=False)
