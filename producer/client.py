@@ -25,8 +25,10 @@ from pydantic import ValidationError
 
 from producer.admission import Admission
 from producer.reprs import request_argsrepr
+from producer.result_waiter import ResultWaiter
 from producer.results import RequestStatus, ResultReader
 from producer.routing import Router
+from producer.task_writer import TaskWriter
 from protocol.celeryconf import make_celery
 from protocol.errors import (
     IdempotencyConflict,
@@ -110,6 +112,8 @@ class FleetClient(ResultReader):
         self.redis = sync_client(settings)
         self.admission = Admission(self.redis, settings)
         self.router = Router(self.redis, settings)
+        self.writer = TaskWriter(self.app, self.redis)
+        self.waiter = ResultWaiter(self.redis, lambda raw: dict(self.app.backend.decode_result(raw)))
         self._models: dict[str, _ModelInfo] = {}
 
     @classmethod
@@ -122,6 +126,7 @@ class FleetClient(ResultReader):
         consumer = getattr(self.app.backend, "result_consumer", None)
         if consumer is not None:
             consumer.stop()
+        self.waiter.close()
         self.redis.close()
         self.app.close()
 
@@ -299,18 +304,29 @@ class FleetClient(ResultReader):
             return self._resubmitted(rid, self.redis.get(marker_key), fingerprint)  # known, or a concurrent twin won
         model = request.model
         queue = self.router.queue(model, role) if role else self.router.choose(model, routing_key or rid)
-        _quiet_backend(self.app)
-        self.app.send_task(
-            TASK_NAME,
-            args=[request.model_dump(mode="json", exclude_none=True)],
-            task_id=rid,
-            queue=queue,
-            argsrepr=request_argsrepr(request, text),
-            kwargsrepr="{}",
-        )
+        args = [request.model_dump(mode="json", exclude_none=True)]
+        argsrepr = request_argsrepr(request, text)
+        try:
+            if self.writer.usable():  # one pipeline: LPUSH + the task-sent event (producer.task_writer)
+                self.writer.send(TASK_NAME, rid, queue, args, argsrepr=argsrepr, kwargsrepr="{}")
+            else:
+                _quiet_backend(self.app)
+                self.app.send_task(TASK_NAME, args=args, task_id=rid, queue=queue, argsrepr=argsrepr,
+                                   kwargsrepr="{}")  # fmt: skip
+        except Exception:
+            self._forget_marker(marker_key, marker)  # not queued: let a retry with this ID queue it
+            raise
         if role is None:  # not a shadow request itself
             self.router.sample_prompt(model, rid, request.input_ids)
         return rid
+
+    def _forget_marker(self, marker_key: str, marker: str) -> None:
+        """Delete this submit's own 'queued' marker after its task could not be queued (best effort)."""
+        try:
+            if self.redis.get(marker_key) == marker.encode():
+                self.redis.delete(marker_key)
+        except Exception:  # Redis is what failed: the marker expires with result_ttl_s
+            pass
 
     @staticmethod
     def _resubmitted(request_id: str, marker: bytes | None, fingerprint: str) -> str:
