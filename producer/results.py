@@ -14,9 +14,9 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.exceptions import TimeoutError as CeleryTimeout
 from celery.result import AsyncResult
 
+from producer.result_waiter import ResultWaiter
 from producer.streams import iter_events
 from protocol.errors import (
     FleetError,
@@ -52,6 +52,7 @@ class ResultReader:
     app: Celery
     redis: redis.Redis[bytes]
     settings: FleetSettings
+    waiter: ResultWaiter
 
     # -- status and results ----------------------------------------------------------------------
     def _async(self, request_id: str) -> AsyncResult:
@@ -83,10 +84,10 @@ class ResultReader:
     def result(self, request_id: str, *, wait: bool = False, timeout_s: float | None = None) -> InferenceResult | None:
         """The result of ``request_id``; None if not ready and ``wait`` is False.
 
-        Waiting subscribes through the Celery result backend (pub/sub wakes the caller the moment the
-        result is stored) and always unsubscribes before returning: a timed-out ``AsyncResult.get`` would
-        otherwise stay subscribed until the garbage collector runs its ``__del__``, which then retries
-        whatever Redis is left for 20 s on whichever thread the collector happens to interrupt.
+        Waiting subscribes to the result's channel (pub/sub wakes the caller the moment the result is
+        stored), reads the key once, and always unsubscribes before returning
+        (:class:`producer.result_waiter.ResultWaiter`; Celery's ``AsyncResult.get`` speaks the same
+        protocol at several times the CPU).
 
         Raises:
             FleetError: the request failed (the worker's error, rebuilt: InputTooLong, RequestExpired, …).
@@ -100,16 +101,13 @@ class ResultReader:
             if self.status(request_id) is RequestStatus.NOT_FOUND:
                 raise RequestNotFound(f"no request {request_id!r} is known", "request_id", None)
             return None
-        res = self._async(request_id)
-        try:
-            res.get(timeout=timeout_s, propagate=False, interval=0.05)
-        except CeleryTimeout as exc:
-            raise ResultTimeout(f"no result for {request_id} within {timeout_s} s", "timeout_s", timeout_s) from exc
-        finally:
-            self.app.backend.remove_pending_result(res)
-        outcome = self._outcome(request_id, {"status": res.state, "result": res.result})
-        if outcome is None:  # pragma: no cover - get() returned, so the state is a ready one
-            raise FleetError(f"request {request_id} ended in state {res.state}", "request_id", None)
+        backend = self.app.backend
+        meta = self.waiter.wait(backend.get_key_for_task(request_id), timeout_s)
+        if meta is None:
+            raise ResultTimeout(f"no result for {request_id} within {timeout_s} s", "timeout_s", timeout_s)
+        outcome = self._outcome(request_id, meta)
+        if outcome is None:  # pragma: no cover - the waiter returns ready states only
+            raise FleetError(f"request {request_id} ended in state {meta.get('status')}", "request_id", None)
         return self._raise_or_return(outcome)
 
     @staticmethod

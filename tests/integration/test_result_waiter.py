@@ -1,0 +1,77 @@
+"""``producer.result_waiter``: one stored result, waited for by pub/sub, against a real redis-server."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import redis
+
+from producer import result_waiter
+from producer.result_waiter import ResultWaiter
+from tools.redis_server import EmbeddedRedis
+
+KEY = "celery-task-meta-abc"
+
+
+def _meta(status: str) -> bytes:
+    return json.dumps({"status": status, "result": {"n": 1}, "task_id": "abc"}).encode()
+
+
+def _store_later(r: redis.Redis[bytes], values: list[bytes], delay_s: float = 0.2) -> threading.Thread:
+    def run() -> None:
+        for value in values:
+            time.sleep(delay_s)
+            r.set(KEY, value)
+            r.publish(KEY, value)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _waiter(r: redis.Redis[bytes]) -> ResultWaiter:
+    return ResultWaiter(r, lambda raw: dict(json.loads(raw)))
+
+
+def _subscribers(r: redis.Redis[bytes]) -> int:
+    return int(dict(r.pubsub_numsub(KEY))[KEY.encode()])
+
+
+def test_a_stored_result_is_read_and_a_published_one_wakes_the_waiter(redis_server: EmbeddedRedis) -> None:
+    r = redis.Redis(port=redis_server.port)
+    waiter = _waiter(r)
+    r.set(KEY, _meta("SUCCESS"))  # stored before anyone waits
+    assert waiter.wait(KEY, 5) == json.loads(_meta("SUCCESS"))
+    r.delete(KEY)
+    _store_later(r, [_meta("STARTED"), _meta("FAILURE")])  # a generation's STARTED is skipped
+    got: Any = waiter.wait(KEY.encode(), 10)
+    assert got["status"] == "FAILURE"
+    assert _subscribers(r) == 0  # unsubscribed after each wait
+
+
+def test_a_timeout_returns_none_and_leaves_no_subscription(redis_server: EmbeddedRedis) -> None:
+    r = redis.Redis(port=redis_server.port)
+    waiter = _waiter(r)
+    assert waiter.wait(KEY, 0.3) is None
+    assert _subscribers(r) == 0
+
+
+def test_a_killed_pubsub_connection_is_reopened_and_the_result_still_arrives(
+    redis_server: EmbeddedRedis, monkeypatch: Any
+) -> None:
+    monkeypatch.setattr(result_waiter, "RECHECK_S", 30.0)  # the reconnect, not the periodic read, must find it
+    r = redis.Redis(port=redis_server.port)
+    waiter = _waiter(r)
+    box: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: box.update(meta=waiter.wait(KEY, 20)), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 5
+    while _subscribers(r) == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert r.client_kill_filter(_type="pubsub") >= 1
+    r.set(KEY, _meta("SUCCESS"))  # stored while the waiter has no connection: found by the re-read
+    thread.join(15)
+    assert box["meta"]["status"] == "SUCCESS"
