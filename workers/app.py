@@ -57,9 +57,11 @@ def _load_model_before_consuming(sender: Any = None, **_: Any) -> None:
     if getattr(sender, "app", None) is not app:
         return
     from workers.poison import install as install_poison_guard
+    from workers.result_repr import install as install_result_repr
     from workers.runtime import start_runtime
 
     install_poison_guard()
+    install_result_repr()  # the task-succeeded event's result text, without Celery's slow saferepr
 
     logging.basicConfig(
         level=SETTINGS.worker.loglevel,

@@ -46,3 +46,32 @@ def test_a_request_takes_no_transaction_and_one_store_script(fleet: Fleet) -> No
     assert calls["evalsha"] == 10 and calls["lpush"] == 10 and calls["zadd"] == 10 and calls["hdel"] == 10
     assert calls.get("incrby", 0) <= 4, calls  # the drain meter: twice a second, not per request
     assert calls["subscribe"] == 10 and calls["unsubscribe"] == 10
+
+
+def test_flower_sees_each_result_as_its_repr(fleet: Fleet) -> None:
+    """The task-succeeded event carries the result's text (workers.result_repr), as Flower shows it."""
+    import base64
+    import json
+    import time
+
+    import redis
+
+    cfg = fleet.config()
+    fleet.worker(cfg)
+    client = fleet.client(cfg)
+    events = redis.Redis.from_url(fleet.redis_url).pubsub(ignore_subscribe_messages=True)
+    events.psubscribe("*celeryev/task.*")  # task.succeeded, or task.multi when Celery sends them buffered
+    rid = client.submit("demo-lm", [5, 6, 7])
+    result = client.result(rid, wait=True, timeout_s=60)
+    assert result is not None
+    stored = json.loads(redis.Redis.from_url(fleet.redis_url).get(f"celery-task-meta-{rid}") or b"{}")["result"]
+    deadline = time.monotonic() + 10
+    shown = None
+    while shown is None and time.monotonic() < deadline:
+        message = events.get_message(timeout=0.5)
+        if message:
+            body = json.loads(base64.b64decode(json.loads(message["data"])["body"]))
+            for event in body if isinstance(body, list) else [body]:
+                if event.get("type") == "task-succeeded" and event.get("uuid") == rid:
+                    shown = event["result"]
+    assert shown == repr(stored)
