@@ -13,16 +13,18 @@ from typing import Any
 
 from bench.markdown import fmt, md_table
 
-__all__ = ["ceiling_rps", "ceiling_section", "floor_note", "path_summary", "targets_table"]
+__all__ = ["ceiling_rps", "ceiling_section", "celery_floor_note", "floor_note", "path_summary", "targets_table"]
 
 PATH_LABELS = {
     "served": "`fleet.infer` (FleetClient.submit + result)",
-    "legacy": "`fleet.infer` as before issue 11 (old producer round trips, extended results)",
+    "legacy": "`fleet.infer` as before issue 11 (old producer and worker round trips, extended results)",
     "no-events": "`fleet.infer`, no task events",
     "started": "`fleet.infer`, STARTED stored for every request",
     "lean": "`fleet.infer`, lean Celery (no events, STARTED state, extended result)",
     "bulk": "`fleet.infer_bulk` (FleetClient.submit_bulk + wait)",
     "gateway": "gateway (POST /v1/requests + polled GET)",
+    "floor-events": "stock Celery, empty task, task + sent events (no fleet code: `bench/celery_floor.py`)",
+    "floor-lean": "stock Celery, empty task, no events",
 }
 """Paths of the summary, in table order (keys of the dispatch results)."""
 
@@ -66,6 +68,8 @@ def path_summary(dispatch: dict[str, Any]) -> dict[str, Any]:
             paths[key] = _row(abl["loop"])
     if "gateway" in dispatch:
         paths["gateway"] = _row(dispatch["gateway"])
+    for key, floor in (dispatch.get("floor") or {}).items():
+        paths[f"floor-{key}"] = _row(floor)
     meta = dispatch.get("meta", {})
     lone = dispatch.get("lone_profile", {})
     return {
@@ -74,6 +78,7 @@ def path_summary(dispatch: dict[str, Any]) -> dict[str, Any]:
         "paths": paths,
         "lone_p50_ms": dispatch["lone"]["latency"]["p50_ms"],
         "lone_over_bare_ms": (lone.get("pubsub") or {}).get("over_bare_ms"),
+        "floor_lone_p50_ms": {k: f.get("lone_p50_ms") for k, f in (dispatch.get("floor") or {}).items()},
     }
 
 
@@ -198,6 +203,46 @@ def floor_note(lean: dict[str, Any]) -> str:
     )
 
 
+def celery_floor_note(runs: dict[str, Any]) -> str:
+    """What stock Celery's empty task (same run) says about issue 11's targets (Markdown; "" without it)."""
+    last = runs[list(runs)[-1]] if runs else {}
+    paths = last.get("paths", {})
+    events, lean, served, old = paths.get("floor-events"), paths.get("floor-lean"), paths.get("served"), None
+    old = paths.get("legacy")
+    if not (events and served and old):
+        return ""
+    need = 2 * old["qps"]
+    stops = events["qps"] < need
+    lone = (last.get("floor_lone_p50_ms") or {}).get("events")
+    text = (
+        f"**Stock Celery's own floor.** An empty task through stock Celery with the same guarantees "
+        f"(`acks_late`, a result stored by ID and waited for by pub/sub, task and sent events so that Flower sees "
+        f"every request; `bench/celery_floor.py`, no fleet code) ran {fmt(events['qps'], 0)} req/s in the same run, "
+        f"at {fmt(events['redis_calls'], 1)} Redis commands and {fmt(events['total_cpu_ms'], 2)} CPU-ms per request"
+        + (f", lone round trip {fmt(lone, 2)} ms at p50" if lone else "")
+        + f". `fleet.infer` as served ran {fmt(served['qps'], 0)} req/s ({_ratio(served['qps'], events['qps'])} "
+        f"stock Celery's empty task) at {fmt(served['redis_calls'], 1)} commands "
+        f"({_ratio(served['redis_calls'], events['redis_calls'])}) and {fmt(served['total_cpu_ms'], 2)} CPU-ms "
+        f"({_ratio(served['total_cpu_ms'], events['total_cpu_ms'])}), validation, batching and an ONNX Runtime "
+        f"call included. "
+    )
+    if stops:
+        text += (
+            f"The 2× target ({fmt(need, 0)} req/s) is {_ratio(need, events['qps'])} what stock Celery does with no "
+            "work at all on this machine: with one Celery task per request and Flower seeing each, Celery itself "
+            "(its worker's consumer, tracer and event dispatcher, and the producer side of the same protocol) is "
+            "what stops it."
+        )
+    else:
+        text += f"Stock Celery's empty task clears the 2× target ({fmt(need, 0)} req/s): Celery alone does not stop it."
+    if lean:
+        text += (
+            f" Without events (Flower then sees no request) stock Celery's empty task runs {fmt(lean['qps'], 0)} "
+            f"req/s ({_ratio(lean['qps'], old['qps'])} the old path)."
+        )
+    return text
+
+
 def _verdict(ok: bool) -> str:
     return "met" if ok else "**not met**"
 
@@ -227,7 +272,7 @@ def targets_table(runs: dict[str, Any]) -> str:
     over = last.get("lone_over_bare_ms")
     if over is not None:
         rows.append(["lone request within 5 ms of a bare run", f"{fmt(over, 2)} ms over", "", _verdict(over <= 5.0)])
-    for key in ("lean", "bulk"):
+    for key in ("lean", "bulk", "floor-events", "floor-lean"):
         p = last["paths"].get(key)
         if p:
             rows.append([
@@ -292,4 +337,7 @@ def ceiling_section(results: dict[str, Any]) -> str:
         lean = runs[list(runs)[-1]]["paths"].get("lean")
         if lean:
             out.append(floor_note(lean) + "\n")
+        stock = celery_floor_note(runs)
+        if stock:
+            out.append(stock + "\n")
     return "\n".join(out)

@@ -48,6 +48,7 @@ from kombu.transport import redis as kombu_redis
 
 __all__ = [
     "ECHO_TASK",
+    "FloorRun",
     "FloorWorker",
     "StockRedisTransport",
     "app",
@@ -253,6 +254,98 @@ def _echo_loop(worker: FloorWorker, prompts: Sequence[Sequence[int]], *, clients
     return records
 
 
+class FloorRun:
+    """One floor variant measured in rounds, so that its rounds can be interleaved with other loops'
+    (:func:`bench.dispatch.measure_dispatch` runs it between the fleet's variants in every round).
+
+    :meth:`start` starts the worker and warms it up, :meth:`lone` sends requests one at a time,
+    :meth:`measure_round` runs one metered closed loop, :meth:`result` condenses the rounds (see
+    :func:`measure_floor`), :meth:`stop` stops the worker.
+    """
+
+    def __init__(self, redis_url: str, redis_pid: int, work_dir: Path, prompts: Sequence[Sequence[int]], *,
+                 clients: int, events: bool) -> None:  # fmt: skip
+        self.redis_url = redis_url
+        self.redis_pid = redis_pid
+        self.prompts = prompts
+        self.clients = clients
+        self.events = events
+        self.queue = "floor-events" if events else "floor-lean"
+        self.worker = FloorWorker(redis_url, self.queue, work_dir, events=events)
+        self.cpu_s: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()
+        self.runs: list[tuple[list[Any], tuple[float, float]]] = []
+        self.lone_records: list[Any] = []
+        self.channel = ""
+
+    def start(self) -> FloorRun:
+        """Start the worker, wait until it answers, warm it up (``4 * clients`` requests, not counted)."""
+        self.worker.start()
+        self.worker.wait_ready()
+        _echo_loop(self.worker, self.prompts, clients=self.clients, max_requests=4 * self.clients)
+        with self.worker.app.connection_for_write() as conn:  # the channel class the producer really uses
+            channel = type(conn.default_channel)
+        self.channel = f"{channel.__module__}.{channel.__qualname__}"
+        return self
+
+    def lone(self, requests: int) -> None:
+        """``requests`` requests one at a time (their median round trip is ``lone_p50_ms``)."""
+        self.lone_records += _echo_loop(self.worker, self.prompts, clients=1, max_requests=requests)
+
+    def measure_round(self, duration_s: float) -> None:
+        """One closed loop of ``duration_s`` s, metered like :func:`bench.dispatch._metered`."""
+        from bench.procs import CpuMeter, redis_commandstats
+
+        pids = {"producer": os.getpid(), "redis": self.redis_pid, "worker": self.worker.pid}
+        meter = CpuMeter(pids)
+        before = redis_commandstats(self.redis_url)
+        start = time.perf_counter()
+        records = _echo_loop(self.worker, self.prompts, clients=self.clients, duration_s=duration_s)
+        self.runs.append((records, (start, start + duration_s)))
+        self.cpu_s.update(meter.elapsed())
+        after = redis_commandstats(self.redis_url)
+        self.calls.update({k: v - before.get(k, 0) for k, v in after.items()})
+
+    def stop(self) -> None:
+        """Stop the worker (whatever happened)."""
+        self.worker.stop()
+
+    def result(self) -> dict[str, Any]:
+        """The rounds' figures per request (see :func:`measure_floor`)."""
+        from bench.stats import summarize_runs
+
+        summary = summarize_runs(self.runs)
+        n = max(1, summary.requests)
+        per_process = {name: 1000 * s / n for name, s in self.cpu_s.items()}
+        per_call = {k: v / n for k, v in self.calls.items() if v > 0 and k != "info"}  # "info": our own probe
+        label = "stock Celery, empty task: acks_late, result by ID, " + (
+            "task events + sent events (Flower sees every request)" if self.events else "no task events"
+        )
+        out: dict[str, Any] = {
+            "label": label,
+            "events": self.events,
+            "queue": self.queue,
+            "clients": self.clients,
+            "rounds": len(self.runs),
+            "channel": self.channel,
+            "summary": {
+                "requests": summary.requests,
+                "errors": summary.errors,
+                "qps": round(summary.qps, 1),
+                "p50_ms": round(summary.latency.p50_ms, 3),
+                "p99_ms": round(summary.latency.p99_ms, 3),
+            },
+            "cpu_ms_per_request": {k: round(v, 3) for k, v in per_process.items()},
+            "cpu_ms_total_per_request": round(sum(per_process.values()), 3),
+            "redis_calls_per_request": {k: round(v, 2) for k, v in sorted(per_call.items(), key=lambda kv: -kv[1])},
+            "redis_calls_total_per_request": round(sum(per_call.values()), 2),
+        }
+        ok_lone = [r.latency_ms for r in self.lone_records if r.error is None]
+        if self.lone_records:
+            out["lone_p50_ms"] = round(statistics.median(ok_lone), 3) if ok_lone else float("nan")
+        return out
+
+
 def measure_floor(
     redis_url: str,
     redis_pid: int,
@@ -280,65 +373,16 @@ def measure_floor(
     (descending) and its total, and ``lone_p50_ms`` (ms) when ``lone_requests`` > 0.
     The worker is stopped whatever happens.
     """
-    from bench.procs import CpuMeter, redis_commandstats
-    from bench.stats import RequestRecord, summarize_runs
-
-    queue = "floor-events" if events else "floor-lean"
-    worker = FloorWorker(redis_url, queue, work_dir, events=events)
-    cpu_s: Counter[str] = Counter()
-    calls: Counter[str] = Counter()
-    runs: list[tuple[list[RequestRecord], tuple[float, float]]] = []
-    lone: list[RequestRecord] = []
+    run = FloorRun(redis_url, redis_pid, work_dir, prompts, clients=clients, events=events)
     try:
-        worker.start()
-        worker.wait_ready()
-        _echo_loop(worker, prompts, clients=clients, max_requests=4 * clients)  # warm-up, not counted
+        run.start()
         if lone_requests > 0:
-            lone = _echo_loop(worker, prompts, clients=1, max_requests=lone_requests)
-        pids = {"producer": os.getpid(), "redis": redis_pid, "worker": worker.pid}
+            run.lone(lone_requests)
         for _ in range(rounds):
-            meter = CpuMeter(pids)
-            before = redis_commandstats(redis_url)
-            start = time.perf_counter()
-            records = _echo_loop(worker, prompts, clients=clients, duration_s=duration_s / rounds)
-            runs.append((records, (start, start + duration_s / rounds)))
-            cpu_s.update(meter.elapsed())
-            after = redis_commandstats(redis_url)
-            calls.update({k: v - before.get(k, 0) for k, v in after.items()})
-        with worker.app.connection_for_write() as conn:  # the channel class the producer really used
-            channel = type(conn.default_channel)
+            run.measure_round(duration_s / rounds)
     finally:
-        worker.stop()
-    summary = summarize_runs(runs)
-    n = max(1, summary.requests)
-    per_process = {name: 1000 * s / n for name, s in cpu_s.items()}
-    per_call = {k: v / n for k, v in calls.items() if v > 0 and k != "info"}  # "info": our own probe
-    label = "stock Celery, empty task: acks_late, result by ID, " + (
-        "task events + sent events (Flower sees every request)" if events else "no task events"
-    )
-    out: dict[str, Any] = {
-        "label": label,
-        "events": events,
-        "queue": queue,
-        "clients": clients,
-        "rounds": rounds,
-        "channel": f"{channel.__module__}.{channel.__qualname__}",
-        "summary": {
-            "requests": summary.requests,
-            "errors": summary.errors,
-            "qps": round(summary.qps, 1),
-            "p50_ms": round(summary.latency.p50_ms, 3),
-            "p99_ms": round(summary.latency.p99_ms, 3),
-        },
-        "cpu_ms_per_request": {k: round(v, 3) for k, v in per_process.items()},
-        "cpu_ms_total_per_request": round(sum(per_process.values()), 3),
-        "redis_calls_per_request": {k: round(v, 2) for k, v in sorted(per_call.items(), key=lambda kv: -kv[1])},
-        "redis_calls_total_per_request": round(sum(per_call.values()), 2),
-    }
-    ok_lone = [r.latency_ms for r in lone if r.error is None]
-    if lone_requests > 0:
-        out["lone_p50_ms"] = round(statistics.median(ok_lone), 3) if ok_lone else float("nan")
-    return out
+        run.stop()
+    return run.result()
 
 
 def main() -> None:

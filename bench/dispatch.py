@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from bench.celery_floor import FloorRun
 from bench.load import ClosedLoopRun, bulk_closed_loop, closed_loop
 from bench.plan import Plan
 from bench.procs import CpuMeter, FleetConfig, RunningFleet, redis_commandstats
@@ -51,7 +52,8 @@ def dispatch_variants(plan: Plan, name: str, path: Path) -> dict[str, Variant]:
     )
     out: dict[str, Variant] = {"served": ("as served (Celery log level WARNING)", cfg, 1)}
     if plan.ablations:  # the old path beside the new one, in the same run
-        label = "before issue 11: the producer's old round trips, extended results (bench/legacy_client.py)"
+        label = ("before issue 11: the old producer and worker round trips, STARTED and extended results "
+                 "(bench/legacy_client.py, bench/legacy_worker.py)")
         out["legacy"] = (label, replace(cfg, label="dispatch-legacy", model_name=f"{name}-legacy", legacy=True), 1)
     changes: dict[str, tuple[str, dict[str, bool], int]] = {
         "no-events": (
@@ -139,6 +141,36 @@ def _profile(client: Any, fleet: RunningFleet, model: str, prompts: Sequence[Seq
     return out
 
 
+def _loop_runner(client: Any, model: str, prompts: Sequence[Sequence[int]], chunk: int, clients: int,
+                 seconds: float) -> Callable[[], ClosedLoopRun]:  # fmt: skip
+    """One metered closed loop of ``seconds`` s: ``fleet.infer`` (``chunk`` 1) or ``fleet.infer_bulk``."""
+
+    def run() -> ClosedLoopRun:
+        if chunk > 1:
+            n = max(2, 2 * clients // chunk)  # a chunk waits for its slowest request
+            return bulk_closed_loop(client, model, prompts, clients=n, chunk=chunk, duration_s=seconds)
+        return closed_loop(client, model, prompts, clients=clients, duration_s=seconds)
+
+    return run
+
+
+def _variant_results(variants: dict[str, Variant], per_message: dict[str, int], lone: dict[str, list[RequestRecord]],
+                     tallies: dict[str, _Tally], clients: int, log: Any) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Each variant's label, lone-request summary and closed-loop figures per request."""
+    results: dict[str, dict[str, Any]] = {}
+    for key in tallies:
+        chunk = per_message[key]
+        results[key] = {
+            "label": str(variants[key][0]),
+            "lone": summarize_run(lone[key]).as_dict(),
+            "loop": tallies[key].result(max(2, 2 * clients // chunk) if chunk > 1 else clients, chunk),
+        }
+        loop = results[key]["loop"]
+        log(f"dispatch ({variants[key][0]}): {loop['summary']['qps']:.0f} req/s, "
+            f"{loop['cpu_ms_outside_inference']:.2f} CPU-ms/request outside inference")  # fmt: skip
+    return results
+
+
 def measure_dispatch(
     variants: dict[str, Variant],
     redis_url: str,
@@ -152,6 +184,7 @@ def measure_dispatch(
     rounds: int = 1,
     profile_s: float = 0.0,
     say: Any = None,
+    floors: Sequence[bool] = (),
 ) -> dict[str, Any]:
     """Dispatch-cost figures for each variant (key → (label, config of an identity model, requests
     per message)).
@@ -159,13 +192,21 @@ def measure_dispatch(
     The first variant is the fleet as served: its figures are the top level of the result, the
     others go under ``"ablations"``; ``profile_s`` > 0 adds a py-spy profile of the first. A variant
     of more than one request per message is driven through the fleet's bulk path (``fleet.infer_bulk``).
+    ``floors`` (events on/off, one each) adds stock Celery's empty task (:mod:`bench.celery_floor`), its
+    rounds interleaved with the variants', under ``"floor"`` (``"events"``, ``"lean"``).
     """
     log = say or (lambda msg: print(msg, file=sys.stderr))
     fleets = {key: RunningFleet(cfg, redis_url, work_dir) for key, (_, cfg, _) in variants.items()}
     per_message = {key: chunk for key, (_, _, chunk) in variants.items()}
+    floor_runs = {("events" if events else "lean"): FloorRun(redis_url, redis_pid, work_dir, prompts,
+                                                              clients=clients, events=events)
+                  for events in floors}  # fmt: skip
     for fleet in fleets.values():
         fleet.spawn()
     try:
+        for floor in floor_runs.values():
+            floor.start()
+            floor.lone(lone_requests)
         clients_of = {k: fl.ready() for k, fl in fleets.items()}
         lone: dict[str, list[RequestRecord]] = {k: [] for k in fleets}
         tallies = {k: _Tally() for k in fleets}
@@ -178,27 +219,11 @@ def measure_dispatch(
                 part = lone_requests // rounds
                 lone[key] += closed_loop(client, model, prompts[r * part :], clients=1, max_requests=part).records
                 pids = {"producer": os.getpid(), "redis": redis_pid, "worker": fleet.pid}
-                chunk = per_message[key]
-
-                def run(client: Any = client, model: str = model, chunk: int = chunk) -> ClosedLoopRun:
-                    if chunk > 1:
-                        n = max(2, 2 * clients // chunk)  # a chunk waits for its slowest request
-                        return bulk_closed_loop(client, model, prompts, clients=n, chunk=chunk,
-                                                duration_s=duration_s / rounds)  # fmt: skip
-                    return closed_loop(client, model, prompts, clients=clients, duration_s=duration_s / rounds)
-
+                run = _loop_runner(client, model, prompts, per_message[key], clients, duration_s / rounds)
                 _metered(tallies[key], pids, redis_url, run)
-        results: dict[str, dict[str, Any]] = {}
-        for key in fleets:
-            chunk = per_message[key]
-            results[key] = {
-                "label": str(variants[key][0]),
-                "lone": summarize_run(lone[key]).as_dict(),
-                "loop": tallies[key].result(max(2, 2 * clients // chunk) if chunk > 1 else clients, chunk),
-            }
-            loop = results[key]["loop"]
-            log(f"dispatch ({variants[key][0]}): {loop['summary']['qps']:.0f} req/s, "
-                f"{loop['cpu_ms_outside_inference']:.2f} CPU-ms/request outside inference")  # fmt: skip
+            for floor in floor_runs.values():
+                floor.measure_round(duration_s / rounds)
+        results = _variant_results(variants, per_message, lone, tallies, clients, log)
         main_key = next(iter(fleets))
         main_cfg = fleets[main_key].config
         out: dict[str, Any] = {
@@ -210,7 +235,11 @@ def measure_dispatch(
         if profile_s > 0:
             out["profile"] = _profile(clients_of[main_key], fleets[main_key], main_cfg.model_name, prompts,
                                       clients=clients, duration_s=profile_s)  # fmt: skip
+        if floor_runs:
+            out["floor"] = {k: run.result() for k, run in floor_runs.items()}
     finally:
         for fleet in fleets.values():
             fleet.stop()
+        for floor in floor_runs.values():
+            floor.stop()
     return out

@@ -106,7 +106,7 @@ def run_dispatch_only(plan: Plan, args: argparse.Namespace, command: str) -> dic
         dispatch = measure_dispatch(
             variants, redis.url, redis.proc.pid, work_dir, prompts, clients=plan.dispatch_clients,
             duration_s=plan.dispatch_duration_s, lone_requests=plan.dispatch_lone_requests, rounds=plan.rounds,
-            profile_s=0.0, say=say,
+            profile_s=0.0, say=say, floors=(True, False),
         )  # fmt: skip
         dispatch.update(_probe(plan, model_path, variants["served"][1], redis, work_dir, prompts, say))
     dispatch["meta"] = {

@@ -14,13 +14,14 @@ __all__ = ["PROTOTYPE_NOTE", "dispatch_findings"]
 
 _REDIS_SOURCES = (
     "producer: `SET NX` (the 'queued' marker; admission's `LLEN`×4 over the priority sub-queues only once per "
-    "`admission.queue_depth_cache_ms` window, the routing state's `GET` once a second), `LPUSH` (the message), "
-    "`PUBLISH` (Celery's task-sent event), then `SUBSCRIBE`/`GET`/`UNSUBSCRIBE` to wait for the result",
-    "worker: `BRPOP` (take), `MULTI`/`ZADD`/`HSET`/`EXEC` (kombu's unacked bookkeeping) and "
-    "`MULTI`/`ZREM`/`HDEL`/`EXEC` on ack, `EXISTS` (cancel key), three `PUBLISH`es (task-received/started/"
-    "succeeded events), twice (the STARTED state, then the result) a `GET` (Celery reads the stored state "
-    "before each write so as not to overwrite a success) and `MULTI`/`SETEX`/`PUBLISH`/`EXEC`, "
-    "`INCRBY`+`EXPIRE` (drain-rate metric)",
+    "`admission.queue_depth_cache_ms` window, the routing state's `GET` once a second), then one pipeline of "
+    "`LPUSH` (the task, Celery's own message) and `PUBLISH` (its task-sent event) (`producer/task_writer.py`), "
+    "then `SUBSCRIBE`/`GET`/`UNSUBSCRIBE` to wait for the result (`producer/result_waiter.py`)",
+    "worker: `BRPOP` (take), `ZADD`+`HSET` (kombu's unacked bookkeeping, one plain pipeline) and `HDEL`+`ZREM` "
+    "on ack (one more), `EXISTS` (cancel key), the task events' `PUBLISH`es (task-received, task-succeeded; "
+    "Celery sends some of them buffered), and one `EVALSHA` per stored state that runs `SET NX` + `PUBLISH` "
+    "(`workers/result_backend.py`; a generation stores STARTED first, so two); the drain meter's "
+    "`INCRBY`+`EXPIRE` go out twice a second, not per request (`workers/drain_meter.py`)",
 )
 
 
@@ -157,11 +158,18 @@ def dispatch_findings(results: dict[str, Any]) -> str:
         lines.append("\n" + PROTOTYPE_NOTE)
     lines += [
         "",
-        "Smaller changes, measured in the before/after table below: the producer reuses a queue-depth read for "
+        "Changes, measured in the before/after table below (the old path runs beside the new one in the same "
+        "run: `bench/legacy_client.py`, `bench/legacy_worker.py`): the producer reuses a queue-depth read for "
         "`admission.queue_depth_cache_ms` (`LLEN`×4 once per window instead of per submit), goes straight to "
-        "`SET NX` (no look-up first), and skips Celery's send-time result subscription (it subscribes when it "
-        "waits); `result_extended` is off (nothing read it); task events and the STARTED state are settings "
-        "(`celery.task_events`, `celery.track_started`), each priced above. Left: count the drain rate per "
-        "batch, not per request (workers/metrics.py, 2 commands per request).",
+        "`SET NX` (no look-up first), skips Celery's send-time result subscription, writes the task and its "
+        "task-sent event in one pipeline built by Celery's and kombu's own code instead of `send_task` "
+        "(`producer/task_writer.py`), and waits with one pub/sub per thread instead of `AsyncResult.get` "
+        "(`producer/result_waiter.py`); kombu's channel reuses one Redis client instead of building one per "
+        "command and sends each delivery's bookkeeping as a plain pipeline instead of `MULTI`/`EXEC` "
+        "(`protocol/kombu_channel.py`); the worker stores each result with one script instead of `GET` + "
+        "`MULTI`/`SETEX`/`PUBLISH`/`EXEC` (`workers/result_backend.py`, which also makes the keep-a-SUCCESS check "
+        "atomic) and writes the drain meter twice a second (`workers/drain_meter.py`); `result_extended` is off "
+        "(nothing read it); task events and the STARTED state are settings (`celery.task_events`, "
+        "`celery.track_started`), each priced above.",
     ]
     return "\n".join(lines) + "\n"

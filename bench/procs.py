@@ -64,8 +64,8 @@ class FleetConfig:
     """Measurement only: run the worker through :mod:`bench.lean_worker` with Celery's per-task
     extras off (task events, STARTED state, extended results), to price them."""
     legacy: bool = False
-    """Measurement only: the producer and settings as they were before issue 11's dispatch changes
-    (:mod:`bench.legacy_client`), to run the old path beside the new one."""
+    """Measurement only: the producer, worker and settings as they were before issue 11's dispatch
+    changes (:mod:`bench.legacy_client`, :mod:`bench.legacy_worker`), to run the old path beside the new one."""
     celery: dict[str, bool] = field(default_factory=dict)
     """The ``celery`` settings section (:class:`protocol.settings.CelerySettings`) of this worker and its
     client, e.g. ``{"task_events": False}`` (then the worker also runs without ``-E``)."""
@@ -179,6 +179,8 @@ class RunningFleet:
         cmd[cmd.index("--loglevel") + 1] = config.celery_loglevel
         if config.celery.get("task_events") is False:
             cmd.remove("-E")
+        if config.legacy:  # [python, -m, celery, -A, workers.app, worker, …] → bench.legacy_worker
+            cmd[1:5] = ["-m", "bench.legacy_worker"]
         if config.lean:  # [python, -m, celery, -A, workers.app, worker, …] → bench.lean_worker
             cmd[1:5] = ["-m", "bench.lean_worker"]
             cmd.remove("-E")

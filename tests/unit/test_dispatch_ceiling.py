@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from bench.ceiling import ceiling_rps, ceiling_section, floor_note, path_summary, targets_table
+from bench.ceiling import ceiling_rps, ceiling_section, celery_floor_note, floor_note, path_summary, targets_table
 
 
 def _loop(qps: float, front: str, front_ms: float, redis_ms: float, worker_ms: float, calls: float) -> dict[str, Any]:
@@ -83,3 +83,26 @@ def test_floor_note_splits_the_lean_commands_by_who_issues_them() -> None:
     assert "per-request acks (" in note and "): 10.0;" in note  # 6 commands + 2 multi/exec pairs
     assert "`unsubscribe`): 8.0;" in note  # 6 + 1 multi/exec pair
     assert "admission's `llen`): 4.0." in note
+
+
+def _with_floor(floor_qps: float) -> dict[str, Any]:
+    d = _dispatch(0.5, 20.0)
+    d["ablations"]["legacy"] = {"loop": _loop(80, "producer", 5.0, 0.8, 6.0, 35.0)}
+    d["floor"] = {"events": {**_loop(floor_qps, "producer", 3.0, 0.5, 3.5, 21.0), "lone_p50_ms": 5.5},
+                  "lean": _loop(300, "producer", 2.0, 0.3, 2.0, 18.0)}  # fmt: skip
+    return d
+
+
+def test_the_stock_celery_floor_is_a_path_and_says_whether_it_stops_the_2x_target() -> None:
+    summary = path_summary(_with_floor(120))
+    assert list(summary["paths"])[-2:] == ["floor-events", "floor-lean"]
+    assert summary["floor_lone_p50_ms"] == {"events": 5.5, "lean": None}
+    note = celery_floor_note({"after": summary})
+    assert "ran 120 req/s" in note and "0.83× stock Celery's empty task" in note  # served 100 / 120
+    assert "The 2× target (160 req/s) is 1.33× what stock Celery does with no work at all" in note
+    assert "Celery itself" in note and "runs 300 req/s (3.75× the old path)" in note
+    clears = celery_floor_note({"after": path_summary(_with_floor(170))})
+    assert "Celery alone does not stop it" in clears and "Celery itself" not in clears
+    assert celery_floor_note({"after": path_summary(_dispatch(0.5, 20.0))}) == ""  # no floor measured
+    rows = targets_table({"after": summary})
+    assert "for scale: stock Celery, empty task, task + sent events" in rows
