@@ -206,7 +206,6 @@ def measure_dispatch(
     try:
         for floor in floor_runs.values():
             floor.start()
-            floor.lone(lone_requests)
         clients_of = {k: fl.ready() for k, fl in fleets.items()}
         lone: dict[str, list[RequestRecord]] = {k: [] for k in fleets}
         tallies = {k: _Tally() for k in fleets}
@@ -222,6 +221,7 @@ def measure_dispatch(
                 run = _loop_runner(client, model, prompts, per_message[key], clients, duration_s / rounds)
                 _metered(tallies[key], pids, redis_url, run)
             for floor in floor_runs.values():
+                floor.lone(lone_requests // rounds)  # like the variants' lone requests: spread over the rounds
                 floor.measure_round(duration_s / rounds)
         results = _variant_results(variants, per_message, lone, tallies, clients, log)
         main_key = next(iter(fleets))

@@ -29,6 +29,7 @@ from bench.analysis import dispatch_section
 from bench.ceiling import ceiling_section, path_summary
 from bench.dispatch import dispatch_variants, measure_dispatch
 from bench.limit import bare_latency_ms, bare_session
+from bench.load import closed_loop
 from bench.machine import machine_facts
 from bench.plan import WORKLOADS, Plan
 from bench.procs import RunningFleet, flush_redis
@@ -59,19 +60,21 @@ def _probe(plan: Plan, model_path: Path, served: Any, redis: EmbeddedRedis, work
     cfg = replace(served, label="dispatch-probe", model_name=served.model_name.replace("-served", "-probe"))
     fleet = RunningFleet(cfg, redis.url, work_dir)
     client = fleet.start()
-    gateway = GatewayServer(fleet.config_path, work_dir / "logs" / "dispatch-gateway.log")
-    try:
+    gateway: GatewayServer | None = None
+    try:  # the lone requests first, on an otherwise idle machine (no gateway yet), after a warm-up
+        bare = bare_latency_ms(bare_session(model_path), load_card(model_path), prompts[:50])
+        closed_loop(client, cfg.model_name, prompts, clients=4, max_requests=64)
+        lone = lone_profile(client, cfg.model_name, prompts, requests=plan.dispatch_lone_requests, bare_ms=bare)
+        say(f"lone request: {lone['pubsub']['total']:.2f} ms (bare session.run {bare:.3f} ms)")
+        gateway = GatewayServer(fleet.config_path, work_dir / "logs" / "dispatch-gateway.log")
         gateway.wait_ready()
         pids = {"gateway": gateway.proc.pid, "redis": redis.proc.pid, "worker": fleet.pid}
         gw = measure_gateway(gateway, pids, redis.url, cfg.model_name, prompts, clients=plan.dispatch_clients,
                              duration_s=plan.dispatch_duration_s)  # fmt: skip
         say(f"dispatch (gateway): {gw['summary']['qps']:.0f} req/s, {gw['polls_per_request']} GETs/request")
-        card = load_card(model_path)
-        bare = bare_latency_ms(bare_session(model_path), card, prompts[:50])
-        lone = lone_profile(client, cfg.model_name, prompts, requests=plan.dispatch_lone_requests, bare_ms=bare)
-        say(f"lone request: {lone['pubsub']['total']:.2f} ms (bare session.run {bare:.3f} ms)")
     finally:
-        gateway.stop()
+        if gateway is not None:
+            gateway.stop()
         fleet.stop()
     return {"gateway": gw, "lone_profile": lone}
 
