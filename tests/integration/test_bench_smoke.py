@@ -95,7 +95,7 @@ def test_quick_dispatch_phase_alone_measures_each_path(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
     results = json.loads(raw.read_text())
     run = results["dispatch_runs"]["smoke"]
-    assert set(run["paths"]) == {"served", "bulk", "gateway"}
+    assert set(run["paths"]) == {"served", "bulk", "gateway", "floor-events", "floor-lean"}  # + stock Celery
     for name, path in run["paths"].items():
         assert path["qps"] > 0 and path["redis_cpu_ms"] > 0 and path["ceiling_rps"] > 0, name
         assert path["redis_calls_by_command"]["lpush"] > 0 and path["total_cpu_ms"] > path["redis_cpu_ms"], name
@@ -103,5 +103,6 @@ def test_quick_dispatch_phase_alone_measures_each_path(tmp_path: Path) -> None:
     lone = results["dispatch"]["lone_profile"]
     for mode in ("pubsub", "poll"):
         assert lone[mode]["total"] > lone[mode]["engine"] > 0, mode
+    assert results["dispatch"]["floor"]["events"]["channel"] == "kombu.transport.redis.Channel"  # stock, not ours
     text = out_md.read_text()
     assert "one-Redis ceiling" in text and "Where a lone request's time goes" in text
