@@ -13,7 +13,8 @@ from typing import Any
 
 from bench.markdown import fmt, md_table
 
-__all__ = ["ceiling_rps", "ceiling_section", "celery_floor_note", "floor_note", "path_summary", "targets_table"]
+__all__ = ["ceiling_rps", "ceiling_section", "celery_floor_note", "floor_note", "path_summary", "repeat_table",
+           "targets_table"]
 
 PATH_LABELS = {
     "served": "`fleet.infer` (FleetClient.submit + result)",
@@ -243,6 +244,32 @@ def celery_floor_note(runs: dict[str, Any]) -> str:
     return text
 
 
+def repeat_table(runs: dict[str, Any]) -> str:
+    """Each run that measured the old path beside the new one (and stock Celery's floor): the target ratios
+    run by run, so the machine's run-to-run spread is in view (Markdown; "" with fewer than two)."""
+    rows = []
+    for label, run in runs.items():
+        p = run["paths"]
+        old, new, floor = p.get("legacy"), p.get("served"), p.get("floor-events")
+        if not (old and new):
+            continue
+        lone = (run.get("floor_lone_p50_ms") or {}).get("events")
+        rows.append([
+            label, f"{fmt(new['qps'], 0)} / {fmt(old['qps'], 0)}", _ratio(new["qps"], old["qps"]),
+            _ratio(new["redis_calls"], old["redis_calls"]), _ratio(new["total_cpu_ms"], old["total_cpu_ms"]),
+            fmt(run.get("lone_over_bare_ms"), 2),
+            _ratio(floor["qps"], old["qps"]) if floor else "–",
+            _ratio(floor["total_cpu_ms"], old["total_cpu_ms"]) if floor else "–",
+            _ratio(new["qps"], floor["qps"]) if floor else "–", fmt(lone, 2) if lone else "–",
+        ])  # fmt: skip
+    if len(rows) < 2:
+        return ""
+    head = ["run", "req/s new / old", "req/s", "commands", "CPU-ms", "lone ms over bare",
+            "stock Celery req/s vs old", "stock Celery CPU-ms vs old", "new req/s vs stock Celery",
+            "stock Celery lone round trip ms"]  # fmt: skip
+    return md_table(head, rows)
+
+
 def _verdict(ok: bool) -> str:
     return "met" if ok else "**not met**"
 
@@ -340,4 +367,11 @@ def ceiling_section(results: dict[str, Any]) -> str:
         stock = celery_floor_note(runs)
         if stock:
             out.append(stock + "\n")
+        repeats = repeat_table(runs)
+        if repeats:
+            out += [
+                "**Run to run** (the same command repeated on this shared machine; ratios against the old path "
+                "of the same run; stock Celery = its empty task with task and sent events):\n",
+                repeats + "\n",
+            ]
     return "\n".join(out)

@@ -106,3 +106,13 @@ def test_the_stock_celery_floor_is_a_path_and_says_whether_it_stops_the_2x_targe
     assert celery_floor_note({"after": path_summary(_dispatch(0.5, 20.0))}) == ""  # no floor measured
     rows = targets_table({"after": summary})
     assert "for scale: stock Celery, empty task, task + sent events" in rows
+
+
+def test_repeated_runs_show_their_ratios_side_by_side() -> None:
+    from bench.ceiling import repeat_table
+
+    runs = {"r1": path_summary(_with_floor(120)), "r2": path_summary(_with_floor(170))}
+    rows = repeat_table(runs).splitlines()
+    assert rows[2].startswith("| r1 | 100 / 80 | 1.25× |") and "| 1.50× |" in rows[2]  # floor 120 / old 80
+    assert rows[3].startswith("| r2 |") and "| 2.12× |" in rows[3]
+    assert repeat_table({"r1": runs["r1"]}) == ""  # one run: nothing to compare
