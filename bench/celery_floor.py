@@ -293,18 +293,16 @@ class FloorRun:
         self.lone_records += _echo_loop(self.worker, self.prompts, clients=1, max_requests=requests)
 
     def measure_round(self, duration_s: float) -> None:
-        """One closed loop of ``duration_s`` s, metered like :func:`bench.dispatch._metered`."""
-        from bench.procs import CpuMeter, redis_commandstats
+        """One closed loop of ``duration_s`` s, metered like the fleet's paths (:func:`bench.procs.metered`)."""
+        from bench.procs import metered
 
         pids = {"producer": os.getpid(), "redis": self.redis_pid, "worker": self.worker.pid}
-        meter = CpuMeter(pids)
-        before = redis_commandstats(self.redis_url)
         start = time.perf_counter()
-        records = _echo_loop(self.worker, self.prompts, clients=self.clients, duration_s=duration_s)
+        records, cpu_s, calls = metered(pids, self.redis_url, lambda: _echo_loop(
+            self.worker, self.prompts, clients=self.clients, duration_s=duration_s))  # fmt: skip
         self.runs.append((records, (start, start + duration_s)))
-        self.cpu_s.update(meter.elapsed())
-        after = redis_commandstats(self.redis_url)
-        self.calls.update({k: v - before.get(k, 0) for k, v in after.items()})
+        self.cpu_s.update(cpu_s)
+        self.calls.update(calls)
 
     def stop(self) -> None:
         """Stop the worker (whatever happened)."""

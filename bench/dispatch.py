@@ -23,7 +23,7 @@ from typing import Any
 from bench.celery_floor import FloorRun
 from bench.load import ClosedLoopRun, bulk_closed_loop, closed_loop
 from bench.plan import Plan
-from bench.procs import CpuMeter, FleetConfig, RunningFleet, redis_commandstats
+from bench.procs import FleetConfig, RunningFleet, metered
 from bench.profile import fold_components, parse_raw, py_spy_path, record, top_functions
 from bench.stats import RequestRecord, summarize_run, summarize_runs
 
@@ -104,12 +104,9 @@ class _Tally:
 
 
 def _metered(tally: _Tally, pids: dict[str, int], redis_url: str, run: Callable[[], ClosedLoopRun]) -> None:
-    meter = CpuMeter(pids)
-    before = redis_commandstats(redis_url)
-    result = run()
-    tally.cpu_s.update(meter.elapsed())
-    after = redis_commandstats(redis_url)
-    tally.calls.update({k: v - before.get(k, 0) for k, v in after.items()})
+    result, cpu_s, calls = metered(pids, redis_url, run)
+    tally.cpu_s.update(cpu_s)
+    tally.calls.update(calls)
     tally.runs.append(result)
 
 

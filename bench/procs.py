@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 import redis
@@ -34,6 +35,7 @@ __all__ = [
     "FleetConfig",
     "RunningFleet",
     "flush_redis",
+    "metered",
     "peak_rss_bytes",
     "redis_commandstats",
 ]
@@ -151,6 +153,20 @@ def redis_commandstats(url: str) -> dict[str, int]:
     finally:
         client.close()
     return {key.removeprefix("cmdstat_"): int(value["calls"]) for key, value in stats.items()}
+
+
+T = TypeVar("T")
+
+
+def metered(pids: dict[str, int], redis_url: str, run: Callable[[], T]) -> tuple[T, dict[str, float], dict[str, int]]:
+    """Run ``run()``; return its result, the CPU seconds each of ``pids`` spent meanwhile (:class:`CpuMeter`)
+    and the Redis calls by command meanwhile (``INFO commandstats`` deltas; our own ``info`` included)."""
+    meter = CpuMeter(pids)
+    before = redis_commandstats(redis_url)
+    result = run()
+    cpu_s = meter.elapsed()
+    after = redis_commandstats(redis_url)
+    return result, cpu_s, {k: v - before.get(k, 0) for k, v in after.items()}
 
 
 class RunningFleet:

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from bench.load import run_threads
-from bench.procs import CpuMeter, redis_commandstats
+from bench.procs import metered
 from bench.stats import RequestRecord, summarize_run
 from producer.client import FleetClient
 from protocol.messages import InferenceResult
@@ -138,12 +138,7 @@ def measure_gateway(
     with httpx.Client(base_url=gateway.url, timeout=60) as http:  # warm the path (first model load etc.)
         for ids in prompts[:4]:
             _http_one(http, model, ids, poll_s)
-    meter = CpuMeter(pids)
-    before = redis_commandstats(redis_url)
-    run_threads(clients, loop, "bench-http")
-    cpu = meter.elapsed()
-    after = redis_commandstats(redis_url)
-    calls = {k: v - before.get(k, 0) for k, v in after.items()}
+    _, cpu, calls = metered(pids, redis_url, lambda: run_threads(clients, loop, "bench-http"))
     summary = summarize_run(records)
     ok = [r for r in records if r.error is None]
     out = {

@@ -17,7 +17,7 @@ same code Celery and kombu use:
 
 The envelope is kombu's Redis envelope (JSON, body base64, ``delivery_info``, a fresh
 ``delivery_tag``), which workers, ``celery inspect`` and Flower read as any other task.
-``tests/unit/test_task_writer.py`` compares it field by field with what ``send_task`` writes.
+``tests/integration/test_task_writer.py`` compares it field by field with what ``send_task`` writes.
 
 It serves the plain Redis transport: with a ``global_keyprefix`` or a non-Redis broker,
 :meth:`TaskWriter.usable` is False and the client keeps using ``send_task``.
@@ -93,7 +93,8 @@ class TaskWriter:
         return bool(self._usable)
 
     def _learn_names(self) -> bool:
-        """Take the queue-key function and the event channel from a kombu channel of the app's broker."""
+        """Check a kombu channel of the app's broker puts priority-0 tasks on the queue's own list, and take
+        the task-sent event's channel name from it."""
         from kombu.transport import redis as kombu_redis
 
         options = self.app.conf.broker_transport_options or {}
