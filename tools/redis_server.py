@@ -13,6 +13,7 @@ needs (credentials, TLS files) to reach it.
 from __future__ import annotations
 
 import functools
+import gc
 import shutil
 import signal
 import socket
@@ -327,9 +328,15 @@ class EmbeddedRedis:
             self.proc.wait(10)
 
     def stop(self) -> None:
-        """Terminate the server and remove its temporary folder."""
+        """Terminate the server and remove its temporary folder.
+
+        Garbage is collected first, while the server still answers: a Celery ``AsyncResult`` left in a
+        reference cycle unsubscribes from its result channel when it is collected, and against a
+        server that is gone Celery retries that 20 times, 1 s apart, on whichever thread the
+        collector happens to run (a later test's load thread, a CLI's last request)."""
         if self.proc and self.proc.poll() is None:
             self.resume()  # a paused server would sit on SIGTERM
+            gc.collect()
             self.proc.terminate()
             try:
                 self.proc.wait(10)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import signal
 import subprocess
 import sys
@@ -50,3 +51,30 @@ def test_port_zero_picks_a_free_port_and_says_which_and_ctrl_c_stops_it() -> Non
         if proc.poll() is None:
             proc.kill()
             proc.wait(15)
+
+
+def test_stopping_a_server_first_lets_a_plain_celery_client_s_garbage_unsubscribe() -> None:
+    """A plain Celery client subscribes to each result it sends; when such an ``AsyncResult`` sits in a
+    reference cycle, it unsubscribes only when the collector runs. Collected after its server is
+    gone, Celery retried the unsubscribe 20 times, 1 s apart, on whatever thread ran the collector
+    (a later test's load thread timed out behind it). ``stop()`` collects while the server answers."""
+    from celery import Celery
+
+    server = EmbeddedRedis().start()
+    plain = Celery(broker=server.url, backend=server.url)
+    consumer = plain.backend.result_consumer
+    gc.disable()  # the collector runs where stop() puts it, not at some allocation in between
+    try:
+        for _ in range(3):
+            sent = plain.send_task("fleet.infer", args=[{"model": "demo-lm", "input_ids": [1]}], queue="nowhere")
+            cycle: dict[str, object] = {"result": sent}
+            cycle["self"] = cycle
+            del sent, cycle
+        assert len(consumer.subscribed_to) == 3
+        server.stop()
+        assert not consumer.subscribed_to  # unsubscribed while the server still answered: nothing to retry
+    finally:
+        consumer.subscribed_to.clear()  # on failure: keep the 20 s of retries out of the rest of the run
+        consumer._pubsub = None
+        gc.enable()
+        server.stop()

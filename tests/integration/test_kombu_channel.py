@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 from kombu.transport import redis as kombu_redis
 
 from bench.procs import redis_commandstats
@@ -13,6 +15,20 @@ from tests.integration.fleet_fixtures import Fleet
 from tools.redis_server import EmbeddedRedis
 
 PROBE = {"info", "hello", "client"}  # redis_commandstats's own connection
+
+
+def settled_calls(redis_url: str, before: dict[str, int], acks: int, wait_s: float = 10.0) -> dict[str, int]:
+    """Commands since ``before``, read once the worker has acked ``acks`` deliveries (``HDEL``).
+
+    With ``acks_late`` the result is stored and published before the ack, so a client can hold its
+    last result while the worker's ``HDEL`` is still on its way; reading at once races with it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        after = redis_commandstats(redis_url)
+        calls = {k: v - before.get(k, 0) for k, v in after.items() if k not in PROBE}
+        if calls.get("hdel", 0) >= acks or time.monotonic() > deadline:
+            return calls
+        time.sleep(0.05)
 
 
 def test_a_channel_reuses_one_client_until_its_pool_changes(redis_server: EmbeddedRedis) -> None:
@@ -40,8 +56,7 @@ def test_a_request_takes_no_transaction_and_one_store_script(fleet: Fleet) -> No
     before = redis_commandstats(fleet.redis_url)
     for i in range(10):
         assert client.result(client.submit("demo-lm", [3, i + 4]), wait=True, timeout_s=60) is not None
-    after = redis_commandstats(fleet.redis_url)
-    calls = {k: v - before.get(k, 0) for k, v in after.items() if k not in PROBE}
+    calls = settled_calls(fleet.redis_url, before, acks=10)
     assert calls.get("multi", 0) == 0 and calls.get("exec", 0) == 0, calls  # plain pipelines and a script
     assert calls["evalsha"] == 10 and calls["lpush"] == 10 and calls["zadd"] == 10 and calls["hdel"] == 10
     assert calls.get("incrby", 0) <= 4, calls  # the drain meter: twice a second, not per request
@@ -52,7 +67,6 @@ def test_flower_sees_each_result_as_its_repr(fleet: Fleet) -> None:
     """The task-succeeded event carries the result's text (workers.result_repr), as Flower shows it."""
     import base64
     import json
-    import time
 
     import redis
 
