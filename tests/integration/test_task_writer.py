@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from bench.procs import redis_commandstats
+from producer.admission import Admission
 from protocol.messages import TASK_NAME
 from tests.integration.fleet_fixtures import Fleet
 
@@ -81,6 +82,8 @@ def test_one_round_trip_and_a_failed_write_leaves_the_id_free_for_a_retry(
     fleet: Fleet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     client = fleet.client(fleet.config())
+    client.admission = Admission(client.redis, client.settings, monotonic=lambda: 50.0)  # the depth read holds
+    client.router.clock = lambda: 50.0  # and so does the routing state's (one GET per second otherwise)
     queue = client.settings.queue_for("demo-lm")
     client.submit("demo-lm", [1])  # connections and the depth read are set up here
     before = redis_commandstats(fleet.redis_url)
