@@ -10,7 +10,8 @@ apart are not comparable). Put back, in this process only:
 * Celery's result store: ``GET`` (is a SUCCESS stored?) then ``MULTI``/``SETEX``/``PUBLISH``/``EXEC``
   (:mod:`workers.result_backend` replaced it by one script);
 * the drain meter's ``INCRBY``+``EXPIRE`` on every request (:mod:`workers.drain_meter` batches them);
-* Celery's ``saferepr`` for the task-succeeded event's result text (:mod:`workers.result_repr`).
+* Celery's ``saferepr`` for the task-succeeded event's result text (:mod:`workers.result_repr`);
+* one ``PUBLISH`` per task event on the request's own thread (:mod:`workers.event_buffer` gathers them).
 
 Run: ``python -m bench.legacy_worker worker -P threads …`` (arguments as for ``celery -A workers.app``).
 Not for production use.
@@ -28,7 +29,7 @@ from celery.backends.base import BaseKeyValueStoreBackend
 from kombu.transport import redis as kombu_redis
 
 from protocol.keys import DRAIN_KEY
-from workers import metrics, poison, result_backend, result_repr
+from workers import event_buffer, metrics, poison, result_backend, result_repr
 from workers.app import app
 
 __all__ = ["LegacyGuardedChannel", "app", "restore_old_worker_path"]
@@ -66,6 +67,7 @@ def restore_old_worker_path() -> None:
         backend._store_result = BaseKeyValueStoreBackend._store_result  # type: ignore[method-assign]
     metrics.WorkerMetrics.on_dequeued = _dequeued_per_request  # type: ignore[method-assign]
     result_repr.install = lambda: None  # worker_init imports it by name then
+    event_buffer.uninstall(app)
 
 
 restore_old_worker_path()

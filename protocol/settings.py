@@ -341,8 +341,18 @@ class CelerySettings(_Section):
 
     task_events: bool = Field(
         default=True,
-        description="The worker's task events (received, started, succeeded): what Flower shows. Buffered into "
-        "a few PUBLISHes; `fleet worker` also passes -E, which turns them on regardless.",
+        description="The worker's task events (received, started, succeeded): what Flower shows. Gathered for "
+        "`task_event_linger_ms` and published as one message; `fleet worker` also passes -E, which turns "
+        "them on regardless.",
+    )
+    task_event_linger_ms: float = Field(
+        default=20.0,
+        ge=0,
+        le=1000,
+        description="How long (ms) a worker gathers its task events before publishing them as one task.multi "
+        "message from a thread of its own, off the requests' path; Flower sees each event up to this much later, "
+        "with the time it happened. 0 = one PUBLISH per event on the request's own thread (Celery's behaviour "
+        "on the threads pool).",
     )
     sent_events: bool = Field(
         default=True,

@@ -29,10 +29,12 @@ log = logging.getLogger("fleet.worker")
 def create_app(settings: FleetSettings, *, name: str = "onnx-fleet") -> Celery:
     """A Celery app bound to ``settings`` with the ``fleet.infer`` task registered."""
     celery_app = make_celery(settings, name)
+    from workers.event_buffer import install as install_event_buffer
     from workers.result_backend import install as install_result_backend
     from workers.tasks import register_tasks
 
     install_result_backend(celery_app)
+    install_event_buffer(celery_app, settings.celery.task_event_linger_ms)
 
     register_tasks(celery_app)
     return celery_app
