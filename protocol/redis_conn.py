@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import re
 import ssl
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
@@ -45,6 +46,7 @@ __all__ = [
     "TLS_QUERY_KEYS",
     "RedisTarget",
     "async_client",
+    "await_subscription",
     "celery_redis_config",
     "describe_redis_error",
     "mask_url",
@@ -333,3 +335,22 @@ def _user_of(url: str) -> str:
         return unquote(parts.username) if parts.username else "default"
     except ValueError:
         return "default"
+
+
+def await_subscription(pubsub: Any, channel: str | bytes, until_monotonic_s: float) -> bool:
+    """Read ``pubsub`` (made with ``ignore_subscribe_messages=False``) until Redis confirms the
+    subscription to ``channel``; False at ``until_monotonic_s``.
+
+    Call it between ``SUBSCRIBE`` and a read of what the channel announces (a result key, a state):
+    the read goes on another connection, which Redis may serve first, so without the confirmation
+    a change made between the read and the subscription is neither read nor heard. Nothing for
+    ``channel`` can come before its confirmation (one connection, in order); what is read here is the
+    previous subscriptions' confirmations and late messages of their channels."""
+    wanted = channel.encode() if isinstance(channel, str) else channel
+    while True:
+        now = time.monotonic()
+        if now >= until_monotonic_s:
+            return False
+        message = pubsub.get_message(timeout=until_monotonic_s - now)
+        if message and message.get("type") == "subscribe" and message.get("channel") == wanted:
+            return True

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from protocol.model_state import CHANGES_CHANNEL, ModelState, guard_canary, read_state, record_refusal
-from protocol.redis_conn import sync_client
+from protocol.redis_conn import await_subscription, sync_client
 from protocol.settings import FleetSettings
 from workers.engines import LoadedModel, load_version
 from workers.reconcile_plan import Held, plan, wanted_stable
@@ -177,8 +177,9 @@ class Reconciler:
         while not self._stop.is_set():
             try:
                 if pubsub is None:
-                    pubsub = subscriber.pubsub(ignore_subscribe_messages=True)
+                    pubsub = subscriber.pubsub()
                     pubsub.subscribe(CHANGES_CHANNEL)
+                    await_subscription(pubsub, CHANGES_CHANNEL, time.monotonic() + 5.0)  # then the read
                     self.sync()  # a change may have been published while we were not subscribed
                 deadline = time.monotonic() + self._wait_s()
                 while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
@@ -207,6 +208,8 @@ class Reconciler:
 
 
 def _names(message: dict[str, Any], model: str) -> bool:
+    if message.get("type") != "message":  # a subscribe confirmation carries a count
+        return False
     data = message.get("data")
     return (data.decode() if isinstance(data, bytes) else str(data)) == model
 

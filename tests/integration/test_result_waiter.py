@@ -75,3 +75,67 @@ def test_a_killed_pubsub_connection_is_reopened_and_the_result_still_arrives(
     r.set(KEY, _meta("SUCCESS"))  # stored while the waiter has no connection: found by the re-read
     thread.join(15)
     assert box["meta"]["status"] == "SUCCESS"
+
+
+class _SlowUplink:
+    """A TCP relay to ``port`` that holds what clients send for ``delay_s`` (server replies pass at once):
+    the pub/sub connection's SUBSCRIBE then reaches Redis after a GET sent later on a direct connection,
+    as Redis may serve two connections' commands in either order."""
+
+    def __init__(self, port: int, delay_s: float) -> None:
+        import socket
+
+        self.port, self.delay_s = port, delay_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listen_port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.port))
+            threading.Thread(target=self._pipe, args=(client, upstream, self.delay_s), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, 0.0), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: Any, dst: Any, delay_s: float) -> None:
+        try:
+            while data := src.recv(65536):
+                time.sleep(delay_s)
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_result_stored_between_the_read_and_the_subscription_is_not_missed(redis_server: EmbeddedRedis) -> None:
+    """The waiter reads the key only once Redis has confirmed the subscription; before, it read at once and a
+    result stored in between was neither read nor heard until the 5 s recheck."""
+    direct = redis.Redis(port=redis_server.port)
+    relay = _SlowUplink(redis_server.port, delay_s=0.3)
+    waiter = _waiter(redis.Redis(port=relay.listen_port))  # the pub/sub connection goes through the relay
+    real_get = direct.get
+
+    def get_then_store(key: Any) -> Any:
+        value = real_get(key)
+        if value is None:  # the worker stores and publishes right after the waiter's read
+            direct.set(KEY, _meta("SUCCESS"))
+            direct.publish(KEY, _meta("SUCCESS"))
+        return value
+
+    waiter._pubsub()  # made now, on the relay's pool; the GETs then go straight to Redis
+    waiter.client = direct
+    direct.get = get_then_store  # type: ignore[method-assign,assignment]
+    try:
+        meta = waiter.wait(KEY, timeout_s=3.0)  # under the 5 s recheck: only the message can wake it in time
+        assert meta is not None and meta["status"] == "SUCCESS"
+    finally:
+        waiter.close()
+        relay.close()
