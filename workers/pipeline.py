@@ -27,6 +27,7 @@ from protocol.messages import (
     decode_request,
 )
 from protocol.validation import CheckedInput, check_input, resolve_output
+from workers.cancel_marks import MARKS
 from workers.generation.sequence import GenOutcome, GenSequence
 from workers.runtime import WorkerRuntime
 from workers.scheduler import Arrival, Job, JobResult, Role
@@ -259,7 +260,9 @@ def handle_request(
     runtime.token_taken()
     try:
         with runtime.scheduler.arrival() as arrival:
-            cancelled = bool(runtime.redis.exists(CANCEL_KEY.format(id=request_id)))
+            cancelled = MARKS.take(request_id)  # read as the message was taken (workers.cancel_marks)
+            if cancelled is None:
+                cancelled = bool(runtime.redis.exists(CANCEL_KEY.format(id=request_id)))
             prepared = prepare(runtime, payload, arrival, request_id=request_id, cancelled=cancelled, role=role)
         return finish(runtime, prepared, request_id=request_id, worker=worker)
     except Exception as exc:

@@ -39,9 +39,10 @@ from kombu.utils.encoding import bytes_to_str
 from protocol.deadletter import MAX_ENTRIES, Reason, encode_entry, make_entry
 from protocol.errors import DecodeError, FleetError
 from protocol.keys import DEAD_LETTER_KEY
-from protocol.kombu_channel import PlainPipelineQoS, ReusesSyncClient
+from protocol.kombu_channel import ReusesSyncClient
 from protocol.redis_conn import sync_client
 from protocol.settings import FleetSettings
+from workers.cancel_marks import CancelReadingQoS
 from workers.deliveries import count_delivery, count_ttl_s, over_limit
 from workers.message_check import Accepted, Envelope, Refused, check_message, parse_envelope
 from workers.redis_refusals import (
@@ -88,7 +89,7 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
     """kombu's Redis channel, except that it only delivers items Celery can take (see the module doc)."""
 
     Message = CheckedMessage
-    QoS = PlainPipelineQoS
+    QoS = CancelReadingQoS  # kombu's take bookkeeping + the cancel mark, one pipeline (workers.cancel_marks)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.checked_bodies: dict[str, list[Any]] = {}

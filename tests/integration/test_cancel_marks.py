@@ -1,0 +1,83 @@
+"""``workers.cancel_marks``: the cancel mark is read in the pipeline that takes a message (real worker,
+real redis-server, Redis's own MONITOR), and a request cancelled while queued is not run."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import redis
+
+from protocol.errors import RequestCancelled
+from tests.integration.fleet_fixtures import Fleet
+from workers.cancel_marks import CancelMarks
+
+
+class Monitor:
+    """Every command Redis runs, with the connection (address:port) that sent it, from a thread."""
+
+    def __init__(self, redis_url: str) -> None:
+        self.commands: list[dict[str, Any]] = []
+        self._client = redis.Redis.from_url(redis_url)
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        self._ready.wait(10)
+
+    def _run(self) -> None:
+        with self._client.monitor() as monitor:
+            self._ready.set()
+            try:
+                for command in monitor.listen():
+                    self.commands.append(command)
+            except (redis.ConnectionError, ValueError, AttributeError):
+                return  # closed at the end of the test
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _sender(command: dict[str, Any]) -> str:
+    return f"{command.get('client_address')}:{command.get('client_port')}"
+
+
+def test_the_cancel_mark_rides_in_the_take_pipeline(fleet: Fleet) -> None:
+    cfg = fleet.config()
+    fleet.worker(cfg)
+    client = fleet.client(cfg)
+    client.result(client.submit("demo-lm", [1, 2]), wait=True, timeout_s=60)  # connections set up
+    monitor = Monitor(fleet.redis_url)
+    ids = [client.submit("demo-lm", [3, i + 4]) for i in range(3)]
+    for rid in ids:
+        assert client.result(rid, wait=True, timeout_s=60) is not None
+    commands = list(monitor.commands)
+    monitor.close()
+    for rid in ids:
+        exists = [i for i, c in enumerate(commands) if c["command"] == f"EXISTS fleet:cancel:{rid}"]
+        assert len(exists) == 1, [c["command"][:80] for c in commands]
+        at = exists[0]
+        hset = next(i for i in range(at - 1, -1, -1) if _sender(commands[i]) == _sender(commands[at]))
+        assert commands[hset]["command"].startswith("HSET unacked ") and rid in commands[hset]["command"]
+        zadd = next(i for i in range(hset - 1, -1, -1) if _sender(commands[i]) == _sender(commands[at]))
+        assert commands[zadd]["command"].startswith("ZADD unacked_index ")
+
+
+def test_a_request_cancelled_while_queued_is_not_run(fleet: Fleet) -> None:
+    cfg = fleet.config()
+    client = fleet.client(cfg)
+    doomed = client.submit("demo-lm", [5, 6, 7])
+    assert client.cancel(doomed) is True  # no worker yet: it waits in the queue
+    fleet.worker(cfg)  # started after the cancel: Celery's revoke broadcast never reached it
+    with pytest.raises(RequestCancelled):
+        client.result(doomed, wait=True, timeout_s=60)
+    assert client.result(client.submit("demo-lm", [8, 9]), wait=True, timeout_s=60) is not None
+
+
+def test_marks_are_taken_once_and_the_oldest_dropped() -> None:
+    marks = CancelMarks(limit=2)
+    marks.note("a", True)
+    marks.note("b", False)
+    marks.note("c", False)  # "a" is dropped: its task reads the mark with EXISTS instead
+    assert marks.take("a") is None and marks.take("b") is False and marks.take("c") is False
+    assert marks.take("b") is None and len(marks) == 0
