@@ -42,7 +42,6 @@ from protocol.keys import DEAD_LETTER_KEY
 from protocol.kombu_channel import ReusesSyncClient
 from protocol.redis_conn import sync_client
 from protocol.settings import FleetSettings
-from workers.cancel_marks import CancelReadingQoS
 from workers.deliveries import count_delivery, count_ttl_s, over_limit
 from workers.message_check import Accepted, Envelope, Refused, check_message, parse_envelope
 from workers.redis_refusals import (
@@ -52,6 +51,7 @@ from workers.redis_refusals import (
     is_write_refusal,
     raise_write_refusals_as_connection_errors,
 )
+from workers.store_ack import StoreAckingQoS
 
 __all__ = ["DEAD_LETTER_KEY", "CheckedMessage", "GuardConfig", "GuardedChannel", "configure", "install"]
 
@@ -89,7 +89,7 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
     """kombu's Redis channel, except that it only delivers items Celery can take (see the module doc)."""
 
     Message = CheckedMessage
-    QoS = CancelReadingQoS  # kombu's take bookkeeping + the cancel mark, one pipeline (workers.cancel_marks)
+    QoS = StoreAckingQoS  # + the cancel mark at take (workers.cancel_marks), the ack in the store (workers.store_ack)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.checked_bodies: dict[str, list[Any]] = {}

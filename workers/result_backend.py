@@ -27,6 +27,7 @@ from celery.backends.redis import RedisBackend, SentinelBackend
 from kombu.utils.encoding import bytes_to_str
 
 from workers.redis_refusals import is_write_refusal
+from workers.store_ack import ACKS, delivery_tag_of
 
 __all__ = ["RESULT_WRITE_MAX_SLEEP_MS", "RESULT_WRITE_RETRIES", "STORE_RESULT_SCRIPT", "RefusalTolerantRedisBackend",
            "RefusalTolerantSentinelBackend", "install"]
@@ -50,6 +51,12 @@ local function write()
   if ttl > 0 then return redis.call('SET', KEYS[1], ARGV[1], 'EX', ttl) end
   return redis.call('SET', KEYS[1], ARGV[1])
 end
+local function ack()
+  if #KEYS == 3 then
+    redis.call('HDEL', KEYS[2], ARGV[3])
+    redis.call('ZREM', KEYS[3], ARGV[3])
+  end
+end
 local stored
 if ttl > 0 then
   stored = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ttl)
@@ -59,16 +66,20 @@ end
 if not stored then
   local ok, current = pcall(cjson.decode, redis.call('GET', KEYS[1]))
   if ok and type(current) == 'table' and current['status'] == 'SUCCESS' then
+    ack()
     return 0
   end
   write()
 end
 redis.call('PUBLISH', KEYS[1], ARGV[1])
+ack()
 return 1
 """
 """Store one result unless a SUCCESS is stored already; publish it when stored. KEYS[1]: the result key;
-ARGV[1]: the encoded (JSON) meta; ARGV[2]: time to live in seconds (0 = none). Returns 1 when
-written, 0 when a SUCCESS was kept. The usual case (no state stored yet) is one ``SET NX`` and one
+ARGV[1]: the encoded (JSON) meta; ARGV[2]: time to live in seconds (0 = none). With KEYS[2] and KEYS[3]
+(kombu's unacked hash and index) and ARGV[3] (a delivery tag), the delivery is acked in the same step,
+hash entry first as kombu does (:mod:`workers.store_ack`). Returns 1 when written, 0 when a SUCCESS
+was kept. The usual case (no state stored yet) is one ``SET NX`` and one
 ``PUBLISH``; a stored state (a generation's STARTED) is read and overwritten unless it is a SUCCESS."""
 
 
@@ -88,13 +99,20 @@ class _StoresWithOneScript:
             raise BackendStoreError("value too large for Redis backend", state=state, task_id=task_id)
         expires = getattr(backend, "failure_expires", backend.expires) if state == states.FAILURE else backend.expires
         ttl = int(expires.total_seconds()) if hasattr(expires, "total_seconds") else int(expires or 0)
-        backend.ensure(self._run_store_script, (backend.get_key_for_task(task_id), value, max(0, ttl)))
+        tag = delivery_tag_of(request) if state == states.SUCCESS else None
+        unacked = ACKS.keys_for(tag) if tag is not None else None
+        key = backend.get_key_for_task(task_id)
+        if tag is not None and unacked is not None:
+            backend.ensure(self._run_store_script, ([key, *unacked], [value, max(0, ttl), tag]))
+            ACKS.acked(tag)  # Celery's ack that follows touches no key (workers.store_ack)
+        else:
+            backend.ensure(self._run_store_script, ([key], [value, max(0, ttl)]))
         return result
 
-    def _run_store_script(self, key: Any, value: Any, ttl_s: int) -> Any:
+    def _run_store_script(self, keys: list[Any], args: list[Any]) -> Any:
         if self._store_script is None:
             self._store_script = self.client.register_script(STORE_RESULT_SCRIPT)  # type: ignore[attr-defined]
-        return self._store_script(keys=[key], args=[value, ttl_s], client=self.client)  # type: ignore[attr-defined]
+        return self._store_script(keys=keys, args=args, client=self.client)  # type: ignore[attr-defined]
 
 
 class RefusalTolerantRedisBackend(_RetriesWriteRefusals, _StoresWithOneScript, RedisBackend):  # type: ignore[misc]

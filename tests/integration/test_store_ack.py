@@ -1,0 +1,90 @@
+"""``workers.store_ack``: a SUCCESS's ack runs inside the script that stores it; other outcomes keep
+kombu's ack; nothing is left unacked (real redis-server, real worker, Redis's own MONITOR)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import redis
+from celery import states
+
+from protocol.celeryconf import make_celery
+from protocol.errors import FleetError
+from protocol.settings import load_settings
+from tests.integration.fleet_fixtures import Fleet
+from tests.integration.test_cancel_marks import Monitor
+from tools.redis_server import EmbeddedRedis
+from workers import result_backend
+from workers.store_ack import ACKS, StoreAcks, delivery_tag_of
+
+
+def _tag_of(r: redis.Redis[bytes], rid: str, commands: list[dict[str, Any]]) -> str:
+    """The delivery tag kombu gave ``rid``'s message (from its ZADD/HSET as MONITOR saw them)."""
+    hset = next(c["command"] for c in commands if c["command"].startswith("HSET unacked ") and rid in c["command"])
+    return str(hset.split(" ")[2])
+
+
+def test_a_success_is_acked_by_its_store_script_and_a_failure_by_kombu(fleet: Fleet) -> None:
+    cfg = fleet.config()
+    fleet.worker(cfg)
+    client = fleet.client(cfg)
+    r = redis.Redis.from_url(fleet.redis_url)
+    client.result(client.submit("demo-lm", [1, 2]), wait=True, timeout_s=60)  # connections and the script
+    monitor = Monitor(fleet.redis_url)
+    good = [client.submit("demo-lm", [3, i + 4]) for i in range(3)]
+    for rid in good:
+        assert client.result(rid, wait=True, timeout_s=60) is not None
+    bad = client.app.send_task("fleet.infer", args=[{"model": "demo-lm", "input_ids": [1, "two"]}],
+                               queue=client.settings.queue_for("demo-lm"))  # fails on the worker: DecodeError
+    with pytest.raises(FleetError):
+        client.result(bad.id, wait=True, timeout_s=60)
+    fleet.workers[0].stop(timeout_s=20)  # every ack has landed
+    commands = list(monitor.commands)
+    monitor.close()
+    for rid in good:
+        tag = _tag_of(r, rid, commands)
+        hdels = [c for c in commands if c["command"] == f"HDEL unacked {tag}"]
+        assert [c["client_type"] for c in hdels] == ["lua"], hdels  # inside EVALSHA, and only there
+    bad_tag = _tag_of(r, bad.id, commands)
+    assert [c["client_type"] for c in commands if c["command"] == f"HDEL unacked {bad_tag}"] == ["tcp"]
+    assert r.hlen("unacked") == 0 and r.zcard("unacked_index") == 0  # nothing left to redeliver
+
+
+def test_the_script_acks_when_it_keeps_a_success_and_leaves_other_states_to_kombu(redis_server: EmbeddedRedis) -> None:
+    app = make_celery(load_settings(redis_url=redis_server.url), "store-ack-test")
+    result_backend.install(app)
+    backend = app.backend
+    r = redis.Redis(port=redis_server.port)
+
+    def delivered(tag: str) -> SimpleNamespace:
+        r.hset("unacked", tag, b"[]")
+        r.zadd("unacked_index", {tag: 1.0})
+        ACKS.expect(tag, "unacked", "unacked_index")
+        return SimpleNamespace(properties={"delivery_tag": tag})
+
+    backend.store_result("t1", {"n": 1}, states.SUCCESS, request=delivered("tag-1"))
+    assert not r.hexists("unacked", "tag-1") and r.zscore("unacked_index", "tag-1") is None
+    assert ACKS.settle("tag-1") is True  # Celery's ack that follows sends nothing
+
+    backend.store_result("t1", {"n": 1}, states.SUCCESS, request=delivered("tag-2"))  # a redelivered copy
+    assert not r.hexists("unacked", "tag-2") and ACKS.settle("tag-2") is True  # kept the SUCCESS, acked
+
+    for state, tag in ((states.STARTED, "tag-3"), (states.FAILURE, "tag-4")):  # not ready, or maybe requeued
+        backend.store_result(f"t-{tag}", None, state, request=delivered(tag))
+        assert r.hexists("unacked", tag) and ACKS.settle(tag) is False  # kombu's own ack removes it
+
+    backend.store_result("t5", {"n": 5}, states.SUCCESS, request=SimpleNamespace(properties={"delivery_tag": "x"}))
+    assert ACKS.settle("x") is False  # a tag this process never took: no keys to ack
+    app.close()
+
+
+def test_store_acks_forgets_the_oldest_and_reads_tags() -> None:
+    acks = StoreAcks(limit=1)
+    acks.expect("a", "unacked", "unacked_index")
+    acks.acked("a")
+    acks.expect("b", "unacked", "unacked_index")  # "a" dropped with its acked mark
+    assert acks.keys_for("a") is None and acks.settle("a") is False and len(acks) == 1
+    assert delivery_tag_of(SimpleNamespace(properties={"delivery_tag": "t"})) == "t"
+    assert delivery_tag_of(SimpleNamespace(properties=None)) is None and delivery_tag_of(None) is None

@@ -1,0 +1,105 @@
+"""A successful request's ack, done by the script that stores its result: one round trip, one atomic step.
+
+With ``acks_late`` Celery stores a task's result (one ``EVALSHA``, :mod:`workers.result_backend`) and
+then acks its message: kombu's ``HDEL`` + ``ZREM`` of the delivery's unacked entry, one more round
+trip from the task's thread (``fleet bench`` with py-spy: ~7 % of the worker's CPU on the
+``fleet.infer`` path). The store script can remove that entry itself, in the same atomic step: the
+result and the ack land together, so a worker that dies between the two can no longer leave a
+stored SUCCESS whose message is redelivered and run again.
+
+How the pieces meet:
+
+1. :class:`StoreAckingQoS` (the worker's channel, :class:`workers.poison.GuardedChannel`) notes each
+   delivery's tag with the names of its unacked hash and index as it takes the message
+   (:meth:`StoreAcks.expect`);
+2. the result backend, storing a SUCCESS for a task whose message properties carry a noted tag, runs
+   the script with those two keys and the tag, and records the tag as acked (:meth:`StoreAcks.acked`);
+3. Celery then acks as always; :meth:`StoreAckingQoS.ack` finds the tag recorded and only updates
+   kombu's in-memory bookkeeping (the prefetch count), with no Redis command.
+
+Only a SUCCESS is acked this way: Celery acks a failure too (``task_acks_on_failure_or_timeout``) but
+may reject and requeue it instead, which the store cannot know. A tag that was not noted (another
+channel, a restored message of an earlier connection), a store that did not run the script (Redis
+refused the write and the result was parked) and every other state take kombu's own ack.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from kombu.transport import virtual
+
+from workers.cancel_marks import CancelReadingQoS
+
+__all__ = ["ACKS", "StoreAckingQoS", "StoreAcks", "delivery_tag_of"]
+
+
+class StoreAcks:
+    """Deliveries this worker took (tag → unacked hash and index keys) and those the store acked."""
+
+    def __init__(self, limit: int = 10_000) -> None:
+        self.limit = limit
+        self._expected: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        self._acked: set[str] = set()
+        self._lock = threading.Lock()
+
+    def expect(self, tag: str, unacked_key: str, unacked_index_key: str) -> None:
+        """Delivery ``tag`` was taken; its unacked entry lives in these two keys."""
+        with self._lock:
+            self._expected[tag] = (unacked_key, unacked_index_key)
+            while len(self._expected) > self.limit:  # deliveries Celery never acked (restored at shutdown)
+                dropped, _ = self._expected.popitem(last=False)
+                self._acked.discard(dropped)
+
+    def keys_for(self, tag: str) -> tuple[str, str] | None:
+        """The unacked hash and index of ``tag``, when it was taken by a :class:`StoreAckingQoS`."""
+        with self._lock:
+            return self._expected.get(tag)
+
+    def acked(self, tag: str) -> None:
+        """The store script removed ``tag``'s unacked entry."""
+        with self._lock:
+            if tag in self._expected:
+                self._acked.add(tag)
+
+    def settle(self, tag: str) -> bool:
+        """Forget ``tag``; True when the store already acked it (kombu's ack then needs no Redis command)."""
+        with self._lock:
+            self._expected.pop(tag, None)
+            if tag in self._acked:
+                self._acked.discard(tag)
+                return True
+            return False
+
+    def __len__(self) -> int:
+        return len(self._expected)
+
+
+ACKS = StoreAcks()
+"""This worker process's deliveries."""
+
+
+def delivery_tag_of(request: Any) -> str | None:
+    """The delivery tag of the message behind a Celery task request (kombu puts it in the properties)."""
+    properties = getattr(request, "properties", None)
+    tag = properties.get("delivery_tag") if isinstance(properties, dict) else None
+    return str(tag) if tag else None
+
+
+class StoreAckingQoS(CancelReadingQoS):
+    """The worker's QoS: notes each delivery for the store script, and skips Redis on an ack it already did."""
+
+    acks = ACKS
+
+    def append(self, message: Any, delivery_tag: Any) -> None:
+        super().append(message, delivery_tag)
+        if not getattr(self.channel, "global_keyprefix", ""):  # the script names the keys itself
+            self.acks.expect(str(delivery_tag), str(self.unacked_key), str(self.unacked_index_key))
+
+    def ack(self, delivery_tag: Any) -> None:
+        if self.acks.settle(str(delivery_tag)):
+            virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]  # in-memory bookkeeping only
+            return
+        super().ack(delivery_tag)  # type: ignore[no-untyped-call]
