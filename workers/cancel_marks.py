@@ -24,7 +24,7 @@ from kombu.utils.json import dumps
 from protocol.keys import CANCEL_KEY
 from protocol.kombu_channel import PlainPipelineQoS
 
-__all__ = ["MARKS", "CancelMarks", "CancelReadingQoS", "task_id_of"]
+__all__ = ["MARKS", "CancelMarks", "CancelReadingQoS", "task_id_of", "unacked_entry"]
 
 
 class CancelMarks:
@@ -65,6 +65,19 @@ def task_id_of(message: Any) -> str | None:
     return str(task_id) if task_id else None
 
 
+def unacked_entry(message: Any, raw: bytes | None, delivery: dict[str, Any]) -> bytes | str:
+    """kombu's unacked hash entry, ``[message, exchange, routing_key]`` as JSON; what kombu restores from.
+
+    kombu re-encodes the whole message for it; when ``raw`` (the bytes ``BRPOP`` returned, which the
+    message was decoded from unchanged) is at hand, it is spliced in instead: the same JSON value,
+    with no second encoding of a message of kilobytes on the consumer's thread, which takes each
+    message in turn."""
+    tail = dumps([delivery["exchange"], delivery["routing_key"]])  # type: ignore[no-untyped-call]
+    if raw is None:
+        return str(dumps([message._raw, delivery["exchange"], delivery["routing_key"]]))  # type: ignore[no-untyped-call]
+    return b"[" + raw + b"," + str(tail)[1:].encode()
+
+
 class CancelReadingQoS(PlainPipelineQoS):
     """kombu's delivery bookkeeping (``ZADD`` + ``HSET``, one plain pipeline) plus the cancel mark's ``EXISTS``."""
 
@@ -73,10 +86,10 @@ class CancelReadingQoS(PlainPipelineQoS):
     def append(self, message: Any, delivery_tag: Any) -> None:
         delivery = message.delivery_info
         task_id = task_id_of(message)
+        raw = getattr(self.channel, "raw_items", {}).get(delivery_tag)
         with self.pipe_or_acquire() as pipe:
             pipe.zadd(self.unacked_index_key, {delivery_tag: time.time()})
-            pipe.hset(self.unacked_key, delivery_tag,
-                      dumps([message._raw, delivery["exchange"], delivery["routing_key"]]))  # type: ignore[no-untyped-call]  # fmt: skip
+            pipe.hset(self.unacked_key, delivery_tag, unacked_entry(message, raw, delivery))
             if task_id is not None:
                 pipe.exists(CANCEL_KEY.format(id=task_id))
             replies = pipe.execute()

@@ -93,6 +93,9 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.checked_bodies: dict[str, list[Any]] = {}
+        self.raw_items: dict[str, bytes] = {}
+        """Each message's bytes as ``BRPOP`` returned them, while it is delivered (for kombu's unacked
+        entry, :func:`workers.cancel_marks.unacked_entry`)."""
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
 
     def _brpop_read(self, **options: Any) -> bool:
@@ -135,6 +138,7 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
         envelope, checked = verdict
         tag: str = envelope.payload["properties"]["delivery_tag"]
         self.checked_bodies[tag] = checked.body
+        self.raw_items[tag] = item
         try:
             self.connection._deliver(envelope.payload, queue)
         except Exception as exc:  # a guard of last resort: whatever the checks missed must not stop us
@@ -155,6 +159,7 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
                 "a message Celery accepts", envelope.task_id, envelope.task))
         finally:
             self.checked_bodies.pop(tag, None)
+            self.raw_items.pop(tag, None)
 
     def _verdict(self, item: bytes) -> Refused | tuple[Envelope, Accepted]:
         """Envelope, delivery count, then the rest (:mod:`workers.message_check`)."""

@@ -81,3 +81,18 @@ def test_marks_are_taken_once_and_the_oldest_dropped() -> None:
     marks.note("c", False)  # "a" is dropped: its task reads the mark with EXISTS instead
     assert marks.take("a") is None and marks.take("b") is False and marks.take("c") is False
     assert marks.take("b") is None and len(marks) == 0
+
+
+def test_the_unacked_entry_splices_the_taken_bytes_into_kombu_s_json() -> None:
+    import json
+    from types import SimpleNamespace
+
+    from workers.cancel_marks import unacked_entry
+
+    raw = (b'{"body": "W1tdLCB7fV0=", "headers": {"id": "r-1", "task": "fleet.infer"}, '
+           b'"properties": {"delivery_tag": "t"}}')
+    message = SimpleNamespace(_raw=json.loads(raw))
+    delivery = {"exchange": "fleet.demo-lm", "routing_key": "fleet.demo-lm"}
+    spliced, encoded = unacked_entry(message, raw, delivery), unacked_entry(message, None, delivery)
+    assert isinstance(spliced, bytes) and raw in spliced  # the bytes as taken, not encoded again
+    assert json.loads(spliced) == json.loads(encoded) == [json.loads(raw), "fleet.demo-lm", "fleet.demo-lm"]
