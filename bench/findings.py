@@ -130,8 +130,10 @@ def dispatch_findings(results: dict[str, Any]) -> str:
         )
     if lean:
         saved = 1 - float(lean["cpu_ms_outside_inference"]) / max(1e-9, float(loop["cpu_ms_outside_inference"]))
+        cost = (f"cost {_f(100 * saved)} % of it" if saved >= 0.02
+                else "cost nothing measurable here (within this machine's run-to-run spread)")
         lines.append(
-            f"- **Celery's per-task extras cost {_f(100 * saved)} % of it.** With task events, the STARTED state "
+            f"- **Celery's per-task extras {cost}.** With task events, the STARTED state "
             f"and extended results off, the same loop ran {_f(lean['summary']['qps'])} req/s "
             f"({lean['summary']['qps'] / qps:.2f}×) at {_f(lean['cpu_ms_outside_inference'], 1)} CPU-ms/request."
         )
@@ -173,7 +175,7 @@ def dispatch_findings(results: dict[str, Any]) -> str:
         "`MULTI`/`SETEX`/`PUBLISH`/`EXEC` (`workers/result_backend.py`, which also makes the keep-a-SUCCESS check "
         "atomic), writes the drain meter twice a second (`workers/drain_meter.py`) and publishes its task events "
         "from a thread of their own, gathered for 20 ms, instead of on the consumer's loop every 2-3 events "
-        "(`workers/event_buffer.py`: this took the lone request from 5.3-5.6 ms to 3.2-3.6 ms over bare); the "
+        "(`workers/event_buffer.py`); the "
         "result waiter reads the key only once Redis has confirmed its `SUBSCRIBE` (a result stored in between "
         "had waited for the 5 s recheck); the worker reads each request's cancel mark in the pipeline that takes "
         "the message instead of one more `EXISTS` round trip (`workers/cancel_marks.py`), and acks a SUCCESS "

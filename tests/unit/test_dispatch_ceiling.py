@@ -116,3 +116,16 @@ def test_repeated_runs_show_their_ratios_side_by_side() -> None:
     assert rows[2].startswith("| r1 | 100 / 80 | 1.25× |") and "| 1.50× |" in rows[2]  # floor 120 / old 80
     assert rows[3].startswith("| r2 |") and "| 2.12× |" in rows[3]
     assert repeat_table({"r1": runs["r1"]}) == ""  # one run: nothing to compare
+
+
+def test_floor_note_gives_the_store_script_its_set_and_the_producer_its_marker() -> None:
+    lean = {
+        "redis_calls": 14.2, "redis_cpu_ms": 0.3, "ceiling_rps": 3000.0, "total_cpu_ms": 4.0,
+        "redis_calls_by_command": {"lpush": 1, "brpop": 1, "zadd": 1, "hset": 1, "exists": 1, "evalsha": 1, "set": 2,
+                                   "publish": 1, "hdel": 1, "zrem": 1, "get": 1, "subscribe": 1, "unsubscribe": 1,
+                                   "llen": 0.2},
+    }  # fmt: skip
+    note = floor_note(lean)
+    assert "on the old path)" in note and "): 6.0;" in note  # kombu: 6, no transactions
+    assert "`unsubscribe`): 6.0;" in note  # evalsha, its set and publish, the waiter's three
+    assert "admission's `llen`): 2.2." in note  # the marker, the cancel mark, a fifth of an LLEN
