@@ -64,7 +64,7 @@ class LegacyFleetClient(FleetClient):
             raise ResultTimeout(f"no result for {request_id} within {timeout_s} s", "timeout_s", timeout_s) from exc
         finally:
             self.app.backend.remove_pending_result(res)
-        outcome = self._outcome(request_id, {"status": res.state, "result": res.result})
+        outcome = self.outcome_of(request_id, {"status": res.state, "result": res.result})
         if outcome is None:
             raise FleetError(f"request {request_id} ended in state {res.state}", "request_id", None)
         return self._raise_or_return(outcome)

@@ -43,7 +43,7 @@ async def await_outcomes(
         for rid, raw in zip(remaining, raws, strict=True):
             if raw is not None:
                 # the client's own reading of a stored meta, so every face reports the same outcome
-                outcome = fleet._outcome(rid, backend.decode_result(raw))
+                outcome = fleet.outcome_of(rid, backend.decode_result(raw))
                 if outcome is not None:
                     done[rid] = outcome
         remaining = [rid for rid in remaining if rid not in done]

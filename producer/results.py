@@ -105,7 +105,7 @@ class ResultReader:
         meta = self.waiter.wait(backend.get_key_for_task(request_id), timeout_s)
         if meta is None:
             raise ResultTimeout(f"no result for {request_id} within {timeout_s} s", "timeout_s", timeout_s)
-        outcome = self._outcome(request_id, meta)
+        outcome = self.outcome_of(request_id, meta)
         if outcome is None:  # pragma: no cover - the waiter returns ready states only
             raise FleetError(f"request {request_id} ended in state {meta.get('status')}", "request_id", None)
         return self._raise_or_return(outcome)
@@ -148,12 +148,12 @@ class ResultReader:
             raws = self.redis.mget([backend.get_key_for_task(rid) for rid in chunk])
             for rid, raw in zip(chunk, raws, strict=True):
                 if raw is not None:
-                    outcome = self._outcome(rid, backend.decode_result(raw))
+                    outcome = self.outcome_of(rid, backend.decode_result(raw))
                     if outcome is not None:
                         finished[rid] = outcome
         return finished
 
-    def _outcome(self, request_id: str, meta: dict[str, Any]) -> InferenceResult | FleetError | None:
+    def outcome_of(self, request_id: str, meta: dict[str, Any]) -> InferenceResult | FleetError | None:
         """A finished request's result or error from its stored Celery meta; None while not finished."""
         state = meta.get("status")
         if state == "SUCCESS":

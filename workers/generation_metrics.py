@@ -26,9 +26,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from workers.generation.loop import GenerationLoop, GenStepStats
 
-__all__ = ["GenerationMetrics"]
+__all__ = ["TIME_BUCKETS", "GenerationMetrics"]
 
 TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+"""Histogram buckets (s) of every worker timing metric, inference and generation alike (workers.metrics too)."""
 FINISH_REASONS = ("stop", "length", "cancelled", "deadline")
 
 

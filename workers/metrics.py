@@ -55,7 +55,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from protocol.errors import InvalidRequest, RequestCancelled, RequestExpired
 from protocol.messages import BULK_TASK_NAME, TASK_NAME
 from workers.drain_meter import DrainMeter
-from workers.generation_metrics import GenerationMetrics
+from workers.generation_metrics import TIME_BUCKETS, GenerationMetrics
 from workers.runtime import WorkerRuntime
 from workers.scheduler import BatchStats, JobOutcome
 
@@ -65,7 +65,6 @@ log = logging.getLogger("fleet.metrics")
 
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
-TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 RATE_BUCKETS = (100, 300, 1_000, 3_000, 10_000, 30_000, 100_000, 300_000, 1_000_000)
 
 
