@@ -72,16 +72,25 @@ def test_completion_stream_matches_the_non_streamed_text(client: openai.OpenAI) 
 
 
 def test_disconnect_cancels_the_generation(served: Served) -> None:
+    """The demo LM makes its 256 tokens in ~0.1 s, so on a loaded machine the cancel can arrive after the
+    last one (finish_reason ``length``): that attempt proves nothing either way and the test tries again.
+    It passes only on a generation that the disconnect actually cut short."""
     body = {"model": "demo-lm", "prompt": "Go on", "max_tokens": 256, "stream": True, "temperature": 0, **NO_EOS}
-    with httpx.stream("POST", served.gateway.url + "/v1/completions", json=body, headers=AUTH, timeout=30) as resp:
-        rid = resp.headers["x-request-id"]
-        lines = resp.iter_lines()
-        first = next(line for line in lines if line.startswith("data: "))
-        assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
-    # the connection is closed here, mid-stream
-    wait_until(lambda: served.redis.exists(CANCEL_KEY.format(id=rid)), 10, "the cancel mark")
-    gen = served.finished(rid)["result"]["generation"]
-    assert gen["finish_reason"] == "cancelled" and gen["usage"]["completion_tokens"] < 256
+    endings = []
+    for _attempt in range(3):
+        with httpx.stream("POST", served.gateway.url + "/v1/completions", json=body, headers=AUTH, timeout=30) as resp:
+            rid = resp.headers["x-request-id"]
+            lines = resp.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
+        # the connection is closed here, mid-stream
+        mark = CANCEL_KEY.format(id=rid)
+        wait_until(lambda: served.redis.exists(mark), 10, "the cancel mark")  # noqa: B023 (used at once)
+        gen = served.finished(rid)["result"]["generation"]
+        endings.append((gen["finish_reason"], gen["usage"]["completion_tokens"]))
+        if gen["finish_reason"] != "length":
+            break
+    assert endings[-1][0] == "cancelled" and endings[-1][1] < 256, endings
 
 
 def test_error_event_becomes_an_error_chunk_then_done(served: Served) -> None:
