@@ -171,9 +171,9 @@ def _before_after_table(runs: dict[str, Any]) -> str:
 
 
 FLOOR_GROUPS = {
-    "kombu's delivery with per-request acks (`lpush`, `brpop`, `zadd`/`hset` on take, `zrem`/`hdel` on ack, "
-    "inside the store script for a success; `multi`/`exec` around each pair on the old path)": (
-        "lpush", "brpop", "zadd", "hset", "zrem", "hdel"),
+    "kombu's delivery with per-request acks (`lpush`, `brpop` and, with the queue backed up, `rpop` of several "
+    "more, `zadd`/`hset` on take, `zrem`/`hdel` on ack, inside the store script for a success; `multi`/`exec` "
+    "around each pair on the old path)": ("lpush", "brpop", "rpop", "zadd", "hset", "zrem", "hdel"),
     "Celery's result store and wait (one `evalsha` running `set` + `publish`; `get` + `setex` on the old path; "
     "the waiter's `subscribe`/`get`/`unsubscribe`)": ("evalsha", "get", "setex", "publish", "subscribe",
                                                        "unsubscribe"),

@@ -21,8 +21,8 @@ from typing import Any
 from kombu.transport import virtual
 from kombu.utils.json import dumps
 
-from protocol.keys import CANCEL_KEY
 from protocol.kombu_channel import PlainPipelineQoS
+from workers.batch_take import add_take, unacked_entry_of
 
 __all__ = ["MARKS", "CancelMarks", "CancelReadingQoS", "task_id_of", "unacked_entry"]
 
@@ -72,28 +72,32 @@ def unacked_entry(message: Any, raw: bytes | None, delivery: dict[str, Any]) -> 
     message was decoded from unchanged) is at hand, it is spliced in instead: the same JSON value,
     with no second encoding of a message of kilobytes on the consumer's thread, which takes each
     message in turn."""
-    tail = dumps([delivery["exchange"], delivery["routing_key"]])  # type: ignore[no-untyped-call]
     if raw is None:
         return str(dumps([message._raw, delivery["exchange"], delivery["routing_key"]]))  # type: ignore[no-untyped-call]
-    return b"[" + raw + b"," + str(tail)[1:].encode()
+    return unacked_entry_of(raw, delivery)
 
 
 class CancelReadingQoS(PlainPipelineQoS):
-    """kombu's delivery bookkeeping (``ZADD`` + ``HSET``, one plain pipeline) plus the cancel mark's ``EXISTS``."""
+    """kombu's delivery bookkeeping (``ZADD`` + ``HSET``, one plain pipeline) plus the cancel mark's ``EXISTS``.
+
+    A delivery its channel already recorded (``channel.pre_taken``: tag → the cancel mark read then,
+    :mod:`workers.batch_take`) only gets kombu's in-memory record here."""
 
     marks = MARKS
 
     def append(self, message: Any, delivery_tag: Any) -> None:
-        delivery = message.delivery_info
         task_id = task_id_of(message)
-        raw = getattr(self.channel, "raw_items", {}).get(delivery_tag)
-        with self.pipe_or_acquire() as pipe:
-            pipe.zadd(self.unacked_index_key, {delivery_tag: time.time()})
-            pipe.hset(self.unacked_key, delivery_tag, unacked_entry(message, raw, delivery))
-            if task_id is not None:
-                pipe.exists(CANCEL_KEY.format(id=task_id))
-            replies = pipe.execute()
-        if task_id is not None:
-            self.marks.note(task_id, bool(replies[2]))
+        pre_taken: dict[str, bool | None] | None = getattr(self.channel, "pre_taken", None)
+        if pre_taken is not None and delivery_tag in pre_taken:
+            cancelled = pre_taken.pop(delivery_tag)
+        else:
+            raw = getattr(self.channel, "raw_items", {}).get(delivery_tag)
+            with self.pipe_or_acquire() as pipe:
+                entry = unacked_entry(message, raw, message.delivery_info)
+                count = add_take(pipe, self, delivery_tag, entry, task_id, time.time())
+                replies = pipe.execute()
+            cancelled = bool(replies[2]) if count == 3 else None
+        if task_id is not None and cancelled is not None:
+            self.marks.note(task_id, cancelled)
         virtual.QoS.append(self, message, delivery_tag)  # type: ignore[no-untyped-call]  # kombu's in-memory record of the delivery
 

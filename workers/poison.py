@@ -42,6 +42,8 @@ from protocol.keys import DEAD_LETTER_KEY
 from protocol.kombu_channel import ReusesSyncClient
 from protocol.redis_conn import sync_client
 from protocol.settings import FleetSettings
+from workers.batch_take import Taken, TakeNotRecorded, add_take, room_for_more, unacked_entry_of
+from workers.cancel_marks import CancelReadingQoS
 from workers.deliveries import count_delivery, count_ttl_s, over_limit
 from workers.message_check import Accepted, Envelope, Refused, check_message, parse_envelope
 from workers.redis_refusals import (
@@ -90,12 +92,17 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
 
     Message = CheckedMessage
     QoS = StoreAckingQoS  # + the cancel mark at take (workers.cancel_marks), the ack in the store (workers.store_ack)
+    take_batch = True
+    """Take up to the worker's free tokens per round trip when the queue is backed up (:mod:`workers.batch_take`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.checked_bodies: dict[str, list[Any]] = {}
         self.raw_items: dict[str, bytes] = {}
         """Each message's bytes as ``BRPOP`` returned them, while it is delivered (for kombu's unacked
         entry, :func:`workers.cancel_marks.unacked_entry`)."""
+        self.pre_taken: dict[str, bool | None] = {}
+        """Deliveries already recorded as unacked (tag → its cancel mark, None when not read), until the QoS
+        takes them in (:mod:`workers.batch_take`)."""
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
 
     def _brpop_read(self, **options: Any) -> bool:
@@ -116,7 +123,7 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
             list_key = bytes_to_str(dest)  # type: ignore[no-untyped-call]
             queue = list_key.rsplit(self.sep, 1)[0]
             self._queue_cycle.rotate(queue)
-            self._admit(queue, list_key, item if isinstance(item, bytes) else str(item).encode())
+            self._take(queue, list_key, item if isinstance(item, bytes) else str(item).encode())
             return True
         finally:
             self._in_poll = None  # type: ignore[assignment]
@@ -124,8 +131,78 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
             if flush is not None:
                 flush()
 
-    def _admit(self, queue: str, list_key: str, item: bytes) -> None:
-        """Deliver ``item`` to kombu/Celery, or dead-letter it; never raises for the item's sake."""
+    def _take(self, queue: str, list_key: str, item: bytes) -> None:
+        """Deliver ``item`` and, the queue backed up, up to the worker's free tokens more
+        (:mod:`workers.batch_take`); dead-letter what the checks refuse. Never raises for an item's sake."""
+        if not isinstance(self.qos, CancelReadingQoS):  # a QoS that records each delivery itself
+            self._admit(queue, list_key, item)
+            return
+        room = room_for_more(self.qos) if self.take_batch else 0
+        first = self._check(queue, list_key, item)
+        popped = self._record(list_key, [first] if first is not None else [], pop=room)
+        unrecorded = popped
+        try:
+            if first is not None:
+                self._deliver_checked(queue, list_key, first)
+            if popped:
+                more = [taken for taken in (self._check(queue, list_key, raw) for raw in popped) if taken is not None]
+                unrecorded = []  # checked: refused ones are dead-lettered, the rest parked by _record if it fails
+                self._record(list_key, more, pop=0)
+                for taken in more:
+                    self._deliver_checked(queue, list_key, taken)
+        except BaseException:
+            for raw in unrecorded:
+                self._park(list_key, raw)
+            raise
+
+    def _record(self, list_key: str, batch: list[Taken], *, pop: int) -> list[bytes]:
+        """Record ``batch`` as unacked deliveries (noting each cancel mark in ``pre_taken``) and, with
+        ``pop`` > 0, ``RPOP`` up to that many more items of ``list_key``, in one pipeline; returns them.
+
+        Raises:
+            redis.exceptions.ConnectionError: the pipeline failed or Redis refused a write; ``batch``
+                was parked (:class:`~workers.redis_refusals.ParkedItems`) before.
+        """
+        if not batch and pop <= 0:
+            return []
+        qos = self.qos
+        counts: list[int] = []
+        try:
+            with self.conn_or_acquire() as client:
+                pipe = client.pipeline(transaction=False)
+                now = time.time()
+                for taken in batch:
+                    entry = unacked_entry_of(taken.raw, taken.payload["properties"].get("delivery_info") or {})
+                    counts.append(add_take(pipe, qos, taken.tag, entry, taken.task_id, now))
+                if pop > 0:
+                    pipe.rpop(list_key, pop)
+                replies = pipe.execute(raise_on_error=False)
+            failed = next((r for r in replies[: sum(counts)] if isinstance(r, Exception)), None)
+            if failed is not None:
+                raise failed
+        except Exception as exc:
+            for taken in batch:
+                self._park(list_key, taken.raw)
+            if is_write_refusal(exc):
+                raise RedisRefusingWrites(f"Redis refused to record messages from {list_key}: {exc}") from exc
+            if isinstance(exc, redis.exceptions.ConnectionError):
+                raise
+            raise TakeNotRecorded(f"Redis refused to record messages from {list_key}: {exc}") from exc
+        offset = 0
+        for taken, count in zip(batch, counts, strict=True):
+            self.pre_taken[taken.tag] = bool(replies[offset + 2]) if count == 3 else None
+            offset += count
+        if pop <= 0:
+            return []
+        more = replies[offset]
+        if isinstance(more, Exception):  # Redis < 6.2: RPOP takes no count
+            log.warning("Redis refused RPOP with a count (%s): taking one message per round trip", more)
+            self.take_batch = False
+            return []
+        return [raw if isinstance(raw, bytes) else str(raw).encode() for raw in more or []]
+
+    def _check(self, queue: str, list_key: str, item: bytes) -> Taken | None:
+        """The item as a :class:`Taken`, or None when the checks refused it (it was dead-lettered)."""
         try:
             verdict = self._verdict(item)
         except Exception as exc:  # a bug in the checks must not become the poison either
@@ -134,17 +211,27 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
                               "an item the checks can read")
         if isinstance(verdict, Refused):
             self._dead_letter(queue, list_key, item, verdict)
-            return
+            return None
         envelope, checked = verdict
-        tag: str = envelope.payload["properties"]["delivery_tag"]
-        self.checked_bodies[tag] = checked.body
-        self.raw_items[tag] = item
+        return Taken.of(envelope.payload, checked.body, item, envelope.task_id, envelope.task)
+
+    def _admit(self, queue: str, list_key: str, item: bytes) -> None:
+        """Deliver ``item`` to kombu/Celery, or dead-letter it; never raises for the item's sake."""
+        taken = self._check(queue, list_key, item)
+        if taken is not None:
+            self._deliver_checked(queue, list_key, taken)
+
+    def _deliver_checked(self, queue: str, list_key: str, taken: Taken) -> None:
+        """Hand a checked message to kombu/Celery; what Celery raises on it dead-letters it."""
+        tag = taken.tag
+        self.checked_bodies[tag] = taken.body
+        self.raw_items[tag] = taken.raw
         try:
-            self.connection._deliver(envelope.payload, queue)
+            self.connection._deliver(taken.payload, queue)
         except Exception as exc:  # a guard of last resort: whatever the checks missed must not stop us
             if is_write_refusal(exc):
                 # popped, but Redis refused to record it as unacked: only this process holds it now
-                self._park(list_key, item)
+                self._park(list_key, taken.raw)
                 raise RedisRefusingWrites(f"Redis refused to record a message from {queue}: {exc}") from exc
             # kombu counts KeyError among "connection errors" (a stale poller fd); from Celery's
             # strategy it means a message it could not read, so only real I/O errors go up
@@ -154,12 +241,13 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
                 raise
             log.exception("queue %s: Celery raised on a message that passed the checks", queue)
             self._forget_unacked(tag)
-            self._dead_letter(queue, list_key, item, Refused(
+            self._dead_letter(queue, list_key, taken.raw, Refused(
                 Reason.WORKER_ERROR, "message", f"the worker raised {type(exc).__name__}: {exc}"[:500],
-                "a message Celery accepts", envelope.task_id, envelope.task))
+                "a message Celery accepts", taken.task_id, taken.task))
         finally:
             self.checked_bodies.pop(tag, None)
             self.raw_items.pop(tag, None)
+            self.pre_taken.pop(tag, None)
 
     def _verdict(self, item: bytes) -> Refused | tuple[Envelope, Accepted]:
         """Envelope, delivery count, then the rest (:mod:`workers.message_check`)."""

@@ -129,3 +129,13 @@ def test_floor_note_gives_the_store_script_its_set_and_the_producer_its_marker()
     assert "on the old path)" in note and "): 6.0;" in note  # kombu: 6, no transactions
     assert "`unsubscribe`): 6.0;" in note  # evalsha, its set and publish, the waiter's three
     assert "admission's `llen`): 2.2." in note  # the marker, the cancel mark, a fifth of an LLEN
+
+
+def test_floor_note_counts_the_rpop_of_a_batched_take_with_kombu_s_delivery() -> None:
+    lean = {
+        "redis_calls": 12.0, "redis_cpu_ms": 0.2, "ceiling_rps": 5000.0, "total_cpu_ms": 2.5,
+        "redis_calls_by_command": {"lpush": 1, "brpop": 0.25, "rpop": 0.25, "zadd": 1, "hset": 1, "exists": 1,
+                                   "evalsha": 1, "set": 2, "publish": 1, "hdel": 1, "zrem": 1},
+    }  # fmt: skip
+    note = floor_note(lean)
+    assert "`rpop` of several more" in note and "): 5.5;" in note  # one BRPOP and one RPOP per 4 messages

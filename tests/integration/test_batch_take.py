@@ -1,0 +1,142 @@
+"""``workers.batch_take``: a backed-up queue is taken several messages per round trip, never more than
+the worker's free tokens, with each message's bookkeeping and cancel mark, the guard's checks and
+the store's ack as for one (real worker, real redis-server, Redis's own MONITOR)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from kombu.transport import virtual
+
+from protocol.errors import RequestCancelled
+from protocol.keys import DEAD_LETTER_KEY
+from tests.integration.fleet_fixtures import Fleet
+from tests.integration.test_cancel_marks import Monitor
+from tools.processes import poll_until
+from tools.redis_server import EmbeddedRedis
+from workers.batch_take import room_for_more
+
+TOKENS = 4
+"""The worker's concurrency C in these tests."""
+SMALL = {"worker": {"concurrency": TOKENS}, "models": {"demo-lm": {"batching": {"max_batch_size": TOKENS}}}}
+"""Config overrides for a worker of :data:`TOKENS` tokens."""
+
+
+def _by_sender(commands: list[dict[str, Any]]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for c in commands:
+        out.setdefault(f"{c.get('client_address')}:{c.get('client_port')}", []).append(str(c["command"]))
+    return out
+
+
+def _recorded_together(commands: list[dict[str, Any]]) -> list[int]:
+    """Sizes of each run of deliveries one connection recorded back to back (``ZADD``/``HSET``/``EXISTS``)."""
+    runs: list[int] = []
+    for sent in _by_sender(commands).values():
+        count = 0
+        for command in [*sent, "END"]:
+            if command.startswith(("ZADD unacked_index ", "EXISTS fleet:cancel:")):
+                continue
+            if command.startswith("HSET unacked "):
+                count += 1
+                continue
+            if count:
+                runs.append(count)
+            count = 0
+    return runs
+
+
+class HeldSampler:
+    """The size of kombu's unacked hash (deliveries held and not yet acked), sampled every millisecond."""
+
+    def __init__(self, redis_url: str) -> None:
+        self.seen: set[int] = set()
+        self._client = redis.Redis.from_url(redis_url)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.001):
+            self.seen.add(int(self._client.hlen("unacked")))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._client.close()
+
+
+def test_a_backed_up_queue_is_taken_in_batches_within_the_tokens(fleet: Fleet) -> None:
+    cfg = fleet.config(**SMALL)
+    client = fleet.client(cfg)
+    r = redis.Redis.from_url(fleet.redis_url)
+    queue = client.settings.queue_for("demo-lm")
+    ids = [client.submit("demo-lm", [3, i + 4]) for i in range(7)]
+    r.lpush(queue, b"not a kombu envelope")  # a poison item among them: dead-lettered, the rest unharmed
+    ids += [client.submit("demo-lm", [4, i + 4]) for i in range(7)]
+    cancelled = ids[2::5]
+    for rid in cancelled:
+        assert client.cancel(rid) is True
+    monitor = Monitor(fleet.redis_url)
+    held = HeldSampler(fleet.redis_url)
+    fleet.worker(cfg, concurrency=TOKENS)  # started with 15 items waiting
+    for rid in ids:
+        if rid in cancelled:
+            with pytest.raises(RequestCancelled):
+                client.result(rid, wait=True, timeout_s=60)
+        else:
+            assert client.result(rid, wait=True, timeout_s=60) is not None
+    held.stop()
+    fleet.workers[0].stop(timeout_s=20)
+    commands = list(monitor.commands)
+    monitor.close()
+
+    rpops = [c["command"].split(" ") for c in commands if c["command"].startswith(f"RPOP {queue} ")]
+    assert rpops and all(1 <= int(parts[2]) <= TOKENS - 1 for parts in rpops), rpops
+    together = _recorded_together(commands)
+    assert max(together) >= 2, together  # several deliveries recorded in one pipeline
+    assert 2 <= max(held.seen) <= TOKENS, held.seen  # never more unacked deliveries than tokens
+    for rid in ids:  # each cancel mark read once, in a take pipeline; no task thread read it again
+        assert sum(1 for c in commands if c["command"] == f"EXISTS fleet:cancel:{rid}") == 1, rid
+    assert r.llen(DEAD_LETTER_KEY) == 1
+    assert r.hlen("unacked") == 0 and r.zcard("unacked_index") == 0 and r.llen(queue) == 0
+
+
+def test_a_redis_that_refuses_rpop_is_taken_one_message_per_round_trip(tmp_path: Path, model_dir: Path) -> None:
+    """RPOP's refusal (here an ACL without it; Redis before 6.2 refuses its count) turns the batches off."""
+    acl = ["fleet on >batch-take-test ~* &* +@all -rpop", "default off"]
+    with EmbeddedRedis(username="fleet", password="batch-take-test", acl=acl) as server:
+        fleet = Fleet(tmp_path, model_dir, server.url)
+        try:
+            cfg = fleet.config(**SMALL)
+            client = fleet.client(cfg)
+            ids = [client.submit("demo-lm", [5, i + 4]) for i in range(6)]
+            worker = fleet.worker(cfg, concurrency=TOKENS)
+            for rid in ids:
+                assert client.result(rid, wait=True, timeout_s=60) is not None
+            assert worker.log_path is not None
+            poll_until(lambda: "taking one message per round trip" in worker.log_path.read_text(), 10, "the warning")
+            assert worker.proc is not None and worker.proc.poll() is None  # the worker lives on
+            r = server.client()
+            assert client.result(client.submit("demo-lm", [6, 7]), wait=True, timeout_s=60) is not None
+            assert r.llen(client.settings.queue_for("demo-lm")) == 0
+        finally:
+            fleet.close()
+
+
+class _Channel:
+    """What kombu's QoS reads off its channel here (and when it is collected: nothing to restore)."""
+
+    do_restore = False
+
+
+@pytest.mark.parametrize(("prefetch", "held", "room"), [(4, 0, 3), (4, 3, 0), (4, 2, 1), (1, 0, 0), (0, 0, 0)])
+def test_room_for_more_is_the_free_tokens_beside_the_message_just_popped(prefetch: int, held: int, room: int) -> None:
+    qos = virtual.QoS(_Channel(), prefetch_count=prefetch)  # type: ignore[no-untyped-call]
+    for i in range(held):
+        qos._delivered[f"tag-{i}"] = object()
+    assert room_for_more(qos) == room
