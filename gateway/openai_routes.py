@@ -15,12 +15,14 @@ max_input_tokens, max_new_tokens); the SDKs keep extra keys as attributes.
 
 Every call becomes ordinary fleet requests (:meth:`FleetClient.build_request`, then
 :meth:`FleetClient.send` with admission control and the caller's rate bucket) and answers with
-header ``X-Request-ID`` (embeddings: the IDs, comma-separated), so a caller that gives up waiting can
-poll ``GET /v1/requests/{id}``. A non-streaming call waits on the event loop for the stored result
-(:mod:`gateway.outcomes`); a streaming one relays the request's Redis Stream (``XREAD BLOCK`` on
-redis.asyncio) as OpenAI chunks and ends with ``data: [DONE]``. If the client disconnects before
-the end, the request is cancelled (``fleet:cancel:<id>`` + ``fleet:cancels``): the worker ends the
-sequence at its next step. Mapping of fields and finish reasons: :mod:`gateway.openai_mapping`.
+header ``X-Request-ID`` (embeddings: the IDs, comma-separated), so a call the gateway stops waiting
+for (``WAIT_S``) can still be polled with ``GET /v1/requests/{id}``. A non-streaming call waits on
+the event loop for the stored result (:mod:`gateway.outcomes`); a streaming one relays the
+request's Redis Stream (``XREAD BLOCK`` on redis.asyncio) as OpenAI chunks and ends with
+``data: [DONE]``. If the client disconnects before the end, streaming or not
+(:mod:`gateway.disconnect`), the request is cancelled (``fleet:cancel:<id>`` + ``fleet:cancels``):
+a queued one is never run, a running generation ends at its next step.
+Mapping of fields and finish reasons: :mod:`gateway.openai_mapping`.
 """
 
 from __future__ import annotations
@@ -34,13 +36,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import redis
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from gateway.chat import ChatTemplate, load_chat, render_chat
 from gateway.deps import CallerDep, Gateway, GatewayDep
+from gateway.disconnect import ClientLeft, unless_client_leaves
 from gateway.errors import fleet_error_response, openai_error_of, relay_error
 from gateway.openai_mapping import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -146,24 +149,28 @@ def _chat_prompt(gw: Gateway, body: ChatBody) -> Prompt:
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=SSE)
-async def completions(body: CompletionBody, rate_key: CallerDep, gw: GatewayDep) -> Response:
+async def completions(body: CompletionBody, rate_key: CallerDep, gw: GatewayDep, http: Request) -> Response:
     """Complete one prompt (text or token ids); ``stream: true`` for SSE chunks."""
     check_supported(body)
     request = await run_in_threadpool(_build, gw, body, completion_prompt(body), "prompt")
-    return await _generate(gw, request, rate_key, "completion", body)
+    return await _generate(gw, request, rate_key, "completion", body, http)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion, responses=SSE)
-async def chat_completions(body: ChatBody, rate_key: CallerDep, gw: GatewayDep) -> Response:
+async def chat_completions(body: ChatBody, rate_key: CallerDep, gw: GatewayDep, http: Request) -> Response:
     """Answer a conversation rendered with the model's chat template; ``stream: true`` for SSE chunks."""
     check_supported(body)
     prompt = await run_in_threadpool(_chat_prompt, gw, body)
     request = await run_in_threadpool(_build, gw, body, prompt, "messages")
-    return await _generate(gw, request, rate_key, "chat", body)
+    return await _generate(gw, request, rate_key, "chat", body, http)
+
+
+CLIENT_CLOSED_REQUEST = 499
+"""The status logged for a call whose client left before its answer (nginx's convention; nobody receives it)."""
 
 
 async def _generate(
-    gw: Gateway, request: InferenceRequest, rate_key: str, face: Face, body: CompletionBody | ChatBody
+    gw: Gateway, request: InferenceRequest, rate_key: str, face: Face, body: CompletionBody | ChatBody, http: Request
 ) -> Response:
     # OpenAI's ``user`` (an end-user ID) is the sticky key of a canary split
     rid = await run_in_threadpool(partial(gw.fleet.send, request, rate_key=rate_key, routing_key=body.user))
@@ -174,11 +181,14 @@ async def _generate(
         writer = ChunkWriter(face, rid, body.model, created, include_usage=usage)
         ended: list[bool] = []
         return EventStream(
-            _frames(gw, rid, writer, ended), finished=lambda: bool(ended), on_abort=partial(_cancel, gw, rid),
+            _frames(gw, rid, writer, ended), finished=lambda: bool(ended), on_abort=partial(_cancel, gw, [rid]),
             headers=headers,
         )
     try:
-        outcome = (await await_outcomes(gw.fleet, gw.aredis, [rid], timeout_s=WAIT_S))[rid]
+        waiting = await_outcomes(gw.fleet, gw.aredis, [rid], timeout_s=WAIT_S)
+        outcome = (await unless_client_leaves(http, waiting, partial(_cancel, gw, [rid])))[rid]
+    except ClientLeft:
+        return Response(status_code=CLIENT_CLOSED_REQUEST, headers=headers)
     except FleetError as exc:
         return fleet_error_response(exc, openai=True, headers=headers)
     if isinstance(outcome, FleetError):
@@ -204,25 +214,29 @@ async def _frames(gw: Gateway, rid: str, writer: ChunkWriter, ended: list[bool])
     yield DONE_FRAME
 
 
-async def _cancel(gw: Gateway, rid: str) -> None:
-    """The client left mid-stream: mark the request cancelled and tell the running workers."""
+async def _cancel(gw: Gateway, rids: list[str]) -> None:
+    """The client left before its answer: mark the requests cancelled and tell the running workers."""
     try:
         async with gw.aredis.pipeline(transaction=False) as pipe:
-            pipe.set(CANCEL_KEY.format(id=rid), "1", ex=gw.settings.result_ttl_s)
-            pipe.publish(CANCEL_CHANNEL, rid)
+            for rid in rids:
+                pipe.set(CANCEL_KEY.format(id=rid), "1", ex=gw.settings.result_ttl_s)
+                pipe.publish(CANCEL_CHANNEL, rid)
             await pipe.execute()
     except redis.RedisError as exc:
-        log.warning("could not cancel %s after its client left: %s", rid, exc)
+        log.warning("could not cancel %s after its client left: %s", ",".join(rids), exc)
 
 
 @router.post("/v1/embeddings", response_model=EmbeddingList)
-async def embeddings(body: EmbeddingBody, rate_key: CallerDep, gw: GatewayDep) -> Response:
+async def embeddings(body: EmbeddingBody, rate_key: CallerDep, gw: GatewayDep, http: Request) -> Response:
     """One vector per input (text or token ids) from an encoder model; queued all or none."""
     check_supported(body)
     ids = await run_in_threadpool(_send_embeddings, gw, body, rate_key)
     headers = {"X-Request-ID": ",".join(ids)}
     try:
-        outcomes = await await_outcomes(gw.fleet, gw.aredis, ids, timeout_s=WAIT_S)
+        waiting = await_outcomes(gw.fleet, gw.aredis, ids, timeout_s=WAIT_S)
+        outcomes = await unless_client_leaves(http, waiting, partial(_cancel, gw, ids))
+    except ClientLeft:
+        return Response(status_code=CLIENT_CLOSED_REQUEST, headers=headers)
     except FleetError as exc:
         return fleet_error_response(exc, openai=True, headers=headers)
     results: list[InferenceResult] = []

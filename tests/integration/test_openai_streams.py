@@ -1,5 +1,6 @@
 """Streaming through a real gateway: OpenAI chunks with the SDK, tokens before the request completes,
-cancel on disconnect, 200 concurrent streams through one gateway process, and the native SSE route."""
+cancel on disconnect (streaming or not), 200 concurrent streams through one gateway process, and the
+native SSE route."""
 
 from __future__ import annotations
 
@@ -91,6 +92,28 @@ def test_disconnect_cancels_the_generation(served: Served) -> None:
         if gen["finish_reason"] != "length":
             break
     assert endings[-1][0] == "cancelled" and endings[-1][1] < 256, endings
+
+
+def _cancel_marks(served: Served) -> set[str]:
+    return {key.decode().rsplit(":", 1)[1] for key in served.redis.scan_iter(CANCEL_KEY.format(id="*"))}
+
+
+def test_a_non_streaming_call_whose_client_leaves_cancels_its_request(served: Served) -> None:
+    """plain-lm has no worker, so the call waits; the SDK gives up after 1 s and closes its connection. The
+    gateway, watching for that while it waits, marks the request cancelled: a worker would never run it."""
+    before = _cancel_marks(served)
+    impatient = openai.OpenAI(base_url=served.base_url, api_key=API_KEY, max_retries=0, timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(model="plain-lm", prompt="Hi", max_tokens=4)
+    marked = wait_until(lambda: _cancel_marks(served) - before, 10, "the cancel mark")
+    assert len(marked) == 1
+    (rid,) = marked
+    assert served.http.get(f"/v1/requests/{rid}").json()["status"] == "cancelled"
+    # a call whose client stays gets its answer, and nothing is cancelled
+    patient = openai.OpenAI(base_url=served.base_url, api_key=API_KEY, max_retries=0, timeout=60)
+    raw = patient.completions.with_raw_response.create(model="demo-lm", prompt="Hi", max_tokens=4, extra_body=NO_EOS)
+    assert raw.parse().choices[0].finish_reason == "length"
+    assert raw.headers["x-request-id"] not in _cancel_marks(served)
 
 
 def test_error_event_becomes_an_error_chunk_then_done(served: Served) -> None:
