@@ -55,7 +55,8 @@ from workers.redis_refusals import (
 )
 from workers.store_ack import StoreAckingQoS
 
-__all__ = ["DEAD_LETTER_KEY", "CheckedMessage", "GuardConfig", "GuardedChannel", "configure", "install"]
+__all__ = ["DEAD_LETTER_KEY", "CheckedMessage", "GuardConfig", "GuardedChannel", "GuardedSentinelChannel", "configure",
+           "install"]
 
 log = logging.getLogger("fleet.poison")
 
@@ -320,6 +321,11 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
             log.exception("could not ack delivery %s", delivery_tag)
 
 
+class GuardedSentinelChannel(GuardedChannel, kombu_redis.SentinelChannel):
+    """The same guard, batched take, cancel mark at take and ack in the store on kombu's Sentinel channel
+    (its connections follow the master Sentinel names)."""
+
+
 def _failure(refused: Refused) -> FleetError:
     """The error stored for a dead-lettered message: DecodeError naming the field that broke; a plain
     FleetError (field ``deliveries``, limit ``max_deliveries``) for one that killed its workers."""
@@ -374,13 +380,15 @@ def _configure_from_worker(sender: Any = None, instance: Any = None, **_: Any) -
 
 
 def install(app: Celery | None = None, settings: FleetSettings | None = None, hostname: str | None = None) -> None:
-    """Make every Redis transport in this process use :class:`GuardedChannel`.
+    """Make every Redis transport in this process use :class:`GuardedChannel` (Sentinel:
+    :class:`GuardedSentinelChannel`).
 
     With ``app`` and ``settings`` the guard is configured at once; without them (called from
     ``worker_init``) it configures itself at ``celeryd_after_setup``, from the worker being set up and
     the runtime :mod:`workers.runtime` built, before the consumer starts.
     """
     kombu_redis.Transport.Channel = GuardedChannel
+    kombu_redis.SentinelTransport.Channel = GuardedSentinelChannel
     raise_write_refusals_as_connection_errors()
     if app is not None and settings is not None:
         configure(app, settings, hostname or "unknown")

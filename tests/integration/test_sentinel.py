@@ -7,6 +7,8 @@ submits ~20 requests/s; after 3 s the master is SIGKILLed. The sentinels promote
 producer, worker and gateway reconnect through them. Every
 request the producer was told was accepted (it got an ID back) is then waited for. The figures go to
 ``failover.json`` in the test's folder and to stdout (``pytest -s``); docs/reliability.md keeps them.
+A second test checks that a worker reached through Sentinel has the same guarded channel (poison
+items dead-lettered, batched take, acks in the store) as one on a plain Redis URL.
 
 Redis replicates asynchronously: a write the master acknowledged but had not yet sent to the replica
 when it died is gone. On one host the replica trails by well under a millisecond, so the plain run
@@ -36,12 +38,13 @@ import httpx
 import pytest
 
 from protocol.errors import ResultTimeout
-from protocol.keys import WORKER_KEY_PREFIX
+from protocol.keys import DEAD_LETTER_KEY, WORKER_KEY_PREFIX
 from protocol.messages import InferenceResult
 from protocol.redis_conn import sync_client
 from protocol.settings import load_settings
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.ops_fixtures import ROOT, GatewayProcess
+from tests.integration.test_cancel_marks import Monitor
 from tools.redis_server import EmbeddedRedis, EmbeddedSentinel
 
 MASTER_NAME = "fleet"
@@ -219,3 +222,31 @@ def _figures(load: Load, outcomes: Sequence[object], killed_at: float, promoted_
         "recovery_s": round(first_after - killed_at, 3),
         "accepted_after_recovery": len(after_kill),
     }
+
+
+def test_a_sentinel_worker_guards_and_batches_its_queue(tmp_path: Path, model_dir: Path, topology: Topology) -> None:
+    """Through Sentinel the worker's channel is the guarded one too: a poison item among queued requests is
+    dead-lettered and the worker serves the rest, taken several per round trip, and leaves nothing unacked."""
+    fleet = Fleet(tmp_path, model_dir, topology.url)
+    try:
+        config = fleet.config(redis={"sentinel_master": MASTER_NAME}, worker={"heartbeat_s": 0.5})
+        client = fleet.client(config)
+        queue = client.settings.queue_for("demo-lm")
+        master = topology.master.client()
+        ids = [client.submit("demo-lm", [3, i + 4]) for i in range(6)]
+        master.lpush(queue, b"not a kombu envelope")
+        ids += [client.submit("demo-lm", [4, i + 4]) for i in range(6)]
+        monitor = Monitor(f"redis://127.0.0.1:{topology.master.port}/0")
+        worker = fleet.worker(config, wait=False)  # 13 items wait for it
+        for rid in ids:
+            assert client.result(rid, wait=True, timeout_s=90) is not None, worker.log_tail()
+        assert worker.proc is not None and worker.proc.poll() is None, worker.log_tail()
+        worker.stop(timeout_s=20)
+        commands = [str(c["command"]) for c in monitor.commands]
+        monitor.close()
+        assert master.llen(DEAD_LETTER_KEY) == 1
+        assert any(c.startswith(f"RPOP {queue} ") for c in commands)  # the batched take
+        assert master.hlen("unacked") == 0 and master.llen(queue) == 0
+        master.close()
+    finally:
+        fleet.close()
