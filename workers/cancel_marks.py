@@ -22,7 +22,7 @@ from kombu.transport import virtual
 from kombu.utils.json import dumps
 
 from protocol.kombu_channel import PlainPipelineQoS
-from workers.batch_take import add_take, unacked_entry_of
+from workers.batch_take import add_take
 
 __all__ = ["MARKS", "CancelMarks", "CancelReadingQoS", "task_id_of", "unacked_entry"]
 
@@ -65,16 +65,11 @@ def task_id_of(message: Any) -> str | None:
     return str(task_id) if task_id else None
 
 
-def unacked_entry(message: Any, raw: bytes | None, delivery: dict[str, Any]) -> bytes | str:
-    """kombu's unacked hash entry, ``[message, exchange, routing_key]`` as JSON; what kombu restores from.
-
-    kombu re-encodes the whole message for it; when ``raw`` (the bytes ``BRPOP`` returned, which the
-    message was decoded from unchanged) is at hand, it is spliced in instead: the same JSON value,
-    with no second encoding of a message of kilobytes on the consumer's thread, which takes each
-    message in turn."""
-    if raw is None:
-        return str(dumps([message._raw, delivery["exchange"], delivery["routing_key"]]))  # type: ignore[no-untyped-call]
-    return unacked_entry_of(raw, delivery)
+def unacked_entry(message: Any, delivery: dict[str, Any]) -> str:
+    """kombu's unacked hash entry, ``[message, exchange, routing_key]`` as JSON, encoded as kombu does;
+    what kombu restores from. A message the worker's channel took records it itself, with the list's
+    bytes spliced in instead (:func:`workers.batch_take.unacked_entry_of`)."""
+    return str(dumps([message._raw, delivery["exchange"], delivery["routing_key"]]))  # type: ignore[no-untyped-call]
 
 
 class CancelReadingQoS(PlainPipelineQoS):
@@ -91,9 +86,8 @@ class CancelReadingQoS(PlainPipelineQoS):
         if pre_taken is not None and delivery_tag in pre_taken:
             cancelled = pre_taken.pop(delivery_tag)
         else:
-            raw = getattr(self.channel, "raw_items", {}).get(delivery_tag)
             with self.pipe_or_acquire() as pipe:
-                entry = unacked_entry(message, raw, message.delivery_info)
+                entry = unacked_entry(message, message.delivery_info)
                 count = add_take(pipe, self, delivery_tag, entry, task_id, time.time())
                 replies = pipe.execute()
             cancelled = bool(replies[2]) if count == 3 else None

@@ -98,9 +98,6 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.checked_bodies: dict[str, list[Any]] = {}
-        self.raw_items: dict[str, bytes] = {}
-        """Each message's bytes as ``BRPOP`` returned them, while it is delivered (for kombu's unacked
-        entry, :func:`workers.cancel_marks.unacked_entry`)."""
         self.pre_taken: dict[str, bool | None] = {}
         """Deliveries already recorded as unacked (tag → its cancel mark, None when not read), until the QoS
         takes them in (:mod:`workers.batch_take`)."""
@@ -226,7 +223,6 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
         """Hand a checked message to kombu/Celery; what Celery raises on it dead-letters it."""
         tag = taken.tag
         self.checked_bodies[tag] = taken.body
-        self.raw_items[tag] = taken.raw
         try:
             self.connection._deliver(taken.payload, queue)
         except Exception as exc:  # a guard of last resort: whatever the checks missed must not stop us
@@ -247,7 +243,6 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
                 "a message Celery accepts", taken.task_id, taken.task))
         finally:
             self.checked_bodies.pop(tag, None)
-            self.raw_items.pop(tag, None)
             self.pre_taken.pop(tag, None)
 
     def _verdict(self, item: bytes) -> Refused | tuple[Envelope, Accepted]:

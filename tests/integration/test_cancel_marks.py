@@ -87,12 +87,13 @@ def test_the_unacked_entry_splices_the_taken_bytes_into_kombu_s_json() -> None:
     import json
     from types import SimpleNamespace
 
+    from workers.batch_take import unacked_entry_of
     from workers.cancel_marks import unacked_entry
 
     raw = (b'{"body": "W1tdLCB7fV0=", "headers": {"id": "r-1", "task": "fleet.infer"}, '
            b'"properties": {"delivery_tag": "t"}}')
     message = SimpleNamespace(_raw=json.loads(raw))
     delivery = {"exchange": "fleet.demo-lm", "routing_key": "fleet.demo-lm"}
-    spliced, encoded = unacked_entry(message, raw, delivery), unacked_entry(message, None, delivery)
+    spliced, encoded = unacked_entry_of(raw, delivery), unacked_entry(message, delivery)
     assert isinstance(spliced, bytes) and raw in spliced  # the bytes as taken, not encoded again
     assert json.loads(spliced) == json.loads(encoded) == [json.loads(raw), "fleet.demo-lm", "fleet.demo-lm"]
