@@ -24,6 +24,7 @@ import onnxruntime as ort
 
 from protocol.errors import ConfigError, ModelLoadError, ProviderUnavailable
 from protocol.modelcard import ModelCard
+from protocol.pooling import Pooling, load_pooling
 from protocol.settings import BatchingSettings, EngineSettings, LimitSettings
 from workers.padding import PaddedBatch, pad_batch
 
@@ -169,6 +170,9 @@ class Engine:
             raise ModelLoadError(f"model file {model_path} does not exist", "path", str(model_path))
         self.card = card
         self.model_path = model_path
+        # read before the session opens: a pooling the fleet cannot serve refuses the model at load
+        self.pooling = load_pooling(model_path, card.hidden_size) if card.kind == "encoder" else Pooling()
+        """How an encoder's token vectors become one vector (its sentence-transformers modules.json)."""
         self.max_batch_size = batching.max_batch_size
         self.max_input_tokens = min(limits.max_input_tokens, card.max_positions)
         trt = "TensorrtExecutionProvider" in ort.get_available_providers()

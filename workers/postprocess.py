@@ -9,7 +9,9 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["last_positions", "masked_mean_pool", "top_k_logprobs"]
+from protocol.pooling import Pooling, PoolingMode
+
+__all__ = ["last_positions", "pool", "top_k_logprobs"]
 
 FloatArray = npt.NDArray[np.float32]
 
@@ -40,15 +42,29 @@ def top_k_logprobs(last_logits: FloatArray, k: int) -> tuple[npt.NDArray[np.int6
     return order.astype(np.int64), picked.astype(np.float32)
 
 
-def masked_mean_pool(
-    hidden: FloatArray, attention_mask: npt.NDArray[np.int64], normalize: bool
-) -> FloatArray:
-    """Mean of ``hidden`` [batch, seq, dim] over real tokens; optionally L2-normalised per row."""
-    mask = attention_mask[:, :, None].astype(np.float32)
+def _pool_one(hidden: FloatArray, mask: FloatArray, mode: PoolingMode) -> FloatArray:
+    """One sentence-transformers pooling mode over [batch, seq, dim] with ``mask`` [batch, seq, 1]."""
+    if mode == "cls":
+        return hidden[:, 0, :]
+    if mode == "max":  # pads must never win: sentence-transformers sets them to -1e9 first
+        return np.asarray(np.where(mask > 0, hidden, np.float32(-1e9)).max(axis=1), dtype=np.float32)
+    if mode == "lasttoken":  # the last real token of each row, wherever the padding is
+        width = mask.shape[1]
+        last = width - 1 - np.argmax(mask[:, ::-1, 0], axis=1)
+        return hidden[np.arange(hidden.shape[0]), last, :]
+    if mode == "weightedmean":  # position i (from 1) weighs i
+        mask = mask * np.arange(1, mask.shape[1] + 1, dtype=np.float32)[None, :, None]
     summed = (hidden * mask).sum(axis=1)
-    counts = np.clip(mask.sum(axis=1), 1.0, None)
-    pooled = summed / counts
-    if normalize:
-        norms = np.linalg.norm(pooled, axis=-1, keepdims=True)
-        pooled = pooled / np.clip(norms, 1e-12, None)
+    counts = np.clip(mask.sum(axis=1), 1e-9, None)
+    return np.asarray(summed / (np.sqrt(counts) if mode == "mean_sqrt_len" else counts), dtype=np.float32)
+
+
+def pool(hidden: FloatArray, attention_mask: npt.NDArray[np.int64], pooling: Pooling) -> FloatArray:
+    """[batch, seq, dim] token vectors → [batch, dim x len(modes)] sentence vectors as ``pooling``
+    declares (modes concatenated in order; L2-normalised per row when the model normalises), as
+    sentence-transformers computes them."""
+    mask = attention_mask[:, :, None].astype(np.float32)
+    pooled = np.concatenate([_pool_one(hidden, mask, mode) for mode in pooling.modes], axis=-1)
+    if pooling.normalize:
+        pooled = pooled / np.clip(np.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12, None)
     return np.asarray(pooled, dtype=np.float32)

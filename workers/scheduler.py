@@ -35,7 +35,7 @@ from workers.generation.loop import GenerationLoop
 from workers.generation.sequence import GenOutcome, GenSequence
 from workers.padding import PaddedBatch, pad_batch
 from workers.policy import BatchPolicy, Dispatch, Pending, Wait
-from workers.postprocess import last_positions, masked_mean_pool, top_k_logprobs
+from workers.postprocess import last_positions, pool, top_k_logprobs
 
 __all__ = ["Arrival", "BatchStats", "Job", "JobOutcome", "JobResult", "Role", "Scheduler", "Served"]
 
@@ -492,11 +492,11 @@ class Scheduler:
                 (ids[row, : j.output.top_k].tolist(), logprobs[row, : j.output.top_k].tolist(), None)
                 for row, j in enumerate(jobs)
             ]
-        pooled = masked_mean_pool(out, padded.attention_mask, normalize=False)
+        pooled = pool(out, padded.attention_mask, engine.pooling)
         results: list[_Output] = []
         for row, job in enumerate(jobs):
             vec = pooled[row]
-            if job.output.normalize:
+            if job.output.normalize and not engine.pooling.normalize:
                 vec = vec / max(float(np.linalg.norm(vec)), 1e-12)
             results.append((None, None, vec.astype(np.float32).tolist()))
         return results

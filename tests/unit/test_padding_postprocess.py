@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from protocol.pooling import Pooling
 from workers.padding import pad_batch
-from workers.postprocess import last_positions, masked_mean_pool, top_k_logprobs
+from workers.postprocess import last_positions, pool, top_k_logprobs
 
 
 def test_pad_batch_right_pads_with_masks_and_positions() -> None:
@@ -40,8 +41,9 @@ def test_top_k_logprobs_are_normalised_sorted_and_tie_stable() -> None:
     assert top_k_logprobs(logits, 99)[0].shape == (1, 4)  # k capped at the vocabulary
 
 
-def test_masked_mean_pool_ignores_padding_and_normalises() -> None:
+def test_pooling_ignores_padding_and_normalises() -> None:
     hidden = np.array([[[1.0, 0.0], [3.0, 0.0], [100.0, 100.0]]], dtype=np.float32)
     mask = np.array([[1, 1, 0]])
-    assert masked_mean_pool(hidden, mask, normalize=False).tolist() == [[2.0, 0.0]]
-    assert masked_mean_pool(hidden, mask, normalize=True).tolist() == [[1.0, 0.0]]
+    assert pool(hidden, mask, Pooling()).tolist() == [[2.0, 0.0]]
+    assert pool(hidden, mask, Pooling(normalize=True)).tolist() == [[1.0, 0.0]]
+    assert pool(hidden, mask, Pooling(modes=("max", "lasttoken", "cls"))).tolist() == [[3.0, 0.0, 3.0, 0.0, 1.0, 0.0]]
