@@ -20,8 +20,14 @@ first, with the same decoders, and says either "deliver it" or why not:
      ``content-encoding`` UTF-8; ``body_encoding`` ``base64`` or UTF-8; no ``compression``;
    * the body decodes as JSON into ``[args (list), kwargs (object), embed (object)]``
      (``celery/worker/request.py`` unpacks it in the event loop), with ``embed`` holding only
-     ``callbacks``/``errbacks``/``chain`` (null or lists of objects) and ``chord`` (null or an
-     object), which ``celery/app/trace.py`` writes into the task's request context.
+     ``callbacks``/``errbacks``/``chain``/``chord``, each null or empty: ``celery/app/trace.py``
+     writes them into the task's request context and Celery's success and failure handlers act on
+     them outside the task body, where a signature they cannot read (``{"x": 1}``) raised and left
+     the message unacked and its slot taken. The fleet's producer and a plain ``send_task`` write
+     them null; a request's outcome is its own result, so canvas links are refused;
+   * the task is one of the fleet's own (registered, named ``fleet.*``): Celery's built-in tasks
+     (``celery.chunks``, ``celery.backend_cleanup``, ``celery.chord_unlock``, …) are registered in
+     every worker but are not the fleet's to run.
 
 Each refusal carries a :class:`protocol.deadletter.Reason`, the field that broke (``headers.id``,
 ``body[1]``, ``content-type``) and the rule, so the message's sender gets a FAILURE naming it.
@@ -41,7 +47,8 @@ from kombu.utils.json import loads as _kombu_loads
 
 from protocol.deadletter import Reason
 
-__all__ = ["BODY_LAYOUT", "MAX_TASK_ID_CHARS", "Accepted", "Envelope", "Refused", "check_message", "parse_envelope"]
+__all__ = ["BODY_LAYOUT", "FLEET_TASK_PREFIX", "MAX_TASK_ID_CHARS", "Accepted", "Envelope", "Refused", "check_message",
+           "parse_envelope"]
 
 MAX_TASK_ID_CHARS = 256
 """Longest task ID accepted (Celery's are 36-character UUIDs; the fleet's request IDs at most 200)."""
@@ -49,8 +56,9 @@ BODY_LAYOUT = "[args: list, kwargs: object, embed: object]"
 JSON_CONTENT_TYPE = "application/json"
 PICKLE_CONTENT_TYPE = "application/x-python-serialize"
 _UTF8 = frozenset({"utf-8", "utf8"})
-_EMBED_LISTS = ("callbacks", "errbacks", "chain")
-_EMBED_KEYS = frozenset({*_EMBED_LISTS, "chord"})
+_EMBED_KEYS = frozenset({"callbacks", "errbacks", "chain", "chord"})
+FLEET_TASK_PREFIX = "fleet."
+"""The fleet's own task names start with this; every other registered task (Celery's built-ins) is refused."""
 _OPTIONAL_STR_HEADERS = (
     "lang", "shadow", "group", "root_id", "parent_id", "argsrepr", "kwargsrepr", "origin", "compression"
 )
@@ -199,6 +207,9 @@ def _check_headers(headers: dict[str, Any], tasks: Container[str] | None) -> Non
     if tasks is not None and task not in tasks:
         raise _Bad(Reason.UNKNOWN_TASK, "headers.task", f"no task named {task!r}"[:300] + " is registered here",
                    "a registered task")
+    if tasks is not None and not task.startswith(FLEET_TASK_PREFIX):
+        raise _Bad(Reason.UNKNOWN_TASK, "headers.task", f"task {task!r}"[:300] + " is not one of the fleet's "
+                   f"tasks: only {FLEET_TASK_PREFIX}* tasks run on its queues", f"a {FLEET_TASK_PREFIX}* task")
 
 
 def _check_identity(headers: dict[str, Any]) -> str:
@@ -338,17 +349,19 @@ def _check_body(body: bytes) -> list[Any]:
 
 
 def _check_embed(embed: dict[str, Any]) -> None:
+    """Only the keys Celery writes, each null or empty: the fleet runs no callbacks, errbacks, chains or
+    chords, and Celery acts on them outside the task body, where a bad one raised and left the message
+    unacked (its worker slot taken for good)."""
     unknown = sorted(set(embed) - _EMBED_KEYS)
     if unknown:
         raise _Bad(Reason.BAD_BODY, f"body[2].{unknown[0]}"[:100],
                    f"body[2] may only hold {', '.join(sorted(_EMBED_KEYS))}; got {unknown[0]!r}"[:300],
                    "callbacks, chain, chord, errbacks")
-    for key in _EMBED_LISTS:
-        value = embed.get(key)
-        if value is not None and not (isinstance(value, list) and all(isinstance(v, dict) for v in value)):
-            raise _Bad(Reason.BAD_BODY, f"body[2].{key}", f"body[2].{key} must be null or a list of signatures",
-                       "null or [signature, ...]")
-    chord = embed.get("chord")
-    if chord is not None and not isinstance(chord, dict):
-        raise _Bad(Reason.BAD_BODY, "body[2].chord", "body[2].chord must be null or a signature object",
-                   "null or a signature")
+    for key in sorted(_EMBED_KEYS & embed.keys()):
+        value = embed[key]
+        if value is None or (isinstance(value, list | dict) and not value):
+            continue
+        raise _Bad(Reason.BAD_BODY, f"body[2].{key}",
+                   f"body[2].{key} must be null or empty; got {_kind(value)}"
+                   f"{f' of {len(value)}' if isinstance(value, list | dict) else ''}: the fleet runs no "
+                   "callbacks, errbacks, chains or chords (a request's outcome is its own result)", "null")

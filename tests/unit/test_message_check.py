@@ -16,7 +16,9 @@ from tests.queue_items import envelope, good_body, pickle_item, raw
 from workers.message_check import Accepted, Envelope, Refused, check_message, parse_envelope
 
 QUEUE = "fleet.demo-lm"
-TASKS = frozenset({"fleet.infer", "fleet.infer_bulk"})
+CELERY_BUILTINS = ("celery.chunks", "celery.backend_cleanup", "celery.chord_unlock", "celery.map", "celery.starmap",
+                   "celery.group", "celery.chain", "celery.chord", "celery.accumulate")
+TASKS = frozenset({"fleet.infer", "fleet.infer_bulk", *CELERY_BUILTINS})  # every worker registers the built-ins
 REQUEST = {"model": "demo-lm", "input_ids": [1, 2]}
 
 
@@ -71,6 +73,19 @@ REFUSED: list[tuple[str, Callable[[dict[str, Any]], None], Reason, str]] = [
     ("embed unknown key", body([[REQUEST], {}, {"id": "other"}]), Reason.BAD_BODY, "body[2].id"),
     ("callbacks not signatures", body([[REQUEST], {}, {"callbacks": "x"}]), Reason.BAD_BODY, "body[2].callbacks"),
     ("chord not a signature", body([[REQUEST], {}, {"chord": [1]}]), Reason.BAD_BODY, "body[2].chord"),
+    # Celery's failure handler raised on these (KeyError('task'), 'Context' object has no attribute
+    # 'options') outside the task body: the message was never acked and its worker slot never freed
+    ("errbacks unreadable", body([[REQUEST], {}, {"errbacks": [{"x": 1}]}]), Reason.BAD_BODY, "body[2].errbacks"),
+    ("chain unreadable", body([[REQUEST], {}, {"chain": [{"x": 1}]}]), Reason.BAD_BODY, "body[2].chain"),
+    ("callbacks a signature", body([[REQUEST], {}, {**EMBED, "callbacks": [{"task": "fleet.infer"}]}]),
+     Reason.BAD_BODY, "body[2].callbacks"),
+    ("errbacks a signature", body([[REQUEST], {}, {**EMBED, "errbacks": [{"task": "fleet.infer", "args": []}]}]),
+     Reason.BAD_BODY, "body[2].errbacks"),
+    ("chord a signature", body([[REQUEST], {}, {**EMBED, "chord": {"task": "celery.chord_unlock"}}]),
+     Reason.BAD_BODY, "body[2].chord"),
+    ("chain a string", body([[REQUEST], {}, {**EMBED, "chain": "x"}]), Reason.BAD_BODY, "body[2].chain"),
+    ("chord a number", body([[REQUEST], {}, {**EMBED, "chord": 0}]), Reason.BAD_BODY, "body[2].chord"),
+    *[(f"built-in {name}", header("task", name), Reason.UNKNOWN_TASK, "headers.task") for name in CELERY_BUILTINS],
     ("body not JSON", body(b"\x00nope"), Reason.BODY_NOT_JSON, "body"),
     ("body empty", top("body", ""), Reason.BODY_NOT_JSON, "body"),
     ("body bad kombu marker", body({"__type__": "decimal", "__value__": "x"}), Reason.BODY_NOT_JSON, "body"),
@@ -163,7 +178,9 @@ def test_pickle_is_refused_before_anything_unpickles_it() -> None:
         header("lang", None),
         top("content-encoding", "UTF8"),
         prop("priority", None),
-        body([[REQUEST], {}, {"callbacks": [{"task": "x"}], "chord": {"task": "y"}}]),
+        body([[REQUEST], {}, {}]),
+        body([[REQUEST], {}, {"callbacks": [], "errbacks": [], "chain": [], "chord": None}]),
+        header("task", "fleet.infer_bulk"),
         body([[{"__type__": "datetime", "__value__": "2001-02-03T04:05:06"}], {"k": 1}, {}]),
     ],
 )
@@ -172,7 +189,7 @@ def test_good_messages_pass(mutate: Callable[[dict[str, Any]], None]) -> None:
     mutate(doc)
     got = verdict(raw(doc))
     assert isinstance(got, Envelope), got
-    assert got.task_id == "t-1" and got.task == "fleet.infer" and got.payload == json.loads(raw(doc))
+    assert got.task_id == "t-1" and got.task == doc["headers"]["task"] and got.payload == json.loads(raw(doc))
 
 
 def test_utf8_body_encoding_passes() -> None:
@@ -205,3 +222,14 @@ def test_task_names_are_not_checked_without_a_registry() -> None:
     doc["headers"]["task"] = "anything.at.all"
     env = parse_envelope(raw(doc))
     assert isinstance(env, Envelope) and isinstance(check_message(env, None), Accepted)
+
+
+def test_a_refused_embed_and_a_built_in_task_are_named_in_the_detail() -> None:
+    doc = good()
+    body([[REQUEST], {}, {"errbacks": [{"x": 1}]}])(doc)
+    got = verdict(raw(doc))
+    assert isinstance(got, Refused) and "errbacks" in got.detail and "null or empty" in got.detail
+    doc = good()
+    header("task", "celery.chunks")(doc)
+    got = verdict(raw(doc))
+    assert isinstance(got, Refused) and "'celery.chunks'" in got.detail and got.limit == "a fleet.* task"
