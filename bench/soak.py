@@ -37,6 +37,7 @@ from producer.client import FleetClient
 from protocol.errors import FleetError, ResultTimeout
 from protocol.messages import InferenceResult
 from protocol.settings import load_settings
+from tools.ledger import Ledger
 from tools.processes import WorkerProcess, die_with_parent
 from tools.redis_server import EmbeddedRedis, free_port
 
@@ -170,6 +171,7 @@ class _Driver:
         self.http = httpx.Client(base_url=gateway_url, headers={"X-API-Key": API_KEY}, timeout=10)
         self.rng = random.Random(seed)
         self.pending: dict[str, str] = {}
+        self.ledger = Ledger(client.redis, queues=[client.settings.queue_for(m) for m in ("demo-lm", "demo-encoder")])
         self.outcomes: Counter[str] = Counter()
         self.vocab = 256
 
@@ -185,29 +187,33 @@ class _Driver:
         except (httpx.HTTPError, redis.RedisError) as exc:
             self.outcomes[f"{kind}: send error {type(exc).__name__}"] += 1
 
+    def _accept(self, request_id: str, kind: str) -> None:
+        self.pending[request_id] = kind
+        self.ledger.accepted(request_id, streamed=kind == "generate")
+
     def _send(self, kind: str) -> None:
         c = self.client
         if kind == "good-lm":
-            self.pending[c.submit("demo-lm", self._ids())] = kind
+            self._accept(c.submit("demo-lm", self._ids()), kind)
         elif kind == "good-encoder":
-            self.pending[c.submit("demo-encoder", self._ids())] = kind
+            self._accept(c.submit("demo-encoder", self._ids()), kind)
         elif kind == "invalid":  # over-long, or a token out of the vocabulary: refused at submit
             bad = [5] * 500 if self.rng.random() < 0.5 else [1_000_000, 4]
             c.submit("demo-lm", bad)
         elif kind == "cancelled":
             rid = c.submit("demo-lm", self._ids())
             c.cancel(rid)
-            self.pending[rid] = kind
+            self._accept(rid, kind)
         elif kind == "expired":
-            self.pending[c.submit("demo-lm", self._ids(), deadline_s=0.001)] = kind
+            self._accept(c.submit("demo-lm", self._ids(), deadline_s=0.001), kind)
         elif kind == "bulk":
             for rid in c.submit_bulk("demo-encoder", [self._ids() for _ in range(BULK_SIZE)], chunk_size=BULK_SIZE):
-                self.pending[rid] = kind
+                self._accept(rid, kind)
         elif kind == "gateway":
             model = self.rng.choice(["demo-lm", "demo-encoder"])
             r = self.http.post("/v1/requests", json={"model": model, "input_ids": self._ids()})
             if r.status_code == 202:
-                self.pending[r.json()["request_id"]] = kind
+                self._accept(r.json()["request_id"], kind)
             else:
                 self.outcomes[f"{kind}: HTTP {r.status_code}"] += 1
         elif kind == "gateway-invalid":
@@ -217,7 +223,7 @@ class _Driver:
             self.outcomes[f"{kind}: HTTP {r.status_code}"] += 1
         elif kind == "generate":
             rid = c.submit("demo-lm", self._ids(20), generation={"max_new_tokens": self.rng.randint(2, 12)})
-            self.pending[rid] = kind
+            self._accept(rid, kind)
 
     def collect(self) -> None:
         """Move finished requests from ``pending`` to ``outcomes`` (one MGET per 1,000 IDs)."""
@@ -312,10 +318,11 @@ def run_soak(opts: SoakOptions) -> SoakRun:
             driver.collect()
             time.sleep(0.5)
         lost = sorted(driver.pending)
+        ledger = driver.ledger.check_settled(opts.drain_timeout_s).as_dict()
         queues = {fleet.settings.queue_for(m) for m in ("demo-lm", "demo-encoder")}
         permanent, leftover = _no_ttl_keys(r, queues)
         run = SoakRun(opts.minutes, opts.rate_per_s, samples, dict(driver.outcomes), lost, leftover, permanent,
-                      {name: f"pid {pid}" for name, pid in pids.items()}, notes)
+                      {name: f"pid {pid}" for name, pid in pids.items()}, notes, ledger)
     finally:
         driver.close()
         client.close()

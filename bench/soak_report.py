@@ -12,6 +12,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 __all__ = ["Plateau", "Sample", "key_prefix", "plateau", "render_markdown", "render_plot"]
 
@@ -106,6 +107,8 @@ class SoakRun:
     permanent_keys: list[str] = field(default_factory=list)
     processes: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    ledger: dict[str, Any] = field(default_factory=dict)
+    """:meth:`tools.ledger.LedgerReport.as_dict` of the run's end (empty when the ledger was not run)."""
 
 
 def _mib(n: float) -> str:
@@ -140,6 +143,12 @@ def render_markdown(run: SoakRun, plot_path: str | None) -> str:
     lines += [f"| {k} | {v} |" for k, v in sorted(run.outcomes.items())]
     lines += ["", f"**Lost** (accepted, no result and no error after the drain): {len(run.lost)}"]
     lines += [f"- `{rid}`" for rid in run.lost[:20]]
+    if run.ledger:
+        broken = run.ledger.get("violations_by_kind") or {}
+        verdict = "every promise held" if not broken else "broken: " + ", ".join(f"{k} {v}" for k, v in broken.items())
+        lines += ["", f"**Ledger** (`tools/ledger.py`: every accepted ID terminal, no stored result changed, every "
+                  f"stream ended, nothing left queued, unacked or held): {run.ledger.get('accepted', 0)} accepted, "
+                  + verdict]
     if len(run.samples) >= 3:
         rows = plateaus(run)
         lines += [

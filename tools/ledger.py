@@ -158,6 +158,18 @@ class Ledger:
                 return False
             time.sleep(poll_s)  # polling Redis for a condition, with a deadline
 
+    def check_settled(self, timeout_s: float, poll_s: float = 0.2) -> LedgerReport:
+        """:meth:`check` until it passes or ``timeout_s`` passes; returns the last report.
+
+        For the end of a run on a live fleet: an ack lands just after its result, a heartbeat reports
+        in-flight work up to one period late. ``lost`` and ``terminal_changed`` never clear by waiting."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            report = self.check()
+            if report.ok or time.monotonic() >= deadline:
+                return report
+            time.sleep(poll_s)  # polling Redis for a condition, with a deadline
+
     def check(self) -> LedgerReport:
         """Check every promise now (after the run has settled) and report."""
         self.observe()

@@ -20,9 +20,10 @@ from pathlib import Path
 from producer.client import FleetClient
 from protocol.errors import FleetError, ResultTimeout
 from protocol.messages import InferenceResult
+from tools.ledger import Ledger, LedgerReport
 from tools.processes import WorkerProcess
 
-__all__ = ["FaultRecord", "Load", "probe_recovery", "record", "settle", "succeeded_twice"]
+__all__ = ["FaultRecord", "Load", "audit", "probe_recovery", "record", "settle", "succeeded_twice"]
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORD_DIR = ROOT / "var" / "reliability"
@@ -87,6 +88,16 @@ def settle(client: FleetClient, ids: Sequence[str], timeout_s: float) -> tuple[i
         else:
             errors[type(res).__name__] += 1
     return completed, lost, errors
+
+
+def audit(client: FleetClient, ids: Sequence[str], models: Sequence[str] = ("demo-lm",),
+          timeout_s: float = 30.0) -> LedgerReport:
+    """The ledger's verdict on a run (:mod:`tools.ledger`): every accepted ID terminal, nothing left queued,
+    unacked or held; waits up to ``timeout_s`` for acks and heartbeats to catch up with the results."""
+    ledger = Ledger(client.redis, queues=[client.settings.queue_for(m) for m in models])
+    for rid in ids:
+        ledger.accepted(rid)
+    return ledger.check_settled(timeout_s)
 
 
 def probe_recovery(client: FleetClient, since: float, timeout_s: float = 60.0) -> float:

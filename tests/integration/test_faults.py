@@ -30,7 +30,15 @@ from producer.client import FleetClient
 from producer.deadletter import DeadLetterStore
 from protocol.keys import WORKER_KEY_PREFIX
 from protocol.messages import InferenceResult
-from tests.integration.fault_fixtures import FaultRecord, Load, probe_recovery, record, settle, succeeded_twice
+from tests.integration.fault_fixtures import (
+    FaultRecord,
+    Load,
+    audit,
+    probe_recovery,
+    record,
+    settle,
+    succeeded_twice,
+)
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.ops_fixtures import wait_until
 from tools.build_encoder import build_encoder
@@ -120,6 +128,7 @@ def test_worker_killed_under_load_loses_nothing(fleet: Fleet, signal_name: str) 
               + ("; the dying worker finished its held requests (exit 0)" if signal_name == "SIGTERM" else ""),
     ))
     assert not lost and not errors, (lost, errors)
+    audit(client, load.ids).raise_if_broken()
     assert w2.proc is not None and w2.proc.poll() is None
 
 
@@ -161,6 +170,7 @@ def test_redis_restart_with_aof_under_load(tmp_path: Path, model_dir: Path, sign
             + (", ".join(f"{k} {v}" for k, v in load.refused.items()) or "none"),
         ))
         assert not lost and not errors, (lost, errors)
+        audit(client, load.ids).raise_if_broken()
         # an ack racing the reconnect used to kill it (kombu AttributeError in _connparams, 1 run in 5);
         # workers/poison.py makes a closed channel a lost connection, which Celery reconnects on
         assert spare is None, "the worker exited when Redis went away:\n" + w.log_tail()
@@ -197,6 +207,7 @@ def test_stalled_redis_loses_nothing_and_worker_recovers(fleet: Fleet, redis_ser
         + (", ".join(f"{k} {v}" for k, v in load.refused.items()) or "none"),
     ))
     assert not lost and not errors, (lost, errors)
+    audit(client, load.ids).raise_if_broken()
     assert spare is None, "the worker exited during the Redis stall:\n" + w.log_tail()
 
 
@@ -256,6 +267,7 @@ def test_full_disk_for_aof(tmp_path: Path, model_dir: Path) -> None:
         # backoff, holds a message Redis refused to record, retries result writes; nothing is lost
         assert spare is None, "the worker exited on MISCONF:\n" + w.log_tail()
         assert not lost, f"lost {lost}, accepted {lost_when} s from the first refused write"
+        audit(client, load.ids).raise_if_broken()
     finally:
         if fleet is not None:
             fleet.close()
@@ -373,6 +385,7 @@ def test_network_cut_between_worker_and_redis(tmp_path: Path, model_dir: Path, n
                   f"{held_done_s:.1f} s after the cut ({by_b}/5 by B); recover = link up → a probe served",
         ))
         assert not lost and not errors, (lost, errors)
+        audit(client, ids).raise_if_broken()
         assert by_b == 5, held_res
     finally:
         fleet.close()
@@ -428,6 +441,7 @@ def test_worker_memory_limit(tmp_path: Path, fleet: Fleet) -> None:
     ))
     assert outcome != "ResultTimeout", "the oversized request was neither served nor failed nor dead-lettered"
     assert not lost and not errors, (lost, errors)
+    audit(client, [big, *small], models=["big-encoder"]).raise_if_broken()
     assert alive or spare is not None
 
 
@@ -452,6 +466,7 @@ def test_soak_smoke(tmp_path: Path, model_dir: Path) -> None:
     run = run_soak(SoakOptions(minutes=20 / 60, out=out, sample_every_s=5.0, drain_timeout_s=30.0,
                                work_dir=tmp_path / "soak", model_dir=model_dir))
     assert not run.lost, run.lost
+    assert run.ledger["accepted"] > 0 and not run.ledger["violations_by_kind"], run.ledger
     assert not run.leftover_keys, run.leftover_keys
     assert len(run.samples) >= 3
     assert any(k.endswith(": completed") for k in run.outcomes), run.outcomes
