@@ -14,7 +14,8 @@ from pathlib import Path
 
 import redis
 
-from protocol.messages import GenerationParams, InferenceRequest, OutputSpec
+from producer.client import FleetClient
+from protocol.messages import GenerationParams, InferenceRequest, InferenceResult, OutputSpec
 from protocol.model_state import AUTO_ROLLBACKS_KEY, history, promote, read_state, set_canary
 from store import ModelStore
 from store.s3 import S3Backend
@@ -94,6 +95,12 @@ def test_a_failing_canary_is_rolled_back_automatically_and_stable_keeps_serving(
         == len(failures)
 
 
+def _served(client: FleetClient, ids: list[str], version: str, role: str) -> bool:
+    """True when one of ``ids`` has a stored result computed by ``version`` in ``role`` (no waiting)."""
+    return any(isinstance(x, InferenceResult) and (x.version, x.role) == (version, role)
+               for x in client.wait(list(ids), timeout_s=0))
+
+
 def test_a_good_canary_serves_its_share_then_is_promoted_without_a_failure(
     fleet: Fleet, s3: EmbeddedSeaweed, tmp_path: Path
 ) -> None:
@@ -110,6 +117,9 @@ def test_a_good_canary_serves_its_share_then_is_promoted_without_a_failure(
         set_canary(r, MODEL, good.version, 50, "test@promote")
         wait_until(lambda: watch.all_serve(stable.version, good.version), 60, "the worker to load the canary")
         load.submitted_after(40)
+        # promote only once both versions have served (a loaded machine can leave the queue behind the load)
+        wait_until(lambda: _served(client, load.ids, stable.version, "stable")
+                   and _served(client, load.ids, good.version, "canary"), 60, "both versions to serve a request")
         promote(r, MODEL, "test@promote")
         wait_until(lambda: watch.all_serve(good.version, None), 60, "the worker to serve the promoted version")
         load.submitted_after(20)
