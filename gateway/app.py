@@ -41,6 +41,7 @@ from fastapi.responses import JSONResponse
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway.body_guard import JsonShapeMiddleware, RequestGuardMiddleware, bounds_for
 from gateway.deps import CallerDep, Gateway, GatewayDep
 from gateway.errors import ERROR_RESPONSES, error_payload, install_error_handlers, relay_error
 from gateway.middleware import BodyLimitMiddleware, MetricsMiddleware
@@ -275,8 +276,12 @@ def create_app(settings: FleetSettings, client: FleetClient | None = None) -> Fa
     app.state.gateway = gateway
     app.include_router(router)
     app.include_router(openai_router)
+    # outermost last: metrics (counts every refusal), then the key and Content-Type (before any body
+    # is read), the byte cap, and the JSON's shape (before any body is parsed): see gateway.body_guard
+    app.add_middleware(JsonShapeMiddleware, bounds=bounds_for(settings))
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.api.max_body_bytes)
-    app.add_middleware(MetricsMiddleware, metrics=gateway.metrics)  # outermost: counts 413s too
+    app.add_middleware(RequestGuardMiddleware, keys=gateway.keys)
+    app.add_middleware(MetricsMiddleware, metrics=gateway.metrics)
     install_error_handlers(app)
     return app
 

@@ -7,7 +7,6 @@ needed. The key also names the caller's rate-limit bucket (:func:`producer.admis
 
 from __future__ import annotations
 
-import hmac
 from typing import Annotated
 
 import redis.asyncio
@@ -16,6 +15,7 @@ from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBea
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException
 
+from gateway.auth import API_KEY_HEADER, key_refusal
 from gateway.middleware import GatewayMetrics
 from producer.admission import rate_key_for
 from producer.client import FleetClient
@@ -24,7 +24,6 @@ from protocol.settings import FleetSettings
 
 __all__ = ["API_KEY_HEADER", "MAX_REDIS_CONNECTIONS", "CallerDep", "Gateway", "GatewayDep", "gateway_of"]
 
-API_KEY_HEADER = "X-API-Key"
 MAX_REDIS_CONNECTIONS = 4096
 """Connections of the gateway's asyncio Redis pool. Each open stream holds one while it waits in
 ``XREAD BLOCK`` (and each waiting non-streaming call one per poll), so this bounds the streams one
@@ -67,13 +66,9 @@ def _caller(
 ) -> str:
     """The caller's rate-limit bucket; 401 unless a key is one of api.api_keys (when any is set)."""
     key = api_key or (bearer.credentials if bearer else None)
-    if gw.keys and not (key and any(hmac.compare_digest(key.encode(), k) for k in gw.keys)):
-        raise HTTPException(
-            401,
-            f"{'wrong' if key else 'missing'} API key: send header {API_KEY_HEADER} or "
-            "'Authorization: Bearer <key>' with one of the keys in api.api_keys",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+    refusal = key_refusal(key, gw.keys)  # gateway.body_guard refused it already, before reading any body
+    if refusal:
+        raise HTTPException(401, refusal, headers={"WWW-Authenticate": "Bearer"})
     return rate_key_for(key)
 
 

@@ -1,0 +1,122 @@
+"""A body under the byte cap must not cost the gateway more memory than its bytes: a real ``fleet api``
+process takes floods of small-but-deep bodies, and its peak RSS (``VmHWM`` in ``/proc/<pid>/status``)
+stays under a bound. The key is checked before any body is read, the JSON's shape before it is parsed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.integration.ops_fixtures import API_KEY, GatewayProcess, OpsFleet, ops_models, ops_redis
+from tools.redis_server import EmbeddedRedis
+
+__all__ = ["ops_models", "ops_redis"]
+
+CONCURRENCY = 16
+PEAK_RSS_BOUND_MB = 300
+"""The bound on the gateway's peak RSS under every flood below (it starts near 110 MB)."""
+JSON = {"Content-Type": "application/json"}
+
+# Each body is 0.8-1 MB, under the default 1 MiB cap; each expands ~20-80x once parsed into objects.
+FLOODS: dict[str, tuple[str, dict[str, Any], str]] = {
+    "embeddings": ("/v1/embeddings", {"model": "demo-encoder", "input": [[5]] * 200_000}, "input"),
+    "completions": ("/v1/completions", {"model": "demo-lm", "prompt": [[5]] * 200_000}, "prompt"),
+    "chat": ("/v1/chat/completions", {"model": "demo-lm", "messages": [{"role": "user"}] * 50_000}, "messages"),
+    "batch": ("/v1/requests:batch", {"requests": [{"model": "demo-lm"}] * 50_000}, "requests"),
+    "stop strings": (
+        "/v1/requests",
+        {"model": "demo-lm", "input_ids": [5], "output": {"generation": {"stop": ["ab"] * 180_000}}},
+        "output",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    tmp_path_factory: pytest.TempPathFactory, ops_models: Any, ops_redis: EmbeddedRedis
+) -> Iterator[GatewayProcess]:
+    fleet = OpsFleet(tmp_path_factory.mktemp("amplification"), ops_models, ops_redis)
+    try:
+        # the shipped defaults: 1 MiB bodies, 256 requests per batch; no worker (nothing here is queued)
+        yield fleet.gateway(fleet.config(api={"max_body_bytes": 1_048_576, "max_batch_requests": 256}))
+    finally:
+        fleet.close()
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The process's peak resident set so far (``VmHWM``), in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmHWM in /proc/{pid}/status")
+
+
+def flood(url: str, raw: bytes, headers: dict[str, str]) -> list[httpx.Response]:
+    """``CONCURRENCY`` simultaneous POSTs of ``raw``."""
+
+    def post(_: int) -> httpx.Response:
+        return httpx.post(url, content=raw, headers=headers, timeout=120)
+
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        return list(pool.map(post, range(CONCURRENCY)))
+
+
+def test_without_a_key_no_body_is_read(gateway: GatewayProcess) -> None:
+    before = peak_rss_mb(gateway.proc.pid)
+    statuses = []
+    for path, body, _ in FLOODS.values():
+        raw = json.dumps(body, separators=(",", ":")).encode()
+        assert len(raw) < 1_048_576
+        statuses += [r.status_code for r in flood(gateway.url + path, raw, JSON)]
+    peak = peak_rss_mb(gateway.proc.pid)
+    print(f"peak RSS {before:.0f} MB before, {peak:.0f} MB after {len(statuses)} keyless floods")
+    assert peak < PEAK_RSS_BOUND_MB, f"gateway peaked at {peak:.0f} MB (started at {before:.0f} MB)"
+    assert set(statuses) == {401}
+
+
+def test_deep_bodies_are_refused_before_they_are_parsed(gateway: GatewayProcess) -> None:
+    before = peak_rss_mb(gateway.proc.pid)
+    answers = {}
+    for name, (path, body, _) in FLOODS.items():
+        raw = json.dumps(body, separators=(",", ":")).encode()
+        answers[name] = flood(gateway.url + path, raw, {**JSON, "X-API-Key": API_KEY})
+    peak = peak_rss_mb(gateway.proc.pid)
+    print(f"peak RSS {before:.0f} MB before, {peak:.0f} MB after the keyed floods")
+    assert peak < PEAK_RSS_BOUND_MB, f"gateway peaked at {peak:.0f} MB (started at {before:.0f} MB)"
+    for name, responses in answers.items():
+        path, _, field = FLOODS[name]
+        for response in responses:
+            assert response.status_code == 413, (name, response.text[:300])
+            doc = response.json()
+            error = doc["error"] if path.startswith(("/v1/embeddings", "/v1/c")) else doc
+            named = error["param"] if "param" in error else error["field"]
+            assert named == field, (name, error)
+            assert "api.max_batch_requests=256" in error["message"], error
+    # bodies of the legitimate size still pass: 256 inputs, each with its own arrays, strings and keys
+    batch = {"requests": [{"model": "demo-lm", "input_ids": [5, 6], "output": {"generation": {"stop": ["a"]}}}] * 256}
+    accepted = httpx.post(gateway.url + "/v1/requests:batch", json=batch, headers={"X-API-Key": API_KEY}, timeout=60)
+    assert accepted.status_code == 202, accepted.text[:300]
+    assert len(accepted.json()["requests"]) == 256
+
+
+def test_a_body_that_is_not_declared_json_is_refused_naming_content_type(gateway: GatewayProcess) -> None:
+    body = json.dumps({"model": "demo-lm", "input_ids": [5]}).encode()
+    for path in ("/v1/requests", "/v1/completions"):
+        for headers in ({}, {"Content-Type": "text/plain"}):
+            resp = httpx.post(gateway.url + path, content=body, headers={**headers, "X-API-Key": API_KEY})
+            assert resp.status_code == 415, (path, headers, resp.text)
+            doc = resp.json()
+            error = doc["error"] if path == "/v1/completions" else doc
+            assert (error.get("field") or error.get("param")) == "Content-Type"
+            assert "application/json" in error["message"]
+            assert "missing" in error["message"] if not headers else "text/plain" in error["message"]
+    ok = httpx.post(gateway.url + "/v1/requests", content=body,
+                    headers={"Content-Type": "application/json; charset=utf-8", "X-API-Key": API_KEY})  # fmt: skip
+    assert ok.status_code == 202, ok.text
