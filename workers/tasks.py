@@ -7,7 +7,9 @@ own ID (see :mod:`workers.bulk`).
 
 The per-request pipeline both use lives in :mod:`workers.pipeline`. Any
 :class:`~protocol.errors.FleetError` becomes the request's FAILURE result (its type name and
-``(message, field, limit)`` args, JSON); the worker and the other requests go on.
+``(message, field, limit)`` args, JSON); the worker and the other requests go on. Both tasks are
+:class:`~workers.trace_guard.ContainedTask`: whatever Celery's handling around the body raises, the
+message is acked (or rejected) and its slot given back.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from workers.bulk import handle_bulk
 from workers.pipeline import handle_request
 from workers.runtime import WorkerRuntime, current_runtime
 from workers.scheduler import Role
+from workers.trace_guard import ContainedTask
 
 __all__ = ["register_tasks"]
 
@@ -48,8 +51,10 @@ def register_tasks(app: Celery) -> None:
 
     # resultrepr_maxsize: Celery's task-succeeded event (what Flower shows) carries a repr of the result,
     # cut at 1 KiB by default; an embedding or a generation's ids need more to stay readable.
+    # base=ContainedTask: an exception in Celery's own result handling still acks the message (workers.trace_guard)
     @app.task(  # type: ignore[untyped-decorator]
-        name=TASK_NAME, bind=True, throws=EXPECTED_ERRORS, acks_late=True, resultrepr_maxsize=RESULT_REPR_MAX
+        name=TASK_NAME, bind=True, throws=EXPECTED_ERRORS, acks_late=True, resultrepr_maxsize=RESULT_REPR_MAX,
+        base=ContainedTask,
     )
     def infer(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """One request: ``args=[{"model": ..., "input_ids": [...], ...}]`` (or ``kwargs={"request": {...}}``)."""
@@ -72,7 +77,9 @@ def register_tasks(app: Celery) -> None:
             role=role_of(self),
         )
 
-    @app.task(name=BULK_TASK_NAME, bind=True, throws=EXPECTED_ERRORS, acks_late=True)  # type: ignore[untyped-decorator]
+    @app.task(  # type: ignore[untyped-decorator]
+        name=BULK_TASK_NAME, bind=True, throws=EXPECTED_ERRORS, acks_late=True, base=ContainedTask
+    )
     def infer_bulk(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Many requests: ``args=[{"requests": [{"request_id": ..., "model": ..., "input_ids": [...]}, ...]}]``."""
         runtime = _runtime()

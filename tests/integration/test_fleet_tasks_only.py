@@ -14,7 +14,7 @@ import time
 
 import redis
 
-from protocol.deadletter import Reason, read_entry
+from protocol.deadletter import DeadLetter, Reason, read_entry
 from protocol.keys import DEAD_LETTER_KEY
 from tests.integration.fleet_fixtures import Fleet
 from tests.queue_items import envelope, raw
@@ -47,11 +47,11 @@ def test_celery_built_in_tasks_are_dead_lettered_naming_the_task(fleet: Fleet) -
     assert client.result(before, wait=True, timeout_s=60) is not None
     assert client.result(after, wait=True, timeout_s=60) is not None
 
-    entries = {}
+    entries: dict[str, DeadLetter] = {}
     deadline = time.monotonic() + 30
     while len(entries) < len(BUILTINS):
         assert time.monotonic() < deadline, (sorted(entries), worker.log_tail())
-        entries = {e.task: e for e in map(read_entry, r.lrange(DEAD_LETTER_KEY, 0, -1))}
+        entries = {e.task or "": e for e in map(read_entry, r.lrange(DEAD_LETTER_KEY, 0, -1))}
         time.sleep(0.1)
     assert sorted(entries) == sorted(BUILTINS)
     for name, entry in entries.items():

@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import redis
 
 from protocol.deadletter import Reason, read_entry
 from protocol.keys import DEAD_LETTER_KEY
 from tests.integration.fleet_fixtures import Fleet
+from tests.integration.outside_body_plugin import PREFIX
 from tests.queue_items import envelope, raw
+from tools.processes import WorkerProcess
 
 QUEUE = "fleet.demo-lm"
 CONCURRENCY = 2
-EMBEDS = [
+EMBEDS: list[dict[str, object]] = [
     {"errbacks": [{"x": 1}]},
     {"chain": [{"x": 1}]},
     {"callbacks": [{"task": "celery.backend_cleanup"}]},
@@ -34,9 +37,13 @@ def _item(task_id: str, embed: dict[str, object]) -> bytes:
     return raw(envelope(QUEUE, json.dumps([[request], {}, embed]).encode(), task_id=task_id))
 
 
+def _small_config(fleet: Fleet) -> Path:
+    return fleet.config(worker={"concurrency": CONCURRENCY},
+                        models={"demo-lm": {"batching": {"max_batch_size": CONCURRENCY}}})
+
+
 def test_messages_with_an_embed_the_fleet_does_not_use_never_wedge_the_worker(fleet: Fleet) -> None:
-    cfg = fleet.config(worker={"concurrency": CONCURRENCY},
-                       models={"demo-lm": {"batching": {"max_batch_size": CONCURRENCY}}})
+    cfg = _small_config(fleet)
     worker = fleet.worker(cfg, concurrency=CONCURRENCY)
     client = fleet.client(cfg)
     r = redis.Redis.from_url(fleet.redis_url)
@@ -63,3 +70,35 @@ def test_messages_with_an_embed_the_fleet_does_not_use_never_wedge_the_worker(fl
     assert {e.reason for e in map(read_entry, r.lrange(DEAD_LETTER_KEY, 0, -1))} == {Reason.BAD_BODY}
     assert r.hlen("unacked") == 0
     assert worker.proc is not None and worker.proc.poll() is None
+
+
+def test_an_exception_in_celerys_failure_handling_still_acks_and_frees_the_slot(fleet: Fleet) -> None:
+    """Celery's own handling around the body raises (here ``Task.on_failure``, as the errback handling did):
+    the message is acked as failed, its FAILURE stored, its slot given back; twice as many such messages
+    as the worker has slots, then a valid request, which must be served."""
+    cfg = _small_config(fleet)
+    n = len(fleet.workers) + 1
+    proc = WorkerProcess(model="demo-lm", queue=QUEUE, redis_url=fleet.redis_url, concurrency=CONCURRENCY,
+                         hostname=f"ob{n}-demo-lm@test", env={"FLEET_CONFIG": str(cfg)},
+                         log_path=fleet.tmp_path / f"worker-{n}.log")
+    proc.cmd += ["--include", "tests.integration.outside_body_plugin"]
+    fleet.workers.append(proc.start())
+    proc.wait_ready(120)
+    client = fleet.client(cfg)
+    r = redis.Redis.from_url(fleet.redis_url)
+    ids = [f"{PREFIX}{i}" for i in range(2 * CONCURRENCY)]
+    with r.pipeline(transaction=False) as pipe:  # invalid input: the task fails, then its failure handling raises
+        for task_id in ids:
+            pipe.lpush(QUEUE, _item(task_id, {}))
+        pipe.execute()
+    good = client.submit("demo-lm", [5, 6, 7])
+    assert client.result(good, wait=True, timeout_s=60) is not None, proc.log_tail()
+    for task_id in ids:
+        meta = json.loads(r.get(f"celery-task-meta-{task_id}") or b"{}")
+        assert meta.get("status") == "FAILURE", (task_id, meta)
+    deadline = time.monotonic() + 30
+    while r.hlen("unacked"):  # every message acked
+        assert time.monotonic() < deadline, r.hkeys("unacked")
+        time.sleep(0.1)
+    assert "Exception raised outside body" in proc.log_tail(2_000_000)
+    assert proc.proc is not None and proc.proc.poll() is None
