@@ -1,7 +1,9 @@
 """The ``fleet`` command line. Every command that returns data prints JSON on stdout.
 
-Exit codes: 0 ok; 1 the request failed or timed out; 2 bad input or settings (nothing queued);
-3 a worker could not start.
+Exit codes: 0 ok; 1 the request failed, timed out or is unknown, Redis unreachable or refused the
+credentials; 2 bad input or settings (nothing queued); 3 a worker could not start. A failure prints one
+line that names the cause and the fix, without a traceback unless ``fleet --debug``
+(:mod:`producer.cli_errors`).
 """
 
 from __future__ import annotations
@@ -13,11 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kombu.exceptions import OperationalError as KombuOperationalError
-from redis.exceptions import ConnectionError as RedisConnectionError
-
-from protocol.errors import ConfigError, FleetError, InvalidRequest
-from protocol.redis_conn import mask_url, passwords_in, redact
+from protocol.errors import InvalidRequest
 
 __all__ = ["main"]
 
@@ -56,21 +54,59 @@ def cmd_submit(args: argparse.Namespace) -> int:
         generation=generation_from_args(args),
         routing_key=args.routing_key,
     )
+    warning = _no_worker(client, args.model)
+    if warning:  # accepted all the same: a fleet scaled to zero starts on its queue
+        print(f"fleet: warning: {warning}", file=sys.stderr, flush=True)
     if args.stream:
         return print_stream(client, rid, args.timeout)
     if not args.wait:
-        _print({"request_id": rid, "status": client.status(rid).value})
+        _print({"request_id": rid, "status": client.status(rid).value} | ({"warning": warning} if warning else {}))
         return 0
-    result = client.result(rid, wait=True, timeout_s=args.timeout)
+    result = _wait_naming_the_worker(client, rid, args.model, args.timeout)
     _print(result.model_dump(mode="json") if result else {"request_id": rid})
     return 0
 
 
+def _no_worker(client: Any, model: str) -> str | None:
+    """The no-live-worker warning for ``model`` (None when a worker's heartbeat is live)."""
+    from producer.presence import live_models, no_worker_message
+
+    key = client.settings.model_key(model)
+    return None if key in live_models(client.redis) else no_worker_message(key, client.settings.queue_for(key))
+
+
+def _wait_naming_the_worker(client: Any, rid: str, model: str | None, timeout_s: float) -> Any:
+    """``client.result(wait=True)``; a timeout says so when no worker serves the model at the end."""
+    from protocol.errors import ResultTimeout
+
+    try:
+        return client.result(rid, wait=True, timeout_s=timeout_s)
+    except ResultTimeout as exc:
+        warning = _no_worker(client, model) if model else None
+        if warning is None:
+            raise
+        raise ResultTimeout(f"no result for {rid} within {timeout_s} s: {warning}", exc.field, exc.limit) from exc
+
+
 def cmd_result(args: argparse.Namespace) -> int:
+    from producer.presence import marker_key, request_model
+    from producer.results import RequestStatus
+    from protocol.errors import RequestNotFound
+
     client = _client(args)
-    result = client.result(args.request_id, wait=args.wait, timeout_s=args.timeout)
+    rid = args.request_id
+    status = client.status(rid)
+    if status is RequestStatus.NOT_FOUND:  # waiting for an ID nobody submitted would only run out the clock
+        raise RequestNotFound(f"no request {rid!r} is known: never submitted through the fleet, or its result "
+                              "expired (result_ttl_s); check the ID that `fleet submit` printed", "request_id", None)
+    model = request_model(client.redis.get(marker_key(rid)))
+    warning = _no_worker(client, model) if model and status is RequestStatus.QUEUED else None
+    if warning:
+        print(f"fleet: warning: {warning}", file=sys.stderr, flush=True)
+    result = (_wait_naming_the_worker(client, rid, model, args.timeout) if args.wait
+              else client.result(rid, wait=False))
     if result is None:
-        _print({"request_id": args.request_id, "status": client.status(args.request_id).value})
+        _print({"request_id": rid, "status": client.status(rid).value} | ({"warning": warning} if warning else {}))
         return 0
     _print(result.model_dump(mode="json"))
     return 0
@@ -121,13 +157,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_redis(args: argparse.Namespace) -> int:
     import time
 
-    from tools.redis_server import EmbeddedRedis, PortInUse
+    from tools.redis_server import EmbeddedRedis
 
-    try:
-        server = EmbeddedRedis(args.port or None, appendonly=args.appendonly).start()
-    except PortInUse as exc:
-        print(f"fleet redis: {exc}; choose another with --port N, or --port 0 for a free one", file=sys.stderr)
-        return 1
+    # a taken port (PortInUse) or a loopback that is down (LoopbackDown): one line, exit 1 (producer.cli_errors)
+    server = EmbeddedRedis(args.port or None, appendonly=args.appendonly).start()
     from tools.processes import interrupt_on_stop_signals
 
     interrupt_on_stop_signals()
@@ -149,11 +182,26 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     )
 
 
+def fleet_version() -> str:
+    """The installed distribution's version (``pyproject.toml``'s), or ``unknown`` when not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("onnx-fleet")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``fleet`` argument parser (sub-commands register here)."""
     parser = argparse.ArgumentParser(
         prog="fleet", description="onnx-fleet: queue-based ONNX Runtime inference."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s (onnx-fleet) {fleet_version()}",
+                        help="print the installed onnx-fleet version and exit")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of a failure (also FLEET_DEBUG=1); without it, one line says "
+                             "what failed and how to fix it")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("submit", help="queue one request; prints its ID (or the result with --wait)")
@@ -239,28 +287,11 @@ def _register_extensions(sub: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``fleet`` console script."""
-    args = build_parser().parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except InvalidRequest as exc:
-        _print(exc.to_payload())
-        print(f"fleet: {exc}", file=sys.stderr)
-        return 2
-    except ConfigError as exc:
-        print(f"fleet: {exc}", file=sys.stderr)
-        return 2
-    except FleetError as exc:
-        _print(exc.to_payload())
-        print(f"fleet: {exc}", file=sys.stderr)
-        return 1
-    except (RedisConnectionError, KombuOperationalError) as exc:
-        url = mask_url(os.environ.get("FLEET_REDIS_URL", "the redis_url setting"))
-        why = redact(str(exc), *passwords_in(os.environ.get("FLEET_REDIS_URL", "")))
-        print(f"fleet: cannot reach Redis ({url}): {why} — start one with `fleet redis` or set FLEET_REDIS_URL.",
-              file=sys.stderr)
-        return 1
+    """Entry point of the ``fleet`` console script (exit codes: :mod:`producer.cli_errors`)."""
+    from producer.cli_errors import run_command
 
+    args = build_parser().parse_args(argv)
+    return run_command(args.func, args)
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -17,6 +17,7 @@ CLI (about 0.3 s instead of 2 s: what an exec probe wants). Kubernetes probes::
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -28,7 +29,7 @@ import redis
 
 from producer import flower_config
 from producer.flower_broker import flower_broker_env
-from protocol.errors import ConfigError, InvalidRequest
+from protocol.errors import ConfigError
 from protocol.keys import WORKER_KEY_PREFIX
 from protocol.redis_conn import describe_redis_error, sync_client
 from protocol.settings import FleetSettings, load_settings
@@ -51,6 +52,11 @@ def cmd_api(args: argparse.Namespace) -> int:
     from gateway.app import serve
 
     settings = _settings(args)
+    host, port = args.host or settings.api.host, args.port or settings.api.port
+    if (taken := _bind_problem(host, port)) is not None:
+        print(f"fleet: cannot listen on {host}:{port}: {taken}; stop what holds it, or choose another port "
+              "with --port N (FLEET_API__PORT)", file=sys.stderr)
+        return 1
     serve(
         settings,
         host=args.host,
@@ -59,6 +65,24 @@ def cmd_api(args: argparse.Namespace) -> int:
         access_log=not args.no_access_log,
     )
     return 0
+
+
+def _bind_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on now (None when it can), checked as uvicorn will bind it."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        return f"{host!r} does not resolve ({exc.strerror or exc})"
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as exc:
+            return "the port is already in use" if exc.errno == errno.EADDRINUSE else str(exc.strerror or exc)
+    return None
 
 
 # -- fleet status ----------------------------------------------------------------------------------
@@ -152,11 +176,25 @@ def status_document(settings: FleetSettings, client: redis.Redis[bytes]) -> dict
 
 def cmd_status(args: argparse.Namespace) -> int:
     settings = _settings(args)
+    from producer.cli_errors import EXIT_FAILED, debug_enabled, redis_problem
+
     client = _redis(settings)
     try:
+        try:
+            client.ping()
+            unreachable: redis.RedisError | None = None
+        except redis.RedisError as exc:
+            unreachable = exc
         doc = status_document(settings, client)
     finally:
         client.close()
+    if unreachable is not None:  # Redis down or a wrong password: nothing to tabulate; one line and exit 1
+        if args.json:
+            print(json.dumps(doc))
+        if debug_enabled(args):
+            raise unreachable
+        print(f"fleet: {redis_problem(unreachable, settings.redis_url)}", file=sys.stderr)
+        return EXIT_FAILED
     print(json.dumps(doc) if args.json else format_status(doc))
     return 0
 
@@ -178,8 +216,9 @@ def probe(settings: FleetSettings, kind: str, *, worker: str | None, models: lis
             raw = client.get(WORKER_KEY_PREFIX + worker)
             if raw is None:
                 return [f"worker {worker!r} has no live heartbeat"]
-            if kind == "ready" and not json.loads(raw).get("ready"):
-                return [f"worker {worker!r} is alive but not ready (loading or warming up)"]
+            beat = json.loads(raw)
+            if kind == "ready" and not beat.get("ready"):
+                return [_not_ready_reason(worker, beat)]
             return []
         if kind == "live":
             return []
@@ -189,6 +228,16 @@ def probe(settings: FleetSettings, kind: str, *, worker: str | None, models: lis
         return [describe_redis_error(exc, settings)]
     finally:
         client.close()
+
+
+def _not_ready_reason(worker: str, beat: dict[str, Any]) -> str:
+    """Why a live worker's heartbeat says not ready: it holds work it does not progress, or it is starting."""
+    stalled_s = beat.get("stalled_s")
+    if isinstance(stalled_s, int | float) and stalled_s > 0:
+        holds = f"holds {beat['held']} requests" if beat.get("held") else "has a non-empty queue"
+        return (f"worker {worker!r} {holds} and made no progress for {stalled_s:.0f} s (worker.stall_after_s): "
+                "it is not progressing the work it holds")
+    return f"worker {worker!r} is alive but not ready (loading or warming up)"
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
@@ -296,14 +345,13 @@ def register(sub: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m producer.ops_cli``: the operator commands alone (fast start for probes)."""
+    from producer.cli_errors import run_command
+
     parser = argparse.ArgumentParser(prog="fleet", description="onnx-fleet operator commands")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a failure (also FLEET_DEBUG=1)")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except (ConfigError, InvalidRequest) as exc:
-        print(f"fleet: {exc}", file=sys.stderr)
-        return 2
+    return run_command(args.func, args)
 
 
 if __name__ == "__main__":

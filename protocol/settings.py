@@ -35,6 +35,7 @@ __all__ = [
     "FleetSettings",
     "FlowerSettings",
     "LimitSettings",
+    "LogSettings",
     "ModelSettings",
     "RedisSettings",
     "StoreSettings",
@@ -266,6 +267,21 @@ class WorkerSettings(_Section):
         description="Address the metrics port binds; None = where the gateway binds (api.host, 127.0.0.1 by "
         "default). Set 0.0.0.0 where a scraper on another host must reach it (docker-compose does).",
     )
+    stall_after_s: float = Field(
+        default=120.0,
+        gt=0,
+        le=86_400,
+        description="A worker that holds requests (or whose queue is non-empty) and completes, takes or "
+        "computes nothing for this long reports not ready (heartbeat, fleet probe ready): it holds work it "
+        "is not progressing (s).",
+    )
+    slot_grace_s: float = Field(
+        default=30.0,
+        ge=0,
+        le=86_400,
+        description="A request held past its deadline (no deadline: past visibility_timeout_s) by more than "
+        "this is reported as an overdue slot: a log line and fleet_worker_overdue_slots (s).",
+    )
 
 
 class ApiSettings(_Section):
@@ -277,6 +293,16 @@ class ApiSettings(_Section):
     max_body_bytes: int = Field(default=1_048_576, ge=1024, description="Largest request body (bytes).")
     max_batch_requests: int = Field(
         default=256, ge=1, le=100_000, description="Requests one POST /v1/requests:batch may carry."
+    )
+
+
+class LogSettings(_Section):
+    """Log lines of the gateway and the workers (``fleet api``, ``celery -A workers.app worker``)."""
+
+    format: Literal["text", "json"] = Field(
+        default="text",
+        description="'json': one JSON object per line (ts, level, logger, message), with request_id on the "
+        "gateway's access lines and on worker lines that concern a request (FLEET_LOG__FORMAT=json).",
     )
 
 
@@ -404,6 +430,7 @@ class FleetSettings(BaseSettings):
     flower: FlowerSettings = Field(default_factory=FlowerSettings)
     store: StoreSettings = Field(default_factory=StoreSettings)
     celery: CelerySettings = Field(default_factory=CelerySettings)
+    log: LogSettings = Field(default_factory=LogSettings)
 
     @classmethod
     def settings_customise_sources(
@@ -514,7 +541,7 @@ def load_settings(config_path: Path | str | None = None, **overrides: Any) -> Fl
     path = Path(config_path or os.environ.get("FLEET_CONFIG") or DEFAULT_CONFIG_PATH)
     data: dict[str, Any] = {"models": {}}
     if path.exists():
-        loaded = yaml.safe_load(path.read_text()) or {}
+        loaded = _read_yaml(path)
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: top level must be a mapping", "FLEET_CONFIG", "mapping")
         data = {"models": {}, **loaded}
@@ -533,6 +560,24 @@ def load_settings(config_path: Path | str | None = None, **overrides: Any) -> Fl
         except ValidationError as exc:
             raise ConfigError(_describe(exc), _first_loc(exc), None) from exc
     return settings
+
+
+def _read_yaml(path: Path) -> Any:
+    """The parsed YAML file; a syntax error or an unreadable file becomes one ConfigError naming the file.
+
+    Raises:
+        ConfigError: the file is not valid YAML (file, line, column and the parser's reason) or cannot be read.
+    """
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        reason = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"config file {where}: invalid YAML: {reason}; fix the file or point FLEET_CONFIG "
+                          "at another one", "FLEET_CONFIG", "valid YAML") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc}", "FLEET_CONFIG", "a readable file") from exc
 
 
 def _name_env_only_models(data: dict[str, Any]) -> None:

@@ -32,8 +32,10 @@ import redis
 __all__ = [
     "EmbeddedRedis",
     "EmbeddedSentinel",
+    "LoopbackDown",
     "PortInUse",
     "ServerTls",
+    "check_loopback",
     "find_redis_server",
     "free_port",
     "supports_tls",
@@ -69,6 +71,30 @@ class PortInUse(RuntimeError):
     def __init__(self, port: int) -> None:
         super().__init__(f"port {port} on 127.0.0.1 is already in use (another redis-server?); nothing was started")
         self.port = port
+
+
+class LoopbackDown(RuntimeError):
+    """127.0.0.1 does not answer: the loopback interface is down (a fresh network namespace, a container)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"the loopback interface is down: 127.0.0.1 is unreachable ({reason}); bring it up "
+                         "with `ip link set lo up` (as root), or set FLEET_REDIS_URL to a Redis you can reach")
+
+
+def check_loopback(timeout_s: float = 2.0) -> None:
+    """Connect to a listener of our own on 127.0.0.1: a server started here is reachable only then.
+
+    Raises:
+        LoopbackDown: the connection failed (``ip link set lo up`` was never run, e.g. ``unshare --net``).
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        try:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(1)
+            with socket.create_connection(listener.getsockname(), timeout=timeout_s):
+                return
+        except OSError as exc:
+            raise LoopbackDown(exc.strerror or type(exc).__name__) from exc
 
 
 def port_is_free(port: int) -> bool:
@@ -275,7 +301,9 @@ class EmbeddedRedis:
         Raises:
             PortInUse: the port is taken (nothing was started).
             RuntimeError: redis-server exited; TimeoutError: it did not answer in time.
+            LoopbackDown: 127.0.0.1 is unreachable, so no local server could ever answer.
         """
+        check_loopback()
         if not port_is_free(self.port):
             raise PortInUse(self.port)
         args = self._args()

@@ -1,0 +1,126 @@
+"""How the ``fleet`` CLI ends a command that failed: one line on stderr that names the cause and the fix,
+a documented exit code, and no traceback unless ``--debug`` (or ``FLEET_DEBUG=1``).
+
+Exit codes (every ``fleet`` command, ``python -m producer.ops_cli`` too):
+
+* 0 ok;
+* 1 the request failed, timed out or is unknown; Redis unreachable or refused the credentials; a local
+  server (``fleet redis``, ``fleet demo``) could not start (port taken, loopback down); not ready;
+* 2 bad input or settings (a YAML error, an invalid value, an unknown model, no model store): nothing done;
+* 3 a worker could not start;
+* 130 interrupted (Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+
+import redis
+from kombu.exceptions import OperationalError as KombuOperationalError
+
+from protocol.errors import ConfigError, FleetError, InvalidRequest
+from protocol.redis_conn import mask_url, passwords_in, redact
+
+__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_OK", "debug_enabled", "redis_problem", "run_command"]
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+REDIS_UNREACHABLE_FIX = "start one with `fleet redis`, or set FLEET_REDIS_URL to a Redis that answers"
+REDIS_CREDENTIALS_FIX = "check the user and password in FLEET_REDIS_URL (redis://USER:PASSWORD@host:port/db)"
+
+
+def debug_enabled(args: argparse.Namespace | None = None) -> bool:
+    """``--debug`` was given, or ``FLEET_DEBUG`` is set to something other than 0/empty."""
+    return bool(getattr(args, "debug", False)) or os.environ.get("FLEET_DEBUG", "") not in ("", "0")
+
+
+def _redis_url(args: argparse.Namespace) -> str:
+    """The URL the command used: settings (environment + YAML), else the environment, else the default."""
+    try:
+        from protocol.settings import load_settings
+
+        return load_settings(getattr(args, "config", None)).redis_url
+    except (FleetError, OSError, ValueError):
+        return os.environ.get("FLEET_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def redis_problem(exc: BaseException, url: str) -> str:
+    """One line for a Redis failure: the masked URL, what Redis said (no password), and the fix."""
+    text = redact(str(exc), *passwords_in(url)).strip().rstrip(".")
+    lowered = text.lower()
+    if isinstance(exc, redis.AuthenticationError) or any(
+        word in lowered for word in ("wrongpass", "noauth", "invalid password", "invalid username-password",
+                                     "authentication required")
+    ):
+        return f"Redis at {mask_url(url)} refused the credentials: {text}; {REDIS_CREDENTIALS_FIX}"
+    return f"cannot reach Redis at {mask_url(url)}: {text}; {REDIS_UNREACHABLE_FIX}"
+
+
+def _is_redis_failure(exc: BaseException) -> bool:
+    if isinstance(exc, redis.ConnectionError | redis.TimeoutError | redis.AuthenticationError | KombuOperationalError):
+        return True
+    # a wrong password on a server without ACL users answers as a plain error reply
+    return isinstance(exc, redis.ResponseError) and any(w in str(exc) for w in ("WRONGPASS", "NOAUTH"))
+
+
+STORE_DOWN_FIX = ("; is the store running? start one with `fleet store` (it prints the FLEET_STORE__* exports), "
+                  "or check FLEET_STORE__ENDPOINT_URL")
+
+
+def _store_fix(exc: FleetError) -> str:
+    """The fix for a model store that does not answer (boto3's "Could not connect to the endpoint URL")."""
+    text = str(exc).lower()
+    unreachable = ("could not connect", "connection refused", "connect timeout", "endpoint url")
+    return STORE_DOWN_FIX if type(exc).__name__ == "StoreError" and any(w in text for w in unreachable) else ""
+
+
+def _describe(exc: BaseException, args: argparse.Namespace) -> tuple[str, int, bool]:
+    """(the line, the exit code, whether the error's JSON payload goes to stdout)."""
+    from tools.redis_server import LoopbackDown, PortInUse
+
+    if isinstance(exc, InvalidRequest):
+        return str(exc), EXIT_BAD_INPUT, True
+    if isinstance(exc, ConfigError):
+        return str(exc), EXIT_BAD_INPUT, False
+    if isinstance(exc, FleetError):
+        return str(exc) + _store_fix(exc), EXIT_FAILED, True
+    if _is_redis_failure(exc):
+        return redis_problem(exc, _redis_url(args)), EXIT_FAILED, False
+    if isinstance(exc, PortInUse):
+        return f"{exc}; choose another with --port N (0 = a free one), or stop what holds it", EXIT_FAILED, False
+    if isinstance(exc, LoopbackDown):
+        return str(exc), EXIT_FAILED, False
+    if isinstance(exc, FileNotFoundError) and exc.filename:
+        return f"{exc.filename}: no such file (check the path, or build the models: `fleet build-model`)", \
+            EXIT_BAD_INPUT, False
+    return (f"unexpected {type(exc).__name__}: {redact(str(exc), *passwords_in(_redis_url(args)))} "
+            "(run again with `fleet --debug ...` for the traceback)"), EXIT_FAILED, False
+
+
+def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
+    """Run a sub-command's function; a failure becomes ``fleet: <one line>`` on stderr and its exit code.
+
+    With ``--debug`` the exception propagates (Python prints its traceback).
+    """
+    try:
+        return int(func(args) or 0)
+    except KeyboardInterrupt:
+        if debug_enabled(args):
+            raise
+        print("fleet: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        if debug_enabled(args):
+            raise
+        line, code, payload = _describe(exc, args)
+        if payload and isinstance(exc, FleetError):
+            print(json.dumps(exc.to_payload()))
+        print(f"fleet: {line}", file=sys.stderr)
+        return code

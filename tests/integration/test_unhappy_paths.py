@@ -1,0 +1,139 @@
+"""The first day off the happy path: each failure a new user meets gives one line on stderr that names
+the cause and the fix, the documented exit code, and no traceback unless ``fleet --debug``.
+
+Every case runs the real ``fleet`` CLI as a subprocess against real processes (redis-server, a
+password-protected one, the demo models); the README's troubleshooting table lists the same cases.
+The gateway's missing ``Content-Type`` case is tested with the gateway (test_gateway.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.ops_fixtures import OpsFleet, ops_fleet, ops_models, ops_redis  # noqa: F401
+from tools.redis_server import EmbeddedRedis, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(240)
+
+
+def fleet(*args: str, config: Path | None = None, env: dict[str, str] | None = None, debug: bool = False,
+          prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """``fleet [--debug] <args> [--config C]`` to completion (60 s at most: nothing here may wait longer)."""
+    cmd = [*prefix, sys.executable, "-m", "producer.cli", *(["--debug"] if debug else []), *args]
+    if config is not None:
+        cmd += ["--config", str(config)]
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("FLEET_", "AWS_"))} | (env or {})
+    return subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=60, check=False)
+
+
+def one_line(done: subprocess.CompletedProcess[str], code: int, *says: str) -> str:
+    """The run exited ``code`` with exactly one ``fleet:`` error line (besides warnings) holding ``says``."""
+    assert done.returncode == code, (done.returncode, done.stdout[-1500:], done.stderr[-3000:])
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    lines = [x for x in done.stderr.splitlines() if x.strip() and not x.startswith("fleet: warning:")]
+    assert len(lines) == 1 and lines[0].startswith("fleet: "), done.stderr[-3000:]
+    for text in says:
+        assert text in lines[0], (text, lines[0])
+    return lines[0]
+
+
+def traceback_with_debug(done: subprocess.CompletedProcess[str], code: int = 1) -> None:
+    """``--debug`` shows where it failed."""
+    assert done.returncode == code, (done.returncode, done.stderr[-2000:])
+    assert "Traceback (most recent call last)" in done.stderr, done.stderr[-2000:]
+
+
+def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path: Path) -> None:
+    bad = tmp_path / "fleet.yaml"
+    bad.write_text("redis_url: redis://127.0.0.1:6379/0\nworker\n  model: [demo-lm\n")
+    line = one_line(fleet("status", config=bad), 2, str(bad), "invalid YAML", "fix the file")
+    assert ":3:" in line  # the line of the error
+    traceback_with_debug(fleet("status", config=bad, debug=True))
+
+
+def test_redis_down(ops_fleet: OpsFleet) -> None:  # noqa: F811
+    config = ops_fleet.config(redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    for args in (("status",), ("submit", "--model", "demo-lm", "--tokens", "5,6,7")):
+        one_line(fleet(*args, config=config), 1, "cannot reach Redis", "fleet redis", "FLEET_REDIS_URL")
+    traceback_with_debug(fleet("status", config=config, debug=True))
+
+
+def test_a_wrong_password(ops_fleet: OpsFleet) -> None:  # noqa: F811
+    with EmbeddedRedis(password="the-right-one") as server:
+        config = ops_fleet.config(redis_url=f"redis://:not-the-password@127.0.0.1:{server.port}/0")
+        for args in (("status",), ("submit", "--model", "demo-lm", "--tokens", "5,6,7")):
+            done = fleet(*args, config=config)
+            one_line(done, 1, "refused the credentials", "FLEET_REDIS_URL", ":***@")
+            assert "not-the-password" not in done.stdout + done.stderr
+        traceback_with_debug(fleet("status", config=config, debug=True))
+
+
+def test_an_unknown_model(ops_fleet: OpsFleet) -> None:  # noqa: F811
+    config = ops_fleet.config()
+    done = fleet("submit", "--model", "no-such-model", "--tokens", "5,6,7", config=config)
+    one_line(done, 2, "unknown model 'no-such-model'", "configured models: demo-encoder, demo-lm")
+    traceback_with_debug(fleet("submit", "--model", "no-such-model", "--tokens", "5", config=config, debug=True))
+
+
+def test_a_model_with_no_worker_is_accepted_and_said(ops_fleet: OpsFleet) -> None:  # noqa: F811
+    config = ops_fleet.config()
+    ops_fleet.worker(config, "demo-lm")  # a live worker, but of another model
+    queued = fleet("submit", "--model", "demo-encoder", "--text", "hello", "--request-id", "nw-1", config=config)
+    assert queued.returncode == 0, queued.stderr
+    assert '"warning": "no live worker serves model \'demo-encoder\'' in queued.stdout, queued.stdout
+    assert "fleet worker --model demo-encoder" in queued.stderr
+    status = fleet("result", "nw-1", config=config)
+    assert '"status": "queued"' in status.stdout and "no live worker serves model 'demo-encoder'" in status.stdout
+    waited = fleet("submit", "--model", "demo-encoder", "--text", "hello", "--wait", "--timeout", "1", config=config)
+    one_line(waited, 1, "no result", "no live worker serves model 'demo-encoder'", "fleet worker --model demo-encoder")
+    assert waited.stderr.startswith("fleet: warning: no live worker")  # said at once, not only after the wait
+    served = fleet("submit", "--model", "demo-lm", "--tokens", "5,6,7", config=config)
+    assert served.returncode == 0 and "warning" not in served.stdout + served.stderr, served.stdout + served.stderr
+    traceback_with_debug(fleet("submit", "--model", "demo-encoder", "--text", "x", "--wait", "--timeout", "1",
+                               config=config, debug=True))
+
+
+def test_an_unknown_request_id_does_not_wait_out_the_timeout(ops_fleet: OpsFleet) -> None:  # noqa: F811
+    config = ops_fleet.config()
+    # --timeout 600 with a 60 s cap on the run: waiting it out fails the test with TimeoutExpired
+    done = fleet("result", "no-such-id", "--wait", "--timeout", "600", config=config)
+    one_line(done, 1, "no request 'no-such-id' is known", "check the ID")
+    traceback_with_debug(fleet("result", "no-such-id", "--wait", "--timeout", "600", config=config, debug=True))
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="util-linux unshare is missing")
+def test_the_loopback_down(ops_fleet: OpsFleet) -> None:  # noqa: F811
+    netns = ("unshare", "--user", "--map-root-user", "--net") if os.geteuid() else ("unshare", "--net")
+    probe = subprocess.run([*netns, "true"], capture_output=True, check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a network namespace here: {probe.stderr.decode()[-300:]}")
+    one_line(fleet("redis", "--port", "0", prefix=netns), 1, "loopback interface is down", "ip link set lo up")
+    # what `make demo` runs, on models already built (the config names them)
+    demo = fleet("demo", "--no-flower", "--requests", "1", config=ops_fleet.config(), prefix=netns)
+    one_line(demo, 1, "loopback interface is down", "ip link set lo up")
+    traceback_with_debug(fleet("redis", "--port", "0", prefix=netns, debug=True))
+
+
+def test_a_taken_port(ops_fleet: OpsFleet) -> None:  # noqa: F811
+    taken = ops_fleet.server.port
+    one_line(fleet("redis", "--port", str(taken)), 1, f"port {taken}", "already in use", "--port")
+    config = ops_fleet.config()
+    one_line(fleet("api", "--port", str(taken), config=config), 1, f"127.0.0.1:{taken}", "already in use", "--port")
+    traceback_with_debug(fleet("redis", "--port", str(taken), debug=True))
+
+
+def test_a_missing_store(ops_fleet: OpsFleet, tmp_path: Path) -> None:  # noqa: F811
+    config = ops_fleet.config()
+    one_line(fleet("models", "list", config=config), 2, "no model store is configured", "FLEET_STORE__BACKEND")
+    down = {"FLEET_STORE__BACKEND": "s3", "FLEET_STORE__ENDPOINT_URL": f"http://127.0.0.1:{free_port()}",
+            "FLEET_STORE__BUCKET": "fleet-models", "AWS_ACCESS_KEY_ID": "fleet", "AWS_SECRET_ACCESS_KEY": "secret-1"}
+    one_line(fleet("models", "list", config=config, env=down), 1, "Could not connect", "fleet store",
+             "FLEET_STORE__ENDPOINT_URL")
+    traceback_with_debug(fleet("models", "list", config=config, env=down, debug=True))
