@@ -8,7 +8,8 @@ outside 1..99).
 
 ::
 
-    fleet models pin M V                     # V serves all of M's traffic (the canary, if any, stays)
+    fleet models pin M V                     # V serves all of M's traffic (the canary, if any, stays); waits
+                                             # up to --wait-s 10 s for the workers, says if V is NOT SERVED
     fleet models canary M V --weight 10      # 10 % of M's traffic to V, sticky by routing key
     fleet models promote M                   # the canary becomes stable
     fleet models rollback M [--reason TEXT]  # drop the canary (with none: undo the last pin or promote)
@@ -80,10 +81,24 @@ def _change_doc(r: redis.Redis[bytes], model: str, entry: HistoryEntry) -> dict[
             "state": state.model_dump(mode="json") if state else None}
 
 
+def _with_served(settings: FleetSettings, r: redis.Redis[bytes], model: str, doc: dict[str, Any],
+                 wait_s: float) -> dict[str, Any]:
+    """``doc`` plus what the workers serve once they applied the change (``--wait-s``); a desired
+    version that is not served is also said on stderr."""
+    import sys
+
+    from producer.model_status import await_served
+
+    served = await_served(settings, r, model, wait_s)
+    if served["not_served"]:
+        print(f"fleet: NOT SERVED: {served['not_served']}", file=sys.stderr)
+    return {**doc, **served}
+
+
 def cmd_pin(args: argparse.Namespace) -> int:
     settings, r, model = _context(args)
     entry = pin(r, model, args.version, args.by, store=_published(settings))
-    _print(_change_doc(r, model, entry))
+    _print(_with_served(settings, r, model, _change_doc(r, model, entry), args.wait_s))
     return 0
 
 
@@ -187,6 +202,9 @@ def register(msub: Any) -> None:
     p = msub.add_parser("pin", help="serve VERSION for all of the model's (stable) traffic")
     common(p)
     p.add_argument("version")
+    p.add_argument("--wait-s", type=float, default=10.0,
+                   help="wait up to this long for the live workers to serve VERSION or refuse it, then print "
+                   "what they serve (\"served\", \"not_served\"); 0 = do not wait (default 10)")
     p.set_defaults(func=cmd_pin)
 
     p = msub.add_parser("canary", help="send --weight percent of the model's traffic to VERSION")

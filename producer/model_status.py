@@ -1,5 +1,8 @@
 """The model-lifecycle part of ``fleet status``: per model, the versions in force, the canary's
-queue, the last changes and the workers' last refusals (:mod:`protocol.model_state`)."""
+queue, the last changes and the workers' last refusals (:mod:`protocol.model_state`), and whether
+the live workers serve the desired versions: ``not_served`` says plainly when they do not (a
+refused pin, a worker not yet switched), and a refusal the state has moved past is marked
+``superseded``. ``fleet models pin`` prints the same served / not-served verdict."""
 
 from __future__ import annotations
 
@@ -8,20 +11,137 @@ from typing import Any
 
 import redis
 
-from protocol.model_state import AUTO_ROLLBACKS_KEY, history, read_state, refusals
+from protocol.model_state import AUTO_ROLLBACKS_KEY, ModelState, Refusal, history, read_state, refusals
 from protocol.settings import FleetSettings
 
-__all__ = ["LAST_ENTRIES", "format_model_states", "model_states"]
+__all__ = [
+    "LAST_ENTRIES",
+    "await_served",
+    "format_model_states",
+    "model_states",
+    "not_served",
+    "served_by",
+    "settled",
+    "superseded_by",
+]
+
+POLL_S = 0.2
+"""How often :func:`await_served` re-reads the heartbeats and refusals (s)."""
 
 LAST_ENTRIES = 3
 """History entries and refusals shown per model."""
 
 
+def served_by(workers: list[dict[str, Any]], model: str) -> dict[str, list[str]]:
+    """Stable version -> the hostnames of ``model``'s live workers serving it (from heartbeats), pure."""
+    out: dict[str, list[str]] = {}
+    for w in workers:
+        if w.get("model") == model and w.get("version"):
+            out.setdefault(str(w["version"]), []).append(str(w.get("hostname")))
+    return {v: sorted(hosts) for v, hosts in sorted(out.items())}
+
+
+def _refused_by(refused: list[Refusal], version: str, since_unix_s: float) -> str:
+    latest = {r.worker: r for r in refused if r.version == version and r.at_unix_s >= since_unix_s}
+    if not latest:
+        return ""
+    return "; refused by " + ", ".join(f"{w} ({r.error_type})" for w, r in sorted(latest.items()))
+
+
+def not_served(
+    model: str, state: ModelState | None, configured: str | None, workers: list[dict[str, Any]],
+    refused: list[Refusal],
+) -> str | None:
+    """A plain sentence when ``model``'s live workers do not all serve the desired versions, else None (pure).
+
+    The desired stable version is the pinned one, else ``configured`` (the model's ``store_version``;
+    None = a model file, whose version label is not compared). ``refused`` adds who refused it since
+    the last change.
+    """
+    mine = [w for w in workers if w.get("model") == model]
+    if not mine:  # with no state either, nothing was asked beyond the config (readiness says "no worker")
+        return None if state is None else f"no live worker serves {model}"
+    since = state.changed_at_unix_s if state is not None else 0.0
+    problems = []
+    stable = (state.stable if state is not None else None) or configured
+    if stable is not None:
+        served = served_by(mine, model)
+        others = {v: hosts for v, hosts in served.items() if v != stable}
+        if others:
+            serving = "; ".join(f"{', '.join(hosts)} serve{'s' if len(hosts) == 1 else ''} {v}"
+                                for v, hosts in others.items())
+            which = "every" if stable in served else "any"
+            problems.append(f"desired stable {stable} is not served by {which} worker: {serving}"
+                            f"{_refused_by(refused, stable, since)}")
+    canary = state.canary if state is not None else None
+    if canary is not None:
+        without = sorted(str(w.get("hostname")) for w in mine if w.get("canary_version") != canary)
+        if without:
+            problems.append(f"canary {canary} is not loaded by {', '.join(without)} (their canary queue runs on "
+                            f"stable){_refused_by(refused, canary, since)}")
+    return "; ".join(problems) or None
+
+
+def settled(state: ModelState | None, configured: str | None, workers: list[dict[str, Any]],
+            refused: list[Refusal]) -> bool:
+    """Every live worker of the state's model serves the desired versions or has refused them since the
+    last change (pure): nothing more will happen without another change."""
+    if state is None:
+        return True
+    since = state.changed_at_unix_s
+    done = {(r.worker, r.version) for r in refused if r.at_unix_s >= since}
+    stable = state.stable or configured
+    for w in workers:
+        if w.get("model") != state.model:
+            continue
+        host = str(w.get("hostname"))
+        if stable is not None and w.get("version") != stable and (host, stable) not in done:
+            return False
+        if state.canary is not None and w.get("canary_version") != state.canary and (host, state.canary) not in done:
+            return False
+    return True
+
+
+def await_served(settings: FleetSettings, client: redis.Redis[bytes], model: str, wait_s: float) -> dict[str, Any]:
+    """Wait up to ``wait_s`` seconds for ``model``'s live workers to apply its state (serve it, or refuse
+    it), then say what they serve: ``{"served": {version: [hosts]}, "not_served": sentence | None}``."""
+    from producer.registry import list_workers
+
+    configured = settings.models[model].store_version
+    deadline = time.monotonic() + max(0.0, wait_s)
+    while True:
+        state, workers, refused = read_state(client, model), list_workers(client), refusals(client, model)
+        if settled(state, configured, workers, refused) or time.monotonic() >= deadline:
+            break
+        time.sleep(POLL_S)  # polling heartbeats under a deadline: a CLI waiting for other processes
+    return {"served": served_by(workers, model), "not_served": not_served(model, state, configured, workers, refused)}
+
+
+def superseded_by(refusal: Refusal, state: ModelState | None, configured: str | None,
+                  workers: list[dict[str, Any]]) -> str | None:
+    """Why ``refusal`` no longer describes the fleet (None while it still does), pure: the state no longer
+    names its version, or the worker that refused it now serves it."""
+    stable = (state.stable if state is not None else None) or configured
+    canary = state.canary if state is not None else None
+    if refusal.version not in (stable, canary):
+        now = f"{stable or '(configured)'}" + (f" + canary {canary}" if canary else "")
+        return f"the desired state is now {now}"
+    for w in workers:
+        if w.get("hostname") == refusal.worker and refusal.version in (w.get("version"), w.get("canary_version")):
+            return f"{refusal.worker} now serves {refusal.version}"
+    return None
+
+
 def model_states(settings: FleetSettings, client: redis.Redis[bytes]) -> list[dict[str, Any]]:
     """One JSON-friendly row per configured model (the ``models`` part of ``fleet status --json``)."""
+    from producer.registry import list_workers
+
+    workers = list_workers(client)
     rows = []
     for model in settings.models:
         state = read_state(client, model)
+        configured = settings.models[model].store_version
+        last_refused = refusals(client, model, LAST_ENTRIES)
         canary_queue = settings.canary_queue_for(model)
         rows.append({
             "model": model,
@@ -33,7 +153,10 @@ def model_states(settings: FleetSettings, client: redis.Redis[bytes]) -> list[di
             "canary_queue_depth": int(client.llen(canary_queue)),
             "auto_rollbacks": int(client.get(AUTO_ROLLBACKS_KEY.format(model=model)) or 0),
             "last_changes": [e.model_dump(mode="json", by_alias=True) for e in history(client, model, LAST_ENTRIES)],
-            "last_refusals": [r.model_dump(mode="json") for r in refusals(client, model, LAST_ENTRIES)],
+            "served": served_by(workers, model),
+            "not_served": not_served(model, state, configured, workers, refusals(client, model)),
+            "last_refusals": [{**r.model_dump(mode="json"), "superseded": superseded_by(r, state, configured, workers)}
+                              for r in last_refused],
         })
     return rows
 
@@ -58,11 +181,16 @@ def format_model_states(rows: list[dict[str, Any]], now_s: float | None = None) 
         queue = f", canary queue {row['canary_queue']} depth {row['canary_queue_depth']}" if row["canary"] else ""
         autos = f", auto-rollbacks {row['auto_rollbacks']}" if row["auto_rollbacks"] else ""
         lines.append(f"{row['model']}: {_split(row)} (generation {row['generation']}{queue}{autos})")
+        if row.get("served"):
+            lines.append("  served: " + "; ".join(f"{v} by {', '.join(h)}" for v, h in row["served"].items()))
+        if row.get("not_served"):
+            lines.append(f"  NOT SERVED: {row['not_served']}")
         for e in row["last_changes"]:
             why = f": {e['reason']}" if e.get("reason") else ""
             lines.append(f"  {_ago(e['at_unix_s'], now)}  {e['action']} by {e['by']}  {_split(e['from'])} -> "
                          f"{_split(e['to'])}{why}")
         for r in row["last_refusals"]:
-            lines.append(f"  REFUSED {_ago(r['at_unix_s'], now)}  {r['worker']} refused {r['version']}: "
+            mark = f" (superseded: {r['superseded']})" if r.get("superseded") else ""
+            lines.append(f"  REFUSED{mark} {_ago(r['at_unix_s'], now)}  {r['worker']} refused {r['version']}: "
                          f"{r['error_type']}: {r['error']}")
     return lines

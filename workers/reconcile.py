@@ -6,7 +6,10 @@ How a worker learns of a change, and why both ways: it subscribes to ``fleet:mod
 drops messages sent while the subscriber is reconnecting; the periodic read makes a worker that
 missed a message converge. A worker reads the state before it takes its first request
 (:meth:`Reconciler.initial` loads the pinned stable version; :meth:`Reconciler.sync` then loads a
-canary), so one that was down during a change starts on the versions in force.
+canary), so one that was down during a change starts on the versions in force. A starting worker
+that cannot load the pinned version serves the last version the fleet served
+(:mod:`protocol.model_served`, appended each time a worker puts a stable version in service), not
+its configured one, so that stable traffic keeps one version.
 
 A change is applied off the request path: fetch and verify (:func:`workers.engines.load_version`:
 every file's sha256 against the manifest), open the session, warm it up, then swap between batches
@@ -28,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
+from protocol.model_served import last_served, read_served, record_served
 from protocol.model_state import CHANGES_CHANNEL, ModelState, guard_canary, read_state, record_refusal
 from protocol.redis_conn import await_subscription, sync_client
 from protocol.settings import FleetSettings
@@ -58,6 +62,8 @@ class Reconciler:
         self._configured = settings.models[model].store_version
         self.applied_stable: str | None = None
         """The stable version asked for and loaded; None = the configured one."""
+        self._initial: tuple[str, int] | None = None
+        """The version label :meth:`initial` loaded and the state generation it read (recorded as served at start)."""
         self.canary_active = False
         """The state has a canary: per-request outcomes are recorded (zero cost otherwise)."""
         self.last_refusal: dict[str, Any] | None = None
@@ -71,34 +77,69 @@ class Reconciler:
     def initial(self) -> LoadedModel:
         """Load the stable version in force (the pinned one, else the configured one).
 
-        A pinned version that cannot be loaded is recorded as refused and the configured one is
-        loaded instead.
+        A pinned version that cannot be loaded is recorded as refused; the worker then serves the
+        last version the fleet served (:func:`protocol.model_served.last_served`), else its
+        configured one.
 
         Raises:
-            Exception: the configured version itself cannot be loaded (the worker must not start).
+            Exception: neither the pinned, the last served nor the configured version can be loaded
+                (the worker must not start).
         """
         try:
             state = read_state(self.redis, self.model)
         except redis.RedisError as exc:
             log.warning("cannot read the model state at start (loading the configured version): %s", exc)
             state = None
+        generation = state.generation if state is not None else 0
         wanted = wanted_stable(state, self._configured)
+        loaded: LoadedModel | None = None
         if wanted != self._configured:
             try:
                 loaded = load_version(self.settings, self.model, wanted)
                 self.applied_stable = wanted
-                return loaded
             except Exception as exc:
-                self._refuse(wanted or "configured", state, exc)
-        self.applied_stable = self._configured
-        return load_version(self.settings, self.model)
+                self._refuse(wanted or "configured", state, exc,
+                             "at start (serving the version the fleet last served, else its configured one)")
+                loaded = self._load_last_served(wanted)
+        if loaded is None:
+            self.applied_stable = self._configured
+            loaded = load_version(self.settings, self.model)
+        self._initial = (loaded.version, generation)
+        return loaded
+
+    def _load_last_served(self, refused: str | None) -> LoadedModel | None:
+        """The last version the fleet served (other than ``refused`` and the configured one), loaded; None
+        when there is none or it cannot be loaded either (the caller then loads the configured one)."""
+        try:
+            entry = last_served(read_served(self.redis, self.model), other_than=(refused,))
+        except redis.RedisError as exc:
+            log.warning("cannot read the versions the fleet served (loading the configured version): %s", exc)
+            return None
+        if entry is None or entry.store_version is None or entry.store_version == self._configured:
+            log.warning("worker %s serves its configured %s version %s: no other version was served before it",
+                        self.hostname, self.model, self._configured or "(file)")
+            return None
+        try:
+            loaded = load_version(self.settings, self.model, entry.store_version)
+        except Exception as exc:
+            log.error("worker %s cannot load %s %s, the version the fleet last served, either (serving its "
+                      "configured version): %s", self.hostname, self.model, entry.store_version, exc)
+            return None
+        log.warning("worker %s serves %s %s, the version the fleet last served (%s, %.0f s ago), not the desired "
+                    "%s, which it refused", self.hostname, self.model, entry.store_version, entry.worker,
+                    max(0.0, time.time() - entry.at_unix_s), refused)
+        self.applied_stable = entry.store_version
+        return loaded
 
     def attach(self, runtime: WorkerRuntime) -> None:
         """The runtime whose engines this reconciler swaps."""
         self.runtime = runtime
 
     def start(self) -> None:
-        """Apply the state once (a canary is loaded before the first request), then start the thread."""
+        """Record the version :meth:`initial` loaded as served, apply the state once (a canary is loaded
+        before the first request), then start the thread."""
+        if self._initial is not None:
+            self._record_served(self._initial[0], self.applied_stable, self._initial[1])
         self.sync()
         self._thread.start()
 
@@ -123,7 +164,8 @@ class Reconciler:
         held = Held(self.applied_stable, runtime.canary.version if runtime.canary is not None else None)
         steps = plan(state, self._configured, held, self._refused)
         if steps.promote_canary and runtime.canary is not None:
-            self._swap("stable", runtime.canary, runtime.canary.version)  # its engine becomes stable, no reload
+            # its engine becomes stable, no reload
+            self._swap("stable", runtime.canary, runtime.canary.version, state)
         elif steps.load_stable:
             self._load("stable", steps.stable, state)
         if steps.drop_canary:
@@ -137,26 +179,40 @@ class Reconciler:
         try:
             loaded = load_version(self.settings, self.model, version)
         except Exception as exc:  # any load failure: refuse it, keep serving the old version
-            self._refuse(version or "configured", state, exc)
+            runtime = self.runtime
+            serving = "?" if runtime is None else runtime.scheduler.stable.version
+            if role == "canary" and runtime is not None and runtime.canary is not None:
+                serving = runtime.canary.version
+            then = f"keeps serving {serving} as {role}" if role == "stable" else f"its canary queue runs on {serving}"
+            self._refuse(version or "configured", state, exc, then)
             return
         log.info("worker %s loaded %s %s in %.0f ms (warm-up %.0f ms)", self.hostname, self.model,
                  loaded.version, loaded.load_ms, loaded.warmup_ms)
-        self._swap(role, loaded, version)
+        self._swap(role, loaded, version, state)
 
-    def _swap(self, role: Role, loaded: LoadedModel, version: str | None) -> None:
+    def _swap(self, role: Role, loaded: LoadedModel, version: str | None, state: ModelState | None) -> None:
         runtime = self.runtime
         assert runtime is not None
         if role == "stable":
             runtime.swap("stable", loaded)
             self.applied_stable = version
+            self._record_served(loaded.version, version, state.generation if state is not None else 0)
         else:
             runtime.swap("canary", loaded)
         log.info("worker %s serves %s %s as %s from the next batch", self.hostname, self.model, loaded.version, role)
 
-    def _refuse(self, version: str, state: ModelState | None, exc: BaseException) -> None:
+    def _record_served(self, version: str, store_version: str | None, generation: int) -> None:
+        """Append the stable version now in service (what a starting worker falls back to)."""
+        try:
+            record_served(self.redis, self.model, self.hostname, version, store_version or self._configured,
+                          generation)
+        except redis.RedisError as exc:
+            log.warning("could not record the served version: %s", exc)
+
+    def _refuse(self, version: str, state: ModelState | None, exc: BaseException, then: str) -> None:
+        """Record the refusal; ``then`` says what the worker does instead (logged)."""
         self._refused[version] = state.generation if state is not None else 0
-        log.error("worker %s refuses %s %s, keeps serving its current version: %s", self.hostname, self.model,
-                  version, exc)
+        log.error("worker %s refuses %s %s, %s: %s", self.hostname, self.model, version, then, exc)
         self.last_refusal = {"version": version, "error_type": type(exc).__name__, "error": str(exc),
                              "at_unix_s": time.time()}
         try:

@@ -106,7 +106,8 @@ def test_a_corrupted_version_is_refused_and_the_old_one_keeps_serving(
     beat = json.loads(r.get(WORKER_KEY_PREFIX + worker.hostname) or b"{}")
     assert beat["version"] == good.version and beat["last_refusal"]["version"] == bad.version
 
-    # a worker started while the corrupted version is pinned refuses it at start and serves the configured one
+    # a worker started while the corrupted version is pinned refuses it at start and serves the last version the
+    # fleet served (here the configured one)
     late = fleet.worker(cfg, MODEL, hostname="w2-refuse@test")
     late_beat = json.loads(r.get(WORKER_KEY_PREFIX + late.hostname) or b"{}")
     assert late_beat["version"] == good.version and late_beat["last_refusal"]["version"] == bad.version
