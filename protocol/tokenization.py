@@ -50,7 +50,7 @@ _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 class Tokenizer(Protocol):
     """Anything that turns text into ids and back."""
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -81,8 +81,8 @@ class ByteTokenizer:
     eos_token_id = 2
     vocab_size = 256 + BYTE_OFFSET
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of ``text``'s UTF-8 bytes (no bos/eos added).
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Ids of ``text``'s UTF-8 bytes (no bos/eos added, whatever ``add_special_tokens`` says).
 
         Raises:
             InvalidRequest: ``text`` cannot be encoded as UTF-8 (see :func:`utf8_text`).
@@ -116,18 +116,24 @@ class HFTokenizer:
         self.special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
         """Ids that :meth:`decode` skips."""
         self.byte_fallback_ids = _byte_fallback_ids(self._tok)
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        """Ids below it are the tokenizer's; a model's vocabulary may be larger (padded), and
+        :meth:`decode` skips the ids beyond it."""
         """Ids of ``<0xNN>`` byte pieces that the decoder joins into characters (SentencePiece/Llama
         ``ByteFallback``); empty when the decoder has no such step."""
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of ``text``, with the special tokens the tokenizer's post-processor adds; never padded
-        or truncated.
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Ids of ``text``, with the special tokens the tokenizer's post-processor adds (a Llama
+        tokenizer's BOS, BERT's ``[CLS]``/``[SEP]``) unless ``add_special_tokens`` is False; never
+        padded or truncated. A prompt rendered by a chat template already holds the special tokens
+        the template wrote (``{{ bos_token }}``), so it is encoded with ``add_special_tokens=False``,
+        as transformers' ``apply_chat_template`` does.
 
         Raises:
             InvalidRequest: ``text`` cannot be encoded as UTF-8 (see :func:`utf8_text`).
         """
         utf8_text(text)  # the library would raise a bare TypeError
-        return list(self._tok.encode(text).ids)
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids`` with special tokens skipped."""
@@ -200,8 +206,10 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._byte_pieces: frozenset[int] = frozenset()
         self._skipped: frozenset[int] = frozenset()
+        self._known_below: int | None = None  # ids from here on are not the tokenizer's: decode skips them
         if isinstance(tokenizer, HFTokenizer):
             self._byte_pieces, self._skipped = tokenizer.byte_fallback_ids, tokenizer.special_ids
+            self._known_below = tokenizer.vocab_size
         self._in_byte_run = False
         self._ids: list[int] = []  # the window: ids from prefix_offset on
         self._read = 0  # read_offset, relative to the window
@@ -216,7 +224,8 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """The text ``token_id`` adds (possibly ``""``: held back until a character is complete)."""
         self._ids.append(token_id)
-        if token_id not in self._skipped:  # skipped ids do not end a run: the decoder never sees them
+        skipped = token_id in self._skipped or (self._known_below is not None and token_id >= self._known_below)
+        if not skipped:  # skipped ids (specials, ids beyond the tokenizer's vocabulary) do not end a run
             self._in_byte_run = token_id in self._byte_pieces
         if self._in_byte_run:
             return ""

@@ -101,6 +101,24 @@ def test_hf_any_ids_exact(hf: dict[str, HFTokenizer], name: str, data: st.DataOb
     _assert_exact(tok, data.draw(st.lists(st.integers(0, vocab_size - 1), max_size=40)))
 
 
+@pytest.mark.parametrize("name", ["bpe", "wordpiece", "sentencepiece"])
+@settings(max_examples=400, deadline=None)
+@given(data=st.data())
+def test_ids_beyond_the_tokenizers_vocabulary_are_skipped_as_decode_does(
+    hf: dict[str, HFTokenizer], name: str, data: st.DataObject
+) -> None:
+    """A model's vocabulary may be larger than its tokenizer's (padded rows): an id the tokenizer does not
+    know must not end a byte-fallback run that decode joins across it."""
+    tok = hf[name]
+    known = tok._tok.get_vocab_size(with_added_tokens=True)
+    _assert_exact(tok, data.draw(st.lists(st.integers(0, known + 40), max_size=40)))
+
+
+def test_an_unknown_id_inside_a_byte_run(hf: dict[str, HFTokenizer]) -> None:
+    tok = hf["sentencepiece"]
+    _assert_exact(tok, [3 + ord("|"), tok._tok.get_vocab_size(with_added_tokens=True) + 5, 3 + 0xCD])  # decode: "\ufffd\ufffd", the run is whole
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.sampled_from([*BPE_WORDS, " ", "x", *MULTI_BYTE]), max_size=20).map("".join))
 def test_bpe_text_round_trips_without_replacement(hf: dict[str, HFTokenizer], text: str) -> None:
@@ -146,8 +164,8 @@ class _Spy:
         self.tok = tok
         self.longest = 0
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text)
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: list[int]) -> str:
         self.longest = max(self.longest, len(ids))

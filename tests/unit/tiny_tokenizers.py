@@ -68,8 +68,9 @@ def byte_level_bpe(path: Path, *, pad_to: int | None = None, truncate_at: int | 
     return _save(tok, path, pad_to, truncate_at, "</s>")
 
 
-def sentencepiece_bpe(path: Path) -> Path:
-    """A Llama-style tokenizer: ``▁`` word pieces, ``<0xNN>`` byte fallback, specials ``<unk>``/``<s>``/``</s>``."""
+def sentencepiece_bpe(path: Path, *, add_bos: bool = False) -> Path:
+    """A Llama-style tokenizer: ``▁`` word pieces, ``<0xNN>`` byte fallback, specials ``<unk>``/``<s>``/``</s>``;
+    ``add_bos`` gives it Llama's post-processor, which prepends ``<s>`` (id 1) to every encoding."""
     pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)),
               "▁the", "▁queue", "s", "▁", "日本", "▁🙂", "ing"]  # fmt: skip
     tok = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [], unk_token="<unk>", byte_fallback=True))
@@ -78,6 +79,10 @@ def sentencepiece_bpe(path: Path) -> Path:
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )
     tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+        )
     return _save(tok, path, None, None, "<unk>")
 
 
