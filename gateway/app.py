@@ -10,6 +10,7 @@
     GET    /v1/models                 200                 OpenAI's model list + versions, readiness, queue
     POST   /v1/completions, /v1/chat/completions, /v1/embeddings      OpenAI-compatible (gateway.openai_routes)
     GET    /healthz                   200                 the process is alive
+    GET    /health                    200 (empty)         the same, under vLLM's name (what guidellm probes)
     GET    /readyz[?model=m]          200 | 503           Redis reachable and >= 1 ready worker per model
     GET    /metrics                   200                 Prometheus text (plain, no auth)
     GET    /docs, /openapi.json                           OpenAPI
@@ -44,7 +45,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway.body_guard import JsonShapeMiddleware, RequestGuardMiddleware, bounds_for
 from gateway.deps import CallerDep, Gateway, GatewayDep
 from gateway.errors import ERROR_RESPONSES, error_payload, install_error_handlers, relay_error
-from gateway.middleware import BodyLimitMiddleware, MetricsMiddleware
+from gateway.middleware import AccessLogMiddleware, BodyLimitMiddleware, MetricsMiddleware
 from gateway.openai_routes import router as openai_router
 from gateway.outcomes import WAIT_S
 from gateway.schema import (
@@ -69,6 +70,7 @@ from protocol.errors import (
     error_from_payload,
 )
 from protocol.keys import REQUEST_KEY, STREAM_KEY
+from protocol.log_format import configure_logging
 from protocol.messages import InferenceRequest, decode_result
 from protocol.settings import FleetSettings
 from protocol.streams import StreamEvent
@@ -235,6 +237,14 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
+@router.get("/health", tags=["ops"], response_class=Response, responses={200: {"description": "empty body"}})
+async def health() -> Response:
+    """Liveness under the name vLLM serves and guidellm (and other OpenAI-server tooling) probe: 200 with
+    an empty body while the process answers HTTP, like ``/healthz``. It says nothing about Redis or
+    workers: ``/readyz`` does."""
+    return Response(status_code=200)
+
+
 @router.get("/readyz", tags=["ops"], responses={503: {"description": "not ready; 'problems' says why"}})
 def readyz(
     gw: GatewayDep,
@@ -252,8 +262,12 @@ def prometheus(gw: GatewayDep) -> Response:
     return Response(generate_latest(gw.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def create_app(settings: FleetSettings, client: FleetClient | None = None) -> FastAPI:
-    """The gateway app for ``settings``; it owns ``client`` (default: a new one) and closes it at shutdown."""
+def create_app(settings: FleetSettings, client: FleetClient | None = None, *, access_log: bool = False) -> FastAPI:
+    """The gateway app for ``settings``; it owns ``client`` (default: a new one) and closes it at shutdown.
+
+    ``access_log``: log one line per request on ``fleet.access``, with its request ID (what
+    :func:`serve` turns on with ``log.format: json``, in place of uvicorn's access log).
+    """
     gateway = Gateway(settings, client or FleetClient(settings))
     if not settings.api.api_keys:
         log.warning("api.api_keys is empty: /v1/* answers without an API key (set FLEET_API__API_KEYS)")
@@ -282,6 +296,8 @@ def create_app(settings: FleetSettings, client: FleetClient | None = None) -> Fa
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.api.max_body_bytes)
     app.add_middleware(RequestGuardMiddleware, keys=gateway.keys)
     app.add_middleware(MetricsMiddleware, metrics=gateway.metrics)
+    if access_log:
+        app.add_middleware(AccessLogMiddleware)
     install_error_handlers(app)
     return app
 
@@ -325,14 +341,24 @@ def serve(
     log_level: str = "info",
     access_log: bool = True,
 ) -> None:
-    """Run the gateway with uvicorn until interrupted (one process; run more for replicas)."""
+    """Run the gateway with uvicorn until interrupted (one process; run more for replicas).
+
+    With ``log.format: json`` every line (uvicorn's, the fleet's, the access log) is one JSON object
+    on stderr (:mod:`protocol.log_format`), and the access log is the fleet's own (with request IDs).
+    """
     import uvicorn
 
+    json_logs = settings.log.format == "json"
+    logging_kwargs: dict[str, Any] = {}
+    if json_logs:
+        configure_logging("json", log_level.upper())
+        logging_kwargs["log_config"] = None  # uvicorn's loggers propagate to the JSON root handler
     uvicorn.run(
-        create_app(settings),
+        create_app(settings, access_log=access_log and json_logs),
         host=host or settings.api.host,
         port=port or settings.api.port,
         log_level=log_level,
-        access_log=access_log,
+        access_log=access_log and not json_logs,
         proxy_headers=False,
+        **logging_kwargs,
     )

@@ -8,7 +8,7 @@ from celery import Celery
 from kombu import Queue  # type: ignore[attr-defined]
 
 from protocol import kombu_channel
-from protocol.redis_conn import celery_redis_config
+from protocol.redis_conn import MaskedConnection, celery_redis_config
 from protocol.settings import FleetSettings
 
 __all__ = ["celery_config", "make_celery"]
@@ -85,4 +85,5 @@ def make_celery(settings: FleetSettings, name: str = "onnx-fleet") -> Celery:
     conf = celery_config(settings)
     app = Celery(name, broker=conf["broker_url"], backend=conf["result_backend"], set_as_current=False)
     app.conf.update(conf)
+    app.amqp.Connection = MaskedConnection  # URLs in Celery's own lines: ':***@' only when there is a password
     return app

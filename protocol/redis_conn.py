@@ -37,6 +37,7 @@ import redis
 import redis.asyncio
 import redis.asyncio.sentinel
 import redis.sentinel
+from kombu import Connection  # type: ignore[attr-defined]
 
 if TYPE_CHECKING:
     from protocol.settings import FleetSettings
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SCHEMES",
     "TLS_QUERY_KEYS",
+    "MaskedConnection",
     "RedisTarget",
     "async_client",
     "await_subscription",
@@ -277,6 +279,17 @@ def _mask_one(url: str) -> str:
         pairs = parse_qsl(query, keep_blank_values=True)
         query = urlencode([(k, MASK if k in _SECRET_QUERY_KEYS else v) for k, v in pairs], safe="*/")
     return base + sep + query
+
+
+class MaskedConnection(Connection):
+    """kombu's Connection, whose URL as Celery and Flower show it (the worker's banner, "Connected to",
+    "Cannot connect to", Flower's "Broker:") goes through :func:`mask_url`: ``***`` for a password only
+    when the URL has one, where kombu's own ``as_uri`` writes ``redis://:**@host`` even without one.
+    Installed by :func:`protocol.celeryconf.make_celery` as the app's connection class."""
+
+    def as_uri(self, include_password: Any = False, mask: Any = "**", getfields: Any = None) -> str:
+        full: str = super().as_uri(include_password=True)
+        return full if include_password else mask_url(full)
 
 
 def redact(text: str, *secrets: str | None) -> str:

@@ -19,6 +19,7 @@ from celery import Celery, signals
 
 from protocol.celeryconf import make_celery
 from protocol.errors import ConfigError, FleetError
+from protocol.log_format import TEXT_FORMAT, JsonFormatter, configure_logging
 from protocol.settings import FleetSettings, load_settings
 
 __all__ = ["SETTINGS", "app", "create_app"]
@@ -50,6 +51,9 @@ def _settings_or_exit() -> FleetSettings:
 
 SETTINGS = _settings_or_exit()
 """This process's settings, built once at import (``celery -A workers.app`` imports this module)."""
+if SETTINGS.log.format == "json":  # from the first line: Celery warns (SecurityWarning) before it sets up logging
+    configure_logging("json", SETTINGS.worker.loglevel)
+    logging.captureWarnings(True)
 app = create_app(SETTINGS)
 
 
@@ -65,10 +69,8 @@ def _load_model_before_consuming(sender: Any = None, **_: Any) -> None:
     install_poison_guard()
     install_result_repr()  # the task-succeeded event's result text, without Celery's slow saferepr
 
-    logging.basicConfig(
-        level=SETTINGS.worker.loglevel,
-        format="[%(asctime)s: %(levelname)s/%(name)s] %(message)s",
-    )
+    if SETTINGS.log.format == "text":  # json: configured at import
+        logging.basicConfig(level=SETTINGS.worker.loglevel, format=TEXT_FORMAT)
     try:
         runtime = start_runtime(
             SETTINGS,
@@ -84,6 +86,29 @@ def _load_model_before_consuming(sender: Any = None, **_: Any) -> None:
         print(f"fleet worker: cannot start: {exc}", file=sys.stderr, flush=True)
         sys.stderr.flush()
         os._exit(3)  # SystemExit would be swallowed by the blueprint; nothing runs yet to clean up
+
+
+@signals.after_setup_logger.connect  # type: ignore[untyped-decorator]
+@signals.after_setup_task_logger.connect  # type: ignore[untyped-decorator]
+def _json_log_lines(logger: logging.Logger | None = None, **_: Any) -> None:
+    """With ``log.format: json``, every handler Celery set up writes JSON lines (protocol.log_format)."""
+    if SETTINGS.log.format == "json" and logger is not None:
+        for handler in logger.handlers:
+            handler.setFormatter(JsonFormatter())
+
+
+@signals.celeryd_after_setup.connect  # type: ignore[untyped-decorator]
+def _banner_as_a_log_line(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    """With ``log.format: json``, Celery's multi-line start-up banner (printed, not logged) becomes one
+    JSON line saying the same: hostname, transport (password masked), queues, concurrency."""
+    worker_app = getattr(instance, "app", None)
+    if SETTINGS.log.format != "json" or worker_app is None or worker_app is not app:
+        return
+    instance.quiet = True
+    queues = ",".join(sorted(q.name for q in worker_app.amqp.queues.consume_from.values()))
+    uri = worker_app.connection().as_uri()
+    log.info("celery worker %s: transport %s, queues %s, concurrency %s", sender, uri, queues,
+             getattr(instance, "concurrency", "?"))  # fmt: skip
 
 
 @signals.worker_ready.connect  # type: ignore[untyped-decorator]
