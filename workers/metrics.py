@@ -219,10 +219,14 @@ def install_metrics(runtime: WorkerRuntime, registry: CollectorRegistry | None =
         return _installed
     from prometheus_client import REGISTRY
 
+    from workers.progress import ProgressCollector
+    from workers.trace_guard import outside_body_errors
+
     metrics = WorkerMetrics(runtime, registry or REGISTRY)
     runtime.scheduler.add_observer(metrics.on_batch)
     runtime.scheduler.add_outcome_observer(metrics.on_outcomes)
     _connect_signals(metrics)
+    (registry or REGISTRY).register(ProgressCollector(runtime.model_key, runtime.progress, outside_body_errors))
     port = runtime.settings.worker.metrics_port
     if port:
         host = runtime.settings.worker.metrics_host or runtime.settings.api.host

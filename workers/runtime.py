@@ -29,6 +29,7 @@ from workers.engines import LoadedModel
 from workers.health import Heartbeat
 from workers.outcomes import OutcomeWriter
 from workers.policy import BatchPolicy
+from workers.progress import ProgressWatch, WorkerProgress
 from workers.reconcile import Reconciler
 from workers.scheduler import Role, Scheduler
 from workers.stream_publisher import StreamPublisher
@@ -82,6 +83,11 @@ class WorkerRuntime:
             sync_client(settings, socket_timeout=10),
             ttl_s=settings.result_ttl_s,
             max_len=self.model.limits.max_new_tokens + 16,
+        )
+        # readiness sees a worker that holds work it does not progress (workers.progress)
+        self.progress = WorkerProgress(
+            ProgressWatch(settings.worker.stall_after_s, settings.worker.slot_grace_s, settings.visibility_timeout_s),
+            work_done=self._work_done, queued=self._queued,
         )
         self.heartbeat = Heartbeat(self.redis, hostname, self.snapshot, settings.worker.heartbeat_s)
         self.scheduler.add_outcome_observer(
@@ -190,8 +196,22 @@ class WorkerRuntime:
         with self._count_lock:
             self.in_flight -= 1
 
+    def _work_done(self) -> int:
+        """Engine steps run so far: batches and the stable generation loop's steps (progress, for readiness)."""
+        loop = self.scheduler.generation
+        return self.scheduler.batches_run + (loop.steps_run if loop is not None else 0)
+
+    def _queued(self) -> int:
+        """Items waiting in this worker's queue and canary queue."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.llen(self.queue)
+            pipe.llen(self.canary_queue)
+            return sum(int(n) for n in pipe.execute())
+
     def snapshot(self) -> dict[str, Any]:
-        """The heartbeat document (see :mod:`workers.health`)."""
+        """The heartbeat document (see :mod:`workers.health`); ``ready`` is false while the worker holds
+        work it does not progress (``stalled_s`` >= ``worker.stall_after_s``, :mod:`workers.progress`)."""
+        progress = self.progress.check()
         return {
             "hostname": self.hostname,
             "pid": os.getpid(),
@@ -203,7 +223,10 @@ class WorkerRuntime:
             "queue": self.queue,
             "canary_queue": self.canary_queue,
             "providers": self.engine.providers,
-            "ready": self.ready,
+            "ready": self.ready and not progress.stalled,
+            "held": progress.held,
+            "stalled_s": round(progress.stalled_for_s, 1),
+            "overdue_slots": progress.overdue,
             "warm": self.model.engine.warmup,
             "concurrency": self.concurrency,
             "in_flight": self.in_flight,

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import redis
 
+from producer.ops_cli import probe
 from protocol.deadletter import Reason, read_entry
-from protocol.keys import DEAD_LETTER_KEY
+from protocol.keys import DEAD_LETTER_KEY, WORKER_KEY_PREFIX
 from tests.integration.fleet_fixtures import Fleet
-from tests.integration.outside_body_plugin import PREFIX
+from tests.integration.outside_body_plugin import HANG_TASK, PREFIX, RELEASE_KEY
 from tests.queue_items import envelope, raw
 from tools.processes import WorkerProcess
 
@@ -37,9 +38,21 @@ def _item(task_id: str, embed: dict[str, object]) -> bytes:
     return raw(envelope(QUEUE, json.dumps([[request], {}, embed]).encode(), task_id=task_id))
 
 
-def _small_config(fleet: Fleet) -> Path:
-    return fleet.config(worker={"concurrency": CONCURRENCY},
+def _small_config(fleet: Fleet, **worker: object) -> Path:
+    return fleet.config(worker={"concurrency": CONCURRENCY, **worker},
                         models={"demo-lm": {"batching": {"max_batch_size": CONCURRENCY}}})
+
+
+def _plugin_worker(fleet: Fleet, cfg: Path) -> WorkerProcess:
+    """A concurrency-2 demo-lm worker with the misbehaving test tasks (tests/integration/outside_body_plugin.py)."""
+    n = len(fleet.workers) + 1
+    proc = WorkerProcess(model="demo-lm", queue=QUEUE, redis_url=fleet.redis_url, concurrency=CONCURRENCY,
+                         hostname=f"ob{n}-demo-lm@test", env={"FLEET_CONFIG": str(cfg)},
+                         log_path=fleet.tmp_path / f"worker-{n}.log")
+    proc.cmd += ["--include", "tests.integration.outside_body_plugin"]
+    fleet.workers.append(proc.start())
+    proc.wait_ready(120)
+    return proc
 
 
 def test_messages_with_an_embed_the_fleet_does_not_use_never_wedge_the_worker(fleet: Fleet) -> None:
@@ -77,13 +90,7 @@ def test_an_exception_in_celerys_failure_handling_still_acks_and_frees_the_slot(
     the message is acked as failed, its FAILURE stored, its slot given back; twice as many such messages
     as the worker has slots, then a valid request, which must be served."""
     cfg = _small_config(fleet)
-    n = len(fleet.workers) + 1
-    proc = WorkerProcess(model="demo-lm", queue=QUEUE, redis_url=fleet.redis_url, concurrency=CONCURRENCY,
-                         hostname=f"ob{n}-demo-lm@test", env={"FLEET_CONFIG": str(cfg)},
-                         log_path=fleet.tmp_path / f"worker-{n}.log")
-    proc.cmd += ["--include", "tests.integration.outside_body_plugin"]
-    fleet.workers.append(proc.start())
-    proc.wait_ready(120)
+    proc = _plugin_worker(fleet, cfg)
     client = fleet.client(cfg)
     r = redis.Redis.from_url(fleet.redis_url)
     ids = [f"{PREFIX}{i}" for i in range(2 * CONCURRENCY)]
@@ -102,3 +109,42 @@ def test_an_exception_in_celerys_failure_handling_still_acks_and_frees_the_slot(
         time.sleep(0.1)
     assert "Exception raised outside body" in proc.log_tail(2_000_000)
     assert proc.proc is not None and proc.proc.poll() is None
+
+
+def test_a_worker_holding_work_it_does_not_progress_is_not_ready_until_it_progresses(fleet: Fleet) -> None:
+    """A held request that neither finishes nor lets the engine step: after worker.stall_after_s the heartbeat
+    says not ready and `fleet probe ready` fails, naming the stall; past its deadline + slot_grace_s the slot
+    is reported; once the request finishes the worker is ready again."""
+    cfg = _small_config(fleet, stall_after_s=2, slot_grace_s=0)
+    proc = _plugin_worker(fleet, cfg)
+    settings = fleet.settings(cfg)
+    r = redis.Redis.from_url(fleet.redis_url)
+
+    def beat() -> dict[str, object]:
+        return dict(json.loads(r.get(WORKER_KEY_PREFIX + proc.hostname) or b"{}"))
+
+    assert beat().get("ready") is True and probe(settings, "ready", worker=proc.hostname, models=None) == []
+    body = json.dumps([[{"deadline_unix_s": time.time() + 1}], {}, {}]).encode()
+    r.lpush(QUEUE, raw(envelope(QUEUE, body, task=HANG_TASK, task_id="hang-1")))
+
+    deadline = time.monotonic() + 60
+    while beat().get("ready") is not False:
+        assert time.monotonic() < deadline, (beat(), proc.log_tail())
+        time.sleep(0.1)
+    doc = beat()
+    assert doc.get("held") == 1 and float(str(doc.get("stalled_s"))) >= 2, doc
+    problems = probe(settings, "ready", worker=proc.hostname, models=None)
+    assert len(problems) == 1 and "made no progress" in problems[0], problems
+    assert probe(settings, "ready", worker=None, models=["demo-lm"]), "the model has no ready worker"
+    deadline = time.monotonic() + 30
+    while "hang-1 has held a slot" not in proc.log_tail(2_000_000):  # past its deadline + 0 s grace
+        assert time.monotonic() < deadline, proc.log_tail()
+        time.sleep(0.1)
+
+    r.set(RELEASE_KEY.format(id="hang-1"), 1)
+    deadline = time.monotonic() + 60
+    while beat().get("ready") is not True:
+        assert time.monotonic() < deadline, (beat(), proc.log_tail())
+        time.sleep(0.1)
+    assert probe(settings, "ready", worker=proc.hostname, models=None) == []
+    assert json.loads(r.get("celery-task-meta-hang-1") or b"{}").get("status") == "SUCCESS"
