@@ -47,7 +47,6 @@ from gateway.deps import CallerDep, Gateway, GatewayDep
 from gateway.errors import ERROR_RESPONSES, error_payload, install_error_handlers, relay_error
 from gateway.middleware import AccessLogMiddleware, BodyLimitMiddleware, MetricsMiddleware
 from gateway.openai_routes import router as openai_router
-from gateway.outcomes import WAIT_S
 from gateway.schema import (
     REQUEST_ID_PATTERN,
     BatchAccepted,
@@ -58,9 +57,9 @@ from gateway.schema import (
     SubmitBody,
 )
 from gateway.sse import EventStream, sse_frame
+from gateway.stream_relay import relay_events
 from producer.client import FleetClient, RequestStatus
 from producer.registry import read_fleet_state, readiness_problems
-from producer.streams import aiter_events
 from protocol.errors import (
     FleetError,
     InvalidRequest,
@@ -223,7 +222,7 @@ async def _stream_facts(gw: Gateway, request_id: str) -> tuple[dict[str, Any] | 
 
 async def _native_frames(gw: Gateway, request_id: str) -> AsyncIterator[bytes]:
     try:
-        async for event in aiter_events(gw.aredis, request_id, timeout_s=WAIT_S):
+        async for event in relay_events(gw, request_id):  # ends from the stored result if events were lost
             yield sse_frame(event.model_dump(mode="json", exclude_none=True))
     except (FleetError, redis.RedisError) as exc:  # silence past WAIT_S, an unreadable entry, Redis trouble
         err = relay_error(exc, request_id)

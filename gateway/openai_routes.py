@@ -72,8 +72,8 @@ from gateway.openai_schema import (
 )
 from gateway.outcomes import WAIT_S, await_outcomes
 from gateway.sse import DONE_FRAME, EventStream, sse_frame
+from gateway.stream_relay import relay_events
 from producer.registry import read_fleet_state
-from producer.streams import aiter_events
 from protocol.errors import FleetError, InvalidRequest, ModelLoadError, RequestNotFound
 from protocol.generation_config import load_generation_defaults
 from protocol.keys import CANCEL_CHANNEL, CANCEL_KEY
@@ -203,7 +203,7 @@ async def _frames(gw: Gateway, rid: str, writer: ChunkWriter, ended: list[bool])
     for payload in writer.opening():
         yield sse_frame(payload)
     try:
-        async for event in aiter_events(gw.aredis, rid, timeout_s=WAIT_S):
+        async for event in relay_events(gw, rid):  # ends from the stored result if events were lost
             if event.is_last:
                 ended.append(True)
             for payload in writer.on_event(event):

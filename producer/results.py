@@ -201,12 +201,17 @@ class ResultReader:
 
         Each token index comes once, even across a redelivery; the last event is ``final`` (finish
         reason, usage) or ``error``. Works before the worker starts it and after it finished
-        (the stream lives ``result_ttl_s``).
+        (the stream lives ``result_ttl_s``). A stream that stopped short of its end (events lost
+        in a Redis restart) ends from the stored result once there is one: same indexes, same text.
+        While Redis does not answer, the reader tries again for up to 30 s.
 
         Raises:
             ResultTimeout: no event for ``timeout_s`` seconds.
+            redis.ConnectionError: Redis did not answer for 30 s.
         """
-        return iter_events(self.redis, request_id, timeout_s=timeout_s)
+        return iter_events(
+            self.redis, request_id, timeout_s=timeout_s, outcome=lambda: self._finished([request_id]).get(request_id)
+        )
 
     @staticmethod
     def _as_fleet_error(value: Any) -> FleetError:

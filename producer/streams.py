@@ -16,33 +16,64 @@ redelivered attempt that ran out of time would write — and the iterator stops 
 
 ``timeout_s`` bounds the silence, not the whole stream: each entry that arrives (a replayed one too)
 restarts it, and :class:`~protocol.errors.ResultTimeout` is raised when nothing arrived for that long.
+
+A stream can stop short while its request finished (events lost in a Redis restart, trimmed by
+``MAXLEN``, a worker that could not write them). Given ``outcome`` (a reader of the stored result),
+a reader looks for the result whenever a block ran out empty, and at once when a token index skips
+ahead (a gap: the missing events can no longer come); found, it finishes from it
+(:func:`producer.stream_ending.ending_events`: same indexes, same text, nothing twice) instead of
+waiting for events that will never be written. While Redis does not answer, a reader reconnects,
+waiting :data:`FIRST_RETRY_S` doubling to :data:`MAX_RETRY_S` between tries, for at most
+``max_outage_s``; then the Redis error is raised.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import redis
 import redis.asyncio
 
-from protocol.errors import ResultTimeout
+from producer.stream_ending import ending_events
+from protocol.errors import FleetError, ResultTimeout
 from protocol.keys import STREAM_KEY
+from protocol.messages import InferenceResult
 from protocol.streams import StreamEvent, decode_event
 
-__all__ = ["READ_COUNT", "StreamCursor", "aiter_events", "iter_events"]
+__all__ = [
+    "FIRST_RETRY_S",
+    "MAX_OUTAGE_S",
+    "MAX_RETRY_S",
+    "READ_COUNT",
+    "Reconnect",
+    "StreamCursor",
+    "aiter_events",
+    "iter_events",
+]
 
 READ_COUNT = 256
 """Most entries one ``XREAD`` returns."""
+FIRST_RETRY_S = 0.05
+"""First wait before reading again after Redis did not answer (s); doubles up to :data:`MAX_RETRY_S`."""
+MAX_RETRY_S = 1.0
+"""Longest wait between two tries while Redis does not answer (s)."""
+MAX_OUTAGE_S = 30.0
+"""Default longest time a reader keeps trying while Redis does not answer (s)."""
+
+Outcome = InferenceResult | FleetError
+"""A finished request's stored result or error."""
 
 Entry = tuple[Any, dict[Any, Any]]
 """One stream entry as redis-py returns it: ``(entry id, fields)``."""
 
 
 class StreamCursor:
-    """Where a reader stands in one stream: the entry id read up to, the highest token index handed on,
-    and when its silence runs out. Pure: times come in as arguments (``time.monotonic()`` seconds)."""
+    """Where a reader stands in one stream: the entry id read up to, the highest token index handed on
+    (and the text they showed), whether events were missed, and when its silence runs out. Pure: times
+    come in as arguments (``time.monotonic()`` seconds)."""
 
     def __init__(self, request_id: str, *, now_s: float, timeout_s: float, block_ms: int = 1000) -> None:
         if timeout_s <= 0 or block_ms < 1:
@@ -55,18 +86,55 @@ class StreamCursor:
         self.highest_index = -1
         self.finished = False
         self.deadline_s = now_s + timeout_s
+        self.gap = False
+        """True once an event skipped ahead of the next token index: the ones between will never come."""
+        self.result_checked_s = now_s
+        self._shown: list[str] = []
+
+    @property
+    def shown_text(self) -> str:
+        """The text of every event handed on so far."""
+        return "".join(self._shown)
 
     def accept(self, event: StreamEvent) -> bool:
-        """True when ``event`` is for the caller: a token index above all handed on, or the stream's end."""
+        """True when ``event`` is for the caller: the next token index, or the stream's end.
+
+        A token index past the next one, or a ``final`` whose tokens were not all handed on, is held
+        back and sets :attr:`gap` (the stored result fills it in: :meth:`finish_from`). A ``final`` at
+        or below the highest index (a redelivered attempt that hit its deadline) and ``error`` always go.
+        """
         if self.finished:
             return False
-        if event.is_last:
+        if event.type == "error" or (event.type == "final" and event.index <= self.highest_index + 1):
             self.finished = True
+            self._shown.append(event.text)
             return True
+        if event.type == "final" or event.index > self.highest_index + 1:
+            self.gap = True
+            return False
         if event.index <= self.highest_index:
             return False
         self.highest_index = event.index
+        self._shown.append(event.text)
         return True
+
+    def result_due(self, now_s: float, got_entries: bool) -> bool:
+        """Whether to look for the stored result now: the block ran out empty, or a gap is open and
+        the last look is ``block_ms`` old."""
+        if self.finished:
+            return False
+        return not got_entries or (self.gap and now_s - self.result_checked_s >= self.block_ms / 1000)
+
+    def finish_from(self, outcome: Outcome, now_s: float) -> list[StreamEvent]:
+        """The events that end the stream from the stored ``outcome`` (see :mod:`producer.stream_ending`)."""
+        self.result_checked_s = now_s
+        events = ending_events(
+            self.request_id, outcome, highest_index=self.highest_index, shown_text=self.shown_text
+        )
+        for event in events:
+            self.accept(event)
+        self.finished = True
+        return events
 
     def feed(self, entries: Sequence[Entry], now_s: float) -> list[StreamEvent]:
         """The new events among ``entries`` (read after :attr:`last_id`), in order; restarts the silence.
@@ -126,31 +194,124 @@ def _entries(reply: Any) -> list[Entry]:
     return out
 
 
+class Reconnect:
+    """Waits between reads while Redis does not answer: :data:`FIRST_RETRY_S` doubling to
+    :data:`MAX_RETRY_S`, for at most ``max_outage_s`` from the first failure. Pure (times as arguments)."""
+
+    def __init__(self, max_outage_s: float) -> None:
+        self.max_outage_s = max_outage_s
+        self.down_since_s: float | None = None
+        self.delay_s = FIRST_RETRY_S
+
+    def failed(self, now_s: float) -> float | None:
+        """Seconds to wait before the next try; None once Redis has not answered for ``max_outage_s``."""
+        if self.down_since_s is None:
+            self.down_since_s, self.delay_s = now_s, FIRST_RETRY_S
+        else:
+            self.delay_s = min(MAX_RETRY_S, self.delay_s * 2)
+        left_s = self.down_since_s + self.max_outage_s - now_s
+        return None if left_s <= 0 else min(self.delay_s, left_s)
+
+    def answered(self) -> None:
+        """Redis answered: the next failure starts a new outage."""
+        self.down_since_s = None
+
+
+RETRIED = (redis.ConnectionError, redis.TimeoutError)
+"""What a reader retries: Redis unreachable, restarting (``LOADING`` is a ConnectionError), or slow."""
+
+
 async def aiter_events(
-    aredis: redis.asyncio.Redis[bytes], request_id: str, *, timeout_s: float, block_ms: int = 1000
+    aredis: redis.asyncio.Redis[bytes],
+    request_id: str,
+    *,
+    timeout_s: float,
+    block_ms: int = 1000,
+    outcome: Callable[[], Awaitable[Outcome | None]] | None = None,
+    max_outage_s: float = MAX_OUTAGE_S,
 ) -> AsyncIterator[StreamEvent]:
     """Each event of ``request_id``'s stream once, waiting with ``XREAD BLOCK`` on ``aredis`` (no thread).
 
     Stops after the last event (``final`` or ``error``). ``block_ms`` is the longest single wait.
+    ``outcome()`` returns the request's stored result or error (None while it has none); with it, a
+    stream that stopped short ends from the stored result (see the module's docstring).
 
     Raises:
         ResultTimeout: nothing arrived for ``timeout_s`` seconds.
         DecodeError: an entry is not a stream event.
+        redis.ConnectionError, redis.TimeoutError: Redis did not answer for ``max_outage_s``.
     """
     cursor = StreamCursor(request_id, now_s=time.monotonic(), timeout_s=timeout_s, block_ms=block_ms)
+    retry = Reconnect(max_outage_s)
     while not cursor.finished:
-        reply = await aredis.xread(*cursor.xread_args(time.monotonic()))
-        for event in cursor.read(reply, time.monotonic()):
+        try:
+            entries = _entries(await aredis.xread(*cursor.xread_args(time.monotonic())))
+            retry.answered()
+        except RETRIED as exc:
+            await asyncio.sleep(_retry_wait(retry, exc))
+            continue
+        for event in cursor.feed(entries, time.monotonic()):
             yield event
+        if outcome is not None and cursor.result_due(time.monotonic(), bool(entries)):
+            try:
+                stored = await outcome()
+            except RETRIED as exc:
+                await asyncio.sleep(_retry_wait(retry, exc))
+                continue
+            for event in _ending(cursor, stored):
+                yield event
+        _check_silence(cursor, entries)
 
 
 def iter_events(
-    redis_client: redis.Redis[bytes], request_id: str, *, timeout_s: float, block_ms: int = 1000
+    redis_client: redis.Redis[bytes],
+    request_id: str,
+    *,
+    timeout_s: float,
+    block_ms: int = 1000,
+    outcome: Callable[[], Outcome | None] | None = None,
+    max_outage_s: float = MAX_OUTAGE_S,
 ) -> Iterator[StreamEvent]:
     """The blocking twin of :func:`aiter_events` (one thread per open stream); same events, same errors.
 
     ``redis_client``'s ``socket_timeout`` (if any) must exceed ``block_ms``.
     """
     cursor = StreamCursor(request_id, now_s=time.monotonic(), timeout_s=timeout_s, block_ms=block_ms)
+    retry = Reconnect(max_outage_s)
     while not cursor.finished:
-        yield from cursor.read(redis_client.xread(*cursor.xread_args(time.monotonic())), time.monotonic())
+        try:
+            entries = _entries(redis_client.xread(*cursor.xread_args(time.monotonic())))
+            retry.answered()
+        except RETRIED as exc:
+            time.sleep(_retry_wait(retry, exc))  # the caller's thread waits for Redis: nothing else to do on it
+            continue
+        yield from cursor.feed(entries, time.monotonic())
+        if outcome is not None and cursor.result_due(time.monotonic(), bool(entries)):
+            try:
+                stored = outcome()
+            except RETRIED as exc:
+                time.sleep(_retry_wait(retry, exc))
+                continue
+            yield from _ending(cursor, stored)
+        _check_silence(cursor, entries)
+
+
+def _retry_wait(retry: Reconnect, exc: redis.RedisError) -> float:
+    """How long to wait before trying Redis again after ``exc``; raises ``exc`` past the outage bound."""
+    wait_s = retry.failed(time.monotonic())
+    if wait_s is None:
+        raise exc
+    return wait_s
+
+
+def _ending(cursor: StreamCursor, stored: Outcome | None) -> list[StreamEvent]:
+    """The events that end the stream from ``stored`` (none while the request has no stored result)."""
+    now_s = time.monotonic()
+    cursor.result_checked_s = now_s
+    return cursor.finish_from(stored, now_s) if stored is not None and not cursor.finished else []
+
+
+def _check_silence(cursor: StreamCursor, entries: list[Entry]) -> None:
+    """Raise ResultTimeout when the last read was empty and the stream is silent for ``timeout_s``."""
+    if not cursor.finished and not entries and cursor.timed_out(time.monotonic()):
+        raise cursor.timeout_error()

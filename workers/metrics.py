@@ -33,7 +33,8 @@ state); ``fleet_worker_batches_total`` carries ``version`` too. The series above
 ``model`` (and their own label), so existing queries and dashboards are unchanged.
 
 Generation series (time to first token, inter-token time, generated tokens, running sequences,
-KV tokens, finish reasons) are in :mod:`workers.generation_metrics`.
+KV tokens, finish reasons) are in :mod:`workers.generation_metrics`; the stream publisher's (events
+published, held while Redis does not answer, dropped) in :mod:`workers.stream_metrics`.
 
 ``rate(fleet_worker_tokens_total{kind="real"}[1m])`` is the worker's served tokens/s. The endpoint
 (``worker.metrics_port``; 0 = off) binds ``worker.metrics_host`` (default: the gateway's ``api.host``,
@@ -58,6 +59,7 @@ from workers.drain_meter import DrainMeter
 from workers.generation_metrics import TIME_BUCKETS, GenerationMetrics
 from workers.runtime import WorkerRuntime
 from workers.scheduler import BatchStats, JobOutcome
+from workers.stream_metrics import StreamPublisherCollector
 
 __all__ = ["WorkerMetrics", "install_metrics", "outcome_of", "queue_wait_ms_of"]
 
@@ -151,6 +153,7 @@ class WorkerMetrics:
         ).set_function(lambda: 1.0 if runtime.ready else 0.0)
         for outcome in ("succeeded", "invalid", "expired", "cancelled", "failed"):
             self.requests.labels(self.model, outcome)  # export zeros, so rate() sees the series start
+        registry.register(StreamPublisherCollector(self.model, runtime.streams))  # held/dropped stream events
         loop = runtime.scheduler.generation
         scheduler = runtime.scheduler
         self.generation = (

@@ -7,10 +7,19 @@ same loop it reads the cancel marks (``fleet:cancel:<id>``) of the generations t
 one ``MGET`` per ``cancel_poll_s``, and flags the cancelled ones; the scheduler ends them at its
 next step. A second thread listens on the ``fleet:cancels`` channel, where cancels are also
 published, so a cancel usually lands within one decode step; the poll catches any it missed.
+
+While Redis does not answer (a restart, a cut), events are held in order
+(:class:`workers.stream_buffer.PendingEvents`, bounded by events and bytes) and written when it
+answers again, tried :data:`FIRST_RETRY_S` doubling to :data:`MAX_RETRY_S` apart; the start and end
+of such an outage are logged with the events held, written and refused. What overflows is counted
+(:attr:`StreamPublisher.dropped`, ``fleet_worker_stream_events_dropped_total``) and logged; readers
+finish such a stream from the stored result (:mod:`producer.streams`). A command Redis refuses for
+good (not an outage: a key of another type, say) drops that event, logged and counted the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -20,15 +29,31 @@ from typing import Any
 import redis
 
 from protocol.errors import FleetError
-from protocol.keys import CANCEL_CHANNEL, CANCEL_KEY, STREAM_KEY
-from protocol.streams import StreamEvent, encode_event
+from protocol.keys import CANCEL_CHANNEL, CANCEL_KEY
+from protocol.streams import StreamEvent
 from workers.generation.sequence import GenSequence
+from workers.stream_buffer import DEFAULT_MAX_BYTES, DEFAULT_MAX_EVENTS, HeldEvent, PendingEvents
 
-__all__ = ["StreamPublisher"]
+__all__ = ["FIRST_RETRY_S", "MAX_RETRY_S", "WRITE_CHUNK", "StreamPublisher"]
 
 log = logging.getLogger("fleet.streams")
 
 _STOP = ("", None)
+FIRST_RETRY_S = 0.05
+"""First wait before writing again after Redis did not answer (s); doubles up to :data:`MAX_RETRY_S`."""
+MAX_RETRY_S = 1.0
+"""Longest wait between two writes while Redis does not answer (s)."""
+WRITE_CHUNK = 1024
+"""Most events one pipeline writes (a long outage's backlog goes out in order, chunk by chunk)."""
+_OUTAGE_PREFIXES = ("OOM", "MASTERDOWN", "TRYAGAIN", "BUSY", "LOADING")
+"""Replies that say Redis cannot write *now*: the events are kept and written later."""
+
+
+def _is_outage(exc: BaseException) -> bool:
+    """True for errors that pass (Redis away, restarting, read-only during a failover, out of memory)."""
+    if isinstance(exc, redis.ConnectionError | redis.TimeoutError | redis.exceptions.ReadOnlyError):
+        return True
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith(_OUTAGE_PREFIXES)
 
 
 class StreamPublisher:
@@ -41,11 +66,18 @@ class StreamPublisher:
         ttl_s: int,
         max_len: int = 4096,
         cancel_poll_s: float = 0.02,
+        max_held_events: int = DEFAULT_MAX_EVENTS,
+        max_held_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
+        """``max_held_events``/``max_held_bytes`` bound what is held while Redis does not answer."""
         self.redis = client
         self.ttl_s = ttl_s
         self.max_len = max_len
         self.cancel_poll_s = cancel_poll_s
+        self.pending = PendingEvents(max_held_events, max_held_bytes)
+        self.refused = 0
+        """Events Redis refused for good (counted in :attr:`dropped` too)."""
+        self._stop_deadline_s = float("inf")
         self._queue: queue.SimpleQueue[tuple[str, StreamEvent | None]] = queue.SimpleQueue()
         self._watched: dict[str, GenSequence] = {}
         self._lock = threading.Lock()
@@ -59,8 +91,14 @@ class StreamPublisher:
         self._thread.start()
         self._listener.start()
 
+    @property
+    def dropped(self) -> int:
+        """Events never written: over the hold's bounds, or refused by Redis for good."""
+        return self.pending.dropped + self.refused
+
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Publish what is queued, then stop."""
+        """Publish what is queued (trying for up to ``timeout_s`` while Redis does not answer), then stop."""
+        self._stop_deadline_s = time.monotonic() + max(0.0, timeout_s - 0.5)
         self._stopping.set()
         self._queue.put(_STOP)
         self._thread.join(timeout_s)
@@ -123,39 +161,79 @@ class StreamPublisher:
     def _loop(self) -> None:
         next_poll = time.monotonic()
         stopping = False
-        while not stopping:
-            batch: list[tuple[str, StreamEvent]] = []
-            try:
-                item = self._queue.get(timeout=self.cancel_poll_s)
-                while True:
-                    if item is _STOP or item[1] is None:
-                        stopping = True
-                    else:
-                        batch.append((item[0], item[1]))
-                    item = self._queue.get_nowait()
-            except queue.Empty:
-                pass
-            try:
-                if batch:
-                    self._write(batch)
-                if time.monotonic() >= next_poll:
+        outage = _Outage()
+        while True:
+            stopping = self._take() or stopping
+            now = time.monotonic()
+            if len(self.pending) and now >= outage.retry_at_s:
+                try:
+                    self._write_pending()
+                    outage.ended(self)
+                except redis.RedisError as exc:  # whatever it is, the thread lives on and tries again
+                    outage.failed(self, exc, now)
+            if not stopping and now >= next_poll:
+                with contextlib.suppress(redis.RedisError):  # the write path logs an outage; the poll waits
                     self._poll_cancels()
-                    next_poll = time.monotonic() + self.cancel_poll_s
-            except redis.RedisError as exc:  # Redis away: tokens still reach the stored result
-                log.warning("stream publisher: %s (%d events dropped)", exc, len(batch))
-                time.sleep(min(1.0, self.cancel_poll_s * 10))
+                next_poll = now + self.cancel_poll_s
+            if stopping and (not len(self.pending) or time.monotonic() >= self._stop_deadline_s):
+                break
+        if len(self.pending):
+            log.warning("stream publisher stopped with %d events unwritten (Redis did not answer); "
+                        "their readers finish from the stored results", len(self.pending))
 
-    def _write(self, batch: list[tuple[str, StreamEvent]]) -> None:
+    def _take(self) -> bool:
+        """Move what was published into the hold (waiting up to ``cancel_poll_s`` for the first);
+        True when :meth:`stop` asked to stop."""
+        stopping = False
+        dropped_before = self.pending.dropped
+        try:
+            item = self._queue.get(timeout=self.cancel_poll_s)
+            while True:
+                if item is _STOP or item[1] is None:
+                    stopping = True
+                else:
+                    self.pending.add(item[0], item[1])
+                item = self._queue.get_nowait()
+        except queue.Empty:
+            pass
+        if self.pending.dropped > dropped_before and (
+            dropped_before == 0 or self.pending.dropped // 10_000 > dropped_before // 10_000
+        ):  # the first drop, then one line per 10,000
+            log.warning("stream publisher: %d events held (%d bytes), over the bound (%d events, %d bytes): "
+                        "%d events dropped so far; their readers finish from the stored results",
+                        len(self.pending), self.pending.bytes, self.pending.max_events, self.pending.max_bytes,
+                        self.pending.dropped)
+        return stopping
+
+    def _write_pending(self) -> None:
+        """Write every held event, oldest first, :data:`WRITE_CHUNK` per pipeline.
+
+        Raises:
+            redis.RedisError: Redis did not answer (what was not written stays held, in order).
+        """
+        while len(self.pending):
+            chunk = self.pending.head(WRITE_CHUNK)
+            self._write(chunk)
+            self.pending.pop(len(chunk))
+
+    def _write(self, chunk: list[HeldEvent]) -> None:
         with self.redis.pipeline(transaction=False) as pipe:
-            keys = set()
-            for request_id, event in batch:
-                key = STREAM_KEY.format(id=request_id)
-                pipe.xadd(key, encode_event(event), maxlen=self.max_len, approximate=True)
-                keys.add(key)
+            for held in chunk:
+                pipe.xadd(held.key, held.fields, maxlen=self.max_len, approximate=True)
+            keys = list(dict.fromkeys(held.key for held in chunk))
             for key in keys:
                 pipe.expire(key, self.ttl_s)
-            pipe.execute()
-        self.published += len(batch)
+            replies = pipe.execute(raise_on_error=False)
+        errors = [r for r in replies if isinstance(r, Exception)]
+        passing = next((e for e in errors if _is_outage(e)), None)
+        if passing is not None:
+            raise passing  # the whole chunk again: a reader drops the entries it already has (by index)
+        refused = [held for held, r in zip(chunk, replies, strict=False) if isinstance(r, Exception)]
+        if refused:
+            self.refused += len(refused)
+            log.warning("stream publisher: Redis refused %d events (%s); their readers finish from the "
+                        "stored results", len(refused), errors[0])
+        self.published += len(chunk) - len(refused)
 
     def _poll_cancels(self) -> None:
         with self._lock:
@@ -167,3 +245,32 @@ class StreamPublisher:
         for seq, mark in zip(live, marks, strict=True):
             if mark is not None:
                 seq.cancel_requested = True
+
+
+class _Outage:
+    """When to write again while Redis does not answer, and what to log at its start and end."""
+
+    def __init__(self) -> None:
+        self.down_since_s: float | None = None
+        self.retry_at_s = 0.0
+        self.delay_s = FIRST_RETRY_S
+        self.published_before = 0
+        self.dropped_before = 0
+
+    def failed(self, publisher: StreamPublisher, exc: BaseException, now_s: float) -> None:
+        if self.down_since_s is None:
+            self.down_since_s, self.delay_s = now_s, FIRST_RETRY_S
+            self.published_before, self.dropped_before = publisher.published, publisher.dropped
+            log.warning("stream publisher: Redis does not answer (%s); holding %d events until it does",
+                        exc, len(publisher.pending))
+        else:
+            self.delay_s = min(MAX_RETRY_S, self.delay_s * 2)
+        self.retry_at_s = now_s + self.delay_s
+
+    def ended(self, publisher: StreamPublisher) -> None:
+        if self.down_since_s is None:
+            return
+        log.warning("stream publisher: Redis answers again after %.1f s; wrote %d held events, %d dropped",
+                    time.monotonic() - self.down_since_s, publisher.published - self.published_before,
+                    publisher.dropped - self.dropped_before)
+        self.down_since_s, self.retry_at_s = None, 0.0

@@ -1,0 +1,41 @@
+"""The gateway's reader of a generation's stream, for the native SSE route and the OpenAI routes alike.
+
+:func:`relay_events` is :func:`producer.streams.aiter_events` on the gateway's ``redis.asyncio``
+client with the stored result as its backstop: a stream that stopped short of its end (events
+lost in a Redis restart, a worker that could not write them) ends from the stored result (same
+token indexes, same text), and the reader never waits for events that can no longer come. While
+Redis does not answer it tries again, for up to :data:`producer.streams.MAX_OUTAGE_S`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from gateway.deps import Gateway
+from gateway.outcomes import WAIT_S, Outcome
+from producer.streams import aiter_events
+from protocol.streams import StreamEvent
+
+__all__ = ["relay_events", "stored_outcome"]
+
+
+async def stored_outcome(gw: Gateway, request_id: str) -> Outcome | None:
+    """``request_id``'s stored result or error, read the way the client reads it; None while it has none."""
+    backend = gw.fleet.app.backend
+    raw = await gw.aredis.get(backend.get_key_for_task(request_id))
+    return None if raw is None else gw.fleet.outcome_of(request_id, backend.decode_result(raw))
+
+
+def relay_events(gw: Gateway, request_id: str, *, timeout_s: float = WAIT_S) -> AsyncIterator[StreamEvent]:
+    """Each event of ``request_id``'s stream once, ending with ``final`` or ``error`` (see the module).
+
+    Raises (while iterating):
+        ResultTimeout: nothing arrived for ``timeout_s`` and no result is stored.
+        DecodeError: an entry is not a stream event.
+        redis.ConnectionError, redis.TimeoutError: Redis did not answer for ``MAX_OUTAGE_S``.
+    """
+
+    async def outcome() -> Outcome | None:
+        return await stored_outcome(gw, request_id)
+
+    return aiter_events(gw.aredis, request_id, timeout_s=timeout_s, outcome=outcome)

@@ -1,0 +1,88 @@
+"""The stream publisher's bounded hold of events not yet written to Redis (pure: no I/O, no clock).
+
+Every event a generation emits waits here until a pipeline wrote it; while Redis does not answer
+(a restart, a network cut) events pile up, in order, and are written when it answers again, with
+their token indexes, so readers see the stream continue where it stopped.
+
+The hold is bounded by events and by bytes (``max_events``, ``max_bytes``). Past a bound a token
+event is refused and counted in :attr:`PendingEvents.dropped`; its stream has a gap from then on, so
+its later tokens are refused too (a reader cannot hand them on past the gap: it finishes from the
+stored result instead), which keeps room for other streams. The event that ends a stream (``final``
+or ``error``) has a reserve as large again: it is what lets a reader finish at once, and it is small.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from protocol.keys import STREAM_KEY
+from protocol.streams import StreamEvent, encode_event
+
+__all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MAX_EVENTS", "HeldEvent", "PendingEvents"]
+
+DEFAULT_MAX_EVENTS = 100_000
+"""Default most events held (about a minute of 16 generations at 100 tokens/s each)."""
+DEFAULT_MAX_BYTES = 32 * 1024 * 1024
+"""Default most bytes held (stream keys + encoded events)."""
+_ENTRY_OVERHEAD_BYTES = 64
+"""What one held event costs beyond its key and JSON (tuple, strings' headers), roughly."""
+
+
+@dataclass(frozen=True)
+class HeldEvent:
+    """One event waiting for its ``XADD``."""
+
+    request_id: str
+    key: str
+    fields: dict[str, str]
+    size_bytes: int
+    last: bool
+
+
+class PendingEvents:
+    """Events in the order they were published, bounded by ``max_events`` and ``max_bytes``."""
+
+    def __init__(self, max_events: int = DEFAULT_MAX_EVENTS, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        if max_events < 1 or max_bytes < 1:
+            raise ValueError(f"max_events ({max_events}) and max_bytes ({max_bytes}) must be >= 1")
+        self.max_events = max_events
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.dropped = 0
+        """Events refused over the bounds since this hold was made."""
+        self._items: deque[HeldEvent] = deque()
+        self._cut: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, request_id: str, event: StreamEvent) -> bool:
+        """Hold ``event``; False when it was refused (over the bounds, or its stream already has a gap)."""
+        fields = encode_event(event)
+        key = STREAM_KEY.format(id=request_id)
+        size = len(key) + sum(len(k) + len(v) for k, v in fields.items()) + _ENTRY_OVERHEAD_BYTES
+        last = event.is_last
+        if last:
+            self._cut.discard(request_id)  # the stream ends here: nothing of it follows
+        elif request_id in self._cut:
+            self.dropped += 1
+            return False
+        reserve = 2 if last else 1
+        if len(self._items) >= self.max_events * reserve or self.bytes + size > self.max_bytes * reserve:
+            self.dropped += 1
+            if not last:
+                self._cut.add(request_id)
+            return False
+        self._items.append(HeldEvent(request_id, key, fields, size, last))
+        self.bytes += size
+        return True
+
+    def head(self, n: int) -> list[HeldEvent]:
+        """The ``n`` oldest events (fewer when fewer are held), still held."""
+        return [self._items[i] for i in range(min(n, len(self._items)))]
+
+    def pop(self, n: int) -> None:
+        """Let go of the ``n`` oldest events (written, or refused by Redis for good)."""
+        for _ in range(min(n, len(self._items))):
+            self.bytes -= self._items.popleft().size_bytes
