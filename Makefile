@@ -4,13 +4,18 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint bench bench-quick models clean reliability
+.PHONY: demo test lint bench bench-quick models clean reliability constraints
 
-$(STAMP): pyproject.toml setup.py
+# constraints.txt: the exact versions CI tested (pip constraints); `make constraints` regenerates it
+$(STAMP): pyproject.toml setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[dev,bench]"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,bench]"
 	touch $(STAMP)
+
+## constraints: rewrite constraints.txt from this environment (after a deliberate upgrade, once the tests pass)
+constraints: $(STAMP)
+	$(BIN)/python -m tools.lock_constraints
 
 ## demo: whole fleet end to end on a private Redis (no Docker, no Redis needed), then clean shutdown
 demo: $(STAMP)

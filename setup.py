@@ -20,7 +20,11 @@ import os
 from setuptools import setup
 
 BASE = [
-    "celery[redis]>=5.5,<6",
+    # The worker adapts kombu's and Celery's internals (workers/broker_versions.py): pinned to the minor
+    # versions the tests ran, checked again at worker start; constraints.txt holds the exact versions.
+    "celery[redis]>=5.7,<5.8",
+    "kombu>=5.7,<5.8",
+    "packaging>=23",  # the worker's version check
     "redis>=5",
     "numpy>=1.26",
     "onnx>=1.16",

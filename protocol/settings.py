@@ -262,6 +262,11 @@ class WorkerSettings(_Section):
         description="How often a worker re-reads its model's desired state (pinned / canary version) besides "
         "the pub/sub notice: pub/sub is instant but lossy across reconnects; the periodic read converges.",
     )
+    allow_untested_kombu: bool = Field(
+        default=False,
+        description="Start even when celery or kombu is outside the versions the fleet was tested with "
+        "(workers.broker_versions.TESTED; the worker adapts their internals); logged as a warning at every start.",
+    )
     metrics_host: str | None = Field(
         default=None,
         description="Address the metrics port binds; None = where the gateway binds (api.host, 127.0.0.1 by "

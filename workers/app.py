@@ -49,11 +49,24 @@ def _settings_or_exit() -> FleetSettings:
         raise SystemExit(2) from exc
 
 
+def _tested_broker_or_exit(settings: FleetSettings) -> None:
+    """Refuse (exit 3) a celery or kombu outside the tested versions before any of their internals are
+    adapted (:mod:`workers.broker_versions`); ``worker.allow_untested_kombu`` starts anyway, warned."""
+    from workers.broker_versions import check_broker_versions
+
+    try:
+        check_broker_versions(settings.worker.allow_untested_kombu)
+    except ConfigError as exc:
+        print(f"fleet worker: cannot start: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(3) from exc
+
+
 SETTINGS = _settings_or_exit()
 """This process's settings, built once at import (``celery -A workers.app`` imports this module)."""
 if SETTINGS.log.format == "json":  # from the first line: Celery warns (SecurityWarning) before it sets up logging
     configure_logging("json", SETTINGS.worker.loglevel)
     logging.captureWarnings(True)
+_tested_broker_or_exit(SETTINGS)
 app = create_app(SETTINGS)
 
 

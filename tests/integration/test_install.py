@@ -15,9 +15,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from packaging.specifiers import SpecifierSet
 
 from protocol.errors import ConfigError
+from tools.lock_constraints import freeze
 from workers import engine
+from workers.broker_versions import TESTED, installed_versions, untested
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,9 +45,14 @@ def _base_requirements(tmp_path: Path, flavour: str | None) -> list[str]:
 )
 def test_the_base_install_brings_exactly_one_ort_build(tmp_path: Path, flavour: str | None,
                                                         expected: list[str]) -> None:
-    names = [re.match(r"[A-Za-z0-9_.-]+", r).group(0) for r in _base_requirements(tmp_path, flavour)]  # type: ignore[union-attr]
+    requires = _base_requirements(tmp_path, flavour)
+    names = [re.match(r"[A-Za-z0-9_.-]+", r).group(0) for r in requires]  # type: ignore[union-attr]
     assert [n for n in names if n.startswith("onnxruntime")] == expected
     assert "celery" in names and "pydantic" in names
+    # celery and kombu are pinned to the range the worker accepts at start (workers.broker_versions)
+    pins = {n: r[len(n):].split(";")[0].strip() for n, r in zip(names, requires, strict=True)}
+    assert {d: str(SpecifierSet(pins[d].removeprefix("[redis]"))) for d in TESTED} == {
+        d: str(SpecifierSet(s)) for d, s in TESTED.items()}
 
 
 def test_an_unknown_ort_build_is_refused_with_the_choices(tmp_path: Path) -> None:
@@ -67,3 +75,15 @@ def test_a_worker_refuses_an_environment_with_both_builds(monkeypatch: pytest.Mo
 
 def test_this_environment_reports_its_one_build() -> None:
     assert engine.check_single_ort_build().startswith("onnxruntime ")
+
+
+def test_the_lock_file_pins_what_this_environment_runs() -> None:
+    """constraints.txt (what make and CI install from) holds this environment's versions: a fresh
+    ``pip install -c constraints.txt -e .[dev,bench]`` reproduces what the tests run on."""
+    locked = {line.split("==")[0].lower(): line.split("==")[1]
+              for line in (ROOT / "constraints.txt").read_text().splitlines() if "==" in line and line[0] != "#"}
+    assert untested({d: locked.get(d, "not installed") for d in TESTED}) == []
+    assert {d: locked[d] for d in TESTED} == installed_versions()
+    here = {line.split("==")[0].lower(): line.split("==")[1] for line in freeze()}
+    drift = {name: (version, here.get(name)) for name, version in locked.items() if here.get(name) != version}
+    assert not drift, f"locked vs installed {drift}: run `make constraints` after a deliberate upgrade, or reinstall"
