@@ -99,6 +99,9 @@ def test_the_override_starts_it_with_a_warning(fleet: Fleet, below_range: tuple[
     log = worker.log_tail(200_000)
     assert f"starting on untested kombu {BELOW_RANGE_KOMBU} (tested: {TESTED['kombu']})" in log
     assert "because worker.allow_untested_kombu is set" in log
+    client = fleet.client(cfg)
+    result = client.result(client.submit("demo-lm", [5, 6, 7], top_k=2), wait=True, timeout_s=60)
+    assert result is not None and result.top_k is not None and result.timings.worker == worker.hostname
 
 
 @pytest.mark.parametrize("end", ["oldest", "newest"])
