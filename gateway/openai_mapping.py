@@ -1,9 +1,11 @@
 """OpenAI requests into the fleet's own, and the fleet's results and stream events back (pure: no I/O).
 
 Requests
-    ``max_tokens`` (chat: ``max_completion_tokens`` first) → ``max_new_tokens``; default 16 on
-    ``/v1/completions`` (OpenAI's), the model's ``limits.max_new_tokens`` on chat.
-    ``temperature`` (default 1, OpenAI's; 0 = greedy), ``top_p``, ``seed`` (default 0: the fleet's
+    ``max_tokens`` (chat: ``max_completion_tokens`` first) → ``max_new_tokens``. A field the caller
+    leaves unset takes the model's ``generation_config.json`` default (as every face does), else
+    OpenAI's: ``max_tokens`` 16 on ``/v1/completions``, the model's ``limits.max_new_tokens`` on chat
+    (a default is cut to what fits beside the prompt), temperature 1.
+    ``temperature`` (0 = greedy), ``top_p``, ``seed`` (default 0: the fleet's
     sampling is always seeded, so equal requests give equal tokens), ``stop`` (a string or a list)
     map one to one, as do the fleet extensions ``top_k``, ``repetition_penalty``, ``ignore_eos``,
     ``stop_token_ids``. Refused with a 400 naming the field: ``n``/``best_of`` other than 1,
@@ -42,7 +44,7 @@ from gateway.openai_schema import (
     EmbeddingList,
     EmbeddingUsage,
 )
-from protocol.errors import FleetError, InvalidRequest, error_from_payload
+from protocol.errors import FleetError, InvalidRequest, ModelLoadError, error_from_payload
 from protocol.messages import FinishReason, GenerationParams, InferenceResult, Usage, as_invalid_request
 from protocol.streams import StreamEvent
 
@@ -59,7 +61,9 @@ __all__ = [
     "embedding_inputs",
     "embedding_list",
     "finish_reason",
+    "generation_fallbacks",
     "generation_params",
+    "max_tokens_field",
     "rename_field",
 ]
 
@@ -109,17 +113,26 @@ def check_supported(body: CompletionBody | ChatBody | EmbeddingBody) -> None:
             raise _refuse(name, getattr(body, name), "the fleet returns plain text without log-probabilities")
 
 
-def generation_params(body: CompletionBody | ChatBody, *, default_max_tokens: int) -> GenerationParams:
-    """The fleet's sampling parameters for ``body`` (``stream`` set from ``body.stream``).
+def max_tokens_field(body: CompletionBody | ChatBody) -> str:
+    """The field that caps the body's length as the caller named it: chat's ``max_completion_tokens``
+    when given, else ``max_tokens``."""
+    return "max_completion_tokens" if isinstance(body, ChatBody) and body.max_completion_tokens else "max_tokens"
+
+
+def generation_params(body: CompletionBody | ChatBody) -> GenerationParams:
+    """The fleet's sampling parameters that ``body`` sets (``stream`` always, from ``body.stream``).
+
+    Only the fields the caller sent are set (``model_fields_set``): the rest are resolved where every
+    face resolves them (:meth:`producer.client.FleetClient.build_request`: the model's
+    ``generation_config.json``, else :func:`generation_fallbacks`).
 
     Raises:
         InvalidRequest: a value out of the fleet's range, naming the OpenAI field.
     """
-    max_field = "max_completion_tokens" if isinstance(body, ChatBody) and body.max_completion_tokens else "max_tokens"
-    max_tokens = getattr(body, max_field)
+    max_field = max_tokens_field(body)
     fields: dict[str, Any] = {
-        "max_new_tokens": max_tokens if max_tokens is not None else default_max_tokens,
-        "temperature": DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+        "max_new_tokens": getattr(body, max_field),
+        "temperature": body.temperature,
         "top_p": body.top_p,
         "seed": body.seed,
         "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
@@ -135,6 +148,14 @@ def generation_params(body: CompletionBody | ChatBody, *, default_max_tokens: in
         raise rename_field(as_invalid_request(exc), {"max_new_tokens": max_field}) from exc
 
 
+def generation_fallbacks(face: Face, chat_max_new_tokens: int) -> dict[str, Any]:
+    """OpenAI's own defaults, for what neither the caller nor the model's ``generation_config.json`` sets:
+    temperature 1, and ``max_tokens`` 16 on completions, ``chat_max_new_tokens`` (the model's limit) on
+    chat."""
+    max_new = COMPLETIONS_DEFAULT_MAX_TOKENS if face == "completion" else chat_max_new_tokens
+    return {"temperature": DEFAULT_TEMPERATURE, "max_new_tokens": max_new}
+
+
 def rename_field(exc: E, names: dict[str, str], prefix: str = "") -> E:
     """An InvalidRequest ``exc`` with its field named as the caller named it: ``prefix`` stripped, then
     ``names`` applied to the whole field, else to its first name (``output.generation.max_new_tokens``
@@ -143,8 +164,8 @@ def rename_field(exc: E, names: dict[str, str], prefix: str = "") -> E:
     if not isinstance(exc, InvalidRequest) or not exc.field:
         return exc
     field = exc.field[len(prefix) :] if prefix and exc.field.startswith(prefix) else exc.field
-    if field in names:
-        return type(exc)(exc.message, names[field], exc.limit)
+    if field in names:  # the message names the field as the error did (output.generation.max_new_tokens = …)
+        return type(exc)(exc.message.replace(exc.field, names[field]), names[field], exc.limit)
     head = re.match(r"[A-Za-z_]*", field).group()  # type: ignore[union-attr]  # always matches
     renamed = names.get(head, head) + field[len(head) :]
     return type(exc)(exc.message.replace(exc.field, renamed), renamed, exc.limit)
@@ -205,15 +226,21 @@ def embedding_inputs(body: EmbeddingBody) -> list[Prompt]:
     """One prompt per vector asked for.
 
     Raises:
-        InvalidRequest: an empty ``input``.
+        InvalidRequest: an empty ``input`` (``""``, ``[]``), or an empty text or token list in it
+            (field ``input[i]``), as OpenAI refuses them; never a vector of no tokens.
     """
     given = body.input
     if isinstance(given, str):
-        return [(None, given)]
+        given = [given]
     if not given:
         raise InvalidRequest("input is empty: give a text, texts, token ids or lists of token ids", "input", 1)
     if all(isinstance(x, int) for x in given):
         return [(list(given), None)]  # type: ignore[arg-type]
+    for i, item in enumerate(given):
+        if not item:
+            field = "input" if isinstance(body.input, str) else f"input[{i}]"
+            what = "an empty string" if isinstance(item, str) else "an empty list of token ids"
+            raise InvalidRequest(f"{field} is {what}: every input needs at least one character or token", field, 1)
     return [(None, x) if isinstance(x, str) else (list(x), None) for x in given]  # type: ignore[arg-type]
 
 
@@ -226,23 +253,49 @@ def _usage(usage: Usage) -> CompletionUsage:
     return CompletionUsage(**usage.model_dump())
 
 
-def completion_response(rid: str, model: str, created: int, result: InferenceResult) -> CompletionResponse:
-    """A finished generation as a ``text_completion``."""
+def _text(rid: str, model: str, result: InferenceResult) -> str:
+    """The generated text; never an empty string standing in for text the worker could not write.
+
+    Raises:
+        ModelLoadError: (field ``tokenizer``) the worker returned token ids without text (the model has
+            no tokenizer there); the ids are in the message and in ``GET /v1/requests/{rid}``.
+    """
     gen = result.generation
     if gen is None:  # pragma: no cover - a generate request always has one
         raise ValueError(f"result {rid} holds no generation")
-    choice = CompletionChoice(text=gen.text or "", finish_reason=finish_reason(gen.finish_reason))
+    if gen.text is None:
+        raise ModelLoadError(
+            f"model {model!r} generated token ids {gen.token_ids} but no text: it has no tokenizer on the worker "
+            f"(GET /v1/requests/{rid} has the ids)",
+            "tokenizer",
+            None,
+        )
+    return gen.text
+
+
+def completion_response(rid: str, model: str, created: int, result: InferenceResult) -> CompletionResponse:
+    """A finished generation as a ``text_completion``.
+
+    Raises:
+        ModelLoadError: the generation has token ids but no text (see :func:`_text`).
+    """
+    text = _text(rid, model, result)
+    gen = result.generation
+    assert gen is not None  # _text checked it
+    choice = CompletionChoice(text=text, finish_reason=finish_reason(gen.finish_reason))
     return CompletionResponse(id=f"cmpl-{rid}", created=created, model=model, choices=[choice], usage=_usage(gen.usage))
 
 
 def chat_response(rid: str, model: str, created: int, result: InferenceResult) -> ChatCompletion:
-    """A finished generation as a ``chat.completion``."""
+    """A finished generation as a ``chat.completion``.
+
+    Raises:
+        ModelLoadError: the generation has token ids but no text (see :func:`_text`).
+    """
+    text = _text(rid, model, result)
     gen = result.generation
-    if gen is None:  # pragma: no cover - a generate request always has one
-        raise ValueError(f"result {rid} holds no generation")
-    choice = ChatChoice(
-        message=ChatResponseMessage(content=gen.text or ""), finish_reason=finish_reason(gen.finish_reason)
-    )
+    assert gen is not None  # _text checked it
+    choice = ChatChoice(message=ChatResponseMessage(content=text), finish_reason=finish_reason(gen.finish_reason))
     return ChatCompletion(id=f"chatcmpl-{rid}", created=created, model=model, choices=[choice], usage=_usage(gen.usage))
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from functools import lru_cache, partial
 from pathlib import Path
 from typing import Annotated, Any
@@ -46,7 +45,6 @@ from gateway.deps import CallerDep, Gateway, GatewayDep
 from gateway.disconnect import ClientLeft, unless_client_leaves
 from gateway.errors import fleet_error_response, openai_error_of, relay_error
 from gateway.openai_mapping import (
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChunkWriter,
     Face,
     Prompt,
@@ -57,7 +55,9 @@ from gateway.openai_mapping import (
     completion_response,
     embedding_inputs,
     embedding_list,
+    generation_fallbacks,
     generation_params,
+    max_tokens_field,
     rename_field,
 )
 from gateway.openai_schema import (
@@ -74,11 +74,9 @@ from gateway.outcomes import WAIT_S, await_outcomes
 from gateway.sse import DONE_FRAME, EventStream, sse_frame
 from gateway.stream_relay import relay_events
 from producer.registry import read_fleet_state
-from protocol.errors import FleetError, InvalidRequest, ModelLoadError, RequestNotFound
-from protocol.generation_config import load_generation_defaults
+from protocol.errors import FleetError, InvalidRequest, RequestNotFound
 from protocol.keys import CANCEL_CHANNEL, CANCEL_KEY
 from protocol.messages import InferenceRequest, InferenceResult
-from protocol.modelcard import load_card
 
 __all__ = ["router"]
 
@@ -90,62 +88,75 @@ SSE: dict[int | str, dict[str, Any]] = {
 }
 
 
-@dataclass(frozen=True)
-class _ModelFacts:
-    """What the OpenAI routes read from a model's folder: its chat template and generation bounds."""
-
-    chat: ChatTemplate | None
-    default_max_new_tokens: int | None
-    max_positions: int | None
-
-
 @lru_cache(maxsize=64)
-def _facts(path: Path) -> _ModelFacts:
-    """Read once per model file and process: a template added later needs a gateway restart."""
-    try:
-        card = load_card(path)
-    except ModelLoadError:  # the model file is not on this machine: workers validate for us
-        return _ModelFacts(None, None, None)
-    return _ModelFacts(load_chat(path), load_generation_defaults(path, card).max_new_tokens, card.max_positions)
-
-
-def _default_max_tokens(facts: _ModelFacts, prompt_tokens: int, fallback: int) -> int:
-    """The model's default ``max_new_tokens`` (else ``fallback``), cut to what fits beside the prompt."""
-    wanted = facts.default_max_new_tokens or fallback
-    room = facts.max_positions - prompt_tokens if facts.max_positions else wanted
-    return max(1, min(wanted, room))
+def _chat_template(path: Path) -> ChatTemplate | None:
+    """Read once per model file and process: a template added later needs a gateway restart. None when
+    the model's folder has none (or is not on this machine)."""
+    return load_chat(path)
 
 
 def _build(gw: Gateway, body: CompletionBody | ChatBody, prompt: Prompt, field: str) -> InferenceRequest:
     """Tokenize, map the sampling fields and validate one generation (runs in a worker thread).
 
+    Fields the body leaves unset are resolved by :meth:`FleetClient.build_request` (the model's
+    ``generation_config.json``, else OpenAI's defaults), as on every face.
+
     Raises:
         InvalidRequest: naming the OpenAI field (``prompt``/``messages``, ``max_tokens``, …).
     """
-    max_field = "max_completion_tokens" if isinstance(body, ChatBody) and body.max_completion_tokens else "max_tokens"
-    names = {"input_ids": field, "text": field, "max_new_tokens": max_field, "output.kind": "model"}
+    names = {"input_ids": field, "text": field, "max_new_tokens": max_tokens_field(body), "output.kind": "model"}
     try:
         key = gw.settings.model_key(body.model)
+        _refuse_without_tokenizer(gw, key, body.model)
         ids, text = prompt
         ids = ids if ids is not None else gw.fleet.tokenize(key, text or "")
-        spec = gw.settings.models[key]
-        fallback = COMPLETIONS_DEFAULT_MAX_TOKENS if field == "prompt" else spec.limits.max_new_tokens
-        params = generation_params(body, default_max_tokens=_default_max_tokens(_facts(spec.path), len(ids), fallback))
-        return gw.fleet.build_request(key, ids, kind="generate", generation=params)
+        fallbacks = generation_fallbacks(
+            "completion" if field == "prompt" else "chat", gw.settings.models[key].limits.max_new_tokens
+        )
+        return gw.fleet.build_request(
+            key, ids, kind="generate", generation=generation_params(body), generation_fallbacks=fallbacks
+        )
     except InvalidRequest as exc:
         raise rename_field(exc, names, prefix="output.generation.") from exc
 
 
+def _refuse_without_tokenizer(gw: Gateway, key: str, model: str) -> None:
+    """OpenAI's routes answer in text: a model without a tokenizer could only answer ``""``.
+
+    Raises:
+        InvalidRequest: (field ``model``) the model's card says tokenizer ``none``.
+    """
+    card = gw.fleet.model_card(key)
+    if card is not None and card.tokenizer == "none":
+        raise InvalidRequest(
+            f"model {model!r} has no tokenizer (its card says tokenizer 'none'), so it cannot answer in text: "
+            "POST /v1/requests with output.kind 'generate' returns the generated token ids",
+            "model",
+            "a model with a tokenizer",
+        )
+
+
 def _chat_prompt(gw: Gateway, body: ChatBody) -> Prompt:
+    """The conversation rendered by the model's chat template, as token ids.
+
+    Raises:
+        InvalidRequest: no template, the template refuses the messages, or no tokenizer (field ``messages``).
+    """
     key = gw.settings.model_key(body.model)
-    template = _facts(gw.settings.models[key].path).chat
+    template = _chat_template(gw.settings.models[key].path)
     if template is None:
         raise InvalidRequest(
             f"model {body.model!r} has no chat template (chat_template in tokenizer_config.json or "
             "chat_template.jinja next to its file): use /v1/completions with a prompt",
             "messages",
         )
-    return None, render_chat(template, chat_messages(body))
+    text = render_chat(template, chat_messages(body))
+    try:
+        # the template wrote the special tokens it wants (``{{ bos_token }}``): the tokenizer must not
+        # add its own (a second BOS), as transformers' apply_chat_template does not
+        return gw.fleet.tokenize(key, text, add_special_tokens=False), None
+    except InvalidRequest as exc:
+        raise rename_field(exc, {"text": "messages"}) from exc
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=SSE)
@@ -192,10 +203,15 @@ async def _generate(
     except FleetError as exc:
         return fleet_error_response(exc, openai=True, headers=headers)
     if isinstance(outcome, FleetError):
-        names = {"input_ids": "prompt" if face == "completion" else "messages", "max_new_tokens": "max_tokens"}
+        prompt_field = "prompt" if face == "completion" else "messages"
+        names = {"input_ids": prompt_field, "max_new_tokens": max_tokens_field(body)}
         return fleet_error_response(rename_field(outcome, names, "output.generation."), openai=True, headers=headers)
     make = completion_response if face == "completion" else chat_response
-    return JSONResponse(make(rid, body.model, created, outcome).model_dump(mode="json"), headers=headers)
+    try:
+        answer = make(rid, body.model, created, outcome)
+    except FleetError as exc:  # ids without text: say so, never answer ""
+        return fleet_error_response(exc, openai=True, headers=headers)
+    return JSONResponse(answer.model_dump(mode="json"), headers=headers)
 
 
 async def _frames(gw: Gateway, rid: str, writer: ChunkWriter, ended: list[bool]) -> AsyncIterator[bytes]:

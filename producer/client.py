@@ -24,6 +24,7 @@ from celery import Celery
 from pydantic import ValidationError
 
 from producer.admission import Admission
+from producer.generation_defaults import generation_fields
 from producer.reprs import request_argsrepr
 from producer.result_waiter import ResultWaiter
 from producer.results import RequestStatus, ResultReader
@@ -149,8 +150,14 @@ class FleetClient(ResultReader):
             self._models[key] = _ModelInfo(card, tokenizer)
         return key, self._models[key]
 
-    def tokenize(self, model: str, text: str) -> list[int]:
-        """Token ids of ``text`` with the model's own tokenizer.
+    def model_card(self, model: str) -> ModelCard | None:
+        """``model``'s card as this client knows it (its file's, else the one its workers published in
+        Redis); None when neither is available here."""
+        return self._model(model)[1].card
+
+    def tokenize(self, model: str, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` with the model's own tokenizer; ``add_special_tokens=False`` for text
+        that already holds them (a rendered chat template: see :meth:`Tokenizer.encode`).
 
         Raises:
             InvalidRequest: the model's tokenizer is not available on this machine.
@@ -163,7 +170,7 @@ class FleetClient(ResultReader):
                 else "has no tokenizer on this machine"
             )
             raise InvalidRequest(f"model {model!r} {why}: send input_ids", "text", None)
-        return info.tokenizer.encode(text)
+        return info.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def build_request(
         self,
@@ -177,10 +184,14 @@ class FleetClient(ResultReader):
         kind: str | None = None,
         deadline_s: float | None = None,
         generation: GenerationParams | Mapping[str, Any] | None = None,
+        generation_fallbacks: Mapping[str, Any] | None = None,
     ) -> InferenceRequest:
         """Validate and tokenize one request exactly as a worker would, without queueing it.
 
         ``generation`` (a :class:`GenerationParams` or its fields as a dict) makes it a ``generate`` job.
+        Its fields left unset take the model's ``generation_config.json`` defaults, else
+        ``generation_fallbacks`` (a face's own defaults, e.g. OpenAI's temperature 1), else the
+        fleet's (:mod:`producer.generation_defaults`).
 
         Raises:
             InvalidRequest: (or a subclass) naming the field and the limit; never a pydantic error.
@@ -190,6 +201,9 @@ class FleetClient(ResultReader):
         key, info = self._model(model)
         ids = list(input_ids) if input_ids is not None else self.tokenize(key, text or "")
         limits = self.settings.models[key].limits
+        if generation is not None or kind == "generate":
+            generation = generation_fields(generation, model_path=self.settings.models[key].path, card=info.card,
+                                           limits=limits, prompt_tokens=len(ids), fallbacks=generation_fallbacks)
         spec = _output_spec(kind=kind, top_k=top_k, normalize=normalize, generation=generation)
         truncated = False
         if info.card is not None:

@@ -18,6 +18,7 @@ the file (``field`` = the file's name, ``limit`` = its path).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -27,7 +28,13 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from protocol.errors import ModelLoadError
 from protocol.modelcard import ModelCard
 
-__all__ = ["GenerationDefaults", "load_chat_template", "load_generation_defaults"]
+__all__ = [
+    "DEFAULTED_FIELDS",
+    "GenerationDefaults",
+    "load_chat_template",
+    "load_generation_defaults",
+    "resolve_generation",
+]
 
 GENERATION_CONFIG = "generation_config.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -198,3 +205,36 @@ def load_generation_defaults(model_path: Path, card: ModelCard) -> GenerationDef
         top_p=None if sampling["top_p"] is None else float(sampling["top_p"]),
         repetition_penalty=None if config.repetition_penalty is None else float(config.repetition_penalty),
     )
+
+
+DEFAULTED_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty")
+"""The generation fields a model's ``generation_config.json`` gives defaults for."""
+
+
+def resolve_generation(
+    given: Mapping[str, Any],
+    defaults: GenerationDefaults,
+    *,
+    fallbacks: Mapping[str, Any] | None = None,
+    max_new_tokens_cap: int | None = None,
+) -> dict[str, Any]:
+    """A generation's fields: what the caller ``given``, else the model's ``defaults``, else the face's
+    ``fallbacks`` (OpenAI's temperature 1 and max_tokens 16), else nothing (the fleet's own defaults:
+    greedy, 16 tokens). The one place every face (native API, FleetClient, CLI, OpenAI completions
+    and chat) resolves a field the request left unset, as transformers' ``generate`` falls back on
+    the model's generation config.
+
+    A ``max_new_tokens`` that comes from a default (the model's or the face's, never the caller's) is
+    cut to ``max_new_tokens_cap`` (the fleet's limit, and what fits beside the prompt; at least 1), so
+    a default never makes a request fail. A caller's value is kept as given, to be checked against
+    the limits.
+    """
+    fields = dict(given)
+    model = {name: getattr(defaults, name) for name in DEFAULTED_FIELDS}
+    for name, value in [*model.items(), *(fallbacks or {}).items()]:
+        if value is None or name in fields:
+            continue
+        if name == "max_new_tokens" and max_new_tokens_cap is not None:
+            value = max(1, min(int(value), max_new_tokens_cap))
+        fields[name] = value
+    return fields

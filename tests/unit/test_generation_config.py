@@ -9,7 +9,12 @@ from typing import Any
 import pytest
 
 from protocol.errors import ModelLoadError
-from protocol.generation_config import GenerationDefaults, load_chat_template, load_generation_defaults
+from protocol.generation_config import (
+    GenerationDefaults,
+    load_chat_template,
+    load_generation_defaults,
+    resolve_generation,
+)
 from protocol.modelcard import ModelCard
 
 
@@ -157,3 +162,35 @@ def test_wrong_template_types_name_the_file(tmp_path: Path, doc: dict[str, Any])
 def test_malformed_tokenizer_config_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match=r"tokenizer_config\.json is not valid JSON"):
         load_chat_template(_model(tmp_path, tokenizer_config__json="{'chat_template': 'x'}"))
+
+
+# -- resolving a request's unset fields ------------------------------------------------------------
+TUNED = GenerationDefaults(max_new_tokens=300, temperature=0.7, top_k=7, top_p=0.9, repetition_penalty=1.3)
+
+
+@pytest.mark.parametrize(
+    ("given", "fallbacks", "cap", "expected"),
+    [
+        ({}, None, None, {"max_new_tokens": 300, "temperature": 0.7, "top_k": 7, "top_p": 0.9,
+                          "repetition_penalty": 1.3}),
+        ({"temperature": 0.0, "max_new_tokens": 9}, None, None, {"max_new_tokens": 9, "temperature": 0.0, "top_k": 7,
+                                                               "top_p": 0.9, "repetition_penalty": 1.3}),
+        # a defaulted length is cut to the cap; the caller's is not (the limits check it)
+        ({}, None, 40, {"max_new_tokens": 40, "temperature": 0.7, "top_k": 7, "top_p": 0.9, "repetition_penalty": 1.3}),
+        ({"max_new_tokens": 500}, None, 40, {"max_new_tokens": 500, "temperature": 0.7, "top_k": 7, "top_p": 0.9,
+                                             "repetition_penalty": 1.3}),
+    ],
+)  # fmt: skip
+def test_unset_fields_take_the_model_defaults(given: dict[str, Any], fallbacks: dict[str, Any] | None,
+                                              cap: int | None, expected: dict[str, Any]) -> None:
+    assert resolve_generation(given, TUNED, fallbacks=fallbacks, max_new_tokens_cap=cap) == expected
+
+
+def test_a_face_fallback_counts_only_where_the_model_sets_nothing() -> None:
+    openai = {"temperature": 1.0, "max_new_tokens": 16}
+    assert resolve_generation({"stream": True}, GenerationDefaults(), fallbacks=openai) == {
+        "stream": True, "temperature": 1.0, "max_new_tokens": 16}  # fmt: skip
+    greedy_model = GenerationDefaults(temperature=0.0, max_new_tokens=64)
+    assert resolve_generation({}, greedy_model, fallbacks=openai, max_new_tokens_cap=10) == {
+        "temperature": 0.0, "max_new_tokens": 10}  # fmt: skip
+    assert resolve_generation({}, GenerationDefaults(), max_new_tokens_cap=0) == {}

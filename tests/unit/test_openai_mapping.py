@@ -19,6 +19,7 @@ from gateway.openai_mapping import (
     embedding_inputs,
     embedding_list,
     finish_reason,
+    generation_fallbacks,
     generation_params,
     rename_field,
 )
@@ -92,32 +93,32 @@ def test_what_the_sdks_send_by_default_passes(body: Any) -> None:
 
 # -- sampling ------------------------------------------------------------------------------------
 def test_openai_defaults_and_one_to_one_fields() -> None:
-    assert generation_params(completion(), default_max_tokens=16).model_dump() == {
-        "max_new_tokens": 16, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0,
-        "stop_token_ids": [], "stop": [], "seed": None, "ignore_eos": False, "stream": False,
-    }  # fmt: skip
+    # only what the caller sent is set: the rest is resolved with the model's generation_config.json
+    assert generation_params(completion()).model_fields_set == {"stream"}
+    assert generation_fallbacks("completion", 64) == {"temperature": 1.0, "max_new_tokens": 16}
+    assert generation_fallbacks("chat", 64) == {"temperature": 1.0, "max_new_tokens": 64}
     params = generation_params(
         completion(max_tokens=7, temperature=0, top_p=0.5, seed=3, stop="\n", stream=True, top_k=4,
                    repetition_penalty=1.2, ignore_eos=True, stop_token_ids=[2]),
-        default_max_tokens=16,
     )  # fmt: skip
     assert (params.max_new_tokens, params.temperature, params.top_p, params.seed) == (7, 0.0, 0.5, 3)
     assert params.stop == ["\n"] and params.stream is True and params.top_k == 4
     assert params.repetition_penalty == 1.2 and params.ignore_eos is True and params.stop_token_ids == [2]
-    assert generation_params(completion(stop=["a", "b"]), default_max_tokens=1).stop == ["a", "b"]
+    assert generation_params(completion(stop=["a", "b"])).stop == ["a", "b"]
 
 
 @pytest.mark.parametrize(
     ("fields", "expected"),
     [
-        ({}, 64),
+        ({}, None),
         ({"max_tokens": 5}, 5),
         ({"max_completion_tokens": 9}, 9),
         ({"max_tokens": 5, "max_completion_tokens": 9}, 9),
     ],
 )
-def test_chat_length_prefers_max_completion_tokens(fields: dict[str, Any], expected: int) -> None:
-    assert generation_params(chat(**fields), default_max_tokens=64).max_new_tokens == expected
+def test_chat_length_prefers_max_completion_tokens(fields: dict[str, Any], expected: int | None) -> None:
+    params = generation_params(chat(**fields))
+    assert (params.max_new_tokens if "max_new_tokens" in params.model_fields_set else None) == expected
 
 
 @pytest.mark.parametrize(
@@ -132,7 +133,7 @@ def test_chat_length_prefers_max_completion_tokens(fields: dict[str, Any], expec
 )
 def test_out_of_range_values_name_the_openai_field(body: CompletionBody, field: str) -> None:
     with pytest.raises(InvalidRequest) as info:
-        generation_params(body, default_max_tokens=16)
+        generation_params(body)
     assert info.value.field == field, info.value.message
 
 
@@ -149,6 +150,7 @@ def test_out_of_range_values_name_the_openai_field(body: CompletionBody, field: 
 def test_rename_field(field: str, names: dict[str, str], prefix: str, renamed: str) -> None:
     exc = rename_field(InputTooLong(f"{field} has 70 tokens", field, 64), names, prefix)
     assert isinstance(exc, InputTooLong) and exc.field == renamed and exc.limit == 64
+    assert exc.message == f"{renamed} has 70 tokens", "the message names the field as the caller did"
     not_invalid = RequestExpired("late", field, None)
     assert rename_field(not_invalid, names, prefix) is not_invalid
 
@@ -177,6 +179,17 @@ def test_embedding_inputs() -> None:
     with pytest.raises(InvalidRequest) as info:
         embedding_inputs(EmbeddingBody(model="e", input=[]))
     assert info.value.field == "input"
+
+
+@pytest.mark.parametrize(
+    ("given", "field"),
+    [("", "input"), ([], "input"), ([""], "input[0]"), (["a", ""], "input[1]"), ([[1], []], "input[1]"),
+     ([[]], "input[0]")],
+)  # fmt: skip
+def test_empty_embedding_inputs_are_refused_naming_them(given: Any, field: str) -> None:
+    with pytest.raises(InvalidRequest, match="empty") as info:
+        embedding_inputs(EmbeddingBody(model="e", input=given))
+    assert info.value.field == field
 
 
 def test_chat_messages_join_text_parts_and_refuse_others() -> None:
