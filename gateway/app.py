@@ -59,6 +59,7 @@ from gateway.schema import (
 from gateway.sse import EventStream, sse_frame
 from gateway.stream_relay import relay_events
 from producer.client import FleetClient, RequestStatus
+from producer.idempotent_queue import one_body_per_id, request_fingerprint
 from producer.registry import read_fleet_state, readiness_problems
 from protocol.errors import (
     FleetError,
@@ -124,7 +125,9 @@ def submit(body: SubmitBody, response: Response, rate_key: CallerDep, gw: Gatewa
 
 @router.post("/v1/requests:batch", status_code=202, response_model=BatchAccepted, tags=["requests"])
 def submit_batch(body: BatchSubmitBody, rate_key: CallerDep, gw: GatewayDep) -> BatchAccepted | JSONResponse:
-    """Queue many requests: each is validated and admitted first, so all are queued or none."""
+    """Queue many requests, all or none: each is validated, every request ID checked (one ID names one
+    body, inside the batch too) and the batch admitted before anything is queued; then the whole batch
+    is queued in one Redis step. A known ID with the same body answers that request's real status."""
     cap = gw.settings.api.max_batch_requests
     if len(body.requests) > cap:
         msg = f"batch has {len(body.requests)} requests; the limit is api.max_batch_requests={cap}"
@@ -136,12 +139,18 @@ def submit_batch(body: BatchSubmitBody, rate_key: CallerDep, gw: GatewayDep) -> 
         except InvalidRequest as exc:
             field = f"requests[{i}].{exc.field}"
             raise type(exc)(f"requests[{i}]: {exc.message}", field, exc.limit) from exc
+    one_body_per_id([str(r.request_id) for r in built], [request_fingerprint(r) for r in built],
+                    lambda i: f"requests[{i}]")  # a batch naming one ID twice is refused before admission  # fmt: skip
     for model, count in Tally(r.model for r in built).items():
         gw.fleet.admission.check_queue(model, count)
     gw.fleet.admission.take_rate(rate_key, len(built))
-    keys = [item.routing_key for item in body.requests]
-    sent = [gw.fleet.send(r, admit=False, routing_key=key) for r, key in zip(built, keys, strict=True)]
-    return BatchAccepted(requests=[_accepted(rid) for rid in sent])
+    sent = gw.fleet.send_batch(built, routing_keys=[item.routing_key for item in body.requests])
+    return BatchAccepted(
+        requests=[
+            _accepted(rid, gw.fleet.status(rid) if item.request_id else RequestStatus.QUEUED)
+            for rid, item in zip(sent, body.requests, strict=True)
+        ]
+    )
 
 
 @router.get("/v1/requests/{request_id}", response_model=RequestView, tags=["requests"])

@@ -12,11 +12,10 @@ a worker makes is made here first, so bad input is refused before anything is qu
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +24,20 @@ from pydantic import ValidationError
 
 from producer.admission import Admission
 from producer.generation_defaults import generation_fields
+from producer.idempotent_queue import (
+    IdempotentQueue,
+    conflict,
+    one_body_per_id,
+    quiet_backend,
+    request_fingerprint,
+)
 from producer.reprs import request_argsrepr
 from producer.result_waiter import ResultWaiter
 from producer.results import RequestStatus, ResultReader
 from producer.routing import Router
-from producer.task_writer import TaskWriter
+from producer.task_writer import TaskMessage, TaskWriter
 from protocol.celeryconf import make_celery
 from protocol.errors import (
-    IdempotencyConflict,
     InvalidRequest,
     QueueFull,
     RateLimited,
@@ -54,7 +59,7 @@ from protocol.settings import FleetSettings, load_settings
 from protocol.tokenization import Tokenizer, load_tokenizer
 from protocol.validation import check_input, resolve_output
 
-__all__ = ["FleetClient", "RequestStatus"]
+__all__ = ["FleetClient", "RequestStatus", "request_fingerprint"]
 
 
 def _output_spec(
@@ -71,33 +76,10 @@ def _output_spec(
         raise as_invalid_request(exc, prefix="output") from exc
 
 
-def request_fingerprint(request: InferenceRequest) -> str:
-    """sha256 of what makes a request the same request (model, ids, output); not its ID or timestamps."""
-    body = request.model_dump(mode="json", include={"model", "input_ids", "output", "truncated"})
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
 class _ModelInfo:
     def __init__(self, card: ModelCard | None, tokenizer: Tokenizer | None) -> None:
         self.card = card
         self.tokenizer = tokenizer
-
-
-def _no_send_time_subscription(producer: Any, task_id: str) -> None:
-    """Replaces the result backend's ``on_task_call``: subscribe on wait only (see :func:`_quiet_backend`)."""
-
-
-def _quiet_backend(app: Celery) -> None:
-    """Stop this thread's result backend from subscribing to a task's result channel as it is sent.
-
-    Celery subscribes on send, and the AsyncResult that ``send_task`` returns (dropped by the fleet)
-    unsubscribes at once: 2 wasted Redis commands per request. ``ResultReader.result`` subscribes when
-    it waits, then reads the stored result once, so a result published in between is not missed.
-    Celery keeps one Redis result backend per thread (it is not ``thread_safe``), hence per call.
-    """
-    backend = app.backend
-    if vars(backend).get("on_task_call") is not _no_send_time_subscription:
-        backend.on_task_call = _no_send_time_subscription
 
 
 class FleetClient(ResultReader):
@@ -114,6 +96,7 @@ class FleetClient(ResultReader):
         self.admission = Admission(self.redis, settings)
         self.router = Router(self.redis, settings)
         self.writer = TaskWriter(self.app, self.redis)
+        self.queuer = IdempotentQueue(self.redis, self.app, self.writer, settings.result_ttl_s)
         self.waiter = ResultWaiter(self.redis, lambda raw: dict(self.app.backend.decode_result(raw)))
         self._models: dict[str, _ModelInfo] = {}
 
@@ -289,58 +272,87 @@ class FleetClient(ResultReader):
         Raises:
             QueueFull: the model's queue is at ``max_queue_depth``; nothing was queued.
             RateLimited: ``rate_key``'s token bucket is empty; nothing was queued.
+            IdempotencyConflict: the ID is known with another body; nothing was queued.
         """
-        rid = request.request_id or uuid.uuid4().hex
-        marker_key = REQUEST_KEY.format(id=rid)
+        if request.request_id is None:
+            request = request.model_copy(update={"request_id": uuid.uuid4().hex})
+        rid = str(request.request_id)
         fingerprint = request_fingerprint(request)
         rate_limited = rate_key is not None and self.settings.admission.rate_capacity > 0
         if rate_limited or not admit:  # a known ID must not spend rate tokens: look it up first
-            known = self.redis.get(marker_key)
+            known = self.redis.get(REQUEST_KEY.format(id=rid))
             if known is not None:
                 return self._resubmitted(rid, known, fingerprint)
         if admit:
             try:  # usually no Redis command at all (producer.admission.DepthCache)
                 self.admission.admit(request.model, rate_key=rate_key)
             except (QueueFull, RateLimited):
-                known = self.redis.get(marker_key)  # a known ID answers with its ID, even at the cap
+                known = self.redis.get(REQUEST_KEY.format(id=rid))  # a known ID answers with its ID, even at the cap
                 if known is None:
                     raise
                 return self._resubmitted(rid, known, fingerprint)
-        marker = json.dumps(
-            {
-                "model": request.model,
-                "submitted_at_unix_s": request.submitted_at_unix_s,
-                "kind": request.output.kind,
-                "fingerprint": fingerprint,
-            }
-        )
-        if not self.redis.set(marker_key, marker, nx=True, ex=self.settings.result_ttl_s):
-            return self._resubmitted(rid, self.redis.get(marker_key), fingerprint)  # known, or a concurrent twin won
         model = request.model
         queue = self.router.queue(model, role) if role else self.router.choose(model, routing_key or rid)
-        args = [request.model_dump(mode="json", exclude_none=True)]
-        argsrepr = request_argsrepr(request, text)
-        try:
-            if self.writer.usable():  # one pipeline: LPUSH + the task-sent event (producer.task_writer)
-                self.writer.send(TASK_NAME, rid, queue, args, argsrepr=argsrepr, kwargsrepr="{}")
-            else:
-                _quiet_backend(self.app)
-                self.app.send_task(TASK_NAME, args=args, task_id=rid, queue=queue, argsrepr=argsrepr,
-                                   kwargsrepr="{}")  # fmt: skip
-        except Exception:
-            self._forget_marker(marker_key, marker)  # not queued: let a retry with this ID queue it
-            raise
-        if role is None:  # not a shadow request itself
-            self.router.sample_prompt(model, rid, request.input_ids)
+        new = self._queue_tasks([request], [queue], [request_argsrepr(request, text)])
+        if new[0] and role is None:  # not a shadow request itself
+            self.router.sample_prompt(request.model, rid, request.input_ids)
         return rid
 
-    def _forget_marker(self, marker_key: str, marker: str) -> None:
-        """Delete this submit's own 'queued' marker after its task could not be queued (best effort)."""
-        try:
-            if self.redis.get(marker_key) == marker.encode():
-                self.redis.delete(marker_key)
-        except Exception:  # Redis is what failed: the marker expires with result_ttl_s
-            pass
+    def send_batch(
+        self,
+        requests: Sequence[InferenceRequest],
+        *,
+        routing_keys: Sequence[str | None] | None = None,
+        label: str = "requests",
+    ) -> list[str]:
+        """Queue already built and admitted requests all or none, in one Redis step; returns their IDs.
+
+        Every ID is checked before anything is queued, duplicates inside the batch included: an ID
+        known (or repeated) with the same body is that request and is not queued again; with another
+        body nothing at all is queued. ``routing_keys[i]`` (default: the request ID) picks request
+        i's stable or canary queue. Admission is the caller's (the gateway admits the whole batch).
+
+        Raises:
+            IdempotencyConflict: naming ``{label}[i].request_id``; nothing was queued.
+        """
+        keys = list(routing_keys) if routing_keys is not None else [None] * len(requests)
+        if len(keys) != len(requests):
+            raise InvalidRequest(f"routing_keys has {len(keys)} keys for {len(requests)} requests", "routing_keys",
+                                 len(requests))  # fmt: skip
+        requests = [r if r.request_id else r.model_copy(update={"request_id": uuid.uuid4().hex}) for r in requests]
+        queues = [self.router.choose(r.model, key or str(r.request_id)) for r, key in zip(requests, keys, strict=True)]
+        new = self._queue_tasks(requests, queues, [request_argsrepr(r, None) for r in requests],
+                                label=lambda i: f"{label}[{i}]")  # fmt: skip
+        for r, fresh in zip(requests, new, strict=True):
+            if fresh:
+                self.router.sample_prompt(r.model, str(r.request_id), r.input_ids)
+        return [str(r.request_id) for r in requests]
+
+    def _queue_tasks(
+        self,
+        requests: Sequence[InferenceRequest],
+        queues: Sequence[str],
+        argsreprs: Sequence[str],
+        *,
+        label: Callable[[int], str] = lambda _: "",
+    ) -> list[bool]:
+        """One ``fleet.infer`` task per new request, claimed and queued atomically; True where queued."""
+
+        def args_of(i: int) -> list[Any]:
+            return [requests[i].model_dump(mode="json", exclude_none=True)]
+
+        def build(new: list[int]) -> list[TaskMessage]:  # one script: SET NX markers + LPUSH + task-sent events
+            return [self.writer.build(TASK_NAME, str(requests[i].request_id), queues[i], args_of(i),
+                                      argsrepr=argsreprs[i], kwargsrepr="{}") for i in new]  # fmt: skip
+
+        def send(new: list[int], sent: list[int]) -> None:
+            quiet_backend(self.app)
+            for i in new:
+                self.app.send_task(TASK_NAME, args=args_of(i), task_id=str(requests[i].request_id), queue=queues[i],
+                                   argsrepr=argsreprs[i], kwargsrepr="{}")  # fmt: skip
+                sent.append(i)
+
+        return self.queuer.queue(requests, build, send, label=label)
 
     @staticmethod
     def _resubmitted(request_id: str, marker: bytes | None, fingerprint: str) -> str:
@@ -350,12 +362,7 @@ class FleetClient(ResultReader):
         except (ValueError, AttributeError):
             known = None
         if known is not None and known != fingerprint:
-            raise IdempotencyConflict(
-                f"request_id {request_id!r} is already known with a different body; nothing was queued "
-                "(an idempotency key names one request: reuse it only to resubmit the same request)",
-                "request_id",
-                None,
-            )
+            raise conflict(request_id)
         return request_id
 
     def submit_many(
@@ -371,7 +378,12 @@ class FleetClient(ResultReader):
 
         ``threads`` > 1 submits from that many threads at once (concurrent producers); a progress
         bar shows when ``progress``. Every request is validated first, so a bad one raises before
-        any of them is queued.
+        any of them is queued; so does one ID given to inputs with different bodies (a
+        ``request_id`` in ``options`` names every input: the same body is one request, queued once).
+
+        Raises:
+            InvalidRequest: a bad input; IdempotencyConflict: ``inputs[i]`` under a known or repeated
+                ID with another body; QueueFull / RateLimited from admission (those before it stay queued).
         """
         from concurrent.futures import ThreadPoolExecutor
 
@@ -383,6 +395,8 @@ class FleetClient(ResultReader):
             else self.build_request(model, item, **options)
             for item in inputs
         ]
+        firsts = one_body_per_id([str(r.request_id) for r in requests], [request_fingerprint(r) for r in requests],
+                                 lambda i: f"inputs[{i}]")  # fmt: skip
         with tqdm(total=len(requests), desc=f"submit {model}", unit="req", disable=not progress) as bar:
 
             def send_one(request: InferenceRequest) -> str:
@@ -390,10 +404,15 @@ class FleetClient(ResultReader):
                 bar.update(1)
                 return rid
 
+            unique = [r for i, r in enumerate(requests) if firsts[i] == i]
             if threads <= 1:
-                return [send_one(r) for r in requests]
-            with ThreadPoolExecutor(threads) as pool:
-                return list(pool.map(send_one, requests))
+                sent = [send_one(r) for r in unique]
+            else:
+                with ThreadPoolExecutor(threads) as pool:
+                    sent = list(pool.map(send_one, unique))
+            bar.update(len(requests) - len(unique))
+        by_first = dict(zip((i for i, j in enumerate(firsts) if i == j), sent, strict=True))
+        return [by_first[j] for j in firsts]
 
     def submit_bulk(
         self,
@@ -414,8 +433,15 @@ class FleetClient(ResultReader):
         With a canary set, each chunk is split by role (sticky by ``routing_keys[i]``, default the
         request IDs) into one message per role queue.
 
+        Request IDs are idempotency keys as for ``submit``: every ID of the call is checked before
+        anything is queued (inputs under one ID must have one body: a ``request_id`` in ``options``
+        names every input); an ID already known with the same body is that request, returned and not
+        queued again. A chunk's markers and messages are written in one Redis step, all or none.
+
         Raises:
             InvalidRequest: a bad request (nothing is queued); QueueFull / RateLimited from admission.
+            IdempotencyConflict: ``inputs[i]`` under a known or repeated ID with another body (nothing
+                of its chunk, nor of the chunks after it, is queued).
         """
         from tqdm import tqdm
 
@@ -432,33 +458,39 @@ class FleetClient(ResultReader):
         if len(keys) != len(requests):
             raise InvalidRequest(f"routing_keys has {len(keys)} keys for {len(requests)} inputs", "routing_keys",
                                  len(requests))
-        ids: list[str] = []
+        ids = [str(r.request_id) for r in requests]
+        firsts = one_body_per_id(ids, [request_fingerprint(r) for r in requests], lambda i: f"inputs[{i}]")
+        unique = [i for i, j in enumerate(firsts) if i == j]  # a repeated ID (same body) is queued once
         with tqdm(total=len(requests), desc=f"bulk {key}", unit="req", disable=not progress) as bar:
-            for start in range(0, len(requests), chunk_size):
-                chunk = requests[start : start + chunk_size]
-                self.admission.admit(key, count=len(chunk), rate_key=rate_key)
-                with self.redis.pipeline(transaction=False) as pipe:
-                    for r in chunk:
-                        marker = json.dumps(
-                            {
-                                "model": key,
-                                "submitted_at_unix_s": r.submitted_at_unix_s,
-                                "kind": r.output.kind,
-                                "fingerprint": request_fingerprint(r),
-                            }
-                        )
-                        pipe.set(REQUEST_KEY.format(id=r.request_id), marker, ex=self.settings.result_ttl_s)
-                    pipe.execute()
-                by_queue: dict[str, list[InferenceRequest]] = {}
-                for r, routing_key in zip(chunk, keys[start : start + chunk_size], strict=True):
-                    by_queue.setdefault(self.router.choose(key, routing_key), []).append(r)
-                _quiet_backend(self.app)
-                for queue, part in by_queue.items():
-                    self.app.send_task(
-                        BULK_TASK_NAME,
-                        args=[{"requests": [r.model_dump(mode="json", exclude_none=True) for r in part]}],
-                        queue=queue,
-                    )
-                ids.extend(str(r.request_id) for r in chunk)
-                bar.update(len(chunk))
+            for start in range(0, len(unique), chunk_size):
+                positions = unique[start : start + chunk_size]
+                self.admission.admit(key, count=len(positions), rate_key=rate_key)
+                self._queue_bulk(key, requests, keys, positions)
+                bar.update(len(positions))
+            bar.update(len(requests) - len(unique))
         return ids
+
+    def _queue_bulk(self, model: str, requests: list[InferenceRequest], routing_keys: list[str],
+                    positions: list[int]) -> None:  # fmt: skip
+        """Claim the IDs of ``requests[positions]`` (one chunk) and queue the new ones as ``fleet.infer_bulk``
+        messages (one per queue), in one Redis step."""
+        chunk = [requests[i] for i in positions]
+        queues = [self.router.choose(model, routing_keys[i]) for i in positions]
+
+        def parts(new: list[int]) -> dict[str, list[dict[str, Any]]]:
+            by_queue: dict[str, list[dict[str, Any]]] = {}
+            for i in new:
+                by_queue.setdefault(queues[i], []).append(chunk[i].model_dump(mode="json", exclude_none=True))
+            return by_queue
+
+        def build(new: list[int]) -> list[TaskMessage]:
+            return [self.writer.build(BULK_TASK_NAME, uuid.uuid4().hex, queue, [{"requests": part}], argsrepr=None,
+                                      kwargsrepr="{}") for queue, part in parts(new).items()]  # fmt: skip
+
+        def send(new: list[int], sent: list[int]) -> None:
+            quiet_backend(self.app)
+            for queue, part in parts(new).items():
+                self.app.send_task(BULK_TASK_NAME, args=[{"requests": part}], queue=queue)
+                sent.extend(i for i in new if queues[i] == queue)
+
+        self.queuer.queue(chunk, build, send, label=lambda n: f"inputs[{positions[n]}]")

@@ -29,7 +29,7 @@ import base64
 import os
 import threading
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 from celery import Celery
@@ -38,7 +38,7 @@ from celery.utils.nodenames import anon_nodename
 from celery.utils.time import utcoffset
 from kombu.utils.json import dumps
 
-__all__ = ["TaskWriter"]
+__all__ = ["TaskMessage", "TaskWriter"]
 
 _EVENT_TYPE = "task-sent"
 _BODY_ENCODING = "base64"
@@ -71,6 +71,15 @@ def _envelope(body: Any, headers: dict[str, Any], properties: dict[str, Any], ex
             }
         )
     )
+
+
+class TaskMessage(NamedTuple):
+    """One task as Redis gets it: ``LPUSH queue envelope``, then ``PUBLISH channel event`` unless event is ""."""
+
+    queue: str
+    envelope: str
+    channel: str
+    event: str
 
 
 class TaskWriter:
@@ -110,11 +119,11 @@ class TaskWriter:
         self._hostname = anon_nodename()
         return True
 
-    def send(self, name: str, task_id: str, queue: str, args: list[Any], *, argsrepr: str, kwargsrepr: str) -> None:
-        """``LPUSH`` the task to ``queue`` and (``task_send_sent_event``) ``PUBLISH`` its task-sent event.
+    def build(self, name: str, task_id: str, queue: str, args: list[Any], *, argsrepr: str | None,
+              kwargsrepr: str) -> TaskMessage:  # fmt: skip
+        """The task's envelope for ``queue`` and (``task_send_sent_event``) its task-sent event, unwritten.
 
-        Raises:
-            redis.RedisError: the pipeline failed (nothing, or the task alone, was written).
+        ``argsrepr`` None lets Celery write its own (a bounded ``saferepr`` of ``args``).
         """
         assert self._usable, "call usable() first"
         conf = self.app.conf
@@ -123,13 +132,26 @@ class TaskWriter:
             create_sent_event=conf.task_send_sent_event, root_id=task_id, origin=self._hostname, ignore_result=None,
             argsrepr=argsrepr, kwargsrepr=kwargsrepr,
         )  # fmt: skip
+        event = ""
+        if sent_event:
+            sent = Event(
+                _EVENT_TYPE, hostname=self._hostname, utcoffset=utcoffset(), pid=os.getpid(),
+                clock=self.app.clock.forward(), **sent_event, queue=queue, exchange="", routing_key=queue,
+            )  # fmt: skip
+            event = _envelope(sent, {"hostname": self._hostname}, {}, conf.event_exchange,
+                              _EVENT_TYPE.replace("-", "."), _TRANSIENT)  # fmt: skip
+        envelope = _envelope(body, headers, properties, "", queue, _PERSISTENT)
+        return TaskMessage(queue=queue, envelope=envelope, channel=self._topic, event=event)
+
+    def send(self, name: str, task_id: str, queue: str, args: list[Any], *, argsrepr: str, kwargsrepr: str) -> None:
+        """``LPUSH`` the task to ``queue`` and (``task_send_sent_event``) ``PUBLISH`` its task-sent event.
+
+        Raises:
+            redis.RedisError: the pipeline failed (nothing, or the task alone, was written).
+        """
+        message = self.build(name, task_id, queue, args, argsrepr=argsrepr, kwargsrepr=kwargsrepr)
         with self.client.pipeline(transaction=False) as pipe:
-            pipe.lpush(queue, _envelope(body, headers, properties, "", queue, _PERSISTENT))
-            if sent_event:
-                event = Event(
-                    _EVENT_TYPE, hostname=self._hostname, utcoffset=utcoffset(), pid=os.getpid(),
-                    clock=self.app.clock.forward(), **sent_event, queue=queue, exchange="", routing_key=queue,
-                )  # fmt: skip
-                pipe.publish(self._topic, _envelope(event, {"hostname": self._hostname}, {}, conf.event_exchange,
-                                              _EVENT_TYPE.replace("-", "."), _TRANSIENT))  # fmt: skip
+            pipe.lpush(message.queue, message.envelope)
+            if message.event:
+                pipe.publish(message.channel, message.event)
             pipe.execute()

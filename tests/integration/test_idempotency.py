@@ -51,3 +51,43 @@ def test_flower_sees_the_request_as_json_with_its_text(fleet: Fleet) -> None:
     assert shown[0]["text"] == "Hi fleet" and shown[0]["request_id"] == rid
     assert shown[0]["input_ids"] == [b + 3 for b in b"Hi fleet"]
     assert headers["kwargsrepr"] == "{}"
+
+
+ONE_AT_A_TIME = {"worker": {"concurrency": 1}, "models": {"demo-lm": {"batching": {"max_batch_size": 1}}}}
+"""One worker thread: requests run in queue order, so a request served proves every earlier one ran."""
+
+
+def test_submit_bulk_under_a_finished_id_is_refused_and_its_result_never_changes(fleet: Fleet) -> None:
+    cfg = fleet.config(**ONE_AT_A_TIME)
+    fleet.worker(cfg, concurrency=1)
+    client = fleet.client(cfg)
+    r = redis.Redis.from_url(fleet.redis_url)
+    assert client.submit("demo-lm", [5, 6, 7], request_id="known-1") == "known-1"
+    first = client.result("known-1", wait=True, timeout_s=60)
+    assert first is not None and first.input_tokens == 3
+    stored = r.get(client.app.backend.get_key_for_task("known-1"))
+    marker = r.get("fleet:req:known-1")
+
+    refused: Exception | None = None
+    try:
+        client.submit_bulk("demo-lm", [[8, 9, 10, 11, 12, 13, 14]], request_id="known-1")
+    except IdempotencyConflict as exc:
+        refused = exc
+    # the same body under the known ID is that request: its ID, nothing queued (bulk and single paths)
+    assert client.submit_bulk("demo-lm", [[5, 6, 7]], request_id="known-1") == ["known-1"]
+    assert client.submit_many("demo-lm", [[5, 6, 7]], request_id="known-1", progress=False) == ["known-1"]
+    # a request queued after all of that is served only after everything queued before it ran
+    assert client.wait(client.submit_bulk("demo-lm", [[4]]), 60)[0] is not None
+    assert r.get(client.app.backend.get_key_for_task("known-1")) == stored, "the finished result was replaced"
+    assert r.get("fleet:req:known-1") == marker
+    assert isinstance(refused, IdempotencyConflict), "submit_bulk accepted another body under a finished ID"
+    assert refused.field == "inputs[0].request_id" and "nothing was queued" in refused.message
+
+    # two inputs under one ID: refused before anything is queued, naming the second input
+    with pytest.raises(IdempotencyConflict) as two:
+        client.submit_bulk("demo-lm", [[1, 2], [3, 4]], request_id="two-1")
+    assert two.value.field == "inputs[1].request_id"
+    with pytest.raises(IdempotencyConflict):
+        client.submit_many("demo-lm", [[1, 2], [3, 4]], request_id="two-1", progress=False)
+    assert client.wait(client.submit_bulk("demo-lm", [[4]]), 60)[0] is not None
+    assert r.get("fleet:req:two-1") is None and r.get(client.app.backend.get_key_for_task("two-1")) is None

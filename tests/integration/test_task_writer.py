@@ -91,12 +91,14 @@ def test_one_round_trip_and_a_failed_write_leaves_the_id_free_for_a_retry(
     after = redis_commandstats(fleet.redis_url)
     probe = {"info", "hello", "client"}  # redis_commandstats's own connection
     calls = {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0) and k not in probe}
-    assert calls == {"set": 1, "lpush": 1, "publish": 1}, calls
+    # one round trip: the claim-and-queue script (producer.idempotent_queue) runs SET NX of the marker,
+    # EXISTS of a stored result, LPUSH of the task and PUBLISH of its task-sent event
+    assert calls == {"evalsha": 1, "set": 1, "exists": 1, "lpush": 1, "publish": 1}, calls
 
     def refuse(*_: Any, **__: Any) -> None:
         raise redis.ConnectionError("connection lost while queueing")
 
-    monkeypatch.setattr(client.writer, "send", refuse)
+    monkeypatch.setattr(client.queuer, "_script", refuse)
     with pytest.raises(redis.ConnectionError):
         client.submit("demo-lm", [3], request_id="retry-me")
     monkeypatch.undo()
