@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from protocol.errors import ModelLoadError
 
-__all__ = ["MODULES_FILE", "POOLING_MODES", "Pooling", "PoolingMode", "load_pooling"]
+__all__ = ["MODULES_FILE", "POOLING_MODES", "Pooling", "PoolingMode", "load_pooling", "pooling_files"]
 
 MODULES_FILE = "modules.json"
 
@@ -149,3 +149,21 @@ def load_pooling(model_path: Path, hidden_size: int | None = None) -> Pooling:
         raise _refuse(modules_path, "has no Pooling module: the fleet cannot tell how to make one vector "
                       "per input", "type")
     return Pooling(modes=modes, normalize=normalize, source=str(modules_path))
+
+
+def pooling_files(folder: Path) -> list[str]:
+    """The files of ``folder`` that declare its pooling, relative to it: ``modules.json`` and each module's
+    ``<path>/config.json`` that exists (a model store publishes them with the model, so a fetched
+    version is pooled as the published one). Empty when ``folder`` has no readable ``modules.json``;
+    :func:`load_pooling` reports what is wrong with it."""
+    try:
+        modules = json.loads((folder / MODULES_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return []
+    found = [MODULES_FILE]
+    for module in modules if isinstance(modules, list) else []:
+        sub = str(module.get("path") or "") if isinstance(module, dict) else ""
+        config = f"{sub}/config.json"
+        if sub and ".." not in sub.split("/") and not sub.startswith("/") and (folder / config).is_file():
+            found.append(config)
+    return found

@@ -8,7 +8,9 @@ own card and report), so a version takes, from the folder of its ONNX file:
 * the tokenizer file its card names (``tokenizer``), and Hugging Face's shared files when present:
   ``config.json``, ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json``,
   ``chat_template.jinja``, ``special_tokens_map.json``, ``added_tokens.json``, ``vocab.txt``,
-  ``vocab.json``, ``merges.txt``, ``tokenizer.model``.
+  ``vocab.json``, ``merges.txt``, ``tokenizer.model``;
+* a sentence-transformers ``modules.json`` and its modules' ``<path>/config.json`` (the pooling the
+  model declares: :func:`protocol.pooling.pooling_files`).
 
 Nothing else: other models' files, caches and the store's own ``manifest.json`` stay behind.
 """
@@ -23,6 +25,7 @@ import onnx
 
 from protocol.errors import InvalidRequest, ModelLoadError
 from protocol.modelcard import ModelCard, card_path_for
+from protocol.pooling import pooling_files
 from store.manifest import MANIFEST_NAME, FileRole
 
 __all__ = ["ModelFolder", "external_data_files", "hash_file", "model_file_in", "select_files"]
@@ -144,6 +147,8 @@ def select_files(model_file: Path, card: ModelCard) -> ModelFolder:
     for name, role in _SHARED.items():
         if (folder / name).is_file():
             chosen.setdefault(name, role)
+    for name in pooling_files(folder):  # an encoder's declared pooling travels with it
+        chosen.setdefault(name, "config")
     chosen.pop(MANIFEST_NAME, None)
     return sorted(chosen.items())
 

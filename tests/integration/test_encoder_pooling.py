@@ -21,6 +21,8 @@ from protocol.errors import ModelLoadError
 from protocol.messages import InferenceResult, OutputSpec
 from protocol.modelcard import load_card
 from protocol.settings import BatchingSettings, EngineSettings, LimitSettings
+from store import ModelStore
+from store.local import LocalBackend
 from tests.integration.fleet_fixtures import Fleet
 from workers.engine import Engine
 from workers.padding import pad_batch
@@ -155,3 +157,16 @@ def test_a_worker_serves_a_cls_pooled_model_with_cls_vectors(fleet: Fleet, model
     for x, result in zip(INPUTS, results, strict=True):
         assert isinstance(result, InferenceResult) and result.embedding is not None, result
         np.testing.assert_allclose(result.embedding, reference(engine, x, ("cls",), False), rtol=1e-4, atol=1e-5)
+
+
+def test_a_model_store_version_keeps_its_declared_pooling(model_dir: Path, tmp_path: Path) -> None:
+    """Pushed and fetched, the version still says CLS + Normalize: the declaration travels with the model."""
+    model = st_folder(model_dir, tmp_path / "st", ("cls",), normalize=True)
+    store = ModelStore(LocalBackend(tmp_path / "store"), tmp_path / "cache")
+    store.push(model, "st-encoder", "1.0.0")
+    fetched = store.fetch("st-encoder", "1.0.0")
+    assert fetched.parent != model.parent
+    assert (fetched.parent / "1_Pooling" / "config.json").read_bytes() == (model.parent / "1_Pooling" /
+                                                                           "config.json").read_bytes()
+    pooling = engine_of(fetched).pooling
+    assert (pooling.modes, pooling.normalize, pooling.source) == (("cls",), True, str(fetched.parent / "modules.json"))
