@@ -60,6 +60,7 @@ from gateway.sse import EventStream, sse_frame
 from gateway.stream_relay import relay_events
 from producer.client import FleetClient, RequestStatus
 from producer.idempotent_queue import one_body_per_id, request_fingerprint
+from producer.presence import marker_key, no_worker_message, request_model
 from producer.registry import read_fleet_state, readiness_problems
 from protocol.errors import (
     FleetError,
@@ -102,8 +103,15 @@ def _error(status: int, payload: dict[str, Any], headers: dict[str, str] | None 
     return JSONResponse(payload, status_code=status, headers=headers)
 
 
-def _accepted(rid: str, status: RequestStatus = RequestStatus.QUEUED) -> RequestAccepted:
-    return RequestAccepted(request_id=rid, status=status, location=f"/v1/requests/{rid}")
+def _accepted(rid: str, status: RequestStatus = RequestStatus.QUEUED, warning: str | None = None) -> RequestAccepted:
+    return RequestAccepted(request_id=rid, status=status, location=f"/v1/requests/{rid}", warning=warning)
+
+
+def _no_worker(gw: Gateway, model: str | None) -> str | None:
+    """Accepted all the same (a fleet scaled to zero starts on its queue), but said: no live worker serves it."""
+    if model is None or gw.presence.has_worker(model):
+        return None
+    return no_worker_message(model, gw.settings.queue_for(model))
 
 
 # -- endpoints -----------------------------------------------------------------------------------
@@ -111,19 +119,23 @@ router = APIRouter()
 RequestId = Annotated[str, Path(pattern=REQUEST_ID_PATTERN, description="The ID returned at submission.")]
 
 
-@router.post("/v1/requests", status_code=202, response_model=RequestAccepted, tags=["requests"])
+@router.post("/v1/requests", status_code=202, response_model=RequestAccepted, response_model_exclude_none=True,
+             tags=["requests"])
 def submit(body: SubmitBody, response: Response, rate_key: CallerDep, gw: GatewayDep) -> RequestAccepted:
     """Validate, admit and queue one request; poll ``Location`` for its result.
 
     A caller-given ``request_id`` is an idempotency key: resubmitting the same body answers the
     request's real status (it may have finished long ago); another body under a known ID is 409.
     """
-    rid = gw.fleet.send(_build(gw, body), rate_key=rate_key, routing_key=body.routing_key)
+    request = _build(gw, body)
+    rid = gw.fleet.send(request, rate_key=rate_key, routing_key=body.routing_key)
     response.headers["Location"] = f"/v1/requests/{rid}"
-    return _accepted(rid, gw.fleet.status(rid) if body.request_id else RequestStatus.QUEUED)
+    status = gw.fleet.status(rid) if body.request_id else RequestStatus.QUEUED
+    return _accepted(rid, status, _no_worker(gw, request.model) if status is RequestStatus.QUEUED else None)
 
 
-@router.post("/v1/requests:batch", status_code=202, response_model=BatchAccepted, tags=["requests"])
+@router.post("/v1/requests:batch", status_code=202, response_model=BatchAccepted, response_model_exclude_none=True,
+             tags=["requests"])
 def submit_batch(body: BatchSubmitBody, rate_key: CallerDep, gw: GatewayDep) -> BatchAccepted | JSONResponse:
     """Queue many requests, all or none: each is validated, every request ID checked (one ID names one
     body, inside the batch too) and the batch admitted before anything is queued; then the whole batch
@@ -145,18 +157,25 @@ def submit_batch(body: BatchSubmitBody, rate_key: CallerDep, gw: GatewayDep) -> 
         gw.fleet.admission.check_queue(model, count)
     gw.fleet.admission.take_rate(rate_key, len(built))
     sent = gw.fleet.send_batch(built, routing_keys=[item.routing_key for item in body.requests])
+    statuses = [gw.fleet.status(rid) if item.request_id else RequestStatus.QUEUED
+                for rid, item in zip(sent, body.requests, strict=True)]
     return BatchAccepted(
         requests=[
-            _accepted(rid, gw.fleet.status(rid) if item.request_id else RequestStatus.QUEUED)
-            for rid, item in zip(sent, body.requests, strict=True)
+            _accepted(rid, status, _no_worker(gw, r.model) if status is RequestStatus.QUEUED else None)
+            for rid, status, r in zip(sent, statuses, built, strict=True)
         ]
     )
 
 
 @router.get("/v1/requests/{request_id}", response_model=RequestView, tags=["requests"])
 def get_request(request_id: RequestId, _: CallerDep, gw: GatewayDep) -> RequestView:
-    """Where the request stands, with its result or error once it has one."""
-    return _view(gw.fleet, request_id)
+    """Where the request stands, with its result or error once it has one (and, while it is queued for a
+    model no live worker serves, a ``warning`` that says so)."""
+    view = _view(gw.fleet, request_id)
+    if view.status is not RequestStatus.QUEUED:
+        return view
+    warning = _no_worker(gw, request_model(gw.fleet.redis.get(marker_key(request_id))))
+    return view.model_copy(update={"warning": warning}) if warning else view
 
 
 @router.delete(
