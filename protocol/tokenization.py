@@ -80,6 +80,8 @@ class ByteTokenizer:
     bos_token_id = 1
     eos_token_id = 2
     vocab_size = 256 + BYTE_OFFSET
+    max_token_chars = 1
+    """Characters one token can cover at most (one byte each): a text of n characters has >= n tokens."""
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Ids of ``text``'s UTF-8 bytes (no bos/eos added, whatever ``add_special_tokens`` says).
@@ -113,6 +115,9 @@ class HFTokenizer:
             raise ModelLoadError(f"cannot load tokenizer {path}: {exc}", "tokenizer", str(path)) from exc
         self._tok.no_padding()
         self._tok.no_truncation()
+        self.max_token_chars = _max_token_chars(self._tok)
+        """Characters one token can cover at most (None: no bound, an unknown-word token may cover any
+        run); ``len(text) / max_token_chars`` is then a lower bound on the tokens of ``text``."""
         self.special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
         """Ids that :meth:`decode` skips."""
         self.byte_fallback_ids = _byte_fallback_ids(self._tok)
@@ -138,6 +143,20 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids`` with special tokens skipped."""
         return str(self._tok.decode(ids, skip_special_tokens=True))
+
+
+def _max_token_chars(tok: _HFTokenizer) -> int | None:
+    """The most characters one token of ``tok`` covers: its longest vocabulary entry (markers such as
+    ``##`` or ``▁`` counted, an over-estimate), or a WordPiece word cut to one ``[UNK]``; None where an
+    unknown run of any length is one token (WordLevel, Unigram, BPE fusing unknowns without byte fallback)."""
+    model = tok.model
+    kind = type(model).__name__
+    if kind in ("WordLevel", "Unigram") or (
+        kind == "BPE" and getattr(model, "fuse_unk", False) and not getattr(model, "byte_fallback", False)
+    ):
+        return None
+    longest = max((len(t) for t in tok.get_vocab(with_added_tokens=True)), default=1)
+    return max(longest, int(getattr(model, "max_input_chars_per_word", 0) or 0))
 
 
 def _byte_fallback_ids(tok: _HFTokenizer) -> frozenset[int]:

@@ -14,6 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
+from producer.client import FleetClient
+from protocol.settings import load_settings
 from tests.integration.ops_fixtures import API_KEY, GatewayProcess, OpsFleet, ops_models, ops_redis
 from tools.redis_server import EmbeddedRedis
 
@@ -120,3 +122,59 @@ def test_a_body_that_is_not_declared_json_is_refused_naming_content_type(gateway
     ok = httpx.post(gateway.url + "/v1/requests", content=body,
                     headers={"Content-Type": "application/json; charset=utf-8", "X-API-Key": API_KEY})  # fmt: skip
     assert ok.status_code == 202, ok.text
+
+
+TEXT = "hello world, " * 75_000
+"""975,000 characters: 975,000 tokens for demo-lm's byte tokenizer, 450,000 for demo-encoder's WordPiece."""
+TEXT_FLOODS = {
+    "/v1/requests": ({"model": "demo-lm", "text": TEXT}, "text"),
+    "/v1/embeddings": ({"model": "demo-encoder", "input": TEXT}, "input"),
+    "/v1/completions": ({"model": "demo-lm", "prompt": TEXT}, "prompt"),
+}
+
+
+def test_long_texts_are_refused_before_they_are_tokenized(gateway: GatewayProcess) -> None:
+    before = peak_rss_mb(gateway.proc.pid)
+    answers = {}
+    for path, (body, _) in TEXT_FLOODS.items():
+        raw = json.dumps(body).encode()
+        answers[path] = flood(gateway.url + path, raw, {**JSON, "X-API-Key": API_KEY})
+    peak = peak_rss_mb(gateway.proc.pid)
+    print(f"peak RSS {before:.0f} MB before, {peak:.0f} MB after the text floods")
+    assert peak < PEAK_RSS_BOUND_MB, f"gateway peaked at {peak:.0f} MB (started at {before:.0f} MB)"
+    for path, responses in answers.items():
+        field = TEXT_FLOODS[path][1]
+        for response in responses:
+            assert response.status_code in (400, 422), (path, response.text[:300])
+            doc = response.json()
+            error = doc["error"] if path != "/v1/requests" else doc
+            assert (error.get("param") or error.get("field")) == field, (path, error)
+            assert "max_input_tokens=64" in error["message"], error
+    # a text of the allowed size is still tokenized and checked as before
+    short = httpx.post(gateway.url + "/v1/requests", json={"model": "demo-lm", "text": "hello " * 20},
+                       headers={"X-API-Key": API_KEY})  # fmt: skip
+    assert short.status_code == 422 and "input_ids has 120 tokens" in short.json()["message"], short.text
+
+
+@pytest.mark.parametrize("truncate", ["left", "right"])
+def test_a_truncated_long_text_keeps_the_tokens_full_tokenization_keeps(
+    tmp_path: Path, ops_models: Any, ops_redis: EmbeddedRedis, truncate: str
+) -> None:
+    """Past the length any 64-token text could have, a text is cut before it is tokenized, on the side
+    truncation keeps: the ids that reach the queue are those of tokenizing all of it, then truncating."""
+    fleet = OpsFleet(tmp_path, ops_models, ops_redis)
+    try:
+        limits = {"max_input_tokens": 64, "truncate": truncate}
+        config = fleet.config(models={"demo-encoder": {"limits": limits}, "demo-lm": {"limits": limits}})
+        client = FleetClient(load_settings(config))
+        words = " ".join(f"w{i % 997}x{i}" for i in range(60_000))  # ~0.6 MB of distinct words
+        for model in ("demo-encoder", "demo-lm"):
+            _, info = client._model(model)
+            assert info.tokenizer is not None
+            full = info.tokenizer.encode(words)
+            kept = full[-64:] if truncate == "left" else full[:64]
+            request = client.build_request(model, text=words)
+            assert (request.input_ids, request.truncated) == (kept, True), model
+        client.close()
+    finally:
+        fleet.close()
