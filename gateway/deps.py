@@ -19,6 +19,7 @@ from gateway.auth import API_KEY_HEADER, key_refusal
 from gateway.middleware import GatewayMetrics
 from producer.admission import rate_key_for
 from producer.client import FleetClient
+from producer.presence import WorkerPresence
 from protocol.redis_conn import async_client
 from protocol.settings import FleetSettings
 
@@ -43,6 +44,7 @@ class Gateway:
         self.registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry, settings, fleet.redis)
         self.keys = [k.encode() for k in settings.api.api_keys]
+        self.presence = WorkerPresence(fleet.redis)  # which models have a live worker (read at most once a second)
 
     async def aclose(self) -> None:
         """Close both Redis clients and the Celery app."""

@@ -31,6 +31,7 @@ from protocol.errors import (
     FleetError,
     IdempotencyConflict,
     InvalidRequest,
+    NoLiveWorker,
     RequestCancelled,
     RequestExpired,
     RequestNotFound,
@@ -119,6 +120,8 @@ def status_of(exc: FleetError, *, openai: bool) -> int:
         return 404
     if isinstance(exc, RequestCancelled | IdempotencyConflict):
         return 409
+    if isinstance(exc, NoLiveWorker):  # nothing serves the model yet: unavailable, not slow
+        return 503
     if isinstance(exc, ResultTimeout | RequestExpired):
         return 504
     return 500

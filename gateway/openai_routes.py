@@ -74,7 +74,7 @@ from gateway.outcomes import WAIT_S, await_outcomes
 from gateway.sse import DONE_FRAME, EventStream, sse_frame
 from gateway.stream_relay import relay_events
 from producer.registry import read_fleet_state
-from protocol.errors import FleetError, InvalidRequest, RequestNotFound
+from protocol.errors import FleetError, InvalidRequest, NoLiveWorker, RequestNotFound
 from protocol.keys import CANCEL_CHANNEL, CANCEL_KEY
 from protocol.messages import InferenceRequest, InferenceResult
 
@@ -196,10 +196,13 @@ async def _generate(
             headers=headers,
         )
     try:
-        waiting = await_outcomes(gw.fleet, gw.aredis, [rid], timeout_s=WAIT_S)
+        waiting = await_outcomes(gw.fleet, gw.aredis, [rid], timeout_s=WAIT_S, model=request.model,
+                                 no_worker_after_s=gw.settings.api.no_worker_wait_s)
         outcome = (await unless_client_leaves(http, waiting, partial(_cancel, gw, [rid])))[rid]
     except ClientLeft:
         return Response(status_code=CLIENT_CLOSED_REQUEST, headers=headers)
+    except NoLiveWorker as exc:
+        return fleet_error_response(await _given_up(gw, [rid], exc), openai=True, headers=headers)
     except FleetError as exc:
         return fleet_error_response(exc, openai=True, headers=headers)
     if isinstance(outcome, FleetError):
@@ -230,6 +233,14 @@ async def _frames(gw: Gateway, rid: str, writer: ChunkWriter, ended: list[bool])
     yield DONE_FRAME
 
 
+async def _given_up(gw: Gateway, rids: list[str], exc: NoLiveWorker) -> NoLiveWorker:
+    """No worker came within ``api.no_worker_wait_s``: the caller gets an error, so nothing runs for it later
+    (an SDK retries a 503 as a new request); the queued items still count for a scaler watching the queue."""
+    await _cancel(gw, rids)
+    return NoLiveWorker(f"{exc.message}; request {', '.join(rids)} was cancelled: retry once a worker is up",
+                        exc.field, exc.limit)
+
+
 async def _cancel(gw: Gateway, rids: list[str]) -> None:
     """The client left before its answer: mark the requests cancelled and tell the running workers."""
     try:
@@ -249,10 +260,13 @@ async def embeddings(body: EmbeddingBody, rate_key: CallerDep, gw: GatewayDep, h
     ids = await run_in_threadpool(_send_embeddings, gw, body, rate_key)
     headers = {"X-Request-ID": ",".join(ids)}
     try:
-        waiting = await_outcomes(gw.fleet, gw.aredis, ids, timeout_s=WAIT_S)
+        waiting = await_outcomes(gw.fleet, gw.aredis, ids, timeout_s=WAIT_S, model=gw.settings.model_key(body.model),
+                                 no_worker_after_s=gw.settings.api.no_worker_wait_s)
         outcomes = await unless_client_leaves(http, waiting, partial(_cancel, gw, ids))
     except ClientLeft:
         return Response(status_code=CLIENT_CLOSED_REQUEST, headers=headers)
+    except NoLiveWorker as exc:
+        return fleet_error_response(await _given_up(gw, ids, exc), openai=True, headers=headers)
     except FleetError as exc:
         return fleet_error_response(exc, openai=True, headers=headers)
     results: list[InferenceResult] = []

@@ -1,6 +1,10 @@
 """Wait for stored results on the event loop: poll ``celery-task-meta-<id>`` with ``MGET`` on
 ``redis.asyncio``, backing off from :data:`FIRST_POLL_S` to :data:`MAX_POLL_S`, so a waiting HTTP
-request costs a coroutine, never a thread."""
+request costs a coroutine, never a thread.
+
+A wait for a model no live worker serves is bounded: past ``no_worker_after_s`` the workers' heartbeats
+(:mod:`producer.presence`, what ``/readyz`` reads) are checked every :data:`NO_WORKER_RECHECK_S`, and
+the wait ends with :class:`~protocol.errors.NoLiveWorker` naming the model while none is live."""
 
 from __future__ import annotations
 
@@ -11,14 +15,18 @@ from collections.abc import Sequence
 import redis.asyncio
 
 from producer.client import FleetClient
-from protocol.errors import FleetError, ResultTimeout
+from producer.presence import live_models_async, no_worker_message
+from protocol.errors import FleetError, NoLiveWorker, ResultTimeout
 from protocol.messages import InferenceResult
 
-__all__ = ["FIRST_POLL_S", "MAX_POLL_S", "WAIT_S", "await_outcomes"]
+__all__ = ["FIRST_POLL_S", "MAX_POLL_S", "NO_WORKER_RECHECK_S", "WAIT_S", "await_outcomes"]
 
 WAIT_S = 600.0
 """Longest wait of a gateway call for a result, and longest silence of a stream it relays (s); the
 OpenAI SDKs give up after 600 s too. Past it: 504 (or an error event) naming the ID to poll."""
+
+NO_WORKER_RECHECK_S = 1.0
+"""How often a wait past its no-worker bound reads the heartbeats again (s): a SCAN, so not every poll."""
 
 FIRST_POLL_S = 0.005
 MAX_POLL_S = 0.1
@@ -26,15 +34,22 @@ Outcome = InferenceResult | FleetError
 
 
 async def await_outcomes(
-    fleet: FleetClient, aredis: redis.asyncio.Redis[bytes], request_ids: Sequence[str], *, timeout_s: float
+    fleet: FleetClient, aredis: redis.asyncio.Redis[bytes], request_ids: Sequence[str], *, timeout_s: float,
+    model: str | None = None, no_worker_after_s: float | None = None,
 ) -> dict[str, Outcome]:
     """The result (or the error) of every one of ``request_ids``, once all are stored.
 
+    ``model`` and ``no_worker_after_s``: from that many seconds on, the wait ends as soon as no live
+    worker of ``model`` is seen (checked every :data:`NO_WORKER_RECHECK_S`).
+
     Raises:
         ResultTimeout: some are still unfinished after ``timeout_s``; names the first of them.
+        NoLiveWorker: past ``no_worker_after_s``, no live worker serves ``model``.
     """
     backend = fleet.app.backend
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline = started + timeout_s
+    check_at = None if model is None or no_worker_after_s is None else started + no_worker_after_s
     poll_s = FIRST_POLL_S
     done: dict[str, Outcome] = {}
     remaining = list(dict.fromkeys(request_ids))
@@ -49,7 +64,13 @@ async def await_outcomes(
         remaining = [rid for rid in remaining if rid not in done]
         if not remaining:
             return done
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if check_at is not None and model is not None and now >= check_at:
+            if model not in await live_models_async(aredis):
+                waited = f"; none appeared in {now - started:.0f} s"
+                raise NoLiveWorker(no_worker_message(model, fleet.settings.queue_for(model)) + waited, "model", model)
+            check_at = now + NO_WORKER_RECHECK_S
+        if now >= deadline:
             msg = f"no result for {remaining[0]} within {timeout_s} s; poll GET /v1/requests/{remaining[0]}"
             raise ResultTimeout(msg, "timeout_s", timeout_s)
         await asyncio.sleep(poll_s)

@@ -86,6 +86,8 @@ class RequestAccepted(BaseModel):
     request_id: str
     status: RequestStatus = RequestStatus.QUEUED
     location: str = Field(description="Where to poll: /v1/requests/{request_id}.")
+    warning: str | None = Field(default=None, description="Only when no live worker serves the model: the "
+                                "request waits in its queue until one starts (a fleet scaled to zero).")
 
 
 class BatchAccepted(BaseModel):
@@ -111,3 +113,5 @@ class RequestView(BaseModel):
     status: RequestStatus
     result: dict[str, Any] | None = Field(default=None, description="The InferenceResult JSON.")
     error: ErrorBody | None = None
+    warning: str | None = Field(default=None, description="While the request is queued and no live worker "
+                                "serves its model: says so, and how to start one.")

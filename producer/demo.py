@@ -197,6 +197,8 @@ def _drive(
     elapsed = time.perf_counter() - started
     ok = [r for r in results if isinstance(r, InferenceResult)]
     failed = [r for r in results if isinstance(r, FleetError)]
+    _say("results below come from the demo models' random (seeded) weights: the tokens, text and vectors are "
+         "noise; what they show is the fleet's work (batch sizes, waits, versions)")
     for r in ok[:3] + ok[-2:]:
         print(
             json.dumps(

@@ -18,6 +18,7 @@
     ├── RequestExpired              its deadline passed before compute
     ├── RequestCancelled            it was cancelled before it ran
     ├── ResultTimeout               waiting for a result took longer than asked
+    │   └── NoLiveWorker            ... and no live worker serves the request's model
     ├── RequestNotFound             no such request ID is known
     ├── IdempotencyConflict         a known request ID was resubmitted with a different body
     └── StateChangeRefused          a model-state change (pin, canary, promote, rollback) broke a rule
@@ -41,6 +42,7 @@ __all__ = [
     "InputTooLong",
     "InvalidRequest",
     "ModelLoadError",
+    "NoLiveWorker",
     "ProviderUnavailable",
     "QueueFull",
     "RateLimited",
@@ -177,6 +179,12 @@ class ResultTimeout(FleetError):
     code = "result_timeout"
 
 
+class NoLiveWorker(ResultTimeout):
+    """A wait ended while no live worker serves the request's model; the request stays queued for one."""
+
+    code = "no_worker"
+
+
 class RequestNotFound(FleetError):
     """No request with that ID is known (never submitted, or its result expired)."""
 
@@ -213,6 +221,7 @@ _BY_NAME: dict[str, type[FleetError]] = {
         RequestExpired,
         RequestCancelled,
         ResultTimeout,
+        NoLiveWorker,
         RequestNotFound,
         IdempotencyConflict,
         StateChangeRefused,

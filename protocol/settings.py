@@ -299,6 +299,10 @@ class ApiSettings(_Section):
     max_batch_requests: int = Field(
         default=256, ge=1, le=100_000, description="Requests one POST /v1/requests:batch may carry."
     )
+    no_worker_wait_s: float = Field(
+        default=30.0, ge=0, le=600, description="An OpenAI-route call for a model no live worker serves waits "
+        "this long for one to appear (scale from zero), then answers 503 no_worker; the request stays queued (s).",
+    )
 
 
 class LogSettings(_Section):

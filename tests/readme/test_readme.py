@@ -40,17 +40,24 @@ def test_every_block_is_classified() -> None:
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+def run_doc(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The runner's whole report (every block, and the ready state after the last)."""
     workdir = tmp_path_factory.mktemp("readme")
     out = workdir / "report.json"
     done = subprocess.run([sys.executable, "-m", "tests.readme.runner", "--workdir", str(workdir), "--report",
                            str(out)], cwd=ROOT, capture_output=True, text=True, timeout=540, check=False)
     if not out.exists():
         pytest.fail(f"the runner exited {done.returncode} without a report:\n{done.stderr[-4000:]}")
-    doc = json.loads(out.read_text())
+    doc: dict[str, Any] = json.loads(out.read_text())
     if doc.get("error"):
         pytest.fail(f"the README run did not start: {doc['error']}\n{done.stderr[-4000:]}")
-    return {b["id"]: b for b in doc["blocks"]}
+    return doc
+
+
+@pytest.fixture(scope="module")
+def report(run_doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each block's result by block id."""
+    return {b["id"]: b for b in run_doc["blocks"]}
 
 
 def _explain(result: dict[str, Any]) -> str:
@@ -74,3 +81,11 @@ def test_block(block: Block, report: dict[str, dict[str, Any]]) -> None:
 def test_the_run_has_no_unknown_blocks(report: dict[str, dict[str, Any]]) -> None:
     """The run and this module read the same README (no block was added while it ran)."""
     assert set(report) == {b.id for b in BLOCKS}
+
+
+def test_the_readme_steps_end_ready(run_doc: dict[str, Any]) -> None:
+    """After every block ran on a fleet of only the workers the README starts, the fleet is ready."""
+    ready_after = run_doc.get("ready_after")
+    assert ready_after, "the run recorded no ready state after its blocks"
+    assert ready_after["probe_rc"] == 0, f"fleet probe ready: {ready_after['probe_output']}"
+    assert ready_after["readyz_status"] == 200, f"/readyz: {ready_after['readyz_status']} {ready_after['readyz_body']}"
