@@ -63,7 +63,9 @@ __all__ = [
     "finish_reason",
     "generation_fallbacks",
     "generation_params",
+    "input_field",
     "max_tokens_field",
+    "prompt_field",
     "rename_field",
 ]
 
@@ -192,6 +194,22 @@ def completion_prompt(body: CompletionBody) -> Prompt:
     return (None, first) if isinstance(first, str) else (list(first), None)
 
 
+def _flat(given: Any) -> bool:
+    """A text or one flat list of token ids (not a list of prompts)."""
+    return isinstance(given, str) or all(isinstance(x, int) for x in given)
+
+
+def prompt_field(body: CompletionBody) -> str:
+    """The completion's prompt as the caller named it: ``prompt``, or ``prompt[0]`` inside a list of one."""
+    return "prompt" if _flat(body.prompt) else "prompt[0]"
+
+
+def input_field(body: EmbeddingBody, i: int) -> str:
+    """Input ``i`` of an embeddings body as the caller named it: ``input`` for a text or one list of token
+    ids, else ``input[i]``."""
+    return "input" if _flat(body.input) else f"input[{i}]"
+
+
 def _text_of(content: Any, where: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
@@ -238,7 +256,7 @@ def embedding_inputs(body: EmbeddingBody) -> list[Prompt]:
         return [(list(given), None)]  # type: ignore[arg-type]
     for i, item in enumerate(given):
         if not item:
-            field = "input" if isinstance(body.input, str) else f"input[{i}]"
+            field = input_field(body, i)
             what = "an empty string" if isinstance(item, str) else "an empty list of token ids"
             raise InvalidRequest(f"{field} is {what}: every input needs at least one character or token", field, 1)
     return [(None, x) if isinstance(x, str) else (list(x), None) for x in given]  # type: ignore[arg-type]

@@ -57,7 +57,9 @@ from gateway.openai_mapping import (
     embedding_list,
     generation_fallbacks,
     generation_params,
+    input_field,
     max_tokens_field,
+    prompt_field,
     rename_field,
 )
 from gateway.openai_schema import (
@@ -111,7 +113,7 @@ def _build(gw: Gateway, body: CompletionBody | ChatBody, prompt: Prompt, field: 
         ids, text = prompt
         ids = ids if ids is not None else gw.fleet.tokenize(key, text or "")
         fallbacks = generation_fallbacks(
-            "completion" if field == "prompt" else "chat", gw.settings.models[key].limits.max_new_tokens
+            "completion" if isinstance(body, CompletionBody) else "chat", gw.settings.models[key].limits.max_new_tokens
         )
         return gw.fleet.build_request(
             key, ids, kind="generate", generation=generation_params(body), generation_fallbacks=fallbacks
@@ -163,7 +165,7 @@ def _chat_prompt(gw: Gateway, body: ChatBody) -> Prompt:
 async def completions(body: CompletionBody, rate_key: CallerDep, gw: GatewayDep, http: Request) -> Response:
     """Complete one prompt (text or token ids); ``stream: true`` for SSE chunks."""
     check_supported(body)
-    request = await run_in_threadpool(_build, gw, body, completion_prompt(body), "prompt")
+    request = await run_in_threadpool(_build, gw, body, completion_prompt(body), prompt_field(body))
     return await _generate(gw, request, rate_key, "completion", body, http)
 
 
@@ -206,8 +208,8 @@ async def _generate(
     except FleetError as exc:
         return fleet_error_response(exc, openai=True, headers=headers)
     if isinstance(outcome, FleetError):
-        prompt_field = "prompt" if face == "completion" else "messages"
-        names = {"input_ids": prompt_field, "max_new_tokens": max_tokens_field(body)}
+        asked = prompt_field(body) if isinstance(body, CompletionBody) else "messages"
+        names = {"input_ids": asked, "max_new_tokens": max_tokens_field(body)}
         return fleet_error_response(rename_field(outcome, names, "output.generation."), openai=True, headers=headers)
     make = completion_response if face == "completion" else chat_response
     try:
@@ -273,7 +275,7 @@ async def embeddings(body: EmbeddingBody, rate_key: CallerDep, gw: GatewayDep, h
     for i, rid in enumerate(ids):
         outcome = outcomes[rid]
         if isinstance(outcome, FleetError):
-            named = rename_field(outcome, {"input_ids": f"input[{i}]"})
+            named = rename_field(outcome, {"input_ids": input_field(body, i)})
             return fleet_error_response(named, openai=True, headers=headers)
         results.append(outcome)
     vectors = embedding_list(body.model, results, body.encoding_format)
@@ -288,7 +290,7 @@ def _send_embeddings(gw: Gateway, body: EmbeddingBody, rate_key: str) -> list[st
         raise InvalidRequest(f"input has {len(prompts)} items; the limit is api.max_batch_requests={cap}", "input", cap)
     built = []
     for i, (ids, text) in enumerate(prompts):
-        field = "input" if len(prompts) == 1 else f"input[{i}]"
+        field = input_field(body, i)
         try:
             built.append(gw.fleet.build_request(body.model, ids, text=text, kind="embedding"))
         except InvalidRequest as exc:

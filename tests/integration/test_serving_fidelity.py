@@ -183,6 +183,22 @@ def test_openai_errors_name_the_callers_field(served: Served, route: str, body: 
 
 
 @pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("/v1/completions", {"model": "llama-chat", "prompt": [5, 99_999]}, "prompt[1]"),
+        ("/v1/completions", {"model": "llama-chat", "prompt": [[5, 99_999]]}, "prompt[0][1]"),
+        ("/v1/embeddings", {"model": "demo-encoder", "input": [5, 99_999]}, "input[1]"),
+        ("/v1/embeddings", {"model": "demo-encoder", "input": [[5], [5, 99_999]]}, "input[1][1]"),
+        ("/v1/embeddings", {"model": "demo-encoder", "input": [[5, 99_999]]}, "input[0][1]"),
+    ],
+)
+def test_a_bad_token_is_named_where_the_caller_put_it(served: Served, route: str, body: dict[str, Any],
+                                                      param: str) -> None:
+    error = _error(served.http.post(route, json=body))
+    assert error["param"] == param and error["message"].startswith(f"{param} = 99999"), error
+
+
+@pytest.mark.parametrize(
     ("given", "param"), [("", "input"), ([], "input"), (["a", ""], "input[1]"), ([[]], "input[0]")]
 )
 def test_an_empty_embeddings_input_is_refused_naming_it(served: Served, given: Any, param: str) -> None:

@@ -21,6 +21,8 @@ from gateway.openai_mapping import (
     finish_reason,
     generation_fallbacks,
     generation_params,
+    input_field,
+    prompt_field,
     rename_field,
 )
 from gateway.openai_schema import ChatBody, CompletionBody, EmbeddingBody
@@ -179,6 +181,13 @@ def test_embedding_inputs() -> None:
     with pytest.raises(InvalidRequest) as info:
         embedding_inputs(EmbeddingBody(model="e", input=[]))
     assert info.value.field == "input"
+
+
+def test_fields_are_named_as_the_caller_nested_them() -> None:
+    assert [prompt_field(completion(prompt=p)) for p in ("hi", [5, 6], ["hi"], [[5, 6]])] == [
+        "prompt", "prompt", "prompt[0]", "prompt[0]"]  # fmt: skip
+    bodies = [EmbeddingBody(model="e", input=x) for x in ("a", [5, 6], ["a", "b"], [[5], [6]])]
+    assert [input_field(b, 1) for b in bodies] == ["input", "input", "input[1]", "input[1]"]
 
 
 @pytest.mark.parametrize(
