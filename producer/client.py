@@ -220,8 +220,8 @@ class FleetClient(ResultReader):
         ids = list(input_ids) if input_ids is not None else self.tokenize(key, text or "")
         limits = self.settings.models[key].limits
         if generation is not None or kind == "generate":
-            generation = generation_fields(generation, model_path=self.settings.models[key].path, card=info.card,
-                                           limits=limits, prompt_tokens=len(ids), fallbacks=generation_fallbacks)
+            generation = generation_fields(generation, model=self.settings.models[key], card=info.card,
+                                           prompt_tokens=len(ids), fallbacks=generation_fallbacks)
         spec = _output_spec(kind=kind, top_k=top_k, normalize=normalize, generation=generation)
         truncated = False
         if info.card is not None:

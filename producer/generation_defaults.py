@@ -18,7 +18,7 @@ from typing import Any
 from protocol.generation_config import GenerationDefaults, load_generation_defaults, resolve_generation
 from protocol.messages import GenerationParams
 from protocol.modelcard import ModelCard
-from protocol.settings import LimitSettings
+from protocol.settings import ModelSettings
 
 __all__ = ["generation_fields", "model_generation_defaults"]
 
@@ -50,26 +50,27 @@ def given_fields(generation: GenerationParams | Mapping[str, Any] | None) -> dic
 def generation_fields(
     generation: GenerationParams | Mapping[str, Any] | None,
     *,
-    model_path: Path,
+    model: ModelSettings,
     card: ModelCard | None,
-    limits: LimitSettings,
     prompt_tokens: int,
     fallbacks: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The generation's fields with the unset ones resolved (see the module docstring).
 
-    A defaulted ``max_new_tokens`` is cut to ``limits.max_new_tokens`` and to what fits beside the
-    prompt of ``prompt_tokens`` tokens in ``card.max_positions``.
+    A defaulted ``max_new_tokens`` is cut to ``model.limits.max_new_tokens``, to what fits beside the
+    prompt of ``prompt_tokens`` tokens in ``card.max_positions`` and in the worker's KV budget
+    ``model.batching.max_kv_tokens``: a default never makes a request fail.
 
     Raises:
         ModelLoadError: the model's ``generation_config.json`` is invalid.
     """
-    cap = limits.max_new_tokens
+    prompt = min(prompt_tokens, model.limits.max_input_tokens)
+    cap = min(model.limits.max_new_tokens, model.batching.max_kv_tokens - prompt)
     if card is not None:
-        cap = min(cap, card.max_positions - min(prompt_tokens, limits.max_input_tokens))
+        cap = min(cap, card.max_positions - prompt)
     return resolve_generation(
         given_fields(generation),
-        model_generation_defaults(Path(model_path), card),
+        model_generation_defaults(Path(model.path), card),
         fallbacks=fallbacks,
         max_new_tokens_cap=max(1, cap),
     )

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from producer.generation_defaults import generation_fields
 from protocol.errors import ModelLoadError
 from protocol.generation_config import (
     GenerationDefaults,
@@ -15,7 +16,9 @@ from protocol.generation_config import (
     load_generation_defaults,
     resolve_generation,
 )
+from protocol.messages import GenerationParams
 from protocol.modelcard import ModelCard
+from protocol.settings import BatchingSettings, LimitSettings, ModelSettings
 
 
 def _card(eos: int | None = 2) -> ModelCard:
@@ -194,3 +197,21 @@ def test_a_face_fallback_counts_only_where_the_model_sets_nothing() -> None:
     assert resolve_generation({}, greedy_model, fallbacks=openai, max_new_tokens_cap=10) == {
         "temperature": 0.0, "max_new_tokens": 10}  # fmt: skip
     assert resolve_generation({}, GenerationDefaults(), max_new_tokens_cap=0) == {}
+
+
+def test_a_defaulted_length_fits_the_limit_the_positions_and_the_kv_budget(tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 200, "do_sample": False}))
+    model_file = tmp_path / "m.onnx"
+    model_file.write_bytes(b"")  # only its folder is read
+    card = ModelCard(name="m", version="1", kind="causal_lm", vocab_size=300, max_positions=64, num_layers=1,
+                     num_heads=1, head_dim=4, hidden_size=4)
+    model = ModelSettings(path=model_file, limits=LimitSettings(max_new_tokens=100, max_input_tokens=64),
+                          batching=BatchingSettings(max_kv_tokens=40))
+    for prompt, expected in ((10, 30), (30, 10), (39, 1), (60, 1)):  # the KV budget (40) binds before 64
+        fields = generation_fields({"stream": False}, model=model, card=card, prompt_tokens=prompt)
+        assert fields == {"stream": False, "max_new_tokens": expected, "temperature": 0.0}, prompt
+    wide = model.model_copy(update={"batching": BatchingSettings(max_kv_tokens=10_000)})
+    assert generation_fields(None, model=wide, card=card, prompt_tokens=4)["max_new_tokens"] == 60  # positions
+    assert generation_fields(None, model=wide, card=None, prompt_tokens=4) == {}  # no card: no file read
+    asked = generation_fields(GenerationParams(max_new_tokens=90), model=model, card=card, prompt_tokens=10)
+    assert asked["max_new_tokens"] == 90, "the caller's value is kept, for the limits to refuse"
