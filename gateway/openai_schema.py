@@ -46,7 +46,10 @@ class StreamOptions(_Body):
 class _Sampling(_Body):
     model: StrictStr = Field(min_length=1, max_length=200, examples=["demo-lm"])
     max_tokens: StrictInt | None = Field(default=None, ge=1, description="-> max_new_tokens.")
-    temperature: float | None = Field(default=None, ge=0, le=2, description="Default 1 (OpenAI's); 0 = greedy.")
+    temperature: float | None = Field(
+        default=None, ge=0, le=2,
+        description="0 = greedy. Default: the model's generation_config.json, else 1 (OpenAI's).",
+    )  # fmt: skip
     top_p: float | None = Field(default=None, gt=0, le=1)
     n: StrictInt | None = Field(default=None, description="Must be 1.")
     stream: StrictBool | None = False
