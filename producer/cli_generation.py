@@ -15,7 +15,10 @@ _FLAGS = ("max_new_tokens", "temperature", "top_p", "sample_top_k", "repetition_
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:
     """Register the generation options on ``fleet submit``."""
-    g = p.add_argument_group("generation (causal LMs; any of these makes the request a 'generate' job)")
+    g = p.add_argument_group(
+        "generation (causal LMs; any of these makes the request a 'generate' job; an option left out takes "
+        "the model's generation_config.json default, else the fleet's default shown below)"
+    )
     g.add_argument("--generate", action="store_true", help="generate text instead of next-token top-k")
     g.add_argument("--stream", action="store_true", help="print the text as it is generated (implies --generate)")
     g.add_argument("--max-new-tokens", type=int, default=None, help="most tokens to generate (default 16)")
