@@ -47,6 +47,13 @@ POOLING_MODES: dict[str, PoolingMode] = {
 }
 """sentence-transformers' config keys → the fleet's mode names, in the order the vectors are concatenated."""
 
+_NAMED_MODES = {
+    "cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens", "mean": "pooling_mode_mean_tokens",
+    "mean_sqrt_len_tokens": "pooling_mode_mean_sqrt_len_tokens", "weightedmean": "pooling_mode_weightedmean_tokens",
+    "lasttoken": "pooling_mode_lasttoken",
+}  # fmt: skip
+"""``pooling_mode`` strings sentence-transformers accepts → the config key each turns on."""
+
 _SERVED_MODULES = {"Transformer", "Pooling", "Normalize"}
 """Module types (last part of ``type``) whose effect the fleet reproduces."""
 
@@ -96,7 +103,14 @@ def _pooling_modes(config_path: Path, hidden_size: int | None) -> tuple[PoolingM
     config = _read_json(config_path)
     if not isinstance(config, dict):
         raise _refuse(config_path, "is not a JSON object", config_path.name)
-    unknown = sorted(k for k, v in config.items() if k.startswith("pooling_mode") and k not in POOLING_MODES and v)
+    named = config.get("pooling_mode")  # sentence-transformers' Pooling(pooling_mode="cls") spelling
+    if named is not None:
+        if named not in _NAMED_MODES:
+            raise _refuse(config_path, f"pooling_mode {named!r} is not supported (supported: "
+                          f"{', '.join(_NAMED_MODES)})", "pooling_mode")
+        config = {**config, _NAMED_MODES[named]: True}
+    unknown = sorted(k for k, v in config.items()
+                     if k.startswith("pooling_mode_") and k not in POOLING_MODES and v)
     if unknown:
         raise _refuse(config_path, f"pooling mode {unknown[0]} is not supported (supported: "
                       f"{', '.join(POOLING_MODES)})", unknown[0])

@@ -120,7 +120,13 @@ def test_a_folder_without_modules_json_is_mean_pooled_as_before(model_dir: Path)
         np.testing.assert_allclose(vec, reference(engine, ids, ("mean",), True), rtol=1e-4, atol=1e-5)
 
 
+def test_a_pooling_mode_given_by_name_is_served(model_dir: Path, tmp_path: Path) -> None:
+    engine = engine_of(st_folder(model_dir, tmp_path / "st", (), pooling_mode="lasttoken"))
+    assert engine.pooling.modes == ("lasttoken",)
+
+
 REFUSED = [
+    ({"modes": (), "pooling_mode": "attention"}, "pooling_mode 'attention' is not supported", "config.json"),
     ({"modes": ()}, "no pooling mode is set", "config.json"),
     ({"modes": ("cls",), "include_prompt": False}, "include_prompt: false is not supported", "config.json"),
     ({"modes": ("cls",), "pooling_mode_attention_tokens": True},
