@@ -8,7 +8,8 @@
 
 Status codes: invalid input 422 on native routes and 400 on OpenAI ones (an unknown model: 404 there,
 as OpenAI answers); 401 bad key; 404 unknown request; 409 cancelled, or a known request ID sent again
-with another body; 413 body too large; 429 admission (+ ``Retry-After``); 503 Redis down; 504 no
+with another body; 413 body too large (bytes, or structure: :mod:`gateway.body_guard`); 415 a body not
+declared JSON; 429 admission (+ ``Retry-After``); 503 Redis down; 504 no
 result in time (the request may still finish: poll ``GET /v1/requests/{id}`` with the ``X-Request-ID``
 header's value).
 """
@@ -58,7 +59,8 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody, "description": text}
     for code, text in {
         401: "missing or wrong API key",
-        413: "body or batch too large",
+        413: "body or batch too large, or a JSON body too deeply nested or with too many arrays/objects/strings",
+        415: "a body not sent as Content-Type: application/json",
         422: "invalid request (names the field and the limit)",
         429: "refused by admission control; see Retry-After",
         503: "Redis unreachable",
