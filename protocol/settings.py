@@ -287,6 +287,21 @@ class WorkerSettings(_Section):
         description="A request held past its deadline (no deadline: past visibility_timeout_s) by more than "
         "this is reported as an overdue slot: a log line and fleet_worker_overdue_slots (s).",
     )
+    stream_hold_events: int = Field(
+        default=100_000,
+        ge=1,
+        le=10_000_000,
+        description="Most token-stream events a worker holds while Redis does not answer (written, in order, "
+        "when it does); past it tokens are dropped (fleet_worker_stream_events_dropped_total) and readers "
+        "finish those streams from the stored results.",
+    )
+    stream_hold_bytes: int = Field(
+        default=32 * 1024 * 1024,
+        ge=1024,
+        le=4 * 1024**3,
+        description="Most bytes of token-stream events a worker holds while Redis does not answer (see "
+        "stream_hold_events).",
+    )
 
 
 class ApiSettings(_Section):

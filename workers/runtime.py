@@ -83,6 +83,8 @@ class WorkerRuntime:
             sync_client(settings, socket_timeout=10),
             ttl_s=settings.result_ttl_s,
             max_len=self.model.limits.max_new_tokens + 16,
+            max_held_events=settings.worker.stream_hold_events,
+            max_held_bytes=settings.worker.stream_hold_bytes,
         )
         # readiness sees a worker that holds work it does not progress (workers.progress)
         self.progress = WorkerProgress(

@@ -4,7 +4,8 @@ Every event a generation emits waits here until a pipeline wrote it; while Redis
 (a restart, a network cut) events pile up, in order, and are written when it answers again, with
 their token indexes, so readers see the stream continue where it stopped.
 
-The hold is bounded by events and by bytes (``max_events``, ``max_bytes``). Past a bound a token
+While Redis answers, events pass straight through (each loop writes all it took). While it does not,
+the hold is bounded by events and by bytes (``max_events``, ``max_bytes``). Past a bound a token
 event is refused and counted in :attr:`PendingEvents.dropped`; its stream has a gap from then on, so
 its later tokens are refused too (a reader cannot hand them on past the gap: it finishes from the
 stored result instead), which keeps room for other streams. The event that ends a stream (``final``
@@ -57,8 +58,9 @@ class PendingEvents:
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, request_id: str, event: StreamEvent) -> bool:
-        """Hold ``event``; False when it was refused (over the bounds, or its stream already has a gap)."""
+    def add(self, request_id: str, event: StreamEvent, *, bounded: bool = True) -> bool:
+        """Hold ``event``; False when it was refused (``bounded`` and over the bounds, or its stream
+        already has a gap)."""
         fields = encode_event(event)
         key = STREAM_KEY.format(id=request_id)
         size = len(key) + sum(len(k) + len(v) for k, v in fields.items()) + _ENTRY_OVERHEAD_BYTES
@@ -69,7 +71,8 @@ class PendingEvents:
             self.dropped += 1
             return False
         reserve = 2 if last else 1
-        if len(self._items) >= self.max_events * reserve or self.bytes + size > self.max_bytes * reserve:
+        over = len(self._items) >= self.max_events * reserve or self.bytes + size > self.max_bytes * reserve
+        if bounded and over:
             self.dropped += 1
             if not last:
                 self._cut.add(request_id)

@@ -163,7 +163,7 @@ class StreamPublisher:
         stopping = False
         outage = _Outage()
         while True:
-            stopping = self._take() or stopping
+            stopping = self._take(bounded=outage.down_since_s is not None) or stopping
             now = time.monotonic()
             if len(self.pending) and now >= outage.retry_at_s:
                 try:
@@ -181,9 +181,9 @@ class StreamPublisher:
             log.warning("stream publisher stopped with %d events unwritten (Redis did not answer); "
                         "their readers finish from the stored results", len(self.pending))
 
-    def _take(self) -> bool:
-        """Move what was published into the hold (waiting up to ``cancel_poll_s`` for the first);
-        True when :meth:`stop` asked to stop."""
+    def _take(self, *, bounded: bool) -> bool:
+        """Move what was published into the hold (waiting up to ``cancel_poll_s`` for the first), within
+        its bounds when ``bounded`` (Redis does not answer); True when :meth:`stop` asked to stop."""
         stopping = False
         dropped_before = self.pending.dropped
         try:
@@ -192,7 +192,7 @@ class StreamPublisher:
                 if item is _STOP or item[1] is None:
                     stopping = True
                 else:
-                    self.pending.add(item[0], item[1])
+                    self.pending.add(item[0], item[1], bounded=bounded)
                 item = self._queue.get_nowait()
         except queue.Empty:
             pass

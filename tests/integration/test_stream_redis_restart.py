@@ -8,7 +8,9 @@ SDK with ``stream=True`` (4 completions, 4 chat). Once every stream has handed o
 Every stream must then end, with the text and token count of the request's stored result: the worker
 holds the events it could not write and writes them when Redis answers, and a reader that finds
 the result stored while its stream stopped short (the entries before the kill are gone) finishes
-from the result. The figures go to ``var/reliability/stream-redis-restart.json``.
+from the result. Run twice: with the worker's default hold, and with a hold of one event
+(``worker.stream_hold_events``), so every stream loses tokens for good and each reader has to finish
+from the stored result. The figures go to ``var/reliability/stream-redis-restart-<hold>.json``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +38,7 @@ from tools.processes import WorkerProcess
 from tools.redis_server import EmbeddedRedis
 
 GENERATIONS = 16
-MAX_TOKENS = 400
+MAX_TOKENS = 200
 """Tokens per generation (ignore_eos): several seconds of decoding for 16 at once on 2 loaded cores."""
 EVENTS_BEFORE_KILL = 4
 """Events (client.stream / SSE) or text chunks (SDK) every stream must have handed on before the kill."""
@@ -168,13 +171,17 @@ def restart_fleet(tmp_path: Path, slow_models: ModelPaths) -> Iterator[tuple[Ops
         server.stop()
 
 
+@pytest.mark.parametrize("hold", ["default", "one-event"])
 def test_every_stream_ends_with_the_stored_text_after_a_redis_restart(
-    restart_fleet: tuple[OpsFleet, EmbeddedRedis],
+    restart_fleet: tuple[OpsFleet, EmbeddedRedis], hold: str,
 ) -> None:
     fleet, server = restart_fleet
+    worker_settings: dict[str, Any] = {"model": "demo-lm", "concurrency": GENERATIONS, "heartbeat_s": 0.5}
+    if hold == "one-event":
+        worker_settings["stream_hold_events"] = 1
     config = fleet.config(
         serve=("demo-lm",),
-        worker={"model": "demo-lm", "concurrency": GENERATIONS, "heartbeat_s": 0.5},
+        worker=worker_settings,
         models={"demo-lm": {"batching": {"max_batch_size": GENERATIONS},
                             "limits": {"max_new_tokens": MAX_TOKENS, "max_input_tokens": 64}}},
         api={"max_body_bytes": 65_536},
@@ -215,29 +222,37 @@ def test_every_stream_ends_with_the_stored_text_after_a_redis_restart(
 
     stored = {rid: res for rid, res in results.items() if isinstance(res, InferenceResult)}
     mismatched, unfinished = [], []
+    by_face: dict[str, Counter[str]] = {}
     for r in readers:
         gen = stored[r.request_id].generation if r.request_id in stored else None
         if r.ended_at is None or gen is None:
             unfinished.append(f"{r.face} {r.request_id}: {r.count} events, error {r.error}")
+            how = f"raised {r.error.split(':')[0]}" if r.error else "no end"
         elif r.text != gen.text or (r.face in ("client.stream", "native-sse") and r.token_indexes
                                     != list(range(len(gen.token_ids)))):
             mismatched.append(f"{r.face} {r.request_id}: {len(r.text)} chars vs stored {len(gen.text or '')}, "
                               f"indexes {len(r.token_indexes)} vs {len(gen.token_ids)}")
+            how = f"ended ({r.finish_reason}) with other text"
+        else:
+            how = "ended with the stored text"
+        by_face.setdefault(r.face, Counter())[how] += 1
     last_end = max((r.ended_at for r in readers if r.ended_at is not None), default=back_at)
     log = worker.log_tail(400_000)
     held_lines = [line.split("stream publisher: ", 1)[1] for line in log.splitlines() if "stream publisher: " in line]
     doc = {
         "fault": "Redis SIGKILL + restart (no persistence) under 16 running streamed generations",
+        "worker_hold": hold,
         "generations": GENERATIONS, "streams": len(readers), "max_tokens": MAX_TOKENS,
         "streams_ended_with_stored_text": len(readers) - len(mismatched) - len(unfinished),
         "ended_before_kill": ended_before_kill, "events_seen_at_kill_min": min(seen_at_kill),
         "events_seen_at_kill_max": max(seen_at_kill), "down_s": round(back_at - killed_at, 2),
         "last_stream_end_after_restart_s": round(last_end - back_at, 2),
-        "stored_results": len(stored), "worker_log": held_lines[:6],
+        "stored_results": len(stored), "by_face": {face: dict(c) for face, c in by_face.items()},
+        "worker_log": held_lines[:6],
         "recorded_at_unix_s": time.time(),
     }
     RECORD_DIR.mkdir(parents=True, exist_ok=True)
-    (RECORD_DIR / "stream-redis-restart.json").write_text(json.dumps(doc, indent=1))
+    (RECORD_DIR / f"stream-redis-restart-{hold}.json").write_text(json.dumps(doc, indent=1))
     print("\n[stream-restart] " + json.dumps(doc))
     assert len(stored) == GENERATIONS, results
     assert ended_before_kill == 0, "a stream ended before the kill: the generations were too short to test anything"

@@ -119,6 +119,8 @@ def test_the_hold_keeps_order_and_bounds_events_and_bytes() -> None:
     hold.pop(4)
     assert [h.last for h in hold.head(10)] == [True, True]
     assert hold.add("c", tok(0))  # room again after the writes
+    assert hold.add("c", tok(1), bounded=False) and hold.add("c", tok(2), bounded=False)  # Redis answers: all pass
+    assert len(hold) == 5
     small = PendingEvents(max_events=1000, max_bytes=300)
     added = sum(small.add("d", tok(i)) for i in range(7))
     assert 0 < added < 7 and small.bytes <= 300 and small.dropped == 7 - added
