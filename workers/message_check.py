@@ -13,7 +13,8 @@ first, with the same decoders, and says either "deliver it" or why not:
 
    * headers of Celery protocol 2 (``celery/app/amqp.py`` ``as_task_v2``): ``task`` a registered
      task name, ``id`` a non-empty string, ``eta``/``expires`` ISO 8601 (``Request.__init__``),
-     ``timelimit`` ``[hard, soft]``, ``retries`` an integer, the ``*repr``/``*_id`` fields strings;
+     ``timelimit`` ``[hard, soft]``, ``retries`` an integer, the ``*repr``/``*_id`` fields strings,
+     ``ignore_result`` false or null (true ran the request and stored no answer: no trace at all);
      protocol 1 (no ``task`` header) is refused;
    * ``content-type`` ``application/json`` (``accept_content``; kombu would hand the bytes of the
      "trusted" ``application/data`` and ``application/text`` to Celery undecoded);
@@ -250,10 +251,10 @@ def _check_header_types(headers: dict[str, Any]) -> None:
     if headers.get("stamps") is not None and not isinstance(headers["stamps"], dict):
         raise _Bad(Reason.BAD_HEADERS, "headers.stamps",
                    f"headers.stamps must be an object or null; got {_kind(headers['stamps'])}", "object or null")
-    if headers.get("ignore_result") is not None and not isinstance(headers["ignore_result"], bool):
+    if headers.get("ignore_result") not in (None, False):  # the task would run and its answer be dropped
         raise _Bad(Reason.BAD_HEADERS, "headers.ignore_result",
-                   f"headers.ignore_result must be a boolean or null; got {_kind(headers['ignore_result'])}",
-                   "boolean or null")
+                   f"headers.ignore_result must be false or null; got {headers['ignore_result']!r}"[:300] + ": the "
+                   "fleet answers every request under its ID", "false or null")
     for key in sorted(_EMBED_KEYS & headers.keys()):
         if headers[key] is not None:  # Celery copies headers into the task's request context
             raise _Bad(Reason.BAD_HEADERS, f"headers.{key}", f"headers.{key} must not be set (it belongs in the "

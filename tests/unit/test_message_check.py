@@ -116,6 +116,8 @@ REFUSED: list[tuple[str, Callable[[dict[str, Any]], None], Reason, str]] = [
     ("stamps a list", header("stamps", []), Reason.BAD_HEADERS, "headers.stamps"),
     ("stamped_headers of numbers", header("stamped_headers", [1]), Reason.BAD_HEADERS, "headers.stamped_headers"),
     ("ignore_result a string", header("ignore_result", "yes"), Reason.BAD_HEADERS, "headers.ignore_result"),
+    # the request ran and its answer was dropped: no result, no dead letter, no trace
+    ("ignore_result true", header("ignore_result", True), Reason.BAD_HEADERS, "headers.ignore_result"),
     ("chord in headers", header("chord", {"task": "x"}), Reason.BAD_HEADERS, "headers.chord"),
     ("headers a list", top("headers", []), Reason.NOT_A_MESSAGE, "headers"),
     ("body a number", top("body", 5), Reason.NOT_A_MESSAGE, "body"),
@@ -175,6 +177,7 @@ def test_pickle_is_refused_before_anything_unpickles_it() -> None:
         header("timelimit", [10, 5.5]),
         header("x-custom", {"any": ["thing"]}),
         header("redelivered", True),
+        header("ignore_result", False),
         header("lang", None),
         top("content-encoding", "UTF8"),
         prop("priority", None),
