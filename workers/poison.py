@@ -3,8 +3,9 @@
 kombu's Redis transport decodes each popped item inside the worker's event loop, and Celery's
 strategy unpacks its headers and body there too; an exception in either stops the whole worker
 ("Unrecoverable error"), the unacked item comes back, and the next worker dies on it. What they
-do catch, they drop with a log line. :class:`GuardedChannel` sits where the item is popped
-(``_brpop_read``), before any of that, and for each item:
+do catch, they drop with a log line. :class:`GuardedChannel` sits where the item is taken
+(``_brpop_read``: :mod:`workers.atomic_take`, or kombu's ``BRPOP`` where Redis refuses that), before
+any of that, and for each item:
 
 1. checks the envelope (:func:`workers.message_check.parse_envelope`);
 2. counts the delivery when kombu marked it redelivered (:mod:`workers.deliveries`) and gives up
@@ -16,8 +17,9 @@ do catch, they drop with a log line. :class:`GuardedChannel` sits where the item
 A refused item is pushed to the dead-letter list with why, where and when
 (:mod:`protocol.deadletter`), gets a FAILURE result under its task ID when it has one (stored
 through the app's result backend, as Celery stores a task's failure, with a
-:class:`~protocol.errors.DecodeError` naming the field), and is gone from the queue: it was popped
-and never entered kombu's unacked set, which is what an ack would do.
+:class:`~protocol.errors.DecodeError` naming the field), and is gone from the queue: it was taken,
+and its unacked entry (the atomic take records one for an item with a delivery tag) is removed once
+the dead letter is written, which is what an ack would do.
 
 :func:`install` runs in the worker process only (producers never decode queue items).
 """
@@ -42,6 +44,7 @@ from protocol.keys import DEAD_LETTER_KEY
 from protocol.kombu_channel import ReusesSyncClient
 from protocol.redis_conn import sync_client
 from protocol.settings import FleetSettings
+from workers.atomic_take import start_peek, take_after_peek
 from workers.batch_take import Taken, TakeNotRecorded, add_take, room_for_more, unacked_entry_of
 from workers.cancel_marks import CancelReadingQoS
 from workers.deliveries import count_delivery, count_ttl_s, over_limit
@@ -95,6 +98,15 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
     QoS = StoreAckingQoS  # + the cancel mark at take (workers.cancel_marks), the ack in the store (workers.store_ack)
     take_batch = True
     """Take up to the worker's free tokens per round trip when the queue is backed up (:mod:`workers.batch_take`)."""
+    take_atomic = True
+    """Take and record as unacked in one script run after a wait that pops nothing (:mod:`workers.atomic_take`);
+    turned off (kombu's ``BRPOP``) when Redis refuses it."""
+    peek_sent = False
+    """The command pending on the ``BRPOP`` connection is the atomic take's wait, not ``BRPOP``."""
+    take_keys: tuple[str, ...] = ()
+    """The lists the pending wait's take looks at, in kombu's order."""
+    take_script: Any = None
+    """The take script, registered on the synchronous client."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.checked_bodies: dict[str, list[Any]] = {}
@@ -103,8 +115,15 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
         takes them in (:mod:`workers.batch_take`)."""
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
 
+    def _brpop_start(self, timeout: Any = None) -> None:
+        if not start_peek(self, timeout):
+            self.peek_sent = False
+            super()._brpop_start(timeout)  # type: ignore[no-untyped-call]
+
     def _brpop_read(self, **options: Any) -> bool:
         try:
+            if self.peek_sent:
+                return take_after_peek(self, **options)
             try:
                 dest__item = self.client.parse_response(self.client.connection, "BRPOP", **options)
             except self.connection_errors:

@@ -5,6 +5,7 @@ the store's ack as for one (real worker, real redis-server, Redis's own MONITOR)
 from __future__ import annotations
 
 import threading
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,8 @@ def _by_sender(commands: list[dict[str, Any]]) -> dict[str, list[str]]:
 
 
 def _recorded_together(commands: list[dict[str, Any]]) -> list[int]:
-    """Sizes of each run of deliveries one connection recorded back to back (``ZADD``/``HSET``/``EXISTS``)."""
+    """Sizes of each run of deliveries recorded back to back on one connection or in one script run
+    (``ZADD``/``HSET``/``EXISTS``)."""
     runs: list[int] = []
     for sent in _by_sender(commands).values():
         count = 0
@@ -47,6 +49,20 @@ def _recorded_together(commands: list[dict[str, Any]]) -> list[int]:
             if count:
                 runs.append(count)
             count = 0
+    return runs
+
+
+def _takes(commands: list[dict[str, Any]], queue: str) -> list[list[str]]:
+    """The take script's runs on ``queue``: the commands of each, from its ``LRANGE`` to its ``LTRIM``."""
+    runs: list[list[str]] = []
+    for c in commands:
+        command = str(c["command"])
+        if c.get("client_type") != "lua":
+            continue
+        if command.startswith(f"LRANGE {queue} "):
+            runs.append([command])
+        elif runs and not runs[-1][-1].startswith("LTRIM "):
+            runs[-1].append(command)
     return runs
 
 
@@ -95,10 +111,16 @@ def test_a_backed_up_queue_is_taken_in_batches_within_the_tokens(fleet: Fleet) -
     commands = list(monitor.commands)
     monitor.close()
 
-    rpops = [c["command"].split(" ") for c in commands if c["command"].startswith(f"RPOP {queue} ")]
-    assert rpops and all(1 <= int(parts[2]) <= TOKENS - 1 for parts in rpops), rpops
+    assert not [c for c in commands if c["command"].startswith(("BRPOP", "RPOP"))]  # nothing popped unrecorded
+    assert any(c["command"].startswith(f"BLMOVE {queue} {queue} RIGHT RIGHT") for c in commands)  # the wait
+    takes = _takes(commands, queue)
+    assert takes and all(1 <= -int(run[0].split(" ")[2]) <= TOKENS for run in takes), takes  # LRANGE q -n -1
+    trimmed = [-int(run[-1].split(" ")[3]) - 1 for run in takes if run[-1].startswith(f"LTRIM {queue} 0 ")]
+    recorded = [sum(1 for c in run if c.startswith("HSET unacked ")) for run in takes]
+    assert sum(trimmed) == len(ids) + 1 and sum(recorded) == len(ids)  # every item taken, each recorded in
+    # the script run that trimmed it off the list, but the poison item (no delivery tag: dead-lettered)
     together = _recorded_together(commands)
-    assert max(together) >= 2, together  # several deliveries recorded in one pipeline
+    assert max(together) >= 2, together  # several deliveries recorded in one step
     assert 2 <= max(held.seen) <= TOKENS, held.seen  # never more unacked deliveries than tokens
     for rid in ids:  # each cancel mark read once, in a take pipeline; no task thread read it again
         assert sum(1 for c in commands if c["command"] == f"EXISTS fleet:cancel:{rid}") == 1, rid
@@ -106,9 +128,17 @@ def test_a_backed_up_queue_is_taken_in_batches_within_the_tokens(fleet: Fleet) -
     assert r.hlen("unacked") == 0 and r.zcard("unacked_index") == 0 and r.llen(queue) == 0
 
 
-def test_a_redis_that_refuses_rpop_is_taken_one_message_per_round_trip(tmp_path: Path, model_dir: Path) -> None:
-    """RPOP's refusal (here an ACL without it; Redis before 6.2 refuses its count) turns the batches off."""
-    acl = ["fleet on >batch-take-test ~* &* +@all -rpop", "default off"]
+@pytest.mark.parametrize(("denied", "warnings"), [
+    ("-blmove -rpop", ["Redis refused BLMOVE", "taking one message per round trip"]),
+    ("-ltrim", ["Redis refused a command of the take script"]),
+])
+def test_a_redis_that_refuses_the_atomic_take_is_taken_with_brpop(
+    tmp_path: Path, model_dir: Path, denied: str, warnings: list[str]
+) -> None:
+    """BLMOVE's or the take script's refusal (an ACL here; Redis before 6.2 has no BLMOVE) turns the
+    atomic take off: kombu's BRPOP, batched with RPOP n; RPOP's refusal (Redis before 6.2 refuses its
+    count) turns the batches off too."""
+    acl = [f"fleet on >batch-take-test ~* &* +@all {denied}", "default off"]
     with EmbeddedRedis(username="fleet", password="batch-take-test", acl=acl) as server:
         fleet = Fleet(tmp_path, model_dir, server.url)
         try:
@@ -119,13 +149,19 @@ def test_a_redis_that_refuses_rpop_is_taken_one_message_per_round_trip(tmp_path:
             for rid in ids:
                 assert client.result(rid, wait=True, timeout_s=60) is not None
             assert worker.log_path is not None
-            poll_until(lambda: "taking one message per round trip" in worker.log_path.read_text(), 10, "the warning")
+            log_path = worker.log_path
+            for warning in warnings:
+                poll_until(partial(_logged, log_path, warning), 10, f"the warning {warning!r}")
             assert worker.proc is not None and worker.proc.poll() is None  # the worker lives on
             r = server.client()
             assert client.result(client.submit("demo-lm", [6, 7]), wait=True, timeout_s=60) is not None
             assert r.llen(client.settings.queue_for("demo-lm")) == 0
         finally:
             fleet.close()
+
+
+def _logged(log_path: Path, text: str) -> bool:
+    return text in log_path.read_text()
 
 
 class _Channel:

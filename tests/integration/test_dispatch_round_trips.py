@@ -86,7 +86,8 @@ def test_started_is_stored_for_generations_only(fleet: Fleet) -> None:
         assert client.result(rid, wait=True, timeout_s=60) is not None
         after = redis_commandstats(fleet.redis_url)
         runs = sum(after.get(k, 0) - before.get(k, 0) for k in ("evalsha", "eval"))
-        return runs - 1  # the submission's own claim-and-queue script (producer.idempotent_queue)
+        # the submission's own claim-and-queue script (producer.idempotent_queue) and the worker's take
+        return runs - 2  # script (workers.atomic_take)
 
     assert stores_during() == 1  # the result only: a one-step request goes from queued to its result
     assert stores_during(generation={"max_new_tokens": 3}) == 2  # STARTED, then the result

@@ -245,7 +245,7 @@ def test_a_sentinel_worker_guards_and_batches_its_queue(tmp_path: Path, model_di
         commands = [str(c["command"]) for c in monitor.commands]
         monitor.close()
         assert master.llen(DEAD_LETTER_KEY) == 1
-        assert any(c.startswith(f"RPOP {queue} ") for c in commands)  # the batched take
+        assert any(c.startswith(f"LRANGE {queue} -") for c in commands)  # the batched, atomic take
         assert master.hlen("unacked") == 0 and master.llen(queue) == 0
         master.close()
     finally:

@@ -1,0 +1,72 @@
+"""``workers.atomic_take``'s script on a real redis-server: it records each message as kombu does before it
+trims it off the list, takes nothing when Redis refuses the writes, and takes a tagless item unrecorded;
+the wait (``BLMOVE`` onto the same list) leaves the list as it was."""
+
+from __future__ import annotations
+
+import json
+
+import redis
+
+from tools.redis_server import EmbeddedRedis
+from workers.atomic_take import CANCEL_PREFIX, TAKE_SCRIPT
+from workers.batch_take import unacked_entry_of
+
+QUEUE = "fleet.demo-lm"
+KEYS = [QUEUE, QUEUE + "\x06\x163", "unacked", "unacked_index"]
+
+
+def _envelope(n: int) -> bytes:
+    info = {"exchange": "", "routing_key": QUEUE}
+    return json.dumps({"body": "W10=", "headers": {"id": f"id-{n}", "task": "fleet.infer"},
+                       "properties": {"delivery_tag": f"tag-{n}", "delivery_info": info}}).encode()
+
+
+def _take(r: redis.Redis[bytes], most: int) -> list[bytes | int | None]:
+    reply: list[bytes | int | None] = r.eval(  # type: ignore[no-untyped-call]
+        TAKE_SCRIPT, len(KEYS), *KEYS, most, "1000.5", CANCEL_PREFIX)
+    return reply
+
+
+def test_the_script_records_the_oldest_messages_before_it_trims_them(redis_server: EmbeddedRedis) -> None:
+    r = redis_server.client()
+    for n in range(5):
+        r.lpush(QUEUE, _envelope(n))  # LPUSH as kombu's producers: the oldest is at the right end
+    r.lpush(QUEUE + "\x06\x163", _envelope(9))  # a later list in kombu's order: not reached
+    r.set(CANCEL_PREFIX + "id-1", 1)
+    assert r.blmove(QUEUE, QUEUE, 1, "RIGHT", "RIGHT") == _envelope(0)  # the wait pops nothing
+    assert r.lrange(QUEUE, 0, -1) == [_envelope(n) for n in (4, 3, 2, 1, 0)]
+
+    reply = _take(r, 3)
+    assert reply[:2] == [QUEUE.encode(), None]
+    rows = [reply[k : k + 4] for k in range(2, len(reply), 4)]
+    assert rows == [[_envelope(n), f"tag-{n}".encode(), f"id-{n}".encode(), int(n == 1)] for n in (0, 1, 2)]
+    for n in (0, 1, 2):  # kombu's own entry: what its restore reads back
+        raw = _envelope(n)
+        entry = r.hget("unacked", f"tag-{n}")
+        assert entry is not None and entry.startswith(b"[" + raw + b",")  # the list's bytes, spliced in
+        assert json.loads(entry) == json.loads(unacked_entry_of(raw, {"exchange": "", "routing_key": QUEUE}))
+        assert r.zscore("unacked_index", f"tag-{n}") == 1000.5
+    assert r.lrange(QUEUE, 0, -1) == [_envelope(4), _envelope(3)]
+
+    assert [row for row in _take(r, 8)[2::4]] == [_envelope(3), _envelope(4)]  # fewer than asked: all
+    assert not r.exists(QUEUE)
+    assert [row for row in _take(r, 8)[2::4]] == [_envelope(9)]  # then the next list
+    assert _take(r, 8) is None  # every list empty
+
+
+def test_refused_writes_take_nothing_and_a_tagless_item_is_taken_unrecorded(redis_server: EmbeddedRedis) -> None:
+    r = redis_server.client()
+    r.lpush(QUEUE, _envelope(0), b"not a kombu envelope", _envelope(2))
+    r.config_set("min-replicas-to-write", 1)  # NOREPLICAS for every write, as MISCONF or OOM would
+    try:
+        reply = _take(r, 3)
+    finally:
+        r.config_set("min-replicas-to-write", 0)
+    assert reply[0] == QUEUE.encode() and str(reply[1]).find("NOREPLICAS") >= 0 and len(reply) == 2, reply
+    assert r.llen(QUEUE) == 3 and r.hlen("unacked") == 0  # nothing taken, nothing recorded
+
+    reply = _take(r, 3)
+    assert reply[2:] == [_envelope(0), b"tag-0", b"id-0", 0, b"not a kombu envelope", None, None, None,
+                         _envelope(2), b"tag-2", b"id-2", 0]
+    assert sorted(r.hkeys("unacked")) == [b"tag-0", b"tag-2"] and r.llen(QUEUE) == 0

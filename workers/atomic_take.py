@@ -1,0 +1,276 @@
+"""Taking messages off the queue and recording them as unacked in one atomic Redis step.
+
+kombu's Redis transport takes a message with ``BRPOP`` and records it as unacked (``ZADD`` + ``HSET``)
+in the next round trip: between the two the message is in neither the queue nor the unacked hash,
+only in the worker's socket, and a worker SIGKILLed then loses it for good (no visibility timeout can
+bring back what no key holds). The batched take (:mod:`workers.batch_take`) widened that window to
+``RPOP <list> n`` and the guard's checks of n messages.
+
+:class:`workers.poison.GuardedChannel` takes instead, when Redis allows it:
+
+1. **a blocking wait that pops nothing**: ``BLMOVE <list> <list> RIGHT RIGHT <timeout>`` moves a
+   list's oldest message to where it was (Redis does it in one command, no client sees a change) and
+   returns as soon as the list holds one. Redis has no blocking wait on several lists that leaves
+   them unchanged, so it waits on the list the last take came from (at first the first list of
+   kombu's order), for at most :data:`OTHER_LISTS_WAIT_S` when the worker consumes other lists too
+   (its canary queue, kombu's priority lists): a message there waits that long on an idle worker;
+2. (after a wait that timed out, only when ``LLEN`` finds another list non-empty)
+   **one script** (:data:`TAKE_SCRIPT`) that, on the first non-empty list in kombu's order, reads up to
+   the worker's free tokens of its oldest messages, records each as kombu records a delivery (``ZADD``
+   of its tag to ``unacked_index``, ``HSET`` of ``[message, exchange, routing_key]`` to ``unacked``),
+   reads its cancel mark (``EXISTS fleet:cancel:<id>``), and only then trims them off the list. Redis
+   runs a script whole or not at all, so every message is at every instant in its queue or in the
+   unacked hash, and kombu's visibility-timeout restore brings back whatever a dead worker held.
+
+Then each message goes through the guard's checks (a refused one is dead-lettered, and its unacked
+entry removed after) and is delivered. A lone request costs one round trip after the wait, as before.
+
+What the script cannot record is an item that is not a kombu envelope with a string
+``properties.delivery_tag`` (poison, which the guard dead-letters anyway): it is taken unrecorded and
+dead-lettered in the next round trip, so a kill in between drops that item (never a request the
+guard would accept: every such one has a tag). Redis refusing ``BLMOVE`` or the script (before 6.2,
+an ACL) turns this off for the channel with a warning, and the worker takes with ``BRPOP`` as kombu
+does (:mod:`workers.batch_take`); so does a ``global_keyprefix``, which kombu's client would not apply
+to the script's keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import redis
+from kombu.transport import redis as kombu_redis
+from kombu.utils.encoding import bytes_to_str
+
+from protocol.keys import CANCEL_KEY
+from workers.batch_take import Taken, room_for_more
+from workers.cancel_marks import CancelReadingQoS
+from workers.redis_refusals import RedisRefusingWrites, is_write_refusal
+
+__all__ = ["OTHER_LISTS_WAIT_S", "TAKE_SCRIPT", "start_peek", "take_after_peek"]
+
+log = logging.getLogger("fleet.poison")
+
+OTHER_LISTS_WAIT_S = 0.25
+"""Longest blocking wait, in seconds, when the worker consumes more than one list: a message on a list
+other than the one waited on is seen at the wait's end, so at most this late on an idle worker."""
+
+if not CANCEL_KEY.endswith("{id}"):  # the script builds the key as prefix .. task id
+    raise ImportError(f"CANCEL_KEY must end with its task ID: {CANCEL_KEY!r}")
+CANCEL_PREFIX = CANCEL_KEY.format(id="")
+
+TAKE_SCRIPT = """
+local lists = #KEYS - 2
+local hash, index = KEYS[lists + 1], KEYS[lists + 2]
+local most, now, mark_prefix = tonumber(ARGV[1]), ARGV[2], ARGV[3]
+
+local function string_or_null(value)
+  if type(value) == 'string' then return cjson.encode(value) end
+  return 'null'
+end
+local function refused(reply) return type(reply) == 'table' and reply.err end
+
+for i = 1, lists do
+  local items = redis.call('LRANGE', KEYS[i], -most, -1)
+  if #items > 0 then
+    local out = {KEYS[i], false}
+    local recorded = {}
+    for j = #items, 1, -1 do
+      local raw = items[j]
+      local tag, task_id, mark = false, false, false
+      local ok, message = pcall(cjson.decode, raw)
+      local props = ok and type(message) == 'table' and message.properties
+      if type(props) == 'table' and type(props.delivery_tag) == 'string' and props.delivery_tag ~= '' then
+        local info = props.delivery_info
+        local exchange, routing_key
+        if type(info) == 'table' then exchange, routing_key = info.exchange, info.routing_key end
+        local entry = '[' .. raw .. ',' .. string_or_null(exchange) .. ',' .. string_or_null(routing_key) .. ']'
+        local reply = redis.pcall('ZADD', index, now, props.delivery_tag)
+        if not refused(reply) then reply = redis.pcall('HSET', hash, props.delivery_tag, entry) end
+        if refused(reply) then
+          out[2] = reply.err
+          break
+        end
+        tag = props.delivery_tag
+        recorded[#recorded + 1] = tag
+        local headers = message.headers
+        if type(headers) == 'table' and type(headers.id) == 'string' and headers.id ~= '' then
+          task_id = headers.id
+          mark = redis.call('EXISTS', mark_prefix .. task_id)
+        end
+      end
+      out[#out + 1] = raw
+      out[#out + 1] = tag
+      out[#out + 1] = task_id
+      out[#out + 1] = mark
+    end
+    local taken = (#out - 2) / 4
+    if taken > 0 then
+      local reply = redis.pcall('LTRIM', KEYS[i], 0, -taken - 1)
+      if refused(reply) then
+        for _, t in ipairs(recorded) do
+          redis.pcall('HDEL', hash, t)
+          redis.pcall('ZREM', index, t)
+        end
+        return {KEYS[i], reply.err}
+      end
+    end
+    return out
+  end
+end
+return false
+"""
+"""KEYS: the lists in kombu's order, then kombu's unacked hash and its index. ARGV: the most messages to
+take, now (Unix s, the index's score, as kombu writes it), the cancel mark keys' prefix. Returns false
+when every list is empty, else ``[list, error or nil, (message, tag, task ID, cancel mark) ...]`` oldest
+first; tag nil = not recorded, task ID/mark nil = mark not read. A write Redis refuses stops the take
+there (``error``): what was recorded is taken, the rest stays queued."""
+
+
+def start_peek(channel: Any, timeout: float | None = None) -> bool:
+    """Send the blocking wait on ``channel``'s ``BRPOP`` connection, in kombu's ``_brpop_start``'s place.
+
+    Returns False when the channel takes with ``BRPOP`` instead (atomic take off, a QoS that records
+    deliveries itself, a ``global_keyprefix``)."""
+    if not channel.take_atomic or channel.global_keyprefix or not isinstance(channel.qos, CancelReadingQoS):
+        return False
+    queues = channel._queue_cycle.consume(len(channel.active_queues))
+    if not queues:
+        return True
+    keys = [channel._q_for_pri(queue, pri) for pri in channel.priority_steps for queue in queues]
+    wait_s = float(channel.brpop_timeout if timeout is None else timeout)
+    if len(keys) > 1:
+        wait_s = min(wait_s, OTHER_LISTS_WAIT_S) if wait_s > 0 else OTHER_LISTS_WAIT_S
+    last = getattr(channel, "take_last_list", None)  # still backed up, most likely: the wait returns at once
+    waited_on = last if last in keys else keys[0]
+    channel.take_keys = tuple(keys)
+    channel.take_waited_on = waited_on
+    channel.peek_sent = True
+    channel._in_poll = channel.client.connection
+    channel._brpop_sent_at = time.monotonic()
+    channel.client.connection.send_command("BLMOVE", waited_on, waited_on, "RIGHT", "RIGHT", wait_s)
+    return True
+
+
+def take_after_peek(channel: Any, **options: Any) -> bool:
+    """Read the wait's reply, take and record messages in one script run, check and deliver them.
+
+    Raises kombu's ``Empty`` when no list held a message (another worker took it, or the wait timed out).
+    """
+    channel.peek_sent = False
+    client = channel.client
+    try:
+        peeked = client.parse_response(client.connection, "BLMOVE", **options)
+    except channel.connection_errors:
+        client.connection.disconnect()
+        raise
+    except redis.exceptions.ResponseError as exc:
+        client.connection.disconnect()
+        if is_write_refusal(exc):  # Celery reconnects, with backoff, until Redis takes writes
+            raise RedisRefusingWrites(f"Redis refused BLMOVE: {exc}") from exc
+        _turn_off(channel, "BLMOVE", exc)
+        raise kombu_redis.Empty() from exc  # type: ignore[attr-defined]
+    if peeked is None and not _others_hold_messages(channel):  # the wait timed out on an idle worker
+        raise kombu_redis.Empty()  # type: ignore[attr-defined]
+    reply = _run_script(channel)
+    if not reply:
+        raise kombu_redis.Empty()  # type: ignore[attr-defined]
+    list_key = bytes_to_str(reply[0])  # type: ignore[no-untyped-call]
+    error, rows = reply[1], reply[2:]
+    refusal = redis.exceptions.ResponseError(bytes_to_str(error)) if error else None  # type: ignore[no-untyped-call]
+    if refusal is not None and not rows:  # nothing was taken
+        if is_write_refusal(refusal):
+            raise RedisRefusingWrites(f"Redis refused to record messages from {list_key}: {refusal}")
+        _turn_off(channel, "a command of the take script", refusal)  # an ACL without ZADD, HSET or LTRIM
+        raise kombu_redis.Empty()  # type: ignore[attr-defined]
+    if refusal is not None:
+        log.warning("Redis refused to record more messages from %s: %s", list_key, refusal)
+    queue = list_key.rsplit(channel.sep, 1)[0]
+    channel._queue_cycle.rotate(queue)
+    channel.take_last_list = list_key
+    _check_and_deliver(channel, queue, list_key, rows)
+    return True
+
+
+def _others_hold_messages(channel: Any) -> bool:
+    """Whether a list other than the one waited on holds a message (one ``LLEN`` each, one round trip):
+    an idle worker's timed-out wait costs that, not a run of the take script."""
+    others = [key for key in channel.take_keys if key != getattr(channel, "take_waited_on", None)]
+    if not others:
+        return False
+    with channel.conn_or_acquire() as client:
+        pipe = client.pipeline(transaction=False)
+        for key in others:
+            pipe.llen(key)
+        return any(int(n or 0) for n in pipe.execute())
+
+
+def _run_script(channel: Any) -> Any:
+    qos = channel.qos
+    most = 1 + room_for_more(qos) if channel.take_batch else 1
+    keys = [*channel.take_keys, qos.unacked_key, qos.unacked_index_key]
+    try:
+        with channel.conn_or_acquire() as sync:
+            script = channel.take_script
+            if script is None or script.registered_client is not sync:
+                script = channel.take_script = sync.register_script(TAKE_SCRIPT)
+            return script(keys=keys, args=[most, repr(time.time()), CANCEL_PREFIX], client=sync)
+    except redis.exceptions.ResponseError as exc:
+        if is_write_refusal(exc):
+            raise RedisRefusingWrites(f"Redis refused the take: {exc}") from exc
+        _turn_off(channel, "the take script", exc)
+        raise kombu_redis.Empty() from exc  # type: ignore[attr-defined]
+
+
+def _check_and_deliver(channel: Any, queue: str, list_key: str, rows: list[Any]) -> None:
+    """The guard's checks on each taken message (refused: dead-lettered), then delivery in order; the
+    unacked entries of refused messages are removed once their dead letters are written."""
+    accepted: list[Taken] = []
+    stray: list[str] = []
+    for k in range(0, len(rows) - 3, 4):
+        raw, tag, task_id, mark = rows[k : k + 4]
+        recorded = bytes_to_str(tag) if tag else None  # type: ignore[no-untyped-call]
+        taken = channel._check(queue, list_key, raw if isinstance(raw, bytes) else str(raw).encode())
+        if taken is None:
+            if recorded:
+                stray.append(recorded)
+            continue
+        if recorded == taken.tag:
+            read_for = bytes_to_str(task_id) if task_id else None  # type: ignore[no-untyped-call]
+            channel.pre_taken[taken.tag] = bool(mark) if read_for and read_for == taken.task_id else None
+        elif recorded:  # read another way than kombu reads it: kombu's own bookkeeping records it
+            stray.append(recorded)
+        accepted.append(taken)
+    delivered = 0
+    try:
+        for taken in accepted:
+            channel._deliver_checked(queue, list_key, taken)
+            delivered += 1
+    finally:
+        for taken in accepted[delivered:]:  # recorded as unacked: restored after the visibility timeout
+            channel.pre_taken.pop(taken.tag, None)
+        if stray:
+            _forget(channel, stray)
+
+
+def _forget(channel: Any, tags: list[str]) -> None:
+    """Remove unacked entries the take script wrote for messages the guard refused (hash entry first,
+    as kombu's ack does)."""
+    qos = channel.qos
+    try:
+        with channel.conn_or_acquire() as client:
+            pipe = client.pipeline(transaction=False)
+            for tag in tags:
+                pipe.hdel(qos.unacked_key, tag)
+                pipe.zrem(qos.unacked_index_key, tag)
+            pipe.execute()
+    except Exception:  # left behind, they come back after the visibility timeout and are refused again
+        log.exception("could not remove the unacked entries of %d refused messages", len(tags))
+
+
+def _turn_off(channel: Any, what: str, exc: BaseException) -> None:
+    channel.take_atomic = False
+    log.warning("Redis refused %s (%s): taking with BRPOP, which a worker killed between the pop and its "
+                "bookkeeping can lose messages to", what, exc)
