@@ -283,7 +283,7 @@ async def embeddings(body: EmbeddingBody, rate_key: CallerDep, gw: GatewayDep, h
 
 
 def _send_embeddings(gw: Gateway, body: EmbeddingBody, rate_key: str) -> list[str]:
-    """Build every input's request, admit them together, queue them (in a worker thread)."""
+    """Build every input's request, admit them together, queue them in one Redis step (in a worker thread)."""
     prompts = embedding_inputs(body)
     cap = gw.settings.api.max_batch_requests
     if len(prompts) > cap:
@@ -297,7 +297,7 @@ def _send_embeddings(gw: Gateway, body: EmbeddingBody, rate_key: str) -> list[st
             raise rename_field(exc, {"input_ids": field, "text": field, "output.kind": "model"}) from exc
     gw.fleet.admission.check_queue(built[0].model, len(built))
     gw.fleet.admission.take_rate(rate_key, len(built))
-    return [gw.fleet.send(r, admit=False, routing_key=body.user) for r in built]
+    return gw.fleet.send_batch(built, routing_keys=[body.user] * len(built), label="input")  # all or none
 
 
 def _model_objects(gw: Gateway) -> list[ModelObject]:
