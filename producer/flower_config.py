@@ -93,3 +93,18 @@ def _lead(value: Any) -> Any:
 
 def _cut(text: str, max_chars: int) -> str:
     return text if len(text) <= max_chars else text[: max_chars - 1] + "…"
+
+
+def mask_broker_urls() -> None:
+    """Give Flower's Celery app (the default one: ``fleet flower`` runs ``celery flower`` without ``-A``)
+    the fleet's connection class, so its "Broker: <URL>" line masks a password only where the URL has
+    one (kombu's own writes ``redis://:**@host`` either way): :class:`protocol.redis_conn.MaskedConnection`."""
+    from celery import current_app
+
+    from protocol.redis_conn import MaskedConnection
+
+    current_app.amqp.Connection = MaskedConnection
+
+
+if "__spec__" not in globals():  # executed as Flower's --conf file (tornado's parse_config_file), not imported
+    mask_broker_urls()

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from tests.integration.ops_fixtures import API_KEY, ROOT, OpsFleet, ops_models, ops_redis, wait_until
+from tests.integration.test_flower import PASSWORD, USER, Flower
 from tools.processes import WorkerProcess
 from tools.redis_server import EmbeddedRedis, free_port
 
@@ -143,3 +144,16 @@ def test_a_redis_url_without_a_password_is_shown_without_a_mask(fleet: OpsFleet,
     text = (text_worker.log_path or Path("/nonexistent")).read_text()
     assert "redis://127.0.0.1:" in text  # the banner's transport and Celery's "Connected to"
     assert ":**@" not in text and ":***@" not in text, [line for line in text.splitlines() if "**@" in line]
+
+
+def test_flowers_broker_line_shows_no_mask_without_a_password(fleet: OpsFleet, tmp_path: Path) -> None:
+    config = fleet.config(flower={"port": free_port(), "basic_auth": [f"{USER}:{PASSWORD}"]})
+    flower = Flower(fleet, config, tmp_path / "flower.db")
+    log_path = fleet.tmp_path / f"flower-{fleet._n}.log"  # spawn's log file
+    try:
+        flower.wait_up()
+        broker = [line for line in log_path.read_text().splitlines() if "Broker:" in line]
+        assert broker and "redis://127.0.0.1:" in broker[0], broker
+        assert ":**@" not in broker[0] and ":***@" not in broker[0], broker
+    finally:
+        flower.stop()
