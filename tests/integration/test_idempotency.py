@@ -10,6 +10,7 @@ import redis
 
 from protocol.errors import IdempotencyConflict, RateLimited
 from tests.integration.fleet_fixtures import Fleet
+from tools.ledger import Ledger
 
 
 def test_same_body_is_the_same_request_and_another_body_is_refused(fleet: Fleet) -> None:
@@ -67,6 +68,9 @@ def test_submit_bulk_under_a_finished_id_is_refused_and_its_result_never_changes
     assert first is not None and first.input_tokens == 3
     stored = r.get(client.app.backend.get_key_for_task("known-1"))
     marker = r.get("fleet:req:known-1")
+    ledger = Ledger(r, [client.settings.queue_for("demo-lm")])
+    ledger.accepted("known-1")
+    ledger.observe()  # its first terminal state: a later change is a terminal_changed violation
 
     refused: Exception | None = None
     try:
@@ -91,3 +95,5 @@ def test_submit_bulk_under_a_finished_id_is_refused_and_its_result_never_changes
         client.submit_many("demo-lm", [[1, 2], [3, 4]], request_id="two-1", progress=False)
     assert client.wait(client.submit_bulk("demo-lm", [[4]]), 60)[0] is not None
     assert r.get("fleet:req:two-1") is None and r.get(client.app.backend.get_key_for_task("two-1")) is None
+    ledger.refused("two-1")
+    ledger.check_settled(30).raise_if_broken()

@@ -27,6 +27,7 @@ from producer.client import FleetClient
 from protocol.errors import IdempotencyConflict
 from protocol.settings import load_settings
 from tests.integration.fleet_fixtures import Fleet
+from tools.ledger import Ledger
 
 MODEL = "demo-lm"
 
@@ -72,6 +73,10 @@ def test_a_batch_with_a_conflict_queues_nothing(served: Served) -> None:
     body = refused.json()
     assert "nothing was queued" in body["message"]
     assert queued(r, queue) == []  # neither bb-1 nor bb-2 can run
+    ledger = Ledger(r, [queue])
+    for rid in ("bb-1", "bb-2"):
+        ledger.refused(rid)
+    ledger.check().raise_if_broken()  # no refused_ran, nothing queued
     assert body["type"] == "IdempotencyConflict" and body["field"] == "requests[2].request_id"
     assert http.get("/v1/requests/bb-1").status_code == 404 and http.get("/v1/requests/bb-2").status_code == 404
 
@@ -132,6 +137,8 @@ def test_racing_submits_of_one_id_on_every_path_queue_one_body(served: Served) -
         for w in workers:
             w.join(60)
     in_queue = [(rid, ids) for rid, ids in queued(r, queue) if rid.startswith("race-")]
+    print(f"racing: {rounds} IDs x {threads} threads: {len(in_queue)} tasks queued, {len(accepted)} calls answered "
+          f"with the ID, {sum(refused.values())} refused")
     assert Counter(rid for rid, _ in in_queue) == Counter({f"race-{n}": 1 for n in range(rounds)})
     winner = dict(in_queue)
     assert all(winner[rid] == ids for rid, ids in accepted), "a call was answered for a body that was not queued"
