@@ -27,6 +27,8 @@ import time
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from protocol.errors import FleetError
 from protocol.keys import CANCEL_CHANNEL, CANCEL_KEY
@@ -69,7 +71,13 @@ class StreamPublisher:
         max_held_events: int = DEFAULT_MAX_EVENTS,
         max_held_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
-        """``max_held_events``/``max_held_bytes`` bound what is held while Redis does not answer."""
+        """``max_held_events``/``max_held_bytes`` bound what is held while Redis does not answer.
+
+        ``client`` is the publisher's own: its redis-py retries are turned off, since they would block
+        this thread (up to 10 tries) while events pile up unbounded in the queue; the publisher
+        retries by itself, with its bounded hold.
+        """
+        client.set_retry(Retry(NoBackoff(), 0))  # type: ignore[attr-defined]  # types-redis predates set_retry
         self.redis = client
         self.ttl_s = ttl_s
         self.max_len = max_len
