@@ -15,10 +15,10 @@ or ``error``) has a reserve as large again: it is what lets a reader finish at o
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from protocol.keys import STREAM_KEY
-from protocol.streams import StreamEvent, encode_event
+from protocol.streams import EVENT_FIELD, StreamEvent, encode_event
 
 __all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MAX_EVENTS", "HeldEvent", "PendingEvents"]
 
@@ -30,9 +30,8 @@ _ENTRY_OVERHEAD_BYTES = 64
 """What one held event costs beyond its key and JSON (tuple, strings' headers), roughly."""
 
 
-@dataclass(frozen=True)
-class HeldEvent:
-    """One event waiting for its ``XADD``."""
+class HeldEvent(NamedTuple):
+    """One event waiting for its ``XADD`` (a tuple: one is made per token, on the publisher's thread)."""
 
     request_id: str
     key: str
@@ -63,8 +62,8 @@ class PendingEvents:
         already has a gap)."""
         fields = encode_event(event)
         key = STREAM_KEY.format(id=request_id)
-        size = len(key) + sum(len(k) + len(v) for k, v in fields.items()) + _ENTRY_OVERHEAD_BYTES
-        last = event.is_last
+        size = len(key) + len(fields[EVENT_FIELD]) + _ENTRY_OVERHEAD_BYTES
+        last = event.type != "token"
         if last:
             self._cut.discard(request_id)  # the stream ends here: nothing of it follows
         elif request_id in self._cut:
