@@ -57,6 +57,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     warning = _no_worker(client, args.model)
     if warning:  # accepted all the same: a fleet scaled to zero starts on its queue
         print(f"fleet: warning: {warning}", file=sys.stderr, flush=True)
+    if generation_from_args(args) is not None and (note := _random_weights_note(client, args.model)):
+        print(f"fleet: note: {note}", file=sys.stderr, flush=True)
     if args.stream:
         return print_stream(client, rid, args.timeout)
     if not args.wait:
@@ -65,6 +67,16 @@ def cmd_submit(args: argparse.Namespace) -> int:
     result = _wait_naming_the_worker(client, rid, args.model, args.timeout)
     _print(result.model_dump(mode="json") if result else {"request_id": rid})
     return 0
+
+
+def _random_weights_note(client: Any, model: str) -> str | None:
+    """Said before a generation's text is printed when the model was built from seeded random weights
+    (``fleet build-model``: its card records the seed): that text is noise, not a fault."""
+    card = client._model(model)[1].card
+    if card is None or card.seed is None:
+        return None
+    return (f"{card.name} has random weights (seed {card.seed}, built by `fleet build-model`): the text it "
+            "generates is noise; the fleet's work around it is what a demo shows")
 
 
 def _no_worker(client: Any, model: str) -> str | None:

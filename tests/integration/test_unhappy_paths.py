@@ -96,6 +96,9 @@ def test_a_model_with_no_worker_is_accepted_and_said(ops_fleet: OpsFleet) -> Non
     assert waited.stderr.startswith("fleet: warning: no live worker")  # said at once, not only after the wait
     served = fleet("submit", "--model", "demo-lm", "--tokens", "5,6,7", config=config)
     assert served.returncode == 0 and "warning" not in served.stdout + served.stderr, served.stdout + served.stderr
+    generated = fleet("submit", "--model", "demo-lm", "--text", "Hi", "--max-new-tokens", "2", "--wait", config=config)
+    assert generated.returncode == 0, generated.stderr  # the demo LM's text is said to be noise before it is printed
+    assert "fleet: note: demo-lm has random weights" in generated.stderr, generated.stderr
     traceback_with_debug(fleet("submit", "--model", "demo-encoder", "--text", "x", "--wait", "--timeout", "1",
                                config=config, debug=True))
 
