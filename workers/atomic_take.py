@@ -172,6 +172,8 @@ def take_after_peek(channel: Any, **options: Any) -> bool:
             raise RedisRefusingWrites(f"Redis refused BLMOVE: {exc}") from exc
         _turn_off(channel, "BLMOVE", exc)
         raise kombu_redis.Empty() from exc  # type: ignore[attr-defined]
+    if getattr(channel, "_closing", False):  # kombu reads a pending reply at close; the wait popped nothing
+        raise kombu_redis.Empty()  # type: ignore[attr-defined]
     if peeked is None and not _others_hold_messages(channel):  # the wait timed out on an idle worker
         raise kombu_redis.Empty()  # type: ignore[attr-defined]
     reply = _run_script(channel)

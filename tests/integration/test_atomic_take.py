@@ -5,12 +5,17 @@ the wait (``BLMOVE`` onto the same list) leaves the list as it was."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import redis
+from kombu.entity import Queue
+from kombu.messaging import Consumer
 
+from tests.integration import take_victim
 from tools.redis_server import EmbeddedRedis
 from workers.atomic_take import CANCEL_PREFIX, TAKE_SCRIPT
 from workers.batch_take import unacked_entry_of
+from workers.poison import GuardedChannel
 
 QUEUE = "fleet.demo-lm"
 KEYS = [QUEUE, QUEUE + "\x06\x163", "unacked", "unacked_index"]
@@ -70,3 +75,22 @@ def test_refused_writes_take_nothing_and_a_tagless_item_is_taken_unrecorded(redi
     assert reply[2:] == [_envelope(0), b"tag-0", b"id-0", 0, b"not a kombu envelope", None, None, None,
                          _envelope(2), b"tag-2", b"id-2", 0]
     assert sorted(r.hkeys("unacked")) == [b"tag-0", b"tag-2"] and r.llen(QUEUE) == 0
+
+
+def test_a_closing_channel_reads_its_pending_wait_and_takes_nothing(redis_server: EmbeddedRedis) -> None:
+    """kombu reads a pending reply when a channel closes (a popped message must not vanish); the wait
+    popped nothing, so a message that arrived meanwhile stays queued, unrecorded, for the next worker."""
+    app = take_victim._app(redis_server.url)
+    r = redis_server.client()
+    delivered: list[Any] = []
+    with app.connection_for_read() as conn:
+        consumer = Consumer(conn, queues=[Queue(QUEUE)], callbacks=[lambda body, message: delivered.append(body)],  # type: ignore[no-untyped-call]
+                            accept=["json"], prefetch_count=4)
+        consumer.consume()  # type: ignore[no-untyped-call]
+        channel = consumer.channel
+        conn.transport.cycle.on_poll_start()  # what the event loop does: sends the wait
+        assert isinstance(channel, GuardedChannel) and channel.take_atomic and channel.peek_sent
+        r.lpush(QUEUE, _envelope(0))
+        channel.close()  # type: ignore[no-untyped-call]
+    assert delivered == [] and r.lrange(QUEUE, 0, -1) == [_envelope(0)] and r.hlen("unacked") == 0
+    app.close()
