@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from producer.client import FleetClient
 from producer.streams import aiter_events, iter_events
@@ -256,3 +258,52 @@ def test_the_async_reader_ends_from_the_stored_result_too(server: EmbeddedRedis,
         fleet.close()
     assert [e.index for e in got if e.type == "token"] == list(range(7))
     assert "".join(e.text for e in got) == "Hello world!"
+
+
+def _no_retry_client(server: EmbeddedRedis) -> redis.Redis[bytes]:
+    """A client without redis-py's own retries: what the reader itself does while Redis is down shows."""
+    return redis.Redis.from_url(server.url, retry=Retry(NoBackoff(), 0))
+
+
+def test_reader_reconnects_while_redis_restarts_and_reads_on() -> None:
+    with EmbeddedRedis() as server:
+        writer, reader_client = server.client(), _no_retry_client(server)
+        seen: list[StreamEvent] = []
+        failure: list[BaseException] = []
+
+        def read() -> None:
+            try:
+                seen.extend(iter_events(reader_client, "rc", timeout_s=20, block_ms=100))
+            except Exception as exc:  # reported below
+                failure.append(exc)
+
+        try:
+            writer.xadd(STREAM_KEY.format(id="rc"), encode_event(_token(0)))
+            thread = threading.Thread(target=read)
+            thread.start()
+            wait_until(lambda: len(seen) == 1, 10, "the first token")
+            server.kill()
+            time.sleep(0.3)  # the outage's length
+            server.start()
+            for i in range(1, len(TEXTS)):
+                writer.xadd(STREAM_KEY.format(id="rc"), encode_event(_token(i)))
+            usage = Usage(prompt_tokens=3, completion_tokens=7, total_tokens=10)
+            writer.xadd(STREAM_KEY.format(id="rc"), encode_event(
+                StreamEvent(type="final", index=7, finish_reason="stop", usage=usage, text="!")))
+            thread.join(30)
+        finally:
+            writer.close()
+            reader_client.close()
+    assert not failure, failure
+    assert "".join(e.text for e in seen) == "Hello world!" and [e.index for e in seen][:-1] == list(range(7))
+
+
+def test_reader_gives_up_once_redis_stayed_down_past_its_bound() -> None:
+    with EmbeddedRedis() as server:
+        reader_client = _no_retry_client(server)
+        server.kill()
+        try:
+            with pytest.raises(redis.ConnectionError):
+                list(iter_events(reader_client, "down", timeout_s=600, block_ms=100, max_outage_s=1.0))
+        finally:
+            reader_client.close()
