@@ -11,8 +11,9 @@ Both read the stream from its start with ``XREAD BLOCK`` (a stream opened before
 anything simply waits for its first entry) and hand each token index on once: a redelivered request
 regenerates from index 0 into the same stream, so :class:`StreamCursor` drops token indexes at or
 below the highest one already handed on. The event that ends the stream (``final`` or ``error``,
-:attr:`~protocol.streams.StreamEvent.is_last`) is always handed on — even one with a lower index, as a
-redelivered attempt that ran out of time would write — and the iterator stops after it.
+:attr:`~protocol.streams.StreamEvent.is_last`) is handed on — even one with a lower index, as a
+redelivered attempt that ran out of time would write — and the iterator stops after it; a ``final``
+whose tokens were not all handed on is a gap (below).
 
 ``timeout_s`` bounds the silence, not the whole stream: each entry that arrives (a replayed one too)
 restarts it, and :class:`~protocol.errors.ResultTimeout` is raised when nothing arrived for that long.
