@@ -125,7 +125,14 @@ def cmd_result(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
+    from producer.results import RequestStatus
+    from protocol.errors import RequestNotFound
+
     client = _client(args)
+    if client.status(args.request_id) is RequestStatus.NOT_FOUND:  # else a cancel mark for an ID nobody sent
+        raise RequestNotFound(f"no request {args.request_id!r} is known: never submitted through the fleet, or "
+                              "its result expired (result_ttl_s); check the ID that `fleet submit` printed",
+                              "request_id", None)
     ok = client.cancel(args.request_id)
     _print({"request_id": args.request_id, "cancelled": ok, "status": client.status(args.request_id).value})
     return 0 if ok else 1

@@ -108,6 +108,8 @@ def test_an_unknown_request_id_does_not_wait_out_the_timeout(ops_fleet: OpsFleet
     # --timeout 600 with a 60 s cap on the run: waiting it out fails the test with TimeoutExpired
     done = fleet("result", "no-such-id", "--wait", "--timeout", "600", config=config)
     one_line(done, 1, "no request 'no-such-id' is known", "check the ID")
+    one_line(fleet("cancel", "no-such-id", config=config), 1, "no request 'no-such-id' is known")
+    assert not ops_fleet.redis.exists("fleet:cancel:no-such-id")  # nothing marked for an ID nobody sent
     traceback_with_debug(fleet("result", "no-such-id", "--wait", "--timeout", "600", config=config, debug=True))
 
 
