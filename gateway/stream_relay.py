@@ -12,11 +12,15 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from gateway.deps import Gateway
-from gateway.outcomes import WAIT_S, Outcome
+from gateway.outcomes import WAIT_S
 from producer.streams import aiter_events
+from protocol.errors import FleetError
+from protocol.messages import InferenceResult
 from protocol.streams import StreamEvent
 
 __all__ = ["relay_events", "stored_outcome"]
+
+Outcome = InferenceResult | FleetError
 
 
 async def stored_outcome(gw: Gateway, request_id: str) -> Outcome | None:
