@@ -46,6 +46,12 @@ def ending_events(
         msg = f"request {request_id} is a {outcome.kind} request: only generations stream; its result is stored"
         return [error_event(FleetError(msg, "request_id", None))]
     text = gen.text or ""
+    if shown_text.startswith(text) and highest_index >= len(gen.token_ids) - 1:
+        # the reader saw more than the result kept (a first attempt went further than the redelivered
+        # one, cut by its deadline): as the stream itself would, end with the stored final
+        return [StreamEvent(
+            type="final", index=len(gen.token_ids), finish_reason=gen.finish_reason, usage=gen.usage, text=""
+        )]
     if not text.startswith(shown_text):
         # cannot happen for one request (generation is a pure function of it); say so rather than guess
         msg = (f"the stream of {request_id} showed text that is not in its stored result; "

@@ -92,6 +92,16 @@ def test_a_stored_failure_ends_the_stream_with_its_error() -> None:
     assert [(e.type, e.error, e.field, e.limit) for e in got] == [("error", "InputTooLong", "input_ids", 64)]
 
 
+def test_a_reader_ahead_of_a_shorter_stored_result_ends_with_its_final() -> None:
+    """A first attempt streamed 7 tokens; the redelivered one stored fewer (its deadline): end, as the stream would."""
+    short = stored("Hello")
+    gen = short.generation
+    assert gen is not None
+    cut = short.model_copy(update={"generation": gen.model_copy(update={"token_ids": IDS[:4]})})
+    got = ending_events("r1", cut, highest_index=6, shown_text="Hello world")
+    assert [(e.type, e.index, e.text) for e in got] == [("final", 4, "")]
+
+
 def test_text_that_is_not_the_results_prefix_is_an_error_not_a_guess() -> None:
     got = ending_events("r1", stored(), highest_index=1, shown_text="Jello")
     assert [e.type for e in got] == ["error"] and "r1" in (got[0].message or "")
