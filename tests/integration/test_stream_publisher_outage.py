@@ -11,12 +11,14 @@ import logging
 import time
 
 import redis
+from prometheus_client import CollectorRegistry, generate_latest
 
 from protocol.keys import STREAM_KEY
 from protocol.messages import Usage
 from protocol.streams import StreamEvent, decode_event
 from tests.integration.ops_fixtures import wait_until
 from tools.redis_server import EmbeddedRedis
+from workers.stream_metrics import StreamPublisherCollector
 from workers.stream_publisher import StreamPublisher
 
 
@@ -108,6 +110,11 @@ def test_past_the_bound_tokens_are_dropped_and_the_ends_kept() -> None:
             tokens = [i for t, i in a if t == "token"]
             assert tokens == list(range(len(tokens))) and len(tokens) < 10  # a prefix, then the gap
             assert publisher.dropped == 10 - len(tokens) + (0 if ("token", 0) in _stream(client, "b") else 1)
+            registry = CollectorRegistry()
+            registry.register(StreamPublisherCollector("demo-lm", publisher))
+            scraped = generate_latest(registry).decode()
+            assert f'fleet_worker_stream_events_dropped_total{{model="demo-lm"}} {float(publisher.dropped)}' in scraped
+            assert 'fleet_worker_stream_events_held{model="demo-lm"} 0.0' in scraped, scraped
         finally:
             publisher.stop(timeout_s=5)
             client.close()
