@@ -22,10 +22,11 @@ import numpy.typing as npt
 import onnx
 import onnxruntime as ort
 
-from protocol.errors import ConfigError, ModelLoadError, ProviderUnavailable
+from protocol.errors import ModelLoadError, ProviderUnavailable
 from protocol.modelcard import ModelCard
 from protocol.pooling import Pooling, load_pooling
 from protocol.settings import BatchingSettings, EngineSettings, LimitSettings
+from workers.ort_session import ProviderStep, imported_ort_build, open_session
 from workers.padding import PaddedBatch, pad_batch
 
 __all__ = ["Engine", "check_single_ort_build", "provider_chain", "session_options"]
@@ -41,31 +42,15 @@ _OPT_LEVELS = {
 
 
 def check_single_ort_build() -> str:
-    """The installed ONNX Runtime distribution; refuses an environment that has both builds.
+    """The ONNX Runtime build this process imported (package, version, folder, providers).
 
-    ``onnxruntime`` and ``onnxruntime-gpu`` share one module folder, so installing both leaves a
-    mix of files from each: whichever was installed last wins some of them.
+    Named from the imported module's own files, not from distribution metadata (see
+    ``workers.ort_session.imported_ort_build``).
 
     Raises:
-        ConfigError: both distributions are installed.
+        ConfigError: the imported module mixes files of two builds.
     """
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {}
-    for dist in ("onnxruntime", "onnxruntime-gpu"):
-        try:
-            found[dist] = version(dist)
-        except PackageNotFoundError:
-            continue
-    if len(found) > 1:
-        raise ConfigError(
-            f"both onnxruntime builds are installed ({found}); they share one module folder and break each "
-            "other: pip uninstall -y onnxruntime onnxruntime-gpu, then reinstall with exactly one "
-            "(`pip install -e .` for the CPU build, `FLEET_ORT=gpu pip install -e .` for the GPU build)",
-            "onnxruntime",
-            "exactly one build",
-        )
-    return ", ".join(f"{k} {v}" for k, v in found.items()) or f"onnxruntime {ort.__version__}"
+    return imported_ort_build()
 
 
 def session_options(engine: EngineSettings) -> ort.SessionOptions:
@@ -185,12 +170,8 @@ class Engine:
         if engine.lm_head_last and card.kind == "causal_lm":
             source = self._last_position_graph(model_path)
         try:
-            self.session = ort.InferenceSession(
-                source,
-                sess_options=session_options(engine),
-                providers=[name for name, _ in self.requested],
-                provider_options=[opts for _, opts in self.requested],
-            )
+            self.session, self.provider_steps = open_session(
+                source, lambda: session_options(engine), self.requested)
         except Exception as exc:  # ORT raises its own Fail/InvalidGraph types
             raise ModelLoadError(f"cannot load {model_path}: {exc}", "path", str(model_path)) from exc
         self.load_ms = (time.perf_counter() - started) * 1000
@@ -206,14 +187,12 @@ class Engine:
             [n for n, _ in self.requested],
             self.providers,
         )
-        lost = [n for n, _ in self.requested if n not in self.providers]
-        if lost:
-            log.warning("execution provider FALLBACK: %s requested and present in this onnxruntime build but not "
-                        "active (missing CUDA/TensorRT libraries or no GPU?); running on %s", lost, self.providers)
+        self._log_steps(self.provider_steps)
         if engine.require_provider and engine.require_provider not in self.providers:
             raise ProviderUnavailable(
                 f"require_provider={engine.require_provider} but the session runs on {self.providers} "
-                f"(this onnxruntime build offers {ort.get_available_providers()})",
+                f"(this onnxruntime build offers {ort.get_available_providers()}; "
+                f"{engine.require_provider}: {self._why_not(engine.require_provider)})",
                 "engine.require_provider",
                 engine.require_provider,
             )
@@ -236,6 +215,23 @@ class Engine:
             self.output_name = "last_hidden_state"
         if "input_ids" not in self._inputs:
             raise ModelLoadError(f"{model_path} has no 'input_ids' input", "inputs", "input_ids")
+
+    def _why_not(self, provider: str) -> str:
+        """The recorded reason ``provider`` is not active (not in the chain, or its step's reason)."""
+        for step in self.provider_steps:
+            if step.provider == provider and step.reason:
+                return step.reason
+        return "not in engine.providers, or not in this onnxruntime build"
+
+    def _log_steps(self, steps: list[ProviderStep]) -> None:
+        """One line per provider of the chain: the options requested and applied, or why it is not active."""
+        for step in steps:
+            if step.active:
+                log.info("execution provider %s ACTIVE; options requested %s; applied %s",
+                         step.provider, step.requested, step.applied)
+            else:
+                log.warning("execution provider FALLBACK: %s (options requested %s) not active: %s",
+                            step.provider, step.requested, step.reason)
 
     def _last_position_graph(self, model_path: Path) -> str | bytes:
         """The graph with its LM head moved after a gather of the last position, as bytes; the path

@@ -66,6 +66,92 @@ def test_gpu_wheel_require_cuda_refuses_to_start(fleet: Fleet, gpu_python: str) 
     assert "require_provider=CUDAExecutionProvider" in worker.log_tail(50000)
 
 
+CUDA_OPTIONS = {"arena_extend_strategy": "kSameAsRequested", "cudnn_conv_algo_search": "HEURISTIC"}
+TRT_OPTIONS = {"trt_max_workspace_size": 1073741824}
+
+
+def test_each_step_of_the_chain_keeps_its_configured_options(fleet: Fleet, gpu_python: str) -> None:
+    """TensorRT cannot open the session here (its libraries do not load): the worker tries CUDA next
+    with CUDA's configured options (ONNX Runtime's own fallback would retry with none), then runs on
+    CPU, and logs each step's reason from the dynamic loader."""
+    cfg = fleet.config(models={"demo-lm": {"engine": {"provider_options": {
+        "TensorrtExecutionProvider": TRT_OPTIONS, "CUDAExecutionProvider": CUDA_OPTIONS}}}})
+    worker = fleet.worker(cfg, python=gpu_python)
+    log = worker.log_tail(50000)
+    print(log[-6000:])
+    lines = log.splitlines()
+    trt = [ln for ln in lines if "FALLBACK: TensorrtExecutionProvider" in ln]
+    cuda = [ln for ln in lines if "FALLBACK: CUDAExecutionProvider" in ln]
+    assert len(trt) == 1 and len(cuda) == 1, (trt, cuda)
+    assert "'trt_max_workspace_size': 1073741824" in trt[0] and "cannot open shared object file" in trt[0]
+    assert f"(options requested {CUDA_OPTIONS})" in cuda[0] and "cannot open shared object file" in cuda[0]
+    assert "execution provider CPUExecutionProvider ACTIVE" in log
+    # ONNX Runtime's option-dropping retry never ran
+    assert "Falling back to" not in log and "EP Error" not in log
+    client = fleet.client(cfg)
+    result = client.result(client.submit("demo-lm", [5, 6, 7]), wait=True, timeout_s=60)
+    assert result is not None and result.top_k
+
+
+def _build_named_with_both_metadata(python: str, other_site: Path) -> str:
+    """``check_single_ort_build()`` in ``python`` with ``other_site`` (holding the other build's
+    distribution metadata and files) at the end of ``sys.path``: both builds' metadata are visible,
+    one set of files is imported. Prints the module actually imported first."""
+    code = ("import sys; sys.path.append(sys.argv[1]); import onnxruntime, workers.engine as e; "
+            "print(onnxruntime.__file__); print(e.__file__); print(e.check_single_ort_build())")
+    proc = subprocess.run([python, "-c", code, str(other_site)], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    print(proc.stdout)
+    return proc.stdout.splitlines()[-1]
+
+
+def _site_packages(python: str) -> Path:
+    out = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    return Path(out)
+
+
+def test_the_gpu_build_over_a_cpu_image_is_named_and_starts(gpu_python: str) -> None:
+    """onnxruntime-gpu imported while the CPU build's metadata is installed too (an image's CPU build
+    under it): the worker names the GPU build it imported instead of refusing to start."""
+    named = _build_named_with_both_metadata(gpu_python, _site_packages(sys.executable))
+    assert named.startswith(f"onnxruntime-gpu 1.31.1 from {_site_packages(gpu_python)}/onnxruntime")
+    assert "CUDAExecutionProvider" in named
+
+
+def test_the_cpu_build_with_gpu_metadata_present_is_named_as_the_cpu_build(gpu_python: str) -> None:
+    import onnxruntime
+
+    named = _build_named_with_both_metadata(sys.executable, _site_packages(gpu_python))
+    assert named.startswith(f"onnxruntime {onnxruntime.__version__} from {_site_packages(sys.executable)}/onnxruntime")
+    assert "CUDAExecutionProvider" not in named
+
+
+def test_a_module_folder_mixing_both_builds_is_refused(gpu_python: str, tmp_path: Path) -> None:
+    """The CPU build's folder with the GPU build's Python files copied over it (what installing one
+    build over the other can leave): the native library and the Python files disagree, and the
+    worker refuses to start, naming both."""
+    import shutil
+
+    import onnxruntime
+
+    mixed = tmp_path / "onnxruntime"
+    shutil.copytree(Path(onnxruntime.__file__).parent, mixed)
+    gpu_files = _site_packages(gpu_python) / "onnxruntime"
+    for source in gpu_files.rglob("*.py"):
+        target = mixed / source.relative_to(gpu_files)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)
+    code = "import onnxruntime, workers.engine as e; print(onnxruntime.__file__); e.check_single_ort_build()"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"})
+    assert proc.stdout.startswith(str(mixed)), proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert (f"a mix of two builds: Python files onnxruntime-gpu 1.31.1, native library {onnxruntime.__version__}"
+            in proc.stderr), proc.stderr[-3000:]
+
+
 def test_this_environment_has_only_the_cpu_build() -> None:
     out = subprocess.run([sys.executable, "-m", "pip", "list", "--format=freeze"], capture_output=True,
                          text=True, check=True).stdout.lower()
