@@ -38,7 +38,7 @@ from tools.processes import WorkerProcess
 from tools.redis_server import EmbeddedRedis
 
 GENERATIONS = 16
-MAX_TOKENS = 200
+MAX_TOKENS = 256
 """Tokens per generation (ignore_eos): several seconds of decoding for 16 at once on 2 loaded cores."""
 EVENTS_BEFORE_KILL = 4
 """Events (client.stream / SSE) or text chunks (SDK) every stream must have handed on before the kill."""
@@ -192,14 +192,16 @@ def test_every_stream_ends_with_the_stored_text_after_a_redis_restart(
     sdk = openai.OpenAI(base_url=gateway.url + "/v1", api_key=API_KEY, max_retries=0, timeout=READ_TIMEOUT_S)
     readers: list[Reader] = []
     try:
+        # the SDK's requests first (the gateway takes longer to queue them), so all 16 start close together
+        for i in range(GENERATIONS // 2):
+            face = "openai-completion" if i % 2 == 0 else "openai-chat"
+            readers.append(Reader(face).run(_read_openai(sdk, face, i)))
+        wait_until(lambda: all(r.request_id or r.error for r in readers), 60, "the gateway to queue the SDK's requests")
         for i in range(GENERATIONS // 2):
             rid = client.submit("demo-lm", [5 + i, 6, 7], kind="generate",
                                 generation={"max_new_tokens": MAX_TOKENS, "ignore_eos": True})
             readers.append(Reader("client.stream").run(_read_client_stream(client, rid)))
             readers.append(Reader("native-sse").run(_read_native_sse(gateway.url, rid)))
-        for i in range(GENERATIONS // 2):
-            face = "openai-completion" if i % 2 == 0 else "openai-chat"
-            readers.append(Reader(face).run(_read_openai(sdk, face, i)))
 
         wait_until(lambda: all(r.count >= EVENTS_BEFORE_KILL or r.error for r in readers), 120,
                    f"every stream to hand on {EVENTS_BEFORE_KILL} events")
