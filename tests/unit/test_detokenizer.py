@@ -116,7 +116,8 @@ def test_ids_beyond_the_tokenizers_vocabulary_are_skipped_as_decode_does(
 
 def test_an_unknown_id_inside_a_byte_run(hf: dict[str, HFTokenizer]) -> None:
     tok = hf["sentencepiece"]
-    _assert_exact(tok, [3 + ord("|"), tok._tok.get_vocab_size(with_added_tokens=True) + 5, 3 + 0xCD])  # decode: "\ufffd\ufffd", the run is whole
+    beyond = tok._tok.get_vocab_size(with_added_tokens=True) + 5
+    _assert_exact(tok, [3 + ord("|"), beyond, 3 + 0xCD])  # decode: "\ufffd\ufffd", the run is whole
 
 
 @settings(max_examples=200, deadline=None)
