@@ -3,7 +3,7 @@ the cause and the fix, the documented exit code, and no traceback unless ``fleet
 
 Every case runs the real ``fleet`` CLI as a subprocess against real processes (redis-server, a
 password-protected one, the demo models); the README's troubleshooting table lists the same cases.
-The gateway's missing ``Content-Type`` case is tested with the gateway (test_gateway.py).
+The gateway's missing ``Content-Type`` case is tested with the gateway (test_body_amplification.py).
 """
 
 from __future__ import annotations
