@@ -50,7 +50,8 @@ def _assert_exact(tok: Tokenizer, ids: list[int]) -> list[str]:
 byte_ids = st.lists(st.integers(0, ByteTokenizer.vocab_size - 1), max_size=60)
 """Any ids: specials, ASCII, stray continuation bytes, truncated and over-long sequences."""
 
-texts = st.text(st.sampled_from([*MULTI_BYTE, "a", " ", "\n"]) | st.characters(), max_size=30)
+# valid Unicode only: a lone surrogate is refused at encode (protocol.tokenization names it), no text to detokenize
+texts = st.text(st.sampled_from([*MULTI_BYTE, "a", " ", "\n"]) | st.characters(exclude_categories=["Cs"]), max_size=30)
 
 
 @settings(max_examples=400, deadline=None)
