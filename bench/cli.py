@@ -14,6 +14,7 @@ import argparse
 import shlex
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="virtualenv of the celery-batches peer (created on first use, ~20 s)",
     )
     p.add_argument("--no-peer", action="store_true", help="skip the celery-batches peer row")
+    p.add_argument(
+        "--provider",
+        choices=["cpu", "cuda", "tensorrt"],
+        default="cpu",
+        help="execution providers of every phase (limit, workers, generation): cpu, cuda (CUDA → CPU) or "
+        "tensorrt (TensorRT → CUDA → CPU); checked before anything runs (default cpu)",
+    )
     p.add_argument(
         "--only",
         choices=["generation", "dispatch"],
@@ -91,6 +99,14 @@ def run(args: argparse.Namespace) -> int:
     from bench.runner import run_bench
 
     plan = quick_plan() if args.quick else full_plan(peer=not args.no_peer)
+    plan = replace(plan, provider=getattr(args, "provider", "cpu"))
+    if not args.render_only:
+        from bench.machine import provider_unavailable
+
+        reason = provider_unavailable(plan.provider)
+        if reason is not None:  # before building models or starting anything: the run could only mislead
+            print(f"fleet bench: --provider {plan.provider} cannot run on this machine: {reason}", file=sys.stderr)
+            return 2
     if args.out is None:  # a quick smoke run never overwrites the documented table
         args.out = Path("var/bench-quick/benchmarks.md") if args.quick else Path("docs/benchmarks.md")
     args.img_dir = args.img_dir or args.out.parent / "img"
@@ -99,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
         "fleet " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         if sys.argv[1:2] == ["bench"]
         else ("fleet bench" + (" --quick" if args.quick else "") + (" --no-peer" if args.no_peer else "")
-              + (f" --only {args.only}" if args.only else ""))
+              + (f" --only {args.only}" if args.only else "")
+              + (f" --provider {plan.provider}" if plan.provider != "cpu" else ""))
     )
     if args.render_only:
         import json

@@ -18,8 +18,11 @@ from typing import Any
 import numpy.typing as npt
 import onnxruntime as ort
 
-from protocol.modelcard import ModelCard
+from protocol.modelcard import ModelCard, load_card
+from protocol.settings import BatchingSettings, EngineSettings, LimitSettings
 from tools.calibration import feeds_for
+from workers.engine import graph_input_names, provider_chain, serving_graph, session_options
+from workers.ort_session import open_session
 
 __all__ = ["LimitPoint", "bare_latency_ms", "bare_session", "bare_throughput"]
 
@@ -36,17 +39,32 @@ class LimitPoint:
     runs: int
 
 
-def bare_session(model_path: Path, *, spinning: bool = False, threads: int = 0) -> ort.InferenceSession:
-    """A CPU session with the worker's options (``spinning`` = ORT intra-op spin-waiting)."""
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.intra_op_num_threads = threads
-    opts.inter_op_num_threads = 1
-    flag = "1" if spinning else "0"
-    opts.add_session_config_entry("session.intra_op.allow_spinning", flag)
-    opts.add_session_config_entry("session.inter_op.allow_spinning", flag)
-    opts.log_severity_level = 3
-    return ort.InferenceSession(str(model_path), opts, providers=["CPUExecutionProvider"])
+def bare_session(
+    model_path: Path,
+    *,
+    spinning: bool = False,
+    threads: int = 0,
+    providers: Sequence[str] = ("CPUExecutionProvider",),
+    max_batch_size: int = 16,
+    max_input_tokens: int = 256,
+) -> ort.InferenceSession:
+    """A session over the graph the workers serve, with the worker's options and provider chain.
+
+    The graph is :func:`workers.engine.serving_graph`'s (a causal LM's head at the last position
+    when the workers' default ``lm_head_last`` applies), the providers are ``providers`` each with
+    the worker's options (TensorRT profiles up to ``max_batch_size`` x ``max_input_tokens``), opened
+    step by step as a worker does (:func:`workers.ort_session.open_session`); ``spinning`` = ORT
+    intra-op spin-waiting. The active providers are in ``session.get_providers()``.
+    """
+    card = load_card(model_path)
+    engine = EngineSettings(providers=list(providers), intra_op_threads=threads, allow_spinning=spinning)
+    source, _ = serving_graph(model_path, engine, card)
+    names = graph_input_names(model_path) if "TensorrtExecutionProvider" in providers else []
+    chain = provider_chain(engine, BatchingSettings(max_batch_size=max_batch_size, max_batch_tokens=max_batch_size
+                                                    * max_input_tokens),
+                           LimitSettings(max_input_tokens=max_input_tokens), card, names)
+    session, _steps = open_session(source, lambda: session_options(engine), chain)
+    return session
 
 
 def _batches(

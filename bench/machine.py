@@ -15,7 +15,17 @@ import psutil
 
 from tools.redis_server import find_redis_server
 
-__all__ = ["gpu_present", "machine_facts", "tensorrt_available"]
+__all__ = ["BENCH_PROVIDERS", "gpu_present", "machine_facts", "provider_chain_for", "provider_unavailable",
+           "tensorrt_available"]
+
+BENCH_PROVIDERS: dict[str, tuple[str, ...]] = {
+    "cpu": ("CPUExecutionProvider",),
+    "cuda": ("CUDAExecutionProvider", "CPUExecutionProvider"),
+    "tensorrt": ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"),
+}
+"""``fleet bench --provider`` choice → the execution-provider chain of every phase (limit, workers, generation)."""
+
+_EP_LABELS = {"CUDAExecutionProvider": "CUDA", "TensorrtExecutionProvider": "TensorRT"}
 
 _PACKAGES = ("onnxruntime", "onnx", "celery", "kombu", "redis", "numpy", "pydantic")
 
@@ -50,9 +60,42 @@ def gpu_present() -> bool:
     return bool(smi) and "GPU" in _run([str(smi), "-L"])
 
 
+def provider_chain_for(provider: str) -> tuple[str, ...]:
+    """The provider chain of ``--provider`` (cpu, cuda, tensorrt).
+
+    Raises:
+        ValueError: not one of :data:`BENCH_PROVIDERS` (the message names the choices).
+    """
+    try:
+        return BENCH_PROVIDERS[provider]
+    except KeyError:
+        raise ValueError(f"provider {provider!r} is not one of {sorted(BENCH_PROVIDERS)}") from None
+
+
+def provider_unavailable(provider: str) -> str | None:
+    """Why ``provider`` (cpu, cuda, tensorrt) cannot run on this machine, or None when it can.
+
+    Checks, in order, what each needs: the execution provider in the imported onnxruntime build; its
+    shared library loading (TensorRT's needs libnvinfer, CUDA's needs the CUDA user-space libraries:
+    the reason quotes the dynamic loader); an NVIDIA GPU (``nvidia-smi -L``).
+    """
+    from workers.ort_session import imported_ort_build, provider_library_error
+
+    for name in provider_chain_for(provider)[:-1]:  # every GPU EP the chain needs (CPU is always there)
+        label = _EP_LABELS[name]
+        if name not in ort.get_available_providers():
+            return f"{name} is not in this onnxruntime build ({imported_ort_build()})"
+        loader = provider_library_error(name)
+        if loader is not None:
+            return f"{label} libraries not found ({loader})"
+    if provider != "cpu" and not gpu_present():
+        return "no CUDA device (nvidia-smi lists no GPU)"
+    return None
+
+
 def tensorrt_available() -> bool:
-    """True when this onnxruntime build has the TensorRT EP and a GPU is present."""
-    return "TensorrtExecutionProvider" in ort.get_available_providers() and gpu_present()
+    """True when the TensorRT chain can run here (see :func:`provider_unavailable`)."""
+    return provider_unavailable("tensorrt") is None
 
 
 def machine_facts() -> dict[str, Any]:
@@ -72,6 +115,7 @@ def machine_facts() -> dict[str, Any]:
         "packages": {p: _version(p) for p in _PACKAGES},
         "ort_providers": ort.get_available_providers(),
         "gpu": gpu_present(),
+        "providers_unavailable": {p: provider_unavailable(p) for p in BENCH_PROVIDERS if p != "cpu"},
         "redis_server": redis_version,
         "git_commit": _run(["git", "rev-parse", "--short", "HEAD"]),
         "git_dirty": _run(["git", "status", "--porcelain"]) not in ("", "unknown"),

@@ -87,6 +87,9 @@ class Plan:
     peer_flush_interval_s: float = 0.05
     """celery-batches' flush timer (s): the 50 ms window of the issue's tuned peer."""
     seed: int = 0
+    provider: str = "cpu"
+    """Execution providers of every phase (limit, workers, generation): ``cpu``, ``cuda`` (CUDA → CPU) or
+    ``tensorrt`` (TensorRT → CUDA → CPU); see :data:`bench.machine.BENCH_PROVIDERS`."""
 
 
 def full_plan(*, peer: bool = True) -> Plan:

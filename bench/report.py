@@ -297,8 +297,8 @@ def render(results: dict[str, Any], img_rel: str) -> str:
     parts += [
         "## Notes\n",
         f"- {peer_note}",
-        "- TensorRT row: measured only where onnxruntime-gpu with the TensorRT EP and a GPU are present; "
-        "otherwise printed as *needs a GPU*, never estimated.",
+        "- TensorRT row: measured only where the TensorRT EP loads (onnxruntime-gpu, the TensorRT libraries) "
+        "and a GPU is present; otherwise the row states why it was not run, never estimated.",
         "- The machine is shared: other processes may run during the bench (see the load average above); "
         "compare ratios within this run rather than absolute figures across runs.\n",
     ]

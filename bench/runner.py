@@ -25,7 +25,7 @@ from tqdm import tqdm
 from bench.dispatch import dispatch_variants, measure_dispatch
 from bench.generation import measure_generation
 from bench.limit import bare_latency_ms, bare_session, bare_throughput
-from bench.machine import machine_facts, tensorrt_available
+from bench.machine import machine_facts, provider_chain_for, provider_unavailable
 from bench.peer import PeerUnavailable, ensure_peer_venv
 from bench.plan import WORKLOADS, Plan
 from bench.procs import FleetConfig, flush_redis
@@ -92,7 +92,8 @@ def _limit_pass(paths: dict[str, str], prompts: Prompts, plan: Plan) -> dict[str
     for variant, path_str in paths.items():
         path = Path(path_str)
         card = load_card(path)
-        sess = bare_session(path)
+        providers = provider_chain_for(plan.provider)
+        sess = bare_session(path, providers=providers, max_batch_size=max(plan.limit_batch_sizes))
         out[variant] = {}
         sizes = plan.limit_batch_sizes if variant in ("fp32", "int8") else (1, plan.max_batch_size)
         for wl, seqs in prompts.items():
@@ -106,7 +107,8 @@ def _limit_pass(paths: dict[str, str], prompts: Prompts, plan: Plan) -> dict[str
             }
             if plan.ablations and variant in ("fp32", "int8"):
                 best_b = int(max(points, key=lambda p: float(p["qps"]))["batch_size"])
-                spin = bare_session(path, spinning=True)
+                spin = bare_session(path, spinning=True, providers=providers,
+                                    max_batch_size=max(plan.limit_batch_sizes))
                 entry["best_spinning"] = bare_throughput(
                     spin, card, seqs, best_b, duration_s=plan.limit_duration_s, min_runs=2
                 ).__dict__
@@ -155,6 +157,7 @@ def _prompts(plan: Plan, vocab_size: int) -> Prompts:
 
 def _configs(plan: Plan, name: str, models: dict[str, Any], work_dir: Path) -> dict[str, FleetConfig]:
     """The table's fleet configurations; each gets its own model key (so its own queue)."""
+    chain = provider_chain_for(plan.provider)
     base = FleetConfig(
         label="batching",
         model_name=f"{name}-batching",
@@ -163,6 +166,9 @@ def _configs(plan: Plan, name: str, models: dict[str, Any], work_dir: Path) -> d
         max_wait_ms=plan.max_wait_ms,
         concurrency=plan.concurrency,
         celery_loglevel="WARNING",
+        providers=chain,
+        # a GPU run that silently lands on CPU would measure the wrong thing: the worker refuses instead
+        engine_extra={"require_provider": chain[0]} if plan.provider != "cpu" else {},
     )
     configs = {
         "baseline": replace(base, label="baseline", model_name=f"{name}-baseline", max_batch_size=1),
@@ -172,21 +178,32 @@ def _configs(plan: Plan, name: str, models: dict[str, Any], work_dir: Path) -> d
     if plan.ablations:
         configs["lean"] = replace(base, label="lean", model_name=f"{name}-lean", lean=True)
         configs["spinning"] = replace(
-            base, label="spinning", model_name=f"{name}-spinning", engine_extra={"allow_spinning": True}
+            base, label="spinning", model_name=f"{name}-spinning",
+            engine_extra={**base.engine_extra, "allow_spinning": True},
         )
-    if tensorrt_available():
+    if plan.provider != "tensorrt" and provider_unavailable("tensorrt") is None:
         configs["tensorrt"] = replace(
             base,
             label="tensorrt",
             model_name=f"{name}-tensorrt",
             providers=("TensorrtExecutionProvider", "CPUExecutionProvider"),
             engine_extra={
+                **base.engine_extra,
                 "require_provider": "TensorrtExecutionProvider",
                 "trt_fp16": True,
                 "cache_dir": str((work_dir / "trt-cache").resolve()),
             },
         )
     return configs
+
+
+def tensorrt_row_status(plan: Plan) -> dict[str, str]:
+    """The TensorRT row when it is not measured: the real reason (libraries, device, build), or that the
+    whole run is TensorRT (``--provider tensorrt``: every row already runs it)."""
+    if plan.provider == "tensorrt":
+        return {"status": "every row runs TensorRT (--provider tensorrt)"}
+    reason = provider_unavailable("tensorrt")
+    return {"status": f"not run: {reason}" if reason else "not run: its worker did not start"}
 
 
 def _serve_and_measure(
@@ -207,8 +224,17 @@ def _serve_and_measure(
         say(f"peer: {peer_status}")
     say(f"starting {len(configs) + (peer_env is not None)} workers: {', '.join(configs)}{', peer' if peer_env else ''}")
     servers: dict[str, Server] = {}
+    tensorrt_failure: dict[str, str] | None = None
     try:
-        servers.update(start_fleet_servers(configs, redis_url, work_dir))
+        required = {k: c for k, c in configs.items() if k != "tensorrt"}
+        servers.update(start_fleet_servers(required, redis_url, work_dir))
+        if "tensorrt" in configs:  # an optional row: a worker that cannot start is a row, not a failed phase
+            try:
+                servers.update(start_fleet_servers({"tensorrt": configs["tensorrt"]}, redis_url, work_dir))
+            except (RuntimeError, TimeoutError) as exc:
+                lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+                last = lines[-1][:300] if lines else str(exc)
+                tensorrt_failure = {"status": f"not run: its worker did not start ({last})"}
         if peer_env is not None:
             peer_cfg = replace(
                 configs["batching"],
@@ -223,8 +249,8 @@ def _serve_and_measure(
     if peer_status:
         rows["peer"] = {"status": peer_status}
     if "tensorrt" not in rows:
-        rows["tensorrt"] = {"status": "needs a GPU"}
-        say("tensorrt: needs a GPU (no TensorRT EP / no GPU on this machine); row not measured")
+        rows["tensorrt"] = tensorrt_failure or tensorrt_row_status(plan)
+        say(f"tensorrt: {rows['tensorrt']['status']}; row not measured")
     return rows
 
 

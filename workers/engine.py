@@ -29,7 +29,7 @@ from protocol.settings import BatchingSettings, EngineSettings, LimitSettings
 from workers.ort_session import ProviderStep, imported_ort_build, open_session
 from workers.padding import PaddedBatch, pad_batch
 
-__all__ = ["Engine", "check_single_ort_build", "provider_chain", "session_options"]
+__all__ = ["Engine", "check_single_ort_build", "provider_chain", "serving_graph", "session_options"]
 
 log = logging.getLogger("fleet.engine")
 
@@ -140,6 +140,29 @@ def provider_chain(
     return chain
 
 
+def serving_graph(model_path: Path, engine: EngineSettings, card: ModelCard) -> tuple[str | bytes, bool]:
+    """The graph a worker serves for ``model_path``, and whether its logits are at the last position only.
+
+    With ``engine.lm_head_last`` a causal LM's head moves after a gather of the last position
+    (tools/lm_head_last.py; the graph as bytes); the path itself when the rewrite does not apply
+    (external data, or no single ``MatMul`` → ``logits``). The bench's limit loads the same graph.
+    """
+    if not (engine.lm_head_last and card.kind == "causal_lm"):
+        return str(model_path), False
+    from tools.lm_head_last import rewrite_lm_head_last
+
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+        if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
+            log.info("lm_head_last: %s keeps its weights in external data; serving the graph as it is", model_path)
+            return str(model_path), False
+        rewritten: bytes = rewrite_lm_head_last(model).SerializeToString()
+    except (ValueError, onnx.checker.ValidationError) as exc:
+        log.info("lm_head_last does not apply to %s (%s); logits at every position", model_path, exc)
+        return str(model_path), False
+    return rewritten, True
+
+
 class Engine:
     """One InferenceSession plus the knowledge of how to feed it a padded batch."""
 
@@ -165,10 +188,7 @@ class Engine:
         self.requested = provider_chain(engine, batching, limits, card, names)
         self.ort_build = check_single_ort_build()
         started = time.perf_counter()
-        self.lm_head_last = False
-        source: str | bytes = str(model_path)
-        if engine.lm_head_last and card.kind == "causal_lm":
-            source = self._last_position_graph(model_path)
+        source, self.lm_head_last = serving_graph(model_path, engine, card)
         try:
             self.session, self.provider_steps = open_session(
                 source, lambda: session_options(engine), self.requested)
@@ -232,23 +252,6 @@ class Engine:
             else:
                 log.warning("execution provider FALLBACK: %s (options requested %s) not active: %s",
                             step.provider, step.requested, step.reason)
-
-    def _last_position_graph(self, model_path: Path) -> str | bytes:
-        """The graph with its LM head moved after a gather of the last position, as bytes; the path
-        itself when the rewrite does not apply (external data, or no single ``MatMul`` → ``logits``)."""
-        from tools.lm_head_last import rewrite_lm_head_last
-
-        try:
-            model = onnx.load(str(model_path), load_external_data=False)
-            if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
-                log.info("lm_head_last: %s keeps its weights in external data; serving the graph as it is", model_path)
-                return str(model_path)
-            rewritten: bytes = rewrite_lm_head_last(model).SerializeToString()
-        except (ValueError, onnx.checker.ValidationError) as exc:
-            log.info("lm_head_last does not apply to %s (%s); logits at every position", model_path, exc)
-            return str(model_path)
-        self.lm_head_last = True
-        return rewritten
 
     @property
     def has_kv_cache(self) -> bool:

@@ -152,6 +152,27 @@ def test_a_module_folder_mixing_both_builds_is_refused(gpu_python: str, tmp_path
             in proc.stderr), proc.stderr[-3000:]
 
 
+def test_bench_names_the_libraries_that_do_not_load(gpu_python: str, tmp_path: Path) -> None:
+    """onnxruntime-gpu lists TensorRT and CUDA, but their libraries do not load here: ``fleet bench
+    --provider`` stops with the loader's reason before building anything, and the TensorRT row of a
+    CPU run says the same (not "needs a GPU")."""
+    for provider, expected in (("tensorrt", "TensorRT libraries not found (libcublas.so.13: cannot open shared"),
+                               ("cuda", "CUDA libraries not found (libcublasLt.so.13: cannot open shared")):
+        work = tmp_path / provider
+        done = subprocess.run([gpu_python, "-m", "bench.cli", "--quick", "--provider", provider, "--work-dir",
+                               str(work), "--out", str(tmp_path / "b.md")],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
+        assert done.returncode == 2, done.stderr[-3000:]
+        assert f"--provider {provider} cannot run on this machine: {expected}" in done.stderr, done.stderr[-3000:]
+        assert not work.exists()
+    code = ("import bench.runner as r; from bench.plan import quick_plan; print(r.__file__); "
+            "print(r.tensorrt_row_status(quick_plan())['status'])")
+    row = subprocess.run([gpu_python, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert row.stdout.startswith(str(ROOT)), row.stdout + row.stderr
+    assert row.stdout.splitlines()[-1].startswith("not run: TensorRT libraries not found (libcublas.so.13")
+
+
 def test_this_environment_has_only_the_cpu_build() -> None:
     out = subprocess.run([sys.executable, "-m", "pip", "list", "--format=freeze"], capture_output=True,
                          text=True, check=True).stdout.lower()

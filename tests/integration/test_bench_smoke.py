@@ -43,7 +43,9 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
                 assert summary["mean_batch_size"] >= 1 and 0 < summary["padding_efficiency"] <= 1
     assert rows["baseline"]["workloads"]["long"]["saturation"]["mean_batch_size"] == 1.0
     assert rows["peer"]["status"] == "skipped (--quick)"
-    assert rows["tensorrt"]["status"] in ("needs a GPU", "ok")
+    # the real reason on this machine (the CPU build has no TensorRT EP), not "needs a GPU"
+    assert rows["tensorrt"]["status"] == "ok" or rows["tensorrt"]["status"].startswith(
+        "not run: TensorrtExecutionProvider is not in this onnxruntime build (onnxruntime ")
     for variant in ("fp32", "int8"):
         for wl in ("long", "short"):
             assert results["limit"][variant][wl]["best"]["qps"] > 0
@@ -78,7 +80,7 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
     ):  # fmt: skip
         assert text in md, text
     if rows["tensorrt"]["status"] != "ok":
-        assert "needs a GPU" in md
+        assert "not run: TensorrtExecutionProvider is not in this onnxruntime build" in md
     for name in ("latency-vs-qps-long", "latency-vs-qps-short", "generation-vs-load"):
         assert (img / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"img/{name}.png" in md

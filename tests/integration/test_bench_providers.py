@@ -1,0 +1,69 @@
+"""``fleet bench --provider``: one provider chain for every phase, checked before anything runs, and a
+limit that runs the graph the workers serve. (tests/gpu_wheel shows the reasons with the GPU wheel.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from bench.limit import bare_session
+from bench.plan import quick_plan
+from bench.runner import _configs, tensorrt_row_status
+from protocol.modelcard import load_card
+from protocol.settings import BatchingSettings, EngineSettings, LimitSettings
+from workers.engine import Engine
+from workers.padding import pad_batch
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO_LM = ROOT / "models" / "demo-lm" / "demo-lm-1.0.0.onnx"
+
+
+def test_provider_cuda_on_this_machine_stops_with_the_reason_before_building_anything(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    cmd = [sys.executable, "-m", "producer.cli", "bench", "--quick", "--provider", "cuda", "--work-dir", str(work),
+           "--out", str(tmp_path / "b.md")]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
+    expected = (f"fleet bench: --provider cuda cannot run on this machine: CUDAExecutionProvider is not in this "
+                f"onnxruntime build (onnxruntime {ort.__version__} from {Path(ort.__file__).parent}")
+    assert done.returncode == 2 and expected in done.stderr, done.stderr[-3000:]
+    assert not work.exists() and not (tmp_path / "b.md").exists()
+
+
+def test_every_fleet_row_gets_the_chosen_chain_and_refuses_a_silent_cpu_fallback(tmp_path: Path) -> None:
+    models = {"fp32": str(DEMO_LM), "int8": str(DEMO_LM)}
+    for provider, chain in (("cpu", ("CPUExecutionProvider",)),
+                            ("cuda", ("CUDAExecutionProvider", "CPUExecutionProvider"))):  # fmt: skip
+        configs = _configs(replace(quick_plan(), provider=provider), "demo-lm", models, tmp_path)
+        assert set(configs) == {"baseline", "batching", "int8"}  # no TensorRT row on this machine
+        for cfg in configs.values():
+            engine = cfg.yaml_doc("redis://x")["models"][cfg.model_name]["engine"]
+            assert tuple(engine["providers"]) == chain
+            assert engine.get("require_provider") == (None if provider == "cpu" else chain[0])
+
+
+def test_the_tensorrt_row_states_the_real_reason() -> None:
+    status = tensorrt_row_status(quick_plan())["status"]
+    assert status == ("not run: TensorrtExecutionProvider is not in this onnxruntime build (onnxruntime "
+                      f"{ort.__version__} from {Path(ort.__file__).parent}, providers {ort.get_available_providers()})")
+    assert tensorrt_row_status(replace(quick_plan(), provider="tensorrt")) == {
+        "status": "every row runs TensorRT (--provider tensorrt)"}
+
+
+def test_the_limit_runs_the_graph_the_workers_serve() -> None:
+    """The worker serves the LM head at the last position (lm_head_last, the default): so does the
+    limit's bare session, with the same logits for the same batch."""
+    card = load_card(DEMO_LM)
+    engine = Engine(DEMO_LM, card, EngineSettings(), BatchingSettings(), LimitSettings())
+    assert engine.lm_head_last
+    batch = pad_batch([[5, 6, 7, 8], [9, 10]], card.pad_token_id)
+    served = engine.run(batch)
+    sess = bare_session(DEMO_LM)
+    assert sess.get_providers() == engine.providers == ["CPUExecutionProvider"]
+    (bare,) = sess.run(["logits"], engine.feeds(batch))
+    assert served.shape == bare.shape == (2, 1, card.vocab_size)
+    np.testing.assert_allclose(bare, served, rtol=1e-5, atol=1e-5)
