@@ -66,10 +66,12 @@ def gen_workload(gp: GenPlan, vocab_size: int, count: int, seed: int) -> Work:
     return [(p, int(n)) for p, n in zip(prompts, outputs, strict=True)]
 
 
-def _configs(gp: GenPlan, model: str, path: Path, max_wait_ms: float) -> dict[str, FleetConfig]:
+def _configs(gp: GenPlan, model: str, path: Path, max_wait_ms: float,
+             providers: tuple[str, ...] = ("CPUExecutionProvider",)) -> dict[str, FleetConfig]:  # fmt: skip
     common: dict[str, Any] = {
         "model_path": path, "max_wait_ms": max_wait_ms, "max_input_tokens": gp.prompt_tokens[1],
-        "max_new_tokens": gp.output_tokens[1], "celery_loglevel": "WARNING",
+        "max_new_tokens": gp.output_tokens[1], "celery_loglevel": "WARNING", "providers": providers,
+        "engine_extra": {"require_provider": providers[0]} if providers != ("CPUExecutionProvider",) else {},
     }  # fmt: skip
     sizes = {"one_at_a_time": (1, 1, True), "static": (gp.max_batch_size, gp.concurrency, False),
              "continuous": (gp.max_batch_size, gp.concurrency, True)}  # fmt: skip
@@ -202,24 +204,27 @@ def _merge(passes: list[dict[str, Any]], say: Say) -> dict[str, Any]:
 
 
 def measure_generation(gp: GenPlan, model_path: Path, redis_url: str, work_dir: Path, *, max_wait_ms: float,
-                       seed: int, say: Say | None = None) -> dict[str, Any]:  # fmt: skip
-    """Every generation figure of the report (see the module docstring) as one JSON-friendly dict."""
+                       seed: int, say: Say | None = None,
+                       providers: tuple[str, ...] = ("CPUExecutionProvider",)) -> dict[str, Any]:  # fmt: skip
+    """Every generation figure of the report (see the module docstring) as one JSON-friendly dict; the
+    in-process limit, the profile and the fleet rows all run on ``providers`` (``fleet bench --provider``)."""
     log = say or (lambda msg: print(msg, file=sys.stderr))
     started = time.monotonic()
     card = load_card(model_path)
     work = gen_workload(gp, card.vocab_size, gp.requests, seed + 300)
     open_work = gen_workload(gp, card.vocab_size, gp.open_max_requests, seed + 400)
-    engine = load_engine(model_path, card, max(gp.limit_batch_sizes))
+    engine = load_engine(model_path, card, max(gp.limit_batch_sizes), providers)
     steps = gp.limit_steps or round(float(np.mean([n for _, n in work])))
     passes = [_in_process_pass(gp, engine, work, steps)]
     flush_redis(redis_url)
-    rows = _fleet_rows(gp, _configs(gp, card.name, model_path, max_wait_ms), redis_url, work_dir, work, open_work,
-                       seed, log)  # fmt: skip
+    configs = _configs(gp, card.name, model_path, max_wait_ms, providers)
+    rows = _fleet_rows(gp, configs, redis_url, work_dir, work, open_work, seed, log)
     passes.append(_in_process_pass(gp, engine, work, steps))
     limit = _merge(passes, log)
     past = round(float(np.mean([len(p) for p, _ in work])) + steps / 2)
     limit["relayout"] = relayout_cost(engine, [p for p, _ in work], gp.max_batch_size, steps)
-    limit["profile"] = concat_share(model_path, card, batch_size=gp.max_batch_size, past=past, runs=gp.profile_runs)
+    limit["profile"] = concat_share(model_path, card, batch_size=gp.max_batch_size, past=past, runs=gp.profile_runs,
+                                    providers=providers)
     return {
         "model": card.name,
         "plan": gp.__dict__,
@@ -231,6 +236,7 @@ def measure_generation(gp: GenPlan, model_path: Path, redis_url: str, work_dir: 
         },
         "rows": rows,
         "limit": limit,
+        "providers": {"requested": list(providers), "active": list(engine.providers)},
         "peer": "skipped (not needed; not installed)",
         "duration_s": round(time.monotonic() - started, 1),
     }

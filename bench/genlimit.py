@@ -37,6 +37,7 @@ from workers.engine import Engine, session_options
 from workers.generation.decoder import Decoder, KVState
 from workers.generation.loop import GenerationLoop, GenStepStats
 from workers.generation.sequence import GenSequence
+from workers.ort_session import open_session
 
 __all__ = ["Work", "concat_share", "decode_limit", "load_engine", "loop_run", "relayout_cost"]
 
@@ -47,9 +48,22 @@ ENGINE = EngineSettings(providers=["CPUExecutionProvider"])
 """The worker's engine settings as the bench serves them (CPU, spin-waiting off)."""
 
 
-def load_engine(model_path: Path, card: ModelCard, max_batch_size: int) -> Engine:
-    """An engine with the worker's session options (no warm-up)."""
-    return Engine(model_path, card, ENGINE, BatchingSettings(max_batch_size=max_batch_size), LimitSettings())
+def engine_settings(providers: Sequence[str] = ("CPUExecutionProvider",)) -> EngineSettings:
+    """:data:`ENGINE` on ``providers`` (a GPU chain refuses to run on CPU: ``require_provider``)."""
+    if tuple(providers) == ("CPUExecutionProvider",):
+        return ENGINE
+    return ENGINE.model_copy(update={"providers": list(providers), "require_provider": providers[0]})
+
+
+def load_engine(model_path: Path, card: ModelCard, max_batch_size: int,
+                providers: Sequence[str] = ("CPUExecutionProvider",)) -> Engine:  # fmt: skip
+    """An engine with the worker's session options on ``providers`` (no warm-up).
+
+    Raises:
+        ProviderUnavailable: a GPU chain whose first provider is not active.
+    """
+    return Engine(model_path, card, engine_settings(providers), BatchingSettings(max_batch_size=max_batch_size),
+                  LimitSettings())  # fmt: skip
 
 
 def decode_limit(engine: Engine, prompts: Sequence[Sequence[int]], batch_size: int, steps: int) -> dict[str, Any]:
@@ -178,14 +192,18 @@ def _decode_feeds(card: ModelCard, names: Sequence[str], batch_size: int, past: 
     return {k: v for k, v in feeds.items() if k in names}
 
 
-def concat_share(model_path: Path, card: ModelCard, *, batch_size: int, past: int, runs: int) -> dict[str, Any]:
+def concat_share(model_path: Path, card: ModelCard, *, batch_size: int, past: int, runs: int,
+                 providers: Sequence[str] = ("CPUExecutionProvider",)) -> dict[str, Any]:  # fmt: skip
     """ORT's node time by operator over ``runs`` decode steps of ``batch_size`` rows at ``past`` cached
     tokens; ``concat_share`` = the ``Concat`` nodes' share (the KV cache appended into ``present``)."""
     with tempfile.TemporaryDirectory(prefix="fleet-gen-profile-") as tmp:
-        opts = session_options(ENGINE)
-        opts.enable_profiling = True
-        opts.profile_file_prefix = str(Path(tmp) / "decode")
-        sess = ort.InferenceSession(str(model_path), opts, providers=["CPUExecutionProvider"])
+        def profiled() -> ort.SessionOptions:
+            opts = session_options(ENGINE)
+            opts.enable_profiling = True
+            opts.profile_file_prefix = str(Path(tmp) / "decode")
+            return opts
+
+        sess, _steps = open_session(str(model_path), profiled, [(p, {}) for p in providers])
         feeds = _decode_feeds(card, [i.name for i in sess.get_inputs()], batch_size, past)
         for _ in range(runs):
             sess.run(None, feeds)

@@ -259,7 +259,7 @@ def _generation(plan: Plan, model: Path, redis_url: str, work_dir: Path, command
     started = time.time()
     machine = machine_facts()
     out = measure_generation(plan.generation, model, redis_url, work_dir, max_wait_ms=plan.max_wait_ms,
-                             seed=plan.seed, say=say)  # fmt: skip
+                             seed=plan.seed, say=say, providers=provider_chain_for(plan.provider))  # fmt: skip
     out["meta"] = {
         "command": command, "commit": machine["git_commit"], "dirty": machine["git_dirty"], "started_unix_s": started,
         "load_average_start": machine["load_average_start"], "load_average_end": [round(x, 2) for x in os.getloadavg()],

@@ -10,10 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+import pytest
 
+from bench.generation import _configs as generation_configs
+from bench.genlimit import load_engine
 from bench.limit import bare_session
-from bench.plan import quick_plan
+from bench.plan import GenPlan, quick_plan
 from bench.runner import _configs, tensorrt_row_status
+from protocol.errors import ProviderUnavailable
 from protocol.modelcard import load_card
 from protocol.settings import BatchingSettings, EngineSettings, LimitSettings
 from workers.engine import Engine
@@ -67,3 +71,16 @@ def test_the_limit_runs_the_graph_the_workers_serve() -> None:
     (bare,) = sess.run(["logits"], engine.feeds(batch))
     assert served.shape == bare.shape == (2, 1, card.vocab_size)
     np.testing.assert_allclose(bare, served, rtol=1e-5, atol=1e-5)
+
+
+def test_the_generation_phase_runs_the_chosen_chain_or_refuses(tmp_path: Path) -> None:
+    """The generation rows' workers and the in-process generation limit get the chain too; on this CPU
+    machine the CUDA chain refuses to measure CPU under a CUDA label."""
+    cuda = ("CUDAExecutionProvider", "CPUExecutionProvider")
+    for cfg in generation_configs(GenPlan(), "demo-lm", DEMO_LM, 2.0, cuda).values():
+        engine = cfg.yaml_doc("redis://x")["models"][cfg.model_name]["engine"]
+        assert tuple(engine["providers"]) == cuda and engine["require_provider"] == "CUDAExecutionProvider"
+    card = load_card(DEMO_LM)
+    assert load_engine(DEMO_LM, card, 4).providers == ["CPUExecutionProvider"]
+    with pytest.raises(ProviderUnavailable, match="require_provider=CUDAExecutionProvider"):
+        load_engine(DEMO_LM, card, 4, cuda)
