@@ -10,7 +10,8 @@ one. The base dependency is therefore chosen here, when pip builds the package:
     FLEET_ORT=none pip install -e .       # neither: bring your own build
 
 ``pip install -e ".[gpu]"`` without ``FLEET_ORT=gpu`` would put both builds in one environment; the
-worker then refuses to start and says how to fix it (``workers.engine.check_single_ort_build``).
+worker names the build it imported and warns, and refuses to start only when the module folder mixes
+files of both builds (``workers.engine.check_single_ort_build``).
 """
 
 from __future__ import annotations
