@@ -1,8 +1,8 @@
 """What ``pip install`` puts in an environment: exactly one ONNX Runtime build, chosen by FLEET_ORT.
 
 pip builds the package metadata the way a user's install does (an isolated build with setuptools from
-PyPI) and reports it without installing anything; the worker's own guard refuses an environment that
-holds both builds anyway.
+PyPI) and reports it without installing anything; the worker names the build it actually imported and
+refuses a module folder that mixes both builds' files (tests/gpu_wheel shows both cases with the real wheel).
 """
 
 from __future__ import annotations
