@@ -11,6 +11,7 @@ otherwise.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -18,7 +19,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "register", "run"]
+__all__ = ["PROVIDER_ENV", "main", "register", "run"]
+
+PROVIDER_ENV = "FLEET_BENCH_PROVIDER"
+"""The environment setting behind ``--provider`` (the flag wins)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,9 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--provider",
         choices=["cpu", "cuda", "tensorrt"],
-        default="cpu",
+        default=None,
         help="execution providers of every phase (limit, workers, generation): cpu, cuda (CUDA → CPU) or "
-        "tensorrt (TensorRT → CUDA → CPU); checked before anything runs (default cpu)",
+        "tensorrt (TensorRT → CUDA → CPU); checked before anything runs (default: $FLEET_BENCH_PROVIDER, else cpu)",
     )
     p.add_argument(
         "--only",
@@ -99,7 +103,11 @@ def run(args: argparse.Namespace) -> int:
     from bench.runner import run_bench
 
     plan = quick_plan() if args.quick else full_plan(peer=not args.no_peer)
-    plan = replace(plan, provider=getattr(args, "provider", "cpu"))
+    provider = getattr(args, "provider", None) or os.environ.get(PROVIDER_ENV, "cpu")
+    if provider not in ("cpu", "cuda", "tensorrt"):
+        print(f"fleet bench: {PROVIDER_ENV}={provider!r} is not one of ['cpu', 'cuda', 'tensorrt']", file=sys.stderr)
+        return 2
+    plan = replace(plan, provider=provider)
     if not args.render_only:
         from bench.machine import provider_unavailable
 

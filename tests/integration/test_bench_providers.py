@@ -3,6 +3,7 @@ limit that runs the graph the workers serve. (tests/gpu_wheel shows the reasons 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -27,14 +28,25 @@ ROOT = Path(__file__).resolve().parents[2]
 DEMO_LM = ROOT / "models" / "demo-lm" / "demo-lm-1.0.0.onnx"
 
 
-def test_provider_cuda_on_this_machine_stops_with_the_reason_before_building_anything(tmp_path: Path) -> None:
+CUDA_MISSING = "CUDAExecutionProvider is not in this onnxruntime build"
+
+
+@pytest.mark.parametrize(("flag", "env", "expected"), [
+    (["--provider", "cuda"], {}, f"fleet bench: --provider cuda cannot run on this machine: {CUDA_MISSING}"),
+    ([], {"FLEET_BENCH_PROVIDER": "cuda"}, f"fleet bench: --provider cuda cannot run on this machine: {CUDA_MISSING}"),
+    ([], {"FLEET_BENCH_PROVIDER": "rocm"}, "fleet bench: FLEET_BENCH_PROVIDER='rocm' is not one of ['cpu', 'cuda', "
+                                           "'tensorrt']"),
+])  # fmt: skip
+def test_a_provider_that_cannot_run_here_stops_with_the_reason_before_building_anything(
+        tmp_path: Path, flag: list[str], env: dict[str, str], expected: str) -> None:  # fmt: skip
     work = tmp_path / "work"
-    cmd = [sys.executable, "-m", "producer.cli", "bench", "--quick", "--provider", "cuda", "--work-dir", str(work),
+    cmd = [sys.executable, "-m", "producer.cli", "bench", "--quick", *flag, "--work-dir", str(work),
            "--out", str(tmp_path / "b.md")]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
-    expected = (f"fleet bench: --provider cuda cannot run on this machine: CUDAExecutionProvider is not in this "
-                f"onnxruntime build (onnxruntime {ort.__version__} from {Path(ort.__file__).parent}")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, check=False,
+                          env={**os.environ, **env})  # fmt: skip
     assert done.returncode == 2 and expected in done.stderr, done.stderr[-3000:]
+    if "cannot run" in expected:  # the reason names the build actually imported
+        assert f"(onnxruntime {ort.__version__} from {Path(ort.__file__).parent}" in done.stderr
     assert not work.exists() and not (tmp_path / "b.md").exists()
 
 
