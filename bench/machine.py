@@ -72,24 +72,44 @@ def provider_chain_for(provider: str) -> tuple[str, ...]:
         raise ValueError(f"provider {provider!r} is not one of {sorted(BENCH_PROVIDERS)}") from None
 
 
+def _tiny_model() -> bytes:
+    """A one-node float graph (``y = x + x``), enough for an execution provider to be created."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
+    graph = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "probe", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9  # readable by every onnxruntime the fleet supports
+    onnx.checker.check_model(model)
+    data: bytes = model.SerializeToString()
+    return data
+
+
 def provider_unavailable(provider: str) -> str | None:
     """Why ``provider`` (cpu, cuda, tensorrt) cannot run on this machine, or None when it can.
 
-    Checks, in order, what each needs: the execution provider in the imported onnxruntime build; its
-    shared library loading (TensorRT's needs libnvinfer, CUDA's needs the CUDA user-space libraries:
-    the reason quotes the dynamic loader); an NVIDIA GPU (``nvidia-smi -L``).
+    Each GPU execution provider of the chain must be in the imported onnxruntime build and must come
+    up in a real session over a one-node graph. When it does not, the reason names the first missing
+    piece: its shared libraries (TensorRT's need libnvinfer, CUDA's the CUDA user-space libraries; the
+    dynamic loader's message is quoted), then an NVIDIA GPU (``nvidia-smi -L``), else ONNX Runtime's error.
     """
-    from workers.ort_session import imported_ort_build, provider_library_error
+    from workers.ort_session import imported_ort_build, open_session, provider_library_error
 
     for name in provider_chain_for(provider)[:-1]:  # every GPU EP the chain needs (CPU is always there)
         label = _EP_LABELS[name]
         if name not in ort.get_available_providers():
             return f"{name} is not in this onnxruntime build ({imported_ort_build()})"
+        _session, steps = open_session(_tiny_model(), ort.SessionOptions, [(name, {})])
+        if steps[0].active:
+            continue
         loader = provider_library_error(name)
         if loader is not None:
             return f"{label} libraries not found ({loader})"
-    if provider != "cpu" and not gpu_present():
-        return "no CUDA device (nvidia-smi lists no GPU)"
+        if not gpu_present():
+            return "no CUDA device (nvidia-smi lists no GPU)"
+        return f"the {label} execution provider did not start: {steps[0].reason}"
     return None
 
 
