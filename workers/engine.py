@@ -5,8 +5,9 @@ It follows Hugging Face optimum's I/O convention: ``input_ids``, ``attention_mas
 ``last_hidden_state`` out (``present.*`` are computed but never fetched). A model without
 ``past_key_values`` inputs works too.
 
-Provider chain: TensorRT → CUDA → CPU by default. onnxruntime-gpu on a machine without a GPU
-falls back to CPU with nothing more than a line on stdout, so the active providers are always
+Provider chain: TensorRT → CUDA → CPU by default, opened one step at a time so each provider keeps
+its options (:mod:`workers.ort_session`). onnxruntime-gpu on a machine without a GPU falls back to
+CPU with nothing more than a line on stderr, so every step's outcome and the active providers are
 logged and ``require_provider`` turns a fallback into a loud start-up failure.
 """
 
