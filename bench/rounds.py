@@ -41,13 +41,23 @@ class Server:
 
 
 def start_fleet_servers(configs: dict[str, FleetConfig], redis_url: str, work_dir: Path) -> dict[str, Server]:
-    """Spawn every configuration's worker, then wait for each (model loads overlap)."""
+    """Spawn every configuration's worker, then wait for each (model loads overlap).
+
+    Raises:
+        RuntimeError, TimeoutError: a worker exited or was not ready in time; every worker this call
+            spawned is stopped first (none is left running behind the error).
+    """
     fleets = {key: RunningFleet(cfg, redis_url, work_dir) for key, cfg in configs.items()}
     for fleet in fleets.values():
         fleet.spawn()
     servers = {}
     for key, fleet in fleets.items():
-        client = fleet.ready()
+        try:
+            client = fleet.ready()
+        except BaseException:
+            for spawned in fleets.values():
+                spawned.stop()
+            raise
         cfg = fleet.config
         servers[key] = Server(
             key, cfg.model_name, client, fleet.pid, fleet.stop,

@@ -11,16 +11,20 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+import psutil
 import pytest
 
 from bench.generation import _configs as generation_configs
 from bench.genlimit import load_engine
 from bench.limit import bare_session
 from bench.plan import GenPlan, quick_plan
+from bench.procs import FleetConfig
+from bench.rounds import start_fleet_servers
 from bench.runner import _configs, tensorrt_row_status
 from protocol.errors import ProviderUnavailable
 from protocol.modelcard import load_card
 from protocol.settings import BatchingSettings, EngineSettings, LimitSettings
+from tests.integration.fleet_fixtures import Fleet
 from workers.engine import Engine
 from workers.padding import pad_batch
 
@@ -96,3 +100,19 @@ def test_the_generation_phase_runs_the_chosen_chain_or_refuses(tmp_path: Path) -
     assert load_engine(DEMO_LM, card, 4).providers == ["CPUExecutionProvider"]
     with pytest.raises(ProviderUnavailable, match="require_provider=CUDAExecutionProvider"):
         load_engine(DEMO_LM, card, 4, cuda)
+
+
+def test_a_worker_that_cannot_start_leaves_no_worker_running(fleet: Fleet, tmp_path: Path) -> None:
+    """The bench starts its workers together; one that refuses to start (here: require_provider CUDA on
+    a CPU machine) raises with its reason and every worker of that call is stopped, so an optional row
+    (TensorRT) that fails is a row status, not a process left behind."""
+
+    good = FleetConfig(label="good", model_name="demo-lm-good", model_path=DEMO_LM, celery_loglevel="WARNING")
+    bad = replace(good, label="bad", model_name="demo-lm-bad",
+                  engine_extra={"require_provider": "CUDAExecutionProvider"})  # fmt: skip
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(RuntimeError, match="require_provider=CUDAExecutionProvider"):
+        start_fleet_servers({"bad": bad, "good": good}, fleet.redis_url, tmp_path)
+    left = [p for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE]  # fmt: skip
+    assert left == [], [p.cmdline() for p in left]
