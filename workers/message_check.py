@@ -270,8 +270,9 @@ def _check_time(headers: dict[str, Any], key: str) -> None:
                    f"headers.{key} must be an ISO 8601 string or null; got {_kind(value)}", "ISO 8601")
     try:
         parsed = maybe_iso8601(value)
-        if parsed is not None:  # as Request.__init__ does, then to UTC as the ETA timer does
-            maybe_make_aware(parsed).astimezone(UTC)
+        if parsed is None:  # '' parses to None, on which Request.__init__ raised AttributeError (no tzinfo)
+            raise ValueError("an empty string")
+        maybe_make_aware(parsed).astimezone(UTC)  # as Request.__init__ does, then to UTC as the ETA timer does
     except Exception as exc:  # dateutil raises ValueError, OverflowError, … on odd strings
         raise _Bad(Reason.BAD_HEADERS, f"headers.{key}",
                    f"headers.{key} is not an ISO 8601 time: {value!r}"[:300] + f" ({type(exc).__name__})",

@@ -28,7 +28,7 @@ from celery import Celery
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.deadletter import read_entry
+from protocol.deadletter import Reason, read_entry
 from protocol.keys import DEAD_LETTER_KEY, WORKER_KEY_PREFIX
 from tests.integration.fleet_fixtures import Fleet
 from tests.queue_items import celery_headers, envelope, good_body, raw
@@ -170,21 +170,25 @@ def _wait_for_outcomes(r: redis.Redis[bytes], sent: list[bytes], *, deadline_s: 
                        settle_s: float = 15.0) -> Counter[str]:
     """Each sent item's end: its dead-letter entry (matched by bytes), else its stored result. The entries
     are read once each (new ones are pushed at the head) and the results in MGETs of the pending items.
-    Fails at ``deadline_s``, or once the queue and the unacked set stayed empty for ``settle_s`` with
-    items still without an end."""
+    Fails at ``deadline_s``, once the queue and the unacked set stayed empty for ``settle_s`` with items
+    still without an end, or once no item found its end for ``4 * settle_s`` (a wedged worker)."""
     deadline = time.monotonic() + deadline_s
-    last_pending, changed = -1, time.monotonic()
+    last_pending, changed, settled = -1, time.monotonic(), time.monotonic()
     dead: Counter[bytes] = Counter()
     seen = 0
     pending = list(sent)
     outcomes: Counter[str] = Counter()
     while True:
-        total = r.llen(DEAD_LETTER_KEY)  # entries beyond MAX_ENTRIES would be trimmed: runs stay below it
-        dead.update(read_entry(e).raw_bytes() for e in r.lrange(DEAD_LETTER_KEY, 0, total - seen - 1))
-        seen = total
         still = []
         ids = [_task_id(item) for item in pending]
+        # results first: the guard pushes an item's dead letter before it stores its FAILURE, so an item
+        # whose FAILURE is read here has its entry read below (it is counted dead-lettered on every run)
         metas = r.mget([f"celery-task-meta-{tid}" for tid in ids if tid]) if any(ids) else []
+        # all but the `seen` oldest (at the tail; new ones are pushed at the head), in one command; entries
+        # beyond MAX_ENTRIES would be trimmed: runs stay below it
+        new = r.lrange(DEAD_LETTER_KEY, 0, -(seen + 1))
+        dead.update(read_entry(e).raw_bytes() for e in new)
+        seen += len(new)
         states = iter(json.loads(m)["status"] if m else None for m in metas)
         for item, tid in zip(pending, ids, strict=True):
             state = next(states) if tid else None
@@ -200,10 +204,14 @@ def _wait_for_outcomes(r: redis.Redis[bytes], sent: list[bytes], *, deadline_s: 
         pending = still
         if not pending:
             return outcomes
-        if len(pending) != last_pending or r.llen(QUEUE) or r.hlen("unacked"):
-            last_pending, changed = len(pending), time.monotonic()
+        now = time.monotonic()
+        if len(pending) != last_pending:
+            last_pending, changed, settled = len(pending), now, now
+        if r.llen(QUEUE) or r.hlen("unacked"):
+            settled = now
         # the worker holds nothing and nothing is queued, yet items have no end: they never will
-        assert time.monotonic() - changed < settle_s, ("no trace", len(pending), pending[:3], outcomes)
+        assert now - settled < settle_s, ("no trace", len(pending), pending[:3], outcomes)
+        assert now - changed < 4 * settle_s, ("no progress: wedged", len(pending), r.llen(QUEUE), outcomes)
         assert time.monotonic() < deadline, (len(pending), pending[:3], outcomes)
         time.sleep(0.2)
 
@@ -377,7 +385,7 @@ def test_thousands_of_mutated_envelopes_never_stop_or_wedge_the_worker(fleet: Fl
                 pipe.execute()
         pipe.execute()
 
-    outcomes = _wait_for_outcomes(r, mutated, deadline_s=300)
+    outcomes = _wait_for_outcomes(r, mutated, deadline_s=240)
     served = [json.loads(m)["status"] if m else None for m in r.mget([f"celery-task-meta-{t}" for t in valid])]
     elapsed = time.monotonic() - started
 
@@ -393,7 +401,14 @@ def test_thousands_of_mutated_envelopes_never_stop_or_wedge_the_worker(fleet: Fl
         time.sleep(0.1)
     assert sum(outcomes.values()) == len(mutated) == ENVELOPES, outcomes
     assert outcomes["dead_lettered"] and outcomes["failed"], outcomes
-    reasons = Counter(read_entry(e).reason.value for e in r.lrange(DEAD_LETTER_KEY, 0, -1))
+    assert outcomes["dead_lettered"] == r.llen(DEAD_LETTER_KEY)  # one entry per refused item, none twice
+    entries = [read_entry(e) for e in r.lrange(DEAD_LETTER_KEY, 0, -1)]
+    reasons = Counter(e.reason.value for e in entries)
+    embeds = sum(1 for e in entries if (e.field or "").startswith("body[2]."))
+    assert not reasons[Reason.WORKER_ERROR.value], entries  # each refused by the checks, none by the last resort
+    builtins = Counter(e.task for e in entries if e.reason is Reason.UNKNOWN_TASK and str(e.task).startswith("celery."))
     print(f"\nfuzz c={concurrency}: {ENVELOPES} mutated envelopes {dict(outcomes)}, {len(valid)} valid requests "
           f"served {served.count('SUCCESS')}, worker exits 0, {elapsed:.1f} s; dead letters by reason "
-          f"{dict(reasons.most_common())}")
+          f"{dict(reasons.most_common())}; embed fields refused {embeds}; Celery built-in tasks refused "
+          f"{sum(builtins.values())} ({len(builtins)} names); worker_error: "
+          f"{[(e.task_id, e.detail[:120]) for e in entries if e.reason.value == 'worker_error']}")

@@ -107,6 +107,8 @@ REFUSED: list[tuple[str, Callable[[dict[str, Any]], None], Reason, str]] = [
     ("id too long", header("id", "x" * 257), Reason.BAD_HEADERS, "headers.id"),
     ("eta a number", header("eta", 5), Reason.BAD_HEADERS, "headers.eta"),
     ("eta not a time", header("eta", "soon"), Reason.BAD_HEADERS, "headers.eta"),
+    ("eta empty", header("eta", ""), Reason.BAD_HEADERS, "headers.eta"),  # Celery raised in the event loop
+    ("expires empty", header("expires", ""), Reason.BAD_HEADERS, "headers.expires"),
     ("expires overflows", header("expires", "0001-01-01T00:00:00+14:00"), Reason.BAD_HEADERS, "headers.expires"),
     ("timelimit one item", header("timelimit", [1]), Reason.BAD_HEADERS, "headers.timelimit"),
     ("timelimit negative", header("timelimit", [-1, None]), Reason.BAD_HEADERS, "headers.timelimit"),
