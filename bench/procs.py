@@ -204,6 +204,8 @@ class RunningFleet:
         self.client: FleetClient | None = None
         self.start_s = 0.0
         self._began = 0.0
+        self.providers: list[str] = []
+        """The execution providers active in the worker's session (its ready heartbeat)."""
 
     @property
     def pid(self) -> int:
@@ -218,8 +220,10 @@ class RunningFleet:
 
     def ready(self, timeout_s: float = 180.0) -> FleetClient:
         """Wait until the worker's heartbeat says ready; return a client (seconds to ready in ``start_s``)."""
-        self.worker.wait_ready(timeout_s)
+        ready = self.worker.wait_ready(timeout_s)
         self.start_s = time.monotonic() - self._began
+        active = ready.get("providers")
+        self.providers = [str(p) for p in active] if isinstance(active, list) else []
         if self.config.legacy:
             from bench.legacy_client import LegacyFleetClient
 

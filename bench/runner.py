@@ -104,6 +104,7 @@ def _limit_pass(paths: dict[str, str], prompts: Prompts, plan: Plan) -> dict[str
             entry: dict[str, Any] = {
                 "points": points,
                 "bare_lone_ms": bare_latency_ms(sess, card, seqs[: plan.lone_requests[wl]]),
+                "providers_active": sess.get_providers(),
             }
             if plan.ablations and variant in ("fp32", "int8"):
                 best_b = int(max(points, key=lambda p: float(p["qps"]))["batch_size"])
@@ -134,6 +135,7 @@ def _merge_limits(passes: list[dict[str, Any]], say: Say) -> dict[str, Any]:
                 "best": max(points, key=lambda pt: float(pt["qps"])),
                 "bare_lone_ms": min(float(e["bare_lone_ms"]) for e in entries),
                 "passes": [[round(float(pt["qps"]), 2) for pt in e["points"]] for e in entries],
+                "providers_active": entries[0].get("providers_active"),
             }
             spins = [e["best_spinning"] for e in entries if "best_spinning" in e]
             if spins:

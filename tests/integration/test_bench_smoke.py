@@ -34,6 +34,7 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
     for key in ("baseline", "batching", "int8"):
         assert rows[key]["status"] == "ok", key
         assert rows[key]["peak_rss_bytes"] > 0 and rows[key]["model_bytes"] > 0
+        assert rows[key]["providers_requested"] == rows[key]["providers_active"] == ["CPUExecutionProvider"]
         for wl in ("long", "short"):
             entry = rows[key]["workloads"][wl]
             for summary in (entry["lone"], entry["saturation"], *[p["summary"] for p in entry["open"]]):
@@ -49,6 +50,7 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
     for variant in ("fp32", "int8"):
         for wl in ("long", "short"):
             assert results["limit"][variant][wl]["best"]["qps"] > 0
+            assert results["limit"][variant][wl]["providers_active"] == ["CPUExecutionProvider"]
     dispatch = results["dispatch"]["loop"]
     assert dispatch["summary"]["qps"] > 0 and dispatch["summary"]["errors"] == 0
     assert set(dispatch["cpu_ms_per_request"]) == {"producer", "redis", "worker"}
@@ -56,6 +58,7 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
     assert results["models"]["variants"]["dynamic"]["written"] is True
 
     gen = results["generation"]
+    assert gen["providers"] == {"requested": ["CPUExecutionProvider"], "active": ["CPUExecutionProvider"]}
     total = gen["workload"]["output_tokens_total"]
     for key in ("one_at_a_time", "static", "continuous"):
         row = gen["rows"][key]
