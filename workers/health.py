@@ -3,8 +3,11 @@
 Key ``fleet:worker:<hostname>`` holds a JSON document (hostname, model, the stable ``version`` and
 ``version_since_unix_s``, ``canary_version``, ``last_refusal``, active providers, ready,
 concurrency = tokens, in-flight, batches run, pid, queue and canary queue) that expires after
-three heartbeat periods, so a dead worker disappears by itself. ``fleet:model:<name>:card``
-holds the model card, so producers on other machines can validate and tokenize without the file.
+three heartbeat periods, so a dead worker disappears by itself. ``ready`` is false while the
+worker loads, and while it holds work it does not progress (``held`` requests, ``stalled_s``
+without progress, ``overdue_slots``: :mod:`workers.progress`), which ``fleet probe ready`` reads.
+``fleet:model:<name>:card`` holds the model card, so producers on other machines can validate and
+tokenize without the file.
 """
 
 from __future__ import annotations
