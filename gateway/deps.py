@@ -19,7 +19,7 @@ from gateway.auth import API_KEY_HEADER, key_refusal
 from gateway.middleware import GatewayMetrics
 from producer.admission import rate_key_for
 from producer.client import FleetClient
-from producer.presence import WorkerPresence
+from producer.presence import AsyncWorkerPresence, WorkerPresence
 from protocol.redis_conn import async_client
 from protocol.settings import FleetSettings
 
@@ -45,6 +45,7 @@ class Gateway:
         self.metrics = GatewayMetrics(self.registry, settings, fleet.redis)
         self.keys = [k.encode() for k in settings.api.api_keys]
         self.presence = WorkerPresence(fleet.redis)  # which models have a live worker (read at most once a second)
+        self.apresence = AsyncWorkerPresence(self.aredis)  # the same, for waits on the event loop
 
     async def aclose(self) -> None:
         """Close both Redis clients and the Celery app."""

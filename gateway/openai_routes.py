@@ -72,7 +72,7 @@ from gateway.openai_schema import (
     ModelObject,
     ModelObjectList,
 )
-from gateway.outcomes import WAIT_S, await_outcomes
+from gateway.outcomes import WAIT_S, await_outcomes, relay_unless_no_worker
 from gateway.sse import DONE_FRAME, EventStream, sse_frame
 from gateway.stream_relay import relay_events
 from producer.registry import read_fleet_state
@@ -194,12 +194,13 @@ async def _generate(
         writer = ChunkWriter(face, rid, body.model, created, include_usage=usage)
         ended: list[bool] = []
         return EventStream(
-            _frames(gw, rid, writer, ended), finished=lambda: bool(ended), on_abort=partial(_cancel, gw, [rid]),
+            _frames(gw, rid, request.model, writer, ended), finished=lambda: bool(ended),
+            on_abort=partial(_cancel, gw, [rid]),
             headers=headers,
         )
     try:
         waiting = await_outcomes(gw.fleet, gw.aredis, [rid], timeout_s=WAIT_S, model=request.model,
-                                 no_worker_after_s=gw.settings.api.no_worker_wait_s)
+                                 no_worker_after_s=gw.settings.api.no_worker_wait_s, presence=gw.apresence)
         outcome = (await unless_client_leaves(http, waiting, partial(_cancel, gw, [rid])))[rid]
     except ClientLeft:
         return Response(status_code=CLIENT_CLOSED_REQUEST, headers=headers)
@@ -219,16 +220,22 @@ async def _generate(
     return JSONResponse(answer.model_dump(mode="json"), headers=headers)
 
 
-async def _frames(gw: Gateway, rid: str, writer: ChunkWriter, ended: list[bool]) -> AsyncIterator[bytes]:
+async def _frames(gw: Gateway, rid: str, model: str, writer: ChunkWriter, ended: list[bool]) -> AsyncIterator[bytes]:
     """The SSE frames of one generation; ``ended`` gets an entry once the stream's end was read."""
     for payload in writer.opening():
         yield sse_frame(payload)
+    # ends from the stored result if events were lost; silent with no worker of the model: bounded
+    events = relay_unless_no_worker(relay_events(gw, rid), gw.fleet, gw.apresence, model,
+                                    wait_s=gw.settings.api.no_worker_wait_s)
     try:
-        async for event in relay_events(gw, rid):  # ends from the stored result if events were lost
+        async for event in events:
             if event.is_last:
                 ended.append(True)
             for payload in writer.on_event(event):
                 yield sse_frame(payload)
+    except NoLiveWorker as exc:  # an error chunk naming the model; the request is cancelled
+        ended.append(True)
+        yield sse_frame(openai_error_of(await _given_up(gw, [rid], exc)))
     except (FleetError, redis.RedisError) as exc:  # say so; leave the request be (it can be polled)
         ended.append(True)
         yield sse_frame(openai_error_of(relay_error(exc, rid)))
@@ -263,7 +270,7 @@ async def embeddings(body: EmbeddingBody, rate_key: CallerDep, gw: GatewayDep, h
     headers = {"X-Request-ID": ",".join(ids)}
     try:
         waiting = await_outcomes(gw.fleet, gw.aredis, ids, timeout_s=WAIT_S, model=gw.settings.model_key(body.model),
-                                 no_worker_after_s=gw.settings.api.no_worker_wait_s)
+                                 no_worker_after_s=gw.settings.api.no_worker_wait_s, presence=gw.apresence)
         outcomes = await unless_client_leaves(http, waiting, partial(_cancel, gw, ids))
     except ClientLeft:
         return Response(status_code=CLIENT_CLOSED_REQUEST, headers=headers)

@@ -9,17 +9,19 @@ the wait ends with :class:`~protocol.errors.NoLiveWorker` naming the model while
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import redis.asyncio
 
 from producer.client import FleetClient
-from producer.presence import live_models_async, no_worker_message
+from producer.presence import AsyncWorkerPresence, no_worker_message
 from protocol.errors import FleetError, NoLiveWorker, ResultTimeout
 from protocol.messages import InferenceResult
+from protocol.streams import StreamEvent
 
-__all__ = ["FIRST_POLL_S", "MAX_POLL_S", "NO_WORKER_RECHECK_S", "WAIT_S", "await_outcomes"]
+__all__ = ["FIRST_POLL_S", "MAX_POLL_S", "NO_WORKER_RECHECK_S", "WAIT_S", "await_outcomes", "relay_unless_no_worker"]
 
 WAIT_S = 600.0
 """Longest wait of a gateway call for a result, and longest silence of a stream it relays (s); the
@@ -33,14 +35,56 @@ MAX_POLL_S = 0.1
 Outcome = InferenceResult | FleetError
 
 
+async def relay_unless_no_worker(
+    events: AsyncIterator[StreamEvent], fleet: FleetClient, presence: AsyncWorkerPresence, model: str, *,
+    wait_s: float,
+) -> AsyncIterator[StreamEvent]:
+    """``events`` as they come; but while none has come and no live worker of ``model`` is seen (checked
+    every :data:`NO_WORKER_RECHECK_S`), the silence ends after ``wait_s`` with NoLiveWorker.
+
+    Raises:
+        NoLiveWorker: no event and no live worker for ``wait_s``.
+    """
+    it = events.__aiter__()
+    started = time.monotonic()
+    watching = not await presence.has_worker(model)  # a worker is seen, or an event came: no bound
+    step: asyncio.Future[StreamEvent] | None = None
+    try:
+        while True:
+            step = asyncio.ensure_future(it.__anext__())
+            while watching:
+                done, _ = await asyncio.wait({step}, timeout=NO_WORKER_RECHECK_S)
+                if done or await presence.has_worker(model):
+                    watching = False
+                elif time.monotonic() - started >= wait_s:
+                    waited = f"; none appeared in {time.monotonic() - started:.0f} s"
+                    raise NoLiveWorker(no_worker_message(model, fleet.settings.queue_for(model)) + waited,
+                                       "model", model)
+            try:
+                event = await step
+            except StopAsyncIteration:
+                return
+            watching = False
+            yield event
+    finally:  # the relay's pending read ends before the relay closes (it cannot close while it runs)
+        if step is not None and not step.done():
+            step.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await step
+        closing = getattr(it, "aclose", None)
+        if closing is not None:
+            await closing()
+
+
 async def await_outcomes(
     fleet: FleetClient, aredis: redis.asyncio.Redis[bytes], request_ids: Sequence[str], *, timeout_s: float,
-    model: str | None = None, no_worker_after_s: float | None = None,
+    model: str | None = None, no_worker_after_s: float | None = None, presence: AsyncWorkerPresence | None = None,
 ) -> dict[str, Outcome]:
     """The result (or the error) of every one of ``request_ids``, once all are stored.
 
-    ``model`` and ``no_worker_after_s``: from that many seconds on, the wait ends as soon as no live
-    worker of ``model`` is seen (checked every :data:`NO_WORKER_RECHECK_S`).
+    ``model``, ``no_worker_after_s`` and ``presence`` (the process's shared heartbeat reader): from that many
+    seconds on, the wait ends as soon as no live worker of ``model`` is seen (checked every
+    :data:`NO_WORKER_RECHECK_S`).
 
     Raises:
         ResultTimeout: some are still unfinished after ``timeout_s``; names the first of them.
@@ -49,7 +93,7 @@ async def await_outcomes(
     backend = fleet.app.backend
     started = time.monotonic()
     deadline = started + timeout_s
-    check_at = None if model is None or no_worker_after_s is None else started + no_worker_after_s
+    check_at = None if model is None or no_worker_after_s is None or presence is None else started + no_worker_after_s
     poll_s = FIRST_POLL_S
     done: dict[str, Outcome] = {}
     remaining = list(dict.fromkeys(request_ids))
@@ -65,8 +109,8 @@ async def await_outcomes(
         if not remaining:
             return done
         now = time.monotonic()
-        if check_at is not None and model is not None and now >= check_at:
-            if model not in await live_models_async(aredis):
+        if check_at is not None and model is not None and presence is not None and now >= check_at:
+            if not await presence.has_worker(model):
                 waited = f"; none appeared in {now - started:.0f} s"
                 raise NoLiveWorker(no_worker_message(model, fleet.settings.queue_for(model)) + waited, "model", model)
             check_at = now + NO_WORKER_RECHECK_S

@@ -11,6 +11,7 @@ Reading every heartbeat is a ``SCAN`` over the keyspace, so :class:`WorkerPresen
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable, Iterable
@@ -21,8 +22,8 @@ import redis.asyncio
 
 from protocol.keys import REQUEST_KEY, WORKER_KEY_PREFIX
 
-__all__ = ["CACHE_S", "WorkerPresence", "live_models", "live_models_async", "marker_key", "no_worker_message",
-           "request_model"]
+__all__ = ["CACHE_S", "AsyncWorkerPresence", "WorkerPresence", "live_models", "live_models_async", "marker_key",
+           "no_worker_message", "request_model"]
 
 CACHE_S = 1.0
 """How long a read of the heartbeats is reused (s)."""
@@ -70,6 +71,28 @@ async def live_models_async(client: redis.asyncio.Redis[bytes]) -> set[str]:
     """:func:`live_models` on ``redis.asyncio`` (the gateway's event loop)."""
     keys = [key async for key in client.scan_iter(match=WORKER_KEY_PREFIX + "*", count=500)]
     return _models_of(await client.mget(keys)) if keys else set()
+
+
+class AsyncWorkerPresence:
+    """:func:`live_models_async`, read at most once per ``cache_s`` however many coroutines ask (the
+    gateway's waits share one read: one SCAN a second, not one per waiting request)."""
+
+    def __init__(self, client: redis.asyncio.Redis[bytes], *, cache_s: float = CACHE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.client = client
+        self.cache_s = cache_s
+        self.clock = clock
+        self._read_at: float | None = None
+        self._models: set[str] = set()
+        self._lock = asyncio.Lock()
+
+    async def has_worker(self, model: str) -> bool:
+        """True when a heartbeat of ``model`` was live at the last read (at most ``cache_s`` old)."""
+        async with self._lock:  # one reader refreshes; the others wait for its answer
+            now = self.clock()
+            if self._read_at is None or now - self._read_at >= self.cache_s:
+                self._models, self._read_at = await live_models_async(self.client), now
+        return model in self._models
 
 
 class WorkerPresence:

@@ -1,10 +1,11 @@
 """A request for a model no live worker serves is accepted (a fleet scaled to zero starts on its queue)
 and said everywhere the caller looks: the gateway's 202 answer, the status by ID, and the OpenAI routes'
-wait, which ends after ``api.no_worker_wait_s`` with a 503 that names the model and how to start a
-worker (the CLI's side: test_unhappy_paths.py). Real gateway, real worker, real Redis."""
+wait, which ends after ``api.no_worker_wait_s`` with a 503 (a stream: an error chunk) that names the
+model and how to start a worker (the CLI's side: test_unhappy_paths.py). Real gateway, real worker, real Redis."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -41,6 +42,13 @@ def test_no_worker_is_said_by_the_gateway(ops_fleet: OpsFleet) -> None:  # noqa:
     assert "fleet worker --model demo-lm" in error["message"] and "cancelled" in error["message"], error
     rid = done.headers["X-Request-ID"]
     assert http.get(f"/v1/requests/{rid}").json()["status"] == "cancelled"  # nothing runs for a caller told no
+    streamed = http.post("/v1/chat/completions", json={"model": "demo-lm", "stream": True, "max_tokens": 4,
+                                                       "messages": [{"role": "user", "content": "Hi"}]})
+    assert streamed.status_code == 200, streamed.text  # a stream opens at once; its silence is bounded
+    frames = [line.removeprefix("data: ") for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert frames[-1] == "[DONE]" and json.loads(frames[-2])["error"]["code"] == "no_worker", frames
+    assert "no live worker serves model 'demo-lm'" in json.loads(frames[-2])["error"]["message"], frames
+    assert http.get(f"/v1/requests/{streamed.headers['X-Request-ID']}").json()["status"] == "cancelled"
 
     served = http.post("/v1/embeddings", json={"model": "demo-encoder", "input": "a served model"})
     assert served.status_code == 200, served.text  # a live worker: no bound, no warning
