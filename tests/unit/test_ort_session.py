@@ -15,7 +15,6 @@ import pytest
 from workers import ort_session
 from workers.ort_session import open_session
 
-MODEL = Path(__file__).resolve().parents[2] / "models" / "demo-lm" / "demo-lm-1.0.0.onnx"
 TRT = ("TensorrtExecutionProvider", {"trt_fp16_enable": True, "trt_max_workspace_size": 1 << 30})
 CUDA = ("CUDAExecutionProvider", {"device_id": 1, "arena_extend_strategy": "kSameAsRequested"})
 CPU: tuple[str, dict[str, Any]] = ("CPUExecutionProvider", {})
@@ -44,14 +43,20 @@ class Recorder:
 
 
 @pytest.fixture
+def model(model_dir: Path) -> str:
+    """The demo LM built for this test session (tests/conftest.py), not a checkout's models/ folder."""
+    return str(model_dir / "demo-lm" / "demo-lm-1.0.0.onnx")
+
+
+@pytest.fixture
 def recording(monkeypatch: pytest.MonkeyPatch) -> Recorder:
     recorder = Recorder()
     monkeypatch.setattr(ort, "InferenceSession", recorder)
     return recorder
 
 
-def test_every_step_passes_each_provider_its_configured_options(recording: Recorder) -> None:
-    session, steps = open_session(str(MODEL), ort.SessionOptions, [TRT, CUDA, CPU])
+def test_every_step_passes_each_provider_its_configured_options(model: str, recording: Recorder) -> None:
+    session, steps = open_session(model, ort.SessionOptions, [TRT, CUDA, CPU])
     assert recording.calls == [
         (["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"], [TRT[1], CUDA[1], {}], 0),
         (["CUDAExecutionProvider", "CPUExecutionProvider"], [CUDA[1], {}], 0),
@@ -66,8 +71,8 @@ def test_every_step_passes_each_provider_its_configured_options(recording: Recor
     assert steps[2].applied == session.get_provider_options()["CPUExecutionProvider"]
 
 
-def test_a_chain_without_cpu_ends_on_cpu(recording: Recorder) -> None:
-    session, steps = open_session(str(MODEL), ort.SessionOptions, [TRT])
+def test_a_chain_without_cpu_ends_on_cpu(model: str, recording: Recorder) -> None:
+    session, steps = open_session(model, ort.SessionOptions, [TRT])
     assert [c[0] for c in recording.calls] == [
         ["TensorrtExecutionProvider", "CPUExecutionProvider"], ["CPUExecutionProvider"]]
     assert session.get_providers() == ["CPUExecutionProvider"]
