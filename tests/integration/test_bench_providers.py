@@ -29,7 +29,12 @@ from workers.engine import Engine
 from workers.padding import pad_batch
 
 ROOT = Path(__file__).resolve().parents[2]
-DEMO_LM = ROOT / "models" / "demo-lm" / "demo-lm-1.0.0.onnx"
+
+
+@pytest.fixture
+def demo_lm(model_dir: Path) -> Path:
+    """The demo LM built for this test session (tests/conftest.py), not a checkout's models/ folder."""
+    return model_dir / "demo-lm" / "demo-lm-1.0.0.onnx"
 
 
 CUDA_MISSING = "CUDAExecutionProvider is not in this onnxruntime build"
@@ -54,8 +59,8 @@ def test_a_provider_that_cannot_run_here_stops_with_the_reason_before_building_a
     assert not work.exists() and not (tmp_path / "b.md").exists()
 
 
-def test_every_fleet_row_gets_the_chosen_chain_and_refuses_a_silent_cpu_fallback(tmp_path: Path) -> None:
-    models = {"fp32": str(DEMO_LM), "int8": str(DEMO_LM)}
+def test_every_fleet_row_gets_the_chosen_chain_and_refuses_a_silent_cpu_fallback(tmp_path: Path, demo_lm: Path) -> None:
+    models = {"fp32": str(demo_lm), "int8": str(demo_lm)}
     for provider, chain in (("cpu", ("CPUExecutionProvider",)),
                             ("cuda", ("CUDAExecutionProvider", "CPUExecutionProvider"))):  # fmt: skip
         configs = _configs(replace(quick_plan(), provider=provider), "demo-lm", models, tmp_path)
@@ -74,32 +79,32 @@ def test_the_tensorrt_row_states_the_real_reason() -> None:
         "status": "every row runs TensorRT (--provider tensorrt)"}
 
 
-def test_the_limit_runs_the_graph_the_workers_serve() -> None:
+def test_the_limit_runs_the_graph_the_workers_serve(demo_lm: Path) -> None:
     """The worker serves the LM head at the last position (lm_head_last, the default): so does the
     limit's bare session, with the same logits for the same batch."""
-    card = load_card(DEMO_LM)
-    engine = Engine(DEMO_LM, card, EngineSettings(), BatchingSettings(), LimitSettings())
+    card = load_card(demo_lm)
+    engine = Engine(demo_lm, card, EngineSettings(), BatchingSettings(), LimitSettings())
     assert engine.lm_head_last
     batch = pad_batch([[5, 6, 7, 8], [9, 10]], card.pad_token_id)
     served = engine.run(batch)
-    sess = bare_session(DEMO_LM)
+    sess = bare_session(demo_lm)
     assert sess.get_providers() == engine.providers == ["CPUExecutionProvider"]
     (bare,) = sess.run(["logits"], engine.feeds(batch))
     assert served.shape == bare.shape == (2, 1, card.vocab_size)
     np.testing.assert_allclose(bare, served, rtol=1e-5, atol=1e-5)
 
 
-def test_the_generation_phase_runs_the_chosen_chain_or_refuses(tmp_path: Path) -> None:
+def test_the_generation_phase_runs_the_chosen_chain_or_refuses(tmp_path: Path, demo_lm: Path) -> None:
     """The generation rows' workers and the in-process generation limit get the chain too; on this CPU
     machine the CUDA chain refuses to measure CPU under a CUDA label."""
     cuda = ("CUDAExecutionProvider", "CPUExecutionProvider")
-    for cfg in generation_configs(GenPlan(), "demo-lm", DEMO_LM, 2.0, cuda).values():
+    for cfg in generation_configs(GenPlan(), "demo-lm", demo_lm, 2.0, cuda).values():
         engine = cfg.yaml_doc("redis://x")["models"][cfg.model_name]["engine"]
         assert tuple(engine["providers"]) == cuda and engine["require_provider"] == "CUDAExecutionProvider"
-    card = load_card(DEMO_LM)
-    assert load_engine(DEMO_LM, card, 4).providers == ["CPUExecutionProvider"]
+    card = load_card(demo_lm)
+    assert load_engine(demo_lm, card, 4).providers == ["CPUExecutionProvider"]
     with pytest.raises(ProviderUnavailable, match="require_provider=CUDAExecutionProvider"):
-        load_engine(DEMO_LM, card, 4, cuda)
+        load_engine(demo_lm, card, 4, cuda)
 
 
 def test_a_worker_that_cannot_start_leaves_no_worker_running(fleet: Fleet, tmp_path: Path) -> None:
@@ -107,7 +112,7 @@ def test_a_worker_that_cannot_start_leaves_no_worker_running(fleet: Fleet, tmp_p
     a CPU machine) raises with its reason and every worker of that call is stopped, so an optional row
     (TensorRT) that fails is a row status, not a process left behind."""
 
-    good = FleetConfig(label="good", model_name="demo-lm-good", model_path=DEMO_LM, celery_loglevel="WARNING")
+    good = FleetConfig(label="good", model_name="demo-lm-good", model_path=demo_lm, celery_loglevel="WARNING")
     bad = replace(good, label="bad", model_name="demo-lm-bad",
                   engine_extra={"require_provider": "CUDAExecutionProvider"})  # fmt: skip
     before = {p.pid for p in psutil.Process().children(recursive=True)}
