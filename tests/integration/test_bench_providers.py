@@ -107,7 +107,7 @@ def test_the_generation_phase_runs_the_chosen_chain_or_refuses(tmp_path: Path, d
         load_engine(demo_lm, card, 4, cuda)
 
 
-def test_a_worker_that_cannot_start_leaves_no_worker_running(fleet: Fleet, tmp_path: Path) -> None:
+def test_a_worker_that_cannot_start_leaves_no_worker_running(fleet: Fleet, tmp_path: Path, demo_lm: Path) -> None:
     """The bench starts its workers together; one that refuses to start (here: require_provider CUDA on
     a CPU machine) raises with its reason and every worker of that call is stopped, so an optional row
     (TensorRT) that fails is a row status, not a process left behind."""
