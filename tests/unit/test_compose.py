@@ -102,3 +102,11 @@ def test_every_package_the_project_installs_is_copied_into_the_images(dockerfile
     for pattern in packages["include"]:
         name = pattern.rstrip("*")
         assert f"COPY {name} {name}" in text, f"{dockerfile} does not copy package {name}/ (pip install . drops it)"
+
+
+def test_the_cpu_image_installs_the_versions_ci_tested() -> None:
+    """The worker overrides kombu internals (workers/broker_versions.py refuses an untested kombu): the image
+    installs from the lock file CI installs from, so a rebuilt image does not pull a newer kombu."""
+    text = (ROOT / "deploy/Dockerfile.cpu").read_text()
+    assert "constraints.txt" in text.split("RUN pip install", 1)[0]
+    assert "pip install -c constraints.txt ." in text
