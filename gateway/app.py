@@ -47,6 +47,7 @@ from gateway.deps import CallerDep, Gateway, GatewayDep
 from gateway.errors import ERROR_RESPONSES, error_payload, install_error_handlers, relay_error
 from gateway.middleware import AccessLogMiddleware, BodyLimitMiddleware, MetricsMiddleware
 from gateway.openai_routes import router as openai_router
+from gateway.responses_routes import router as responses_router
 from gateway.schema import (
     REQUEST_ID_PATTERN,
     BatchAccepted,
@@ -317,6 +318,7 @@ def create_app(settings: FleetSettings, client: FleetClient | None = None, *, ac
     app.state.gateway = gateway
     app.include_router(router)
     app.include_router(openai_router)
+    app.include_router(responses_router)
     # outermost last: metrics (counts every refusal), then the key and Content-Type (before any body
     # is read), the byte cap, and the JSON's shape (before any body is parsed): see gateway.body_guard
     app.add_middleware(JsonShapeMiddleware, bounds=bounds_for(settings))

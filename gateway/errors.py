@@ -69,7 +69,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 """The errors every native route may answer with, for the OpenAPI document."""
 
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models")
-"""Routes that answer in OpenAI's shapes (``/v1/models/{model}`` included)."""
+"""Routes that answer in OpenAI's shapes (``/v1/models/{model}`` and ``/v1/responses...`` included)."""
 
 _OPENAI_TYPES = {
     400: "invalid_request_error",
@@ -81,7 +81,7 @@ _OPENAI_TYPES = {
 
 def is_openai_path(path: str) -> bool:
     """True for the OpenAI-compatible routes."""
-    return path in OPENAI_PATHS or path.startswith("/v1/models/")
+    return path in OPENAI_PATHS or path.startswith(("/v1/models/", "/v1/responses"))
 
 
 def openai_error(status: int, payload: dict[str, Any]) -> dict[str, Any]:

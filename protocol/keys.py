@@ -11,6 +11,7 @@ __all__ = [
     "DRAIN_KEY",
     "RATE_KEY",
     "REQUEST_KEY",
+    "RESPONSE_KEY",
     "STREAM_KEY",
     "WORKER_KEY_PREFIX",
 ]
@@ -39,3 +40,6 @@ see :mod:`protocol.deadletter`; ``fleet dead-letter`` lists, shows, requeues and
 DELIVERIES_KEY = "fleet:deliveries:{id}"
 """How many times the message with task ID ``id`` has been delivered to a worker (integer, TTL); written
 from its first redelivery on, see :mod:`workers.deliveries`."""
+RESPONSE_KEY = "fleet:response:{id}"
+"""A stored Responses-API response (JSON: the response object, its conversation history and input items;
+TTL = api.responses_ttl_s), so any gateway continues it with ``previous_response_id``."""

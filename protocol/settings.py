@@ -318,6 +318,10 @@ class ApiSettings(_Section):
         default=30.0, ge=0, le=600, description="An OpenAI-route call for a model no live worker serves waits "
         "this long for one to appear (scale from zero), then answers 503 no_worker; the request stays queued (s).",
     )
+    responses_ttl_s: int = Field(
+        default=30 * 24 * 3600, ge=60, le=365 * 24 * 3600, description="How long a stored /v1/responses response "
+        "(and so its conversation) lives in Redis for retrieval and previous_response_id (s); OpenAI keeps 30 days.",
+    )
 
 
 class LogSettings(_Section):

@@ -1,0 +1,260 @@
+"""OpenAI's Responses API on the gateway, as the official SDKs' ``client.responses`` call it.
+
+::
+
+    POST   /v1/responses                      create (``stream: true`` for Responses SSE events)
+    GET    /v1/responses/{id}                 a stored response
+    DELETE /v1/responses/{id}                 delete it
+    GET    /v1/responses/{id}/input_items     its input items (``limit``, ``order``, ``after``)
+
+A create is a chat completion (:mod:`gateway.openai_routes`: the model's chat template, one fleet
+request, the same waits, cancels and errors) over ``instructions`` + the stored history of
+``previous_response_id`` + ``input`` (:mod:`gateway.responses_schema`). With ``store`` (default
+true) the answer is kept in Redis for ``api.responses_ttl_s`` (:mod:`gateway.responses_store`), so any
+gateway process retrieves it or continues the conversation. ``usage.input_tokens`` is the whole
+rendered prompt, history included. The response's ID is ``resp_<request ID>`` (``X-Request-ID``
+names the fleet request, pollable with ``GET /v1/requests/{id}``). An unknown, deleted or expired
+``previous_response_id`` is a 404 in OpenAI's error shape, naming ``previous_response_id``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from functools import partial
+from typing import Annotated, Any, Literal
+
+import redis
+from fastapi import APIRouter, Query, Request, Response
+from fastapi import Path as PathParam
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from gateway.deps import CallerDep, Gateway, GatewayDep
+from gateway.disconnect import ClientLeft, unless_client_leaves
+from gateway.errors import fleet_error_response, openai_error_of, relay_error
+from gateway.openai_mapping import finish_reason, rename_field
+from gateway.openai_routes import CLIENT_CLOSED_REQUEST, _build, _cancel, _chat_prompt, _given_up
+from gateway.openai_schema import ChatBody
+from gateway.outcomes import WAIT_S, await_outcomes, relay_unless_no_worker
+from gateway.responses_schema import ResponseBody, check_supported, input_messages, message_item, output_message
+from gateway.responses_store import StoredResponse, delete_response, load_response, not_found, save_response
+from gateway.sse import EventStream
+from gateway.stream_relay import relay_events
+from protocol.errors import FleetError, InvalidRequest, NoLiveWorker
+from protocol.messages import InferenceRequest, Usage
+
+__all__ = ["router"]
+
+log = logging.getLogger("fleet.api")
+
+router = APIRouter(tags=["openai"])
+FIELD_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens"}
+"""The chat face's field names → the Responses API's, in errors."""
+
+
+class _Turn:
+    """One create call: what it asked, the conversation it renders, and how its answer is stored."""
+
+    def __init__(self, body: ResponseBody, rid: str, history: list[dict[str, str]], new: list[dict[str, str]]) -> None:
+        self.body = body
+        self.rid = rid
+        self.id = f"resp_{rid}"
+        self.created = int(time.time())
+        self.before = history + new  # the conversation without instructions: what the next turn continues
+        self.input_items = [message_item(f"msg_{rid}_in{i}", m) for i, m in enumerate(self.before)]
+
+    def response(self, status: str, text: str | None, usage: Usage | None, reason: str | None) -> dict[str, Any]:
+        """The response object (``status`` in_progress, completed or incomplete)."""
+        b = self.body
+        output = [] if text is None else [output_message(f"msg_{self.rid}", text, status)]
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "completed_at": int(time.time()) if status != "in_progress" else None, "error": None,
+            "incomplete_details": incomplete, "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
+            "model": b.model, "output": output, "parallel_tool_calls": False,
+            "previous_response_id": b.previous_response_id, "reasoning": {"effort": None, "summary": None},
+            "store": b.store is not False, "temperature": b.temperature, "text": {"format": {"type": "text"}},
+            "tool_choice": "none", "tools": [], "top_p": b.top_p, "truncation": "disabled", "user": b.user,
+            "metadata": b.metadata or {}, "usage": _usage(usage) if usage is not None else None,
+        }  # fmt: skip
+
+    def finished(self, text: str, usage: Usage | None, fleet_reason: Any) -> tuple[dict[str, Any], StoredResponse]:
+        """The final response object and the document that stores it."""
+        status = "incomplete" if finish_reason(fleet_reason) == "length" else "completed"
+        answer = self.response(status, text, usage, fleet_reason)
+        history = [*self.before, {"role": "assistant", "content": text}]
+        return answer, StoredResponse(response=answer, history=history, input_items=self.input_items)
+
+
+def _usage(usage: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.total_tokens,
+    }  # fmt: skip
+
+
+def _as_chat(body: ResponseBody, messages: list[dict[str, str]]) -> ChatBody:
+    """The chat completion this turn is (its sampling fields; only those the caller set)."""
+    fields: dict[str, Any] = {"model": body.model, "messages": messages, "stream": bool(body.stream), "user": body.user}
+    for ours, theirs in (("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
+                         ("top_p", "top_p")):  # fmt: skip
+        if getattr(body, ours) is not None:
+            fields[theirs] = getattr(body, ours)
+    return ChatBody.model_validate(fields)
+
+
+def _build_turn(gw: Gateway, chat: ChatBody) -> InferenceRequest:
+    """Render, tokenize and validate the turn (in a worker thread), errors named as the Responses API names
+    the fields (``input``, ``max_output_tokens``)."""
+    try:
+        return _build(gw, chat, _chat_prompt(gw, chat), "messages")
+    except InvalidRequest as exc:
+        raise rename_field(exc, FIELD_NAMES) from exc
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponseBody, rate_key: CallerDep, gw: GatewayDep, http: Request) -> Response:
+    """Answer ``input`` after ``instructions`` and the stored conversation of ``previous_response_id``."""
+    check_supported(body)
+    new = input_messages(body)
+    history: list[dict[str, str]] = []
+    if body.previous_response_id is not None:
+        previous = await load_response(gw.aredis, body.previous_response_id)
+        if previous is None:
+            raise not_found(body.previous_response_id, "previous_response_id")
+        history = previous["history"]
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    chat = _as_chat(body, system + history + new)
+    request = await run_in_threadpool(_build_turn, gw, chat)
+    rid = await run_in_threadpool(partial(gw.fleet.send, request, rate_key=rate_key, routing_key=body.user))
+    turn = _Turn(body, rid, history, new)
+    headers = {"X-Request-ID": rid}
+    if body.stream:
+        ended: list[bool] = []
+        return EventStream(_events(gw, turn, request.model, ended), finished=lambda: bool(ended),
+                           on_abort=partial(_cancel, gw, [rid]), headers=headers)  # fmt: skip
+    try:
+        waiting = await_outcomes(gw.fleet, gw.aredis, [rid], timeout_s=WAIT_S, model=request.model,
+                                 no_worker_after_s=gw.settings.api.no_worker_wait_s, presence=gw.apresence)  # fmt: skip
+        outcome = (await unless_client_leaves(http, waiting, partial(_cancel, gw, [rid])))[rid]
+    except ClientLeft:
+        return Response(status_code=CLIENT_CLOSED_REQUEST, headers=headers)
+    except NoLiveWorker as exc:
+        return fleet_error_response(await _given_up(gw, [rid], exc), openai=True, headers=headers)
+    except FleetError as exc:
+        return fleet_error_response(exc, openai=True, headers=headers)
+    if isinstance(outcome, FleetError):
+        return fleet_error_response(rename_field(outcome, FIELD_NAMES, "output.generation."), openai=True,
+                                    headers=headers)  # fmt: skip
+    gen = outcome.generation
+    if gen is None or gen.text is None:
+        return fleet_error_response(FleetError(f"request {rid} returned no text", "tokenizer"), openai=True,
+                                    headers=headers)  # fmt: skip
+    answer, doc = turn.finished(gen.text, gen.usage, gen.finish_reason)
+    if body.store is not False:
+        await save_response(gw.aredis, doc, gw.settings.api.responses_ttl_s)
+    return JSONResponse(answer, headers=headers)
+
+
+def _event(kind: str, seq: list[int], **fields: Any) -> bytes:
+    """One Responses SSE frame (``event:`` + ``data:``) with the next ``sequence_number``."""
+    payload = {"type": kind, "sequence_number": len(seq), **fields}
+    seq.append(1)
+    return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+
+
+async def _events(gw: Gateway, turn: _Turn, model: str, ended: list[bool]) -> AsyncIterator[bytes]:
+    """The Responses events of one streamed turn; stored (with ``store``) before ``response.completed``."""
+    seq: list[int] = []
+    item_id = f"msg_{turn.rid}"
+    where = {"item_id": item_id, "output_index": 0, "content_index": 0}
+    yield _event("response.created", seq, response=turn.response("in_progress", None, None, None))
+    yield _event("response.in_progress", seq, response=turn.response("in_progress", None, None, None))
+    item = output_message(item_id, "", "in_progress") | {"content": []}
+    yield _event("response.output_item.added", seq, output_index=0, item=item)
+    empty = {"type": "output_text", "text": "", "annotations": []}
+    yield _event("response.content_part.added", seq, **where, part=empty)
+    texts: list[str] = []
+    events = relay_unless_no_worker(relay_events(gw, turn.rid), gw.fleet, gw.apresence, model,
+                                    wait_s=gw.settings.api.no_worker_wait_s)  # fmt: skip
+    try:
+        async for event in events:
+            if event.text and event.type != "error":
+                texts.append(event.text)
+                yield _event("response.output_text.delta", seq, **where, delta=event.text, logprobs=[])
+            if event.type == "error":
+                ended.append(True)
+                yield _event("error", seq, code=event.error, message=event.message, param=event.field)
+                return
+            if event.type == "final":
+                ended.append(True)
+                answer, doc = turn.finished("".join(texts), event.usage, event.finish_reason)
+                if turn.body.store is not False:
+                    await save_response(gw.aredis, doc, gw.settings.api.responses_ttl_s)
+                part = answer["output"][0]["content"][0]
+                yield _event("response.output_text.done", seq, **where, text=part["text"], logprobs=[])
+                yield _event("response.content_part.done", seq, **where, part=part)
+                yield _event("response.output_item.done", seq, output_index=0, item=answer["output"][0])
+                yield _event(f"response.{answer['status']}", seq, response=answer)
+                return
+    except NoLiveWorker as exc:  # an error event naming the model; the request is cancelled
+        ended.append(True)
+        err = openai_error_of(await _given_up(gw, [turn.rid], exc))["error"]
+        yield _event("error", seq, code=err["code"], message=err["message"], param=err["param"])
+    except (FleetError, redis.RedisError) as exc:  # say so; leave the request be (it can be polled)
+        ended.append(True)
+        err = openai_error_of(relay_error(exc, turn.rid))["error"]
+        yield _event("error", seq, code=err["code"], message=err["message"], param=err["param"])
+
+
+ResponseId = Annotated[str, PathParam(max_length=200)]
+
+
+async def _stored(gw: Gateway, response_id: str) -> StoredResponse:
+    doc = await load_response(gw.aredis, response_id)
+    if doc is None:
+        raise not_found(response_id)
+    return doc
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: ResponseId, _: CallerDep, gw: GatewayDep) -> dict[str, Any]:
+    """A stored response (404 once deleted or past ``api.responses_ttl_s``)."""
+    return (await _stored(gw, response_id))["response"]
+
+
+@router.delete("/v1/responses/{response_id}")
+async def remove_response(response_id: ResponseId, _: CallerDep, gw: GatewayDep) -> dict[str, Any]:
+    """Delete a stored response; a turn that names it as ``previous_response_id`` gets a 404 after."""
+    if not await delete_response(gw.aredis, response_id):
+        raise not_found(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(
+    response_id: ResponseId,
+    _: CallerDep,
+    gw: GatewayDep,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+    after: Annotated[str | None, Query(max_length=200)] = None,
+) -> dict[str, Any]:
+    """The conversation that went into the response (earlier turns' inputs and outputs, then this turn's
+    input; never ``instructions``), OpenAI's list shape, newest first unless ``order=asc``."""
+    items = list((await _stored(gw, response_id))["input_items"])
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item["id"] for item in items]
+        items = items[ids.index(after) + 1 :] if after in ids else []
+    page = items[:limit]
+    return {
+        "object": "list", "data": page, "has_more": len(items) > limit,
+        "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None,
+    }  # fmt: skip

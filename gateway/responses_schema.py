@@ -1,0 +1,142 @@
+"""The body of ``POST /v1/responses`` as OpenAI names it, and the pure mapping of a Responses call onto
+the chat face (no I/O).
+
+A Responses call is a chat completion whose conversation is ``instructions`` (a ``system`` message,
+this turn's only: OpenAI does not carry a previous response's instructions over), the stored
+history of ``previous_response_id`` (every earlier turn's input and output messages), and this turn's
+``input`` (a text = one user message, or a list of messages with ``input_text``/``output_text``
+parts). Fields the fleet cannot honour (``tools``, ``reasoning``, a non-text ``text.format``,
+``background``, non-text parts) are refused with a 400 naming them; an unknown field is a 400 too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from protocol.errors import InvalidRequest
+
+__all__ = [
+    "InputMessage",
+    "ResponseBody",
+    "TextPart",
+    "check_supported",
+    "input_messages",
+    "message_item",
+    "output_message",
+]
+
+
+class TextPart(BaseModel):
+    """One content part; only text (``input_text``, ``output_text``, ``text``) is supported."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class InputMessage(BaseModel):
+    """One input item: a message (``type`` "message" or absent, as the SDKs' easy input sends it)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: StrictStr | list[TextPart]
+
+
+class ResponseBody(BaseModel):
+    """``POST /v1/responses``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr = Field(min_length=1, max_length=200, examples=["demo-lm"])
+    input: StrictStr | list[InputMessage] = Field(description="A text (one user message) or a list of messages.")
+    instructions: StrictStr | None = Field(default=None, description="A system message for this turn only.")
+    previous_response_id: StrictStr | None = Field(default=None, max_length=200)
+    store: StrictBool | None = Field(default=True, description="Keep the response (api.responses_ttl_s).")
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1, description="-> max_new_tokens.")
+    temperature: float | None = Field(default=None, ge=0, le=2, description="0 = greedy.")
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stream: StrictBool | None = False
+    metadata: dict[str, StrictStr] | None = Field(default=None, description="Stored and returned as given.")
+    user: StrictStr | None = Field(default=None, description="End-user ID: the sticky key of a canary split.")
+    truncation: Literal["disabled"] | None = Field(default=None, description="Only 'disabled'.")
+    parallel_tool_calls: StrictBool | None = Field(default=None, description="Accepted and ignored.")
+    # refused unless empty (see check_supported)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    reasoning: dict[str, Any] | None = None
+    text: dict[str, Any] | None = None
+    background: StrictBool | None = None
+    include: list[Any] | None = None
+
+
+def _refuse(field: str, value: Any, why: str) -> InvalidRequest:
+    return InvalidRequest(f"{field} = {value!r} is not supported: {why}", field, None)
+
+
+def check_supported(body: ResponseBody) -> None:
+    """Refuse the Responses fields the fleet cannot honour.
+
+    Raises:
+        InvalidRequest: naming the first such field (``tools``, ``reasoning``, ``text.format``, …).
+    """
+    fmt = ((body.text or {}).get("format") or {}).get("type", "text")
+    checks = {
+        "tools": bool(body.tools),
+        "tool_choice": body.tool_choice not in (None, "none", "auto"),
+        "reasoning": bool(body.reasoning),
+        "text.format": fmt != "text",
+        "background": bool(body.background),
+        "include": bool(body.include),
+    }
+    for name, refused in checks.items():
+        if refused:
+            value = fmt if name == "text.format" else getattr(body, name)
+            raise _refuse(name, value, "the fleet answers in plain text, without tools or reasoning")
+
+
+def _text_of(content: str | list[TextPart], where: str) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        if part.type not in ("input_text", "output_text", "text") or part.text is None:
+            raise InvalidRequest(
+                f"{where}.content[{j}].type = {part.type!r}: only text parts are supported",
+                f"{where}.content[{j}].type",
+                "input_text",
+            )
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def input_messages(body: ResponseBody) -> list[dict[str, str]]:
+    """This turn's input as chat-template messages (``{"role", "content"}``, content text).
+
+    Raises:
+        InvalidRequest: an empty input, or a content part that is not text (field ``input[i]...``).
+    """
+    if isinstance(body.input, str):
+        return [{"role": "user", "content": body.input}]
+    if not body.input:
+        raise InvalidRequest("input is empty: give a text or at least one message", "input", 1)
+    return [{"role": m.role, "content": _text_of(m.content, f"input[{i}]")} for i, m in enumerate(body.input)]
+
+
+def message_item(item_id: str, message: dict[str, str]) -> dict[str, Any]:
+    """One input message as an item of ``GET /v1/responses/{id}/input_items``."""
+    kind = "output_text" if message["role"] == "assistant" else "input_text"
+    part: dict[str, Any] = {"type": kind, "text": message["content"]}
+    if kind == "output_text":
+        part["annotations"] = []
+    return {"id": item_id, "type": "message", "role": message["role"], "status": "completed", "content": [part]}
+
+
+def output_message(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """The assistant's answer as a Responses output item."""
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": [part]}
