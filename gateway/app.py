@@ -4,7 +4,7 @@
 
     POST   /v1/requests               202 + Location      queue one request
     POST   /v1/requests:batch         202                 queue many (all or none)
-    GET    /v1/requests/{id}          200 | 404           status + result or error
+    GET    /v1/requests/{id}[?wait_s=s]  200 | 404        status + result or error; wait_s: long-poll for it
     GET    /v1/requests/{id}/stream   200 SSE | 404 | 409 a generation's token events as they come
     DELETE /v1/requests/{id}          200 | 404 | 409     cancel a queued request or a running generation
     GET    /v1/models                 200                 OpenAI's model list + versions, readiness, queue
@@ -27,6 +27,7 @@ results or streams are ``async`` on redis.asyncio, so an open stream costs no th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -41,12 +42,14 @@ from fastapi import APIRouter, FastAPI, Path, Query, Response
 from fastapi.responses import JSONResponse
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
 
 from gateway.body_guard import JsonShapeMiddleware, RequestGuardMiddleware, bounds_for
 from gateway.deps import CallerDep, Gateway, GatewayDep
 from gateway.errors import ERROR_RESPONSES, error_payload, install_error_handlers, relay_error
 from gateway.middleware import AccessLogMiddleware, BodyLimitMiddleware, MetricsMiddleware
 from gateway.openai_routes import router as openai_router
+from gateway.outcomes import await_outcomes
 from gateway.responses_routes import router as responses_router
 from gateway.schema import (
     REQUEST_ID_PATTERN,
@@ -68,6 +71,7 @@ from protocol.errors import (
     InvalidRequest,
     RequestCancelled,
     RequestNotFound,
+    ResultTimeout,
     UnknownModel,
     error_from_payload,
 )
@@ -168,15 +172,39 @@ def submit_batch(body: BatchSubmitBody, rate_key: CallerDep, gw: GatewayDep) -> 
     )
 
 
+WaitS = Annotated[
+    float | None,
+    Query(ge=0, description="Long-poll: answer as soon as the result is stored, or after this many seconds with "
+          "the current status (at most api.max_wait_s; default: answer at once)."),
+]  # fmt: skip
+
+
 @router.get("/v1/requests/{request_id}", response_model=RequestView, tags=["requests"])
-def get_request(request_id: RequestId, _: CallerDep, gw: GatewayDep) -> RequestView:
+async def get_request(request_id: RequestId, _: CallerDep, gw: GatewayDep, wait_s: WaitS = None) -> RequestView:
     """Where the request stands, with its result or error once it has one (and, while it is queued for a
-    model no live worker serves, a ``warning`` that says so)."""
-    view = _view(gw.fleet, request_id)
+    model no live worker serves, a ``warning`` that says so).
+
+    ``wait_s`` (s, up to ``api.max_wait_s``; a larger value is a 422 naming the limit): wait for the
+    result on the event loop (:func:`gateway.outcomes.await_outcomes`, no thread per waiter) and answer
+    as soon as it is stored, else at ``wait_s`` with the status then.
+    """
+    if wait_s is not None and wait_s > gw.settings.api.max_wait_s:
+        cap = gw.settings.api.max_wait_s
+        raise InvalidRequest(f"wait_s = {wait_s} exceeds the long-poll limit api.max_wait_s={cap}", "wait_s", cap)
+    view = await run_in_threadpool(_view, gw.fleet, request_id)
+    if wait_s and view.status in (RequestStatus.QUEUED, RequestStatus.RUNNING):
+        with contextlib.suppress(ResultTimeout):  # the bound: answer with the status as it is then
+            await await_outcomes(gw.fleet, gw.aredis, [request_id], timeout_s=wait_s)
+        view = await run_in_threadpool(_view, gw.fleet, request_id)
     if view.status is not RequestStatus.QUEUED:
         return view
-    warning = _no_worker(gw, request_model(gw.fleet.redis.get(marker_key(request_id))))
+    warning = await run_in_threadpool(_queued_warning, gw, request_id)
     return view.model_copy(update={"warning": warning}) if warning else view
+
+
+def _queued_warning(gw: Gateway, request_id: str) -> str | None:
+    """The no-live-worker warning of a queued request (blocking Redis reads: run in a thread)."""
+    return _no_worker(gw, request_model(gw.fleet.redis.get(marker_key(request_id))))
 
 
 @router.delete(

@@ -333,20 +333,33 @@ class ChunkWriter:
 
     Chat streams open with a ``{"role": "assistant"}`` delta; each token with text adds a delta; the
     final event gives a chunk with ``finish_reason`` (and its held-back text), then — with
-    ``include_usage`` — a chunk with ``usage`` and no choices. An error event gives OpenAI's error
-    object, which the SDKs raise as ``APIError``.
+    ``include_usage`` — a chunk with ``usage`` and no choices. With ``continuous_usage`` (vLLM's
+    ``continuous_usage_stats``) every chunk carries ``usage`` so far: ``prompt_tokens`` (the request's
+    ``prompt_tokens`` input ids), the tokens generated up to that chunk, and their sum; the final
+    chunk's is the worker's. An error event gives OpenAI's error object, which the SDKs raise as
+    ``APIError``.
     """
 
-    def __init__(self, face: Face, rid: str, model: str, created: int, *, include_usage: bool = False) -> None:
+    def __init__(
+        self, face: Face, rid: str, model: str, created: int, *, include_usage: bool = False,
+        continuous_usage: bool = False, prompt_tokens: int = 0,
+    ) -> None:  # fmt: skip
         self.face = face
         self.model = model
         self.created = created
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
         self.id = f"chatcmpl-{rid}" if face == "chat" else f"cmpl-{rid}"
         self.object = "chat.completion.chunk" if face == "chat" else "text_completion"
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         head = {"id": self.id, "object": self.object, "created": self.created, "model": self.model}
+        if self.continuous_usage and "usage" not in extra:
+            done = self.completion_tokens
+            extra["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
+                              "total_tokens": self.prompt_tokens + done}  # fmt: skip
         return {**head, "choices": choices, **extra}
 
     def _choice(self, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
@@ -364,10 +377,13 @@ class ChunkWriter:
     def on_event(self, event: StreamEvent) -> list[dict[str, Any]]:
         """The payloads one event gives (none for a token that adds no text yet)."""
         if event.type == "token":
+            self.completion_tokens = max(self.completion_tokens, event.index + 1)  # index: 0-based token number
             return [self._chunk([self._choice(event.text, None)])] if event.text else []
         if event.type == "error":
             err = error_from_payload(event.error or "FleetError", [event.message or "", event.field, event.limit])
             return [openai_error_of(err)]
+        if event.usage is not None:  # the worker's own count ends the stream
+            self.prompt_tokens, self.completion_tokens = event.usage.prompt_tokens, event.usage.completion_tokens
         out = [self._chunk([self._choice(event.text, finish_reason(event.finish_reason))])]
         if self.include_usage and event.usage is not None:
             out.append(self._chunk([], usage=_usage(event.usage).model_dump()))

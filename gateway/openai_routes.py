@@ -190,8 +190,10 @@ async def _generate(
     headers = {"X-Request-ID": rid}
     created = int(time.time())
     if body.stream:
-        usage = bool(body.stream_options and body.stream_options.include_usage)
-        writer = ChunkWriter(face, rid, body.model, created, include_usage=usage)
+        options = body.stream_options
+        writer = ChunkWriter(face, rid, body.model, created, include_usage=bool(options and options.include_usage),
+                             continuous_usage=bool(options and options.continuous_usage_stats),
+                             prompt_tokens=len(request.input_ids))  # fmt: skip
         ended: list[bool] = []
         return EventStream(
             _frames(gw, rid, request.model, writer, ended), finished=lambda: bool(ended),

@@ -37,9 +37,12 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    """``include_usage``: one more chunk before ``[DONE]``, with ``usage`` and no choices."""
+    """``include_usage``: one more chunk before ``[DONE]``, with ``usage`` and no choices.
+    ``continuous_usage_stats`` (vLLM's extension, what guidellm sends): every chunk carries ``usage`` so
+    far (prompt_tokens, completion_tokens generated up to that chunk, total_tokens)."""
 
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
     include_obfuscation: StrictBool | None = Field(default=None, description="Accepted and ignored.")
 
 

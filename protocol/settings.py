@@ -322,6 +322,10 @@ class ApiSettings(_Section):
         default=30 * 24 * 3600, ge=60, le=365 * 24 * 3600, description="How long a stored /v1/responses response "
         "(and so its conversation) lives in Redis for retrieval and previous_response_id (s); OpenAI keeps 30 days.",
     )
+    max_wait_s: float = Field(
+        default=60.0, ge=0, le=600, description="Longest long-poll of GET /v1/requests/{id}?wait_s=...: the "
+        "call answers as soon as the result is stored, else at wait_s with the current status (s).",
+    )
 
 
 class LogSettings(_Section):
