@@ -260,6 +260,21 @@ def test_chat_chunks_open_with_the_role_and_end_with_finish_and_usage() -> None:
     assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
 
 
+def test_continuous_usage_counts_every_chunk_and_ends_with_the_workers() -> None:
+    """vLLM's ``continuous_usage_stats``: usage so far on every chunk (a token without text adds none but
+    counts), the worker's own usage on the final one, then OpenAI's usage-only chunk."""
+    writer = ChunkWriter("chat", "r3", "demo-lm", 100, include_usage=True, continuous_usage=True, prompt_tokens=3)
+    so_far = [c["usage"] for c in writer.opening()]
+    for i, text in enumerate(["a", "", "b"]):
+        so_far += [c["usage"] for c in writer.on_event(StreamEvent(type="token", index=i, token_id=9, text=text))]
+    worker = Usage(prompt_tokens=3, completion_tokens=4, total_tokens=7)
+    final, usage = writer.on_event(StreamEvent(type="final", index=4, finish_reason="length", usage=worker))
+    assert [u["completion_tokens"] for u in so_far] == [0, 1, 3]
+    assert all(u["prompt_tokens"] == 3 and u["total_tokens"] == 3 + u["completion_tokens"] for u in so_far)
+    assert final["usage"] == usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert usage["choices"] == []
+
+
 def test_completion_chunks() -> None:
     writer = ChunkWriter("completion", "r2", "demo-lm", 100)
     assert writer.opening() == []
