@@ -32,6 +32,7 @@ from protocol.deadletter import Reason, read_entry
 from protocol.keys import DEAD_LETTER_KEY, WORKER_KEY_PREFIX
 from tests.integration.fleet_fixtures import Fleet
 from tests.queue_items import celery_headers, envelope, good_body, raw
+from tools.ledger import Ledger
 
 QUEUE = "fleet.demo-lm"
 EXAMPLES = 150
@@ -399,6 +400,10 @@ def test_thousands_of_mutated_envelopes_never_stop_or_wedge_the_worker(fleet: Fl
     while r.hlen("unacked") or r.llen(QUEUE):  # every message acked: no slot held
         assert time.monotonic() < deadline, (r.hlen("unacked"), r.llen(QUEUE))
         time.sleep(0.1)
+    ledger = Ledger(r, queues=[QUEUE])  # the valid requests by the fleet's ledger: terminal, nothing held
+    for rid in valid:
+        ledger.accepted(rid)
+    ledger.check_settled(30).raise_if_broken()
     assert sum(outcomes.values()) == len(mutated) == ENVELOPES, outcomes
     assert outcomes["dead_lettered"] and outcomes["failed"], outcomes
     assert outcomes["dead_lettered"] == r.llen(DEAD_LETTER_KEY)  # one entry per refused item, none twice
