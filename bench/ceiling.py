@@ -1,9 +1,9 @@
-"""The one-Redis ceiling per path, the lone-request breakdown and the before/after table (pure).
+"""The one-Redis ceiling per path, the lone-request breakdown and what Celery itself costs (pure).
 
 Every worker and producer of a fleet shares one Redis, and a Redis server executes commands on one
 core: at ``r`` Redis CPU-ms per request it serves at most ``1000 / r`` requests/s, however many
-workers are added. :func:`path_summary` condenses one dispatch run into per-path figures;
-the ``*_table`` functions render them as Markdown.
+workers are added. :func:`path_summary` condenses one run's dispatch figures into per-path figures;
+:func:`ceiling_section` renders them as Markdown. Everything comes from that one run.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from typing import Any
 
 from bench.markdown import fmt, md_table
 
-__all__ = ["ceiling_rps", "ceiling_section", "celery_floor_note", "floor_note", "path_summary", "repeat_table",
-           "targets_table"]
+__all__ = ["ceiling_rps", "ceiling_section", "celery_floor_note", "floor_note", "path_summary"]
 
 PATH_LABELS = {
     "served": "`fleet.infer` (FleetClient.submit + result)",
-    "legacy": "`fleet.infer` as before issue 11 (old producer and worker round trips, extended results)",
+    "legacy": "`fleet.infer` on the previous design (a round trip per step, `MULTI`/`EXEC`, extended results: "
+              "`bench/legacy_client.py`, `bench/legacy_worker.py`)",
     "no-events": "`fleet.infer`, no task events",
     "started": "`fleet.infer`, STARTED stored for every request",
     "lean": "`fleet.infer`, lean Celery (no events, STARTED state, extended result)",
@@ -30,8 +30,8 @@ PATH_LABELS = {
 """Paths of the summary, in table order (keys of the dispatch results)."""
 
 LONE_STEPS = {
-    "producer": "producer: build, admission, idempotency marker, publish",
-    "broker_and_task_start": "broker wake-up (BRPOP) + Celery task start",
+    "producer": "producer: build, admission, one script claiming the ID and queueing the task",
+    "broker_and_task_start": "broker wake-up (`BLMOVE`), the take script + Celery task start",
     "batch_window": "batch window (scheduler)",
     "engine": "engine (`session.run`)",
     "result_and_wakeup": "result store + publish, client wake-up",
@@ -119,87 +119,45 @@ def _ratio(new: float, old: float) -> str:
     return "–" if not old or math.isnan(old) or math.isnan(new) else f"{new / old:.2f}×"
 
 
-def _before_after_table(runs: dict[str, Any]) -> str:
-    rows = []
-    labels = list(runs)
-    first = runs[labels[0]]
-    for label in labels:
-        run = runs[label]
-        for key, p in run["paths"].items():
-            base = first["paths"].get(key)
-            rows.append(
-                [
-                    f"{label} ({(run.get('commit') or '?')[:7]}{'+' if run.get('dirty') else ''})",
-                    PATH_LABELS[key],
-                    fmt(p["qps"], 0),
-                    fmt(p["redis_calls"], 1),
-                    fmt(p["redis_cpu_ms"], 3),
-                    fmt(p["total_cpu_ms"], 2),
-                    fmt(p["ceiling_rps"], 0),
-                    _ratio(p["qps"], base["qps"]) if base else "–",
-                    _ratio(p["redis_calls"], base["redis_calls"]) if base else "–",
-                    _ratio(p["total_cpu_ms"], base["total_cpu_ms"]) if base else "–",
-                ]
-            )
-        rows.append(
-            [
-                f"{label}: lone request p50 / over bare",
-                "",
-                fmt(run.get("lone_p50_ms"), 2) + " ms",
-                "",
-                "",
-                "",
-                "",
-                "",
-                "",
-                fmt(run.get("lone_over_bare_ms"), 2) + " ms",
-            ]
-        )
-    head = [
-        "run",
-        "path",
-        "req/s",
-        "Redis cmds/req",
-        "Redis CPU-ms/req",
-        "total CPU-ms/req",
-        "ceiling req/s",
-        f"req/s vs {labels[0]}",
-        f"cmds vs {labels[0]}",
-        f"CPU vs {labels[0]}",
-    ]
-    return md_table(head, rows)
-
-
 FLOOR_GROUPS = {
-    "kombu's delivery with per-request acks (`lpush`, `brpop` and, with the queue backed up, `rpop` of several "
-    "more, `zadd`/`hset` on take, `zrem`/`hdel` on ack, inside the store script for a success; `multi`/`exec` "
-    "around each pair on the old path)": ("lpush", "brpop", "rpop", "zadd", "hset", "zrem", "hdel"),
-    "Celery's result store and wait (one `evalsha` running `set` + `publish`; `get` + `setex` on the old path; "
-    "the waiter's `subscribe`/`get`/`unsubscribe`)": ("evalsha", "get", "setex", "publish", "subscribe",
-                                                       "unsubscribe"),
-    "the fleet's own (`set` marker, `exists` cancel mark, `incrby`/`expire` drain meter, admission's `llen`)": (
-        "exists", "incrby", "expire", "llen"),
+    "kombu's delivery with per-request acks (`lpush` inside the producer's script; the worker's `blmove` wait and "
+    "its take script's `lrange`/`ltrim` once per batch, its `zadd`/`hset` per message; `zrem`/`hdel` on ack, "
+    "inside the result store's script for a success; `brpop`/`rpop` where Redis refuses the take script)": (
+        "lpush", "blmove", "lrange", "ltrim", "zadd", "hset", "zrem", "hdel", "brpop", "rpop", "multi", "exec"),
+    "Celery's result store and wait (the store script's `set` + `publish`; the waiter's `subscribe`/`get`/"
+    "`unsubscribe`)": ("get", "setex", "publish", "subscribe", "unsubscribe"),
+    "the fleet's own (the producer's `set` NX marker and its `exists` look-up of a stored result, both inside "
+    "its script, the take script's `exists` cancel mark, the drain meter's `incrby`/`expire`, admission's "
+    "`llen`)": ("exists", "incrby", "expire", "llen"),
+    "the three scripts that make those steps atomic (`evalsha`: the producer's claim-and-queue per submit, the "
+    "worker's take per batch, the result store per stored state)": ("evalsha",),
 }  # fmt: skip
-"""Who issues which command of a request with every Celery extra off (from reading kombu, Celery and the fleet).
-``set`` is split by hand: one per request is the producer's 'queued' marker, the rest the result store's."""
+"""Who issues which command of a request with every Celery extra off (from reading kombu, Celery and the fleet:
+``producer/idempotent_queue.py``, ``workers/atomic_take.py``, ``workers/result_backend.py``). Redis counts the
+commands a script runs as commands of their own, so a script is its ``evalsha`` plus what it runs. ``set`` is
+split by hand: one per request is the producer's marker (``SET NX`` in its script), the rest the result store's."""
 
 
 def floor_note(lean: dict[str, Any]) -> str:
-    """What one request still costs with every Celery extra off, split by who issues it (Markdown)."""
+    """What one request still costs with every Celery extra off, split by who issues it (Markdown).
+
+    Commands no group names (none, as the fleet is written) are shown as "other", so the parts always add
+    up to the measured total."""
     calls = lean["redis_calls_by_command"]
-    pairs = calls.get("multi", 0.0)
-    kombu_pairs = min(pairs, 2.0 * calls.get("zadd", 0.0))  # one transaction on take, one on ack
     marker = min(1.0, calls.get("set", 0.0))  # the producer's SET NX; the result store's SETs are the rest
     parts = []
+    named = 0.0
     for label, names in FLOOR_GROUPS.items():
         n = sum(calls.get(k, 0.0) for k in names)
-        if names[0] == "lpush":
-            n += 2 * kombu_pairs
-        elif names[0] == "evalsha":
-            n += 2 * max(0.0, pairs - kombu_pairs) + calls.get("set", 0.0) - marker
-        else:
+        named += n
+        if names[0] == "get":
+            n += calls.get("set", 0.0) - marker
+        elif names[0] == "exists":
             n += marker
         parts.append(f"{label}: {fmt(n, 1)}")
+    other = sum(calls.values()) - named - calls.get("set", 0.0)
+    if other >= 0.05:
+        parts.append(f"other: {fmt(other, 1)}")
     return (
         f"**What Celery itself costs.** With every extra off (lean), a request still takes "
         f"{fmt(lean['redis_calls'], 1)} Redis commands and {fmt(lean['redis_cpu_ms'], 3)} Redis CPU-ms (one-Redis "
@@ -210,115 +168,41 @@ def floor_note(lean: dict[str, Any]) -> str:
     )
 
 
-def celery_floor_note(runs: dict[str, Any]) -> str:
-    """What stock Celery's empty task (same run) says about issue 11's targets (Markdown; "" without it)."""
-    last = runs[list(runs)[-1]] if runs else {}
-    paths = last.get("paths", {})
-    events, lean, served, old = paths.get("floor-events"), paths.get("floor-lean"), paths.get("served"), None
-    old = paths.get("legacy")
-    if not (events and served and old):
+def celery_floor_note(summary: dict[str, Any]) -> str:
+    """How ``fleet.infer`` compares with stock Celery's empty task measured in the same run (Markdown; "" when
+    the run did not measure stock Celery)."""
+    paths = summary.get("paths", {})
+    events, lean, served = paths.get("floor-events"), paths.get("floor-lean"), paths.get("served")
+    if not (events and served):
         return ""
-    need = 2 * old["qps"]
-    stops = events["qps"] < need
-    lone = (last.get("floor_lone_p50_ms") or {}).get("events")
+    lone = (summary.get("floor_lone_p50_ms") or {}).get("events")
     text = (
         f"**Stock Celery's own floor.** An empty task through stock Celery with the same guarantees "
         f"(`acks_late`, a result stored by ID and waited for by pub/sub, task and sent events so that Flower sees "
-        f"every request; `bench/celery_floor.py`, no fleet code) ran {fmt(events['qps'], 0)} req/s in the same run, "
+        f"every request; `bench/celery_floor.py`, no fleet code) ran {fmt(events['qps'], 0)} req/s, "
         f"at {fmt(events['redis_calls'], 1)} Redis commands and {fmt(events['total_cpu_ms'], 2)} CPU-ms per request"
         + (f", lone round trip {fmt(lone, 2)} ms at p50" if lone else "")
         + f". `fleet.infer` as served ran {fmt(served['qps'], 0)} req/s ({_ratio(served['qps'], events['qps'])} "
         f"stock Celery's empty task) at {fmt(served['redis_calls'], 1)} commands "
         f"({_ratio(served['redis_calls'], events['redis_calls'])}) and {fmt(served['total_cpu_ms'], 2)} CPU-ms "
-        f"({_ratio(served['total_cpu_ms'], events['total_cpu_ms'])}), validation, batching and an ONNX Runtime "
-        f"call included. "
+        f"({_ratio(served['total_cpu_ms'], events['total_cpu_ms'])}), with validation, batching and an ONNX "
+        "Runtime call included"
     )
-    if stops:
-        text += (
-            f"The 2× target ({fmt(need, 0)} req/s) is {_ratio(need, events['qps'])} what stock Celery does with no "
-            "work at all on this machine: with one Celery task per request and Flower seeing each, Celery itself "
-            "(its worker's consumer, tracer and event dispatcher, and the producer side of the same protocol) is "
-            "what stops it."
-        )
+    if served["qps"] >= events["qps"] and served["total_cpu_ms"] <= events["total_cpu_ms"]:
+        text += ": the fleet's one task per request costs less than Celery's own empty task."
     else:
-        text += f"Stock Celery's empty task clears the 2× target ({fmt(need, 0)} req/s): Celery alone does not stop it."
+        text += ": what the fleet adds on top of Celery's empty task is the difference."
     if lean:
         text += (
             f" Without events (Flower then sees no request) stock Celery's empty task runs {fmt(lean['qps'], 0)} "
-            f"req/s ({_ratio(lean['qps'], old['qps'])} the old path)."
+            f"req/s at {fmt(lean['total_cpu_ms'], 2)} CPU-ms per request."
         )
     return text
 
 
-def repeat_table(runs: dict[str, Any]) -> str:
-    """Each run that measured the old path beside the new one (and stock Celery's floor): the target ratios
-    run by run, so the machine's run-to-run spread is in view (Markdown; "" with fewer than two)."""
-    rows = []
-    for label, run in runs.items():
-        p = run["paths"]
-        old, new, floor = p.get("legacy"), p.get("served"), p.get("floor-events")
-        if not (old and new):
-            continue
-        lone = (run.get("floor_lone_p50_ms") or {}).get("events")
-        rows.append([
-            label, f"{fmt(new['qps'], 0)} / {fmt(old['qps'], 0)}", _ratio(new["qps"], old["qps"]),
-            _ratio(new["redis_calls"], old["redis_calls"]), _ratio(new["total_cpu_ms"], old["total_cpu_ms"]),
-            fmt(run.get("lone_over_bare_ms"), 2),
-            _ratio(floor["qps"], old["qps"]) if floor else "–",
-            _ratio(floor["total_cpu_ms"], old["total_cpu_ms"]) if floor else "–",
-            _ratio(new["qps"], floor["qps"]) if floor else "–", fmt(lone, 2) if lone else "–",
-        ])  # fmt: skip
-    if len(rows) < 2:
-        return ""
-    head = ["run", "req/s new / old", "req/s", "commands", "CPU-ms", "lone ms over bare",
-            "stock Celery req/s vs old", "stock Celery CPU-ms vs old", "new req/s vs stock Celery",
-            "stock Celery lone round trip ms"]  # fmt: skip
-    return md_table(head, rows)
-
-
-def _verdict(ok: bool) -> str:
-    return "met" if ok else "**not met**"
-
-
-def targets_table(runs: dict[str, Any]) -> str:
-    """Issue 11's targets for ``fleet.infer``: as served against the old path run beside it in the same run
-    (``legacy``; else the first run), with the lean and bulk variants to show what reaching them takes."""
-    if not runs:
-        return ""
-    last = runs[list(runs)[-1]]
-    if "legacy" in last["paths"]:
-        base, what = last, "the old path, same run"
-    elif len(runs) > 1:
-        base, what = runs[next(iter(runs))], f"run {next(iter(runs))}"
-    else:
-        return ""
-    b = base["paths"].get("legacy", base["paths"]["served"])
-    a = last["paths"]["served"]
-    rows = [
-        ["Redis commands per request ≤ 0.5×", f"{fmt(b['redis_calls'], 1)} → {fmt(a['redis_calls'], 1)}",
-         _ratio(a["redis_calls"], b["redis_calls"]), _verdict(a["redis_calls"] <= 0.5 * b["redis_calls"])],
-        ["CPU-ms per request ≤ 0.5×", f"{fmt(b['total_cpu_ms'], 2)} → {fmt(a['total_cpu_ms'], 2)}",
-         _ratio(a["total_cpu_ms"], b["total_cpu_ms"]), _verdict(a["total_cpu_ms"] <= 0.5 * b["total_cpu_ms"])],
-        ["requests/s of one worker ≥ 2×", f"{fmt(b['qps'], 0)} → {fmt(a['qps'], 0)}",
-         _ratio(a["qps"], b["qps"]), _verdict(a["qps"] >= 2 * b["qps"])],
-    ]  # fmt: skip
-    over = last.get("lone_over_bare_ms")
-    if over is not None:
-        rows.append(["lone request within 5 ms of a bare run", f"{fmt(over, 2)} ms over", "", _verdict(over <= 5.0)])
-    for key in ("lean", "bulk", "floor-events", "floor-lean"):
-        p = last["paths"].get(key)
-        if p:
-            rows.append([
-                f"for scale: {PATH_LABELS[key]}",
-                f"{fmt(p['redis_calls'], 1)} commands, {fmt(p['total_cpu_ms'], 2)} CPU-ms, {fmt(p['qps'], 0)} req/s",
-                f"{_ratio(p['redis_calls'], b['redis_calls'])} commands, {_ratio(p['qps'], b['qps'])} req/s",
-                "",
-            ])  # fmt: skip
-    return md_table([f"target (`fleet.infer` as served vs {what})", "before → after", "ratio", "verdict"], rows)
-
-
 def ceiling_section(results: dict[str, Any]) -> str:
-    """The ``### Per path`` part of Dispatch cost: paths table, gateway commands, lone profile, runs."""
+    """The ``### Per path`` part of Dispatch cost from the run's ``dispatch`` figures: paths table, the
+    gateway's commands, the lone-request profile, what Celery itself costs (each part only when measured)."""
     d = results.get("dispatch") or {}
     if "loop" not in d:
         return ""
@@ -331,15 +215,6 @@ def ceiling_section(results: dict[str, Any]) -> str:
         "can carry on that path through one Redis, however many workers are added.\n",
         _paths_table(summary) + "\n",
     ]
-    meta = d.get("meta")
-    if meta:
-        dirty = " (uncommitted changes)" if meta.get("dirty") else ""
-        out.insert(
-            2,
-            f"Measured by `{meta.get('command')}` at commit {meta.get('commit')}{dirty} in "
-            f"{fmt(meta.get('duration_s'), 0)} s, load average {meta.get('load_average_start')} → "
-            f"{meta.get('load_average_end')} on a shared machine: compare rows of one run, not runs.\n",
-        )
     gw = d.get("gateway")
     if gw:
         out.append(
@@ -358,26 +233,10 @@ def ceiling_section(results: dict[str, Any]) -> str:
             "result's way back.\n",
             _lone_table(lone) + "\n",
         ]
-    runs = results.get("dispatch_runs") or {}
-    if runs:
-        out += [
-            "### Before and after (one `fleet bench --only dispatch` run each)\n",
-            _before_after_table(runs) + "\n",
-        ]
-        targets = targets_table(runs)
-        if targets:
-            out += ["**Issue 11's targets** (measured, not asserted in tests):\n", targets + "\n"]
-        lean = runs[list(runs)[-1]]["paths"].get("lean")
-        if lean:
-            out.append(floor_note(lean) + "\n")
-        stock = celery_floor_note(runs)
-        if stock:
-            out.append(stock + "\n")
-        repeats = repeat_table(runs)
-        if repeats:
-            out += [
-                "**Run to run** (the same command repeated on this shared machine; ratios against the old path "
-                "of the same run; stock Celery = its empty task with task and sent events):\n",
-                repeats + "\n",
-            ]
+    lean = summary["paths"].get("lean")
+    if lean:
+        out.append(floor_note(lean) + "\n")
+    stock = celery_floor_note(summary)
+    if stock:
+        out.append(stock + "\n")
     return "\n".join(out)

@@ -52,8 +52,8 @@ def dispatch_variants(plan: Plan, name: str, path: Path) -> dict[str, Variant]:
     )
     out: dict[str, Variant] = {"served": ("as served (Celery log level WARNING)", cfg, 1)}
     if plan.ablations:  # the old path beside the new one, in the same run
-        label = ("before issue 11: the old producer and worker round trips, STARTED and extended results "
-                 "(bench/legacy_client.py, bench/legacy_worker.py)")
+        label = ("the previous design: a round trip per step, `MULTI`/`EXEC` around kombu's bookkeeping, STARTED "
+                 "and extended results (`bench/legacy_client.py`, `bench/legacy_worker.py`)")
         out["legacy"] = (label, replace(cfg, label="dispatch-legacy", model_name=f"{name}-legacy", legacy=True), 1)
     changes: dict[str, tuple[str, dict[str, bool], int]] = {
         "no-events": (

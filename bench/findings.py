@@ -10,24 +10,25 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["PROTOTYPE_NOTE", "dispatch_findings"]
+__all__ = ["dispatch_findings"]
 
 _REDIS_SOURCES = (
-    "producer: `SET NX` (the 'queued' marker; admission's `LLEN`×4 over the priority sub-queues only once per "
-    "`admission.queue_depth_cache_ms` window, the routing state's `GET` once a second), then one pipeline of "
-    "`LPUSH` (the task, Celery's own message) and `PUBLISH` (its task-sent event) (`producer/task_writer.py`), "
+    "producer: one `EVALSHA` of its claim-and-queue script (`producer/idempotent_queue.py`), which runs `SET NX` "
+    "(the request ID's marker), `EXISTS` (a stored result whose marker expired), `LPUSH` (the task, Celery's own "
+    "message) and `PUBLISH` (its task-sent event) in one atomic step; admission's `LLEN`×4 over the priority "
+    "sub-queues only once per `admission.queue_depth_cache_ms` window and the routing state's `GET` once a second; "
     "then `SUBSCRIBE`/`GET`/`UNSUBSCRIBE` to wait for the result (`producer/result_waiter.py`)",
-    "worker: `BRPOP` (take), `ZADD`+`HSET` (kombu's unacked bookkeeping) and `EXISTS` (the cancel mark) in one "
-    "plain pipeline (`workers/cancel_marks.py`) with `RPOP` of up to the worker's free tokens more, whose "
-    "bookkeeping goes in one more pipeline (so a backed-up queue costs one `BRPOP` and one `RPOP` per batch of "
-    "messages, not a `BRPOP` each: `workers/batch_take.py`), `HDEL`+`ZREM` on ack (inside the store script for "
-    "a SUCCESS: "
-    "`workers/store_ack.py`), the task events' `PUBLISH`es (task-received, -started, "
-    "-succeeded, gathered for `celery.task_event_linger_ms` into one `task.multi` message: a fraction of a "
-    "`PUBLISH` per request; `workers/event_buffer.py`), and one `EVALSHA` per stored state that runs "
-    "`SET NX` + `PUBLISH` "
-    "(`workers/result_backend.py`; a generation stores STARTED first, so two); the drain meter's "
-    "`INCRBY`+`EXPIRE` go out twice a second, not per request (`workers/drain_meter.py`)",
+    "worker: a `BLMOVE` of the list onto itself that waits for a message without taking it, then one `EVALSHA` "
+    "of its take script (`workers/atomic_take.py`) that reads up to its free tokens of the oldest messages "
+    "(`LRANGE`), records each as unacked (`ZADD`+`HSET`, kombu's bookkeeping), reads each cancel mark (`EXISTS`) "
+    "and trims them off the list (`LTRIM`), so a message is at every instant in its queue or in the unacked hash, "
+    "and a backed-up queue costs one wait and one script per batch of messages, not per message; one `EVALSHA` per "
+    "stored state that runs `SET` + `PUBLISH` and, for a SUCCESS, the ack's `HDEL`+`ZREM` "
+    "(`workers/result_backend.py`, `workers/store_ack.py`; a generation stores STARTED first, so two); the task "
+    "events' `PUBLISH`es (task-received, -started, -succeeded, gathered for `celery.task_event_linger_ms` into one "
+    "`task.multi` message: a fraction of a `PUBLISH` per request; `workers/event_buffer.py`); the drain meter's "
+    "`INCRBY`+`EXPIRE` twice a second, not per request (`workers/drain_meter.py`). Redis counts the commands a "
+    "script runs as commands of their own, so each script is its `EVALSHA` plus what it runs",
 )
 
 
@@ -40,24 +41,11 @@ def _loop(abls: dict[str, Any], key: str) -> dict[str, Any] | None:
     return entry["loop"] if entry else None
 
 
-PROTOTYPE_NOTE = (
-    "Before the bulk path landed, a measurement-only prototype (one message of 16 requests, the fleet's code "
-    "unchanged; retired from `bench/` once `fleet.infer_bulk` replaced it) priced the design on this machine at "
-    "**740 req/s** (4.8× one task per request, 1.40 CPU-ms/request outside inference, 5.4 Redis "
-    "commands/request) and **859 req/s** with lean Celery too (`fleet bench` at commit 453f92e)."
-)
-"""The retired prototype's figures, kept in the report (its code left ``bench/`` when the real path landed)."""
-
-
 def _bulk_figures(bulk: dict[str, Any], both: dict[str, Any] | None, qps: float, cores: int) -> list[str]:
-    """The bulk variant's figures: the real path's, or (older runs) the retired prototype's."""
-    real = bulk.get("path") == "fleet.infer_bulk"
+    """The bulk path's figures (``fleet.infer_bulk`` through ``FleetClient.submit_bulk``)."""
     how = (
-        f"Measured on the landed path (`FleetClient.submit_bulk` → `fleet.infer_bulk`, "
-        f"{bulk.get('requests_per_message')} requests per message, results read with `FleetClient.wait`)"
-        if real
-        else f"Measured with a prototype ({bulk.get('requests_per_message')} requests per message, the fleet's code "
-        "unchanged; retired from `bench/` since the real path replaced it)"
+        f"Measured through `FleetClient.submit_bulk` → `fleet.infer_bulk` ({bulk.get('requests_per_message')} "
+        "requests per message, results read with `FleetClient.wait`)"
     )
     lines = [
         f"\n{how}: **{_f(bulk['summary']['qps'])} req/s** ({bulk['summary']['qps'] / qps:.1f}× one task per "
@@ -75,10 +63,6 @@ def _bulk_figures(bulk: dict[str, Any], both: dict[str, Any] | None, qps: float,
     left = (
         "pydantic decode/validate/encode of each request and result, the scheduler hand-off, and each result's "
         "`SETEX`+`PUBLISH` (pipelined)"
-        if real
-        else "`handle_request`'s cancel-key `EXISTS` round trip, pydantic decode/validate/encode and a thread "
-        "hand-off per request. The landed path checks a chunk's cancel keys with one `MGET` and submits its jobs "
-        "at once"
     )
     lines.append(
         "That reaches the 1,000 req/s goal on this machine."
@@ -149,12 +133,12 @@ def dispatch_findings(results: dict[str, Any]) -> str:
     lines += [
         "",
         "### The bulk path — many requests per message, one result per request\n",
-        "Proposed from the figures above and since landed as `fleet.infer_bulk` next to `fleet.infer`: "
+        "`fleet.infer_bulk`, next to `fleet.infer`, answers the figures above: "
         "`FleetClient.submit_bulk` sends up to `chunk_size` requests per message. The worker checks the chunk's "
         "cancel keys with one `MGET`, validates each request on its own (a bad request fails alone), hands all "
         "valid ones to the scheduler at once and writes every result under its own ID "
         "(`celery-task-meta-<id>`, `SETEX`+`PUBLISH`) in one pipeline, so `FleetClient.result(id)` and "
-        "`GET /v1/requests/{id}` are unchanged. What is paid per message — `LPUSH`, `BRPOP`, QoS bookkeeping, "
+        "`GET /v1/requests/{id}` are unchanged. What is paid per message — `LPUSH`, the take, QoS bookkeeping, "
         "ack, three events, the STARTED state, Celery's tracer — is shared by the whole chunk; a chunk holds one "
         "token per request. Trade-offs: Flower shows chunks, `revoke` works per chunk (per-request cancel keeps "
         "working through the cancel key), and a redelivered chunk recomputes all its requests (harmless: results "
@@ -162,32 +146,4 @@ def dispatch_findings(results: dict[str, Any]) -> str:
     ]
     if bulk:
         lines += _bulk_figures(bulk, both, qps, cores)
-    if not bulk or bulk.get("path") == "fleet.infer_bulk":
-        lines.append("\n" + PROTOTYPE_NOTE)
-    lines += [
-        "",
-        "Changes, measured in the before/after table below (the old path runs beside the new one in the same "
-        "run: `bench/legacy_client.py`, `bench/legacy_worker.py`): the producer reuses a queue-depth read for "
-        "`admission.queue_depth_cache_ms` (`LLEN`×4 once per window instead of per submit), goes straight to "
-        "`SET NX` (no look-up first), skips Celery's send-time result subscription, writes the task and its "
-        "task-sent event in one pipeline built by Celery's and kombu's own code instead of `send_task` "
-        "(`producer/task_writer.py`), and waits with one pub/sub per thread instead of `AsyncResult.get` "
-        "(`producer/result_waiter.py`); kombu's channel reuses one Redis client instead of building one per "
-        "command and sends each delivery's bookkeeping as a plain pipeline instead of `MULTI`/`EXEC` "
-        "(`protocol/kombu_channel.py`); the worker stores each result with one script instead of `GET` + "
-        "`MULTI`/`SETEX`/`PUBLISH`/`EXEC` (`workers/result_backend.py`, which also makes the keep-a-SUCCESS check "
-        "atomic), writes the drain meter twice a second (`workers/drain_meter.py`) and publishes its task events "
-        "from a thread of their own, gathered for 20 ms, instead of on the consumer's loop every 2-3 events "
-        "(`workers/event_buffer.py`); the "
-        "result waiter reads the key only once Redis has confirmed its `SUBSCRIBE` (a result stored in between "
-        "had waited for the 5 s recheck); the worker reads each request's cancel mark in the pipeline that takes "
-        "the message instead of one more `EXISTS` round trip (`workers/cancel_marks.py`), and acks a SUCCESS "
-        "inside the script that stores it, in one atomic step, instead of one more `HDEL`+`ZREM` round trip "
-        "(`workers/store_ack.py`); with the queue backed up, it takes up to its free tokens per round trip "
-        "(`BRPOP`, then `RPOP` of as many more as it has tokens free, their bookkeeping in one pipeline) instead "
-        "of one message per turn of its event loop, which had left it holding 2.6 requests of 16 on average "
-        "while 27 waited in Redis (`workers/batch_take.py`); `result_extended` is off "
-        "(nothing read it); task events and the STARTED state are settings (`celery.task_events`, "
-        "`celery.track_started`), each priced above.",
-    ]
     return "\n".join(lines) + "\n"

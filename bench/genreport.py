@@ -1,7 +1,7 @@
 """The report's generation section: tables, the continuous-batching target, what limits it, and a plot.
 
 Every figure comes from ``results["generation"]`` (:func:`bench.generation.measure_generation`),
-so a rerun (``fleet bench --only generation``) rewrites the argument with its own numbers.
+so a rerun (``fleet bench``) rewrites the argument with its own numbers.
 """
 
 from __future__ import annotations
@@ -141,14 +141,13 @@ def generation_section(results: dict[str, Any], img_rel: str) -> str:
     """The ``## Generation`` section (a one-line note when the run did not measure it)."""
     gen = results.get("generation")
     if not gen:
-        return "## Generation\n\nNot measured in this run (`fleet bench --only generation` adds it).\n"
+        return "## Generation\n\nNot measured in this run.\n"
     meta, wl, gp = gen.get("meta", {}), gen["workload"], gen["plan"]
     target = generation_target(gen)
     parts = [
         "## Generation — continuous batching\n",
-        f"Measured by `{meta.get('command', 'fleet bench')}` at commit {meta.get('commit', '?')}"
-        f"{' (uncommitted changes)' if meta.get('dirty') else ''} in {fmt(gen['duration_s'], 0)} s (load average "
-        f"{meta.get('load_average_start')} → {meta.get('load_average_end')}). Model `{gen['model']}`; "
+        f"This phase took {fmt(gen['duration_s'], 0)} s (load average {meta.get('load_average_start')} → "
+        f"{meta.get('load_average_end')}). Model `{gen['model']}`; "
         f"{wl['requests']} `generate` requests per saturation round, {gp.get('rounds', 1)} rounds (the rows' order "
         "reversed every other round, pooled); requests are `fleet.infer` tasks, greedy, `ignore_eos`; prompts "
         f"{gp['prompt_tokens'][0]}–{gp['prompt_tokens'][1]} tokens (mean {fmt(wl['prompt_tokens_mean'], 0)}), outputs "

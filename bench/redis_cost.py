@@ -161,11 +161,12 @@ def lone_profile(client: FleetClient, model: str, prompts: Sequence[Sequence[int
                  bare_ms: float) -> dict[str, Any]:  # fmt: skip
     """Split ``requests`` lone round trips into their steps (medians, ms), for two ways of waiting.
 
-    Steps: ``producer`` (build, admission, idempotency marker, publish: ``submit()`` returning),
-    ``broker_and_task_start`` (publish → the request reaches the scheduler: kombu's wake-up on
-    BRPOP, decode, Celery's tracer), ``batch_window`` (the scheduler's wait for company),
-    ``engine`` (``session.run``), ``result_and_wakeup`` (result stored and published → the caller
-    has it). ``bare_ms`` is one bare ``session.run`` of the same model, for the overhead line.
+    Steps: ``producer`` (build, admission, the script that claims the ID and queues the task:
+    ``submit()`` returning), ``broker_and_task_start`` (queued → the request reaches the scheduler: the
+    worker's ``BLMOVE`` wake-up and take script, decode, Celery's tracer), ``batch_window`` (the
+    scheduler's wait for company), ``engine`` (``session.run``), ``result_and_wakeup`` (result stored
+    and published → the caller has it). ``bare_ms`` is one bare ``session.run`` of the same model, for
+    the overhead line.
     """
     out: dict[str, Any] = {"requests": requests, "bare_session_run_ms": round(bare_ms, 4)}
     for mode in ("pubsub", "poll"):

@@ -1,10 +1,15 @@
 """Render a bench run's results (the JSON dict of :mod:`bench.runner`) as ``docs/benchmarks.md``.
 
-The formatting helpers at the top are pure; :func:`write_report` writes the Markdown and the plots.
+The document is the results of ONE run at one commit: :func:`provenance` states the commit, its date,
+the run's date and the machine at the top, and marks loudly a run on a tree with uncommitted changes or
+results whose phases were measured at different commits. The formatting helpers are pure;
+:func:`write_report` writes the Markdown and the plots (and asks git for the commit's date).
 """
 
 from __future__ import annotations
 
+import subprocess
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +20,7 @@ from bench.markdown import fmt, md_table, mib
 from bench.notes import last_position_note, method_notes, reading_notes
 from bench.plots import plot_latency_vs_qps
 
-__all__ = ["fmt", "limit_at", "md_table", "mib", "render", "write_report"]
+__all__ = ["commit_date", "fmt", "limit_at", "md_table", "mib", "provenance", "render", "write_report"]
 
 ROWS = (
     ("baseline", "baseline (FP32, max_batch_size 1)"),
@@ -220,13 +225,68 @@ def machine_table(meta: dict[str, Any]) -> str:
             "load average (1/5/15 min) at start → end",
             f"{m['load_average_start']} → {meta.get('load_average_end')}",
         ],
-        ["commit", f"{m['git_commit']}{' (uncommitted changes)' if m['git_dirty'] else ''}"],
+        ["commit", f"{m['git_commit']}{' **with uncommitted changes**' if m['git_dirty'] else ''}"],
     ]
     return md_table(["", ""], rows)
 
 
-def render(results: dict[str, Any], img_rel: str) -> str:
-    """The whole Markdown document (``img_rel``: the plots' folder relative to the document)."""
+def _phase_stamps(results: dict[str, Any]) -> dict[str, tuple[str, bool]]:
+    """(commit, dirty) of the run and of each phase that records its own (a phase rerun alone does)."""
+    m = results["meta"]["machine"]
+    stamps = {"the run": (str(m.get("git_commit")), bool(m.get("git_dirty")))}
+    for phase in ("dispatch", "generation"):
+        meta = (results.get(phase) or {}).get("meta")
+        if meta and meta.get("commit"):
+            stamps[phase] = (str(meta["commit"]), bool(meta.get("dirty")))
+    return stamps
+
+
+def provenance(results: dict[str, Any], commit_day: str | None) -> str:
+    """Markdown: what was measured where and when (commit, its date, the run's date, the machine), with a
+    loud warning when the tree had uncommitted changes or a phase was measured at another commit.
+
+    ``commit_day``: the commit's date (``YYYY-MM-DD``), None when git does not know the commit."""
+    meta, m = results["meta"], results["meta"]["machine"]
+    started = meta.get("started_unix_s")
+    when = datetime.fromtimestamp(float(started), UTC).strftime("%Y-%m-%d %H:%M UTC") if started else "an unknown date"
+    commit = m.get("git_commit") or "unknown"
+    lines = [
+        f"Measured on {when} at commit `{commit}`" + (f" (committed {commit_day})" if commit_day else "")
+        + f" on {m['cpu']}, {m['logical_cores']} logical cores, {m['memory_gib']} GiB "
+        "(details under *Machine*).\n"
+    ]
+    stamps = _phase_stamps(results)
+    dirty = [name for name, (_, d) in stamps.items() if d]
+    if dirty:
+        lines.append(
+            "> **Warning: not a committed state.** The working tree had uncommitted changes when these were "
+            "measured: " + ", ".join(dirty) + ". Their figures belong to no commit; rerun `fleet bench` on a clean "
+            "checkout before relying on them.\n"
+        )
+    others = {name: c for name, (c, _) in stamps.items() if c != commit}
+    if others:
+        lines.append(
+            "> **Warning: not one run.** "
+            + "; ".join(f"{name} was measured separately at commit `{c}`" for name, c in others.items())
+            + f", not at `{commit}`. Rerun `fleet bench` to measure every phase together.\n"
+        )
+    return "\n".join(lines)
+
+
+_CONTENTS = (
+    "What each part answers: **the tables** (one per prompt length) — how many requests/s each serving "
+    "configuration carries at saturation and at what latency, against the bare `session.run` limit of the same "
+    "model; **Targets** — the goals set for the fleet, met or not; **Latency under load** — latency as offered "
+    "load rises; **INT8** — what quantization costs in accuracy and gains in speed; **The limit** — the bare "
+    "loop by batch size; **Dispatch cost** — what the queue itself costs per request (Redis commands, CPU) on a "
+    "zero-cost model, and why; **Generation** — tokens/s and time to first token of one-at-a-time, static and "
+    "continuous batching; **How it was measured**.\n"
+)
+
+
+def render(results: dict[str, Any], img_rel: str, commit_day: str | None = None) -> str:
+    """The whole Markdown document (``img_rel``: the plots' folder relative to the document; ``commit_day``:
+    the measured commit's date, see :func:`provenance`)."""
     meta = results["meta"]
     model = meta["model"]
     plan = meta["plan"]
@@ -238,6 +298,7 @@ def render(results: dict[str, Any], img_rel: str) -> str:
         "`celery worker` subprocess → result) except the limit rows (a bare `session.run` loop in the "
         "bench process). Ratios are side by side in one run on one shared machine.\n",
         f"```\n{meta['command']}\n```\n",
+        provenance(results, commit_day),
         f"Run took **{meta['duration_s']:.0f} s**"
         f"{' (quick mode: demo model, short phases)' if meta['quick'] else ''}."
         f" Model: `{model['name']}` {model['version']} ({model['parameters'] / 1e6:.1f} M weights, "
@@ -245,6 +306,7 @@ def render(results: dict[str, Any], img_rel: str) -> str:
         f"`{meta['int8_version']}`. Workers: threads pool, C = {plan['concurrency']} tokens, "
         f"max_wait_ms {plan['max_wait_ms']}, ORT spin-waiting off, Celery log level WARNING. "
         f"Saturation = {plan['concurrency']} closed-loop clients.\n",
+        _CONTENTS,
         "## Machine\n",
         machine_table(meta) + "\n",
     ]
@@ -305,6 +367,19 @@ def render(results: dict[str, Any], img_rel: str) -> str:
     return "\n".join(parts)
 
 
+def commit_date(commit: str) -> str | None:
+    """The committer date (``YYYY-MM-DD``) of ``commit`` in this checkout; None when git does not know it."""
+    try:
+        done = subprocess.run(
+            ["git", "show", "-s", "--format=%cs", commit, "--"], cwd=Path(__file__).resolve().parents[1],
+            capture_output=True, text=True, timeout=10, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    day = done.stdout.strip()
+    return day if done.returncode == 0 and day else None
+
+
 def write_report(results: dict[str, Any], out_md: Path, img_dir: Path) -> None:
     """Write the plots into ``img_dir`` and the Markdown into ``out_md``."""
     img_dir.mkdir(parents=True, exist_ok=True)
@@ -316,4 +391,5 @@ def write_report(results: dict[str, Any], out_md: Path, img_dir: Path) -> None:
         rel = img_dir.resolve().relative_to(out_md.parent.resolve()).as_posix()
     except ValueError:
         rel = img_dir.resolve().as_posix()
-    out_md.write_text(render(results, rel))
+    commit = results["meta"]["machine"].get("git_commit")
+    out_md.write_text(render(results, rel, commit_date(commit) if commit else None))

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.ceiling import path_summary
+
 pytestmark = pytest.mark.slow
 
 
@@ -75,6 +77,10 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
     assert gen["meta"]["command"].startswith("fleet bench --quick") and gen["meta"]["commit"]
 
     md = out_md.read_text()
+    commit = results["meta"]["machine"]["git_commit"]
+    assert f"at commit `{commit}`" in md  # the one run's commit, stated at the top
+    assert ("**Warning: not a committed state.**" in md) == results["meta"]["machine"]["git_dirty"]
+    assert "Warning: not one run" not in md  # every phase measured together
     for text in (
         "baseline (FP32, max_batch_size 1)", "+ dynamic batching", "+ INT8 (dynamic)", "+ TensorRT EP FP16",
         "limit: bare session.run", "peer: celery-batches", "skipped (--quick)", "## Dispatch cost", "## Targets",
@@ -99,7 +105,7 @@ def test_quick_dispatch_phase_alone_measures_each_path(tmp_path: Path) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=220, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     results = json.loads(raw.read_text())
-    run = results["dispatch_runs"]["smoke"]
+    run = path_summary(results["dispatch"])
     assert set(run["paths"]) == {"served", "bulk", "gateway", "floor-events", "floor-lean"}  # + stock Celery
     for name, path in run["paths"].items():
         assert path["qps"] > 0 and path["redis_cpu_ms"] > 0 and path["ceiling_rps"] > 0, name

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from bench.analysis import target_rows
-from bench.findings import PROTOTYPE_NOTE, dispatch_findings
+from bench.findings import dispatch_findings
 from bench.genreport import generation_target
 from bench.genstats import GenRecord, arrival_offsets, metric_delta, parse_metrics, step_shares, summarize_generation
 from bench.notes import last_position_note
 from bench.plots import latency_points
 from bench.profile import fold_components, parse_raw, top_functions
-from bench.report import fmt, md_table, mib
+from bench.report import fmt, md_table, mib, provenance
 from bench.stats import (
     RequestRecord,
     batch_figures,
@@ -288,12 +288,34 @@ def test_dispatch_findings_quote_the_run() -> None:
     assert "≥ 40 % of its" in text
     assert "185 req/s" in text and "(1.54×)" in text
     assert "**600 req/s** (5.0× one task per request)" in text and "stays below 1,000" in text
-    assert "Measured on the landed path" in text and PROTOTYPE_NOTE in text  # the retired prototype's figures stay
-    legacy = {**results["dispatch"]["ablations"]["bulk"]["loop"]}
-    del legacy["path"]  # a run from before the prototype was retired
-    old = dispatch_findings({**results, "dispatch": {**results["dispatch"], "ablations": {"bulk": {"loop": legacy}}}})
-    assert "Measured with a prototype" in old and PROTOTYPE_NOTE not in old
+    assert "Measured through `FleetClient.submit_bulk`" in text and "prototype" not in text
+    # the take and the queueing as the fleet does them now: BLMOVE + the take script, the producer's one script
+    assert "`BLMOVE`" in text and "`workers/atomic_take.py`" in text and "`producer/idempotent_queue.py`" in text
+    assert "BRPOP" not in text and "RPOP" not in text and "before/after" not in text
     assert dispatch_findings({"meta": {}, "rows": {}}) == ""
+
+
+def _run_meta(commit: str = "abc1234", dirty: bool = False) -> dict[str, object]:
+    machine = {"git_commit": commit, "git_dirty": dirty, "cpu": "Test CPU", "logical_cores": 2, "memory_gib": 8.0}
+    return {"meta": {"machine": machine, "started_unix_s": 1_700_000_000.0}}
+
+
+def test_provenance_states_the_commit_its_date_the_run_date_and_the_machine() -> None:
+    text = provenance(_run_meta(), "2023-11-14")
+    assert text.startswith("Measured on 2023-11-14 22:13 UTC at commit `abc1234` (committed 2023-11-14) on Test CPU")
+    assert "Warning" not in text
+    assert "(committed" not in provenance(_run_meta(), None)  # a commit git does not know: no date invented
+
+
+def test_provenance_marks_a_dirty_tree_and_phases_of_other_runs_loudly() -> None:
+    dirty = provenance(_run_meta(dirty=True), None)
+    assert "**Warning: not a committed state.**" in dirty and "measured: the run." in dirty
+    mixed = {**_run_meta(), "dispatch": {"meta": {"commit": "0ld0ne", "dirty": True}},
+             "generation": {"meta": {"commit": "abc1234", "dirty": False}}}  # fmt: skip
+    text = provenance(mixed, None)
+    assert "**Warning: not one run.** dispatch was measured separately at commit `0ld0ne`" in text
+    assert "generation was measured" not in text  # measured with the run: same commit
+    assert "measured: dispatch." in text
 
 
 def test_last_position_note() -> None:
