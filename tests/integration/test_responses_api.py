@@ -30,26 +30,36 @@ def said_by(items: Any) -> list[tuple[str, str]]:
     return [(item.role, item.content[0].text) for item in items]
 
 
+TTL_S = 3600
+
+
 @pytest.fixture(scope="module")
-def clients(tmp_path_factory: pytest.TempPathFactory, ops_models: Any, ops_redis: EmbeddedRedis) -> Iterator[
-    tuple[openai.OpenAI, openai.OpenAI]
-]:
-    """One SDK client per gateway process; both gateways and one demo-lm worker share one Redis."""
+def fleet(tmp_path_factory: pytest.TempPathFactory, ops_models: Any, ops_redis: EmbeddedRedis) -> Iterator[OpsFleet]:
+    """Two gateway processes and one demo-lm worker on one Redis; stored responses live ``TTL_S``."""
     fleet = OpsFleet(tmp_path_factory.mktemp("responses"), ops_models, ops_redis)
     try:
-        config = fleet.config(serve=("demo-lm",), models={"demo-lm": {"limits": {"max_input_tokens": 384}}})
+        config = fleet.config(serve=("demo-lm",), models={"demo-lm": {"limits": {"max_input_tokens": 384}}},
+                              api={"responses_ttl_s": TTL_S})  # fmt: skip
         fleet.worker(config, "demo-lm")
-        first, second = fleet.gateway_replicas(config, 2)
-        yield tuple(  # type: ignore[misc]
-            openai.OpenAI(base_url=gw.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60) for gw in (first, second)
-        )
+        fleet.gateway_replicas(config, 2)
+        yield fleet
     finally:
         fleet.close()
 
 
-def test_conversation_continues_through_another_gateway(clients: tuple[openai.OpenAI, openai.OpenAI]) -> None:
+@pytest.fixture(scope="module")
+def clients(fleet: OpsFleet) -> tuple[openai.OpenAI, openai.OpenAI]:
+    """One SDK client per gateway process."""
+    a, b = (openai.OpenAI(base_url=gw.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60) for gw in fleet.gateways)
+    return a, b
+
+
+def test_conversation_continues_through_another_gateway(
+    fleet: OpsFleet, clients: tuple[openai.OpenAI, openai.OpenAI]
+) -> None:
     a, b = clients
     first = a.responses.create(input="Hi", instructions="Be brief.", store=True, **GREEDY)
+    assert 0 < fleet.redis.ttl(f"fleet:response:{first.id}") <= TTL_S  # stored, and it expires
     assert first.id.startswith("resp_") and first.object == "response" and first.status in ("completed", "incomplete")
     assert first.usage is not None
     assert first.usage.input_tokens == len(rendered([("system", "Be brief."), ("user", "Hi")]).encode())
@@ -100,6 +110,9 @@ def test_message_list_input_and_store_false(clients: tuple[openai.OpenAI, openai
     with pytest.raises(openai.BadRequestError) as refused:
         a.responses.create(input="Hi", tools=[{"type": "web_search"}], **GREEDY)
     assert refused.value.body["param"] == "tools"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as long:  # the limit is the whole rendered history's
+        a.responses.create(input="x" * 384, **GREEDY)
+    assert long.value.body["param"] == "input"  # type: ignore[index]
 
 
 def test_streamed_turn_continues_and_is_stored(clients: tuple[openai.OpenAI, openai.OpenAI]) -> None:
