@@ -9,9 +9,9 @@ What it measures, on the identity model (a zero-cost engine, so only the queue's
 * where a lone request's time goes (:func:`bench.redis_cost.lone_profile`) against one bare
   ``session.run``.
 
-The figures replace ``dispatch`` in the ``--json`` results of an earlier run; a per-path summary
-(Redis commands, Redis CPU-ms, total CPU-ms per request and the one-Redis ceiling) is also kept
-under ``dispatch_runs[<label>]`` so that runs before and after a change sit side by side in the report.
+The figures replace ``dispatch`` in the ``--json`` results of an earlier run, stamped with their own
+commit: the report then warns that its phases were measured at different commits (a full ``fleet bench``
+measures every phase together).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.analysis import dispatch_section
-from bench.ceiling import ceiling_section, path_summary
+from bench.ceiling import ceiling_section
 from bench.dispatch import dispatch_variants, measure_dispatch
 from bench.limit import bare_latency_ms, bare_session
 from bench.load import closed_loop
@@ -83,8 +83,7 @@ def run_dispatch_only(plan: Plan, args: argparse.Namespace, command: str) -> dic
     """Rerun the dispatch phase; merge it into ``args.json_path`` and rewrite the report (with no
     earlier results there, write them and the dispatch sections alone to ``args.out``).
 
-    ``args.label`` names this run in the before/after table (``dispatch_runs``); ``args.dispatch_json``
-    (optional) also receives this run's dispatch figures alone.
+    ``args.dispatch_json`` (optional) also receives this run's dispatch figures alone.
     """
     json_path = Path(args.json_path)
     merge = json_path.exists()
@@ -114,11 +113,11 @@ def run_dispatch_only(plan: Plan, args: argparse.Namespace, command: str) -> dic
         dispatch.update(_probe(plan, model_path, variants["served"][1], redis, work_dir, prompts, say))
     dispatch["meta"] = {
         "command": command, "commit": machine["git_commit"], "dirty": machine["git_dirty"],
-        "label": args.label, "duration_s": round(time.monotonic() - started, 1),
+        "duration_s": round(time.monotonic() - started, 1),
         "load_average_start": machine["load_average_start"], "load_average_end": [round(x, 2) for x in os.getloadavg()],
     }  # fmt: skip
     results["dispatch"] = dispatch
-    results.setdefault("dispatch_runs", {})[args.label] = path_summary(dispatch)
+    results.pop("dispatch_runs", None)  # runs merged by name (older results): the report shows one run
     if getattr(args, "dispatch_json", None):
         Path(args.dispatch_json).write_text(json.dumps(dispatch, indent=1, default=str) + "\n")
     json_path.parent.mkdir(parents=True, exist_ok=True)

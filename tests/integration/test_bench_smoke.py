@@ -105,6 +105,7 @@ def test_quick_dispatch_phase_alone_measures_each_path(tmp_path: Path) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=220, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     results = json.loads(raw.read_text())
+    assert "dispatch_runs" not in results and "label" not in results["dispatch"]["meta"]  # one run, no run names
     run = path_summary(results["dispatch"])
     assert set(run["paths"]) == {"served", "bulk", "gateway", "floor-events", "floor-lean"}  # + stock Celery
     for name, path in run["paths"].items():
