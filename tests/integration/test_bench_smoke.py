@@ -99,7 +99,7 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
 def test_quick_dispatch_phase_alone_measures_each_path(tmp_path: Path) -> None:
     out_md, raw = tmp_path / "dispatch.md", tmp_path / "dispatch.json"
     cmd = [
-        sys.executable, "-m", "producer.cli", "bench", "--quick", "--only", "dispatch", "--label", "smoke",
+        sys.executable, "-m", "producer.cli", "bench", "--quick", "--only", "dispatch",
         "--out", str(out_md), "--json", str(raw), "--work-dir", str(tmp_path / "work"),
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=220, check=False)
