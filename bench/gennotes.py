@@ -66,7 +66,7 @@ def generation_reading(gen: dict[str, Any]) -> str:
         f"of {fmt(sat['continuous']['mean_batch'], 1)} rows (a bare decode step of {b} rows: "
         f"{fmt(bb['step_ms'], 1)} ms), against {fmt(_ms_per_step(wo), 1)} ms per step for one row one at a time "
         f"(bare: {fmt(b1['step_ms'], 1)} ms). A worker's step also carries the joiners' prefill and the cache "
-        "re-layouts, and shares the 2 cores with Celery, Redis, the stream publisher and the client.",
+        "re-layouts, and shares the machine's cores with Celery, Redis, the stream publisher and the client.",
         f"- **Where a continuous step's time goes** (the worker's own `GenerationLoop` in process, "
         f"{fmt(lc['tokens_per_s'], 0)} tokens/s): prefill of joiners {pct(lc['shares']['prefill_share'])}, re-laying "
         f"out the KV cache when rows leave or join {pct(lc['shares']['copy_share'])} "
