@@ -84,7 +84,8 @@ def check_supported(body: ResponseBody) -> None:
     Raises:
         InvalidRequest: naming the first such field (``tools``, ``reasoning``, ``text.format``, …).
     """
-    fmt = ((body.text or {}).get("format") or {}).get("type", "text")
+    given = (body.text or {}).get("format")
+    fmt = given.get("type", "text") if isinstance(given, dict) else ("text" if given is None else given)
     checks = {
         "tools": bool(body.tools),
         "tool_choice": body.tool_choice not in (None, "none", "auto"),

@@ -52,6 +52,7 @@ def test_non_text_parts_and_empty_input_are_refused_by_name() -> None:
         ({"tool_choice": "required"}, "tool_choice"),
         ({"reasoning": {"effort": "low"}}, "reasoning"),
         ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+        ({"text": {"format": 5}}, "text.format"),
         ({"background": True}, "background"),
         ({"include": ["reasoning.encrypted_content"]}, "include"),
     ],
