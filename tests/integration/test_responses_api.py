@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.integration.openai_fixtures import API_KEY, ops_models, ops_redis
-from tests.integration.ops_fixtures import OpsFleet
+from tests.integration.ops_fixtures import OpsFleet, wait_until
 from tools.redis_server import EmbeddedRedis
 
 __all__ = ["ops_models", "ops_redis"]
@@ -92,7 +92,9 @@ def test_conversation_continues_through_another_gateway(
     assert b.responses.retrieve(second.id).output_text == second.output_text  # the later turn stands alone
 
 
-def test_message_list_input_and_store_false(clients: tuple[openai.OpenAI, openai.OpenAI]) -> None:
+def test_message_list_input_store_false_and_expiry(
+    fleet: OpsFleet, clients: tuple[openai.OpenAI, openai.OpenAI]
+) -> None:
     a, b = clients
     messages: Any = [
         {"role": "developer", "content": "Be brief."},
@@ -107,6 +109,13 @@ def test_message_list_input_and_store_false(clients: tuple[openai.OpenAI, openai
         b.responses.create(previous_response_id=unstored.id, input="More", **GREEDY)
     body: Any = info.value.body
     assert body["param"] == "previous_response_id" and body["code"] == "not_found"
+    stored = a.responses.create(input="Hi", **GREEDY)
+    key = f"fleet:response:{stored.id}"
+    fleet.redis.pexpire(key, 1)  # its TTL runs out now, as api.responses_ttl_s would
+    wait_until(lambda: not fleet.redis.exists(key), 10, "the stored response to expire")
+    with pytest.raises(openai.NotFoundError) as expired:
+        b.responses.create(previous_response_id=stored.id, input="More", **GREEDY)
+    assert expired.value.body["param"] == "previous_response_id"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as refused:
         a.responses.create(input="Hi", tools=[{"type": "web_search"}], **GREEDY)
     assert refused.value.body["param"] == "tools"  # type: ignore[index]
