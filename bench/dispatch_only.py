@@ -41,7 +41,7 @@ from tools.build_model import main as build_model_main
 from tools.calibration import synthetic_sequences
 from tools.redis_server import EmbeddedRedis
 
-__all__ = ["run_dispatch_only"]
+__all__ = ["probe_gateway_and_lone", "run_dispatch_only"]
 
 
 def _identity_model(plan: Plan, work_dir: Path, say: Any) -> Path:
@@ -53,7 +53,7 @@ def _identity_model(plan: Plan, work_dir: Path, say: Any) -> Path:
     return path
 
 
-def _probe(plan: Plan, model_path: Path, served: Any, redis: EmbeddedRedis, work_dir: Path,
+def probe_gateway_and_lone(plan: Plan, model_path: Path, served: Any, redis: EmbeddedRedis, work_dir: Path,
            prompts: list[list[int]], say: Any) -> dict[str, Any]:  # fmt: skip
     """The gateway's closed loop and the lone-request profile, on one more worker of the served config."""
     assert redis.proc is not None
@@ -110,7 +110,7 @@ def run_dispatch_only(plan: Plan, args: argparse.Namespace, command: str) -> dic
             duration_s=plan.dispatch_duration_s, lone_requests=plan.dispatch_lone_requests, rounds=plan.rounds,
             profile_s=0.0, say=say, floors=(True, False),
         )  # fmt: skip
-        dispatch.update(_probe(plan, model_path, variants["served"][1], redis, work_dir, prompts, say))
+        dispatch.update(probe_gateway_and_lone(plan, model_path, variants["served"][1], redis, work_dir, prompts, say))
     dispatch["meta"] = {
         "command": command, "commit": machine["git_commit"], "dirty": machine["git_dirty"],
         "duration_s": round(time.monotonic() - started, 1),

@@ -23,6 +23,7 @@ from typing import Any
 from tqdm import tqdm
 
 from bench.dispatch import dispatch_variants, measure_dispatch
+from bench.dispatch_only import probe_gateway_and_lone
 from bench.generation import measure_generation
 from bench.limit import bare_latency_ms, bare_session, bare_throughput
 from bench.machine import machine_facts, provider_chain_for, provider_unavailable
@@ -350,12 +351,17 @@ def run_bench(plan: Plan, args: argparse.Namespace, command: str) -> dict[str, A
         bar.update()
         step("dispatch")
         flush_redis(redis.url)
-        ident = load_card(Path(models["identity"]))
+        ident_path = Path(models["identity"])
+        variants = dispatch_variants(plan, load_card(ident_path).name, ident_path)
         results["dispatch"] = measure_dispatch(
-            dispatch_variants(plan, ident.name, Path(models["identity"])), redis.url, redis.proc.pid, work_dir,
+            variants, redis.url, redis.proc.pid, work_dir,
             prompts["short"], clients=plan.dispatch_clients, duration_s=plan.dispatch_duration_s,
             lone_requests=plan.dispatch_lone_requests, rounds=plan.rounds, profile_s=plan.profile_s, say=say,
+            floors=(True, False),
         )  # fmt: skip
+        # the gateway's loop and the lone-request profile, as `fleet bench --only dispatch` measures them
+        results["dispatch"].update(probe_gateway_and_lone(
+            plan, ident_path, variants["served"][1], redis, work_dir, prompts["short"], say))
         bar.update()
         step("generation")
         results["generation"] = _generation(plan, Path(models["fp32"]), redis.url, work_dir, command, say)
