@@ -80,7 +80,14 @@ from protocol.errors import FleetError, InvalidRequest, NoLiveWorker, RequestNot
 from protocol.keys import CANCEL_CHANNEL, CANCEL_KEY
 from protocol.messages import InferenceRequest, InferenceResult
 
-__all__ = ["router"]
+__all__ = [
+    "CLIENT_CLOSED_REQUEST",
+    "build_generation",
+    "cancel_requests",
+    "chat_prompt",
+    "give_up_waiting",
+    "router",
+]
 
 log = logging.getLogger("fleet.api")
 
@@ -97,7 +104,7 @@ def _chat_template(path: Path) -> ChatTemplate | None:
     return load_chat(path)
 
 
-def _build(gw: Gateway, body: CompletionBody | ChatBody, prompt: Prompt, field: str) -> InferenceRequest:
+def build_generation(gw: Gateway, body: CompletionBody | ChatBody, prompt: Prompt, field: str) -> InferenceRequest:
     """Tokenize, map the sampling fields and validate one generation (runs in a worker thread).
 
     Fields the body leaves unset are resolved by :meth:`FleetClient.build_request` (the model's
@@ -138,7 +145,7 @@ def _refuse_without_tokenizer(gw: Gateway, key: str, model: str) -> None:
         )
 
 
-def _chat_prompt(gw: Gateway, body: ChatBody) -> Prompt:
+def chat_prompt(gw: Gateway, body: ChatBody) -> Prompt:
     """The conversation rendered by the model's chat template, as token ids.
 
     Raises:
@@ -165,7 +172,7 @@ def _chat_prompt(gw: Gateway, body: ChatBody) -> Prompt:
 async def completions(body: CompletionBody, rate_key: CallerDep, gw: GatewayDep, http: Request) -> Response:
     """Complete one prompt (text or token ids); ``stream: true`` for SSE chunks."""
     check_supported(body)
-    request = await run_in_threadpool(_build, gw, body, completion_prompt(body), prompt_field(body))
+    request = await run_in_threadpool(build_generation, gw, body, completion_prompt(body), prompt_field(body))
     return await _generate(gw, request, rate_key, "completion", body, http)
 
 
@@ -173,8 +180,8 @@ async def completions(body: CompletionBody, rate_key: CallerDep, gw: GatewayDep,
 async def chat_completions(body: ChatBody, rate_key: CallerDep, gw: GatewayDep, http: Request) -> Response:
     """Answer a conversation rendered with the model's chat template; ``stream: true`` for SSE chunks."""
     check_supported(body)
-    prompt = await run_in_threadpool(_chat_prompt, gw, body)
-    request = await run_in_threadpool(_build, gw, body, prompt, "messages")
+    prompt = await run_in_threadpool(chat_prompt, gw, body)
+    request = await run_in_threadpool(build_generation, gw, body, prompt, "messages")
     return await _generate(gw, request, rate_key, "chat", body, http)
 
 
@@ -197,17 +204,17 @@ async def _generate(
         ended: list[bool] = []
         return EventStream(
             _frames(gw, rid, request.model, writer, ended), finished=lambda: bool(ended),
-            on_abort=partial(_cancel, gw, [rid]),
+            on_abort=partial(cancel_requests, gw, [rid]),
             headers=headers,
         )
     try:
         waiting = await_outcomes(gw.fleet, gw.aredis, [rid], timeout_s=WAIT_S, model=request.model,
                                  no_worker_after_s=gw.settings.api.no_worker_wait_s, presence=gw.apresence)
-        outcome = (await unless_client_leaves(http, waiting, partial(_cancel, gw, [rid])))[rid]
+        outcome = (await unless_client_leaves(http, waiting, partial(cancel_requests, gw, [rid])))[rid]
     except ClientLeft:
         return Response(status_code=CLIENT_CLOSED_REQUEST, headers=headers)
     except NoLiveWorker as exc:
-        return fleet_error_response(await _given_up(gw, [rid], exc), openai=True, headers=headers)
+        return fleet_error_response(await give_up_waiting(gw, [rid], exc), openai=True, headers=headers)
     except FleetError as exc:
         return fleet_error_response(exc, openai=True, headers=headers)
     if isinstance(outcome, FleetError):
@@ -237,22 +244,22 @@ async def _frames(gw: Gateway, rid: str, model: str, writer: ChunkWriter, ended:
                 yield sse_frame(payload)
     except NoLiveWorker as exc:  # an error chunk naming the model; the request is cancelled
         ended.append(True)
-        yield sse_frame(openai_error_of(await _given_up(gw, [rid], exc)))
+        yield sse_frame(openai_error_of(await give_up_waiting(gw, [rid], exc)))
     except (FleetError, redis.RedisError) as exc:  # say so; leave the request be (it can be polled)
         ended.append(True)
         yield sse_frame(openai_error_of(relay_error(exc, rid)))
     yield DONE_FRAME
 
 
-async def _given_up(gw: Gateway, rids: list[str], exc: NoLiveWorker) -> NoLiveWorker:
+async def give_up_waiting(gw: Gateway, rids: list[str], exc: NoLiveWorker) -> NoLiveWorker:
     """No worker came within ``api.no_worker_wait_s``: the caller gets an error, so nothing runs for it later
     (an SDK retries a 503 as a new request); the queued items still count for a scaler watching the queue."""
-    await _cancel(gw, rids)
+    await cancel_requests(gw, rids)
     return NoLiveWorker(f"{exc.message}; request {', '.join(rids)} was cancelled: retry once a worker is up",
                         exc.field, exc.limit)
 
 
-async def _cancel(gw: Gateway, rids: list[str]) -> None:
+async def cancel_requests(gw: Gateway, rids: list[str]) -> None:
     """The client left before its answer: mark the requests cancelled and tell the running workers."""
     try:
         async with gw.aredis.pipeline(transaction=False) as pipe:
@@ -273,11 +280,11 @@ async def embeddings(body: EmbeddingBody, rate_key: CallerDep, gw: GatewayDep, h
     try:
         waiting = await_outcomes(gw.fleet, gw.aredis, ids, timeout_s=WAIT_S, model=gw.settings.model_key(body.model),
                                  no_worker_after_s=gw.settings.api.no_worker_wait_s, presence=gw.apresence)
-        outcomes = await unless_client_leaves(http, waiting, partial(_cancel, gw, ids))
+        outcomes = await unless_client_leaves(http, waiting, partial(cancel_requests, gw, ids))
     except ClientLeft:
         return Response(status_code=CLIENT_CLOSED_REQUEST, headers=headers)
     except NoLiveWorker as exc:
-        return fleet_error_response(await _given_up(gw, ids, exc), openai=True, headers=headers)
+        return fleet_error_response(await give_up_waiting(gw, ids, exc), openai=True, headers=headers)
     except FleetError as exc:
         return fleet_error_response(exc, openai=True, headers=headers)
     results: list[InferenceResult] = []

@@ -36,7 +36,7 @@ from gateway.deps import CallerDep, Gateway, GatewayDep
 from gateway.disconnect import ClientLeft, unless_client_leaves
 from gateway.errors import fleet_error_response, openai_error_of, relay_error
 from gateway.openai_mapping import finish_reason, rename_field
-from gateway.openai_routes import CLIENT_CLOSED_REQUEST, _build, _cancel, _chat_prompt, _given_up
+from gateway.openai_routes import CLIENT_CLOSED_REQUEST, build_generation, cancel_requests, chat_prompt, give_up_waiting
 from gateway.openai_schema import ChatBody
 from gateway.outcomes import WAIT_S, await_outcomes, relay_unless_no_worker
 from gateway.responses_schema import ResponseBody, check_supported, input_messages, message_item, output_message
@@ -112,7 +112,7 @@ def _build_turn(gw: Gateway, chat: ChatBody) -> InferenceRequest:
     """Render, tokenize and validate the turn (in a worker thread), errors named as the Responses API names
     the fields (``input``, ``max_output_tokens``)."""
     try:
-        return _build(gw, chat, _chat_prompt(gw, chat), "messages")
+        return build_generation(gw, chat, chat_prompt(gw, chat), "messages")
     except InvalidRequest as exc:
         raise rename_field(exc, FIELD_NAMES) from exc
 
@@ -137,15 +137,15 @@ async def create_response(body: ResponseBody, rate_key: CallerDep, gw: GatewayDe
     if body.stream:
         ended: list[bool] = []
         return EventStream(_events(gw, turn, request.model, ended), finished=lambda: bool(ended),
-                           on_abort=partial(_cancel, gw, [rid]), headers=headers)  # fmt: skip
+                           on_abort=partial(cancel_requests, gw, [rid]), headers=headers)  # fmt: skip
     try:
         waiting = await_outcomes(gw.fleet, gw.aredis, [rid], timeout_s=WAIT_S, model=request.model,
                                  no_worker_after_s=gw.settings.api.no_worker_wait_s, presence=gw.apresence)  # fmt: skip
-        outcome = (await unless_client_leaves(http, waiting, partial(_cancel, gw, [rid])))[rid]
+        outcome = (await unless_client_leaves(http, waiting, partial(cancel_requests, gw, [rid])))[rid]
     except ClientLeft:
         return Response(status_code=CLIENT_CLOSED_REQUEST, headers=headers)
     except NoLiveWorker as exc:
-        return fleet_error_response(await _given_up(gw, [rid], exc), openai=True, headers=headers)
+        return fleet_error_response(await give_up_waiting(gw, [rid], exc), openai=True, headers=headers)
     except FleetError as exc:
         return fleet_error_response(exc, openai=True, headers=headers)
     if isinstance(outcome, FleetError):
@@ -204,7 +204,7 @@ async def _events(gw: Gateway, turn: _Turn, model: str, ended: list[bool]) -> As
                 return
     except NoLiveWorker as exc:  # an error event naming the model; the request is cancelled
         ended.append(True)
-        err = openai_error_of(await _given_up(gw, [turn.rid], exc))["error"]
+        err = openai_error_of(await give_up_waiting(gw, [turn.rid], exc))["error"]
         yield _event("error", seq, code=err["code"], message=err["message"], param=err["param"])
     except (FleetError, redis.RedisError) as exc:  # say so; leave the request be (it can be polled)
         ended.append(True)

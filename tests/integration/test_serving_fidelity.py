@@ -26,7 +26,7 @@ from fastapi.testclient import TestClient
 
 from gateway.app import create_app
 from gateway.deps import Gateway
-from gateway.openai_routes import _chat_prompt
+from gateway.openai_routes import chat_prompt
 from gateway.openai_schema import ChatBody
 from producer.client import FleetClient
 from protocol.messages import InferenceResult
@@ -106,7 +106,7 @@ def _error(answer: Any, status: int = 400) -> dict[str, Any]:
 def test_a_chat_prompt_is_tokenized_as_transformers_does(served: Served) -> None:
     settings = load_settings(served.config)
     gateway = Gateway(settings, served.client)
-    ids, text = _chat_prompt(gateway, ChatBody(model="llama-chat", messages=MESSAGES))  # type: ignore[arg-type]
+    ids, text = chat_prompt(gateway, ChatBody(model="llama-chat", messages=MESSAGES))  # type: ignore[arg-type]
     assert (ids, text) == (TRANSFORMERS_IDS, None)
     answer = served.http.post("/v1/chat/completions", json={"model": "llama-chat", "messages": MESSAGES,
                                                             "max_tokens": 1})
