@@ -145,3 +145,10 @@ def test_streamed_turn_continues_and_is_stored(clients: tuple[openai.OpenAI, ope
     plain = a.responses.create(previous_response_id=first.id, input="Go on", store=False, **GREEDY)
     assert plain.output_text == deltas and deltas
     assert a.responses.retrieve(streamed.id).output_text == deltas
+    # the SDK's own stream helper accumulates the events into its snapshot (indexing output and content
+    # by each event's output_index/content_index) without complaint; its get_final_response wants
+    # response.completed, which a turn cut by max_output_tokens replaces with response.incomplete, as at OpenAI
+    with a.responses.stream(previous_response_id=first.id, input="Go on", store=False, **GREEDY) as helper:
+        seen: list[Any] = list(helper)
+    assert "".join(e.delta for e in seen if e.type == "response.output_text.delta") == deltas
+    assert seen[-1].type == kinds[-1]
