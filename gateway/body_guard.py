@@ -37,6 +37,7 @@ __all__ = [
     "RequestGuardMiddleware",
     "ShapeRefusal",
     "bounds_for",
+    "replaying",
     "scan_json",
     "send_error",
 ]
@@ -135,6 +136,21 @@ def _key_text(token: bytes) -> str:
     except ValueError:
         text = raw.decode("utf-8", "replace")
     return str(text)[:100]
+
+
+def replaying(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that hands the app the body a middleware already read, whole, then the rest of the
+    connection's messages (a disconnect) from ``receive``."""
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 async def send_error(
@@ -244,13 +260,4 @@ class JsonShapeMiddleware:
                                     refusal.limit)  # fmt: skip
             await send_error(scope, send, 413, payload)
             return
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(body, receive), send)

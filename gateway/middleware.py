@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.body_guard import replaying
 from gateway.errors import error_payload, is_openai_path, openai_error
 from producer.admission import queue_depth
 from producer.registry import list_workers
@@ -73,16 +74,7 @@ class BodyLimitMiddleware:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(body, receive), send)
 
     async def _refuse(self, scope: Scope, send: Send, status: int, what: str, size: int | None) -> None:
         if status == 413:
