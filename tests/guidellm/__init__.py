@@ -1,0 +1,1 @@
+"""guidellm (vLLM's benchmark client) run unchanged against a real gateway, in its own virtual environment."""
