@@ -289,7 +289,7 @@ def _acl_run(fleet: OpsFleet, server: EmbeddedRedis, env: pytest.MonkeyPatch) ->
     status = stack.cli("status", "--json")
     assert "unreachable" in status.stdout and "fleet:***@" in status.stdout, status.stdout
     submit = stack.cli("submit", "--model", "demo-lm", "--tokens", "1,2")
-    assert submit.returncode == 1 and "cannot reach Redis (redis://fleet:***@" in submit.stderr, submit.stderr
+    assert submit.returncode == 1 and "cannot reach Redis at redis://fleet:***@" in submit.stderr, submit.stderr
     down_client = FleetClient(load_settings(config))
     with pytest.raises(redis.ConnectionError) as unreachable:
         down_client.submit("demo-lm", [1, 2])
