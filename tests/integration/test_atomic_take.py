@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 import redis
 from kombu.entity import Queue
 from kombu.messaging import Consumer
+from kombu.transport import redis as kombu_redis
+from redis._parsers.base import BaseParser
 
 from tests.integration import take_victim
 from tools.redis_server import EmbeddedRedis
@@ -77,6 +80,16 @@ def test_refused_writes_take_nothing_and_a_tagless_item_is_taken_unrecorded(redi
     assert sorted(r.hkeys("unacked")) == [b"tag-0", b"tag-2"] and r.llen(QUEUE) == 0
 
 
+@pytest.fixture
+def guard_undone_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    """poison.install changes process-wide state (kombu's channel classes, redis-py's error classes), as a
+    worker process does; this test runs in pytest's process, so every one is put back after it."""
+    monkeypatch.setattr(kombu_redis.Transport, "Channel", kombu_redis.Transport.Channel)
+    monkeypatch.setattr(kombu_redis.SentinelTransport, "Channel", kombu_redis.SentinelTransport.Channel)
+    monkeypatch.setattr(BaseParser, "EXCEPTION_CLASSES", dict(BaseParser.EXCEPTION_CLASSES))
+
+
+@pytest.mark.usefixtures("guard_undone_after")
 def test_a_closing_channel_reads_its_pending_wait_and_takes_nothing(redis_server: EmbeddedRedis) -> None:
     """kombu reads a pending reply when a channel closes (a popped message must not vanish); the wait
     popped nothing, so a message that arrived meanwhile stays queued, unrecorded, for the next worker."""
