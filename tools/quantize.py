@@ -121,7 +121,16 @@ def _session(path: Path, threads: int) -> ort.InferenceSession:
 
 def _quantize(src: Path, dst: Path, card: ModelCard, cfg: QuantizeConfig, progress: bool) -> dict[str, Any]:
     """Write the INT8 model of ``src`` to ``dst``; returns the calibration facts for the report."""
-    logging.getLogger().setLevel(logging.ERROR)  # ORT's quantizer logs a pre-processing hint per call
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # ORT's quantizer logs a pre-processing hint per call (on the root logger)
+    try:
+        return _run_quantizer(src, dst, card, cfg, progress)
+    finally:  # the process's own logging (a worker's, a test's) as it was
+        root.setLevel(level)
+
+
+def _run_quantizer(src: Path, dst: Path, card: ModelCard, cfg: QuantizeConfig, progress: bool) -> dict[str, Any]:
     if cfg.mode == "dynamic":
         ops = list(cfg.op_types) if cfg.op_types else None
         quantize_dynamic(

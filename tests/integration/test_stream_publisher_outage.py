@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 
+import pytest
 import redis
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -62,6 +64,19 @@ def _publish_while_dead(
     server.start()
 
 
+@pytest.fixture
+def publisher_warnings() -> Iterator[None]:
+    """The publisher's warnings are emitted whatever level an earlier test left on the root logger."""
+    logger = logging.getLogger("fleet.streams")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@pytest.mark.usefixtures("publisher_warnings")
 def test_events_published_while_redis_is_dead_are_written_in_order_when_it_is_back() -> None:
     lines = _Lines()
     logging.getLogger("fleet.streams").addHandler(lines)
