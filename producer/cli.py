@@ -81,10 +81,10 @@ def _random_weights_note(client: Any, model: str) -> str | None:
 
 def _no_worker(client: Any, model: str) -> str | None:
     """The no-live-worker warning for ``model`` (None when a worker's heartbeat is live)."""
-    from producer.presence import live_models, no_worker_message
+    from producer.presence import has_live_worker, no_worker_message
 
     key = client.settings.model_key(model)
-    return None if key in live_models(client.redis) else no_worker_message(key, client.settings.queue_for(key))
+    return None if has_live_worker(client.redis, key) else no_worker_message(key, client.settings.queue_for(key))
 
 
 def _wait_naming_the_worker(client: Any, rid: str, model: str | None, timeout_s: float) -> Any:

@@ -1,50 +1,41 @@
-"""Whether a model has a live worker: the heartbeats ``/readyz`` reads (``fleet:worker:<hostname>``).
+"""Whether a model has a live worker: the live set each worker's heartbeat writes (``fleet:live:<model>``).
 
 A request for a model no worker serves is still accepted (a fleet scaled to zero wakes up on its queue),
 but the caller is told: the submit answer, ``fleet submit --wait``, the status by ID and the OpenAI
-routes' wait say :func:`no_worker_message`. A heartbeat expires three periods after its worker stops
-(:mod:`workers.health`), so "no live worker" is at most ~6 s stale with the default ``heartbeat_s``.
+routes' wait say :func:`no_worker_message`. Each heartbeat scores its worker in the model's sorted set
+with the time its heartbeat expires (:mod:`workers.health`), and a stopping worker removes itself, so
+"no live worker" is exact for a stopped worker and at most three heartbeat periods stale for a dead one.
 
-Reading every heartbeat is a ``SCAN`` over the keyspace, so :class:`WorkerPresence` keeps the answer for
-``cache_s`` (one read per second per process at most, not one per request).
+One ``ZCOUNT`` answers it, whatever the size of the keyspace (reading every heartbeat would be a ``SCAN``
+of it); :class:`WorkerPresence` still keeps each answer for ``cache_s``, so a busy gateway asks Redis
+once a second per model, not once per request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import redis
 import redis.asyncio
 
-from protocol.keys import REQUEST_KEY, WORKER_KEY_PREFIX
+from protocol.keys import LIVE_WORKERS_KEY, REQUEST_KEY
 
-__all__ = ["CACHE_S", "AsyncWorkerPresence", "WorkerPresence", "live_models", "live_models_async", "marker_key",
-           "no_worker_message", "request_model"]
+__all__ = ["CACHE_S", "AsyncWorkerPresence", "WorkerPresence", "has_live_worker", "has_live_worker_async",
+           "marker_key", "no_worker_message", "request_model"]
 
 CACHE_S = 1.0
-"""How long a read of the heartbeats is reused (s)."""
+"""How long an answer read from Redis is reused (s)."""
 
 
 def no_worker_message(model: str, queue: str) -> str:
     """The one line every face says when ``model`` has no live worker."""
     return (f"no live worker serves model {model!r}: the request waits in {queue} until one starts "
             f"(start one: `fleet worker --model {model}`; `fleet status` lists the workers)")
-
-
-def _models_of(raws: Iterable[bytes | None]) -> set[str]:
-    models = set()
-    for raw in raws:
-        try:
-            doc: Any = json.loads(raw) if raw else None
-        except ValueError:
-            continue
-        if isinstance(doc, dict) and doc.get("model"):
-            models.add(str(doc["model"]))
-    return models
 
 
 def request_model(raw_marker: bytes | str | None) -> str | None:
@@ -61,54 +52,57 @@ def marker_key(request_id: str) -> str:
     return REQUEST_KEY.format(id=request_id)
 
 
-def live_models(client: redis.Redis[bytes]) -> set[str]:
-    """Models with at least one unexpired worker heartbeat (ready or still warming up)."""
-    keys = list(client.scan_iter(match=WORKER_KEY_PREFIX + "*", count=500))
-    return _models_of(client.mget(keys)) if keys else set()
+def has_live_worker(client: redis.Redis[bytes], model: str) -> bool:
+    """True when a worker of ``model`` has an unexpired heartbeat (ready or still warming up)."""
+    return int(client.zcount(LIVE_WORKERS_KEY.format(model=model), time.time(), "+inf")) > 0
 
 
-async def live_models_async(client: redis.asyncio.Redis[bytes]) -> set[str]:
-    """:func:`live_models` on ``redis.asyncio`` (the gateway's event loop)."""
-    keys = [key async for key in client.scan_iter(match=WORKER_KEY_PREFIX + "*", count=500)]
-    return _models_of(await client.mget(keys)) if keys else set()
+async def has_live_worker_async(client: redis.asyncio.Redis[bytes], model: str) -> bool:
+    """:func:`has_live_worker` on ``redis.asyncio`` (the gateway's event loop)."""
+    return int(await client.zcount(LIVE_WORKERS_KEY.format(model=model), time.time(), "+inf")) > 0
 
 
 class AsyncWorkerPresence:
-    """:func:`live_models_async`, read at most once per ``cache_s`` however many coroutines ask (the
-    gateway's waits share one read: one SCAN a second, not one per waiting request)."""
+    """:func:`has_live_worker_async` per model, read at most once per ``cache_s`` however many coroutines
+    ask (``clock``: monotonic seconds)."""
 
     def __init__(self, client: redis.asyncio.Redis[bytes], *, cache_s: float = CACHE_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.client = client
         self.cache_s = cache_s
         self.clock = clock
-        self._read_at: float | None = None
-        self._models: set[str] = set()
+        self._answers: dict[str, tuple[float, bool]] = {}
         self._lock = asyncio.Lock()
 
     async def has_worker(self, model: str) -> bool:
-        """True when a heartbeat of ``model`` was live at the last read (at most ``cache_s`` old)."""
+        """True when a worker of ``model`` was live at the last read (at most ``cache_s`` old)."""
         async with self._lock:  # one reader refreshes; the others wait for its answer
             now = self.clock()
-            if self._read_at is None or now - self._read_at >= self.cache_s:
-                self._models, self._read_at = await live_models_async(self.client), now
-        return model in self._models
+            cached = self._answers.get(model)
+            if cached is None or now - cached[0] >= self.cache_s:
+                cached = (now, await has_live_worker_async(self.client, model))
+                self._answers[model] = cached
+        return cached[1]
 
 
 class WorkerPresence:
-    """:func:`live_models`, read at most once per ``cache_s`` (``clock``: monotonic seconds)."""
+    """:func:`has_live_worker` per model, read at most once per ``cache_s``; thread-safe (``clock``:
+    monotonic seconds)."""
 
     def __init__(self, client: redis.Redis[bytes], *, cache_s: float = CACHE_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.client = client
         self.cache_s = cache_s
         self.clock = clock
-        self._read_at: float | None = None
-        self._models: set[str] = set()
+        self._answers: dict[str, tuple[float, bool]] = {}
+        self._lock = threading.Lock()
 
     def has_worker(self, model: str) -> bool:
-        """True when a heartbeat of ``model`` was live at the last read (at most ``cache_s`` old)."""
-        now = self.clock()
-        if self._read_at is None or now - self._read_at >= self.cache_s:
-            self._models, self._read_at = live_models(self.client), now
-        return model in self._models
+        """True when a worker of ``model`` was live at the last read (at most ``cache_s`` old)."""
+        with self._lock:  # one thread refreshes; the others wait for its answer
+            now = self.clock()
+            cached = self._answers.get(model)
+            if cached is None or now - cached[0] >= self.cache_s:
+                cached = (now, has_live_worker(self.client, model))
+                self._answers[model] = cached
+        return cached[1]

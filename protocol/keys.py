@@ -9,6 +9,7 @@ __all__ = [
     "DEAD_LETTER_KEY",
     "DELIVERIES_KEY",
     "DRAIN_KEY",
+    "LIVE_WORKERS_KEY",
     "RATE_KEY",
     "REQUEST_KEY",
     "RESPONSE_KEY",
@@ -25,6 +26,10 @@ CANCEL_CHANNEL = "fleet:cancels"
 stops it at its next step instead of at its next poll of the cancel marks."""
 CARD_KEY = "fleet:model:{model}:card"
 """The model card JSON a worker publishes, for producers without the model file."""
+LIVE_WORKERS_KEY = "fleet:live:{model}"
+"""Sorted set: the hostnames of the workers serving ``model``, each scored by the wall-clock time (unix s)
+its heartbeat expires; written with every heartbeat, so "has this model a live worker" is one ``ZCOUNT``
+instead of a ``SCAN`` of the keyspace. A stopping worker removes itself."""
 WORKER_KEY_PREFIX = "fleet:worker:"
 """+ hostname: a worker's heartbeat JSON, expiring after three heartbeat periods."""
 DRAIN_KEY = "fleet:drain:{model}:{second}"

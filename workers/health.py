@@ -22,7 +22,7 @@ from typing import Any
 
 import redis
 
-from protocol.keys import CARD_KEY, WORKER_KEY_PREFIX
+from protocol.keys import CARD_KEY, LIVE_WORKERS_KEY, WORKER_KEY_PREFIX
 
 __all__ = ["Heartbeat", "list_workers", "read_card_json"]
 
@@ -37,6 +37,8 @@ class Heartbeat:
     ) -> None:
         self._client = client
         self._key = WORKER_KEY_PREFIX + hostname
+        self._hostname = hostname
+        self._model: str | None = None
         self._snapshot = snapshot
         self._period_s = period_s
         self._stop = threading.Event()
@@ -48,20 +50,33 @@ class Heartbeat:
         self._thread.start()
 
     def beat(self) -> None:
-        """Publish the current snapshot (errors are logged: Redis may be restarting)."""
+        """Publish the current snapshot, and this worker in its model's live set (errors are logged: Redis
+        may be restarting)."""
         try:
-            doc = {**self._snapshot(), "heartbeat_unix_s": time.time()}
-            self._client.set(self._key, json.dumps(doc), ex=max(1, int(self._period_s * 3 + 0.999)))
+            now = time.time()
+            doc = {**self._snapshot(), "heartbeat_unix_s": now}
+            ttl_s = max(1, int(self._period_s * 3 + 0.999))
+            with self._client.pipeline(transaction=False) as pipe:
+                pipe.set(self._key, json.dumps(doc), ex=ttl_s)
+                if doc.get("model"):
+                    self._model = str(doc["model"])
+                    live = LIVE_WORKERS_KEY.format(model=self._model)
+                    pipe.zadd(live, {self._hostname: now + ttl_s})
+                    pipe.zremrangebyscore(live, "-inf", now)  # workers that died without removing themselves
+                    pipe.expire(live, ttl_s)
+                pipe.execute()
         except redis.RedisError as exc:
             log.warning("heartbeat to Redis failed: %s", exc)
 
     def stop(self) -> None:
-        """Stop publishing and remove the key."""
+        """Stop publishing and remove the key (and this worker from its model's live set)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(self._period_s * 2)
         with contextlib.suppress(redis.RedisError):
             self._client.delete(self._key)
+            if self._model:
+                self._client.zrem(LIVE_WORKERS_KEY.format(model=self._model), self._hostname)
 
     def _loop(self) -> None:
         while not self._stop.wait(self._period_s):
