@@ -7,7 +7,6 @@ by the raw path, so request IDs cannot blow up the series count.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterator
@@ -20,8 +19,8 @@ from prometheus_client.registry import Collector
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.body_guard import replaying
-from gateway.errors import error_payload, is_openai_path, openai_error
+from gateway.body_guard import replaying, send_error
+from gateway.errors import error_payload
 from producer.admission import queue_depth
 from producer.registry import list_workers
 from protocol.model_state import AUTO_ROLLBACKS_KEY, read_state
@@ -82,21 +81,8 @@ class BodyLimitMiddleware:
             payload = error_payload("body_too_large", "PayloadTooLarge", message, "body", self.max_bytes)
         else:
             payload = error_payload("bad_request", "BadRequest", what, "Content-Length")
-        if is_openai_path(str(scope.get("path", ""))):
-            payload = openai_error(status, payload)
-        raw = json.dumps(payload).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(raw)).encode()),
-                    (b"connection", b"close"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": raw})
+        # the rest of the body was not read: the connection cannot carry another request
+        await send_error(scope, send, status, payload, headers={"Connection": "close"})
 
 
 class _FleetCollector(Collector):
