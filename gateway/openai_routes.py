@@ -86,6 +86,7 @@ __all__ = [
     "cancel_requests",
     "chat_prompt",
     "give_up_waiting",
+    "outcome_or_error",
     "router",
 ]
 
@@ -207,20 +208,11 @@ async def _generate(
             on_abort=partial(cancel_requests, gw, [rid]),
             headers=headers,
         )
-    try:
-        waiting = await_outcomes(gw.fleet, gw.aredis, [rid], timeout_s=WAIT_S, model=request.model,
-                                 no_worker_after_s=gw.settings.api.no_worker_wait_s, presence=gw.apresence)
-        outcome = (await unless_client_leaves(http, waiting, partial(cancel_requests, gw, [rid])))[rid]
-    except ClientLeft:
-        return Response(status_code=CLIENT_CLOSED_REQUEST, headers=headers)
-    except NoLiveWorker as exc:
-        return fleet_error_response(await give_up_waiting(gw, [rid], exc), openai=True, headers=headers)
-    except FleetError as exc:
-        return fleet_error_response(exc, openai=True, headers=headers)
-    if isinstance(outcome, FleetError):
-        asked = prompt_field(body) if isinstance(body, CompletionBody) else "messages"
-        names = {"input_ids": asked, "max_new_tokens": max_tokens_field(body)}
-        return fleet_error_response(rename_field(outcome, names, "output.generation."), openai=True, headers=headers)
+    asked = prompt_field(body) if isinstance(body, CompletionBody) else "messages"
+    outcome = await outcome_or_error(gw, http, rid, request.model, headers,
+                                     {"input_ids": asked, "max_new_tokens": max_tokens_field(body)})
+    if isinstance(outcome, Response):
+        return outcome
     make = completion_response if face == "completion" else chat_response
     try:
         answer = make(rid, body.model, created, outcome)
@@ -249,6 +241,28 @@ async def _frames(gw: Gateway, rid: str, model: str, writer: ChunkWriter, ended:
         ended.append(True)
         yield sse_frame(openai_error_of(relay_error(exc, rid)))
     yield DONE_FRAME
+
+
+async def outcome_or_error(
+    gw: Gateway, http: Request, rid: str, model: str, headers: dict[str, str], field_names: dict[str, str]
+) -> InferenceResult | Response:
+    """Wait for ``rid``'s result while its client stays (at most ``WAIT_S``); every other end is the error
+    response to send: the client left (499, the request cancelled), no worker came (503, cancelled), a
+    failure (its fields renamed to the caller's: ``field_names``, OpenAI's shape)."""
+    try:
+        waiting = await_outcomes(gw.fleet, gw.aredis, [rid], timeout_s=WAIT_S, model=model,
+                                 no_worker_after_s=gw.settings.api.no_worker_wait_s, presence=gw.apresence)
+        outcome = (await unless_client_leaves(http, waiting, partial(cancel_requests, gw, [rid])))[rid]
+    except ClientLeft:
+        return Response(status_code=CLIENT_CLOSED_REQUEST, headers=headers)
+    except NoLiveWorker as exc:
+        return fleet_error_response(await give_up_waiting(gw, [rid], exc), openai=True, headers=headers)
+    except FleetError as exc:
+        return fleet_error_response(exc, openai=True, headers=headers)
+    if isinstance(outcome, FleetError):
+        return fleet_error_response(rename_field(outcome, field_names, "output.generation."), openai=True,
+                                    headers=headers)  # fmt: skip
+    return outcome
 
 
 async def give_up_waiting(gw: Gateway, rids: list[str], exc: NoLiveWorker) -> NoLiveWorker:

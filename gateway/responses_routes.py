@@ -33,12 +33,17 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from gateway.deps import CallerDep, Gateway, GatewayDep
-from gateway.disconnect import ClientLeft, unless_client_leaves
 from gateway.errors import fleet_error_response, openai_error_of, relay_error
 from gateway.openai_mapping import finish_reason, rename_field
-from gateway.openai_routes import CLIENT_CLOSED_REQUEST, build_generation, cancel_requests, chat_prompt, give_up_waiting
+from gateway.openai_routes import (
+    build_generation,
+    cancel_requests,
+    chat_prompt,
+    give_up_waiting,
+    outcome_or_error,
+)
 from gateway.openai_schema import ChatBody
-from gateway.outcomes import WAIT_S, await_outcomes, relay_unless_no_worker
+from gateway.outcomes import relay_unless_no_worker
 from gateway.responses_schema import ResponseBody, check_supported, input_messages, message_item, output_message
 from gateway.responses_store import StoredResponse, delete_response, load_response, not_found, save_response
 from gateway.sse import EventStream
@@ -138,19 +143,9 @@ async def create_response(body: ResponseBody, rate_key: CallerDep, gw: GatewayDe
         ended: list[bool] = []
         return EventStream(_events(gw, turn, request.model, ended), finished=lambda: bool(ended),
                            on_abort=partial(cancel_requests, gw, [rid]), headers=headers)  # fmt: skip
-    try:
-        waiting = await_outcomes(gw.fleet, gw.aredis, [rid], timeout_s=WAIT_S, model=request.model,
-                                 no_worker_after_s=gw.settings.api.no_worker_wait_s, presence=gw.apresence)  # fmt: skip
-        outcome = (await unless_client_leaves(http, waiting, partial(cancel_requests, gw, [rid])))[rid]
-    except ClientLeft:
-        return Response(status_code=CLIENT_CLOSED_REQUEST, headers=headers)
-    except NoLiveWorker as exc:
-        return fleet_error_response(await give_up_waiting(gw, [rid], exc), openai=True, headers=headers)
-    except FleetError as exc:
-        return fleet_error_response(exc, openai=True, headers=headers)
-    if isinstance(outcome, FleetError):
-        return fleet_error_response(rename_field(outcome, FIELD_NAMES, "output.generation."), openai=True,
-                                    headers=headers)  # fmt: skip
+    outcome = await outcome_or_error(gw, http, rid, request.model, headers, FIELD_NAMES)
+    if isinstance(outcome, Response):
+        return outcome
     gen = outcome.generation
     if gen is None or gen.text is None:
         return fleet_error_response(FleetError(f"request {rid} returned no text", "tokenizer"), openai=True,
