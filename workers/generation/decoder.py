@@ -9,11 +9,23 @@ Between decode steps of an unchanged batch the cache never leaves ONNX Runtime: 
 binding; on a GPU provider they stay in device memory). Only a membership change (rows leave or
 join) brings the cache into numpy to re-lay it out (:mod:`workers.generation.kvcache`); the time
 that takes is reported as the step's copy time.
+
+Device: outputs are bound on the device of the session's first *active* GPU provider
+(TensorRT or CUDA, :func:`decoder_device`), with the ``device_id`` the session applied to it;
+CPU otherwise.
+
+Transfer meter (:attr:`Decoder.transfers`, a :class:`Transfers` snapshot): bytes of the arrays
+that cross between host and device, counted from what is bound and fetched -- every
+``bind_cpu_input`` array is host→device, every ``OrtValue.numpy()`` of an output (logits, the
+prefill's presents, the cache a re-layout reads) is device→host. On a CPU device nothing is
+copied (``numpy()`` is a view) and the same counts are what *would* cross on a GPU
+(``Transfers.crossed`` is False).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,11 +38,76 @@ from workers.engine import Engine
 from workers.generation.kvcache import Cache, relayout
 from workers.padding import pad_batch
 
-__all__ = ["Decoder", "KVState", "PrefillOutput"]
+__all__ = ["Decoder", "KVState", "PrefillOutput", "Transfers", "decoder_device"]
 
 FloatArray = npt.NDArray[np.float32]
 PAST = "past_key_values."
 PRESENT = "present."
+GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
+"""Providers whose outputs live in CUDA device memory."""
+
+
+def decoder_device(
+    active_providers: Sequence[str], applied_options: Mapping[str, Mapping[str, str]]
+) -> tuple[str, int]:
+    """The (device type, device id) to bind outputs on, from a session's active providers.
+
+    ``active_providers`` is ``InferenceSession.get_providers()`` (priority order) and
+    ``applied_options`` its ``get_provider_options()`` (values as strings). The first active
+    TensorRT or CUDA provider gives ``("cuda", int(its "device_id"))`` (0 when absent); with
+    neither active, ``("cpu", 0)``.
+    """
+    for provider in active_providers:
+        if provider in GPU_PROVIDERS:
+            return "cuda", int(applied_options.get(provider, {}).get("device_id", "0"))
+    return "cpu", 0
+
+
+@dataclass(frozen=True)
+class Transfers:
+    """Cumulative host↔device traffic of one decoder (prefills, decode steps and cache re-layouts).
+
+    Byte counts are the ``nbytes`` of the arrays bound with ``bind_cpu_input`` (host→device: ids,
+    mask, positions, and the cache while it is numpy: the empty prefill cache, the first decode
+    after a membership change) and of the outputs read with ``OrtValue.numpy()`` (device→host:
+    logits, the prefill's presents, the running cache a re-layout reads). The cache of an unchanged
+    batch stays bound as OrtValues and is not counted. When ``crossed`` is False (a CPU device)
+    nothing was copied: the counts are what would cross if the device were a GPU.
+    """
+
+    device: str
+    """``"cuda:<id>"`` or ``"cpu"``."""
+    h2d_bytes: int
+    """Bytes host → device."""
+    d2h_bytes: int
+    """Bytes device → host (a re-layout's read is counted at the next decode step)."""
+    prefills: int
+    """Prefill calls."""
+    decode_steps: int
+    """Decode calls."""
+    tokens: int
+    """Tokens generated: one per prefilled row (its first token) and one per row of each decode step."""
+
+    @property
+    def crossed(self) -> bool:
+        """True when the bytes really crossed (a GPU device); False: what would cross on one."""
+        return self.device != "cpu"
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Bytes copied host↔device (both ways) per generated token; 0.0 before any token."""
+        return (self.h2d_bytes + self.d2h_bytes) / self.tokens if self.tokens else 0.0
+
+    def since(self, earlier: Transfers) -> Transfers:
+        """The traffic between ``earlier`` (a snapshot of the same decoder) and this one."""
+        return Transfers(
+            self.device,
+            self.h2d_bytes - earlier.h2d_bytes,
+            self.d2h_bytes - earlier.d2h_bytes,
+            self.prefills - earlier.prefills,
+            self.decode_steps - earlier.decode_steps,
+            self.tokens - earlier.tokens,
+        )
 
 
 @dataclass
@@ -55,6 +132,9 @@ class KVState:
         self.mask: npt.NDArray[np.int64] = np.zeros((0, 0), dtype=np.int64)
         self.positions: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
         """Per row: real tokens in the cache = the position id of the row's next token."""
+        self.fetched_bytes = 0
+        """Bytes of ORT cache values read into numpy by re-layouts and not yet counted by a decoder
+        (device→host on a GPU); :meth:`Decoder.decode` adds them to its meter and resets this."""
 
     @property
     def rows(self) -> int:
@@ -81,6 +161,10 @@ class KVState:
         """
         started = time.perf_counter()
         cache = self.as_numpy() if self.rows and keep else None
+        if cache is not None:
+            self.fetched_bytes += sum(
+                array.nbytes for name, array in cache.items() if not isinstance(self.values[name], np.ndarray)
+            )
         entries = [joiners.caches[j] for j in joined] if joiners is not None else []
         lengths = [joiners.lengths[j] for j in joined] if joiners is not None else []
         kept = self.positions[keep] if self.rows else np.zeros(0, dtype=np.int64)
@@ -109,25 +193,53 @@ class Decoder:
                 "inputs",
                 "past_key_values.*",
             )
-        self.present_for = {name: PRESENT + name[len(PAST):] for name in self.past_names}
+        self.present_for = {name: PRESENT + name[len(PAST) :] for name in self.past_names}
         missing = [p for p in self.present_for.values() if p not in outputs]
         if missing:
             raise ModelLoadError(f"{engine.model_path} lacks outputs {missing}", "outputs", missing)
         self._has_mask = "attention_mask" in inputs
         self._has_positions = "position_ids" in inputs
-        self._device = "cuda" if any(p in engine.providers for p in ("CUDAExecutionProvider",)) else "cpu"
+        self.device = decoder_device(self.session.get_providers(), self.session.get_provider_options())
+        """(device type, device id) the outputs are bound on (:func:`decoder_device`)."""
         card = engine.card
         self._empty_shape = (card.kv_heads, 0, card.head_dim)
+        self._h2d_bytes = self._d2h_bytes = self._prefills = self._decode_steps = self._tokens = 0
+
+    @property
+    def transfers(self) -> Transfers:
+        """The host↔device traffic so far (:class:`Transfers`; warm-up steps included)."""
+        kind, index = self.device
+        return Transfers(
+            f"{kind}:{index}" if kind != "cpu" else kind,
+            self._h2d_bytes,
+            self._d2h_bytes,
+            self._prefills,
+            self._decode_steps,
+            self._tokens,
+        )
+
+    def _bind_input(self, binding: ort.IOBinding, name: str, array: Any) -> None:
+        """Binds a host array (copied host→device on a GPU device) and counts its bytes."""
+        contiguous = np.ascontiguousarray(array)
+        binding.bind_cpu_input(name, contiguous)
+        self._h2d_bytes += contiguous.nbytes
+
+    def _fetch(self, value: ort.OrtValue) -> npt.NDArray[Any]:
+        """An output as numpy (copied device→host on a GPU device), its bytes counted."""
+        array = np.asarray(value.numpy())
+        self._d2h_bytes += array.nbytes
+        return array
 
     def _bind_common(self, binding: ort.IOBinding, ids: Any, mask: Any, positions: Any) -> None:
-        binding.bind_cpu_input("input_ids", np.ascontiguousarray(ids))
+        self._bind_input(binding, "input_ids", ids)
         if self._has_mask:
-            binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask))
+            self._bind_input(binding, "attention_mask", mask)
         if self._has_positions:
-            binding.bind_cpu_input("position_ids", np.ascontiguousarray(positions))
-        binding.bind_output("logits", self._device)
+            self._bind_input(binding, "position_ids", positions)
+        kind, index = self.device
+        binding.bind_output("logits", kind, index)
         for name in self.past_names:
-            binding.bind_output(self.present_for[name], self._device)
+            binding.bind_output(self.present_for[name], kind, index)
 
     def prefill(self, prompts: list[list[int]]) -> PrefillOutput:
         """One batched, right-padded forward pass over whole prompts with an empty cache."""
@@ -137,16 +249,18 @@ class Decoder:
         self._bind_common(binding, padded.input_ids, padded.attention_mask, padded.position_ids)
         empty = np.zeros((rows, *self._empty_shape), dtype=np.float32)
         for name in self.past_names:
-            binding.bind_cpu_input(name, empty)
+            self._bind_input(binding, name, empty)
         started = time.perf_counter()
         self.session.run_with_iobinding(binding)
         engine_ms = (time.perf_counter() - started) * 1000
         logits_value, *presents = binding.get_outputs()
-        logits = np.asarray(logits_value.numpy())
+        logits = self._fetch(logits_value)
         lengths = [len(p) for p in prompts]
         at = np.minimum(np.asarray(lengths), logits.shape[1]) - 1  # an LM-head-last model gives [rows, 1, vocab]
         last = np.asarray(logits[np.arange(rows), at, :], dtype=np.float32)
-        arrays = [np.asarray(v.numpy()) for v in presents]
+        arrays = [self._fetch(v) for v in presents]
+        self._prefills += 1
+        self._tokens += rows
         caches = [
             {name: arr[r, :, : lengths[r], :] for name, arr in zip(self.past_names, arrays, strict=True)}
             for r in range(rows)
@@ -165,14 +279,18 @@ class Decoder:
         for name in self.past_names:
             value = state.values[name]
             if isinstance(value, np.ndarray):
-                binding.bind_cpu_input(name, np.ascontiguousarray(value))
+                self._bind_input(binding, name, value)
             else:
                 binding.bind_ortvalue_input(name, value)
         started = time.perf_counter()
         self.session.run_with_iobinding(binding)
         engine_ms = (time.perf_counter() - started) * 1000
         logits_value, *presents = binding.get_outputs()
-        logits = np.asarray(logits_value.numpy())[:, -1, :]
+        logits = self._fetch(logits_value)[:, -1, :]
+        self._d2h_bytes += state.fetched_bytes
+        state.fetched_bytes = 0
+        self._decode_steps += 1
+        self._tokens += rows
         state.values = dict(zip(self.past_names, presents, strict=True))
         state.mask = mask
         state.positions = state.positions + 1
