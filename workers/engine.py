@@ -27,6 +27,7 @@ from protocol.errors import ModelLoadError, ProviderUnavailable
 from protocol.modelcard import ModelCard
 from protocol.pooling import Pooling, load_pooling
 from protocol.settings import BatchingSettings, EngineSettings, LimitSettings
+from workers.int8_providers import int8_placement_warning
 from workers.ort_session import ProviderStep, imported_ort_build, open_session
 from workers.padding import PaddedBatch, pad_batch
 
@@ -145,8 +146,8 @@ def serving_graph(model_path: Path, engine: EngineSettings, card: ModelCard) -> 
     """The graph a worker serves for ``model_path``, and whether its logits are at the last position only.
 
     With ``engine.lm_head_last`` a causal LM's head moves after a gather of the last position
-    (tools/lm_head_last.py; the graph as bytes); the path itself when the rewrite does not apply
-    (external data, or no single ``MatMul`` → ``logits``). The bench's limit loads the same graph.
+    (tools/lm_head_last.py, FP32 or INT8; the graph as bytes); the path itself when the rewrite does
+    not apply (external data, or no LM head op behind ``logits``). The bench's limit loads the same graph.
     """
     if not (engine.lm_head_last and card.kind == "causal_lm"):
         return str(model_path), False
@@ -209,6 +210,9 @@ class Engine:
             self.providers,
         )
         self._log_steps(self.provider_steps)
+        int8_warning = int8_placement_warning(model_path, self.providers)
+        if int8_warning:
+            log.warning("model %s %s: %s", card.name, card.version, int8_warning)
         if engine.require_provider and engine.require_provider not in self.providers:
             raise ProviderUnavailable(
                 f"require_provider={engine.require_provider} but the session runs on {self.providers} "
