@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ from tools.calibration import feeds_for
 from workers.engine import graph_input_names, provider_chain, serving_graph, session_options
 from workers.ort_session import open_session
 
-__all__ = ["LimitPoint", "bare_latency_ms", "bare_session", "bare_throughput"]
+__all__ = ["LimitPoint", "bare_latency_ms", "bare_parts", "bare_session", "bare_throughput"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,32 @@ class LimitPoint:
     runs: int
 
 
+def bare_parts(
+    model_path: Path,
+    *,
+    spinning: bool = False,
+    threads: int = 0,
+    providers: Sequence[str] = ("CPUExecutionProvider",),
+    max_batch_size: int = 16,
+    max_input_tokens: int = 256,
+) -> tuple[str | bytes, Callable[[], ort.SessionOptions], list[tuple[str, dict[str, Any]]]]:
+    """What a worker would open for ``model_path``: the served graph, its session options, its provider chain.
+
+    The graph is :func:`workers.engine.serving_graph`'s (a causal LM's head at the last position
+    when the workers' default ``lm_head_last`` applies), the providers are ``providers`` each with
+    the worker's options (TensorRT profiles up to ``max_batch_size`` x ``max_input_tokens``);
+    ``spinning`` = ORT intra-op spin-waiting.
+    """
+    card = load_card(model_path)
+    engine = EngineSettings(providers=list(providers), intra_op_threads=threads, allow_spinning=spinning)
+    source, _ = serving_graph(model_path, engine, card)
+    names = graph_input_names(model_path) if "TensorrtExecutionProvider" in providers else []
+    chain = provider_chain(engine, BatchingSettings(max_batch_size=max_batch_size, max_batch_tokens=max_batch_size
+                                                    * max_input_tokens),
+                           LimitSettings(max_input_tokens=max_input_tokens), card, names)
+    return source, lambda: session_options(engine), chain
+
+
 def bare_session(
     model_path: Path,
     *,
@@ -48,22 +74,13 @@ def bare_session(
     max_batch_size: int = 16,
     max_input_tokens: int = 256,
 ) -> ort.InferenceSession:
-    """A session over the graph the workers serve, with the worker's options and provider chain.
-
-    The graph is :func:`workers.engine.serving_graph`'s (a causal LM's head at the last position
-    when the workers' default ``lm_head_last`` applies), the providers are ``providers`` each with
-    the worker's options (TensorRT profiles up to ``max_batch_size`` x ``max_input_tokens``), opened
-    step by step as a worker does (:func:`workers.ort_session.open_session`); ``spinning`` = ORT
-    intra-op spin-waiting. The active providers are in ``session.get_providers()``.
+    """A session over the graph the workers serve, with the worker's options and provider chain
+    (:func:`bare_parts`), opened step by step as a worker does (:func:`workers.ort_session.open_session`).
+    The active providers are in ``session.get_providers()``.
     """
-    card = load_card(model_path)
-    engine = EngineSettings(providers=list(providers), intra_op_threads=threads, allow_spinning=spinning)
-    source, _ = serving_graph(model_path, engine, card)
-    names = graph_input_names(model_path) if "TensorrtExecutionProvider" in providers else []
-    chain = provider_chain(engine, BatchingSettings(max_batch_size=max_batch_size, max_batch_tokens=max_batch_size
-                                                    * max_input_tokens),
-                           LimitSettings(max_input_tokens=max_input_tokens), card, names)
-    session, _steps = open_session(source, lambda: session_options(engine), chain)
+    source, make_options, chain = bare_parts(model_path, spinning=spinning, threads=threads, providers=providers,
+                                             max_batch_size=max_batch_size, max_input_tokens=max_input_tokens)
+    session, _steps = open_session(source, make_options, chain)
     return session
 
 

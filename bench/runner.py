@@ -40,13 +40,13 @@ from tools.lm_head_last import write_last_variant
 from tools.quantize import QuantizationRefused, QuantizeConfig, quantize_model, report_path_for
 from tools.redis_server import EmbeddedRedis
 
-__all__ = ["run_bench", "run_generation_only"]
+__all__ = ["build_models", "run_bench", "run_generation_only"]
 
 Say = Callable[[str], None]
 Prompts = dict[str, list[list[int]]]
 
 
-def _models(plan: Plan, work_dir: Path, say: Say) -> dict[str, Any]:
+def build_models(plan: Plan, work_dir: Path, say: Say) -> dict[str, Any]:
     """Build the preset's LM and identity model (when missing) and quantize the LM to INT8."""
     store = work_dir / "models"
     lm_spec, id_spec = PRESETS[plan.preset]["lm"], PRESETS[plan.preset]["identity"]
@@ -326,7 +326,7 @@ def run_bench(plan: Plan, args: argparse.Namespace, command: str) -> dict[str, A
         }
     }
     step("models")
-    models = _models(plan, work_dir, say)
+    models = build_models(plan, work_dir, say)
     results["models"] = models
     card = load_card(Path(models["fp32"]))
     results["meta"]["model"] = card.model_dump()

@@ -295,7 +295,7 @@ def _register_extensions(sub: Any) -> None:
     import importlib
 
     for module_name in ("producer.ops_cli", "bench.cli", "tools.quantize_cli", "producer.deadletter_cli",
-                        "producer.models_cli", "producer.soak_cli", "planner.cli"):
+                        "producer.models_cli", "producer.soak_cli", "planner.cli", "bench.gpu_report"):
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
