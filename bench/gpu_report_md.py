@@ -31,7 +31,7 @@ def _environment(env: dict[str, Any]) -> list[str]:
         if gpus
         else f"none ({gpu.get('reason', 'no GPU')})"
     )
-    driver = f"driver {gpus[0]['driver']}, CUDA {gpu.get('driver_cuda', 'unknown')} (driver's)" if gpus else "–"
+    driver = f"driver {gpus[0]['driver']}, CUDA {gpu.get('driver_cuda', 'unknown')} (driver's)" if gpus else "none"
     pk = env["packages"]
     return [
         "| | |",
