@@ -81,6 +81,12 @@ class ReportPlan:
     """Also build static QDQ INT8 (the graph TensorRT runs in INT8)."""
     transfer_rows: int = 8
     transfer_steps: int = 32
+    scale_workers: tuple[int, ...] = (1, 2, 4)
+    """Worker processes of one model on the one device, started one step after another."""
+    scale_processes: int = 4
+    """Client processes of the scaling rows (:mod:`bench.load_procs`: one process cannot load several workers)."""
+    scale_clients: int = 32
+    """Closed-loop client threads per client process."""
     generation: Any = None
     """:class:`bench.plan.GenPlan` of the generation rows (None: the bench's quick plan's)."""
     quick: bool = False
@@ -106,7 +112,8 @@ def quick_report_plan() -> ReportPlan:
     return ReportPlan(
         preset="demo", batch_sizes=(1, 8), ceiling_s=0.2, prompts=32, max_batch_size=8, concurrency=16,
         fleet_s=1.5, warmup_s=0.3, bulk_clients=2, bulk_chunk=32, quantize_static=True, transfer_rows=4,
-        transfer_steps=8, generation=quick_plan().generation, quick=True,
+        transfer_steps=8, scale_workers=(1, 2), scale_processes=2, scale_clients=8, generation=quick_plan().generation,
+        quick=True,
     )  # fmt: skip
 
 
@@ -167,13 +174,15 @@ def best_choice(rows: list[dict[str, Any]]) -> str:
 def environment() -> dict[str, Any]:
     """The machine, the GPU and the software of the run."""
     from bench.machine import machine_facts
-    from workers.ort_session import imported_ort_build
+    from workers.ort_session import imported_ort_build, preload_gpu_libraries
 
     facts = machine_facts()
     commit = facts["git_commit"] if facts["git_commit"] != "unknown" else os.environ.get(COMMIT_ENV, "unknown")
     return {
         "gpu": gpu_facts(),
         "onnxruntime": imported_ort_build(),
+        "cuda_libraries": preload_gpu_libraries() if "CUDAExecutionProvider" in ort.get_available_providers()
+        else "not needed: this onnxruntime build has no CUDA provider",
         "cpu": facts["cpu"], "logical_cores": facts["logical_cores"], "memory_gib": facts["memory_gib"],
         "os": facts["os"], "python": facts["python"], "packages": facts["packages"],
         "git_commit": commit,
@@ -273,7 +282,7 @@ def _fleet_configs(models: dict[str, str], choice: str, plan: ReportPlan, rows: 
         "int8": replace(base, label="batching, dynamic INT8", model_name="report-int8",
                         model_path=Path(models["int8-dynamic"])),
     }  # fmt: skip
-    trt = next(r for r in rows if r["provider"] == "TensorrtExecutionProvider")
+    trt = next((r for r in rows if r["provider"] == "TensorrtExecutionProvider"), {"loads": False})
     if trt["loads"]:
         configs["tensorrt-fp16"] = replace(
             base, label="batching, TensorRT FP16", model_name="report-trt-fp16",
@@ -321,6 +330,39 @@ def fleet_phase(models: dict[str, str], choice: str, plan: ReportPlan, rows: lis
         for server in servers.values():
             server.stop()
     return out
+
+
+def scaling_phase(models: dict[str, str], choice: str, plan: ReportPlan, redis_url: str, work_dir: Path,
+                  say: Say) -> list[dict[str, Any]]:  # fmt: skip
+    """FP32 batching served by 1, 2, 4 … worker processes on the same device (one queue), loaded by
+    several client processes; req/s per step, workers started one step after another."""
+    from bench.load_procs import closed_loop_processes
+    from bench.procs import RunningFleet
+    from protocol.modelcard import load_card
+
+    base = _fleet_configs(models, choice, plan, [], work_dir)["batching"]
+    vocab = load_card(Path(models["fp32"])).vocab_size
+    fleets: list[RunningFleet] = []
+    rows = []
+    try:
+        for count in plan.scale_workers:
+            while len(fleets) < count:
+                cfg = replace(base, label=f"scale-worker-{len(fleets) + 1}", model_name="report-scale")
+                fleet = RunningFleet(cfg, redis_url, work_dir)
+                fleets.append(fleet)
+                fleet.start()
+            figures = closed_loop_processes(
+                fleets[0].config_path, "report-scale", 100 + count, processes=plan.scale_processes,
+                clients=plan.scale_clients, duration_s=plan.fleet_s + plan.warmup_s, warmup_s=plan.warmup_s,
+                vocab_size=vocab, prompt_tokens=plan.prompt_tokens,
+            )  # fmt: skip
+            rows.append({"workers": count, **{k: v for k, v in figures.items() if k != "children"},
+                         "children": figures["children"]})  # fmt: skip
+            say(f"scale: {count} worker(s), {figures['qps']:.0f} req/s ({figures['errors']} errors)")
+    finally:
+        for fleet in fleets:
+            fleet.stop()
+    return rows
 
 
 def _summary_dict(summary: Any) -> dict[str, Any]:
@@ -401,6 +443,8 @@ def run_report(plan: ReportPlan, provider: str | None, work_dir: Path, say: Say)
     results["ceiling"] = timed("ceiling", lambda: ceiling_phase(models, choice, plan, say))
     with EmbeddedRedis() as redis:
         results["fleet"] = timed("fleet", lambda: fleet_phase(models, choice, plan, rows, redis.url, work_dir, say))
+        results["scaling"] = timed(
+            "scaling", lambda: scaling_phase(models, choice, plan, redis.url, work_dir, say))
         results["generation"] = timed(
             "generation", lambda: generation_phase(models["fp32"], choice, plan, redis.url, work_dir, say))
     results["transfers"] = timed("transfers", lambda: transfer_phase(models["fp32"], choice, plan))

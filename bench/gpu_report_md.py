@@ -39,6 +39,7 @@ def _environment(env: dict[str, Any]) -> list[str]:
         f"| GPU | {gpu_line} |",
         f"| driver | {driver} |",
         f"| ONNX Runtime | {env['onnxruntime']} |",
+        f"| CUDA libraries | {env.get('cuda_libraries', '–')} |",
         f"| CPU | {env['cpu']}, {env['logical_cores']} logical cores, {env['memory_gib']} GiB |",
         f"| software | Python {env['python']}, numpy {pk.get('numpy')}, onnx {pk.get('onnx')}, "
         f"celery {pk.get('celery')}, kombu {pk.get('kombu')}, redis-py {pk.get('redis')} |",
@@ -106,6 +107,19 @@ def _fleet(results: dict[str, Any]) -> list[str]:
                 f"| {_num(b['mean_batch_size'], 1)} | {_num(b['p50_ms'], 1)} | {_num(b['p99_ms'], 1)} | {b['errors']} "
                 f"| {_pct(s.get('bulk_of_best'))} | {_pct(s.get('bulk_of_capped'))} |"
             )
+    return out
+
+
+def _scaling(rows: list[dict[str, Any]], results: dict[str, Any]) -> list[str]:
+    best = results["ceiling"]["fp32"]["best"]["qps"]
+    out = ["| workers on the device | req/s | × one worker | mean batch | p50 ms | p99 ms | errors | of the ceiling |",
+           "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    one = rows[0]["qps"] if rows else 0.0
+    for r in rows:
+        out.append(
+            f"| {r['workers']} | {_num(r['qps'])} | {r['qps'] / one:.2f}× | {_num(r['mean_batch_size'], 1)} "
+            f"| {_num(r['p50_ms'], 1)} | {_num(r['p99_ms'], 1)} | {r['errors']} | {_pct(r['qps'] / best)} |"
+        )
     return out
 
 
@@ -189,6 +203,14 @@ def render(results: dict[str, Any], *, json_name: str = "gpu-report.json") -> st
         f"{meta['plan']['bulk_clients']} clients of {meta['plan']['bulk_chunk']}-request messages).",
         "",
         *_fleet(results),
+        "",
+        "## More workers on one device",
+        "",
+        "FP32 batching served by several `celery worker` processes of one model (one queue) on the same device, "
+        f"loaded by {meta['plan']['scale_processes']} client processes of {meta['plan']['scale_clients']} closed-loop "
+        "clients each (one client process alone cannot load more than one worker).",
+        "",
+        *_scaling(results["scaling"], results),
         "",
         "## Generation",
         "",

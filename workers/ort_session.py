@@ -17,9 +17,12 @@ Every provider keeps its configured options at every step, and each step's outco
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import io
 import logging
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +31,7 @@ import onnxruntime as ort
 
 from protocol.errors import ConfigError
 
-__all__ = ["ProviderStep", "imported_ort_build", "open_session", "provider_library_error"]
+__all__ = ["ProviderStep", "imported_ort_build", "open_session", "preload_gpu_libraries", "provider_library_error"]
 
 log = logging.getLogger("fleet.engine")
 
@@ -59,6 +62,40 @@ class ProviderStep:
     def active(self) -> bool:
         """True when the session runs this provider."""
         return self.applied is not None
+
+
+_preload_lock = threading.Lock()
+_preload_outcome: str | None = None
+
+
+def preload_gpu_libraries() -> str:
+    """Load the CUDA and cuDNN libraries of pip's ``nvidia`` packages once per process; what happened.
+
+    onnxruntime-gpu links ``libcublas.so.13`` & co. but does not find the copies pip installs into the
+    same environment (``nvidia/cu13/lib``, ``nvidia/cudnn/lib``) unless they are on the loader's path;
+    its ``preload_dlls()`` loads them from there by full path, after which the CUDA provider's library
+    resolves them. Called before the first session of a GPU chain, so ``pip install
+    "onnxruntime-gpu[cuda,cudnn]" nvidia-cublas`` works without ``LD_LIBRARY_PATH``. ``preload_dlls``
+    prints what it could not load: that text is returned (and logged) instead of reaching stdout.
+    A build without ``preload_dlls`` (older than 1.21) or without CUDA does nothing.
+    """
+    global _preload_outcome
+    with _preload_lock:
+        if _preload_outcome is None:
+            preload = getattr(ort, "preload_dlls", None)
+            if preload is None:
+                _preload_outcome = "not attempted: this onnxruntime has no preload_dlls (older than 1.21)"
+            else:
+                printed = io.StringIO()
+                try:
+                    with contextlib.redirect_stdout(printed):
+                        preload()
+                    text = " ".join(printed.getvalue().split())
+                    _preload_outcome = f"preload_dlls: {text}" if text else "preload_dlls: loaded"
+                except Exception as exc:  # a broken nvidia package must not stop the CPU step of the chain
+                    _preload_outcome = f"preload_dlls failed: {_first_line(exc)}"
+            log.info("CUDA libraries from pip's nvidia packages: %s", _preload_outcome)
+        return _preload_outcome
 
 
 def provider_library_error(provider: str) -> str | None:
@@ -103,6 +140,8 @@ def open_session(
     """
     steps: list[ProviderStep] = []
     last = chain if chain and chain[-1][0] == CPU else [*chain, (CPU, {})]
+    if any(name in _PROVIDER_LIBRARIES and name in ort.get_available_providers() for name, _ in last):
+        preload_gpu_libraries()
     for k in range(len(last)):
         attempt = last[k:]
         name, options = attempt[0]

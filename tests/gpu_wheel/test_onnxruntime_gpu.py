@@ -173,6 +173,41 @@ def test_bench_names_the_libraries_that_do_not_load(gpu_python: str, tmp_path: P
     assert row.stdout.splitlines()[-1].startswith("not run: TensorRT libraries not found (libcublas.so.13")
 
 
+def test_gpu_report_quotes_the_loader_for_each_gpu_provider(gpu_python: str) -> None:
+    """``fleet gpu-report``'s provider table on the real GPU build: TensorRT and CUDA are in the build,
+    neither loads here, and each row quotes the dynamic loader's message, not a guess."""
+    code = "import json; from bench.gpu_report import provider_rows; print(json.dumps(provider_rows()))"
+    done = subprocess.run([gpu_python, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["provider"]: r for r in __import__("json").loads(done.stdout.splitlines()[-1])}
+    assert rows["TensorrtExecutionProvider"]["in_build"] and rows["CUDAExecutionProvider"]["in_build"]
+    assert not rows["TensorrtExecutionProvider"]["loads"] and not rows["CUDAExecutionProvider"]["loads"]
+    assert rows["TensorrtExecutionProvider"]["reason"].startswith("TensorRT libraries not found (libcublas.so.13")
+    assert rows["CUDAExecutionProvider"]["reason"].startswith("CUDA libraries not found (libcublasLt.so.13")
+    assert rows["CPUExecutionProvider"]["loads"]
+
+
+def test_pip_cuda_libraries_are_preloaded_once_and_quietly(gpu_python: str) -> None:
+    """Before the first session of a GPU chain the worker asks onnxruntime-gpu's ``preload_dlls`` to load
+    the CUDA libraries of pip's nvidia packages (none are installed here): what it could not load is
+    returned and logged, nothing is printed to stdout, and the chain still falls back to CPU."""
+    code = ("import logging, sys; logging.basicConfig(stream=sys.stderr, level=logging.INFO)\n"
+            "import onnxruntime as ort\n"
+            "from workers.ort_session import open_session, preload_gpu_libraries\n"
+            "from bench.machine import _tiny_model\n"
+            "_s, steps = open_session(_tiny_model(), ort.SessionOptions, [('CUDAExecutionProvider', {})])\n"
+            "print('ACTIVE', [st.provider for st in steps if st.active])\n"
+            "print('OUTCOME', preload_gpu_libraries())\n")
+    done = subprocess.run([gpu_python, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout.splitlines()
+    assert out[0] == "ACTIVE ['CPUExecutionProvider']", done.stdout  # preload_dlls printed nothing of its own
+    assert out[1].startswith("OUTCOME preload_dlls: Failed to load libcublasLt.so.13"), out[1]
+    assert done.stderr.count("CUDA libraries from pip's nvidia packages:") == 1  # once per process
+
+
 def test_this_environment_has_only_the_cpu_build() -> None:
     out = subprocess.run([sys.executable, "-m", "pip", "list", "--format=freeze"], capture_output=True,
                          text=True, check=True).stdout.lower()

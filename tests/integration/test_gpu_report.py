@@ -79,6 +79,17 @@ def test_the_fleet_is_measured_against_the_ceiling_of_its_own_graph(report: tupl
     assert "bulk path, 32 per message" in markdown and "| – |" not in markdown
 
 
+def test_more_workers_of_one_model_are_loaded_by_several_client_processes(report: tuple[dict[str, Any], str]) -> None:
+    results, markdown = report
+    rows = results["scaling"]
+    assert [r["workers"] for r in rows] == list(results["meta"]["plan"]["scale_workers"])
+    for row in rows:
+        assert row["errors"] == 0 and row["requests"] > 0 and row["qps"] > 0
+        assert len(row["children"]) == results["meta"]["plan"]["scale_processes"]
+        assert row["qps"] == pytest.approx(sum(c["qps"] for c in row["children"]))
+    assert "## More workers on one device" in markdown
+
+
 def test_generation_and_transfers_hold_figures_of_the_run(report: tuple[dict[str, Any], str]) -> None:
     results, markdown = report
     rows = results["generation"]["rows"]
