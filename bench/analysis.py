@@ -176,7 +176,7 @@ def dispatch_section(results: dict[str, Any]) -> str:
             "|---|---|---|---|---|",
             _variant_row(f"as served (Celery log level {d['celery_loglevel']})", d["lone"], loop),
         ]
-        out += [_variant_row(_VARIANT_LABELS.get(k, a["label"]), a["lone"], a["loop"]) for k, a in abls.items()]
+        out += [_variant_row(a["label"], a["lone"], a["loop"]) for a in abls.values()]
         out.append("")
     prof = d.get("profile")
     if prof and prof.get("status") == "ok":
@@ -205,13 +205,6 @@ def dispatch_section(results: dict[str, Any]) -> str:
         out.append(f"Profile: {prof.get('status')}\n")
     out.append(dispatch_findings(results))
     return "\n".join(out)
-
-
-_VARIANT_LABELS = {
-    "legacy": "the previous design: a round trip per step, `MULTI`/`EXEC` around kombu's bookkeeping, STARTED and "
-    "extended results (`bench/legacy_client.py`, `bench/legacy_worker.py`)",
-}
-"""Labels of dispatch variants whose label in the results describes how the work went rather than the path."""
 
 
 def _variant_row(name: str, lone: dict[str, Any], loop: dict[str, Any]) -> str:

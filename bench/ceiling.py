@@ -17,8 +17,6 @@ __all__ = ["ceiling_rps", "ceiling_section", "celery_floor_note", "floor_note", 
 
 PATH_LABELS = {
     "served": "`fleet.infer` (FleetClient.submit + result)",
-    "legacy": "`fleet.infer` on the previous design (a round trip per step, `MULTI`/`EXEC`, extended results: "
-              "`bench/legacy_client.py`, `bench/legacy_worker.py`)",
     "no-events": "`fleet.infer`, no task events",
     "started": "`fleet.infer`, STARTED stored for every request",
     "lean": "`fleet.infer`, lean Celery (no events, STARTED state, extended result)",

@@ -39,8 +39,8 @@ EXTRAS_OFF = {"task_events": False, "sent_events": False, "track_started": False
 
 
 def dispatch_variants(plan: Plan, name: str, path: Path) -> dict[str, Variant]:
-    """The identity-model worker as served, and (full plan) the old path, one variant per Celery extra toggled,
-    all of them off, the bulk path, and the bulk path with every extra off."""
+    """The identity-model worker as served, and (full plan) one variant per Celery extra toggled, all of them
+    off, the bulk path, and the bulk path with every extra off."""
     cfg = FleetConfig(
         label="dispatch",
         model_name=f"{name}-served",
@@ -51,10 +51,6 @@ def dispatch_variants(plan: Plan, name: str, path: Path) -> dict[str, Variant]:
         celery_loglevel="WARNING",
     )
     out: dict[str, Variant] = {"served": ("as served (Celery log level WARNING)", cfg, 1)}
-    if plan.ablations:  # the old path beside the new one, in the same run
-        label = ("the previous design: a round trip per step, `MULTI`/`EXEC` around kombu's bookkeeping, STARTED "
-                 "and extended results (`bench/legacy_client.py`, `bench/legacy_worker.py`)")
-        out["legacy"] = (label, replace(cfg, label="dispatch-legacy", model_name=f"{name}-legacy", legacy=True), 1)
     changes: dict[str, tuple[str, dict[str, bool], int]] = {
         "no-events": (
             "no task events (`celery.task_events` and `celery.sent_events` false, worker without -E)",

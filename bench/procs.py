@@ -65,9 +65,6 @@ class FleetConfig:
     lean: bool = False
     """Measurement only: run the worker through :mod:`bench.lean_worker` with Celery's per-task
     extras off (task events, STARTED state, extended results), to price them."""
-    legacy: bool = False
-    """Measurement only: the producer, worker and settings as they were before issue 11's dispatch
-    changes (:mod:`bench.legacy_client`, :mod:`bench.legacy_worker`), to run the old path beside the new one."""
     celery: dict[str, bool] = field(default_factory=dict)
     """The ``celery`` settings section (:class:`protocol.settings.CelerySettings`) of this worker and its
     client, e.g. ``{"task_events": False}`` (then the worker also runs without ``-E``)."""
@@ -100,11 +97,6 @@ class FleetConfig:
             },
             **({"celery": dict(self.celery)} if self.celery else {}),
         }
-        if self.legacy:
-            from bench.legacy_client import LEGACY_SETTINGS
-
-            for section, values in LEGACY_SETTINGS.items():
-                doc[section] = {**doc.get(section, {}), **values}
         return doc
 
     def write(self, folder: Path, redis_url: str) -> Path:
@@ -195,8 +187,6 @@ class RunningFleet:
         cmd[cmd.index("--loglevel") + 1] = config.celery_loglevel
         if config.celery.get("task_events") is False:
             cmd.remove("-E")
-        if config.legacy:  # [python, -m, celery, -A, workers.app, worker, …] → bench.legacy_worker
-            cmd[1:5] = ["-m", "bench.legacy_worker"]
         if config.lean:  # [python, -m, celery, -A, workers.app, worker, …] → bench.lean_worker
             cmd[1:5] = ["-m", "bench.lean_worker"]
             cmd.remove("-E")
@@ -224,12 +214,7 @@ class RunningFleet:
         self.start_s = time.monotonic() - self._began
         active = ready.get("providers")
         self.providers = [str(p) for p in active] if isinstance(active, list) else []
-        if self.config.legacy:
-            from bench.legacy_client import LegacyFleetClient
-
-            self.client = LegacyFleetClient(self.settings)
-        else:
-            self.client = FleetClient(self.settings)
+        self.client = FleetClient(self.settings)
         if self.config.lean:
             self.client.app.conf.task_send_sent_event = False
         return self.client

@@ -73,7 +73,6 @@ def test_floor_note_splits_the_lean_commands_by_who_issues_them() -> None:
 
 def _with_floor(floor_qps: float) -> dict[str, Any]:
     d = _dispatch(0.5, 20.0)
-    d["ablations"]["legacy"] = {"loop": _loop(80, "producer", 5.0, 0.8, 6.0, 35.0)}
     d["floor"] = {"events": {**_loop(floor_qps, "producer", 3.0, 0.5, 3.5, 21.0), "lone_p50_ms": 5.5},
                   "lean": _loop(300, "producer", 2.0, 0.3, 2.0, 18.0)}  # fmt: skip
     return d
