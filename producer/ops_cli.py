@@ -99,6 +99,13 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
     return lines
 
 
+def _nodes(counts: dict[str, int] | None) -> str:
+    """A heartbeat's ``nodes`` (graph nodes per execution provider) as ``CUDA 190, CPU 6``; ``-`` if not counted."""
+    if not counts:
+        return "-"
+    return ", ".join(f"{name.removesuffix('ExecutionProvider')} {n}" for name, n in counts.items())
+
+
 def format_status(doc: dict[str, Any]) -> str:
     """The human table of ``fleet status`` from its JSON document (see :func:`status_document`)."""
     workers = [
@@ -110,6 +117,7 @@ def format_status(doc: dict[str, Any]) -> str:
             f"{w.get('in_flight', 0)}/{w.get('concurrency', '?')}",
             str(w.get("batches_run", 0)),
             ",".join(p.removesuffix("ExecutionProvider") for p in w.get("providers") or []),
+            _nodes(w.get("nodes")),
             _age(w.get("heartbeat_age_s")),
         ]
         for w in doc["workers"]
@@ -129,7 +137,8 @@ def format_status(doc: dict[str, Any]) -> str:
     ]
     lines = ["WORKERS"]
     lines += _table(
-        ["HOSTNAME", "MODEL", "VERSION", "READY", "IN-FLIGHT/C", "BATCHES", "PROVIDERS", "HEARTBEAT"], workers
+        ["HOSTNAME", "MODEL", "VERSION", "READY", "IN-FLIGHT/C", "BATCHES", "PROVIDERS", "NODES", "HEARTBEAT"],
+        workers,
     )
     if not workers:
         lines.append("(no live worker)")

@@ -116,6 +116,11 @@ class EngineSettings(_Section):
     trt_int8: bool = False
     cache_dir: Path = Field(default=Path("var/trt-cache"), description="TensorRT engine + timing caches.")
     warmup: bool = Field(default=True, description="Run the extreme shapes once before consuming.")
+    report_placement: bool = Field(
+        default=True,
+        description="At load, count the nodes each execution provider runs in the served graph (one "
+        "profiled 1x1 run, profiling then off) for the heartbeat, `fleet status` and fleet_engine_nodes.",
+    )
     lm_head_last: bool = Field(
         default=True,
         description="Causal LMs: rewrite the graph in memory at load so logits are computed at the last "

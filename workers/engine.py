@@ -9,11 +9,21 @@ Provider chain: TensorRT → CUDA → CPU by default, opened one step at a time 
 its options (:mod:`workers.ort_session`). onnxruntime-gpu on a machine without a GPU falls back to
 CPU with nothing more than a line on stderr, so every step's outcome and the active providers are
 logged and ``require_provider`` turns a fallback into a loud start-up failure.
+
+Node placement (``engine.report_placement``, on by default): the session is created with ONNX
+Runtime's profiler on, runs one 1 x 1 batch, and ends profiling, which ORT never restarts for that
+session, so steady-state runs are not profiled. The count of nodes each provider ran
+(:mod:`workers.placement`) is :attr:`Engine.placement`, logged in one line (WARNING when a GPU
+session runs more than 10 % of its nodes on the CPU).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +40,7 @@ from protocol.settings import BatchingSettings, EngineSettings, LimitSettings
 from workers.int8_providers import int8_placement_warning
 from workers.ort_session import ProviderStep, imported_ort_build, open_session
 from workers.padding import PaddedBatch, pad_batch
+from workers.placement import format_nodes, placement_warning, read_placement
 
 __all__ = ["Engine", "check_single_ort_build", "provider_chain", "serving_graph", "session_options"]
 
@@ -189,11 +200,40 @@ class Engine:
         names = graph_input_names(model_path) if trt else []
         self.requested = provider_chain(engine, batching, limits, card, names)
         self.ort_build = check_single_ort_build()
-        started = time.perf_counter()
         source, self.lm_head_last = serving_graph(model_path, engine, card)
+        # the profile is written at end_profiling (in __init__, below); the folder goes with it
+        profile_dir = tempfile.mkdtemp(prefix="fleet-placement-") if engine.report_placement else None
         try:
-            self.session, self.provider_steps = open_session(
-                source, lambda: session_options(engine), self.requested)
+            self._open(source, engine, profile_dir)
+            self.placement: dict[str, int] | None = self._count_placement() if profile_dir else None
+            """Nodes of the served graph per execution provider (None: ``engine.report_placement`` off)."""
+        except BaseException:
+            if profile_dir and hasattr(self, "session"):  # refused after opening: write no profile later
+                with contextlib.suppress(Exception):
+                    self.session.end_profiling()
+            raise
+        finally:
+            if profile_dir:
+                shutil.rmtree(profile_dir, ignore_errors=True)
+
+    def _open(self, source: str | bytes, engine: EngineSettings, profile_dir: str | None) -> None:
+        """Open the session on the requested chain (profiling into ``profile_dir`` when set) and check it.
+
+        Raises:
+            ModelLoadError / ProviderUnavailable: see :class:`Engine`.
+        """
+        card, model_path = self.card, self.model_path
+        started = time.perf_counter()
+
+        def options() -> ort.SessionOptions:
+            opts = session_options(engine)
+            if profile_dir:
+                opts.enable_profiling = True
+                opts.profile_file_prefix = os.path.join(profile_dir, "placement")
+            return opts
+
+        try:
+            self.session, self.provider_steps = open_session(source, options, self.requested)
         except Exception as exc:  # ORT raises its own Fail/InvalidGraph types
             raise ModelLoadError(f"cannot load {model_path}: {exc}", "path", str(model_path)) from exc
         self.load_ms = (time.perf_counter() - started) * 1000
@@ -240,6 +280,25 @@ class Engine:
             self.output_name = "last_hidden_state"
         if "input_ids" not in self._inputs:
             raise ModelLoadError(f"{model_path} has no 'input_ids' input", "inputs", "input_ids")
+
+    def _count_placement(self) -> dict[str, int]:
+        """Run one 1 x 1 batch under the profiler, end profiling, and log the nodes per provider."""
+        token = min(self.card.vocab_size - 1, 3)
+        self.run(pad_batch([[token]], self.card.pad_token_id))
+        nodes = read_placement(self.session)
+        warn = placement_warning(nodes, self.providers)
+        log.log(
+            logging.WARNING if warn else logging.INFO,
+            "model %s %s: nodes per provider: %s (of %d)%s",
+            self.card.name,
+            self.card.version,
+            format_nodes(nodes),
+            sum(nodes.values()),
+            "; more than 10 % on the CPU in a GPU session: each copies tensors across the bus at every run"
+            if warn
+            else "",
+        )
+        return nodes
 
     def _why_not(self, provider: str) -> str:
         """The recorded reason ``provider`` is not active (not in the chain, or its step's reason)."""

@@ -1,11 +1,13 @@
 """Worker registry: each worker publishes a heartbeat hash to Redis with a TTL.
 
 Key ``fleet:worker:<hostname>`` holds a JSON document (hostname, model, the stable ``version`` and
-``version_since_unix_s``, ``canary_version``, ``last_refusal``, active providers, ready,
-concurrency = tokens, in-flight, batches run, pid, queue and canary queue) that expires after
-three heartbeat periods, so a dead worker disappears by itself. ``ready`` is false while the
-worker loads, and while it holds work it does not progress (``held`` requests, ``stalled_s``
-without progress, ``overdue_slots``: :mod:`workers.progress`), which ``fleet probe ready`` reads.
+``version_since_unix_s``, ``canary_version``, ``last_refusal``, active providers, ``nodes`` (the
+stable graph's node count per provider, :attr:`workers.engine.Engine.placement`; null when
+``engine.report_placement`` is off), ready, concurrency = tokens, in-flight, batches run, pid, queue
+and canary queue) that expires after three heartbeat periods, so a dead worker disappears by itself.
+``ready`` is false while the worker loads, and while it holds work it does not progress (``held``
+requests, ``stalled_s`` without progress, ``overdue_slots``: :mod:`workers.progress`), which
+``fleet probe ready`` reads.
 ``fleet:model:<name>:card`` holds the model card, so producers on other machines can validate and
 tokenize without the file.
 """

@@ -26,6 +26,10 @@ Series (label ``model`` on each; times in seconds, as Prometheus expects):
                                                         canary) and ``outcome`` (ok | failed)
 ``fleet_worker_latency_seconds``            histogram   producer submit → end of its batch, by
                                                         ``version`` and ``role``
+``fleet_engine_nodes``                      gauge       nodes of the served graph per execution
+                                                        ``provider``, by ``version`` (stable and
+                                                        canary engines; counted at load:
+                                                        ``engine.report_placement``)
 ==========================================  ==========  ==================================================
 
 The per-version series come from the scheduler's outcome hook (every batch, whatever the model
@@ -48,10 +52,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from celery import signals
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 
 from protocol.errors import InvalidRequest, RequestCancelled, RequestExpired
 from protocol.messages import BULK_TASK_NAME, TASK_NAME
@@ -61,7 +67,7 @@ from workers.runtime import WorkerRuntime
 from workers.scheduler import BatchStats, JobOutcome
 from workers.stream_metrics import StreamPublisherCollector
 
-__all__ = ["WorkerMetrics", "install_metrics", "outcome_of", "queue_wait_ms_of"]
+__all__ = ["EngineNodesCollector", "WorkerMetrics", "install_metrics", "outcome_of", "queue_wait_ms_of"]
 
 log = logging.getLogger("fleet.metrics")
 
@@ -87,6 +93,27 @@ def outcome_of(exc: BaseException | None) -> str:
     if isinstance(exc, InvalidRequest):
         return "invalid"
     return "failed"
+
+
+class EngineNodesCollector:
+    """``fleet_engine_nodes{model,version,provider}``: the node placement of the engines loaded now
+    (read at each scrape, so a swapped or dropped version follows)."""
+
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.runtime = runtime
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "fleet_engine_nodes",
+            "Nodes of the served graph per execution provider (counted at load).",
+            labels=["model", "version", "provider"],
+        )
+        for loaded in (self.runtime.stable, self.runtime.canary):
+            if loaded is None or loaded.engine.placement is None:
+                continue
+            for provider, count in loaded.engine.placement.items():
+                family.add_metric([self.runtime.model_key, loaded.version, provider], count)
+        yield family
 
 
 class WorkerMetrics:
@@ -154,6 +181,7 @@ class WorkerMetrics:
         for outcome in ("succeeded", "invalid", "expired", "cancelled", "failed"):
             self.requests.labels(self.model, outcome)  # export zeros, so rate() sees the series start
         registry.register(StreamPublisherCollector(self.model, runtime.streams))  # held/dropped stream events
+        registry.register(EngineNodesCollector(runtime))
         loop = runtime.scheduler.generation
         scheduler = runtime.scheduler
         self.generation = (

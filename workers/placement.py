@@ -27,7 +27,11 @@ import onnxruntime as ort
 
 from workers.ort_session import ProviderStep, open_session
 
-__all__ = ["Placement", "count_placement", "profiled_placement"]
+__all__ = ["Placement", "count_placement", "format_nodes", "placement_warning", "profiled_placement", "read_placement"]
+
+_GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+CPU_SHARE_WARNING = 0.10
+"""A GPU session that runs more than this fraction of its nodes on the CPU is logged at WARNING."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +93,36 @@ def profiled_placement(
 
         session, steps = open_session(source, options, chain)
         session.run(None, dict(feeds))
-        path = session.end_profiling()
+        nodes = read_placement(session)
+    return Placement(nodes, list(session.get_providers()), steps)
+
+
+def read_placement(session: ort.InferenceSession) -> dict[str, int]:
+    """End ``session``'s profiling (ONNX Runtime records nothing more after it) and count the nodes each
+    provider ran in the profile it wrote; the profile file is removed.
+
+    Raises:
+        ValueError: the session was not profiling (``SessionOptions.enable_profiling`` was off).
+    """
+    path = session.end_profiling()
+    if not path:
+        raise ValueError("the session was not profiling: set SessionOptions.enable_profiling before creating it")
+    try:
         with open(path, encoding="utf-8") as fh:
             events = json.load(fh)
-    return Placement(count_placement(events), list(session.get_providers()), steps)
+    finally:
+        os.remove(path)
+    return count_placement(events)
+
+
+def format_nodes(nodes: Mapping[str, int]) -> str:
+    """``{"CUDAExecutionProvider": 190, "CPUExecutionProvider": 6}`` → ``"CUDA 190, CPU 6"``."""
+    return ", ".join(f"{name.removesuffix('ExecutionProvider')} {count}" for name, count in nodes.items())
+
+
+def placement_warning(nodes: Mapping[str, int], providers: list[str]) -> bool:
+    """True when a session with a GPU provider active runs more than :data:`CPU_SHARE_WARNING` of its
+    nodes on the CPU (each such node copies its tensors across the bus at every run)."""
+    total = sum(nodes.values())
+    on_cpu = nodes.get("CPUExecutionProvider", 0)
+    return any(p in providers for p in _GPU_PROVIDERS) and total > 0 and on_cpu / total > CPU_SHARE_WARNING

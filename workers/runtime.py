@@ -225,6 +225,7 @@ class WorkerRuntime:
             "queue": self.queue,
             "canary_queue": self.canary_queue,
             "providers": self.engine.providers,
+            "nodes": self.engine.placement,
             "ready": self.ready and not progress.stalled,
             "held": progress.held,
             "stalled_s": round(progress.stalled_for_s, 1),
