@@ -8,6 +8,9 @@ Two modes, both through ONNX Runtime's own tools, after ``quant_pre_process``:
   file, or seeded synthetic prompts); ``symmetric`` makes activations and weights signed and
   symmetric, as TensorRT's INT8 path wants (``trt_int8_enable``, no calibration table).
 
+The target (``cfg.target``: ``cpu``, ``tensorrt``; ``cuda`` is refused) picks the mode:
+:func:`tools.quantize_config.mode_for_target`.
+
 The result is a new versioned file next to the original — ``demo-lm-1.0.0.onnx`` →
 ``demo-lm-1.0.0-int8.onnx`` (static: ``-int8-static``, symmetric: ``-int8-static-sym``) — with its
 model card (``version`` and ``quantization`` set) and a JSON report ``<stem>.report.json``: file sizes
@@ -63,7 +66,7 @@ __all__ = [
     "report_path_for",
 ]
 
-from tools.quantize_config import STATIC_OP_TYPES, QuantizeConfig
+from tools.quantize_config import STATIC_OP_TYPES, QuantizeConfig, mode_for_target
 
 
 @dataclass
@@ -260,7 +263,8 @@ def quantize_model(model_file: Path, cfg: QuantizeConfig, *, progress: bool = Tr
     Raises:
         QuantizationRefused: the gate failed; ``exc.report`` holds the measured figures.
         FileExistsError: the target exists and ``cfg.overwrite`` is False.
-        ValueError: not a causal LM, a symmetric dynamic request, or a bad calibration/eval file.
+        ValueError: not a causal LM, a symmetric dynamic request, ``cfg.target`` cuda or a mode ``cfg.target``
+            does not take (:func:`tools.quantize_config.mode_for_target`), or a bad calibration/eval file.
         ModelLoadError: no model card next to ``model_file``.
     """
     started = time.monotonic()
@@ -269,6 +273,8 @@ def quantize_model(model_file: Path, cfg: QuantizeConfig, *, progress: bool = Tr
         raise ValueError(f"{model_file}: the accuracy report compares next-token logits; kind is {card.kind}")
     if cfg.symmetric and cfg.mode != "static":
         raise ValueError("symmetric applies to static QDQ quantization (--mode static)")
+    if mode_for_target(cfg.target, cfg.mode, cfg.symmetric) != (cfg.mode, cfg.symmetric):
+        raise ValueError(f"--target {cfg.target} quantizes static QDQ, symmetric (--mode static --symmetric)")
     version = cfg.version or default_version(card.version, cfg)
     target = model_file.parent / versioned_path(Path("."), card.name, version).name
     if target.exists() and not cfg.overwrite:
@@ -300,6 +306,7 @@ def quantize_model(model_file: Path, cfg: QuantizeConfig, *, progress: bool = Tr
             "name": card.name,
             "version": version,
             "quantization": label_for(cfg),
+            "target": cfg.target,
             "mode": cfg.mode,
             "symmetric": cfg.symmetric,
             "per_channel": cfg.per_channel,

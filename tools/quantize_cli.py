@@ -2,7 +2,11 @@
 
 Prints the JSON report on stdout. Exit codes: 0 written; 1 refused by the accuracy gate (the
 message on stderr gives the measured figures, nothing is written) or by the store (``--publish``:
-the version exists, the store cannot be reached); 2 bad arguments or files.
+the version exists, the store cannot be reached); 2 bad arguments or files, ``--target cuda`` (no
+INT8 kernels there: the line says why and what to do instead), or a ``--mode`` the target does not take.
+
+``--target cpu`` (default) quantizes as ``--mode`` says (dynamic by default); ``--target tensorrt``
+quantizes static QDQ, symmetric (``--mode static --symmetric``), what TensorRT builds INT8 layers from.
 
 ``--publish VERSION`` then pushes the written INT8 file, its card and its ``.report.json`` to the
 model store (``store`` settings) as ``<name>/<VERSION>``, e.g. ``demo-lm/1.2.3-int8``; the JSON on
@@ -25,7 +29,7 @@ __all__ = ["register", "run_quantize"]
 
 def register(subparsers: Any) -> None:
     """Add the ``quantize`` sub-command to an ``argparse`` sub-parsers object."""
-    from tools.quantize_config import QuantizeConfig
+    from tools.quantize_config import TARGETS, QuantizeConfig
 
     d = QuantizeConfig()
     p: argparse.ArgumentParser = subparsers.add_parser(
@@ -36,10 +40,17 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("model", type=Path, help="FP32 .onnx file with its model card (.json) next to it")
     p.add_argument(
+        "--target",
+        choices=TARGETS,
+        default=d.target,
+        help="where the INT8 model runs: cpu (--mode as given, dynamic by default), tensorrt (static QDQ "
+        "symmetric), cuda (refused: the CUDA EP has no INT8 kernels; serve FP32 there)",
+    )
+    p.add_argument(
         "--mode",
         choices=["dynamic", "static"],
-        default=d.mode,
-        help="dynamic INT8 (no data; CPU default) or static QDQ INT8 with calibration",
+        default=None,
+        help=f"dynamic INT8 (no data) or static QDQ INT8 with calibration; default: the target's ({d.mode} for cpu)",
     )
     p.add_argument(
         "--symmetric",
@@ -114,10 +125,17 @@ def run_quantize(args: argparse.Namespace) -> int:
     """Run ``fleet quantize``; returns the exit status (0 written, 1 refused, 2 bad input)."""
     from protocol.errors import ModelLoadError
     from tools.quantize import QuantizationRefused, QuantizeConfig, quantize_model
+    from tools.quantize_config import mode_for_target
 
+    try:  # before anything is loaded: a refused target costs nothing
+        mode, symmetric = mode_for_target(args.target, args.mode, args.symmetric)
+    except ValueError as exc:
+        print(f"fleet quantize: {exc}", file=sys.stderr)
+        return 2
     cfg = QuantizeConfig(
-        mode=args.mode,
-        symmetric=args.symmetric,
+        mode=mode,
+        target=args.target,
+        symmetric=symmetric,
         per_channel=args.per_channel,
         calibration_path=args.calibration,
         calibration_count=args.calibration_count,

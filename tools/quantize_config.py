@@ -7,9 +7,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["STATIC_OP_TYPES", "Mode", "QuantizeConfig"]
+__all__ = ["CUDA_INT8_REFUSAL", "STATIC_OP_TYPES", "TARGETS", "Mode", "QuantizeConfig", "Target", "mode_for_target"]
 
 Mode = Literal["dynamic", "static"]
+Target = Literal["cpu", "cuda", "tensorrt"]
+TARGETS: tuple[Target, ...] = ("cpu", "cuda", "tensorrt")
+"""Where the INT8 model is to run: ``cpu`` (dynamic by default, as ever), ``tensorrt`` (static QDQ,
+symmetric: what TensorRT builds INT8 layers from), ``cuda`` (refused: :data:`CUDA_INT8_REFUSAL`)."""
+
+CUDA_INT8_REFUSAL = (
+    "--target cuda: the CUDA execution provider has no INT8 kernels for these graphs: dynamic INT8's "
+    "DynamicQuantizeLinear/MatMulInteger run on the CPU with copies across the bus at every batch (measured "
+    "42x slower than FP32 on an H200, docs/gpu.md), and static QDQ is dequantized into FP32 MatMuls (slower "
+    "than FP32); serve the FP32 model on CUDA, or quantize for TensorRT with --target tensorrt"
+)
 STATIC_OP_TYPES = ("MatMul", "Gather")
 """Ops static mode quantizes by default: the weight-bearing ones. The attention mask is an additive
 float32-min bias, so min-max ranges on Add/Softmax activations would flatten everything else
@@ -21,6 +32,8 @@ class QuantizeConfig:
     """What to quantize and how; every length is in tokens."""
 
     mode: Mode = "dynamic"
+    target: Target = "cpu"
+    """Where the result is meant to run (recorded in the report; :func:`mode_for_target` picks the mode)."""
     symmetric: bool = False
     """Signed, symmetric activations and weights (TensorRT's INT8 path); static mode only."""
     per_channel: bool = False
@@ -46,3 +59,23 @@ class QuantizeConfig:
     intra_op_threads: int = 0
     """ORT threads for the evaluation sessions (0 = ORT picks)."""
     overwrite: bool = False
+
+
+def mode_for_target(target: Target, mode: Mode | None, symmetric: bool) -> tuple[Mode, bool]:
+    """The (mode, symmetric) to quantize ``target`` with; ``mode`` None = the target's own.
+
+    ``cpu``: ``mode`` or dynamic, ``symmetric`` as given; ``tensorrt``: static and symmetric.
+
+    Raises:
+        ValueError: ``cuda`` (:data:`CUDA_INT8_REFUSAL`), or a ``mode`` the target cannot run well.
+    """
+    if target == "cuda":
+        raise ValueError(CUDA_INT8_REFUSAL)
+    if target == "tensorrt":
+        if mode == "dynamic":
+            raise ValueError(
+                "--target tensorrt quantizes static QDQ, symmetric (TensorRT builds no INT8 layers from dynamic "
+                "INT8); drop --mode dynamic, or use --target cpu for dynamic INT8"
+            )
+        return "static", True
+    return mode or "dynamic", symmetric

@@ -117,3 +117,51 @@ def test_refuses_bad_requests(demo_lm: Path, tmp_path: Path, capsys: pytest.Capt
     code, _, err = _run(capsys, str(demo_lm), "--version", "1.0.0-int8-twice")
     assert code == 2 and "--overwrite" in err
     assert _run(capsys, str(demo_lm), "--version", "1.0.0-int8-twice", "--overwrite")[0] == 0
+
+
+def test_target_tensorrt_quantizes_static_qdq_symmetric(demo_lm: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    version = "1.0.0-int8-trt"
+    code, report, err = _run(capsys, str(demo_lm), "--target", "tensorrt", "--version", version,
+                             "--calibration-count", "16", "--latency-rounds", "1")  # fmt: skip
+    assert code == 0, err
+    assert report is not None
+    assert (report["target"], report["mode"], report["symmetric"]) == ("tensorrt", "static", True)
+    target = demo_lm.with_name(f"demo-lm-{version}.onnx")
+    _check_written(report, target, version, "int8-static-qdq-symmetric")
+    graph = onnx.load(str(target)).graph
+    assert {"QuantizeLinear", "DequantizeLinear"} <= {n.op_type for n in graph.node}
+    zero_points = [onnx.numpy_helper.to_array(i) for i in graph.initializer if i.name.endswith("zero_point")]
+    assert zero_points and all(z.dtype == np.int8 and not z.any() for z in zero_points)  # signed, symmetric
+
+
+def test_target_cpu_is_the_default_dynamic_int8(demo_lm: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    version = "1.0.0-int8-cpu"
+    code, report, err = _run(capsys, str(demo_lm), "--target", "cpu", "--version", version, "--latency-rounds", "1")
+    assert code == 0, err
+    assert report is not None and (report["target"], report["mode"], report["symmetric"]) == ("cpu", "dynamic", False)
+    _check_written(report, demo_lm.with_name(f"demo-lm-{version}.onnx"), version, "int8-dynamic")
+    ops = {n.op_type for n in onnx.load(str(demo_lm.with_name(f"demo-lm-{version}.onnx"))).graph.node}
+    assert "DynamicQuantizeLinear" in ops
+
+
+@pytest.mark.parametrize("mode", [None, "dynamic", "static"])
+def test_target_cuda_is_refused_with_the_reason_and_the_fix(
+    demo_lm: Path, capsys: pytest.CaptureFixture[str], mode: str | None
+) -> None:
+    before = sorted(demo_lm.parent.iterdir())
+    code, report, err = _run(capsys, str(demo_lm), "--target", "cuda", *(["--mode", mode] if mode else []))
+    assert code == 2 and report is None
+    [line] = err.strip().splitlines()
+    assert line.startswith("fleet quantize: --target cuda: ")
+    for words in ("DynamicQuantizeLinear/MatMulInteger", "42x slower than FP32", "serve the FP32 model on CUDA",
+                  "--target tensorrt"):  # fmt: skip
+        assert words in line
+    assert sorted(demo_lm.parent.iterdir()) == before  # nothing written
+
+
+def test_target_with_a_conflicting_mode_is_refused(demo_lm: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before = sorted(demo_lm.parent.iterdir())
+    code, report, err = _run(capsys, str(demo_lm), "--target", "tensorrt", "--mode", "dynamic")
+    assert code == 2 and report is None
+    assert "--target tensorrt" in err and "--mode dynamic" in err and "--target cpu" in err
+    assert sorted(demo_lm.parent.iterdir()) == before
