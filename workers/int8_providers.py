@@ -48,8 +48,8 @@ def int8_provider_warning(op_types: Iterable[str], providers: Sequence[str]) -> 
     if dynamic and (_CUDA in providers or _TRT in providers):
         return (
             f"dynamic INT8 ops {'/'.join(dynamic)} have no CUDA kernels (nor TensorRT layers): they run on "
-            "CPU with copies per batch; quantize static QDQ for TensorRT (`fleet quantize --mode static "
-            "--symmetric`) or serve FP32/FP16 on CUDA"
+            "CPU with copies per batch; quantize static QDQ for TensorRT (`fleet quantize --target tensorrt`) "
+            "or serve FP32/FP16 on CUDA"
         )
     if ops & QDQ_OPS and _CUDA in providers and _TRT not in providers:
         return (

@@ -130,7 +130,7 @@ def test_int8_on_a_gpu_provider_without_int8_kernels_is_named(
     assert warning is not None and warning.startswith(expected) and "\n" not in warning
     assert "FP32/FP16 on CUDA" in warning
     if "dynamic" in name:
-        assert "run on CPU with copies per batch" in warning and "`fleet quantize --mode static" in warning
+        assert "run on CPU with copies per batch" in warning and "`fleet quantize --target tensorrt`" in warning
     else:
         assert "TensorrtExecutionProvider" in warning
 
