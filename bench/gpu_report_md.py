@@ -123,6 +123,17 @@ def _scaling(rows: list[dict[str, Any]], results: dict[str, Any]) -> list[str]:
     return out
 
 
+def _worker_nodes(fleet: dict[str, Any]) -> list[str]:
+    counted = {row["label"]: row.get("nodes_at_load") or {} for row in fleet.values()}
+    if not any(counted.values()):
+        return []
+    out = ["", "Nodes per provider each worker counted at model load (its heartbeat; `fleet status` shows the same):",
+           ""]  # fmt: skip
+    out += [f"- {label}: {', '.join(f'{_short(p)} {n}' for p, n in nodes.items()) or 'not counted'}"
+            for label, nodes in counted.items()]  # fmt: skip
+    return out
+
+
 def _generation(gen: dict[str, Any]) -> list[str]:
     out = ["| configuration | tokens/s | requests/s | TTFT p50 ms | inter-token p50 ms |", "|---|---|---|---|---|"]
     for row in gen["rows"].values():
@@ -203,6 +214,7 @@ def render(results: dict[str, Any], *, json_name: str = "gpu-report.json") -> st
         f"{meta['plan']['bulk_clients']} clients of {meta['plan']['bulk_chunk']}-request messages).",
         "",
         *_fleet(results),
+        *_worker_nodes(results["fleet"]),
         "",
         "## More workers on one device",
         "",

@@ -196,6 +196,9 @@ class RunningFleet:
         self._began = 0.0
         self.providers: list[str] = []
         """The execution providers active in the worker's session (its ready heartbeat)."""
+        self.nodes: dict[str, int] = {}
+        """Nodes per execution provider the worker counted at model load (its ready heartbeat; empty when
+        it did not count them)."""
 
     @property
     def pid(self) -> int:
@@ -214,6 +217,8 @@ class RunningFleet:
         self.start_s = time.monotonic() - self._began
         active = ready.get("providers")
         self.providers = [str(p) for p in active] if isinstance(active, list) else []
+        nodes = ready.get("nodes")
+        self.nodes = {str(k): int(v) for k, v in nodes.items()} if isinstance(nodes, dict) else {}
         self.client = FleetClient(self.settings)
         if self.config.lean:
             self.client.app.conf.task_send_sent_event = False

@@ -63,7 +63,8 @@ def start_fleet_servers(configs: dict[str, FleetConfig], redis_url: str, work_di
             key, cfg.model_name, client, fleet.pid, fleet.stop,
             {"label": cfg.label, "model_bytes": cfg.model_path.stat().st_size, "start_s": round(fleet.start_s, 1),
              "max_batch_size": cfg.max_batch_size, "concurrency": cfg.concurrency,
-             "providers_requested": list(cfg.providers), "providers_active": fleet.providers},
+             "providers_requested": list(cfg.providers), "providers_active": fleet.providers,
+             "nodes_at_load": fleet.nodes},
         )  # fmt: skip
     return servers
 

@@ -71,6 +71,11 @@ def test_the_fleet_is_measured_against_the_ceiling_of_its_own_graph(report: tupl
     for key, row in fleet.items():
         assert row["per_request"]["errors"] == 0 and row["per_request"]["requests"] > 0, key
         assert row["providers_active"] == ["CPUExecutionProvider"]
+    placement = {(r["model"], r["chain"]): r["nodes"] for r in results["placement"]}
+    # each worker's own count at load (heartbeat) equals the report's profiled count of the same graph
+    assert fleet["batching"]["nodes_at_load"] == placement[("fp32", "cpu")]
+    assert fleet["int8"]["nodes_at_load"] == placement[("int8-dynamic", "cpu")]
+    assert "Nodes per provider each worker counted at model load" in markdown
     assert fleet["batching"]["bulk"]["errors"] == 0 and fleet["batching"]["bulk"]["requests"] > 0
     shares = results["shares"]
     best_int8 = results["ceiling"]["int8-dynamic"]["best"]["qps"]
