@@ -27,7 +27,7 @@ test: $(STAMP)
 
 ## lint: ruff + mypy --strict over the packages
 lint: $(STAMP)
-	$(BIN)/ruff check protocol workers producer gateway store tools bench planner tests
+	$(BIN)/ruff check protocol broker workers producer gateway store tools bench planner tests
 	$(BIN)/mypy
 
 ## models: build the demo models into ./models

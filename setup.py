@@ -21,7 +21,7 @@ import os
 from setuptools import setup
 
 BASE = [
-    # The worker adapts kombu's and Celery's internals (workers/broker_versions.py): pinned to the minor
+    # The worker adapts kombu's and Celery's internals (broker/versions.py): pinned to the minor
     # versions the tests ran, checked again at worker start; constraints.txt holds the exact versions.
     "celery[redis]>=5.7,<5.8",
     "kombu>=5.7,<5.8",

@@ -131,7 +131,7 @@ FLOOR_GROUPS = {
     "worker's take per batch, the result store per stored state)": ("evalsha",),
 }  # fmt: skip
 """Who issues which command of a request with every Celery extra off (from reading kombu, Celery and the fleet:
-``producer/idempotent_queue.py``, ``workers/atomic_take.py``, ``workers/result_backend.py``). Redis counts the
+``producer/idempotent_queue.py``, ``broker/atomic_take.py``, ``broker/result_backend.py``). Redis counts the
 commands a script runs as commands of their own, so a script is its ``evalsha`` plus what it runs. ``set`` is
 split by hand: one per request is the producer's marker (``SET NX`` in its script), the rest the result store's."""
 

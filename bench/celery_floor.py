@@ -17,7 +17,7 @@ Redis and the worker, and Redis commands per request (``INFO commandstats`` delt
 between the fleet's figures and these is what the fleet's own code costs per request.
 
 Only Celery, kombu and redis-py are used here: nothing from ``protocol``, ``workers`` or
-``producer``, whose :func:`protocol.celeryconf.make_celery` installs a patched kombu channel process
+``producer``, whose :func:`broker.make_celery` installs a patched kombu channel process
 wide. So that such a patch, installed earlier in the same bench process, cannot leak into the floor,
 the app names its own transport (:class:`StockRedisTransport`): kombu's Redis transport with kombu's
 own, unpatched channel. The bench-side helpers (:mod:`bench.procs`, :mod:`bench.stats`,
@@ -80,7 +80,7 @@ RESULT_TIMEOUT_S = 30.0
 class StockRedisTransport(kombu_redis.Transport):
     """kombu's Redis transport with kombu's own channel class.
 
-    :func:`protocol.celeryconf.make_celery` (and the fleet worker) replace
+    :func:`broker.make_celery` (and the fleet worker) replace
     ``kombu.transport.redis.Transport.Channel`` in their process; this subclass pins the unpatched
     ``kombu.transport.redis.Channel``, so the floor stays stock even in a process that made a fleet client.
     """

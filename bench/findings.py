@@ -19,14 +19,14 @@ _REDIS_SOURCES = (
     "sub-queues only once per `admission.queue_depth_cache_ms` window and the routing state's `GET` once a second; "
     "then `SUBSCRIBE`/`GET`/`UNSUBSCRIBE` to wait for the result (`producer/result_waiter.py`)",
     "worker: a `BLMOVE` of the list onto itself that waits for a message without taking it, then one `EVALSHA` "
-    "of its take script (`workers/atomic_take.py`) that reads up to its free tokens of the oldest messages "
+    "of its take script (`broker/atomic_take.py`) that reads up to its free tokens of the oldest messages "
     "(`LRANGE`), records each as unacked (`ZADD`+`HSET`, kombu's bookkeeping), reads each cancel mark (`EXISTS`) "
     "and trims them off the list (`LTRIM`), so a message is at every instant in its queue or in the unacked hash, "
     "and a backed-up queue costs one wait and one script per batch of messages, not per message; one `EVALSHA` per "
     "stored state that runs `SET` + `PUBLISH` and, for a SUCCESS, the ack's `HDEL`+`ZREM` "
-    "(`workers/result_backend.py`, `workers/store_ack.py`; a generation stores STARTED first, so two); the task "
+    "(`broker/result_backend.py`, `broker/store_ack.py`; a generation stores STARTED first, so two); the task "
     "events' `PUBLISH`es (task-received, -started, -succeeded, gathered for `celery.task_event_linger_ms` into one "
-    "`task.multi` message: a fraction of a `PUBLISH` per request; `workers/event_buffer.py`); the drain meter's "
+    "`task.multi` message: a fraction of a `PUBLISH` per request; `broker/event_buffer.py`); the drain meter's "
     "`INCRBY`+`EXPIRE` twice a second, not per request (`workers/drain_meter.py`). Redis counts the commands a "
     "script runs as commands of their own, so each script is its `EVALSHA` plus what it runs",
 )

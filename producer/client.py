@@ -22,6 +22,7 @@ from typing import Any
 from celery import Celery
 from pydantic import ValidationError
 
+from broker import make_celery
 from producer import bulk_submit
 from producer.admission import Admission
 from producer.generation_defaults import generation_fields
@@ -36,7 +37,7 @@ from producer.result_waiter import ResultWaiter
 from producer.results import RequestStatus, ResultReader
 from producer.routing import Router
 from producer.task_writer import TaskMessage, TaskWriter
-from protocol.celeryconf import make_celery
+from protocol.celeryconf import celery_config
 from protocol.errors import (
     InputTooLong,
     InvalidRequest,
@@ -97,7 +98,7 @@ class FleetClient(ResultReader):
 
     def __init__(self, settings: FleetSettings, celery_app: Celery | None = None) -> None:
         self.settings = settings
-        self.app = celery_app or make_celery(settings, "onnx-fleet-producer")
+        self.app = celery_app or make_celery(celery_config(settings), "onnx-fleet-producer")
         self.redis = sync_client(settings)
         self.admission = Admission(self.redis, settings)
         self.router = Router(self.redis, settings)

@@ -75,9 +75,10 @@ def cmd_requeue(args: argparse.Namespace) -> int:
 def _forget_guard_failure(settings: FleetSettings, task_id: str) -> bool:
     """Delete the FAILURE result the guard stored for ``task_id`` (never another result): the requeued
     message will write its own, and until then the request reads as queued again."""
-    from protocol.celeryconf import make_celery
+    from broker import make_celery
+    from protocol.celeryconf import celery_config
 
-    app = make_celery(settings)
+    app = make_celery(celery_config(settings))
     try:
         meta = app.backend.get_task_meta(task_id)
         if meta.get("status") == "FAILURE" and str(meta.get("result", "")).startswith("dead-lettered"):

@@ -1,7 +1,7 @@
 """Wait for one stored result by pub/sub: ``SUBSCRIBE``, ``GET``, then the message; one pub/sub per thread.
 
 The worker stores a result under ``celery-task-meta-<id>`` and publishes it on the channel of the
-same name (Celery's Redis backend protocol; :mod:`workers.result_backend` writes it). Celery's
+same name (Celery's Redis backend protocol; :mod:`broker.result_backend` writes it). Celery's
 ``AsyncResult.get`` waits the same way, through promises, buckets, a result consumer and a drainer:
 ``fleet bench`` with py-spy put that at 41 % of a producer's CPU on the ``fleet.infer`` path.
 :class:`ResultWaiter` sends the same three commands with none of that machinery:

@@ -1,17 +1,19 @@
-"""The Celery configuration both sides share (JSON only, reliability settings, routing)."""
+"""The Celery configuration both sides share (JSON only, reliability settings, routing).
+
+:func:`celery_config` is handed to :func:`broker.make_celery`, which builds the app on the fleet's kombu
+channel: ``protocol/`` sits below ``broker/`` and never imports it.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from celery import Celery
 from kombu import Queue  # type: ignore[attr-defined]
 
-from protocol import kombu_channel
-from protocol.redis_conn import MaskedConnection, celery_redis_config
+from protocol.redis_conn import celery_redis_config
 from protocol.settings import FleetSettings
 
-__all__ = ["celery_config", "make_celery"]
+__all__ = ["celery_config"]
 
 
 def celery_config(settings: FleetSettings) -> dict[str, Any]:
@@ -78,12 +80,3 @@ def _configured(settings: FleetSettings, model: str) -> bool:
         return False
     return True
 
-
-def make_celery(settings: FleetSettings, name: str = "onnx-fleet") -> Celery:
-    """A Celery app bound to ``settings``, with no tasks registered (producers use it as is)."""
-    kombu_channel.install()  # one redis.Redis per channel, not one per command sent
-    conf = celery_config(settings)
-    app = Celery(name, broker=conf["broker_url"], backend=conf["result_backend"], set_as_current=False)
-    app.conf.update(conf)
-    app.amqp.Connection = MaskedConnection  # URLs in Celery's own lines: ':***@' only when there is a password
-    return app

@@ -44,7 +44,7 @@ DEAD_LETTER_KEY = "fleet:dead-letter"
 see :mod:`protocol.deadletter`; ``fleet dead-letter`` lists, shows, requeues and purges them."""
 DELIVERIES_KEY = "fleet:deliveries:{id}"
 """How many times the message with task ID ``id`` has been delivered to a worker (integer, TTL); written
-from its first redelivery on, see :mod:`workers.deliveries`."""
+from its first redelivery on, see :mod:`broker.deliveries`."""
 RESPONSE_KEY = "fleet:response:{id}"
 """A stored Responses-API response (JSON: the response object, its conversation history and input items;
 TTL = api.responses_ttl_s), so any gateway continues it with ``previous_response_id``."""

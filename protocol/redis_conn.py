@@ -285,7 +285,7 @@ class MaskedConnection(Connection):
     """kombu's Connection, whose URL as Celery and Flower show it (the worker's banner, "Connected to",
     "Cannot connect to", Flower's "Broker:") goes through :func:`mask_url`: ``***`` for a password only
     when the URL has one, where kombu's own ``as_uri`` writes ``redis://:**@host`` even without one.
-    Installed by :func:`protocol.celeryconf.make_celery` as the app's connection class."""
+    Installed by :func:`broker.make_celery` as the app's connection class."""
 
     def as_uri(self, include_password: Any = False, mask: Any = "**", getfields: Any = None) -> str:
         full: str = super().as_uri(include_password=True)

@@ -270,7 +270,7 @@ class WorkerSettings(_Section):
     allow_untested_kombu: bool = Field(
         default=False,
         description="Start even when celery or kombu is outside the versions the fleet was tested with "
-        "(workers.broker_versions.TESTED; the worker adapts their internals); logged as a warning at every start.",
+        "(broker.TESTED; broker/ adapts their internals); logged as a warning at every start.",
     )
     metrics_host: str | None = Field(
         default=None,

@@ -9,7 +9,7 @@ deliberate upgrade, once the tests pass on it::
 Constraints only cap versions; they never add a package, so one file serves the CPU and GPU
 installs (``FLEET_ORT=gpu`` brings ``onnxruntime-gpu``, which is not pinned here). The project
 itself (an editable install) is left out. The file is refused when celery or kombu lies outside
-the range the worker accepts (:data:`workers.broker_versions.TESTED`).
+the range the worker accepts (:data:`broker.TESTED`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from workers.broker_versions import TESTED, untested
+from broker import TESTED, untested
 
 __all__ = ["freeze", "main", "render"]
 
@@ -49,7 +49,7 @@ def render(pins: list[str], python_version: str) -> str:
     versions = {line.split("==")[0].lower(): line.split("==")[1] for line in pins}
     bad = untested({dist: versions.get(dist, "not installed") for dist in TESTED})
     if bad:
-        raise SystemExit(f"refusing to lock untested {', '.join(bad)}: move workers/broker_versions.TESTED and "
+        raise SystemExit(f"refusing to lock untested {', '.join(bad)}: move broker.TESTED (broker/versions.py) and "
                          "setup.py's pins first, once the tests pass on it")
     return HEADER.format(python=python_version) + "\n".join(pins) + "\n"
 

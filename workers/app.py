@@ -5,7 +5,7 @@ threads pool and concurrency C = the token bucket. ``worker_prefetch_multiplier=
 ``acks_late`` keep excess load in Redis, where any worker can take it; a SIGKILLed worker's
 unacked requests come back after ``visibility_timeout_s``. JSON only: no pickle anywhere.
 
-Producers use :func:`protocol.celeryconf.make_celery`, the same configuration without tasks or ORT.
+Producers use :func:`broker.make_celery`, the same configuration without tasks or ORT.
 """
 
 from __future__ import annotations
@@ -17,7 +17,14 @@ from typing import Any
 
 from celery import Celery, signals
 
-from protocol.celeryconf import make_celery
+from broker import (
+    check_broker_versions,
+    install_event_buffer,
+    install_poison_guard,
+    install_result_backend,
+    make_celery,
+)
+from protocol.celeryconf import celery_config
 from protocol.errors import ConfigError, FleetError
 from protocol.log_format import TEXT_FORMAT, JsonFormatter, configure_logging
 from protocol.settings import FleetSettings, load_settings
@@ -29,9 +36,7 @@ log = logging.getLogger("fleet.worker")
 
 def create_app(settings: FleetSettings, *, name: str = "onnx-fleet") -> Celery:
     """A Celery app bound to ``settings`` with the ``fleet.infer`` task registered."""
-    celery_app = make_celery(settings, name)
-    from workers.event_buffer import install as install_event_buffer
-    from workers.result_backend import install as install_result_backend
+    celery_app = make_celery(celery_config(settings), name)
     from workers.tasks import register_tasks
 
     install_result_backend(celery_app)
@@ -51,9 +56,7 @@ def _settings_or_exit() -> FleetSettings:
 
 def _tested_broker_or_exit(settings: FleetSettings) -> None:
     """Refuse (exit 3) a celery or kombu outside the tested versions before any of their internals are
-    adapted (:mod:`workers.broker_versions`); ``worker.allow_untested_kombu`` starts anyway, warned."""
-    from workers.broker_versions import check_broker_versions
-
+    adapted (:mod:`broker.versions`); ``worker.allow_untested_kombu`` starts anyway, warned."""
     try:
         check_broker_versions(settings.worker.allow_untested_kombu)
     except ConfigError as exc:
@@ -70,16 +73,23 @@ _tested_broker_or_exit(SETTINGS)
 app = create_app(SETTINGS)
 
 
+def _runtime_settings() -> FleetSettings | None:
+    """The settings of this worker's runtime (None before it is built): the poison guard's configuration."""
+    from workers.runtime import current_runtime
+
+    runtime = current_runtime()
+    return runtime.settings if runtime is not None else None
+
+
 @signals.worker_init.connect  # type: ignore[untyped-decorator]
 def _load_model_before_consuming(sender: Any = None, **_: Any) -> None:
     """Load and warm the model before the consumer starts; any failure stops the worker (exit 3)."""
     if getattr(sender, "app", None) is not app:
         return
-    from workers.poison import install as install_poison_guard
     from workers.result_repr import install as install_result_repr
     from workers.runtime import start_runtime
 
-    install_poison_guard()
+    install_poison_guard(worker_settings=_runtime_settings)
     install_result_repr()  # the task-succeeded event's result text, without Celery's slow saferepr
 
     if SETTINGS.log.format == "text":  # json: configured at import

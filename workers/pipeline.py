@@ -12,6 +12,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+from broker import CANCEL_MARKS
 from protocol.errors import InvalidRequest, RequestCancelled, RequestExpired, UnknownModel
 from protocol.keys import CANCEL_KEY
 from protocol.messages import (
@@ -27,7 +28,6 @@ from protocol.messages import (
     decode_request,
 )
 from protocol.validation import CheckedInput, check_input, resolve_output
-from workers.cancel_marks import MARKS
 from workers.generation.sequence import GenOutcome, GenSequence
 from workers.runtime import WorkerRuntime
 from workers.scheduler import Arrival, Job, JobResult, Role
@@ -260,7 +260,7 @@ def handle_request(
     runtime.token_taken()
     try:
         with runtime.scheduler.arrival() as arrival:
-            cancelled = MARKS.take(request_id)  # read as the message was taken (workers.cancel_marks)
+            cancelled = CANCEL_MARKS.take(request_id)  # read as the message was taken (broker.cancel_marks)
             if cancelled is None:
                 cancelled = bool(runtime.redis.exists(CANCEL_KEY.format(id=request_id)))
             prepared = prepare(runtime, payload, arrival, request_id=request_id, cancelled=cancelled, role=role)

@@ -3,9 +3,9 @@
 ``python -m tests.integration.take_victim kill --redis-url URL --kills N --out report.json`` keeps the
 queue backed up with real Celery envelopes of ``fleet.infer`` (one captured from ``send_task``, copied
 with fresh IDs and delivery tags), and N times forks a child that consumes it exactly as a worker's
-event loop does: kombu's Redis transport with :class:`workers.poison.GuardedChannel` installed (the
+event loop does: kombu's Redis transport with :class:`broker.poison.GuardedChannel` installed (the
 guard, the batched take, the cancel mark at take), prefetch = the worker's tokens, each message stored
-through the worker's result backend (whose script acks it, :mod:`workers.store_ack`) and acked. Once
+through the worker's result backend (whose script acks it, :mod:`broker.store_ack`) and acked. Once
 the child has delivered its first message the parent waits a random 0..``max_delay_s`` and SIGKILLs
 it, then reads where every pushed ID is: the queue, kombu's unacked hash, or stored (delivered and
 acked). The report holds, per kill, the delay, the code the child was in (a shared byte the child sets
@@ -40,9 +40,9 @@ from celery import Celery, states
 from kombu.entity import Queue
 from kombu.messaging import Consumer
 
-from protocol.celeryconf import make_celery
+from broker import make_celery, poison, result_backend
+from protocol.celeryconf import celery_config
 from protocol.settings import load_settings
-from workers import poison, result_backend
 
 PUSHED_KEY = "take-test:pushed"
 """The set of every task ID the driver queued (written in the same MULTI as the message)."""
@@ -58,7 +58,7 @@ def _settings(redis_url: str) -> Any:
 
 
 def _app(redis_url: str) -> Celery:
-    app = make_celery(_settings(redis_url), "take-victim")
+    app = make_celery(celery_config(_settings(redis_url)), "take-victim")
     result_backend.install(app)
 
     def infer(*_args: Any, **_kwargs: Any) -> None:
@@ -72,7 +72,7 @@ def _app(redis_url: str) -> Celery:
 
 def _template(redis_url: str, queue: str) -> dict[str, Any]:
     """A real envelope as a producer writes it to ``queue`` (``send_task`` of a separate app, closed after)."""
-    producer = make_celery(_settings(redis_url), "take-victim-producer")
+    producer = make_celery(celery_config(_settings(redis_url)), "take-victim-producer")
     producer.send_task("fleet.infer", args=[{"model": MODEL, "input_ids": [3, 4]}], queue=queue)
     producer.close()
     r = redis.Redis.from_url(redis_url)
@@ -99,7 +99,7 @@ def _instrument(phase: mmap.mmap) -> None:
     """In the child: each step of the take writes its index to ``phase`` while it runs."""
     atomic_take: Any
     try:
-        from workers import atomic_take
+        from broker import atomic_take
     except ImportError:  # code without the atomic take
         atomic_take = None
 

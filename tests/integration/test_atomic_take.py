@@ -1,4 +1,4 @@
-"""``workers.atomic_take``'s script on a real redis-server: it records each message as kombu does before it
+"""``broker.atomic_take``'s script on a real redis-server: it records each message as kombu does before it
 trims it off the list, takes nothing when Redis refuses the writes, and takes a tagless item unrecorded;
 the wait (``BLMOVE`` onto the same list) leaves the list as it was."""
 
@@ -14,11 +14,11 @@ from kombu.messaging import Consumer
 from kombu.transport import redis as kombu_redis
 from redis._parsers.base import BaseParser
 
+from broker.atomic_take import CANCEL_PREFIX, TAKE_SCRIPT
+from broker.batch_take import unacked_entry_of
+from broker.poison import GuardedChannel
 from tests.integration import take_victim
 from tools.redis_server import EmbeddedRedis
-from workers.atomic_take import CANCEL_PREFIX, TAKE_SCRIPT
-from workers.batch_take import unacked_entry_of
-from workers.poison import GuardedChannel
 
 QUEUE = "fleet.demo-lm"
 KEYS = [QUEUE, QUEUE + "\x06\x163", "unacked", "unacked_index"]

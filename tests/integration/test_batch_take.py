@@ -1,4 +1,4 @@
-"""``workers.batch_take``: a backed-up queue is taken several messages per round trip, never more than
+"""``broker.batch_take``: a backed-up queue is taken several messages per round trip, never more than
 the worker's free tokens, with each message's bookkeeping and cancel mark, the guard's checks and
 the store's ack as for one (real worker, real redis-server, Redis's own MONITOR)."""
 
@@ -13,13 +13,13 @@ import pytest
 import redis
 from kombu.transport import virtual
 
+from broker.batch_take import room_for_more
 from protocol.errors import RequestCancelled
 from protocol.keys import DEAD_LETTER_KEY
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.test_cancel_marks import Monitor
 from tools.processes import poll_until
 from tools.redis_server import EmbeddedRedis
-from workers.batch_take import room_for_more
 
 TOKENS = 4
 """The worker's concurrency C in these tests."""

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from broker.versions import OVERRIDE_ENV, TESTED
 from tests.integration.fleet_fixtures import Fleet
 from tests.tier_venv import pip_install_or_skip
-from workers.broker_versions import OVERRIDE_ENV, TESTED
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERLAYS = ROOT / "var" / "broker-range"

@@ -1,4 +1,4 @@
-"""``workers.cancel_marks``: the cancel mark is read in the pipeline that takes a message (real worker,
+"""``broker.cancel_marks``: the cancel mark is read in the pipeline that takes a message (real worker,
 real redis-server, Redis's own MONITOR), and a request cancelled while queued is not run."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import redis
 
+from broker.cancel_marks import CancelMarks
 from protocol.errors import RequestCancelled
 from tests.integration.fleet_fixtures import Fleet
-from workers.cancel_marks import CancelMarks
 
 
 class Monitor:
@@ -87,8 +87,8 @@ def test_the_unacked_entry_splices_the_taken_bytes_into_kombu_s_json() -> None:
     import json
     from types import SimpleNamespace
 
-    from workers.batch_take import unacked_entry_of
-    from workers.cancel_marks import unacked_entry
+    from broker.batch_take import unacked_entry_of
+    from broker.cancel_marks import unacked_entry
 
     raw = (b'{"body": "W1tdLCB7fV0=", "headers": {"id": "r-1", "task": "fleet.infer"}, '
            b'"properties": {"delivery_tag": "t"}}')

@@ -80,14 +80,14 @@ def test_started_is_stored_for_generations_only(fleet: Fleet) -> None:
     client.result(client.submit("demo-lm", [1, 2]), wait=True, timeout_s=60)  # connections set up
 
     def stores_during(generation: dict[str, int] | None = None) -> int:
-        """State writes: each is one run of the worker's store script (workers.result_backend)."""
+        """State writes: each is one run of the worker's store script (broker.result_backend)."""
         before = redis_commandstats(fleet.redis_url)
         rid = client.submit("demo-lm", [3, 4], generation=generation)
         assert client.result(rid, wait=True, timeout_s=60) is not None
         after = redis_commandstats(fleet.redis_url)
         runs = sum(after.get(k, 0) - before.get(k, 0) for k in ("evalsha", "eval"))
         # the submission's own claim-and-queue script (producer.idempotent_queue) and the worker's take
-        return runs - 2  # script (workers.atomic_take)
+        return runs - 2  # script (broker.atomic_take)
 
     assert stores_during() == 1  # the result only: a one-step request goes from queued to its result
     assert stores_during(generation={"max_new_tokens": 3}) == 2  # STARTED, then the result

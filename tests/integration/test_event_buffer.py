@@ -1,4 +1,4 @@
-"""``workers.event_buffer``: a worker's task events gathered into ``task.multi`` messages, published
+"""``broker.event_buffer``: a worker's task events gathered into ``task.multi`` messages, published
 off the requests' path; none lost at a restart of the consumer or a warm shutdown (real redis-server,
 real Celery dispatcher, real workers)."""
 
@@ -12,11 +12,12 @@ from typing import Any
 
 import redis
 
-from protocol.celeryconf import make_celery
+from broker import make_celery
+from broker.event_buffer import EventFlusher
+from protocol.celeryconf import celery_config
 from protocol.settings import load_settings
 from tests.integration.fleet_fixtures import Fleet
 from tools.redis_server import EmbeddedRedis
-from workers.event_buffer import EventFlusher
 
 TASK_EVENTS = ("task-received", "task-started", "task-succeeded")
 
@@ -84,7 +85,7 @@ def test_linger_zero_leaves_celery_s_own_publishing_and_loses_nothing(fleet: Fle
 
 
 def _dispatcher(redis_url: str) -> Any:
-    app = make_celery(load_settings(redis_url=redis_url), "event-buffer-test")
+    app = make_celery(celery_config(load_settings(redis_url=redis_url)), "event-buffer-test")
     return app, app.events.Dispatcher(app.connection_for_write(), hostname="t@test", enabled=True)
 
 

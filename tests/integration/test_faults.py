@@ -172,7 +172,7 @@ def test_redis_restart_with_aof_under_load(tmp_path: Path, model_dir: Path, sign
         assert not lost and not errors, (lost, errors)
         audit(client, load.ids).raise_if_broken()
         # an ack racing the reconnect used to kill it (kombu AttributeError in _connparams, 1 run in 5);
-        # workers/poison.py makes a closed channel a lost connection, which Celery reconnects on
+        # broker/poison.py makes a closed channel a lost connection, which Celery reconnects on
         assert spare is None, "the worker exited when Redis went away:\n" + w.log_tail()
     finally:
         fleet.close()
@@ -263,7 +263,7 @@ def test_full_disk_for_aof(tmp_path: Path, model_dir: Path) -> None:
             + (", ".join(f"{k} {v}" for k, v in load.refused.items()) or "none")
             + (f"; lost were accepted {lost_when} s from the first refused write" if lost else ""),
         ))
-        # MISCONF is a write refusal the worker rides out (workers/redis_refusals.py): it reconnects with
+        # MISCONF is a write refusal the worker rides out (broker/redis_refusals.py): it reconnects with
         # backoff, holds a message Redis refused to record, retries result writes; nothing is lost
         assert spare is None, "the worker exited on MISCONF:\n" + w.log_tail()
         assert not lost, f"lost {lost}, accepted {lost_when} s from the first refused write"

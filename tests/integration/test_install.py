@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from packaging.specifiers import SpecifierSet
 
+from broker.versions import TESTED, installed_versions, untested
 from tools.lock_constraints import freeze
 from workers import engine
-from workers.broker_versions import TESTED, installed_versions, untested
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,7 +48,7 @@ def test_the_base_install_brings_exactly_one_ort_build(tmp_path: Path, flavour: 
     names = [re.match(r"[A-Za-z0-9_.-]+", r).group(0) for r in requires]  # type: ignore[union-attr]
     assert [n for n in names if n.startswith("onnxruntime")] == expected
     assert "celery" in names and "pydantic" in names
-    # celery and kombu are pinned to the range the worker accepts at start (workers.broker_versions)
+    # celery and kombu are pinned to the range the worker accepts at start (broker.versions)
     pins = {n: r[len(n):].split(";")[0].strip() for n, r in zip(names, requires, strict=True)}
     assert {d: str(SpecifierSet(pins[d].removeprefix("[redis]"))) for d in TESTED} == {
         d: str(SpecifierSet(s)) for d, s in TESTED.items()}

@@ -1,4 +1,4 @@
-"""``protocol.kombu_channel`` and the worker path's Redis commands: one client per channel and pool, no
+"""``broker.kombu_channel`` and the worker path's Redis commands: one client per channel and pool, no
 ``MULTI``/``EXEC`` per delivery, one store script per result (real redis-server and worker)."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import time
 from kombu.transport import redis as kombu_redis
 
 from bench.procs import redis_commandstats
-from protocol.celeryconf import make_celery
-from protocol.kombu_channel import FleetChannel, PlainPipelineQoS
+from broker import make_celery
+from broker.kombu_channel import FleetChannel, PlainPipelineQoS
+from protocol.celeryconf import celery_config
 from protocol.settings import load_settings
 from tests.integration.fleet_fixtures import Fleet
 from tools.redis_server import EmbeddedRedis
@@ -32,7 +33,7 @@ def settled_calls(redis_url: str, before: dict[str, int], acks: int, wait_s: flo
 
 
 def test_a_channel_reuses_one_client_until_its_pool_changes(redis_server: EmbeddedRedis) -> None:
-    app = make_celery(load_settings(redis_url=redis_server.url), "channel-test")
+    app = make_celery(celery_config(load_settings(redis_url=redis_server.url)), "channel-test")
     assert kombu_redis.Transport.Channel is FleetChannel
     with app.connection_for_write() as conn:
         channel = conn.default_channel
@@ -59,7 +60,7 @@ def test_a_request_takes_no_transaction_and_one_store_script(fleet: Fleet) -> No
     calls = settled_calls(fleet.redis_url, before, acks=10)
     assert calls.get("multi", 0) == 0 and calls.get("exec", 0) == 0, calls  # plain pipelines and a script
     assert calls["lpush"] == 10 and calls["zadd"] == 10 and calls["hdel"] == 10
-    # scripts: one take (workers.atomic_take: ZADD + HSET + LTRIM inside, run only when a list holds a
+    # scripts: one take (broker.atomic_take: ZADD + HSET + LTRIM inside, run only when a list holds a
     # message) and one store (the ack's HDEL inside) per request, beside the producer's own
     assert calls["ltrim"] == 10 and calls["evalsha"] >= 20 and not calls.get("brpop") and not calls.get("rpop"), calls
     assert calls.get("incrby", 0) <= 4, calls  # the drain meter: twice a second, not per request

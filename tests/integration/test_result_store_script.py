@@ -1,4 +1,4 @@
-"""The worker's one-script result store (``workers.result_backend``) against a real redis-server: Celery's
+"""The worker's one-script result store (``broker.result_backend``) against a real redis-server: Celery's
 rules (keep a SUCCESS, publish what is stored, the failure TTL) in one round trip and 3 commands."""
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ import redis
 from celery import states
 
 from bench.procs import redis_commandstats
-from protocol.celeryconf import make_celery
+from broker import make_celery, result_backend
+from protocol.celeryconf import celery_config
 from protocol.settings import load_settings
 from tools.redis_server import EmbeddedRedis
-from workers import result_backend
 
 PROBE = {"info", "hello", "client"}  # redis_commandstats's own connection
 
 
 def _backend(url: str, **conf: Any) -> Any:
-    app = make_celery(load_settings(redis_url=url), "store-script-test")
+    app = make_celery(celery_config(load_settings(redis_url=url)), "store-script-test")
     result_backend.install(app)
     app.conf.update(conf)
     backend = app.backend

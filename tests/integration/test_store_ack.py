@@ -1,4 +1,4 @@
-"""``workers.store_ack``: a SUCCESS's ack runs inside the script that stores it; other outcomes keep
+"""``broker.store_ack``: a SUCCESS's ack runs inside the script that stores it; other outcomes keep
 kombu's ack; nothing is left unacked (real redis-server, real worker, Redis's own MONITOR)."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import pytest
 import redis
 from celery import states
 
-from protocol.celeryconf import make_celery
+from broker import make_celery, result_backend
+from broker.store_ack import ACKS, StoreAcks, delivery_tag_of
+from protocol.celeryconf import celery_config
 from protocol.errors import FleetError
 from protocol.settings import load_settings
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.test_cancel_marks import Monitor
 from tools.redis_server import EmbeddedRedis
-from workers import result_backend
-from workers.store_ack import ACKS, StoreAcks, delivery_tag_of
 
 
 def _tag_of(r: redis.Redis[bytes], rid: str, commands: list[dict[str, Any]]) -> str:
@@ -53,7 +53,7 @@ def test_a_success_is_acked_by_its_store_script_and_a_failure_by_kombu(fleet: Fl
 
 
 def test_the_script_acks_when_it_keeps_a_success_and_leaves_other_states_to_kombu(redis_server: EmbeddedRedis) -> None:
-    app = make_celery(load_settings(redis_url=redis_server.url), "store-ack-test")
+    app = make_celery(celery_config(load_settings(redis_url=redis_server.url)), "store-ack-test")
     result_backend.install(app)
     backend = app.backend
     r = redis.Redis(port=redis_server.port)

@@ -1,5 +1,5 @@
 """A worker SIGKILLed at any instant of its take loses no message: 200 kills at random instants of a
-process taking a backed-up queue through the worker's real channel (:mod:`workers.atomic_take`, the
+process taking a backed-up queue through the worker's real channel (:mod:`broker.atomic_take`, the
 batched take, the guard, the store script's ack) against a real redis-server, then a ledger of every
 queued ID: in exactly one of the queue, kombu's unacked hash, or stored (delivered and acked).
 

@@ -3,7 +3,7 @@
 The refusal is real and reversible: ``CONFIG SET min-replicas-to-write 1`` on a primary with no
 replica makes Redis answer every write ``NOREPLICAS`` until it is set back to 0 — the same class of
 answer as ``MISCONF`` from a full AOF disk (tests/integration/test_faults.py), without needing a
-disk to fill. Before workers/redis_refusals.py the worker's ``BRPOP`` got that answer in Celery's
+disk to fill. Before broker/redis_refusals.py the worker's ``BRPOP`` got that answer in Celery's
 event loop, Celery called it an "Unrecoverable error" and the worker exited.
 """
 
@@ -15,11 +15,11 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from broker.redis_refusals import ParkedItems, RedisRefusingWrites, is_write_refusal
 from tests.integration.fault_fixtures import Load, settle
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.ops_fixtures import wait_until
 from tools.redis_server import EmbeddedRedis
-from workers.redis_refusals import ParkedItems, RedisRefusingWrites, is_write_refusal
 
 VISIBILITY_S = 5
 
@@ -113,7 +113,7 @@ def test_a_channel_used_after_its_connection_closed_is_a_lost_connection(server:
     from kombu.transport import redis as kombu_redis
     from redis._parsers.base import BaseParser
 
-    from workers import poison
+    from broker import poison
 
     before = (kombu_redis.Transport.Channel, dict(BaseParser.EXCEPTION_CLASSES))
     poison.install()  # what a worker process does; undone below so this process's clients stay stock

@@ -290,7 +290,7 @@ def test_dispatch_findings_quote_the_run() -> None:
     assert "**600 req/s** (5.0× one task per request)" in text and "stays below 1,000" in text
     assert "Measured through `FleetClient.submit_bulk`" in text and "prototype" not in text
     # the take and the queueing as the fleet does them now: BLMOVE + the take script, the producer's one script
-    assert "`BLMOVE`" in text and "`workers/atomic_take.py`" in text and "`producer/idempotent_queue.py`" in text
+    assert "`BLMOVE`" in text and "`broker/atomic_take.py`" in text and "`producer/idempotent_queue.py`" in text
     assert "BRPOP" not in text and "RPOP" not in text and "before/after" not in text
     assert dispatch_findings({"meta": {}, "rows": {}}) == ""
 

@@ -6,9 +6,9 @@ import logging
 
 import pytest
 
+from broker.versions import OVERRIDE_ENV, TESTED, check_broker_versions, untested
 from protocol.errors import ConfigError
 from tools.lock_constraints import render
-from workers.broker_versions import OVERRIDE_ENV, TESTED, check_broker_versions, untested
 
 RANGE = {"kombu": ">=5.7,<5.8"}
 

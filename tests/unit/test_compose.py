@@ -105,7 +105,7 @@ def test_every_package_the_project_installs_is_copied_into_the_images(dockerfile
 
 
 def test_the_cpu_image_installs_the_versions_ci_tested() -> None:
-    """The worker overrides kombu internals (workers/broker_versions.py refuses an untested kombu): the image
+    """The worker overrides kombu internals (broker/versions.py refuses an untested kombu): the image
     installs from the lock file CI installs from, so a rebuilt image does not pull a newer kombu."""
     text = (ROOT / "deploy/Dockerfile.cpu").read_text()
     assert "constraints.txt" in text.split("RUN pip install", 1)[0]

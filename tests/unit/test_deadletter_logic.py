@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
+from broker.deliveries import count_delivery, count_ttl_s, over_limit
 from producer.deadletter import fresh_delivery
 from protocol.deadletter import Reason, decode_entry, encode_entry, make_entry, read_entry, requeue_allowed
 from protocol.errors import DecodeError
 from protocol.keys import DELIVERIES_KEY
 from tests.queue_items import envelope, good_body, raw
-from workers.deliveries import count_delivery, count_ttl_s, over_limit
 
 
 def _entry(item: bytes, reason: Reason = Reason.BAD_BODY) -> Any:

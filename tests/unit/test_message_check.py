@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from celery import Celery
 
+from broker.message_check import Accepted, Envelope, Refused, check_message, parse_envelope
 from protocol.deadletter import Reason
 from tests.queue_items import envelope, good_body, pickle_item, raw
-from workers.message_check import Accepted, Envelope, Refused, check_message, parse_envelope
 
 QUEUE = "fleet.demo-lm"
 CELERY_BUILTINS = ("celery.chunks", "celery.backend_cleanup", "celery.chord_unlock", "celery.map", "celery.starmap",

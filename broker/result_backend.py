@@ -4,7 +4,7 @@ A result write that fails is worse than a slow one: Celery then acks the message
 failed task too), so the request is gone with no result. With ``result_backend_always_retry`` Celery
 retries a store whose error its backend calls safe to retry; Redis's own backend counts only lost
 connections. These classes add Redis's temporary write refusals (``MISCONF``, ``NOREPLICAS``,
-``READONLY``, ``OOM``, ``MASTERDOWN``: :func:`workers.redis_refusals.is_write_refusal`), so a task
+``READONLY``, ``OOM``, ``MASTERDOWN``: :func:`broker.redis_refusals.is_write_refusal`), so a task
 thread holds its request (and its token) until the result is written, and the request is never
 acked without one.
 
@@ -26,8 +26,8 @@ from celery.backends.base import BackendStoreError
 from celery.backends.redis import RedisBackend, SentinelBackend
 from kombu.utils.encoding import bytes_to_str
 
-from workers.redis_refusals import is_write_refusal
-from workers.store_ack import ACKS, delivery_tag_of
+from broker.redis_refusals import is_write_refusal
+from broker.store_ack import ACKS, delivery_tag_of
 
 __all__ = ["RESULT_WRITE_MAX_SLEEP_MS", "RESULT_WRITE_RETRIES", "STORE_RESULT_SCRIPT", "RefusalTolerantRedisBackend",
            "RefusalTolerantSentinelBackend", "install"]
@@ -78,7 +78,7 @@ return 1
 """Store one result unless a SUCCESS is stored already; publish it when stored. KEYS[1]: the result key;
 ARGV[1]: the encoded (JSON) meta; ARGV[2]: time to live in seconds (0 = none). With KEYS[2] and KEYS[3]
 (kombu's unacked hash and index) and ARGV[3] (a delivery tag), the delivery is acked in the same step,
-hash entry first as kombu does (:mod:`workers.store_ack`). Returns 1 when written, 0 when a SUCCESS
+hash entry first as kombu does (:mod:`broker.store_ack`). Returns 1 when written, 0 when a SUCCESS
 was kept. The usual case (no state stored yet) is one ``SET NX`` and one
 ``PUBLISH``; a stored state (a generation's STARTED) is read and overwritten unless it is a SUCCESS."""
 
@@ -104,7 +104,7 @@ class _StoresWithOneScript:
         key = backend.get_key_for_task(task_id)
         if tag is not None and unacked is not None:
             backend.ensure(self._run_store_script, ([key, *unacked], [value, max(0, ttl), tag]))
-            ACKS.acked(tag)  # Celery's ack that follows touches no key (workers.store_ack)
+            ACKS.acked(tag)  # Celery's ack that follows touches no key (broker.store_ack)
         else:
             backend.ensure(self._run_store_script, ([key], [value, max(0, ttl)]))
         return result

@@ -7,9 +7,9 @@ threads that want the GIL, so with the queue backed up a worker took its message
 it computed them: ``fleet bench`` at 32 clients against one worker of C = 16 tokens sampled 2.6
 requests held on average while 27 waited in Redis, and a third of both cores idle.
 
-The worker's channel takes with :mod:`workers.atomic_take` (a wait that pops nothing, then one script
+The worker's channel takes with :mod:`broker.atomic_take` (a wait that pops nothing, then one script
 that records up to the free tokens' messages as unacked and only then trims them off the list). Where
-Redis refuses that (before 6.2, an ACL), :class:`workers.poison.GuardedChannel` takes with kombu's
+Redis refuses that (before 6.2, an ACL), :class:`broker.poison.GuardedChannel` takes with kombu's
 ``BRPOP`` instead, and batches it this way when ``BRPOP`` returns a message:
 
 1. the message's bookkeeping and ``RPOP <list> n`` go in one pipeline, ``n`` = the worker's free
@@ -27,7 +27,7 @@ write that records it as unacked, so a worker SIGKILLed in between loses it for 
 messages (the ``RPOP`` extras wait for the first message's delivery and the guard's checks).
 Measured (``tests/integration/test_take_kills.py``, docs/reliability.md): 200 kills at random
 instants lost 159 of 4,437 messages on this path, 0 with the atomic take. A pipeline that fails
-leaves its messages with :class:`workers.redis_refusals.ParkedItems`, which pushes them back to the
+leaves its messages with :class:`broker.redis_refusals.ParkedItems`, which pushes them back to the
 queue. Redis before 6.2 has no count for ``RPOP``: its first refusal turns the batches off for that
 channel, and the worker takes one message per turn as kombu does.
 """

@@ -1,6 +1,6 @@
 """A successful request's ack, done by the script that stores its result: one round trip, one atomic step.
 
-With ``acks_late`` Celery stores a task's result (one ``EVALSHA``, :mod:`workers.result_backend`) and
+With ``acks_late`` Celery stores a task's result (one ``EVALSHA``, :mod:`broker.result_backend`) and
 then acks its message: kombu's ``HDEL`` + ``ZREM`` of the delivery's unacked entry, one more round
 trip from the task's thread (``fleet bench`` with py-spy: ~7 % of the worker's CPU on the
 ``fleet.infer`` path). The store script can remove that entry itself, in the same atomic step: the
@@ -9,7 +9,7 @@ stored SUCCESS whose message is redelivered and run again.
 
 How the pieces meet:
 
-1. :class:`StoreAckingQoS` (the worker's channel, :class:`workers.poison.GuardedChannel`) notes each
+1. :class:`StoreAckingQoS` (the worker's channel, :class:`broker.poison.GuardedChannel`) notes each
    delivery's tag with the names of its unacked hash and index as it takes the message
    (:meth:`StoreAcks.expect`);
 2. the result backend, storing a SUCCESS for a task whose message properties carry a noted tag, runs
@@ -31,7 +31,7 @@ from typing import Any
 
 from kombu.transport import virtual
 
-from workers.cancel_marks import CancelReadingQoS
+from broker.cancel_marks import CancelReadingQoS
 
 __all__ = ["ACKS", "StoreAckingQoS", "StoreAcks", "delivery_tag_of"]
 

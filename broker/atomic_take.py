@@ -3,10 +3,10 @@
 kombu's Redis transport takes a message with ``BRPOP`` and records it as unacked (``ZADD`` + ``HSET``)
 in the next round trip: between the two the message is in neither the queue nor the unacked hash,
 only in the worker's socket, and a worker SIGKILLed then loses it for good (no visibility timeout can
-bring back what no key holds). The batched take (:mod:`workers.batch_take`) widened that window to
+bring back what no key holds). The batched take (:mod:`broker.batch_take`) widened that window to
 ``RPOP <list> n`` and the guard's checks of n messages.
 
-:class:`workers.poison.GuardedChannel` takes instead, when Redis allows it:
+:class:`broker.poison.GuardedChannel` takes instead, when Redis allows it:
 
 1. **a blocking wait that pops nothing**: ``BLMOVE <list> <list> RIGHT RIGHT <timeout>`` moves a
    list's oldest message to where it was (Redis does it in one command, no client sees a change) and
@@ -30,7 +30,7 @@ What the script cannot record is an item that is not a kombu envelope with a str
 dead-lettered in the next round trip, so a kill in between drops that item (never a request the
 guard would accept: every such one has a tag). Redis refusing ``BLMOVE`` or the script (before 6.2,
 an ACL) turns this off for the channel with a warning, and the worker takes with ``BRPOP`` as kombu
-does (:mod:`workers.batch_take`); so does a ``global_keyprefix``, which kombu's client would not apply
+does (:mod:`broker.batch_take`); so does a ``global_keyprefix``, which kombu's client would not apply
 to the script's keys.
 """
 
@@ -44,10 +44,10 @@ import redis
 from kombu.transport import redis as kombu_redis
 from kombu.utils.encoding import bytes_to_str
 
+from broker.batch_take import Taken, room_for_more
+from broker.cancel_marks import CancelReadingQoS
+from broker.redis_refusals import RedisRefusingWrites, is_write_refusal
 from protocol.keys import CANCEL_KEY
-from workers.batch_take import Taken, room_for_more
-from workers.cancel_marks import CancelReadingQoS
-from workers.redis_refusals import RedisRefusingWrites, is_write_refusal
 
 __all__ = ["OTHER_LISTS_WAIT_S", "TAKE_SCRIPT", "start_peek", "take_after_peek"]
 

@@ -4,14 +4,14 @@ kombu's Redis transport decodes each popped item inside the worker's event loop,
 strategy unpacks its headers and body there too; an exception in either stops the whole worker
 ("Unrecoverable error"), the unacked item comes back, and the next worker dies on it. What they
 do catch, they drop with a log line. :class:`GuardedChannel` sits where the item is taken
-(``_brpop_read``: :mod:`workers.atomic_take`, or kombu's ``BRPOP`` where Redis refuses that), before
+(``_brpop_read``: :mod:`broker.atomic_take`, or kombu's ``BRPOP`` where Redis refuses that), before
 any of that, and for each item:
 
-1. checks the envelope (:func:`workers.message_check.parse_envelope`);
-2. counts the delivery when kombu marked it redelivered (:mod:`workers.deliveries`) and gives up
+1. checks the envelope (:func:`broker.message_check.parse_envelope`);
+2. counts the delivery when kombu marked it redelivered (:mod:`broker.deliveries`) and gives up
    on a message past ``worker.max_deliveries`` (its processing killed the worker each time);
 3. checks headers, content type, encodings and body layout
-   (:func:`workers.message_check.check_message`);
+   (:func:`broker.message_check.check_message`);
 4. hands it to kombu and Celery only when every check passed.
 
 A refused item is pushed to the dead-letter list with why, where and when
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -38,25 +39,25 @@ from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 
-from protocol.deadletter import MAX_ENTRIES, Reason, encode_entry, make_entry
-from protocol.errors import DecodeError, FleetError
-from protocol.keys import DEAD_LETTER_KEY
-from protocol.kombu_channel import ReusesSyncClient
-from protocol.redis_conn import sync_client
-from protocol.settings import FleetSettings
-from workers.atomic_take import start_peek, take_after_peek
-from workers.batch_take import Taken, TakeNotRecorded, add_take, room_for_more, unacked_entry_of
-from workers.cancel_marks import CancelReadingQoS
-from workers.deliveries import count_delivery, count_ttl_s, over_limit
-from workers.message_check import Accepted, Envelope, Refused, check_message, parse_envelope
-from workers.redis_refusals import (
+from broker.atomic_take import start_peek, take_after_peek
+from broker.batch_take import Taken, TakeNotRecorded, add_take, room_for_more, unacked_entry_of
+from broker.cancel_marks import CancelReadingQoS
+from broker.deliveries import count_delivery, count_ttl_s, over_limit
+from broker.kombu_channel import ReusesSyncClient
+from broker.message_check import Accepted, Envelope, Refused, check_message, parse_envelope
+from broker.redis_refusals import (
     BrokerChannelClosed,
     ParkedItems,
     RedisRefusingWrites,
     is_write_refusal,
     raise_write_refusals_as_connection_errors,
 )
-from workers.store_ack import StoreAckingQoS
+from broker.store_ack import StoreAckingQoS
+from protocol.deadletter import MAX_ENTRIES, Reason, encode_entry, make_entry
+from protocol.errors import DecodeError, FleetError
+from protocol.keys import DEAD_LETTER_KEY
+from protocol.redis_conn import sync_client
+from protocol.settings import FleetSettings
 
 __all__ = ["DEAD_LETTER_KEY", "CheckedMessage", "GuardConfig", "GuardedChannel", "GuardedSentinelChannel", "configure",
            "install"]
@@ -95,11 +96,11 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
     """kombu's Redis channel, except that it only delivers items Celery can take (see the module doc)."""
 
     Message = CheckedMessage
-    QoS = StoreAckingQoS  # + the cancel mark at take (workers.cancel_marks), the ack in the store (workers.store_ack)
+    QoS = StoreAckingQoS  # + the cancel mark at take (broker.cancel_marks), the ack in the store (broker.store_ack)
     take_batch = True
-    """Take up to the worker's free tokens per round trip when the queue is backed up (:mod:`workers.batch_take`)."""
+    """Take up to the worker's free tokens per round trip when the queue is backed up (:mod:`broker.batch_take`)."""
     take_atomic = True
-    """Take and record as unacked in one script run after a wait that pops nothing (:mod:`workers.atomic_take`);
+    """Take and record as unacked in one script run after a wait that pops nothing (:mod:`broker.atomic_take`);
     turned off (kombu's ``BRPOP``) when Redis refuses it."""
     peek_sent = False
     """The command pending on the ``BRPOP`` connection is the atomic take's wait, not ``BRPOP``."""
@@ -112,7 +113,7 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
         self.checked_bodies: dict[str, list[Any]] = {}
         self.pre_taken: dict[str, bool | None] = {}
         """Deliveries already recorded as unacked (tag → its cancel mark, None when not read), until the QoS
-        takes them in (:mod:`workers.batch_take`)."""
+        takes them in (:mod:`broker.batch_take`)."""
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
 
     def _brpop_start(self, timeout: Any = None) -> None:
@@ -150,7 +151,7 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
 
     def _take(self, queue: str, list_key: str, item: bytes) -> None:
         """Deliver ``item`` and, the queue backed up, up to the worker's free tokens more
-        (:mod:`workers.batch_take`); dead-letter what the checks refuse. Never raises for an item's sake."""
+        (:mod:`broker.batch_take`); dead-letter what the checks refuse. Never raises for an item's sake."""
         if not isinstance(self.qos, CancelReadingQoS):  # a QoS that records each delivery itself
             self._admit(queue, list_key, item)
             return
@@ -178,7 +179,7 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
 
         Raises:
             redis.exceptions.ConnectionError: the pipeline failed or Redis refused a write; ``batch``
-                was parked (:class:`~workers.redis_refusals.ParkedItems`) before.
+                was parked (:class:`~broker.redis_refusals.ParkedItems`) before.
         """
         if not batch and pop <= 0:
             return []
@@ -265,7 +266,7 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
             self.pre_taken.pop(tag, None)
 
     def _verdict(self, item: bytes) -> Refused | tuple[Envelope, Accepted]:
-        """Envelope, delivery count, then the rest (:mod:`workers.message_check`)."""
+        """Envelope, delivery count, then the rest (:mod:`broker.message_check`)."""
         cfg = _config
         envelope = parse_envelope(item)
         if isinstance(envelope, Refused):
@@ -382,29 +383,40 @@ def configure(app: Celery, settings: FleetSettings, hostname: str) -> GuardConfi
     return _config
 
 
-def _configure_from_worker(sender: Any = None, instance: Any = None, **_: Any) -> None:
-    """``celeryd_after_setup``: the worker's app and hostname are known, its runtime (settings) is built."""
-    from workers.runtime import current_runtime
+_worker_settings: Callable[[], FleetSettings | None] | None = None
+"""Where the guard reads the worker's settings at ``celeryd_after_setup`` (given to :func:`install`)."""
 
-    runtime = current_runtime()
-    if instance is None or runtime is None:
+
+def _configure_from_worker(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    """``celeryd_after_setup``: the worker's app and hostname are known, its settings are built."""
+    settings = _worker_settings() if _worker_settings is not None else None
+    if instance is None or settings is None:
         log.warning("poison guard: no worker runtime; task names, delivery counts and FAILURE results are off")
         return
-    configure(instance.app, runtime.settings, str(instance.hostname))
+    configure(instance.app, settings, str(instance.hostname))
 
 
-def install(app: Celery | None = None, settings: FleetSettings | None = None, hostname: str | None = None) -> None:
+def install(
+    app: Celery | None = None,
+    settings: FleetSettings | None = None,
+    hostname: str | None = None,
+    *,
+    worker_settings: Callable[[], FleetSettings | None] | None = None,
+) -> None:
     """Make every Redis transport in this process use :class:`GuardedChannel` (Sentinel:
     :class:`GuardedSentinelChannel`).
 
     With ``app`` and ``settings`` the guard is configured at once; without them (called from
     ``worker_init``) it configures itself at ``celeryd_after_setup``, from the worker being set up and
-    the runtime :mod:`workers.runtime` built, before the consumer starts.
+    the settings ``worker_settings()`` returns then (the worker's runtime, built by then, before the
+    consumer starts; None, or no ``worker_settings``: the guard runs unconfigured, with a warning).
     """
+    global _worker_settings
     kombu_redis.Transport.Channel = GuardedChannel
     kombu_redis.SentinelTransport.Channel = GuardedSentinelChannel
     raise_write_refusals_as_connection_errors()
     if app is not None and settings is not None:
         configure(app, settings, hostname or "unknown")
     else:
+        _worker_settings = worker_settings
         signals.celeryd_after_setup.connect(_configure_from_worker, weak=False)

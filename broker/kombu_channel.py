@@ -82,7 +82,7 @@ class FleetSentinelChannel(ReusesSyncClient, kombu_redis.SentinelChannel):
 
 def install() -> None:
     """Make kombu's Redis and Sentinel transports in this process use these channels, unless a
-    channel that already reuses its client (the worker's :class:`workers.poison.GuardedChannel`) is
+    channel that already reuses its client (the worker's :class:`broker.poison.GuardedChannel`) is
     installed."""
     for transport, channel in ((kombu_redis.Transport, FleetChannel),
                                (kombu_redis.SentinelTransport, FleetSentinelChannel)):  # fmt: skip

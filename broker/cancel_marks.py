@@ -21,8 +21,8 @@ from typing import Any
 from kombu.transport import virtual
 from kombu.utils.json import dumps
 
-from protocol.kombu_channel import PlainPipelineQoS
-from workers.batch_take import add_take
+from broker.batch_take import add_take
+from broker.kombu_channel import PlainPipelineQoS
 
 __all__ = ["MARKS", "CancelMarks", "CancelReadingQoS", "task_id_of", "unacked_entry"]
 
@@ -68,7 +68,7 @@ def task_id_of(message: Any) -> str | None:
 def unacked_entry(message: Any, delivery: dict[str, Any]) -> str:
     """kombu's unacked hash entry, ``[message, exchange, routing_key]`` as JSON, encoded as kombu does;
     what kombu restores from. A message the worker's channel took records it itself, with the list's
-    bytes spliced in instead (:func:`workers.batch_take.unacked_entry_of`)."""
+    bytes spliced in instead (:func:`broker.batch_take.unacked_entry_of`)."""
     return str(dumps([message._raw, delivery["exchange"], delivery["routing_key"]]))  # type: ignore[no-untyped-call]
 
 
@@ -76,7 +76,7 @@ class CancelReadingQoS(PlainPipelineQoS):
     """kombu's delivery bookkeeping (``ZADD`` + ``HSET``, one plain pipeline) plus the cancel mark's ``EXISTS``.
 
     A delivery its channel already recorded (``channel.pre_taken``: tag → the cancel mark read then,
-    :mod:`workers.batch_take`) only gets kombu's in-memory record here."""
+    :mod:`broker.batch_take`) only gets kombu's in-memory record here."""
 
     marks = MARKS
 

@@ -1,0 +1,74 @@
+"""The one seam between the fleet and kombu's/Celery's internals: a kombu upgrade is this package to check.
+
+Everything that subclasses, patches or depends on the private behaviour of kombu's Redis transport,
+Celery's result backend, its event dispatcher or its message protocol lives here, below both sides:
+``producer/`` and ``gateway/`` (which send) and ``workers/`` (which take) import it; it imports only
+``protocol/`` (settings, keys, errors, the dead-letter format) and never ``workers/``, ``producer/`` or
+``gateway/``. The Celery configuration is handed to it (:func:`make_celery` takes
+:func:`protocol.celeryconf.celery_config`'s mapping), so ``protocol/`` never imports kombu's channel.
+
+What it adapts, module by module:
+
+* :mod:`broker.kombu_channel`: kombu's Redis ``Channel`` and ``SentinelChannel`` (``_create_client``:
+  one ``redis.Redis`` per channel and pool) and ``QoS`` (``pipe_or_acquire``, ``_remove_from_indices``:
+  plain pipelines for the unacked bookkeeping); installed on ``Transport.Channel`` process wide.
+* :mod:`broker.poison`: the worker's channel (``_brpop_start``, ``_brpop_read``, ``_connparams``,
+  ``_queue_cycle``, ``_in_poll``, ``connection._deliver``, ``virtual.Message._decoded_cache``,
+  ``qos._delivered``): every item checked before kombu/Celery decode it, refused ones dead-lettered.
+* :mod:`broker.atomic_take`, :mod:`broker.batch_take`: the take (a ``BLMOVE`` wait, one Lua script
+  writing kombu's unacked hash/index entries in kombu's own format; ``RPOP`` with a count as fallback),
+  which depends on kombu's key names (``unacked_key``, ``unacked_index_key``), ``_q_for_pri``,
+  ``priority_steps``, ``sep``, ``global_keyprefix`` and ``QoS.can_consume_max_estimate``.
+* :mod:`broker.cancel_marks`, :mod:`broker.store_ack`: ``QoS.append`` (the cancel mark read at take)
+  and ``QoS.ack`` (a SUCCESS acked inside the result store's script).
+* :mod:`broker.result_backend`: Celery's Redis and Sentinel result backends (``_store_result``,
+  ``_get_result_meta``, ``ensure``, ``exception_safe_to_retry``): one script per stored state.
+* :mod:`broker.event_buffer`: Celery's consumer ``Events`` bootstep and the ``EventDispatcher``'s
+  ``_group_buffer``/``_outbound_buffer``/``on_send_buffered``: task events as ``task.multi`` messages.
+* :mod:`broker.message_check`, :mod:`broker.deliveries`: Celery's task message protocol 2 (headers,
+  ``[args, kwargs, embed]`` body, kombu's JSON envelope, the ``redelivered`` mark).
+* :mod:`broker.redis_refusals`: redis-py's ``BaseParser.EXCEPTION_CLASSES`` (write refusals raised as
+  connection errors in a worker process).
+* :mod:`broker.versions`: the pins and the worker's start-up check.
+
+Pinned to celery ``>=5.7,<5.8`` and kombu ``>=5.7,<5.8`` (:data:`TESTED`, ``setup.py``;
+``constraints.txt`` holds the exact versions CI ran: celery 5.7.0, kombu 5.7.0, redis 8.2.0). A worker
+refuses any other version at start unless ``worker.allow_untested_kombu`` is set (:data:`OVERRIDE_ENV`).
+
+On an upgrade: diff kombu's ``kombu/transport/redis.py`` (``Channel``, ``QoS``, ``MultiChannelPoller``)
+and ``kombu/transport/virtual/base.py``, Celery's ``celery/backends/redis.py``, ``backends/base.py``,
+``events/dispatcher.py``, ``worker/consumer/events.py`` and ``app/amqp.py`` (the message layout) for
+the names above; move :data:`TESTED` and ``setup.py``'s pins together; run ``tests/unit/test_message_check.py``,
+``tests/unit/test_broker_versions.py`` and the integration tests named after these modules
+(``test_kombu_channel``, ``test_poison*``, ``test_atomic_take``, ``test_batch_take``, ``test_take_kills``,
+``test_cancel_marks``, ``test_store_ack``, ``test_result_store_script``, ``test_event_buffer``,
+``test_deliveries``, ``test_write_refusals``, ``test_broker_range``, ``test_sentinel``); then
+``make constraints``.
+
+The seam: :data:`__all__` below is what the rest of the fleet may call. Code outside ``broker/``
+imports ``from broker import …`` only, never a submodule (``tests/unit/test_broker_seam.py`` checks
+``protocol``, ``workers``, ``producer``, ``gateway``, ``tools``, ``bench``, ``store`` and ``planner``).
+Tests may import submodules: they check the internals one by one.
+"""
+
+from __future__ import annotations
+
+from broker.cancel_marks import MARKS as CANCEL_MARKS
+from broker.celery_app import make_celery
+from broker.event_buffer import install as install_event_buffer
+from broker.poison import install as install_poison_guard
+from broker.result_backend import install as install_result_backend
+from broker.versions import OVERRIDE_ENV, TESTED, check_broker_versions, installed_versions, untested
+
+__all__ = [
+    "CANCEL_MARKS",
+    "OVERRIDE_ENV",
+    "TESTED",
+    "check_broker_versions",
+    "install_event_buffer",
+    "install_poison_guard",
+    "install_result_backend",
+    "installed_versions",
+    "make_celery",
+    "untested",
+]
