@@ -31,6 +31,10 @@ What it adapts, module by module:
   connection errors in a worker process).
 * :mod:`broker.versions`: the pins and the worker's start-up check.
 
+Not here yet, and to check on an upgrade as well: ``producer/task_writer.py`` (writes Celery's task message
+and its task-sent event itself; kombu's ``_q_for_pri`` and ``_get_publish_topic``), ``workers/trace_guard.py``
+(wraps Celery's tracer, ``task.__trace__``) and ``workers/result_repr.py`` (``celery.app.trace.saferepr``).
+
 Pinned to celery ``>=5.7,<5.8`` and kombu ``>=5.7,<5.8`` (:data:`TESTED`, ``setup.py``;
 ``constraints.txt`` holds the exact versions CI ran: celery 5.7.0, kombu 5.7.0, redis 8.2.0). A worker
 refuses any other version at start unless ``worker.allow_untested_kombu`` is set (:data:`OVERRIDE_ENV`).
