@@ -64,8 +64,15 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_requeue(args: argparse.Namespace) -> int:
     settings = _settings(args)
-    entry = _store(settings).requeue(args.id, force=args.force)
-    forgot = _forget_guard_failure(settings, entry.task_id) if entry.task_id else False
+    store = _store(settings)
+    _stored, found = store.find(args.id)
+    if not requeue_allowed(found.reason) and not args.force:
+        store.requeue(args.id)  # raises InvalidRequest (the reason and --force); nothing has changed
+    # The guard's FAILURE goes before the message is back on its queue: a worker may store the request's
+    # result at once, a result is written once (the FAILURE would keep the new one out), and deleting the
+    # FAILURE afterwards could race with, and remove, the result the worker just stored.
+    forgot = _forget_guard_failure(settings, found.task_id) if found.task_id else False
+    entry = store.requeue(args.id, force=args.force)
     _print({"id": entry.id, "requeued": True, "task_id": entry.task_id, "queue": entry.queue,
             "list_key": entry.list_key, "reason": entry.reason.value, "forced": bool(args.force),
             "failure_cleared": forgot})
