@@ -102,3 +102,50 @@ def test_list_show_requeue_purge(fleet: Fleet, capsys: pytest.CaptureFixture[str
     _wait_for_entries(r, 1)
     code, purged = fleet_json(capsys, cfg, "purge", "--all")
     assert code == 0 and purged == {"purged": 1, "remaining": 0}
+
+
+def test_requeue_clears_the_guard_failure_before_the_message_is_back_on_its_queue(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A worker may take the requeued message at once and store its result, which is written once: the
+    dead-letter FAILURE must be gone before the message is back (the order of the commands Redis ran)."""
+    import threading
+
+    cfg = fleet.config()
+    fleet.worker(cfg)
+    r = redis.Redis.from_url(fleet.redis_url)
+    gave_up = envelope(QUEUE, good_body(REQUEST), task_id="order-1")
+    gave_up["headers"]["redelivered"] = True
+    gave_up["properties"]["delivery_info"]["redelivered"] = True
+    r.set(DELIVERIES_KEY.format(id="order-1"), 3)
+    r.lpush(QUEUE, raw(gave_up))
+    _wait_for_entries(r, 1)
+
+    seen: list[str] = []
+    listening = threading.Event()
+
+    def monitor() -> None:
+        with r.monitor() as m:
+            listening.set()
+            for item in m.listen():
+                seen.append(str(item["command"]))
+                if "monitor-end" in item["command"]:
+                    return
+
+    thread = threading.Thread(target=monitor, daemon=True)
+    thread.start()
+    assert listening.wait(10)
+    r.echo("monitor-start")
+    while not any("monitor-start" in c for c in seen):
+        time.sleep(0.01)
+    code, requeued = fleet_json(capsys, cfg, "requeue", "order-1")
+    r.echo("monitor-end")
+    thread.join(10)
+    assert code == 0 and requeued["failure_cleared"] is True
+    forget = next(i for i, c in enumerate(seen) if "celery-task-meta-order-1" in c and c.split()[0].upper()
+                  in ("DEL", "UNLINK"))  # fmt: skip
+    back = next(i for i, c in enumerate(seen) if c.split()[0].upper() in ("EVAL", "EVALSHA") and DEAD_LETTER_KEY in c
+                and QUEUE in c)  # fmt: skip
+    assert forget < back, seen[min(forget, back) : max(forget, back) + 1]
+    result = fleet.client(cfg).result("order-1", wait=True, timeout_s=30)
+    assert isinstance(result, InferenceResult)
