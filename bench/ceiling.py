@@ -22,6 +22,7 @@ PATH_LABELS = {
     "lean": "`fleet.infer`, lean Celery (no events, STARTED state, extended result)",
     "bulk": "`fleet.infer_bulk` (FleetClient.submit_bulk + wait)",
     "gateway": "gateway (POST /v1/requests + polled GET)",
+    "gateway-wait": "gateway (POST /v1/requests + one long-poll GET `?wait_s=`)",
     "floor-events": "stock Celery, empty task, task + sent events (no fleet code: `bench/celery_floor.py`)",
     "floor-lean": "stock Celery, empty task, no events",
 }
@@ -67,6 +68,8 @@ def path_summary(dispatch: dict[str, Any]) -> dict[str, Any]:
             paths[key] = _row(abl["loop"])
     if "gateway" in dispatch:
         paths["gateway"] = _row(dispatch["gateway"])
+    if "gateway_wait" in dispatch:
+        paths["gateway-wait"] = _row(dispatch["gateway_wait"])
     for key, floor in (dispatch.get("floor") or {}).items():
         paths[f"floor-{key}"] = _row(floor)
     meta = dispatch.get("meta", {})
@@ -219,6 +222,15 @@ def ceiling_section(results: dict[str, Any]) -> str:
             f"Gateway: callers poll `GET /v1/requests/{{id}}` from 2 ms, backing off ×1.5 to 20 ms "
             f"({gw['polls_per_request']} GETs per request); Redis commands per request: "
             + ", ".join(f"`{k}` {v}" for k, v in gw["redis_calls_per_request"].items())
+            + "\n"
+        )
+    gw_wait = d.get("gateway_wait")
+    if gw_wait:
+        out.append(
+            f"Gateway, long-poll: callers `GET /v1/requests/{{id}}?wait_s={gw_wait['long_poll_s']:g}` once; the "
+            f"gateway answers when the result is stored ({gw_wait['polls_per_request']} GETs per request); Redis "
+            "commands per request: "
+            + ", ".join(f"`{k}` {v}" for k, v in gw_wait["redis_calls_per_request"].items())
             + "\n"
         )
     lone = d.get("lone_profile")

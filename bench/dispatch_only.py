@@ -53,6 +53,10 @@ def _identity_model(plan: Plan, work_dir: Path, say: Any) -> Path:
     return path
 
 
+LONG_POLL_S = 30.0
+"""``wait_s`` of the gateway's long-poll path (the gateway caps it at ``api.max_wait_s``)."""
+
+
 def probe_gateway_and_lone(plan: Plan, model_path: Path, served: Any, redis: EmbeddedRedis, work_dir: Path,
            prompts: list[list[int]], say: Any) -> dict[str, Any]:  # fmt: skip
     """The gateway's closed loop and the lone-request profile, on one more worker of the served config."""
@@ -72,11 +76,15 @@ def probe_gateway_and_lone(plan: Plan, model_path: Path, served: Any, redis: Emb
         gw = measure_gateway(gateway, pids, redis.url, cfg.model_name, prompts, clients=plan.dispatch_clients,
                              duration_s=plan.dispatch_duration_s)  # fmt: skip
         say(f"dispatch (gateway): {gw['summary']['qps']:.0f} req/s, {gw['polls_per_request']} GETs/request")
+        gw_wait = measure_gateway(gateway, pids, redis.url, cfg.model_name, prompts, clients=plan.dispatch_clients,
+                                  duration_s=plan.dispatch_duration_s, long_poll_s=LONG_POLL_S)  # fmt: skip
+        say(f"dispatch (gateway, long-poll): {gw_wait['summary']['qps']:.0f} req/s, "
+            f"{gw_wait['polls_per_request']} GETs/request")  # fmt: skip
     finally:
         if gateway is not None:
             gateway.stop()
         fleet.stop()
-    return {"gateway": gw, "lone_profile": lone}
+    return {"gateway": gw, "gateway_wait": gw_wait, "lone_profile": lone}
 
 
 def run_dispatch_only(plan: Plan, args: argparse.Namespace, command: str) -> dict[str, Any]:

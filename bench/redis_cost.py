@@ -74,8 +74,11 @@ class GatewayServer:
         stop_process(self.proc, 15)
 
 
-def _http_one(http: httpx.Client, model: str, ids: Sequence[int], poll_s: float) -> tuple[RequestRecord, int]:
-    """POST one request, poll its view until terminal; (record, GETs it took). Never raises."""
+def _http_one(http: httpx.Client, model: str, ids: Sequence[int], poll_s: float,
+              long_poll_s: float | None = None) -> tuple[RequestRecord, int]:  # fmt: skip
+    """POST one request, then GET its view until terminal: polled from ``poll_s`` on (backing off), or,
+    with ``long_poll_s``, long-polled (``?wait_s=``: the gateway answers when the result is stored).
+    Returns (record, GETs it took). Never raises."""
     start = time.perf_counter()
     gets = 0
     try:
@@ -84,9 +87,10 @@ def _http_one(http: httpx.Client, model: str, ids: Sequence[int], poll_s: float)
         location = resp.headers["Location"]
         wait_s = poll_s
         while True:
-            time.sleep(wait_s)
+            if long_poll_s is None:
+                time.sleep(wait_s)
             gets += 1
-            view = http.get(location).json()
+            view = http.get(location, params={"wait_s": long_poll_s} if long_poll_s is not None else None).json()
             if view["status"] in TERMINAL:
                 break
             wait_s = min(0.02, wait_s * 1.5)
@@ -111,13 +115,14 @@ def per_request(cpu_s: dict[str, float], calls: dict[str, int], requests: int) -
 
 def measure_gateway(
     gateway: GatewayServer, pids: dict[str, int], redis_url: str, model: str, prompts: Sequence[Sequence[int]], *,
-    clients: int, duration_s: float, poll_s: float = 0.002,
+    clients: int, duration_s: float, poll_s: float = 0.002, long_poll_s: float | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Closed loop of ``clients`` HTTP callers for ``duration_s`` seconds through ``gateway``.
 
     ``pids`` names the metered processes (gateway, redis, worker); the HTTP callers (this process)
     are not part of the fleet and are left out. A caller polls its request's view from ``poll_s``
-    seconds on, backing off ×1.5 up to 20 ms: the GETs per request are reported.
+    seconds on, backing off ×1.5 up to 20 ms, or with ``long_poll_s`` long-polls it (``GET
+    …?wait_s=``, one GET unless the wait runs out): the GETs per request are reported.
     """
     records: list[RequestRecord] = []
     gets: Counter[str] = Counter()
@@ -132,20 +137,21 @@ def measure_gateway(
                 first = False
                 with lock:
                     n = next(counter)
-                rec, polls = _http_one(http, model, prompts[n % len(prompts)], poll_s)
+                rec, polls = _http_one(http, model, prompts[n % len(prompts)], poll_s, long_poll_s)
                 with lock:
                     records.append(rec)
                     gets["polls"] += polls
 
     with httpx.Client(base_url=gateway.url, timeout=60) as http:  # warm the path (first model load etc.)
         for ids in prompts[:4]:
-            _http_one(http, model, ids, poll_s)
+            _http_one(http, model, ids, poll_s, long_poll_s)
     stop_at = time.perf_counter() + duration_s
     _, cpu, calls = metered(pids, redis_url, lambda: run_threads(clients, loop, "bench-http"))
     summary = summarize_run(records)
     ok = [r for r in records if r.error is None]
     out = {
-        "path": "gateway",
+        "path": "gateway" if long_poll_s is None else "gateway-wait",
+        "long_poll_s": long_poll_s,
         "clients": clients,
         "summary": summary.as_dict(),
         "errors": len(records) - len(ok),

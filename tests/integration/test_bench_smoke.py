@@ -107,11 +107,12 @@ def test_quick_dispatch_phase_alone_measures_each_path(tmp_path: Path) -> None:
     results = json.loads(raw.read_text())
     assert "dispatch_runs" not in results and "label" not in results["dispatch"]["meta"]  # one run, no run names
     run = path_summary(results["dispatch"])
-    assert set(run["paths"]) == {"served", "bulk", "gateway", "floor-events", "floor-lean"}  # + stock Celery
+    assert set(run["paths"]) == {"served", "bulk", "gateway", "gateway-wait", "floor-events", "floor-lean"}
     for name, path in run["paths"].items():
         assert path["qps"] > 0 and path["redis_cpu_ms"] > 0 and path["ceiling_rps"] > 0, name
         assert path["redis_calls_by_command"]["lpush"] > 0 and path["total_cpu_ms"] > path["redis_cpu_ms"], name
-    assert results["dispatch"]["gateway"]["errors"] == 0
+    assert results["dispatch"]["gateway"]["errors"] == 0 and results["dispatch"]["gateway_wait"]["errors"] == 0
+    assert results["dispatch"]["gateway_wait"]["polls_per_request"] == 1.0  # one GET, answered with the result
     lone = results["dispatch"]["lone_profile"]
     for mode in ("pubsub", "poll"):
         assert lone[mode]["total"] > lone[mode]["engine"] > 0, mode
