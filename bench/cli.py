@@ -64,9 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--only",
-        choices=["generation", "dispatch"],
+        choices=["generation", "dispatch", "multiturn"],
         default=None,
-        help="rerun one phase alone and merge its figures into the --json results of an earlier run",
+        help="rerun one phase alone and merge its figures into the --json results of an earlier run; "
+        "multiturn: the conversation rows (prefix reuse, routing) alone, into multiturn.md/.json beside --out",
     )
     p.add_argument(
         "--label",
@@ -138,6 +139,13 @@ def run(args: argparse.Namespace) -> int:
         from bench.runner import run_generation_only
 
         run_generation_only(plan, args, command)
+        return 0
+    if args.only == "multiturn":
+        from bench.machine import machine_facts
+        from bench.multiturn import run_multiturn_only
+
+        work_dir = Path(args.work_dir)
+        run_multiturn_only(plan.quick, plan.preset, Path(args.out).parent, work_dir, command, machine_facts)
         return 0
     if args.only == "dispatch":
         from bench.dispatch_only import run_dispatch_only

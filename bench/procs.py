@@ -65,6 +65,10 @@ class FleetConfig:
     lean: bool = False
     """Measurement only: run the worker through :mod:`bench.lean_worker` with Celery's per-task
     extras off (task events, STARTED state, extended results), to price them."""
+    batching_extra: dict[str, Any] = field(default_factory=dict)
+    """More ``models.<m>.batching`` settings (e.g. ``prefix_cache_bytes``)."""
+    routing: dict[str, Any] = field(default_factory=dict)
+    """The ``models.<m>.routing`` section (e.g. ``{"prefix_aware": False}``)."""
     celery: dict[str, bool] = field(default_factory=dict)
     """The ``celery`` settings section (:class:`protocol.settings.CelerySettings`) of this worker and its
     client, e.g. ``{"task_events": False}`` (then the worker also runs without ``-E``)."""
@@ -89,7 +93,9 @@ class FleetConfig:
                         "max_wait_ms": self.max_wait_ms,
                         "max_batch_tokens": self.max_batch_size * self.max_input_tokens,
                         "continuous": self.continuous,
+                        **self.batching_extra,
                     },
+                    **({"routing": dict(self.routing)} if self.routing else {}),
                     "limits": {"max_input_tokens": self.max_input_tokens, "max_new_tokens": self.max_new_tokens},
                     "engine": {"providers": list(self.providers), **self.engine_extra},
                     "max_queue_depth": 100_000,

@@ -12,8 +12,10 @@ bring back what no key holds). The batched take (:mod:`broker.batch_take`) widen
    list's oldest message to where it was (Redis does it in one command, no client sees a change) and
    returns as soon as the list holds one. Redis has no blocking wait on several lists that leaves
    them unchanged, so it waits on the list the last take came from (at first the first list of
-   kombu's order), for at most :data:`OTHER_LISTS_WAIT_S` when the worker consumes other lists too
-   (its canary queue, kombu's priority lists): a message there waits that long on an idle worker;
+   kombu's order), for at most :data:`OTHER_LISTS_WAIT_S` (the channel's ``other_lists_wait_s``: a
+   worker with a queue of its own, :mod:`workers.direct_queue`, looks every ``routing.direct_wait_ms``)
+   when the worker consumes other lists too (its canary queue, kombu's priority lists): a message
+   there waits that long on an idle worker;
 2. (after a wait that timed out, only when ``LLEN`` finds another list non-empty)
    **one script** (:data:`TAKE_SCRIPT`) that, on the first non-empty list in kombu's order, reads up to
    the worker's free tokens of its oldest messages, records each as kombu records a delivery (``ZADD``
@@ -142,7 +144,8 @@ def start_peek(channel: Any, timeout: float | None = None) -> bool:
     keys = [channel._q_for_pri(queue, pri) for pri in channel.priority_steps for queue in queues]
     wait_s = float(channel.brpop_timeout if timeout is None else timeout)
     if len(keys) > 1:
-        wait_s = min(wait_s, OTHER_LISTS_WAIT_S) if wait_s > 0 else OTHER_LISTS_WAIT_S
+        other_s = float(getattr(channel, "other_lists_wait_s", OTHER_LISTS_WAIT_S))
+        wait_s = min(wait_s, other_s) if wait_s > 0 else other_s
     last = getattr(channel, "take_last_list", None)  # still backed up, most likely: the wait returns at once
     waited_on = last if last in keys else keys[0]
     channel.take_keys = tuple(keys)

@@ -39,7 +39,7 @@ from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 
-from broker.atomic_take import start_peek, take_after_peek
+from broker.atomic_take import OTHER_LISTS_WAIT_S, start_peek, take_after_peek
 from broker.batch_take import Taken, TakeNotRecorded, add_take, room_for_more, unacked_entry_of
 from broker.cancel_marks import CancelReadingQoS
 from broker.deliveries import count_delivery, count_ttl_s, over_limit
@@ -108,6 +108,9 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
     """The lists the pending wait's take looks at, in kombu's order."""
     take_script: Any = None
     """The take script, registered on the synchronous client."""
+    other_lists_wait_s = OTHER_LISTS_WAIT_S
+    """Longest wait on one list when the worker consumes several (s); transport option ``other_lists_wait_s``."""
+    from_transport_options = (*kombu_redis.Channel.from_transport_options, "other_lists_wait_s")  # type: ignore[assignment]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.checked_bodies: dict[str, list[Any]] = {}
@@ -339,6 +342,10 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
 class GuardedSentinelChannel(GuardedChannel, kombu_redis.SentinelChannel):
     """The same guard, batched take, cancel mark at take and ack in the store on kombu's Sentinel channel
     (its connections follow the master Sentinel names)."""
+
+    from_transport_options = (  # type: ignore[assignment]
+        *kombu_redis.SentinelChannel.from_transport_options, "other_lists_wait_s"
+    )
 
 
 def _failure(refused: Refused) -> FleetError:

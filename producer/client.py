@@ -328,7 +328,11 @@ class FleetClient(ResultReader):
                     raise
                 return self._resubmitted(rid, known, fingerprint)
         model = request.model
-        queue = self.router.queue(model, role) if role else self.router.choose(model, routing_key or rid)
+        queue = (
+            self.router.queue(model, role)
+            if role
+            else self.router.choose(model, routing_key or rid, _generation_prompt(request))
+        )
         new = self._queue_tasks([request], [queue], [request_argsrepr(request, text)])
         if new[0] and role is None:  # not a shadow request itself
             self.router.sample_prompt(request.model, rid, request.input_ids)
@@ -356,7 +360,10 @@ class FleetClient(ResultReader):
             raise InvalidRequest(f"routing_keys has {len(keys)} keys for {len(requests)} requests", "routing_keys",
                                  len(requests))  # fmt: skip
         requests = [r if r.request_id else r.model_copy(update={"request_id": uuid.uuid4().hex}) for r in requests]
-        queues = [self.router.choose(r.model, key or str(r.request_id)) for r, key in zip(requests, keys, strict=True)]
+        queues = [
+            self.router.choose(r.model, key or str(r.request_id), _generation_prompt(r))
+            for r, key in zip(requests, keys, strict=True)
+        ]
         new = self._queue_tasks(requests, queues, [request_argsrepr(r, None) for r in requests],
                                 label=lambda i: f"{label}[{i}]")  # fmt: skip
         for r, fresh in zip(requests, new, strict=True):
@@ -429,3 +436,10 @@ class FleetClient(ResultReader):
         their IDs. See :func:`producer.bulk_submit.submit_bulk` (idempotency, canary split, what is raised)."""
         return bulk_submit.submit_bulk(self, model, inputs, chunk_size=chunk_size, progress=progress,
                                        rate_key=rate_key, routing_keys=routing_keys, **options)  # fmt: skip
+
+
+def _generation_prompt(request: InferenceRequest) -> list[int] | None:
+    """The prompt of a generation (what prefix-aware routing looks at); None for any other request."""
+    output = request.output
+    generates = output is not None and (output.kind == "generate" or (output.kind is None and output.generation))
+    return list(request.input_ids) if generates and request.input_ids else None

@@ -14,6 +14,7 @@ from typing import Any
 from protocol.deadletter import DeadLetter, read_entry, requeue_allowed
 from protocol.errors import InvalidRequest, RequestNotFound
 from protocol.keys import DEAD_LETTER_KEY, DELIVERIES_KEY
+from protocol.settings import shared_queue_of
 
 __all__ = ["DeadLetterStore", "fresh_delivery"]
 
@@ -75,7 +76,8 @@ class DeadLetterStore:
         raise RequestNotFound(f"no dead-letter entry with ID or task ID {ident!r}", "id", None)
 
     def requeue(self, ident: str, *, force: bool = False) -> DeadLetter:
-        """Push the entry's message back onto the list it came from and remove the entry.
+        """Push the entry's message back onto the list it came from (the model's queue, for a message
+        taken from a worker's own queue) and remove the entry.
 
         Its delivery count is reset (and its ``redelivered`` marks dropped), so it gets
         ``max_deliveries`` deliveries again.
@@ -94,8 +96,9 @@ class DeadLetterStore:
                 entry.reason.value,
             )
         deliveries_key = DELIVERIES_KEY.format(id=entry.task_id or "")
+        target = shared_queue_of(entry.list_key)  # a worker's own queue: onto the model's (that worker may be gone)
         done = self.client.eval(
-            _REQUEUE, 3, DEAD_LETTER_KEY, entry.list_key, deliveries_key, stored, fresh_delivery(entry.raw_bytes())
+            _REQUEUE, 3, DEAD_LETTER_KEY, target, deliveries_key, stored, fresh_delivery(entry.raw_bytes())
         )
         if not done:
             raise RequestNotFound(f"dead-letter entry {entry.id} was removed meanwhile", "id", None)

@@ -1,6 +1,7 @@
 """Where a request is queued: its model's stable queue or canary queue (:mod:`protocol.model_state`).
 
-The producer and the gateway decide at submit time with :class:`Router`, which reads each model's
+The producer and the gateway decide at submit time with :class:`Router` (a generation may go to one
+worker's own queue instead: :mod:`producer.prefix_routing`), which reads each model's
 state from Redis at most once per ``STATE_CACHE_S`` (1 s): a change of the canary split reaches new
 submissions within a second, and a busy producer costs Redis one GET per model per second, not one
 per request. Requests already queued stay where they are (workers consume both queues).
@@ -14,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import redis
 
+from producer.prefix_routing import PrefixRouter
 from protocol.model_state import ModelState, Role, read_state, record_recent_prompt, route, samples_prompt
 from protocol.settings import FleetSettings
 
@@ -43,6 +45,8 @@ class Router:
         self.clock = clock
         self._states: dict[str, tuple[float, ModelState | None]] = {}
         self._lock = threading.Lock()
+        self.prefixes = PrefixRouter(client, settings, clock=clock)
+        """Prefix-aware routing of generations (counters: ``routed``, ``unrouted``)."""
 
     def state(self, model: str) -> ModelState | None:
         """Model ``model``'s (a configured key) state, at most ``cache_s`` old."""
@@ -64,9 +68,18 @@ class Router:
         """The Celery queue of ``role`` for ``model``."""
         return self.settings.canary_queue_for(model) if role == "canary" else self.settings.queue_for(model)
 
-    def choose(self, model: str, routing_key: str) -> str:
-        """The queue a request of ``model`` with ``routing_key`` goes to now."""
-        return self.queue(model, self.role(model, routing_key))
+    def choose(self, model: str, routing_key: str, generate_from: Sequence[int] | None = None) -> str:
+        """The queue a request of ``model`` with ``routing_key`` goes to now.
+
+        ``generate_from``: the prompt of a generation. A stable-role generation goes to the own queue
+        of the live worker holding the longest prefix of it, when one does and is not busy past the
+        bound (:mod:`producer.prefix_routing`)."""
+        role = self.role(model, routing_key)
+        if role == "stable" and generate_from is not None:
+            direct = self.prefixes.direct_queue(model, generate_from)
+            if direct is not None:
+                return direct
+        return self.queue(model, role)
 
     def sample_prompt(self, model: str, request_id: str, input_ids: Sequence[int]) -> None:
         """While ``model`` has a canary, keep 1 in 20 requests' prompts for ``fleet models compare``'s

@@ -10,10 +10,11 @@ from typing import Any
 
 from kombu import Queue  # type: ignore[attr-defined]
 
+from protocol.modelcard import load_card
 from protocol.redis_conn import celery_redis_config
 from protocol.settings import FleetSettings
 
-__all__ = ["celery_config"]
+__all__ = ["celery_config", "consumes_direct_queue", "restore_interval_s", "routes_by_prefix"]
 
 
 def celery_config(settings: FleetSettings) -> dict[str, Any]:
@@ -28,8 +29,11 @@ def celery_config(settings: FleetSettings) -> dict[str, Any]:
     redis_conf = celery_redis_config(settings)
     worker_model = settings.worker.model
     queues = []
+    other_lists_wait_s = 0.25
     if _configured(settings, worker_model):
         queues.append(Queue(settings.queue_for(worker_model)))  # type: ignore[no-untyped-call]
+        if consumes_direct_queue(settings, worker_model):
+            other_lists_wait_s = settings.model(worker_model).routing.direct_wait_ms / 1000
     return {
         "task_serializer": "json",
         "result_serializer": "json",
@@ -53,8 +57,10 @@ def celery_config(settings: FleetSettings) -> dict[str, Any]:
             "visibility_timeout": settings.visibility_timeout_s,
             # kombu scans for expired unacked messages every interval x throttle seconds (10 x 10 by
             # default); make a dead worker's requests come back within ~1/4 of the visibility timeout
-            "unacked_restore_interval": _restore_interval_s(settings.visibility_timeout_s),
+            "unacked_restore_interval": restore_interval_s(settings.visibility_timeout_s),
             "unacked_restore_throttle": 1,
+            # broker.atomic_take: how long the take waits on one list before it looks at the others
+            "other_lists_wait_s": other_lists_wait_s,
             **redis_conf.pop("broker_transport_options", {}),
         },
         "result_backend_transport_options": {
@@ -68,8 +74,30 @@ def celery_config(settings: FleetSettings) -> dict[str, Any]:
     }
 
 
-def _restore_interval_s(visibility_timeout_s: int) -> int:
-    """Seconds between scans for unacked messages past their visibility timeout (1..30)."""
+def routes_by_prefix(settings: FleetSettings, model: str) -> bool:
+    """True when ``model``'s workers consume a queue of their own for prefix-aware routing (routing on and a
+    prefix cache to route to)."""
+    served = settings.model(model)
+    return served.routing.prefix_aware and served.batching.prefix_cache_bytes > 0
+
+
+def consumes_direct_queue(settings: FleetSettings, model: str) -> bool:
+    """True when a worker of ``model`` consumes a queue of its own (:mod:`workers.direct_queue`): routing is
+    on (:func:`routes_by_prefix`) and the model can generate — its card says ``causal_lm``, or it has no
+    card here yet (a store-served version is fetched later: the worker then decides as for any LM)."""
+    if not routes_by_prefix(settings, model):
+        return False
+    path = settings.model(model).path
+    if str(path).startswith("store:"):
+        return True
+    try:
+        return load_card(path).kind == "causal_lm"
+    except Exception:  # an unreadable card fails the worker's load later, with its own message
+        return False
+
+
+def restore_interval_s(visibility_timeout_s: int) -> int:
+    """Seconds between kombu's scans for unacked messages past their visibility timeout (1..30)."""
     return max(1, min(30, visibility_timeout_s // 4))
 
 

@@ -8,8 +8,10 @@ __all__ = [
     "CARD_KEY",
     "DEAD_LETTER_KEY",
     "DELIVERIES_KEY",
+    "DIRECT_QUEUES_KEY",
     "DRAIN_KEY",
     "LIVE_WORKERS_KEY",
+    "PREFIX_HOLDER_KEY",
     "RATE_KEY",
     "REQUEST_KEY",
     "RESPONSE_KEY",
@@ -48,3 +50,13 @@ from its first redelivery on, see :mod:`broker.deliveries`."""
 RESPONSE_KEY = "fleet:response:{id}"
 """A stored Responses-API response (JSON: the response object, its conversation history and input items;
 TTL = api.responses_ttl_s), so any gateway continues it with ``previous_response_id``."""
+PREFIX_HOLDER_KEY = "fleet:prefix:{model}:{host}"
+"""Set: the token-prefix block digests (16 bytes each, :mod:`protocol.prefix_digest`) whose KV the
+worker ``host`` holds in its prefix cache; expires with the worker's heartbeat. Read by prefix-aware
+routing (:mod:`producer.prefix_routing`)."""
+DIRECT_QUEUES_KEY = "fleet:direct:{model}"
+"""Sorted set: the hostnames of the workers of ``model`` that consume a queue of their own
+(``FleetSettings.direct_queue_for``), each scored by the wall-clock time (unix s) its heartbeat
+expires. A worker past it is dead: any live worker moves its queue onto the model's queue
+(:mod:`workers.direct_queue`); the entry stays until the dead worker's unacked requests, restored
+into that queue after the visibility timeout, have been moved too."""

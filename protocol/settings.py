@@ -26,6 +26,7 @@ from protocol.errors import ConfigError, UnknownModel
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",
+    "DIRECT_QUEUE_INFIX",
     "AdmissionSettings",
     "ApiSettings",
     "BatchingSettings",
@@ -38,10 +39,12 @@ __all__ = [
     "LogSettings",
     "ModelSettings",
     "RedisSettings",
+    "RoutingSettings",
     "StoreSettings",
     "WorkerSettings",
     "deep_merge",
     "load_settings",
+    "shared_queue_of",
 ]
 
 DEFAULT_CONFIG_PATH = Path("configs/fleet.yaml")
@@ -80,6 +83,21 @@ class BatchingSettings(_Section):
         default=True,
         description="Generation: admit new sequences between decode steps (continuous batching). False = "
         "static batching: a batch runs until its last sequence finishes (kept for the bench).",
+    )
+    prefix_cache_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        ge=0,
+        le=1 << 40,
+        description="Generation: bytes of finished sequences' KV cache the worker keeps (LRU) so that a "
+        "prompt sharing their prefix (a conversation's next turn, a common system prompt) computes only "
+        "its new tokens. 0 turns prefix reuse off.",
+    )
+    prefix_block_tokens: int = Field(
+        default=16,
+        ge=1,
+        le=4096,
+        description="Generation: prefixes are found (and routed on) in whole blocks of this many tokens; "
+        "the shortest reusable prefix is one block.",
     )
 
 
@@ -165,6 +183,30 @@ class CanarySettings(_Section):
     )
 
 
+class RoutingSettings(_Section):
+    """Prefix-aware routing of generations to the worker that holds their prompt's prefix."""
+
+    prefix_aware: bool = Field(
+        default=True,
+        description="Send a generation whose prompt starts with a prefix a live worker holds in its prefix "
+        "cache (batching.prefix_cache_bytes) to that worker's own queue; the rest go to the model's queue.",
+    )
+    max_direct_queued: int = Field(
+        default=4,
+        ge=1,
+        le=100_000,
+        description="A worker whose own queue already holds this many requests is passed over: the request "
+        "goes to the model's queue, where any worker takes it.",
+    )
+    direct_wait_ms: float = Field(
+        default=20.0,
+        gt=0,
+        le=250,
+        description="While a worker waits for work, how often it also looks at its other queues (its own "
+        "queue, the canary queue) (ms): a routed request waits at most this long on an idle worker.",
+    )
+
+
 class ModelSettings(_Section):
     """One served model: its file, version, route and limits."""
 
@@ -180,6 +222,7 @@ class ModelSettings(_Section):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     max_queue_depth: int = Field(default=10_000, ge=1, description="Admission cap on queued requests.")
     canary: CanarySettings = Field(default_factory=CanarySettings)
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
     store_version: str | None = Field(
         default=None,
         description="Serve this version from the model store (section 'store'): the worker fetches it into "
@@ -558,6 +601,21 @@ class FleetSettings(BaseSettings):
     def canary_queue_for(self, name: str) -> str:
         """Celery queue that carries model ``name``'s canary traffic: its queue + ``.canary``."""
         return self.queue_for(name) + ".canary"
+
+    def direct_queue_for(self, name: str, hostname: str) -> str:
+        """The queue of one worker (``hostname``, its Celery node name) of model ``name``: its queue +
+        ``.w.`` + hostname, where prefix-aware routing sends the requests whose prefix it holds."""
+        return self.queue_for(name) + DIRECT_QUEUE_INFIX + hostname
+
+
+DIRECT_QUEUE_INFIX = ".w."
+"""Between a model's queue and a worker's hostname in the name of that worker's own queue."""
+
+
+def shared_queue_of(queue: str) -> str:
+    """The model's queue for ``queue``: itself, or, for a worker's own queue, the queue it was routed from
+    (where a requeued message goes, so that a live worker takes it)."""
+    return queue.split(DIRECT_QUEUE_INFIX, 1)[0]
 
 
 def _norm(name: str) -> str:

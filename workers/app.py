@@ -37,12 +37,13 @@ log = logging.getLogger("fleet.worker")
 def create_app(settings: FleetSettings, *, name: str = "onnx-fleet") -> Celery:
     """A Celery app bound to ``settings`` with the ``fleet.infer`` task registered."""
     celery_app = make_celery(celery_config(settings), name)
-    from workers.tasks import register_tasks
+    from workers.tasks import consume_direct_queue, register_tasks
 
     install_result_backend(celery_app)
     install_event_buffer(celery_app, settings.celery.task_event_linger_ms)
 
     register_tasks(celery_app)
+    consume_direct_queue(celery_app, settings)
     return celery_app
 
 

@@ -14,6 +14,13 @@ Series (label ``model``; times in seconds):
                                                              membership change
 ``fleet_worker_running_sequences``               gauge       sequences in the running batch
 ``fleet_worker_kv_tokens``                       gauge       real tokens held in the running KV cache
+``fleet_worker_prefix_lookups_total``            counter     prompts looked up in the prefix cache, by
+                                                             ``result``: hit, miss (hit rate =
+                                                             hit / (hit + miss))
+``fleet_worker_prefix_reused_tokens_total``      counter     prompt tokens taken from the prefix cache
+                                                             (their prefill skipped)
+``fleet_worker_prefix_cache_bytes``              gauge       bytes of KV the prefix cache holds
+``fleet_worker_prefix_cache_entries``            gauge       finished sequences it holds
 ===============================================  ==========  ============================================
 """
 
@@ -25,12 +32,17 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from workers.generation.loop import GenerationLoop, GenStepStats
+from workers.generation.prefix_cache import PrefixCache
 
 __all__ = ["TIME_BUCKETS", "GenerationMetrics"]
 
 TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 """Histogram buckets (s) of every worker timing metric, inference and generation alike (workers.metrics too)."""
 FINISH_REASONS = ("stop", "length", "cancelled", "deadline")
+
+
+def _prefix_cache(loop: GenerationLoop | None) -> PrefixCache | None:
+    return loop.prefix_cache if loop is not None else None
 
 
 class GenerationMetrics:
@@ -73,8 +85,25 @@ class GenerationMetrics:
         Gauge("fleet_worker_kv_tokens", "Real tokens in the running KV cache.", m, registry=registry).labels(
             model
         ).set_function(lambda: float(g.state.kv_tokens) if (g := now()) is not None else 0.0)
+        self.prefix_lookups = Counter(
+            "fleet_worker_prefix_lookups", "Prompts looked up in the prefix cache, by result.", [*m, "result"],
+            registry=registry,
+        )
+        self.prefix_reused = Counter(
+            "fleet_worker_prefix_reused_tokens", "Prompt tokens taken from the prefix cache.", m, registry=registry
+        )
+        Gauge("fleet_worker_prefix_cache_bytes", "Bytes of KV held by the prefix cache.", m, registry=registry).labels(
+            model
+        ).set_function(lambda: float(c.bytes_held) if (c := _prefix_cache(now())) is not None else 0.0)
+        Gauge("fleet_worker_prefix_cache_entries", "Finished sequences held by the prefix cache.", m,
+              registry=registry).labels(model).set_function(
+            lambda: float(c.entries) if (c := _prefix_cache(now())) is not None else 0.0
+        )
         for reason in FINISH_REASONS:
             self.finished.labels(model, reason)
+        for result in ("hit", "miss"):
+            self.prefix_lookups.labels(model, result)
+        self.prefix_reused.labels(model)
         loop.observers.append(self.on_step)
 
     def on_step(self, stats: GenStepStats) -> None:
@@ -85,6 +114,10 @@ class GenerationMetrics:
         self.step.labels(self.model).observe((stats.prefill_ms + stats.copy_ms + stats.decode_ms) / 1000)
         if stats.copy_ms > 0:
             self.copy.labels(self.model).observe(stats.copy_ms / 1000)
+        if stats.prefix_lookups:
+            self.prefix_lookups.labels(self.model, "hit").inc(stats.prefix_hits)
+            self.prefix_lookups.labels(self.model, "miss").inc(stats.prefix_lookups - stats.prefix_hits)
+            self.prefix_reused.labels(self.model).inc(stats.reused_tokens)
 
     def on_result(self, result: Any) -> None:
         """A ``generate`` request succeeded: observe its first-token and inter-token times."""

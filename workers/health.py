@@ -45,6 +45,9 @@ class Heartbeat:
         self._period_s = period_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="fleet-heartbeat", daemon=True)
+        self.on_beat: list[Callable[[float], None]] = []
+        """Called after each published beat with the heartbeat's expiry (unix s), on the beating thread;
+        their Redis errors are logged like the beat's."""
 
     def start(self) -> None:
         """Publish once now, then every period."""
@@ -67,6 +70,8 @@ class Heartbeat:
                     pipe.zremrangebyscore(live, "-inf", now)  # workers that died without removing themselves
                     pipe.expire(live, ttl_s)
                 pipe.execute()
+            for hook in self.on_beat:
+                hook(now + ttl_s)
         except redis.RedisError as exc:
             log.warning("heartbeat to Redis failed: %s", exc)
 

@@ -18,12 +18,14 @@ from typing import Any
 import redis
 from celery.worker import state as worker_state
 
+from protocol.celeryconf import consumes_direct_queue, restore_interval_s
 from protocol.errors import ConfigError, ModelLoadError
 from protocol.keys import CARD_KEY
 from protocol.modelcard import ModelCard
 from protocol.redis_conn import sync_client
 from protocol.settings import FleetSettings, ModelSettings
 from protocol.tokenization import Tokenizer
+from workers.direct_queue import DirectQueue, PrefixHolder
 from workers.engine import Engine
 from workers.engines import LoadedModel
 from workers.health import Heartbeat
@@ -92,10 +94,38 @@ class WorkerRuntime:
             work_done=self._work_done, queued=self._queued,
         )
         self.heartbeat = Heartbeat(self.redis, hostname, self.snapshot, settings.worker.heartbeat_s)
+        self.direct_queue: DirectQueue | None = None
+        self.prefix_holder: PrefixHolder | None = None
+        if consumes_direct_queue(settings, self.model_key):
+            self._route_by_prefix(settings, hostname)
         self.scheduler.add_outcome_observer(
             OutcomeWriter(self.redis, self.model_key, lambda: self.reconciler.canary_active)
         )
         self.reconciler.attach(self)
+
+    def _route_by_prefix(self, settings: FleetSettings, hostname: str) -> None:
+        """Consume a queue of our own and publish the stable prefix cache's digests (workers.direct_queue)."""
+        ttl_s = max(1, int(settings.worker.heartbeat_s * 3 + 0.999))
+        self.direct_queue = DirectQueue(
+            self.redis, model=self.model_key, hostname=hostname,
+            name=settings.direct_queue_for(self.model_key, hostname), shared=self.queue,
+            linger_s=settings.visibility_timeout_s + restore_interval_s(settings.visibility_timeout_s) + 2 * ttl_s,
+        )
+        self.prefix_holder = PrefixHolder(self.redis, model=self.model_key, hostname=hostname, ttl_s=ttl_s)
+        self._hold_prefixes(self.stable)
+        self.heartbeat.on_beat.append(self._routing_beat)
+
+    def _hold_prefixes(self, loaded: LoadedModel) -> None:
+        """Publish ``loaded``'s prefix cache (the stable role's) from now on; what was published is void."""
+        cache = loaded.generation.prefix_cache if loaded.generation is not None else None
+        if self.prefix_holder is not None and cache is not None:
+            cache.listener = self.prefix_holder
+
+    def _routing_beat(self, expires_unix_s: float) -> None:
+        if self.direct_queue is not None:
+            self.direct_queue.beat(expires_unix_s)
+        if self.prefix_holder is not None:
+            self.prefix_holder.refresh()
 
     # The stable version's parts, as the pipeline validates requests against them.
     @property
@@ -141,6 +171,11 @@ class WorkerRuntime:
             if old_loop is not None and loaded.generation is not None:
                 loaded.generation.observers.extend(old_loop.observers)  # metrics follow the new loop
             self.scheduler.swap("stable", loaded.engine, loaded.version, loaded.generation)
+            if self.prefix_holder is not None:
+                if old_loop is not None and old_loop.prefix_cache is not None:
+                    old_loop.prefix_cache.listener = None
+                self.prefix_holder.reset()
+                self._hold_prefixes(loaded)
             self.stable = loaded
         else:
             stable_loop = self.stable.generation
@@ -157,6 +192,8 @@ class WorkerRuntime:
         the state names, then follow the state (the reconciler thread)."""
         self.scheduler.start()
         self.streams.start()
+        if self.prefix_holder is not None:
+            self.prefix_holder.start()
         try:
             self.redis.set(CARD_KEY.format(model=self.model_key), self.card.model_dump_json())
         except redis.RedisError as exc:
@@ -187,6 +224,10 @@ class WorkerRuntime:
         self.scheduler.stop()
         self.streams.stop()
         self.heartbeat.stop()
+        if self.prefix_holder is not None:
+            self.prefix_holder.stop()
+        if self.direct_queue is not None:
+            self.direct_queue.withdraw()
 
     def token_taken(self) -> None:
         """A task thread took a request off the queue (one token of C is in use)."""
@@ -204,10 +245,12 @@ class WorkerRuntime:
         return self.scheduler.batches_run + (loop.steps_run if loop is not None else 0)
 
     def _queued(self) -> int:
-        """Items waiting in this worker's queue and canary queue."""
+        """Items waiting in this worker's queue, canary queue and own queue."""
         with self.redis.pipeline(transaction=False) as pipe:
             pipe.llen(self.queue)
             pipe.llen(self.canary_queue)
+            if self.direct_queue is not None:
+                pipe.llen(self.direct_queue.name)
             return sum(int(n) for n in pipe.execute())
 
     def snapshot(self) -> dict[str, Any]:
@@ -224,6 +267,7 @@ class WorkerRuntime:
             "last_refusal": self.reconciler.last_refusal,
             "queue": self.queue,
             "canary_queue": self.canary_queue,
+            "direct_queue": self.direct_queue.name if self.direct_queue is not None else None,
             "providers": self.engine.providers,
             "nodes": self.engine.placement,
             "ready": self.ready and not progress.stalled,

@@ -19,6 +19,7 @@ from typing import Any
 
 from celery import Celery, Task, signals
 
+from protocol.celeryconf import consumes_direct_queue
 from protocol.errors import (
     DecodeError,
     FleetError,
@@ -30,13 +31,14 @@ from protocol.messages import (
     BULK_TASK_NAME,
     TASK_NAME,
 )
+from protocol.settings import FleetSettings
 from workers.bulk import handle_bulk
 from workers.pipeline import handle_request
 from workers.runtime import WorkerRuntime, current_runtime
 from workers.scheduler import Role
 from workers.trace_guard import ContainedTask
 
-__all__ = ["register_tasks"]
+__all__ = ["consume_direct_queue", "register_tasks"]
 
 EXPECTED_ERRORS = (InvalidRequest, RequestExpired, RequestCancelled)
 CANARY_SUFFIX = ".canary"
@@ -103,6 +105,31 @@ def consume_canary_queues(app: Celery) -> None:
         for name in list(queues.consume_from or queues):
             if not name.endswith(CANARY_SUFFIX):
                 queues.select_add(name + CANARY_SUFFIX)
+
+    signals.celeryd_after_setup.connect(add, weak=False)
+
+
+def consume_direct_queue(app: Celery, settings: FleetSettings) -> None:
+    """With prefix-aware routing on for the worker's model, make each worker of ``app`` also consume its own
+    queue (``FleetSettings.direct_queue_for(model, its node name)``, :mod:`workers.direct_queue`), first in
+    kombu's order, so a request routed to it is taken before the shared backlog."""
+    model = settings.worker.model
+    try:
+        settings.model_key(model)
+    except FleetError:
+        return
+    if not consumes_direct_queue(settings, model):
+        return
+
+    def add(sender: Any = None, instance: Any = None, **_: Any) -> None:
+        if getattr(instance, "app", None) is not app:
+            return
+        queues = instance.app.amqp.queues
+        name = settings.direct_queue_for(model, str(sender))
+        queues.select_add(name)
+        consume_from = queues.consume_from
+        if isinstance(consume_from, dict) and name in consume_from:  # first: taken before the shared backlog
+            consume_from.update({k: consume_from.pop(k) for k in [k for k in consume_from if k != name]})
 
     signals.celeryd_after_setup.connect(add, weak=False)
 

@@ -15,7 +15,6 @@ import pytest
 
 from gateway.chat import ChatTemplate, render_chat
 from protocol.tokenization import HFTokenizer
-from tests.optimum.test_generation_vs_transformers import optimum_python  # noqa: F401  (the tier's venv)
 from tests.unit.test_chat_tokens import MESSAGES, TEMPLATE, TRANSFORMERS_IDS
 from tests.unit.tiny_tokenizers import sentencepiece_bpe
 
@@ -24,7 +23,7 @@ pytestmark = [pytest.mark.optimum, pytest.mark.timeout(900)]
 SCRIPT = Path(__file__).with_name("chat_reference.py")
 
 
-def test_chat_prompt_ids_equal_transformers(optimum_python: str, tmp_path: Path) -> None:  # noqa: F811
+def test_chat_prompt_ids_equal_transformers(optimum_python: str, tmp_path: Path) -> None:
     tokenizer_file = sentencepiece_bpe(tmp_path / "tokenizer.json", add_bos=True)
     request = tmp_path / "request.json"
     request.write_text(json.dumps({"template": TEMPLATE, "messages": MESSAGES, "bos_token": "<s>",

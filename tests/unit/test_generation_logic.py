@@ -133,7 +133,7 @@ def test_sequence_ends_on_eos_length_and_stop_token() -> None:
 
 
 class _NoDecoder:
-    pass
+    supports_prefix_reuse = False
 
 
 def test_admission_respects_slots_kv_budget_and_static_mode() -> None:

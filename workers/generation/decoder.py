@@ -35,7 +35,8 @@ import onnxruntime as ort
 
 from protocol.errors import ModelLoadError
 from workers.engine import Engine
-from workers.generation.kvcache import Cache, relayout
+from workers.generation.kvcache import Cache, relayout, right_aligned_mask
+from workers.generation.prefix_cache import PrefixHit
 from workers.padding import pad_batch
 
 __all__ = ["Decoder", "KVState", "PrefillOutput", "Transfers", "decoder_device"]
@@ -120,7 +121,10 @@ class PrefillOutput:
     """Per row: past name → [kv_heads, length, head_dim] (the row's real columns)."""
     lengths: list[int]
     padded_tokens: int
+    """Rows x padded width of the tokens computed (a reused prefix is not computed)."""
     engine_ms: float
+    reused: list[int]
+    """Per row: prompt tokens taken from the prefix cache (0 without a hit)."""
 
 
 class KVState:
@@ -135,6 +139,8 @@ class KVState:
         self.fetched_bytes = 0
         """Bytes of ORT cache values read into numpy by re-layouts and not yet counted by a decoder
         (device→host on a GPU); :meth:`Decoder.decode` adds them to its meter and resets this."""
+        self.fetched: Cache | None = None
+        """:meth:`fetch`'s numpy copy of ``values``, while they are unchanged."""
 
     @property
     def rows(self) -> int:
@@ -153,6 +159,22 @@ class KVState:
             for name, value in self.values.items()
         }
 
+    def fetch(self) -> Cache:
+        """The cache as numpy (:meth:`as_numpy`), its device→host bytes counted in ``fetched_bytes``; made
+        once per cache (kept until a decode step or a re-layout replaces the values)."""
+        if self.fetched is None:
+            self.fetched = self.as_numpy()
+            self.fetched_bytes += sum(
+                array.nbytes for name, array in self.fetched.items() if not isinstance(self.values[name], np.ndarray)
+            )
+        return self.fetched
+
+    def row_cache(self, cache: Cache, row: int) -> Cache:
+        """Row ``row``'s real columns of ``cache`` (a :meth:`fetch`): name → ``[kv_heads, positions[row], head_dim]``
+        (views)."""
+        size = int(self.positions[row])
+        return {name: array[row, :, array.shape[2] - size :, :] for name, array in cache.items()}
+
     def relayout(self, keep: list[int], joiners: PrefillOutput | None, joined: list[int]) -> float:
         """Keep rows ``keep`` (in order), then append ``joiners``' rows ``joined``; returns copy ms.
 
@@ -160,11 +182,7 @@ class KVState:
         of ORT's memory (``OrtValue.numpy()`` is a view on CPU) and every real entry is copied once.
         """
         started = time.perf_counter()
-        cache = self.as_numpy() if self.rows and keep else None
-        if cache is not None:
-            self.fetched_bytes += sum(
-                array.nbytes for name, array in cache.items() if not isinstance(self.values[name], np.ndarray)
-            )
+        cache = self.fetch() if self.rows and keep else None
         entries = [joiners.caches[j] for j in joined] if joiners is not None else []
         lengths = [joiners.lengths[j] for j in joined] if joiners is not None else []
         kept = self.positions[keep] if self.rows else np.zeros(0, dtype=np.int64)
@@ -174,6 +192,7 @@ class KVState:
             else ({}, np.zeros((0, 0), dtype=np.int64))
         )
         self.positions = np.concatenate([kept, np.asarray(lengths, dtype=np.int64)])
+        self.fetched = None
         return (time.perf_counter() - started) * 1000
 
 
@@ -241,31 +260,55 @@ class Decoder:
         for name in self.past_names:
             binding.bind_output(self.present_for[name], kind, index)
 
-    def prefill(self, prompts: list[list[int]]) -> PrefillOutput:
-        """One batched, right-padded forward pass over whole prompts with an empty cache."""
-        padded = pad_batch(prompts, self.engine.card.pad_token_id)
+    @property
+    def supports_prefix_reuse(self) -> bool:
+        """True when the graph takes ``attention_mask`` and ``position_ids`` (a prefill that starts from a
+        cached prefix needs both: its new tokens' positions do not start at 0)."""
+        return self._has_mask and self._has_positions
+
+    def prefill(self, prompts: list[list[int]], prefixes: Sequence[PrefixHit | None] | None = None) -> PrefillOutput:
+        """One batched forward pass over whole prompts (right-padded).
+
+        Without ``prefixes`` the cache starts empty. With them, row ``r`` whose ``prefixes[r]`` is a
+        :class:`~workers.generation.prefix_cache.PrefixHit` of ``n`` tokens starts from that KV
+        (right-aligned in the past, mask 0 before it) and computes only ``prompts[r][n:]``, at
+        positions ``n`` onwards; rows without a hit have an empty (all-masked) past.
+        """
         rows = len(prompts)
+        reused = [hit.tokens if hit is not None else 0 for hit in prefixes] if prefixes else [0] * rows
+        padded = pad_batch([p[n:] for p, n in zip(prompts, reused, strict=True)], self.engine.card.pad_token_id)
+        past_width = max(reused)
+        offsets = np.asarray(reused, dtype=np.int64)[:, None]
+        mask = np.concatenate([right_aligned_mask(reused, past_width), padded.attention_mask], axis=1)
+        positions = padded.position_ids + offsets * padded.attention_mask
         binding = self.session.io_binding()
-        self._bind_common(binding, padded.input_ids, padded.attention_mask, padded.position_ids)
-        empty = np.zeros((rows, *self._empty_shape), dtype=np.float32)
+        self._bind_common(binding, padded.input_ids, mask, positions)
         for name in self.past_names:
-            self._bind_input(binding, name, empty)
+            past = np.zeros((rows, self._empty_shape[0], past_width, self._empty_shape[2]), dtype=np.float32)
+            for row, hit in enumerate(prefixes or ()):
+                if hit is not None:
+                    past[row, :, past_width - hit.tokens :, :] = hit.kv[name]
+            self._bind_input(binding, name, past)
         started = time.perf_counter()
         self.session.run_with_iobinding(binding)
         engine_ms = (time.perf_counter() - started) * 1000
         logits_value, *presents = binding.get_outputs()
         logits = self._fetch(logits_value)
-        lengths = [len(p) for p in prompts]
-        at = np.minimum(np.asarray(lengths), logits.shape[1]) - 1  # an LM-head-last model gives [rows, 1, vocab]
+        computed = [len(p) - n for p, n in zip(prompts, reused, strict=True)]
+        at = np.minimum(np.asarray(computed), logits.shape[1]) - 1  # an LM-head-last model gives [rows, 1, vocab]
         last = np.asarray(logits[np.arange(rows), at, :], dtype=np.float32)
         arrays = [self._fetch(v) for v in presents]
         self._prefills += 1
         self._tokens += rows
         caches = [
-            {name: arr[r, :, : lengths[r], :] for name, arr in zip(self.past_names, arrays, strict=True)}
+            {
+                name: arr[r, :, past_width - reused[r] : past_width + computed[r], :]
+                for name, arr in zip(self.past_names, arrays, strict=True)
+            }
             for r in range(rows)
         ]
-        return PrefillOutput(last, caches, lengths, padded.padded_tokens, engine_ms)
+        lengths = [len(p) for p in prompts]
+        return PrefillOutput(last, caches, lengths, padded.padded_tokens, engine_ms, reused)
 
     def decode(self, state: KVState, tokens: list[int]) -> tuple[FloatArray, float]:
         """One step for every row of ``state``: feeds each row's newest token, keeps the new cache in
@@ -292,6 +335,7 @@ class Decoder:
         self._decode_steps += 1
         self._tokens += rows
         state.values = dict(zip(self.past_names, presents, strict=True))
+        state.fetched = None
         state.mask = mask
         state.positions = state.positions + 1
         return np.asarray(logits, dtype=np.float32), engine_ms

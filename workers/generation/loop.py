@@ -20,13 +20,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
 
 from protocol.errors import RequestCancelled, RequestExpired
 from protocol.messages import FinishReason
 from protocol.settings import BatchingSettings
 from workers.generation.decoder import Decoder, KVState
+from workers.generation.prefix_cache import PrefixCache
 from workers.generation.sequence import GenSequence
 
 __all__ = ["GenStepStats", "GenerationLoop"]
@@ -52,6 +56,12 @@ class GenStepStats:
     finished: tuple[FinishReason, ...]
     first_token_ms: tuple[float, ...]
     """Producer submit → first token, for each joiner that got its first token in this step (ms)."""
+    reused_tokens: int = 0
+    """Prompt tokens of this step's joiners taken from the prefix cache (not computed)."""
+    prefix_lookups: int = 0
+    """Joiners looked up in the prefix cache (0 when it is off)."""
+    prefix_hits: int = 0
+    """Joiners that started from a cached prefix."""
 
 
 class GenerationLoop:
@@ -70,6 +80,13 @@ class GenerationLoop:
         self.state = KVState()
         self.observers: list[Callable[[GenStepStats], None]] = []
         self.steps_run = 0
+        self.prefix_cache = (
+            PrefixCache(batching.prefix_cache_bytes, batching.prefix_block_tokens)
+            if batching.prefix_cache_bytes > 0 and decoder.supports_prefix_reuse
+            else None
+        )
+        """The KV of finished sequences by token prefix (:mod:`workers.generation.prefix_cache`);
+        None when ``prefix_cache_bytes`` is 0 or the graph cannot start from a past."""
 
     @property
     def active(self) -> int:
@@ -104,24 +121,28 @@ class GenerationLoop:
         joiners = [s for s in joiners if not self._refuse_before_start(s, now)]
         finished: list[FinishReason] = []
         keep = [i for i, seq in enumerate(self.running) if not self._stopped(seq, now, finished)]
+        started = time.perf_counter()
+        self._keep_leaving(set(keep))  # before the lookups: a next turn may join in this step
+        copy_ms = (time.perf_counter() - started) * 1000
         first_ms: list[float] = []
         prefill = None
         prefill_ms = 0.0
         joined: list[int] = []
         if joiners:
-            prefill = self.decoder.prefill([s.prompt for s in joiners])
+            hits = [self.prefix_cache.lookup(s.prompt) for s in joiners] if self.prefix_cache is not None else []
+            prefill = self.decoder.prefill([s.prompt for s in joiners], hits if any(hits) else None)
             prefill_ms = prefill.engine_ms
             for j, seq in enumerate(joiners):
-                seq.note_prefill(now, len(joiners), prefill.padded_tokens, prefill.engine_ms)
+                seq.note_prefill(now, len(joiners), prefill.padded_tokens, prefill.engine_ms, prefill.reused[j])
                 done = seq.accept(prefill.last_logits[j])
                 first_ms.append((self.clock() - seq.arrived_s) * 1000)
                 if done:
                     finished.append(seq.end().finish_reason)
+                    self._keep_prefix(seq.prompt, prefill.caches[j])
                 else:
                     joined.append(j)
-        copy_ms = 0.0
         if len(keep) != len(self.running) or joined:
-            copy_ms = self.state.relayout(keep, prefill, joined)
+            copy_ms += self.state.relayout(keep, prefill, joined)
             self.running = [self.running[i] for i in keep] + [joiners[j] for j in joined]
         decode_ms, tokens = self._decode(finished)
         self.steps_run += 1
@@ -133,6 +154,9 @@ class GenerationLoop:
             decode_ms=decode_ms,
             copy_ms=copy_ms,
             tokens=tokens + len(joiners),
+            reused_tokens=sum(prefill.reused) if prefill is not None else 0,
+            prefix_lookups=len(joiners) if self.prefix_cache is not None else 0,
+            prefix_hits=sum(1 for n in prefill.reused if n) if prefill is not None else 0,
             finished=tuple(finished),
             first_token_ms=tuple(first_ms),
         )
@@ -141,6 +165,30 @@ class GenerationLoop:
                 observer(stats)
             except Exception:
                 log.exception("generation observer failed")
+
+    def _keep_prefix(self, tokens: list[int], kv: Mapping[str, npt.NDArray[np.float32]]) -> None:
+        """Offer a leaving sequence's cache (``kv`` holds exactly ``tokens``) to the prefix cache."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(tokens, kv)
+
+    def _keep_row(self, row: int) -> None:
+        """Offer running row ``row``'s cache (it holds ``history[:positions[row]]``) to the prefix cache, once.
+
+        Called as a sequence ends in a decode step, before its future resolves, so the prefix is held
+        (and published for routing) before its caller can send the next turn."""
+        seq = self.running[row]
+        if self.prefix_cache is None or seq.kv_kept or row >= self.state.rows:
+            return
+        size = int(self.state.positions[row])
+        self._keep_prefix(seq.history[:size], self.state.row_cache(self.state.fetch(), row))
+        seq.kv_kept = True
+
+    def _keep_leaving(self, keep: set[int]) -> None:
+        """Offer the cache of every running row not in ``keep`` (cancelled, past its deadline) to the
+        prefix cache, unless it was offered as it ended."""
+        for row in range(len(self.running)):
+            if row not in keep:
+                self._keep_row(row)
 
     def _decode(self, finished: list[FinishReason]) -> tuple[float, int]:
         """One decode step for the running batch; ends finished sequences. Returns (ms, rows)."""
@@ -152,6 +200,7 @@ class GenerationLoop:
         for row, seq in enumerate(self.running):
             seq.note_decode(rows, decode_ms)
             if seq.accept(logits[row]):
+                self._keep_row(row)
                 finished.append(seq.end().finish_reason)
         return decode_ms, rows
 

@@ -1,0 +1,135 @@
+"""Prefix-aware routing: a generation goes to the live worker that holds the longest prefix of its prompt.
+
+Each worker publishes the token-prefix block digests its prefix cache holds
+(:data:`protocol.keys.PREFIX_HOLDER_KEY`, :mod:`workers.direct_queue`). At submit, for a generation of
+a model with ``routing.prefix_aware`` on, :class:`PrefixRouter` digests the prompt's blocks
+(:func:`protocol.prefix_digest.block_digests`, all but the last token: one is always computed), and
+in one pipelined round trip asks every live worker's set which of them it holds and how long that
+worker's own queue is. :func:`pick_holder` chooses the worker holding the most blocks whose queue is
+under ``routing.max_direct_queued``; the request goes to that worker's own queue. No holder, or every
+holder busy past the bound: the model's queue, where any worker takes it.
+
+A hint, never a promise: a digest may be stale (evicted since), and a worker that dies leaves its
+queue to the others (:class:`workers.direct_queue.DirectQueue`). The live workers are read at most
+once per ``cache_s``. A Redis without ``SMISMEMBER`` (< 6.2) turns routing off for the process with a
+warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import redis
+
+from protocol.celeryconf import routes_by_prefix
+from protocol.keys import LIVE_WORKERS_KEY, PREFIX_HOLDER_KEY
+from protocol.prefix_digest import block_digests
+from protocol.settings import FleetSettings
+
+__all__ = ["Holder", "PrefixRouter", "pick_holder"]
+
+log = logging.getLogger("fleet.routing")
+
+LIVE_CACHE_S = 1.0
+"""How long the list of a model's live workers is reused (s)."""
+
+
+@dataclass(frozen=True)
+class Holder:
+    """What one live worker holds of a prompt."""
+
+    host: str
+    blocks: int
+    """Leading prompt blocks whose digests it holds (0: none)."""
+    queued: int
+    """Requests waiting in its own queue."""
+
+
+def pick_holder(holders: Sequence[Holder], max_queued: int) -> Holder | None:
+    """The worker to route to (pure): the most blocks held, then the shortest queue, then the name; only
+    workers with ``blocks`` > 0 and ``queued`` < ``max_queued``. None: route to the model's queue."""
+    usable = [h for h in holders if h.blocks > 0 and h.queued < max_queued]
+    if not usable:
+        return None
+    return min(usable, key=lambda h: (-h.blocks, h.queued, h.host))
+
+
+def held_blocks(flags: Sequence[int | bool]) -> int:
+    """Blocks held from the digests' membership flags: the deepest flag set (digests chain, so holding
+    block k's digest means holding its whole prefix)."""
+    for k in range(len(flags) - 1, -1, -1):
+        if flags[k]:
+            return k + 1
+    return 0
+
+
+class PrefixRouter:
+    """Chooses a worker's own queue for a generation; thread-safe. ``clock``: monotonic seconds."""
+
+    def __init__(
+        self, client: redis.Redis[bytes], settings: FleetSettings, *, cache_s: float = LIVE_CACHE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client = client
+        self.settings = settings
+        self.cache_s = cache_s
+        self.clock = clock
+        self._live: dict[str, tuple[float, list[str]]] = {}
+        self._lock = threading.Lock()
+        self.disabled = False
+        """Set when Redis refused the lookup (no SMISMEMBER): every request goes to the model's queue."""
+        self.routed = 0
+        """Generations sent to a worker's own queue."""
+        self.unrouted = 0
+        """Generations looked up and sent to the model's queue (no holder, or every holder busy)."""
+
+    def live_hosts(self, model: str) -> list[str]:
+        """The hostnames of ``model``'s live workers, at most ``cache_s`` old."""
+        now = self.clock()
+        with self._lock:
+            cached = self._live.get(model)
+        if cached is not None and now - cached[0] < self.cache_s:
+            return cached[1]
+        raw = self.client.zrangebyscore(LIVE_WORKERS_KEY.format(model=model), time.time(), "+inf")
+        hosts = sorted(h.decode() if isinstance(h, bytes) else str(h) for h in raw)
+        with self._lock:
+            self._live[model] = (now, hosts)
+        return hosts
+
+    def holders(self, model: str, prompt: Sequence[int]) -> list[Holder]:
+        """What each live worker of ``model`` holds of ``prompt`` (one round trip)."""
+        model = self.settings.model_key(model)
+        served = self.settings.models[model]
+        digests = block_digests(prompt[: max(0, len(prompt) - 1)], served.batching.prefix_block_tokens)
+        hosts = self.live_hosts(model) if digests else []
+        if not hosts:
+            return []
+        with self.client.pipeline(transaction=False) as pipe:
+            for host in hosts:
+                pipe.smismember(PREFIX_HOLDER_KEY.format(model=model, host=host), digests)  # type: ignore[no-untyped-call]
+                pipe.llen(self.settings.direct_queue_for(model, host))
+            replies = pipe.execute()
+        return [
+            Holder(host, held_blocks(replies[2 * i]), int(replies[2 * i + 1])) for i, host in enumerate(hosts)
+        ]
+
+    def direct_queue(self, model: str, prompt: Sequence[int]) -> str | None:
+        """The own queue of the worker to send this generation to, or None (the model's queue)."""
+        if self.disabled or not routes_by_prefix(self.settings, model):
+            return None
+        try:
+            holders = self.holders(model, prompt)
+        except redis.ResponseError as exc:
+            self.disabled = True
+            log.warning("prefix-aware routing is off for this process: Redis refused the lookup (%s)", exc)
+            return None
+        chosen = pick_holder(holders, self.settings.model(model).routing.max_direct_queued)
+        if chosen is None:
+            self.unrouted += 1
+            return None
+        self.routed += 1
+        return self.settings.direct_queue_for(self.settings.model_key(model), chosen.host)

@@ -1,0 +1,123 @@
+"""Prefix-aware routing on real workers: a conversation's next turn goes to the worker holding its prefix,
+and a request routed to a worker that dies is served by another.
+
+Two real ``celery worker`` processes serve the Llama-style demo decoder with the prefix cache and
+routing on (4-token blocks). Each turn's prompt is the whole conversation so far plus a new message.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from producer.client import FleetClient
+from protocol.keys import PREFIX_HOLDER_KEY
+from protocol.messages import InferenceResult
+from protocol.prefix_digest import block_digests
+from tests.integration.fleet_fixtures import Fleet
+from tools.ledger import Ledger
+from tools.processes import poll_until
+
+MODEL = "demo-llama"
+BLOCK = 4
+pytestmark = pytest.mark.slow
+
+
+def _config(fleet: Fleet, **extra: Any) -> Path:
+    return fleet.config(
+        worker={"model": MODEL, "heartbeat_s": 0.5},
+        models={MODEL: {"batching": {"prefix_block_tokens": BLOCK}, "limits": {"max_input_tokens": 256,
+                                                                              "max_new_tokens": 256}}},
+        **extra,
+    )
+
+
+def _generate(client: FleetClient, prompt: list[int], new: int = 6) -> str:
+    return client.submit(MODEL, prompt, generation={"max_new_tokens": new, "temperature": 0, "ignore_eos": True})
+
+
+def _held_by(r: redis.Redis[bytes], host: str, tokens: list[int]) -> bool:
+    """True once ``host`` has published the deepest block digest of ``tokens`` (all but the last one)."""
+    digests = block_digests(tokens[:-1], BLOCK)
+    return bool(digests) and bool(r.sismember(PREFIX_HOLDER_KEY.format(model=MODEL, host=host), digests[-1]))
+
+
+def test_each_turn_goes_to_the_worker_that_holds_its_conversation(fleet: Fleet) -> None:
+    cfg = _config(fleet)
+    workers = [fleet.worker(cfg, MODEL), fleet.worker(cfg, MODEL)]
+    client = fleet.client(cfg)
+    rng = random.Random(3)
+    conversations = 6
+    history: list[list[int]] = [[] for _ in range(conversations)]
+    served_by: list[list[str]] = [[] for _ in range(conversations)]
+    for turn in range(4):
+        prompts = [h + [rng.randrange(3, 500) for _ in range(rng.randint(5, 10))] for h in history]
+        if turn:  # the holder has published each conversation's prefix (an event, not a pause)
+            for host, tokens in zip([hosts[-1] for hosts in served_by], history, strict=True):
+                poll_until(partial(_held_by, client.redis, host, tokens), 30, f"worker {host} to publish a prefix")
+        ids = [_generate(client, p) for p in prompts]
+        results = client.wait(ids, timeout_s=120)
+        for c, (prompt, res) in enumerate(zip(prompts, results, strict=True)):
+            assert isinstance(res, InferenceResult) and res.generation is not None, res
+            history[c] = prompt + res.generation.token_ids
+            served_by[c].append(res.timings.worker)
+    for c, hosts in enumerate(served_by):
+        assert len(set(hosts)) == 1, f"conversation {c} moved between workers: {hosts}"
+    assert client.router.prefixes.routed == conversations * 3
+    assert {w.hostname for w in workers} >= {hosts[0] for hosts in served_by}
+
+
+def test_a_turn_routed_to_a_worker_that_dies_is_served_by_another(fleet: Fleet) -> None:
+    """Two cases on the conversation's holder: SIGKILLed while it runs the turn (the turn comes back after
+    the visibility timeout, into the dead worker's queue, and is moved), and SIGKILLed with the turn still
+    waiting in its queue (moved once its heartbeat expires). Each turn: one result, from the other worker;
+    nothing left queued or unacked."""
+    cfg = _config(fleet, visibility_timeout_s=6)
+    first, second = fleet.worker(cfg, MODEL), fleet.worker(cfg, MODEL)
+    client = fleet.client(cfg)
+    r = client.redis
+    by_host = {first.hostname: first, second.hostname: second}
+    queues = [client.settings.queue_for(MODEL), *(client.settings.direct_queue_for(MODEL, h) for h in by_host)]
+    ledger = Ledger(r, queues=queues)
+
+    prompt = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+    turn1 = client.wait([_generate(client, prompt)], timeout_s=60)[0]
+    assert isinstance(turn1, InferenceResult) and turn1.generation is not None
+    holder = by_host[turn1.timings.worker]
+    other = second if holder is first else first
+    history = prompt + turn1.generation.token_ids
+    poll_until(lambda: _held_by(r, holder.hostname, history), 30, "the holder to publish the prefix")
+
+    long_turn = _generate(client, [*history, 20, 21, 22], new=200)  # long enough to be killed mid-turn
+    ledger.accepted(long_turn)
+    poll_until(lambda: client.status(long_turn).value == "running", 30, "the holder to start the turn")
+    killed_at = time.monotonic()
+    holder.kill()
+    done = client.wait([long_turn], timeout_s=90)[0]
+    mid_turn_s = time.monotonic() - killed_at
+    assert isinstance(done, InferenceResult) and done.timings.worker == other.hostname, done
+
+    # the other worker holds the conversation now; kill it with a turn waiting in its own queue
+    assert done.generation is not None
+    history2 = [*history, 20, 21, 22, *done.generation.token_ids]
+    poll_until(lambda: _held_by(r, other.hostname, history2), 30, "the other worker to publish the prefix")
+    third = fleet.worker(cfg, MODEL)
+    other.kill()
+    killed_at = time.monotonic()
+    queued_turn = _generate(client, [*history2, 30, 31])  # routed to the dead worker's queue (still live)
+    ledger.accepted(queued_turn)
+    done2 = client.wait([queued_turn], timeout_s=60)[0]
+    queued_s = time.monotonic() - killed_at
+    assert isinstance(done2, InferenceResult) and done2.timings.worker == third.hostname, done2
+    assert client.router.prefixes.routed >= 2
+
+    report = ledger.check_settled(30)
+    assert report.ok, report
+    print(f"\nkilled mid-turn: served by the other worker {mid_turn_s:.1f} s after the kill "
+          f"(visibility timeout 6 s); killed with the turn queued: {queued_s:.1f} s (heartbeat TTL 2 s)")

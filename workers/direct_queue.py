@@ -1,0 +1,172 @@
+"""A worker's own queue for prefix-aware routing, and what it tells producers about its prefix cache.
+
+With ``models.<m>.routing.prefix_aware`` on (and a prefix cache), each worker of ``m`` consumes a queue
+of its own, ``FleetSettings.direct_queue_for(m, hostname)``, beside the model's queue and canary
+queue. Producers send there the generations whose prompt starts with a prefix this worker holds
+(:mod:`producer.prefix_routing`), so the prefill of that prefix is skipped.
+
+Two things keep routing honest:
+
+* :class:`PrefixHolder` publishes the block digests the worker's prefix cache holds
+  (:data:`protocol.keys.PREFIX_HOLDER_KEY`, a set that expires with the heartbeat), told by the
+  cache's listener and written by a thread of its own, so the scheduler never waits on Redis.
+* :class:`DirectQueue` makes sure nothing is stranded in the queue of a worker that died: every
+  heartbeat registers this worker in :data:`protocol.keys.DIRECT_QUEUES_KEY` (scored by its heartbeat's
+  expiry) and moves the queue of every registered worker past its expiry onto the model's queue, in
+  one script per queue (:data:`MOVE_SCRIPT`), oldest first at the head. A dead worker stays
+  registered for ``visibility_timeout_s`` + one restore interval + a heartbeat TTL more, because its
+  unacked requests come back (kombu's restore) into its own queue and must be moved too.
+  A worker that stops cleanly moves its own queue at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+
+import redis
+
+from protocol.keys import DIRECT_QUEUES_KEY, PREFIX_HOLDER_KEY
+
+__all__ = ["MOVE_SCRIPT", "DirectQueue", "PrefixHolder"]
+
+log = logging.getLogger("fleet.routing")
+
+MOVE_SCRIPT = """
+local moved = 0
+while true do
+  local item = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
+  if not item then break end
+  moved = moved + 1
+end
+return moved
+"""
+"""KEYS[1] = a dead worker's queue, KEYS[2] = the model's queue. Moves every item, newest first onto the
+head (the right end, where workers take), so the oldest is taken first; returns the count."""
+
+
+class DirectQueue:
+    """This worker's own queue: registration, and the rescue of dead workers' queues."""
+
+    def __init__(
+        self, client: redis.Redis[bytes], *, model: str, hostname: str, name: str, shared: str, linger_s: float
+    ) -> None:
+        """``name``: this worker's queue; ``shared``: the model's queue; ``linger_s``: how long a dead
+        worker stays registered past its heartbeat's expiry (s)."""
+        self.client = client
+        self.model = model
+        self.hostname = hostname
+        self.name = name
+        self.shared = shared
+        self.linger_s = linger_s
+        self._registry = DIRECT_QUEUES_KEY.format(model=model)
+        self._prefix = name[: -len(hostname)]  # "<model queue>.w."
+        self._move = client.register_script(MOVE_SCRIPT)
+        self.rescued = 0
+        """Requests this worker moved from dead workers' queues onto the model's queue."""
+
+    def beat(self, expires_unix_s: float) -> None:
+        """Register this worker until ``expires_unix_s``, then rescue dead workers' queues (heartbeat thread)."""
+        now = time.time()
+        self.client.zadd(self._registry, {self.hostname: expires_unix_s})
+        dead = self.client.zrangebyscore(self._registry, "-inf", now)
+        for raw in dead:
+            host = raw.decode() if isinstance(raw, bytes) else str(raw)
+            moved = int(self._move(keys=[self._prefix + host, self.shared]))
+            if moved:
+                self.rescued += moved
+                log.warning("moved %d requests from the queue of dead worker %s to %s", moved, host, self.shared)
+        self.client.zremrangebyscore(self._registry, "-inf", now - self.linger_s)
+
+    def withdraw(self) -> None:
+        """A clean stop: move what waits in this worker's queue onto the model's queue, and mark it expired
+        (it stays registered ``linger_s``, in case a request it held comes back)."""
+        with contextlib.suppress(redis.RedisError):
+            self.client.zadd(self._registry, {self.hostname: time.time()})
+            moved = int(self._move(keys=[self.name, self.shared]))
+            if moved:
+                log.info("moved %d requests from this worker's queue to %s", moved, self.shared)
+
+
+class PrefixHolder:
+    """Publishes the prefix cache's block digests (a :class:`~workers.generation.prefix_cache.PrefixListener`).
+
+    ``held``/``released`` only enqueue; a thread writes them (SADD/SREM, pipelined, in order) and keeps
+    the set's TTL; Redis errors are logged and the changes dropped (routing is a hint: a stale digest
+    costs a miss, never a wrong answer).
+    """
+
+    def __init__(self, client: redis.Redis[bytes], *, model: str, hostname: str, ttl_s: int) -> None:
+        self.client = client
+        self.key = PREFIX_HOLDER_KEY.format(model=model, host=hostname)
+        self.ttl_s = ttl_s
+        self._changes: queue.SimpleQueue[tuple[str, list[bytes]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="fleet-prefix-holder", daemon=True)
+        self.published = 0
+        """Digest changes written."""
+
+    def start(self) -> None:
+        """Start the writer (and drop whatever an earlier process of this hostname left)."""
+        with contextlib.suppress(redis.RedisError):
+            self.client.delete(self.key)
+        self._thread.start()
+
+    def held(self, digests: list[bytes]) -> None:
+        """The cache holds these digests now (scheduler thread; does not block)."""
+        self._changes.put(("add", digests))
+
+    def released(self, digests: list[bytes]) -> None:
+        """The cache no longer holds these digests (scheduler thread; does not block)."""
+        self._changes.put(("rem", digests))
+
+    def reset(self) -> None:
+        """The model changed: every digest published so far is void."""
+        self._changes.put(("reset", []))
+
+    def refresh(self) -> None:
+        """Extend the set's life by one TTL (heartbeat thread)."""
+        with contextlib.suppress(redis.RedisError):
+            self.client.expire(self.key, self.ttl_s)
+
+    def stop(self) -> None:
+        """Stop writing and delete the set."""
+        self._changes.put(None)
+        self._thread.join(5)
+        with contextlib.suppress(redis.RedisError):
+            self.client.delete(self.key)
+
+    def _run(self) -> None:
+        while True:
+            first = self._changes.get()
+            if first is None:
+                return
+            batch = [first]
+            while True:
+                try:
+                    more = self._changes.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._write(batch)
+                    return
+                batch.append(more)
+            self._write(batch)
+
+    def _write(self, batch: list[tuple[str, list[bytes]]]) -> None:
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                for op, digests in batch:
+                    if op == "reset":
+                        pipe.delete(self.key)
+                    elif op == "add":
+                        pipe.sadd(self.key, *digests)
+                    else:
+                        pipe.srem(self.key, *digests)
+                pipe.expire(self.key, self.ttl_s)
+                pipe.execute()
+            self.published += sum(len(d) for _, d in batch)
+        except redis.RedisError as exc:
+            log.warning("could not publish %d prefix-cache changes: %s", len(batch), exc)
