@@ -63,7 +63,9 @@ class MultiTurnPlan:
     """Each turn's new message: uniform in this range."""
     reply_tokens: int = 16
     workers: int = 2
-    max_batch_size: int = 8
+    max_batch_size: int = 16
+    """Each worker runs every conversation it holds at once (32 over 2 workers): TTFT is the prefill and the
+    step it joins, not a wait for a free slot."""
     concurrency: int = 16
     seed: int = 17
 
