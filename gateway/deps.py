@@ -42,7 +42,7 @@ class Gateway:
         self.fleet = fleet
         self.aredis: redis.asyncio.Redis[bytes] = async_client(settings, max_connections=MAX_REDIS_CONNECTIONS)
         self.registry = CollectorRegistry()
-        self.metrics = GatewayMetrics(self.registry, settings, fleet.redis)
+        self.metrics = GatewayMetrics(self.registry, settings, fleet.redis, fleet.router.prefixes)
         self.keys = [k.encode() for k in settings.api.api_keys]
         self.presence = WorkerPresence(fleet.redis)  # which models have a live worker (read at most once a second)
         self.apresence = AsyncWorkerPresence(self.aredis)  # the same, for waits on the event loop

@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.body_guard import replaying, send_error
 from gateway.errors import error_payload
 from producer.admission import queue_depth
+from producer.prefix_routing import PrefixRouter
 from producer.registry import list_workers
 from protocol.model_state import AUTO_ROLLBACKS_KEY, read_state
 from protocol.settings import FleetSettings
@@ -129,7 +130,12 @@ class _FleetCollector(Collector):
 class GatewayMetrics:
     """The gateway's series, in their own registry (one per app)."""
 
-    def __init__(self, registry: CollectorRegistry, settings: FleetSettings, client: redis.Redis[bytes]) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, settings: FleetSettings, client: redis.Redis[bytes],
+        prefixes: PrefixRouter | None = None,
+    ) -> None:
+        """``prefixes``: the submitting client's prefix-aware router, whose counts become
+        ``fleet_gateway_prefix_routing_total{result="routed"|"unrouted"}``."""
         self.requests = Counter(
             "fleet_gateway_requests",
             "HTTP requests, by route, method and status.",
@@ -152,6 +158,26 @@ class GatewayMetrics:
         for reason in ("queue_full", "rate_limited"):
             self.refused.labels(reason)  # export zeros, so rate() sees the series from the start
         registry.register(_FleetCollector(settings, client))
+        if prefixes is not None:
+            registry.register(_RoutingCollector(prefixes))
+
+
+class _RoutingCollector(Collector):
+    """The gateway's prefix-aware routing decisions (:mod:`producer.prefix_routing`), read at scrape time."""
+
+    def __init__(self, prefixes: PrefixRouter) -> None:
+        self.prefixes = prefixes
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        routed = CounterMetricFamily(
+            "fleet_gateway_prefix_routing",
+            "Generations looked up for prefix-aware routing: sent to the worker holding their prefix (routed) "
+            "or to the model's queue (unrouted).",
+            labels=["result"],
+        )
+        routed.add_metric(["routed"], self.prefixes.routed)
+        routed.add_metric(["unrouted"], self.prefixes.unrouted)
+        yield routed
 
 
 class MetricsMiddleware:
