@@ -66,7 +66,7 @@ class MultiTurnPlan:
     max_batch_size: int = 16
     """Each worker runs every conversation it holds at once (32 over 2 workers): TTFT is the prefill and the
     step it joins, not a wait for a free slot."""
-    concurrency: int = 16
+    concurrency: int = 32
     seed: int = 17
 
 
@@ -105,7 +105,8 @@ def _converse(client: FleetClient, model: str, messages: list[list[int]], reply_
         assert isinstance(result, InferenceResult) and result.generation is not None
         gen = result.generation
         records.append({"turn": turn + 1, "prompt_tokens": len(prompt), "ttft_ms": gen.timings.time_to_first_token_ms,
-                        "worker": result.timings.worker, "token_ids": gen.token_ids})  # fmt: skip
+                        "queue_ms": result.timings.queue_wait_ms, "worker": result.timings.worker,
+                        "token_ids": gen.token_ids})  # fmt: skip
         history = prompt + gen.token_ids
     return records
 
@@ -150,6 +151,7 @@ def _row(plan: MultiTurnPlan, key: str, model_path: Path, redis_url: str, work_d
         "turns": len(turns),
         "turns_per_s": len(turns) / elapsed,
         "ttft_turn3plus_ms": ttft,
+        "queue_turn3plus_ms_p50": float(np.percentile([r["queue_ms"] for r in turns if r["turn"] >= 3], 50)),
         "ttft_turn1_ms_p50": float(np.percentile([r["ttft_ms"] for r in turns if r["turn"] == 1], 50)),
         "hit_rate": counts["hit"] / looked_up if looked_up else 0.0,
         "reused_token_share": counts["reused_tokens"] / prompt_tokens if prompt_tokens else 0.0,
@@ -157,8 +159,8 @@ def _row(plan: MultiTurnPlan, key: str, model_path: Path, redis_url: str, work_d
         "same_worker_share": _same_worker_share(conversations),
         "replies": [[r["token_ids"] for r in conv] for conv in conversations],
     }
-    say(f"multiturn {label}: TTFT turns>=3 p50 {ttft['p50']:.1f} ms, hit rate "
-        f"{row['hit_rate']:.0%}, {row['turns_per_s']:.1f} turns/s")
+    say(f"multiturn {label}: TTFT turns>=3 p50 {ttft['p50']:.1f} ms (queue {row['queue_turn3plus_ms_p50']:.1f}), "
+        f"hit rate {row['hit_rate']:.0%}, {row['turns_per_s']:.1f} turns/s")
     return row
 
 

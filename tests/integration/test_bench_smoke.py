@@ -119,3 +119,24 @@ def test_quick_dispatch_phase_alone_measures_each_path(tmp_path: Path) -> None:
     assert results["dispatch"]["floor"]["events"]["channel"] == "kombu.transport.redis.Channel"  # stock, not ours
     text = out_md.read_text()
     assert "one-Redis ceiling" in text and "Where a lone request's time goes" in text
+
+
+@pytest.mark.timeout(240)
+def test_quick_multiturn_phase_runs_every_row_on_the_same_conversations(tmp_path: Path) -> None:
+    out_md = tmp_path / "benchmarks.md"
+    cmd = [sys.executable, "-m", "producer.cli", "bench", "--quick", "--only", "multiturn", "--out", str(out_md),
+           "--work-dir", str(tmp_path / "work")]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=220, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads((tmp_path / "multiturn.json").read_text())
+    rows = results["rows"]
+    assert list(rows) == ["no_reuse", "reuse", "reuse_routing"]
+    assert results["same_replies"] is True  # greedy replies identical with reuse and routing on and off
+    plan = results["plan"]
+    for key, row in rows.items():
+        assert row["turns"] == plan["conversations"] * plan["turns"], key
+    assert rows["no_reuse"]["hit_rate"] == 0 and rows["no_reuse"]["routed"] == 0
+    assert rows["reuse"]["routed"] == 0
+    # every conversation's later turns went to the worker holding it (quick prompts span >= 1 block)
+    assert rows["reuse_routing"]["routed"] > 0 and rows["reuse_routing"]["hit_rate"] > 0
+    assert "reuse + routing" in (tmp_path / "multiturn.md").read_text()
