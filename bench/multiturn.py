@@ -156,6 +156,8 @@ def _row(plan: MultiTurnPlan, key: str, model_path: Path, redis_url: str, work_d
         "hit_rate": counts["hit"] / looked_up if looked_up else 0.0,
         "reused_token_share": counts["reused_tokens"] / prompt_tokens if prompt_tokens else 0.0,
         "routed": client.router.prefixes.routed,
+        "passed_over": client.router.prefixes.passed_over,
+        "not_held": client.router.prefixes.unrouted - client.router.prefixes.passed_over,
         "same_worker_share": _same_worker_share(conversations),
         "replies": [[r["token_ids"] for r in conv] for conv in conversations],
     }
@@ -200,7 +202,7 @@ def render_multiturn(results: dict[str, Any]) -> str:
         f"{plan['reply_tokens']}-token greedy reply; the history grows every turn.",
         "",
         "| row | TTFT turns ≥ 3, p50 (ms) | p90 (ms) | × no reuse | turn 1 p50 (ms) | hit rate | prompt tokens "
-        "reused | turns on the previous turn's worker | routed | turns/s |",
+        "reused | turns on the previous turn's worker | routed / busy / not held | turns/s |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results["rows"].values():
@@ -208,7 +210,8 @@ def render_multiturn(results: dict[str, Any]) -> str:
         lines.append(
             f"| {row['label']} | {t['p50']:.1f} | {t['p90']:.1f} | {row['ttft_turn3plus_ratio']:.2f} | "
             f"{row['ttft_turn1_ms_p50']:.1f} | {row['hit_rate']:.0%} | {row['reused_token_share']:.0%} | "
-            f"{row['same_worker_share']:.0%} | {row['routed']} | {row['turns_per_s']:.1f} |"
+            f"{row['same_worker_share']:.0%} | {row['routed']} / {row['passed_over']} / {row['not_held']} | "
+            f"{row['turns_per_s']:.1f} |"
         )
     lines += [
         "",
@@ -217,7 +220,10 @@ def render_multiturn(results: dict[str, Any]) -> str:
         "",
         "TTFT is the worker's `time_to_first_token_ms`: producer submit → first token, queue wait included. "
         "Hit rate: prompts that started from a cached prefix, of those looked up (the workers' "
-        "`fleet_worker_prefix_lookups_total`). Routed: turns the producer sent to a worker's own queue.",
+        "`fleet_worker_prefix_lookups_total`). Routed: turns the producer sent to a worker's own queue; busy: "
+        "held by a worker whose own queue was at `routing.max_direct_queued`, sent to the model's queue; not "
+        "held: no live worker had published a block of the prompt when it was submitted (a first turn, or a "
+        "prefix not yet published).",
         "",
     ]
     return "\n".join(lines)

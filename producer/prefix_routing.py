@@ -86,6 +86,8 @@ class PrefixRouter:
         """Generations sent to a worker's own queue."""
         self.unrouted = 0
         """Generations looked up and sent to the model's queue (no holder, or every holder busy)."""
+        self.passed_over = 0
+        """Of ``unrouted``: those a live worker held, passed over for its queue at ``max_direct_queued``."""
 
     def live_hosts(self, model: str) -> list[str]:
         """The hostnames of ``model``'s live workers, at most ``cache_s`` old."""
@@ -130,6 +132,7 @@ class PrefixRouter:
         chosen = pick_holder(holders, self.settings.model(model).routing.max_direct_queued)
         if chosen is None:
             self.unrouted += 1
+            self.passed_over += any(h.blocks for h in holders)
             return None
         self.routed += 1
         return self.settings.direct_queue_for(self.settings.model_key(model), chosen.host)
