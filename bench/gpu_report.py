@@ -221,6 +221,7 @@ def placement_phase(models: dict[str, str], choices: list[str], plan: ReportPlan
     from bench.machine import provider_chain_for
     from protocol.modelcard import load_card
     from tools.calibration import feeds_for
+    from workers.engine import graph_input_names
     from workers.placement import profiled_placement
 
     rows = []
@@ -228,10 +229,10 @@ def placement_phase(models: dict[str, str], choices: list[str], plan: ReportPlan
         path = Path(path_str)
         card = load_card(path)
         prompts = _prompts(plan, card.vocab_size)[:4]
+        names = graph_input_names(path)  # the served graph's inputs are the file's (only the LM head is rewritten)
         for choice in choices:
             source, make_options, chain = bare_parts(path, providers=provider_chain_for(choice),
                                                      max_batch_size=plan.max_batch_size)  # fmt: skip
-            names = [i.name for i in ort.InferenceSession(source, providers=["CPUExecutionProvider"]).get_inputs()]
             placement = profiled_placement(source, make_options, chain, feeds_for(names, card, prompts))
             rows.append({"model": variant, "chain": choice, "active": placement.active, "nodes": placement.nodes,
                          "total": placement.total})  # fmt: skip
