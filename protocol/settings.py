@@ -84,6 +84,14 @@ class BatchingSettings(_Section):
         description="Generation: admit new sequences between decode steps (continuous batching). False = "
         "static batching: a batch runs until its last sequence finishes (kept for the bench).",
     )
+    prefill_chunk_tokens: int = Field(
+        default=512,
+        ge=0,
+        le=1_000_000,
+        description="Generation: most prompt tokens prefilled in one step, over all joining sequences (chunked "
+        "prefill): a longer prompt, or a burst of them, is prefilled over several steps while the running "
+        "sequences keep decoding. 0 = every admitted prompt whole in one step.",
+    )
     prefix_cache_bytes: int = Field(
         default=256 * 1024 * 1024,
         ge=0,

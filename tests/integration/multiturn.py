@@ -23,10 +23,14 @@ from workers.generation.sequence import GenSequence
 __all__ = ["Conversations", "make_loop", "run_turns"]
 
 
-def make_loop(path: Path, *, prefix_cache_bytes: int, block_tokens: int = 4, max_batch_size: int = 8) -> GenerationLoop:
-    """A CPU generation loop over ``path`` (one intra-op thread) with the prefix cache on or off (0)."""
+def make_loop(
+    path: Path, *, prefix_cache_bytes: int, block_tokens: int = 4, max_batch_size: int = 8, chunk_tokens: int = 0
+) -> GenerationLoop:
+    """A CPU generation loop over ``path`` (one intra-op thread) with the prefix cache on or off (0), prefilling
+    at most ``chunk_tokens`` prompt tokens per step (0: whole prompts)."""
     batching = BatchingSettings(
-        max_batch_size=max_batch_size, prefix_cache_bytes=prefix_cache_bytes, prefix_block_tokens=block_tokens
+        max_batch_size=max_batch_size, prefix_cache_bytes=prefix_cache_bytes, prefix_block_tokens=block_tokens,
+        prefill_chunk_tokens=chunk_tokens,
     )
     settings = EngineSettings(providers=["CPUExecutionProvider"], intra_op_threads=1, warmup=False)
     engine = Engine(path, load_card(path), settings, batching, LimitSettings(max_input_tokens=1024))

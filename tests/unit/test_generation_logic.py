@@ -13,6 +13,7 @@ from protocol.settings import BatchingSettings
 from protocol.tokenization import ByteTokenizer
 from workers.generation.kvcache import relayout, right_aligned_mask
 from workers.generation.loop import GenerationLoop
+from workers.generation.prefill_queue import plan_chunks
 from workers.generation.sampling import Sampler, apply_repetition_penalty, nucleus_probs
 from workers.generation.sequence import GenSequence
 from workers.generation.stops import scan_stops
@@ -166,3 +167,18 @@ def test_tensorrt_profiles_cover_the_decode_range_of_a_kv_model() -> None:
     assert "past_key_values.0.key:4x2x164x8" in options["trt_profile_max_shapes"]
     assert "attention_mask:4x228" in options["trt_profile_max_shapes"]
     assert "past_key_values.0.key:1x2x0x8" in options["trt_profile_min_shapes"]
+
+
+@pytest.mark.parametrize(
+    ("remaining", "budget", "takes"),
+    [
+        ([5, 7], 0, [5, 7]),  # no budget: every prompt whole
+        ([5, 7], 16, [5, 7]),
+        ([5, 7], 8, [5, 3]),  # the oldest first; the one that spends the budget takes a part
+        ([20, 3], 8, [8, 0]),
+        ([0, 3], 2, [0, 2]),
+        ([], 8, []),
+    ],
+)
+def test_prefill_chunks_take_the_budget_oldest_first(remaining: list[int], budget: int, takes: list[int]) -> None:
+    assert plan_chunks(remaining, budget) == takes

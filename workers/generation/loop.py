@@ -2,9 +2,13 @@
 
 Each :meth:`GenerationLoop.step` (run on the scheduler thread, never concurrently):
 
-1. ends running sequences that were cancelled or passed their deadline (their rows leave at once);
-2. prefills the joiners the scheduler admitted (one batched, right-padded call) and samples their
-   first token; those that are not finished by it join the running batch;
+1. ends running (and joining) sequences that were cancelled or passed their deadline (their rows
+   leave at once);
+2. prefills the joiners the scheduler admitted, each from its longest cached prefix
+   (:mod:`~workers.generation.prefix_cache`), in one batched, right-padded call of at most
+   ``prefill_chunk_tokens`` prompt tokens (:mod:`~workers.generation.prefill_queue`: a longer prompt
+   is prefilled a chunk per step), and samples the first token of each whose prompt is complete;
+   those that are not finished by it join the running batch;
 3. runs one decode step for every running sequence and samples each one's next token;
 4. ends the finished ones (EOS, stop token or string, ``max_new_tokens``).
 
@@ -30,6 +34,7 @@ from protocol.errors import RequestCancelled, RequestExpired
 from protocol.messages import FinishReason
 from protocol.settings import BatchingSettings
 from workers.generation.decoder import Decoder, KVState
+from workers.generation.prefill_queue import Joining, plan_chunks
 from workers.generation.prefix_cache import PrefixCache
 from workers.generation.sequence import GenSequence
 
@@ -62,6 +67,8 @@ class GenStepStats:
     """Joiners looked up in the prefix cache (0 when it is off)."""
     prefix_hits: int = 0
     """Joiners that started from a cached prefix."""
+    prefill_tokens: int = 0
+    """Prompt tokens computed by this step's prefill (at most ``prefill_chunk_tokens`` when set)."""
 
 
 class GenerationLoop:
@@ -77,6 +84,10 @@ class GenerationLoop:
         self.continuous = batching.continuous
         self.clock = clock
         self.running: list[GenSequence] = []
+        self.joining: list[Joining] = []
+        """Admitted sequences whose prompt is being prefilled, a chunk per step
+        (:mod:`workers.generation.prefill_queue`)."""
+        self.prefill_chunk_tokens = batching.prefill_chunk_tokens
         self.state = KVState()
         self.observers: list[Callable[[GenStepStats], None]] = []
         self.steps_run = 0
@@ -94,12 +105,12 @@ class GenerationLoop:
         return sum(1 for s in self.running if s.finish_reason is None)
 
     def has_work(self) -> bool:
-        """True while any sequence runs (or a finished one still holds a row)."""
-        return bool(self.running)
+        """True while any sequence runs (or a finished one still holds a row) or is being prefilled."""
+        return bool(self.running or self.joining)
 
     def admissible(self, waiting: Sequence[GenSequence]) -> int:
         """How many of the oldest ``waiting`` sequences may join at the next step (pure)."""
-        live = [s for s in self.running if s.finish_reason is None]
+        live = [s for s in self.running if s.finish_reason is None] + [j.seq for j in self.joining]
         if not waiting or (live and not self.continuous):
             return 0
         slots = self.max_batch_size - len(live)
@@ -121,50 +132,72 @@ class GenerationLoop:
         joiners = [s for s in joiners if not self._refuse_before_start(s, now)]
         finished: list[FinishReason] = []
         keep = [i for i, seq in enumerate(self.running) if not self._stopped(seq, now, finished)]
+        self.joining = [j for j in self.joining if not self._stopped(j.seq, now, finished)]
         started = time.perf_counter()
         self._keep_leaving(set(keep))  # before the lookups: a next turn may join in this step
         copy_ms = (time.perf_counter() - started) * 1000
+        fresh = [self._start_joining(seq) for seq in joiners]
+        queue = self.joining + fresh
+        takes = plan_chunks([j.remaining for j in queue], self.prefill_chunk_tokens)
+        computing = [(j, take) for j, take in zip(queue, takes, strict=True) if take > 0]
         first_ms: list[float] = []
         prefill = None
-        prefill_ms = 0.0
         joined: list[int] = []
-        if joiners:
-            hits = [self.prefix_cache.lookup(s.prompt) for s in joiners] if self.prefix_cache is not None else []
-            prefill = self.decoder.prefill([s.prompt for s in joiners], hits if any(hits) else None)
-            prefill_ms = prefill.engine_ms
-            for j, seq in enumerate(joiners):
-                seq.note_prefill(now, len(joiners), prefill.padded_tokens, prefill.engine_ms, prefill.reused[j])
-                done = seq.accept(prefill.last_logits[j])
+        completed: list[Joining] = []
+        if computing:
+            pasts = [j.past() for j, _ in computing]
+            prefill = self.decoder.prefill([j.seq.prompt[: j.done + take] for j, take in computing],
+                                           pasts if any(pasts) else None)  # fmt: skip
+            for row, (j, take) in enumerate(computing):
+                j.started_mono = now if j.started_mono is None else j.started_mono
+                j.engine_ms += prefill.engine_ms
+                if take < j.remaining:  # a chunk: keep its KV for the next one
+                    j.kv = {name: np.array(arr) for name, arr in prefill.caches[row].items()}
+                    j.done += take
+                    continue
+                completed.append(j)
+                seq = j.seq
+                seq.note_prefill(j.started_mono, len(computing), prefill.padded_tokens, j.engine_ms, j.reused)
+                done = seq.accept(prefill.last_logits[row])
                 first_ms.append((self.clock() - seq.arrived_s) * 1000)
                 if done:
                     finished.append(seq.end().finish_reason)
-                    self._keep_prefix(seq.prompt, prefill.caches[j])
+                    self._keep_prefix(seq.prompt, prefill.caches[row])
                 else:
-                    joined.append(j)
+                    joined.append(row)
+        self.joining = [j for j in queue if j not in completed]
         if len(keep) != len(self.running) or joined:
             copy_ms += self.state.relayout(keep, prefill, joined)
-            self.running = [self.running[i] for i in keep] + [joiners[j] for j in joined]
+            self.running = [self.running[i] for i in keep] + [computing[row][0].seq for row in joined]
         decode_ms, tokens = self._decode(finished)
         self.steps_run += 1
         stats = GenStepStats(
             running=tokens,
             joined=len(joined),
             kv_tokens=self.state.kv_tokens,
-            prefill_ms=prefill_ms,
+            prefill_ms=prefill.engine_ms if prefill is not None else 0.0,
             decode_ms=decode_ms,
             copy_ms=copy_ms,
-            tokens=tokens + len(joiners),
-            reused_tokens=sum(prefill.reused) if prefill is not None else 0,
-            prefix_lookups=len(joiners) if self.prefix_cache is not None else 0,
-            prefix_hits=sum(1 for n in prefill.reused if n) if prefill is not None else 0,
+            tokens=tokens + len(completed),
+            reused_tokens=sum(j.reused for j in fresh),
+            prefix_lookups=len(fresh) if self.prefix_cache is not None else 0,
+            prefix_hits=sum(1 for j in fresh if j.reused),
             finished=tuple(finished),
             first_token_ms=tuple(first_ms),
+            prefill_tokens=sum(take for _, take in computing),
         )
         for observer in self.observers:
             try:
                 observer(stats)
             except Exception:
                 log.exception("generation observer failed")
+
+    def _start_joining(self, seq: GenSequence) -> Joining:
+        """A sequence admitted this step, starting from its longest cached prefix (when there is one)."""
+        hit = self.prefix_cache.lookup(seq.prompt) if self.prefix_cache is not None else None
+        if hit is None:
+            return Joining(seq)
+        return Joining(seq, done=hit.tokens, kv=hit.kv, reused=hit.tokens)
 
     def _keep_prefix(self, tokens: list[int], kv: Mapping[str, npt.NDArray[np.float32]]) -> None:
         """Offer a leaving sequence's cache (``kv`` holds exactly ``tokens``) to the prefix cache."""
@@ -256,10 +289,11 @@ class GenerationLoop:
         return (time.perf_counter() - started) * 1000
 
     def fail_all(self, exc: BaseException) -> None:
-        """The engine failed: end every running sequence with ``exc`` and reset the batch."""
-        for seq in self.running:
+        """The engine failed: end every running (and joining) sequence with ``exc`` and reset the batch."""
+        for seq in [*self.running, *(j.seq for j in self.joining)]:
             if not seq.future.done():
                 seq.future.set_exception(exc)
         self.running = []
+        self.joining = []
         self.state = KVState()
 
