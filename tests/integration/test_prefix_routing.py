@@ -13,14 +13,19 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import redis
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
 from producer.client import FleetClient
 from protocol.keys import PREFIX_HOLDER_KEY
 from protocol.messages import InferenceResult
 from protocol.prefix_digest import block_digests
+from protocol.settings import load_settings
 from tests.integration.fleet_fixtures import Fleet
+from tests.integration.ops_fixtures import API_KEY, OpsFleet, ops_fleet, ops_models, ops_redis  # noqa: F401
 from tools.ledger import Ledger
 from tools.processes import poll_until
 
@@ -121,3 +126,36 @@ def test_a_turn_routed_to_a_worker_that_dies_is_served_by_another(fleet: Fleet) 
     assert report.ok, report
     print(f"\nkilled mid-turn: served by the other worker {mid_turn_s:.1f} s after the kill "
           f"(visibility timeout 6 s); killed with the turn queued: {queued_s:.1f} s (heartbeat TTL 2 s)")
+
+
+def test_a_responses_conversation_through_the_gateway_stays_on_its_worker(ops_fleet: OpsFleet) -> None:  # noqa: F811
+    """The official SDK continues a conversation with ``previous_response_id``: every turn after the first is
+    routed to the worker that served the one before (the prompt is the rendered history), and the gateway
+    counts it in ``fleet_gateway_prefix_routing_total``."""
+    config = ops_fleet.config(serve=("demo-lm",), models={"demo-lm": {"limits": {"max_input_tokens": 480}}})
+    ops_fleet.worker(config)
+    ops_fleet.worker(config)
+    gateway = ops_fleet.gateway(config)
+    client = OpenAI(base_url=gateway.url + "/v1", api_key=API_KEY, max_retries=0)
+    fleet = FleetClient(load_settings(config))
+    try:
+        instructions = "Answer in one short line."
+        previous = None
+        served_by = []
+        for turn in range(3):
+            response = client.responses.create(model="demo-lm", instructions=instructions, input=f"Question {turn}?",
+                                               previous_response_id=previous, max_output_tokens=8)  # fmt: skip
+            previous = response.id
+            result = fleet.result(response.id.removeprefix("resp_"), wait=True, timeout_s=30)
+            assert result is not None
+            served_by.append(result.timings.worker)
+            # the next turn is sent once the holder has published this turn's prefix (an event, not a pause)
+            holder_key = PREFIX_HOLDER_KEY.format(model="demo-lm", host=result.timings.worker)
+            poll_until(partial(fleet.redis.scard, holder_key), 30, "the worker to publish its prefixes")
+        assert len(set(served_by)) == 1, served_by
+        metrics = {(s.name, s.labels.get("result")): s.value
+                   for family in text_string_to_metric_families(httpx.get(gateway.url + "/metrics").text)
+                   for s in family.samples}  # fmt: skip
+        assert metrics[("fleet_gateway_prefix_routing_total", "routed")] >= 2
+    finally:
+        fleet.close()
