@@ -47,7 +47,7 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._loop, name="fleet-heartbeat", daemon=True)
         self.on_beat: list[Callable[[float], None]] = []
         """Called after each published beat with the heartbeat's expiry (unix s), on the beating thread;
-        their Redis errors are logged like the beat's."""
+        whatever one raises is logged, and the next one still runs."""
 
     def start(self) -> None:
         """Publish once now, then every period."""
@@ -70,10 +70,16 @@ class Heartbeat:
                     pipe.zremrangebyscore(live, "-inf", now)  # workers that died without removing themselves
                     pipe.expire(live, ttl_s)
                 pipe.execute()
-            for hook in self.on_beat:
-                hook(now + ttl_s)
         except redis.RedisError as exc:
             log.warning("heartbeat to Redis failed: %s", exc)
+            return
+        for hook in self.on_beat:
+            try:
+                hook(now + ttl_s)
+            except redis.RedisError as exc:
+                log.warning("heartbeat hook %s: Redis failed: %s", getattr(hook, "__name__", hook), exc)
+            except Exception:  # a hook's bug must not stop the heartbeat (the worker would look dead)
+                log.exception("heartbeat hook %s failed", getattr(hook, "__name__", hook))
 
     def stop(self) -> None:
         """Stop publishing and remove the key (and this worker from its model's live set)."""
