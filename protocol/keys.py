@@ -52,8 +52,9 @@ RESPONSE_KEY = "fleet:response:{id}"
 TTL = api.responses_ttl_s), so any gateway continues it with ``previous_response_id``."""
 PREFIX_HOLDER_KEY = "fleet:prefix:{model}:{host}"
 """Set: the token-prefix block digests (16 bytes each, :mod:`protocol.prefix_digest`) whose KV the
-worker ``host`` holds in its prefix cache; expires with the worker's heartbeat. Read by prefix-aware
-routing (:mod:`producer.prefix_routing`)."""
+worker ``host`` holds in its prefix cache; refreshed with every heartbeat, it expires ten heartbeat TTLs
+(at least 60 s) after the last one. Read by prefix-aware routing (:mod:`producer.prefix_routing`), which
+asks only live workers' sets."""
 DIRECT_QUEUES_KEY = "fleet:direct:{model}"
 """Sorted set: the hostnames of the workers of ``model`` that consume a queue of their own
 (``FleetSettings.direct_queue_for``), each scored by the wall-clock time (unix s) its heartbeat

@@ -8,7 +8,7 @@ queue. Producers send there the generations whose prompt starts with a prefix th
 Two things keep routing honest:
 
 * :class:`PrefixHolder` publishes the block digests the worker's prefix cache holds
-  (:data:`protocol.keys.PREFIX_HOLDER_KEY`, a set that expires with the heartbeat), told by the
+  (:data:`protocol.keys.PREFIX_HOLDER_KEY`, a set refreshed with the heartbeat), told by the
   cache's listener and written by a thread of its own, so the scheduler never waits on Redis.
 * :class:`DirectQueue` makes sure nothing is stranded in the queue of a worker that died: every
   heartbeat registers this worker in :data:`protocol.keys.DIRECT_QUEUES_KEY` (scored by its heartbeat's

@@ -111,7 +111,11 @@ class WorkerRuntime:
             name=settings.direct_queue_for(self.model_key, hostname), shared=self.queue,
             linger_s=settings.visibility_timeout_s + restore_interval_s(settings.visibility_timeout_s) + 2 * ttl_s,
         )
-        self.prefix_holder = PrefixHolder(self.redis, model=self.model_key, hostname=hostname, ttl_s=ttl_s)
+        # the set outlives a few late heartbeats (routers check liveness on their own): a starved heartbeat
+        # thread must not drop what the worker holds
+        self.prefix_holder = PrefixHolder(
+            self.redis, model=self.model_key, hostname=hostname, ttl_s=max(60, 10 * ttl_s)
+        )
         self._hold_prefixes(self.stable)
         self.heartbeat.on_beat.append(self._routing_beat)
 

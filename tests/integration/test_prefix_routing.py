@@ -34,11 +34,12 @@ BLOCK = 4
 pytestmark = pytest.mark.slow
 
 
-def _config(fleet: Fleet, **extra: Any) -> Path:
+def _config(fleet: Fleet, *, heartbeat_s: float = 0.5, max_direct_queued: int = 4, **extra: Any) -> Path:
     return fleet.config(
-        worker={"model": MODEL, "heartbeat_s": 0.5},
-        models={MODEL: {"batching": {"prefix_block_tokens": BLOCK}, "limits": {"max_input_tokens": 256,
-                                                                              "max_new_tokens": 256}}},
+        worker={"model": MODEL, "heartbeat_s": heartbeat_s},
+        models={MODEL: {"batching": {"prefix_block_tokens": BLOCK},
+                        "limits": {"max_input_tokens": 256, "max_new_tokens": 256},
+                        "routing": {"max_direct_queued": max_direct_queued}}},
         **extra,
     )
 
@@ -54,7 +55,10 @@ def _held_by(r: redis.Redis[bytes], host: str, tokens: list[int]) -> bool:
 
 
 def test_each_turn_goes_to_the_worker_that_holds_its_conversation(fleet: Fleet) -> None:
-    cfg = _config(fleet)
+    # a heartbeat TTL of 6 s: a worker starved by a loaded machine stays live (liveness is another test's
+    # subject), and no busy bound: all six conversations may hold one worker, whose queue then briefly
+    # holds six turns (the bound is pick_holder's unit test)
+    cfg = _config(fleet, heartbeat_s=2.0, max_direct_queued=64)
     workers = [fleet.worker(cfg, MODEL), fleet.worker(cfg, MODEL)]
     client = fleet.client(cfg)
     rng = random.Random(3)
