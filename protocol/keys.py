@@ -60,4 +60,5 @@ DIRECT_QUEUES_KEY = "fleet:direct:{model}"
 (``FleetSettings.direct_queue_for``), each scored by the wall-clock time (unix s) its heartbeat
 expires. A worker past it is dead: any live worker moves its queue onto the model's queue
 (:mod:`workers.direct_queue`); the entry stays until the dead worker's unacked requests, restored
-into that queue after the visibility timeout, have been moved too."""
+into that queue after the visibility timeout, have been moved too. Each beat extends the key's life
+to that long past the beat, so it goes once no worker beats."""

@@ -71,8 +71,12 @@ class DirectQueue:
     def beat(self, expires_unix_s: float) -> None:
         """Register this worker until ``expires_unix_s``, then rescue dead workers' queues (heartbeat thread)."""
         now = time.time()
-        self.client.zadd(self._registry, {self.hostname: expires_unix_s})
-        dead = self.client.zrangebyscore(self._registry, "-inf", now)
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.zadd(self._registry, {self.hostname: expires_unix_s})
+            # the registry outlives its last worker by as long as it watches a dead one, then goes
+            pipe.expire(self._registry, max(1, int(expires_unix_s - now + self.linger_s + 1)))
+            pipe.zrangebyscore(self._registry, "-inf", now)
+            _, _, dead = pipe.execute()
         for raw in dead:
             host = raw.decode() if isinstance(raw, bytes) else str(raw)
             moved = int(self._move(keys=[self._prefix + host, self.shared]))
