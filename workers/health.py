@@ -49,6 +49,11 @@ class Heartbeat:
         """Called after each published beat with the heartbeat's expiry (unix s), on the beating thread;
         whatever one raises is logged, and the next one still runs."""
 
+    @property
+    def ttl_s(self) -> int:
+        """Seconds a beat keeps this worker live: three heartbeat periods, rounded up."""
+        return max(1, int(self._period_s * 3 + 0.999))
+
     def start(self) -> None:
         """Publish once now, then every period."""
         self.beat()
@@ -60,7 +65,7 @@ class Heartbeat:
         try:
             now = time.time()
             doc = {**self._snapshot(), "heartbeat_unix_s": now}
-            ttl_s = max(1, int(self._period_s * 3 + 0.999))
+            ttl_s = self.ttl_s
             with self._client.pipeline(transaction=False) as pipe:
                 pipe.set(self._key, json.dumps(doc), ex=ttl_s)
                 if doc.get("model"):

@@ -105,7 +105,7 @@ class WorkerRuntime:
 
     def _route_by_prefix(self, settings: FleetSettings, hostname: str) -> None:
         """Consume a queue of our own and publish the stable prefix cache's digests (workers.direct_queue)."""
-        ttl_s = max(1, int(settings.worker.heartbeat_s * 3 + 0.999))
+        ttl_s = self.heartbeat.ttl_s
         self.direct_queue = DirectQueue(
             self.redis, model=self.model_key, hostname=hostname,
             name=settings.direct_queue_for(self.model_key, hostname), shared=self.queue,

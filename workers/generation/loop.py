@@ -157,7 +157,7 @@ class GenerationLoop:
                     continue
                 completed.append(j)
                 seq = j.seq
-                seq.note_prefill(j.started_mono, len(computing), prefill.padded_tokens, j.engine_ms, j.reused)
+                seq.note_prefill(j.started_mono, len(computing), prefill.padded_tokens, j.engine_ms)
                 done = seq.accept(prefill.last_logits[row])
                 first_ms.append((self.clock() - seq.arrived_s) * 1000)
                 if done:

@@ -91,7 +91,6 @@ class GenSequence:
         self.prefill_batch = 0
         self.prefill_padded = 0
         self.prefill_started_unix = 0.0
-        self.cached_tokens = 0
         self.kv_kept = False
         """Its cache was offered to the prefix cache (the generation loop does it once, as it ends)."""
 
@@ -105,9 +104,8 @@ class GenSequence:
         """Prompt and generated ids (what the repetition penalty looks at)."""
         return self.prompt + self.generated
 
-    def note_prefill(self, started_mono: float, batch: int, padded: int, engine_ms: float, reused: int = 0) -> None:
-        """Record the prefill call it joined through (``reused``: prompt tokens taken from the prefix cache)."""
-        self.cached_tokens = reused
+    def note_prefill(self, started_mono: float, batch: int, padded: int, engine_ms: float) -> None:
+        """Record the prefill call it joined through."""
         self.batch_wait_ms = max(0.0, (started_mono - self.arrived_s) * 1000)
         self.prefill_batch, self.prefill_padded = batch, padded
         self.prefill_started_unix = time.time()
