@@ -152,6 +152,15 @@ class EngineSettings(_Section):
         description="Causal LMs: rewrite the graph in memory at load so logits are computed at the last "
         "position only (tools/lm_head_last.py); skipped for files with external data.",
     )
+    kv_cache: Literal["auto", "in_place", "concat"] = Field(
+        default="auto",
+        description="Causal LMs: 'in_place' rewrites each layer's attention at load into ONNX Runtime's "
+        "GroupQueryAttention so the KV cache is a preallocated buffer written at each sequence's own "
+        "position (tools/inplace_kv.py; a join or leave moves no other sequence's cache, a decode step copies "
+        "no past), checked against the original graph on a probe; 'concat' serves the graph's own "
+        "Concat cache; 'auto' = in_place where it applies (CPU provider, a graph the rewrite matches, "
+        "the probe equal), concat otherwise, with the reason logged.",
+    )
 
     @model_validator(mode="after")
     def _known_providers(self) -> EngineSettings:

@@ -37,6 +37,7 @@ from protocol.errors import ModelLoadError, ProviderUnavailable
 from protocol.modelcard import ModelCard
 from protocol.pooling import Pooling, load_pooling
 from protocol.settings import BatchingSettings, EngineSettings, LimitSettings
+from workers.inplace_graph import KVChoice, inplace_source
 from workers.int8_providers import int8_placement_warning
 from workers.ort_session import ProviderStep, imported_ort_build, open_session
 from workers.padding import PaddedBatch, pad_batch
@@ -201,6 +202,10 @@ class Engine:
         self.requested = provider_chain(engine, batching, limits, card, names)
         self.ort_build = check_single_ort_build()
         source, self.lm_head_last = serving_graph(model_path, engine, card)
+        self.concat_source = source
+        """The served graph before the in-place rewrite (the generation loop's probe compares against it)."""
+        self.kv: KVChoice = inplace_source(source, engine, card, [n for n, _ in self.requested])
+        source = self.kv.source
         # the profile is written at end_profiling (in __init__, below); the folder goes with it
         profile_dir = tempfile.mkdtemp(prefix="fleet-placement-") if engine.report_placement else None
         try:
