@@ -34,6 +34,7 @@ from protocol.messages import GenerationParams
 from protocol.modelcard import ModelCard
 from protocol.settings import BatchingSettings, EngineSettings, LimitSettings
 from workers.engine import Engine, session_options
+from workers.generation.batch_kv import ConcatKV
 from workers.generation.decoder import Decoder, KVState
 from workers.generation.loop import GenerationLoop, GenStepStats
 from workers.generation.sequence import GenSequence
@@ -145,7 +146,8 @@ def loop_run(engine: Engine, work: Work, *, max_batch_size: int, continuous: boo
 
     def observe(s: GenStepStats) -> None:
         step = {k: float(v) for k, v in asdict(s).items() if k not in ("finished", "first_token_ms")}
-        step["kv_slots"] = float(loop.state.mask.size)  # rows x cache width after the step
+        kv = loop.kv  # rows x cache width after the step (the whole buffer when in place)
+        step["kv_slots"] = float(kv.state.mask.size if isinstance(kv, ConcatKV) else kv.cache.slots * kv.cache.capacity)
         steps.append(step)
 
     loop.observers.append(observe)

@@ -21,6 +21,7 @@ from protocol.tokenization import Tokenizer, load_tokenizer
 from store.resolve import resolve_model
 from workers.engine import Engine
 from workers.generation.decoder import Decoder
+from workers.generation.inplace_check import InPlaceMismatch, open_decoder
 from workers.generation.loop import GenerationLoop
 
 __all__ = ["LoadedModel", "load_version"]
@@ -57,8 +58,9 @@ def load_version(settings: FleetSettings, key: str, version: str | None = None) 
     model = resolve_model(settings, key, version=version)
     card = load_card(model.path)
     engine = Engine(model.path, card, model.engine, model.batching, model.limits)
+    engine, decoder = _decoder(engine, model)
     warmup_ms = engine.warm_up() if model.engine.warmup else 0.0
-    generation = _generation_loop(engine, model)
+    generation = GenerationLoop(decoder, model.batching) if decoder is not None else None
     if generation is not None and model.engine.warmup:
         warmup_ms += generation.warm_up()
     return LoadedModel(
@@ -74,11 +76,32 @@ def load_version(settings: FleetSettings, key: str, version: str | None = None) 
     )
 
 
-def _generation_loop(engine: Engine, model: ModelSettings) -> GenerationLoop | None:
-    """The continuous-batching loop for a causal LM with a KV cache; None for other models."""
+def _decoder(engine: Engine, model: ModelSettings) -> tuple[Engine, Decoder | None]:
+    """The generation decoder of a causal LM with a KV cache (None for other models), and the engine it runs on.
+
+    An engine that serves the in-place graph (``engine.kv_cache``, :mod:`workers.inplace_graph`) gets an
+    :class:`~workers.generation.inplace_decoder.InPlaceDecoder` once the probe agrees with the original
+    graph (:func:`~workers.generation.inplace_check.open_decoder`); when it does not, ``auto`` reopens
+    the model with its Concat cache (logged) and ``in_place`` refuses it.
+
+    Raises:
+        InPlaceMismatch: ``kv_cache: in_place`` and the probe disagrees.
+    """
     if engine.card.kind != "causal_lm" or not engine.has_kv_cache:
-        return None
-    return GenerationLoop(Decoder(engine), model.batching)
+        return engine, None
+    try:
+        decoder = open_decoder(engine)
+    except InPlaceMismatch as exc:
+        if model.engine.kv_cache == "in_place":
+            raise
+        log.warning("model %s %s keeps the Concat KV cache: %s", engine.card.name, engine.card.version, exc)
+        settings = model.engine.model_copy(update={"kv_cache": "concat"})
+        engine = Engine(model.path, engine.card, settings, model.batching, model.limits)
+        return engine, Decoder(engine)
+    if engine.kv.in_place:
+        log.info("model %s %s: KV cache in place (GroupQueryAttention slots; probe relative error %.1e)",
+                 engine.card.name, engine.card.version, getattr(decoder, "probe_error", 0.0))
+    return engine, decoder
 
 
 def _worker_tokenizer(card: ModelCard, model_path: Path) -> Tokenizer | None:

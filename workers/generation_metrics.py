@@ -14,6 +14,12 @@ Series (label ``model``; times in seconds):
                                                              membership change
 ``fleet_worker_running_sequences``               gauge       sequences in the running batch
 ``fleet_worker_kv_tokens``                       gauge       real tokens held in the running KV cache
+``fleet_worker_kv_copied_bytes_total``           counter     KV-cache bytes copied: re-layouts and the
+                                                             graph's Concat of the past (0 in place but
+                                                             prefix-cache traffic); per generated token =
+                                                             its rate / the tokens' rate
+``fleet_worker_kv_in_place``                     gauge       1 when the cache is written in place
+                                                             (GroupQueryAttention slots), 0 for Concat
 ``fleet_worker_prefix_lookups_total``            counter     prompts looked up in the prefix cache, by
                                                              ``result``: hit, miss (hit rate =
                                                              hit / (hit + miss))
@@ -84,7 +90,16 @@ class GenerationMetrics:
         ).set_function(lambda: float(g.active) if (g := now()) is not None else 0.0)
         Gauge("fleet_worker_kv_tokens", "Real tokens in the running KV cache.", m, registry=registry).labels(
             model
-        ).set_function(lambda: float(g.state.kv_tokens) if (g := now()) is not None else 0.0)
+        ).set_function(lambda: float(g.kv.kv_tokens(g.running)) if (g := now()) is not None else 0.0)
+        Gauge("fleet_worker_kv_in_place", "1 when the KV cache is written in place, 0 for a Concat cache.", m,
+              registry=registry).labels(model).set_function(
+            lambda: float(g.kv.in_place) if (g := now()) is not None else 0.0
+        )
+        self.kv_copied = Counter(
+            "fleet_worker_kv_copied_bytes", "KV-cache bytes copied (re-layouts, the graph's Concat of the past).", m,
+            registry=registry,
+        )
+        self.kv_copied.labels(model)
         self.prefix_lookups = Counter(
             "fleet_worker_prefix_lookups", "Prompts looked up in the prefix cache, by result.", [*m, "result"],
             registry=registry,
@@ -114,6 +129,7 @@ class GenerationMetrics:
         self.step.labels(self.model).observe((stats.prefill_ms + stats.copy_ms + stats.decode_ms) / 1000)
         if stats.copy_ms > 0:
             self.copy.labels(self.model).observe(stats.copy_ms / 1000)
+        self.kv_copied.labels(self.model).inc(stats.kv_copied_bytes)
         if stats.prefix_lookups:
             self.prefix_lookups.labels(self.model, "hit").inc(stats.prefix_hits)
             self.prefix_lookups.labels(self.model, "miss").inc(stats.prefix_lookups - stats.prefix_hits)

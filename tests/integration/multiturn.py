@@ -11,12 +11,13 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from protocol.messages import GenerationParams
 from protocol.modelcard import load_card
 from protocol.settings import BatchingSettings, EngineSettings, LimitSettings
 from workers.engine import Engine
-from workers.generation.decoder import Decoder
+from workers.generation.inplace_check import open_decoder
 from workers.generation.loop import GenerationLoop
 from workers.generation.sequence import GenSequence
 
@@ -24,17 +25,19 @@ __all__ = ["Conversations", "make_loop", "run_turns"]
 
 
 def make_loop(
-    path: Path, *, prefix_cache_bytes: int, block_tokens: int = 4, max_batch_size: int = 8, chunk_tokens: int = 0
+    path: Path, *, prefix_cache_bytes: int, block_tokens: int = 4, max_batch_size: int = 8, chunk_tokens: int = 0,
+    kv_cache: Literal["auto", "in_place", "concat"] = "auto",
 ) -> GenerationLoop:
     """A CPU generation loop over ``path`` (one intra-op thread) with the prefix cache on or off (0), prefilling
-    at most ``chunk_tokens`` prompt tokens per step (0: whole prompts)."""
+    at most ``chunk_tokens`` prompt tokens per step (0: whole prompts), on the ``kv_cache`` a worker would
+    open (``engine.kv_cache``)."""
     batching = BatchingSettings(
         max_batch_size=max_batch_size, prefix_cache_bytes=prefix_cache_bytes, prefix_block_tokens=block_tokens,
         prefill_chunk_tokens=chunk_tokens,
     )
-    settings = EngineSettings(providers=["CPUExecutionProvider"], intra_op_threads=1, warmup=False)
+    settings = EngineSettings(providers=["CPUExecutionProvider"], intra_op_threads=1, warmup=False, kv_cache=kv_cache)
     engine = Engine(path, load_card(path), settings, batching, LimitSettings(max_input_tokens=1024))
-    return GenerationLoop(Decoder(engine), batching)
+    return GenerationLoop(open_decoder(engine), batching)
 
 
 @dataclass

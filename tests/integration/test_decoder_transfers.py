@@ -23,7 +23,8 @@ I64, F32 = 8, 4  # bytes per element
 def _decoder(model_dir: Path, name: str, *, lm_head_last: bool) -> Decoder:
     path = model_dir / name / f"{name}-1.0.0.onnx"
     settings = EngineSettings(
-        providers=["CPUExecutionProvider"], warmup=False, lm_head_last=lm_head_last, intra_op_threads=1
+        providers=["CPUExecutionProvider"], warmup=False, lm_head_last=lm_head_last, intra_op_threads=1,
+        kv_cache="concat",  # this file measures the Concat cache's traffic (the in-place one: test_inplace_kv.py)
     )
     return Decoder(Engine(path, load_card(path), settings, BatchingSettings(), LimitSettings(max_input_tokens=64)))
 

@@ -16,7 +16,8 @@ from workers.postprocess import last_positions, top_k_logprobs
 
 
 def _engine(path: Path, *, lm_head_last: bool = False) -> Engine:
-    settings = EngineSettings(providers=["CPUExecutionProvider"], warmup=False, lm_head_last=lm_head_last)
+    settings = EngineSettings(providers=["CPUExecutionProvider"], warmup=False, lm_head_last=lm_head_last,
+                              kv_cache="concat")  # drives Decoder + KVState directly
     return Engine(path, load_card(path), settings, BatchingSettings(), LimitSettings(max_input_tokens=64))
 
 

@@ -199,9 +199,16 @@ class KVState:
 class Decoder:
     """Runs prefill and decode steps; one per worker, used only from the scheduler thread."""
 
+    writes_in_place = False
+    """True for graphs whose attention writes the cache in place (the subclass for them)."""
+
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.session = engine.session
+        if engine.kv.in_place and not self.writes_in_place:
+            raise ModelLoadError(
+                f"{engine.model_path} is served with the in-place KV cache (engine.kv_cache): its decoder is "
+                "workers.generation.inplace_check.open_decoder's InPlaceDecoder", "engine.kv_cache", "in_place")
         inputs = {i.name for i in self.session.get_inputs()}
         outputs = [o.name for o in self.session.get_outputs()]
         self.past_names = sorted(n for n in inputs if n.startswith(PAST))

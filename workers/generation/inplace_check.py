@@ -13,13 +13,40 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
+from protocol.errors import ModelLoadError
+from workers.engine import Engine
+from workers.generation.decoder import Decoder
 from workers.generation.inplace_decoder import InPlaceDecoder
 from workers.generation.slots import SlotCache
 
-__all__ = ["probe_inplace"]
+__all__ = ["PROBE_TOLERANCE", "InPlaceMismatch", "open_decoder", "probe_inplace"]
 
 PROBE_CAPACITY = 32
 """Tokens per slot of the probe's own cache."""
+PROBE_TOLERANCE = 1e-4
+"""Largest relative logit difference the probe accepts (float32 rewrites give about 1e-6)."""
+
+
+class InPlaceMismatch(ModelLoadError):
+    """The in-place graph's probe disagrees with the original graph."""
+
+
+def open_decoder(engine: Engine) -> Decoder:
+    """The generation decoder for ``engine``: an :class:`InPlaceDecoder` when it serves the in-place graph
+    (after the probe agrees), a :class:`Decoder` otherwise.
+
+    Raises:
+        InPlaceMismatch: the probe's relative error is over :data:`PROBE_TOLERANCE`.
+    """
+    if not engine.kv.in_place:
+        return Decoder(engine)
+    decoder = InPlaceDecoder(engine)
+    error = probe_inplace(decoder, engine.concat_source)
+    if error > PROBE_TOLERANCE:
+        raise InPlaceMismatch(f"the in-place graph's probe differs from the original by {error:.1e} "
+                              f"(relative; tolerance {PROBE_TOLERANCE:.0e})", "engine.kv_cache", "in_place")
+    decoder.probe_error = error
+    return decoder
 
 
 def _reference(session: ort.InferenceSession, names: set[str], past_names: list[str], kv_heads: int,

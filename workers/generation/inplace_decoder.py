@@ -41,6 +41,10 @@ FloatArray = npt.NDArray[np.float32]
 class InPlaceDecoder(Decoder):
     """A :class:`Decoder` for graphs whose attention writes the cache in place; one per worker."""
 
+    writes_in_place = True
+    probe_error: float | None = None
+    """The load-time probe's relative error (:func:`~workers.generation.inplace_check.open_decoder`)."""
+
     def __init__(self, engine: Engine) -> None:
         super().__init__(engine)
         if not (self._has_mask and self._has_positions):

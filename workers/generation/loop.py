@@ -12,8 +12,9 @@ Each :meth:`GenerationLoop.step` (run on the scheduler thread, never concurrentl
 3. runs one decode step for every running sequence and samples each one's next token;
 4. ends the finished ones (EOS, stop token or string, ``max_new_tokens``).
 
-Membership changes re-lay out the KV cache once per step (:class:`~workers.generation.decoder.KVState`);
-an unchanged batch keeps its cache inside ONNX Runtime. Which waiting sequences may join is decided
+The cache is :mod:`~workers.generation.batch_kv`'s: in place (a slot per sequence in one buffer, nothing
+moves when rows join or leave) when the worker serves the rewritten graph, else the graph's own
+``Concat`` cache, re-laid out once per step when membership changes. Which waiting sequences may join is decided
 by :meth:`GenerationLoop.admissible`: FIFO, while the running set stays within ``max_batch_size``
 sequences and the KV budget ``max_kv_tokens`` (each sequence reserves prompt + ``max_new_tokens``),
 and the prefill within ``max_batch_tokens`` padded tokens. Static batching (``continuous`` off, for
@@ -33,7 +34,8 @@ import numpy.typing as npt
 from protocol.errors import RequestCancelled, RequestExpired
 from protocol.messages import FinishReason
 from protocol.settings import BatchingSettings
-from workers.generation.decoder import Decoder, KVState
+from workers.generation.batch_kv import Prefilled, batch_kv_for
+from workers.generation.decoder import Decoder
 from workers.generation.prefill_queue import Joining, plan_chunks
 from workers.generation.prefix_cache import PrefixCache
 from workers.generation.sequence import GenSequence
@@ -69,6 +71,9 @@ class GenStepStats:
     """Joiners that started from a cached prefix."""
     prefill_tokens: int = 0
     """Prompt tokens computed by this step's prefill (at most ``prefill_chunk_tokens`` when set)."""
+    kv_copied_bytes: int = 0
+    """KV-cache bytes copied in this step (:attr:`~workers.generation.batch_kv.ConcatKV.copied_bytes`:
+    re-layouts and the graph's Concat of the past; in place, only prefix-cache traffic)."""
 
 
 class GenerationLoop:
@@ -88,7 +93,8 @@ class GenerationLoop:
         """Admitted sequences whose prompt is being prefilled, a chunk per step
         (:mod:`workers.generation.prefill_queue`)."""
         self.prefill_chunk_tokens = batching.prefill_chunk_tokens
-        self.state = KVState()
+        self.kv = batch_kv_for(decoder, batching.max_batch_size)
+        """The running batch's KV cache (:mod:`workers.generation.batch_kv`)."""
         self.observers: list[Callable[[GenStepStats], None]] = []
         self.steps_run = 0
         self.prefix_cache = (
@@ -129,30 +135,32 @@ class GenerationLoop:
     def step(self, joiners: list[GenSequence]) -> None:
         """One generation step (see the module docstring)."""
         now = self.clock()
+        copied_before = self.kv.copied_bytes
         joiners = [s for s in joiners if not self._refuse_before_start(s, now)]
         finished: list[FinishReason] = []
         keep = [i for i, seq in enumerate(self.running) if not self._stopped(seq, now, finished)]
-        self.joining = [j for j in self.joining if not self._stopped(j.seq, now, finished)]
+        for j in [j for j in self.joining if self._stopped(j.seq, now, finished)]:
+            self.joining.remove(j)
+            self.kv.drop(j)
         started = time.perf_counter()
         self._keep_leaving(set(keep))  # before the lookups: a next turn may join in this step
+        self.kv.release_leaving(self.running, keep)  # before the joiners take slots
         copy_ms = (time.perf_counter() - started) * 1000
         fresh = [self._start_joining(seq) for seq in joiners]
         queue = self.joining + fresh
         takes = plan_chunks([j.remaining for j in queue], self.prefill_chunk_tokens)
         computing = [(j, take) for j, take in zip(queue, takes, strict=True) if take > 0]
         first_ms: list[float] = []
-        prefill = None
+        prefill: Prefilled | None = None
         joined: list[int] = []
         completed: list[Joining] = []
         if computing:
-            pasts = [j.past() for j, _ in computing]
-            prefill = self.decoder.prefill([j.seq.prompt[: j.done + take] for j, take in computing],
-                                           pasts if any(pasts) else None)  # fmt: skip
+            prefill = self.kv.prefill(computing)
             for row, (j, take) in enumerate(computing):
                 j.started_mono = now if j.started_mono is None else j.started_mono
                 j.engine_ms += prefill.engine_ms
                 if take < j.remaining:  # a chunk: keep its KV for the next one
-                    j.kv = {name: np.array(arr) for name, arr in prefill.caches[row].items()}
+                    self.kv.chunk_done(j, prefill, row)
                     j.done += take
                     continue
                 completed.append(j)
@@ -162,19 +170,20 @@ class GenerationLoop:
                 first_ms.append((self.clock() - seq.arrived_s) * 1000)
                 if done:
                     finished.append(seq.end().finish_reason)
-                    self._keep_prefix(seq.prompt, prefill.caches[row])
+                    self._keep_prefix(seq.prompt, self.kv.prompt_kv(j, prefill, row))
+                    self.kv.ended_at_prefill(j)
                 else:
                     joined.append(row)
         self.joining = [j for j in queue if j not in completed]
         if len(keep) != len(self.running) or joined:
-            copy_ms += self.state.relayout(keep, prefill, joined)
+            copy_ms += self.kv.settle(self.running, keep, prefill, joined)
             self.running = [self.running[i] for i in keep] + [computing[row][0].seq for row in joined]
         decode_ms, tokens = self._decode(finished)
         self.steps_run += 1
         stats = GenStepStats(
             running=tokens,
             joined=len(joined),
-            kv_tokens=self.state.kv_tokens,
+            kv_tokens=self.kv.kv_tokens(self.running),
             prefill_ms=prefill.engine_ms if prefill is not None else 0.0,
             decode_ms=decode_ms,
             copy_ms=copy_ms,
@@ -185,6 +194,7 @@ class GenerationLoop:
             finished=tuple(finished),
             first_token_ms=tuple(first_ms),
             prefill_tokens=sum(take for _, take in computing),
+            kv_copied_bytes=self.kv.copied_bytes - copied_before,
         )
         for observer in self.observers:
             try:
@@ -195,9 +205,9 @@ class GenerationLoop:
     def _start_joining(self, seq: GenSequence) -> Joining:
         """A sequence admitted this step, starting from its longest cached prefix (when there is one)."""
         hit = self.prefix_cache.lookup(seq.prompt) if self.prefix_cache is not None else None
-        if hit is None:
-            return Joining(seq)
-        return Joining(seq, done=hit.tokens, kv=hit.kv, reused=hit.tokens)
+        joining = Joining(seq) if hit is None else Joining(seq, done=hit.tokens, reused=hit.tokens)
+        self.kv.start(joining, hit)
+        return joining
 
     def _keep_prefix(self, tokens: list[int], kv: Mapping[str, npt.NDArray[np.float32]]) -> None:
         """Offer a leaving sequence's cache (``kv`` holds exactly ``tokens``) to the prefix cache."""
@@ -210,10 +220,12 @@ class GenerationLoop:
         Called as a sequence ends in a decode step, before its future resolves, so the prefix is held
         (and published for routing) before its caller can send the next turn."""
         seq = self.running[row]
-        if self.prefix_cache is None or seq.kv_kept or row >= self.state.rows:
+        if self.prefix_cache is None or seq.kv_kept:
             return
-        size = int(self.state.positions[row])
-        self._keep_prefix(seq.history[:size], self.state.row_cache(self.state.fetch(), row))
+        kv = self.kv.row_kv(self.running, row)
+        if kv is None:
+            return
+        self._keep_prefix(seq.history[: self.kv.row_length(self.running, row)], kv)
         seq.kv_kept = True
 
     def _keep_leaving(self, keep: set[int]) -> None:
@@ -229,7 +241,7 @@ class GenerationLoop:
         if not rows:
             return 0.0, 0
         tokens = [s.generated[-1] for s in self.running]
-        logits, decode_ms = self.decoder.decode(self.state, tokens)
+        logits, decode_ms = self.kv.decode(self.running, tokens)
         for row, seq in enumerate(self.running):
             seq.note_decode(rows, decode_ms)
             if seq.accept(logits[row]):
@@ -281,11 +293,7 @@ class GenerationLoop:
         Returns the time it took (ms)."""
         started = time.perf_counter()
         token = min(self.decoder.engine.card.vocab_size - 1, 3)
-        rows = list(range(self.max_batch_size))
-        prefill = self.decoder.prefill([[token, token] for _ in rows])
-        state = KVState()
-        state.relayout([], prefill, rows)
-        self.decoder.decode(state, [token for _ in rows])
+        self.kv.warm_up(self.max_batch_size, token)
         return (time.perf_counter() - started) * 1000
 
     def fail_all(self, exc: BaseException) -> None:
@@ -295,5 +303,5 @@ class GenerationLoop:
                 seq.future.set_exception(exc)
         self.running = []
         self.joining = []
-        self.state = KVState()
+        self.kv.reset()
 

@@ -93,6 +93,9 @@ class GenSequence:
         self.prefill_started_unix = 0.0
         self.kv_kept = False
         """Its cache was offered to the prefix cache (the generation loop does it once, as it ends)."""
+        self.slot: int | None = None
+        """Its slot of an in-place KV cache, from its first prefill to its end
+        (:class:`~workers.generation.batch_kv.SlotKV`)."""
 
     @property
     def reserved_tokens(self) -> int:
