@@ -56,7 +56,7 @@ def served(request: pytest.FixtureRequest, exports: tuple[Path, dict[str, Any]],
                 "path": str(out / spec["onnx"]),
                 "batching": {"max_batch_size": MAX_BATCH_SIZE, "max_wait_ms": 2.0},
                 "limits": {"max_input_tokens": 128, "max_new_tokens": 64},
-                "engine": {"intra_op_threads": 1},
+                "engine": {"intra_op_threads": 1, "kv_cache": "in_place"},  # refuses to load if not in place
             }},
         )
         fleet.worker(cfg, model=model, concurrency=CONCURRENCY)

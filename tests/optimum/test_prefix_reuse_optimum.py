@@ -4,7 +4,9 @@ optimum's Llama (grouped-query attention) and GPT-2 exports (``conftest.py``) ru
 conversations through a real generation loop with and without the prefix cache. Each turn's prompt
 is the whole conversation so far plus a new message, so from turn 2 on a prompt's prefix is the
 previous turn's prompt and reply, whose KV the cache kept when that turn ended: every turn's tokens
-must be equal, and every later turn must have started from its conversation's cached prefix.
+must be equal, and every later turn must have started from its conversation's cached prefix. The loop
+without reuse runs the export's own Concat cache, the one with reuse the in-place cache (prefix hits
+written into a sequence's slot).
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ def test_greedy_tokens_are_identical_with_prefix_reuse_across_turns(
     out, refs = exports
     path = out / refs["models"][model]["onnx"]
     talk = Conversations(count=8, turns=4, vocab=1000, seed=5)
-    plain = make_loop(path, prefix_cache_bytes=0)
-    reusing = make_loop(path, prefix_cache_bytes=64 << 20)
+    plain = make_loop(path, prefix_cache_bytes=0, kv_cache="concat")
+    reusing = make_loop(path, prefix_cache_bytes=64 << 20, kv_cache="in_place")
     assert reusing.prefix_cache is not None, f"{model}: the export cannot start from a past"
+    assert reusing.kv.in_place and not plain.kv.in_place
 
     expected = run_turns(plain, talk, max_new_tokens=10)
     got = run_turns(reusing, talk, max_new_tokens=10)
