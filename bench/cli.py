@@ -64,10 +64,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--only",
-        choices=["generation", "dispatch", "multiturn"],
+        choices=["generation", "dispatch", "multiturn", "kvcache"],
         default=None,
         help="rerun one phase alone and merge its figures into the --json results of an earlier run; "
-        "multiturn: the conversation rows (prefix reuse, routing) alone, into multiturn.md/.json beside --out",
+        "multiturn: the conversation rows (prefix reuse, routing) alone, into multiturn.md/.json beside --out; "
+        "kvcache: the Concat against the in-place KV cache (step time against the past, a burst), into "
+        "kvcache.md/.json beside --out",
     )
     p.add_argument(
         "--label",
@@ -146,6 +148,12 @@ def run(args: argparse.Namespace) -> int:
 
         work_dir = Path(args.work_dir)
         run_multiturn_only(plan.quick, plan.preset, Path(args.out).parent, work_dir, command, machine_facts)
+        return 0
+    if args.only == "kvcache":
+        from bench.kvcache import run_kvcache_only
+        from bench.machine import machine_facts
+
+        run_kvcache_only(plan.quick, plan.preset, Path(args.out).parent, Path(args.work_dir), command, machine_facts)
         return 0
     if args.only == "dispatch":
         from bench.dispatch_only import run_dispatch_only

@@ -104,12 +104,13 @@ def has_inplace_attention(model: onnx.ModelProto) -> bool:
 
 def _other(node: onnx.NodeProto, name: str) -> str:
     """The other input of a binary node that takes ``name``."""
-    return node.input[1] if node.input[0] == name else node.input[0]
+    return str(node.input[1] if node.input[0] == name else node.input[0])
 
 
 def _walk_keys(g: _Graph, start: str, layer: int) -> tuple[onnx.NodeProto, list[tuple[str, str]]]:
     """From the key ``Concat`` output to the score ``MatMul`` (its second input); returns it and the scales."""
-    name, scales, transposes = start, [], 0
+    name, transposes = start, 0
+    scales: list[tuple[str, str]] = []
     for _ in range(16):
         nexts = g.data_consumers(name)
         if len(nexts) != 1:
@@ -152,7 +153,8 @@ def _walk_values(g: _Graph, start: str, layer: int) -> onnx.NodeProto:
 
 def _walk_scores(g: _Graph, scores: onnx.NodeProto, output: onnx.NodeProto, layer: int) -> list[tuple[str, str]]:
     """Checks scores → (mask, scales) → ``Softmax`` → ``output``'s first input; returns the scales."""
-    name, scales, seen_softmax = scores.output[0], [], False
+    name, seen_softmax = scores.output[0], False
+    scales: list[tuple[str, str]] = []
     for _ in range(16):
         if name == output.input[0]:
             if not seen_softmax:

@@ -118,7 +118,7 @@ def test_a_graph_the_rewrite_does_not_match_keeps_the_concat_cache_or_is_refused
     assert "layer 1: present.1.value is not Concat(past_key_values.1.value, new)" in engine.kv.reason
     assert "keeps the Concat KV cache" in caplog.text
     assert type(open_decoder(engine)).__name__ == "Decoder"
-    with pytest.raises(ModelLoadError, match="engine.kv_cache is in_place but the rewrite does not apply: layer 1"):
+    with pytest.raises(ModelLoadError, match=r"engine\.kv_cache is in_place but the rewrite does not apply: layer 1"):
         _engine(target, "in_place")
 
 

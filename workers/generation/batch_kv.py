@@ -166,16 +166,16 @@ class SlotKV:
         fresh = {j.seq.slot: row for row, (j, _) in enumerate(computing) if j.done == 0}
         for run in contiguous_runs([s for s in fresh if s is not None]):
             rows = [fresh[s] for s in run]
-            got, ms, tokens = self.decoder.prefill_first(
+            got, ms, computed = self.decoder.prefill_first(
                 self.cache, run, [computing[r][0].seq.prompt[: computing[r][1]] for r in rows])
             logits[rows] = got
             engine_ms += ms
-            padded += tokens
+            padded += computed
         for row, (j, take) in enumerate(computing):
             if j.done > 0:
                 assert j.seq.slot is not None
-                tokens = j.seq.prompt[j.done : j.done + take]
-                logits[row], ms = self.decoder.prefill_after(self.cache, j.seq.slot, tokens)
+                chunk = j.seq.prompt[j.done : j.done + take]
+                logits[row], ms = self.decoder.prefill_after(self.cache, j.seq.slot, chunk)
                 engine_ms += ms
                 padded += take
         return Prefilled(logits, engine_ms, padded)

@@ -111,7 +111,7 @@ class SlotCache:
     def pointer(self, name: str, first_slot: int) -> int:
         """Address of slot ``first_slot`` of buffer ``name`` (a run of slots starts there)."""
         buffer = self.buffers[name]
-        return int(buffer.ctypes.data) + first_slot * buffer[0].nbytes
+        return int(buffer.ctypes.data) + first_slot * int(buffer[0].nbytes)
 
     def write(self, slot: int, kv: Mapping[str, FloatArray]) -> None:
         """Copy ``kv`` (name → ``[kv_heads, n, head_dim]``) into columns ``0..n-1`` of ``slot``; length = n."""
