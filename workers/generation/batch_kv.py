@@ -17,6 +17,7 @@ the running rows.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from workers.generation.slots import SlotCache, contiguous_runs
 __all__ = ["BatchKV", "ConcatKV", "Prefilled", "SlotKV", "batch_kv_for"]
 
 FloatArray = npt.NDArray[np.float32]
+log = logging.getLogger("fleet.generation")
 
 
 @dataclass
@@ -138,6 +140,10 @@ class SlotKV:
     def __init__(self, decoder: InPlaceDecoder, slots: int) -> None:
         self.decoder = decoder
         self.cache: SlotCache = decoder.new_cache(slots)
+        card = decoder.engine.card
+        log.info("model %s %s: in-place KV cache of %d slots x %d tokens, %.0f MiB reserved (pages are committed "
+                 "as sequences write them)", card.name, card.version, slots, self.cache.capacity,
+                 self.cache.nbytes / 2**20)
 
     @property
     def copied_bytes(self) -> int:
