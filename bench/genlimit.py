@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import onnxruntime as ort
@@ -36,6 +36,8 @@ from protocol.settings import BatchingSettings, EngineSettings, LimitSettings
 from workers.engine import Engine, session_options
 from workers.generation.batch_kv import ConcatKV
 from workers.generation.decoder import Decoder, KVState
+from workers.generation.inplace_check import open_decoder
+from workers.generation.inplace_decoder import InPlaceDecoder
 from workers.generation.loop import GenerationLoop, GenStepStats
 from workers.generation.sequence import GenSequence
 from workers.ort_session import open_session
@@ -57,13 +59,16 @@ def engine_settings(providers: Sequence[str] = ("CPUExecutionProvider",)) -> Eng
 
 
 def load_engine(model_path: Path, card: ModelCard, max_batch_size: int,
-                providers: Sequence[str] = ("CPUExecutionProvider",)) -> Engine:  # fmt: skip
-    """An engine with the worker's session options on ``providers`` (no warm-up).
+                providers: Sequence[str] = ("CPUExecutionProvider",),
+                kv_cache: Literal["auto", "in_place", "concat"] = "auto") -> Engine:  # fmt: skip
+    """An engine with the worker's session options on ``providers`` (no warm-up), with ``kv_cache``
+    (``auto``: the cache a worker would serve).
 
     Raises:
         ProviderUnavailable: a GPU chain whose first provider is not active.
     """
-    return Engine(model_path, card, engine_settings(providers), BatchingSettings(max_batch_size=max_batch_size),
+    settings = engine_settings(providers).model_copy(update={"kv_cache": kv_cache})
+    return Engine(model_path, card, settings, BatchingSettings(max_batch_size=max_batch_size),
                   LimitSettings())  # fmt: skip
 
 
@@ -71,10 +76,13 @@ def decode_limit(engine: Engine, prompts: Sequence[Sequence[int]], batch_size: i
     """Prefill ``batch_size`` prompts together, then ``steps`` decode steps for all rows (greedy).
 
     Returns tokens/s with the prefill counted (``tokens_per_s``: ``b x (steps + 1)`` tokens over
-    prefill + re-layout + decode) and without (``decode_tokens_per_s``), and ms per decode step.
+    prefill + re-layout + decode) and without (``decode_tokens_per_s``), and ms per decode step. Runs on the
+    cache the engine serves (in place: the slots of :mod:`workers.generation.slots`, no re-layout).
     """
-    decoder = Decoder(engine)
+    decoder = open_decoder(engine)
     rows = [list(prompts[i % len(prompts)]) for i in range(batch_size)]
+    if isinstance(decoder, InPlaceDecoder):
+        return _decode_limit_in_place(decoder, rows, steps)
     state = KVState()
     started = time.perf_counter()
     prefill = decoder.prefill(rows)
@@ -97,11 +105,40 @@ def decode_limit(engine: Engine, prompts: Sequence[Sequence[int]], batch_size: i
     }
 
 
+def _decode_limit_in_place(decoder: InPlaceDecoder, rows: list[list[int]], steps: int) -> dict[str, Any]:
+    """:func:`decode_limit` on the in-place cache."""
+    batch_size = len(rows)
+    cache = decoder.new_cache(batch_size)
+    slots = cache.take(batch_size)
+    started = time.perf_counter()
+    logits, prefill_ms, _ = decoder.prefill_first(cache, slots, rows)
+    tokens = [int(t) for t in np.argmax(logits, axis=1)]
+    decode_started = time.perf_counter()
+    for _ in range(steps):
+        logits, _ms = decoder.decode_slots(cache, dict(zip(slots, tokens, strict=True)))
+        tokens = [int(t) for t in np.argmax(logits, axis=1)]
+    ended = time.perf_counter()
+    decode_s = ended - decode_started
+    return {
+        "batch_size": batch_size,
+        "steps": steps,
+        "tokens_per_s": batch_size * (steps + 1) / (ended - started),
+        "decode_tokens_per_s": batch_size * steps / decode_s,
+        "step_ms": 1000 * decode_s / steps,
+        "prefill_ms": prefill_ms,
+        "relayout_ms": 0.0,
+    }
+
+
 def relayout_cost(engine: Engine, prompts: Sequence[Sequence[int]], batch_size: int, steps: int,
                   repeats: int = 3) -> dict[str, Any]:  # fmt: skip
-    """The price of one membership change in a running batch: ``KVState.relayout`` dropping one row and
-    joining one new sequence, against a single copy of the resulting cache into preallocated arrays
-    (the least any re-layout that moves the cache has to pay). Best of ``repeats`` each."""
+    """The price of one membership change in a running batch of the Concat cache: ``KVState.relayout``
+    dropping one row and joining one new sequence, against a single copy of the resulting cache into
+    preallocated arrays (the least any re-layout that moves the cache has to pay). Best of ``repeats``
+    each. An engine serving the in-place cache (which moves nothing) is reopened with the Concat one."""
+    if engine.kv.in_place:
+        engine = Engine(engine.model_path, engine.card, ENGINE.model_copy(update={"kv_cache": "concat"}),
+                        BatchingSettings(max_batch_size=batch_size), LimitSettings())  # fmt: skip
     decoder = Decoder(engine)
     state = KVState()
     prefill = decoder.prefill([list(prompts[i % len(prompts)]) for i in range(batch_size)])
@@ -141,7 +178,7 @@ def loop_run(engine: Engine, work: Work, *, max_batch_size: int, continuous: boo
     batching = BatchingSettings(
         max_batch_size=max_batch_size, max_batch_tokens=prefill_cap, continuous=continuous
     )
-    loop = GenerationLoop(Decoder(engine), batching)
+    loop = GenerationLoop(open_decoder(engine), batching)
     steps: list[dict[str, float]] = []
 
     def observe(s: GenStepStats) -> None:

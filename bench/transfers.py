@@ -45,7 +45,8 @@ def measure_transfers(model_path: Path, choice: str, *, rows: int = 8, steps: in
     if rows < 2 or steps < 2:
         raise ValueError(f"rows must be ≥ 2 and steps ≥ 2 (got rows={rows}, steps={steps})")
     card = load_card(model_path)
-    engine = load_engine(model_path, card, rows, provider_chain_for(choice))
+    # the Concat cache's traffic: what a GPU worker serves (the in-place cache is CPU-only, docs/gpu.md)
+    engine = load_engine(model_path, card, rows, provider_chain_for(choice), kv_cache="concat")
     decoder = Decoder(engine)
     lo, hi = prompt_tokens
     prompts = synthetic_sequences(rows, vocab_size=card.vocab_size, min_tokens=lo, max_tokens=hi, seed=11)
