@@ -27,7 +27,8 @@ that does not match raises :class:`ValueError` naming the layer and the op; a gr
 ``GroupQueryAttention`` nodes on its past inputs is returned as it is. The worker checks the result
 against the original graph on a probe before serving it (:func:`workers.generation.inplace_check`).
 
-Run: ``python -m tools.inplace_kv MODEL.onnx`` → ``MODEL-inplace.onnx`` (the worker does it in memory).
+Run: ``python -m tools.inplace_kv MODEL.onnx`` → ``<name>-<version>-inplace.onnx`` and its card (the worker
+does it in memory at load; a worker serving the written file takes it as it is and runs its probe too).
 """
 
 from __future__ import annotations
@@ -320,8 +321,8 @@ def _sort(graph: onnx.GraphProto) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: write ``<model>-inplace.onnx`` next to the model (sizes from its card)."""
-    from protocol.modelcard import load_card
+    """CLI: write ``<name>-<version>-inplace.onnx`` and its card next to the model (sizes from its card)."""
+    from protocol.modelcard import card_path_for, load_card
 
     parser = argparse.ArgumentParser(prog="python -m tools.inplace_kv", description=__doc__.splitlines()[0])
     parser.add_argument("model", type=Path)
@@ -333,8 +334,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"{args.model}: {exc}", file=sys.stderr)
         return 2
-    target = args.model.with_name(args.model.stem + "-inplace.onnx")
+    version = f"{card.version}-inplace"
+    for prop in rewritten.metadata_props:
+        if prop.key == "version":
+            prop.value = version
+    target = args.model.with_name(f"{card.name}-{version}.onnx")
     onnx.save(rewritten, str(target))
+    card_path_for(target).write_text(card.model_copy(update={"version": version}).model_dump_json(indent=2) + "\n")
     print(target)
     return 0
 

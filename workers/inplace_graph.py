@@ -47,7 +47,7 @@ def inplace_source(source: str | bytes, engine: EngineSettings, card: ModelCard,
     """
     if card.kind != "causal_lm" or engine.kv_cache == "concat":
         return KVChoice(source, False, "engine.kv_cache is concat" if card.kind == "causal_lm" else "not a causal LM")
-    from tools.inplace_kv import rewrite_inplace_kv
+    from tools.inplace_kv import has_inplace_attention, rewrite_inplace_kv
 
     reason = ""
     if providers != ["CPUExecutionProvider"]:
@@ -57,6 +57,8 @@ def inplace_source(source: str | bytes, engine: EngineSettings, card: ModelCard,
             model = _load(source)
             if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
                 reason = "the weights are in external data"
+            elif has_inplace_attention(model):
+                return KVChoice(source, True, "the graph's attention is GroupQueryAttention already")
             else:
                 rewritten = rewrite_inplace_kv(model, num_heads=card.num_heads, kv_heads=card.kv_heads,
                                                head_dim=card.head_dim)

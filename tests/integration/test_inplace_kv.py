@@ -75,6 +75,18 @@ def test_the_rewrite_leaves_no_concat_on_the_cache_and_the_probe_agrees(model_di
     assert decoder.probe_error is not None and decoder.probe_error < 1e-5
 
 
+def test_the_cli_writes_an_in_place_file_that_a_worker_serves_as_it_is(model_dir: Path, tmp_path: Path) -> None:
+    path = _copy_model(_path(model_dir, "demo-llama"), tmp_path)
+    path.write_bytes(_path(model_dir, "demo-llama").read_bytes())
+    assert tools.inplace_kv.main([str(path)]) == 0
+    written = path.with_name("demo-llama-1.0.0-inplace.onnx")
+    assert load_card(written).version == "1.0.0-inplace"
+    engine = _engine(written)
+    assert engine.kv.in_place and "already" in engine.kv.reason
+    decoder = open_decoder(engine)
+    assert isinstance(decoder, InPlaceDecoder) and decoder.probe_error is not None and decoder.probe_error < 1e-5
+
+
 def _copy_model(source: Path, tmp_path: Path) -> Path:
     target = tmp_path / source.parent.name / source.name
     target.parent.mkdir(parents=True)
