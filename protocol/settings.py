@@ -134,9 +134,17 @@ class EngineSettings(_Section):
     graph_optimization_level: Literal["disable", "basic", "extended", "all"] = "all"
     intra_op_threads: int = Field(default=0, ge=0, le=256, description="0 lets ORT choose.")
     inter_op_threads: int = Field(default=1, ge=0, le=256)
-    allow_spinning: bool = Field(
+    allow_spinning: bool | Literal["bounded"] = Field(
         default=False,
-        description="ORT intra-op spin-waiting on CPU; off by default: it steals cores from Celery/Redis.",
+        description="ORT intra-op spin-waiting on CPU. false: threads sleep as soon as a run ends (spinning "
+        "steals cores from Celery/Redis); true: ORT's own spin; 'bounded': spin at most spin_duration_us after "
+        "each run, so back-to-back generation steps find the threads awake and an idle worker stops spinning "
+        "within that bound (figures: docs/spinning.md).",
+    )
+    spin_duration_us: int = Field(
+        default=2000, ge=1, le=1_000_000,
+        description="With allow_spinning 'bounded': how long ORT's threads spin after a run before they sleep "
+        "(microseconds).",
     )
     trt_fp16: bool = True
     trt_int8: bool = False

@@ -68,14 +68,19 @@ def check_single_ort_build() -> str:
 
 
 def session_options(engine: EngineSettings) -> ort.SessionOptions:
-    """SessionOptions from settings (optimisation level, thread counts, spin-waiting)."""
+    """SessionOptions from settings (optimisation level, thread counts, spin-waiting: off, ORT's own, or bounded
+    to ``spin_duration_us`` after each run)."""
     opts = ort.SessionOptions()
     opts.graph_optimization_level = _OPT_LEVELS[engine.graph_optimization_level]
     opts.intra_op_num_threads = engine.intra_op_threads
     opts.inter_op_num_threads = engine.inter_op_threads
-    spin = "1" if engine.allow_spinning else "0"
+    spin = "0" if engine.allow_spinning is False else "1"
     opts.add_session_config_entry("session.intra_op.allow_spinning", spin)
     opts.add_session_config_entry("session.inter_op.allow_spinning", spin)
+    if engine.allow_spinning == "bounded":
+        bound = str(engine.spin_duration_us)
+        opts.add_session_config_entry("session.intra_op.spin_duration_us", bound)
+        opts.add_session_config_entry("session.inter_op.spin_duration_us", bound)
     opts.log_severity_level = 3
     return opts
 
