@@ -13,7 +13,9 @@ interleaved rounds:
   including the gap (what spinning burns while a worker waits for work: cores Celery and Redis need);
 * **one-step traffic back to back**: batches of 8 × 32 tokens with no gap: requests/s.
 
-Nothing asserts a speed; ``spinning.md`` reports the medians and the ratios to the ``off`` row.
+Then the same work goes through a real worker per mode (:func:`fleet_rows`: Celery, Redis, results),
+where spinning threads compete with the worker's own threads. Nothing asserts a speed; ``spinning.md``
+reports the medians and the ratios to the ``off`` row.
 """
 
 from __future__ import annotations
@@ -52,9 +54,14 @@ class SpinPlan:
     back_to_back: int = 40
     rounds: int = 3
     spin_duration_us: int = 2000
+    fleet_lone: int = 60
+    """Through a worker: sequential lone next-token requests, ``gap_ms`` apart."""
+    fleet_callers: int = 8
+    fleet_calls: int = 25
+    """Through a worker: closed-loop callers and requests each."""
 
 
-QUICK = SpinPlan(requests=4, lone_requests=6, back_to_back=6, rounds=1)
+QUICK = SpinPlan(requests=4, lone_requests=6, back_to_back=6, rounds=1, fleet_lone=5, fleet_callers=2, fleet_calls=3)
 
 
 def _cpu_s() -> float:
@@ -123,6 +130,69 @@ def measure_spinning(plan: SpinPlan, model: Path, say: Callable[[str], None]) ->
             "rounds": {m: {k: [round(x, 2) for x in v] for k, v in f.items()} for m, f in figures.items()}}
 
 
+def _closed_loop(client: Any, model: str, callers: int, calls: int) -> float:
+    """Requests/s of ``callers`` threads each sending ``calls`` next-token requests, one after the other."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def caller(seed: int) -> None:
+        for i in range(calls):
+            rid = client.submit(model, [5 + (seed + i) % 50] * 16, kind="next_token")
+            client.result(rid, wait=True, timeout_s=120)
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(callers) as pool:
+        list(pool.map(caller, range(callers)))
+    return callers * calls / (time.perf_counter() - started)
+
+
+def fleet_rows(plan: SpinPlan, model: Path, redis_url: str, work_dir: Path,
+               say: Callable[[str], None]) -> dict[str, dict[str, float]]:  # fmt: skip
+    """The same three kinds of work through a real worker per mode (Celery, Redis, results): lone
+    next-token requests ``gap_ms`` apart (client-side latency, the worker's CPU per request), the
+    generation burst (tokens/s) and closed-loop callers (req/s)."""
+    from bench.procs import CpuMeter, FleetConfig, RunningFleet, flush_redis
+    from protocol.messages import GenerationParams
+
+    card = load_card(model)
+    rng = random.Random(29)
+    burst = [([rng.randrange(3, card.vocab_size) for _ in range(rng.randint(10, 64))], rng.randint(19, 63))
+             for _ in range(plan.requests)]
+    rows: dict[str, dict[str, float]] = {}
+    for mode, value in MODES.items():
+        config = FleetConfig(label=f"spinning-{mode}", model_name=card.name, model_path=model, max_batch_size=16,
+                             concurrency=16, celery_loglevel="WARNING", max_new_tokens=64,
+                             engine_extra={"allow_spinning": value, "spin_duration_us": plan.spin_duration_us})
+        fleet = RunningFleet(config, redis_url, work_dir)
+        client = fleet.start()
+        try:
+            meter = CpuMeter({"worker": fleet.pid})
+            latencies = []
+            for _ in range(plan.fleet_lone):
+                started = time.perf_counter()
+                rid = client.submit(card.name, [5] * 16, kind="next_token")
+                client.result(rid, wait=True, timeout_s=120)
+                latencies.append(1000 * (time.perf_counter() - started))
+                time.sleep(plan.gap_ms / 1000)
+            worker_cpu_ms = 1000 * meter.elapsed()["worker"] / plan.fleet_lone
+            started = time.perf_counter()
+            ids = [client.submit(card.name, prompt, generation=GenerationParams(
+                max_new_tokens=n, temperature=0.0, ignore_eos=True, stream=False)) for prompt, n in burst]
+            for rid in ids:
+                client.result(rid, wait=True, timeout_s=300)
+            tokens_per_s = sum(n for _, n in burst) / (time.perf_counter() - started)
+
+            requests_per_s = _closed_loop(client, card.name, plan.fleet_callers, plan.fleet_calls)
+        finally:
+            fleet.stop()
+            flush_redis(redis_url)
+        rows[mode] = {"lone_p50_ms": statistics.median(latencies), "worker_cpu_ms_per_lone": worker_cpu_ms,
+                      "tokens_per_s": tokens_per_s, "requests_per_s": requests_per_s}
+        say(f"through a worker, {mode}: lone p50 {rows[mode]['lone_p50_ms']:.1f} ms ({worker_cpu_ms:.1f} worker "
+            f"CPU-ms each), generation {tokens_per_s:.0f} tokens/s, {plan.fleet_callers} callers "
+            f"{requests_per_s:.0f} req/s")
+    return rows
+
+
 def render_spinning(results: dict[str, Any]) -> str:
     """The Markdown page of a :func:`measure_spinning` result (with its ``meta``)."""
     plan, meta = results["plan"], results.get("meta", {})
@@ -144,6 +214,23 @@ def render_spinning(results: dict[str, Any]) -> str:
         ratio = results["ratios"][mode]
         lines.append(f"| {mode} | {row['tokens_per_s']:.0f} | {ratio['generation']:.2f} | {row['latency_ms']:.2f} | "
                      f"{row['cpu_ms_per_request']:.1f} | {row['requests_per_s']:.0f} | {ratio['back_to_back']:.2f} |")
+    fleet = results.get("fleet")
+    if fleet:
+        off = fleet["off"]
+        lines += [
+            "",
+            "Through a real worker (Celery threads pool, C = 16, `max_batch_size` 16, Redis on the same 2 cores), "
+            "one worker per row, in turn:",
+            "",
+            f"| spinning | lone next-token request, {plan['gap_ms']:.0f} ms apart: p50 (ms) | worker CPU-ms per lone "
+            f"request | generation: {plan['requests']} requests together (tokens/s) | × off | "
+            f"{plan['fleet_callers']} closed-loop callers (req/s) | × off |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for mode, row in fleet.items():
+            lines.append(f"| {mode} | {row['lone_p50_ms']:.1f} | {row['worker_cpu_ms_per_lone']:.1f} | "
+                         f"{row['tokens_per_s']:.0f} | {row['tokens_per_s'] / off['tokens_per_s']:.2f} | "
+                         f"{row['requests_per_s']:.0f} | {row['requests_per_s'] / off['requests_per_s']:.2f} |")
     lines += [
         "",
         "How it is measured: `bench/spinning.py`. CPU-ms per lone request is the process's user + system time "
@@ -171,7 +258,12 @@ def run_spinning_only(quick: bool, preset: str, out_dir: Path, work_dir: Path, c
         build_model_main(["--preset", preset, "--kind", "lm", "--out-dir", str(work_dir / "models")])
     facts = machine()
     started = time.time()
-    results = measure_spinning(QUICK if quick else SpinPlan(), model, say)
+    plan = QUICK if quick else SpinPlan()
+    results = measure_spinning(plan, model, say)
+    from tools.redis_server import EmbeddedRedis
+
+    with EmbeddedRedis() as redis:
+        results["fleet"] = fleet_rows(plan, model, redis.url, work_dir, say)
     summary = f"{facts.get('cpu')}, {facts.get('logical_cores')} logical cores, {facts.get('memory_gib')} GiB"
     results["meta"] = {"command": command, "commit": facts.get("git_commit"), "dirty": facts.get("git_dirty"),
                        "machine": summary, "started_unix_s": started, "duration_s": time.time() - started}
