@@ -135,11 +135,11 @@ class EngineSettings(_Section):
     intra_op_threads: int = Field(default=0, ge=0, le=256, description="0 lets ORT choose.")
     inter_op_threads: int = Field(default=1, ge=0, le=256)
     allow_spinning: bool | Literal["bounded"] = Field(
-        default=False,
-        description="ORT intra-op spin-waiting on CPU. false: threads sleep as soon as a run ends (spinning "
-        "steals cores from Celery/Redis); true: ORT's own spin; 'bounded': spin at most spin_duration_us after "
-        "each run, so back-to-back generation steps find the threads awake and an idle worker stops spinning "
-        "within that bound (figures: docs/spinning.md).",
+        default="bounded",
+        description="ORT intra-op spin-waiting on CPU. 'bounded' (default): spin at most spin_duration_us after "
+        "each run, so back-to-back generation steps find the threads awake while an idle worker stops spinning "
+        "within that bound; true: ORT's own spin (keeps a core busy after every run, time Celery and Redis "
+        "need); false: threads sleep as soon as a run ends. Figures: docs/spinning.md.",
     )
     spin_duration_us: int = Field(
         default=2000, ge=1, le=1_000_000,
