@@ -64,13 +64,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--only",
-        choices=["generation", "dispatch", "multiturn", "kvcache", "spinning"],
+        choices=["generation", "dispatch", "multiturn", "kvcache", "spinning", "streaming"],
         default=None,
         help="rerun one phase alone and merge its figures into the --json results of an earlier run; "
         "multiturn: the conversation rows (prefix reuse, routing) alone, into multiturn.md/.json beside --out; "
         "kvcache: the Concat against the in-place KV cache (step time against the past, a burst), into "
         "kvcache.md/.json beside --out; spinning: ONNX Runtime spin-waiting off, on and bounded on generation "
-        "and one-step work, into spinning.md/.json beside --out",
+        "and one-step work, into spinning.md/.json beside --out; streaming: the stream publisher's CPU, one XADD per "
+        "event against coalesced, into streaming.md/.json beside --out",
     )
     p.add_argument(
         "--label",
@@ -161,6 +162,12 @@ def run(args: argparse.Namespace) -> int:
         from bench.spinning import run_spinning_only
 
         run_spinning_only(plan.quick, plan.preset, Path(args.out).parent, Path(args.work_dir), command, machine_facts)
+        return 0
+    if args.only == "streaming":
+        from bench.machine import machine_facts
+        from bench.streaming import run_streaming_only
+
+        run_streaming_only(plan.quick, Path(args.out).parent, Path(args.work_dir), command, machine_facts)
         return 0
     if args.only == "dispatch":
         from bench.dispatch_only import run_dispatch_only

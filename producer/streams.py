@@ -42,7 +42,7 @@ from producer.stream_ending import ending_events
 from protocol.errors import FleetError, ResultTimeout
 from protocol.keys import STREAM_KEY
 from protocol.messages import InferenceResult
-from protocol.streams import StreamEvent, decode_event
+from protocol.streams import StreamEvent, decode_events
 
 __all__ = [
     "FIRST_RETRY_S",
@@ -146,7 +146,7 @@ class StreamCursor:
         if entries:
             self.last_id = entries[-1][0]
             self.deadline_s = now_s + self.timeout_s
-        return [event for event in (decode_event(fields) for _, fields in entries) if self.accept(event)]
+        return [event for _, fields in entries for event in decode_events(fields) if self.accept(event)]
 
     def read(self, reply: Any, now_s: float) -> list[StreamEvent]:
         """The new events of one ``XREAD`` reply (see :meth:`feed`).

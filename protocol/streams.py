@@ -1,7 +1,10 @@
 """Token streams: the events a worker appends to a generation's Redis Stream, and their decoding.
 
-Key ``fleet:stream:<request_id>`` (:data:`protocol.keys.STREAM_KEY`). Each entry has one field,
-``e``, holding one JSON :class:`StreamEvent`:
+Key ``fleet:stream:<request_id>`` (:data:`protocol.keys.STREAM_KEY`). Each entry holds one or more
+JSON :class:`StreamEvent` s of that stream, in order: field ``e`` the first, then ``e1``, ``e2`` … when
+the worker coalesced several (the tokens of several decode steps that waited for the same write;
+:func:`encode_events`, :func:`decode_events`). A reader that knows only ``e`` sees the first event of
+each entry, so an index gap, and finishes the stream from the stored result. The events:
 
 * ``{"type": "token", "index": i, "token_id": t, "text": delta}`` — the ``i``-th generated token
   (0-based) and the text it adds (``""`` while a multi-byte character is incomplete);
@@ -26,10 +29,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from protocol.errors import DecodeError
 from protocol.messages import FinishReason, Usage
 
-__all__ = ["EVENT_FIELD", "StreamEvent", "decode_event", "encode_event"]
+__all__ = ["EVENT_FIELD", "StreamEvent", "decode_event", "decode_events", "encode_event", "encode_events"]
 
 EVENT_FIELD = "e"
-"""The one field of every stream entry."""
+"""The field of an entry's first event (``e1``, ``e2`` … hold the next ones of a coalesced entry)."""
 
 
 class StreamEvent(BaseModel):
@@ -57,6 +60,27 @@ class StreamEvent(BaseModel):
 def encode_event(event: StreamEvent) -> dict[str, str]:
     """The stream entry's fields for ``XADD``."""
     return {EVENT_FIELD: event.model_dump_json(exclude_none=True)}
+
+
+def encode_events(encoded: list[str]) -> dict[str, str]:
+    """One entry's fields for events already encoded (:func:`encode_event`'s values), in stream order."""
+    return {EVENT_FIELD if i == 0 else f"{EVENT_FIELD}{i}": text for i, text in enumerate(encoded)}
+
+
+def decode_events(fields: dict[Any, Any]) -> list[StreamEvent]:
+    """Every event of one entry, in order (``e``, then ``e1``, ``e2`` … while present).
+
+    Raises:
+        DecodeError: the entry has no ``e`` field, or a field is not an event.
+    """
+    out = [decode_event(fields)]
+    for i in range(1, len(fields)):
+        name = f"{EVENT_FIELD}{i}"
+        raw = fields.get(name, fields.get(name.encode()))
+        if raw is None:
+            break
+        out.append(decode_event({EVENT_FIELD: raw}))
+    return out
 
 
 def decode_event(fields: dict[Any, Any]) -> StreamEvent:

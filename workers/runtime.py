@@ -87,6 +87,7 @@ class WorkerRuntime:
             max_len=self.model.limits.max_new_tokens + 16,
             max_held_events=settings.worker.stream_hold_events,
             max_held_bytes=settings.worker.stream_hold_bytes,
+            window_ms=settings.worker.stream_window_ms,
         )
         # readiness sees a worker that holds work it does not progress (workers.progress)
         self.progress = WorkerProgress(

@@ -4,6 +4,9 @@ Series (label ``model``):
 
 ==============================================  ==========  ==============================================
 ``fleet_worker_stream_events_published_total``  counter     stream events written to Redis
+``fleet_worker_stream_entries_total``           counter     stream entries written (events / entries =
+                                                            events coalesced per entry)
+``fleet_worker_stream_publisher_cpu_seconds_total`` counter CPU time of the publisher thread
 ``fleet_worker_stream_events_dropped_total``    counter     events never written: over the hold's bounds
                                                             while Redis did not answer, or refused by Redis
 ``fleet_worker_stream_events_held``             gauge       events waiting to be written (Redis away)
@@ -37,6 +40,9 @@ class StreamPublisherCollector(Collector):
         series: list[tuple[type[CounterMetricFamily] | type[GaugeMetricFamily], str, str, float]] = [
             (CounterMetricFamily, "fleet_worker_stream_events_published", "Stream events written to Redis.",
              p.published),
+            (CounterMetricFamily, "fleet_worker_stream_entries", "Stream entries written to Redis.", p.entries),
+            (CounterMetricFamily, "fleet_worker_stream_publisher_cpu_seconds",
+             "CPU time of the stream publisher thread (s).", p.cpu_s),
             (CounterMetricFamily, "fleet_worker_stream_events_dropped",
              "Stream events never written (over the hold's bounds while Redis did not answer, or refused).",
              p.dropped),

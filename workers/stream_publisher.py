@@ -2,11 +2,19 @@
 
 The scheduler thread must never wait on Redis, so sequences hand their events to
 :meth:`StreamPublisher.publish`, which only queues them. One publisher thread drains the queue and
-writes every pending event in one pipeline (``XADD … MAXLEN ~`` plus ``EXPIRE`` per stream). In the
-same loop it reads the cancel marks (``fleet:cancel:<id>``) of the generations this worker runs,
-one ``MGET`` per ``cancel_poll_s``, and flags the cancelled ones; the scheduler ends them at its
-next step. A second thread listens on the ``fleet:cancels`` channel, where cancels are also
-published, so a cancel usually lands within one decode step; the poll catches any it missed.
+writes every pending event in one pipeline: **one ``XADD … MAXLEN ~`` per stream** holding all of that
+stream's pending events (up to :data:`MAX_EVENTS_PER_ENTRY`, :func:`protocol.streams.encode_events`),
+plus an ``EXPIRE`` for a stream's first write, for its last event (the key expires ``ttl_s`` after it)
+and otherwise at most once per quarter of ``ttl_s`` (a stream cut before its end expires between three
+quarters of ``ttl_s`` and ``ttl_s`` after its last write). A decode step emits one token per stream, so
+a stream's tokens share an entry when they waited for the same write: under load, or with ``window_ms``
+(``worker.stream_window_ms``), the time the publisher waits after the first pending event before it
+writes, which coalesces the tokens of several decode steps on purpose (each token then reaches readers
+up to that much later). In the same loop it reads the cancel marks (``fleet:cancel:<id>``) of the
+generations this worker runs, one ``MGET`` per ``cancel_poll_s``, and flags the cancelled ones; the
+scheduler ends them at its next step. A second thread listens on the ``fleet:cancels`` channel, where
+cancels are also published, so a cancel usually lands within one decode step; the poll catches any it
+missed.
 
 While Redis does not answer (a restart, a cut), events are held in order
 (:class:`workers.stream_buffer.PendingEvents`, bounded by events and bytes) and written when it
@@ -32,11 +40,11 @@ from redis.retry import Retry
 
 from protocol.errors import FleetError
 from protocol.keys import CANCEL_CHANNEL, CANCEL_KEY
-from protocol.streams import StreamEvent
+from protocol.streams import EVENT_FIELD, StreamEvent, encode_events
 from workers.generation.sequence import GenSequence
 from workers.stream_buffer import DEFAULT_MAX_BYTES, DEFAULT_MAX_EVENTS, HeldEvent, PendingEvents
 
-__all__ = ["FIRST_RETRY_S", "MAX_RETRY_S", "WRITE_CHUNK", "StreamPublisher"]
+__all__ = ["FIRST_RETRY_S", "MAX_EVENTS_PER_ENTRY", "MAX_RETRY_S", "WRITE_CHUNK", "StreamPublisher"]
 
 log = logging.getLogger("fleet.streams")
 
@@ -47,6 +55,10 @@ MAX_RETRY_S = 1.0
 """Longest wait between two writes while Redis does not answer (s)."""
 WRITE_CHUNK = 1024
 """Most events one pipeline writes (a long outage's backlog goes out in order, chunk by chunk)."""
+MAX_EVENTS_PER_ENTRY = 64
+"""Most events of one stream coalesced into one entry."""
+_MAX_EXPIRE_MARKS = 100_000
+"""Most streams whose last ``EXPIRE`` time is remembered."""
 _OUTAGE_PREFIXES = ("OOM", "MASTERDOWN", "TRYAGAIN", "BUSY", "LOADING")
 """Replies that say Redis cannot write *now*: the events are kept and written later."""
 
@@ -70,8 +82,12 @@ class StreamPublisher:
         cancel_poll_s: float = 0.02,
         max_held_events: int = DEFAULT_MAX_EVENTS,
         max_held_bytes: int = DEFAULT_MAX_BYTES,
+        window_ms: float = 0.0,
+        max_events_per_entry: int = MAX_EVENTS_PER_ENTRY,
     ) -> None:
-        """``max_held_events``/``max_held_bytes`` bound what is held while Redis does not answer.
+        """``max_held_events``/``max_held_bytes`` bound what is held while Redis does not answer;
+        ``window_ms`` delays a write until the oldest pending event is that old (0: write at once);
+        ``max_events_per_entry`` caps the events of one entry (1: an ``XADD`` per event, as before coalescing).
 
         ``client`` is the publisher's own: its redis-py retries are turned off, since they would block
         this thread (up to 10 tries) while events pile up unbounded in the queue; the publisher
@@ -93,6 +109,16 @@ class StreamPublisher:
         self._listener = threading.Thread(target=self._listen, name="fleet-cancels", daemon=True)
         self._stopping = threading.Event()
         self.published = 0
+        """Events written."""
+        self.entries = 0
+        """Stream entries written (``published / entries`` = events per entry)."""
+        self.window_s = max(0.0, window_ms) / 1000
+        self.max_events_per_entry = max(1, max_events_per_entry)
+        self._held_since_s = 0.0
+        self.cpu_s = 0.0
+        """CPU time of the publisher thread so far (s), read at each pass of its loop."""
+        self._expired_at: dict[str, float] = {}
+        """Stream key → when its TTL was last set (monotonic s), for streams not ended yet."""
 
     def start(self) -> None:
         """Start the publisher and cancel-listener threads."""
@@ -170,10 +196,12 @@ class StreamPublisher:
         next_poll = time.monotonic()
         stopping = False
         outage = _Outage()
+        cpu_mark = time.thread_time()
         while True:
             stopping = self._take(bounded=outage.down_since_s is not None) or stopping
             now = time.monotonic()
-            if len(self.pending) and now >= outage.retry_at_s:
+            due = stopping or now >= self._held_since_s + self.window_s
+            if len(self.pending) and now >= outage.retry_at_s and due:
                 try:
                     self._write_pending()
                     outage.ended(self)
@@ -183,6 +211,9 @@ class StreamPublisher:
                 with contextlib.suppress(redis.RedisError):  # the write path logs an outage; the poll waits
                     self._poll_cancels()
                 next_poll = now + self.cancel_poll_s
+            cpu_now = time.thread_time()
+            self.cpu_s += cpu_now - cpu_mark
+            cpu_mark = cpu_now
             if stopping and (not len(self.pending) or time.monotonic() >= self._stop_deadline_s):
                 break
         if len(self.pending):
@@ -194,8 +225,12 @@ class StreamPublisher:
         its bounds when ``bounded`` (Redis does not answer); True when :meth:`stop` asked to stop."""
         stopping = False
         dropped_before = self.pending.dropped
+        was_empty = not len(self.pending)
+        timeout = self.cancel_poll_s
+        if not was_empty and self.window_s:  # wake when the window of what is held ends
+            timeout = max(0.0, min(timeout, self._held_since_s + self.window_s - time.monotonic()))
         try:
-            item = self._queue.get(timeout=self.cancel_poll_s)
+            item = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
             while True:
                 if item is _STOP or item[1] is None:
                     stopping = True
@@ -204,6 +239,8 @@ class StreamPublisher:
                 item = self._queue.get_nowait()
         except queue.Empty:
             pass
+        if was_empty and len(self.pending):
+            self._held_since_s = time.monotonic()
         if self.pending.dropped > dropped_before and (
             dropped_before == 0 or self.pending.dropped // 10_000 > dropped_before // 10_000
         ):  # the first drop, then one line per 10,000
@@ -225,23 +262,52 @@ class StreamPublisher:
             self.pending.pop(len(chunk))
 
     def _write(self, chunk: list[HeldEvent]) -> None:
+        """One pipeline: each stream's events of ``chunk`` as entries of up to ``max_events_per_entry``
+        (in order), then ``EXPIRE`` per stream."""
+        by_key: dict[str, list[HeldEvent]] = {}
+        for held in chunk:
+            by_key.setdefault(held.key, []).append(held)
+        entries = [
+            events[i : i + self.max_events_per_entry]
+            for events in by_key.values()
+            for i in range(0, len(events), self.max_events_per_entry)
+        ]
         with self.redis.pipeline(transaction=False) as pipe:
-            for held in chunk:
-                pipe.xadd(held.key, held.fields, maxlen=self.max_len, approximate=True)
-            keys = list(dict.fromkeys(held.key for held in chunk))
-            for key in keys:
+            for entry in entries:
+                fields = encode_events([held.fields[EVENT_FIELD] for held in entry])
+                pipe.xadd(entry[0].key, fields, maxlen=self.max_len, approximate=True)
+            expiring = self._due_for_expire(by_key)
+            for key in expiring:
                 pipe.expire(key, self.ttl_s)
             replies = pipe.execute(raise_on_error=False)
         errors = [r for r in replies if isinstance(r, Exception)]
         passing = next((e for e in errors if _is_outage(e)), None)
         if passing is not None:
             raise passing  # the whole chunk again: a reader drops the entries it already has (by index)
-        refused = [held for held, r in zip(chunk, replies, strict=False) if isinstance(r, Exception)]
+        refused = sum(len(entry) for entry, r in zip(entries, replies, strict=False) if isinstance(r, Exception))
         if refused:
-            self.refused += len(refused)
+            self.refused += refused
             log.warning("stream publisher: Redis refused %d events (%s); their readers finish from the "
-                        "stored results", len(refused), errors[0])
-        self.published += len(chunk) - len(refused)
+                        "stored results", refused, errors[0])
+        self.published += len(chunk) - refused
+        self.entries += len(entries)
+        now = time.monotonic()
+        for key in expiring:
+            if by_key[key][-1].last:
+                self._expired_at.pop(key, None)
+            else:
+                self._expired_at[key] = now
+
+    def _due_for_expire(self, by_key: dict[str, list[HeldEvent]]) -> list[str]:
+        """Streams of this write whose ``EXPIRE`` is due: the first write of a stream, its last event (so
+        the key expires ``ttl_s`` after it), and otherwise once per quarter of ``ttl_s``."""
+        if len(self._expired_at) > _MAX_EXPIRE_MARKS:
+            self._expired_at.clear()  # forgotten streams get an EXPIRE again at their next write
+        now = time.monotonic()
+        return [
+            key for key, events in by_key.items()
+            if events[-1].last or now - self._expired_at.get(key, -1e18) >= self.ttl_s / 4
+        ]
 
     def _poll_cancels(self) -> None:
         with self._lock:

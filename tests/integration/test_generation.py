@@ -22,7 +22,7 @@ from producer.client import FleetClient
 from protocol.errors import InvalidRequest
 from protocol.keys import STREAM_KEY
 from protocol.messages import InferenceResult
-from protocol.streams import StreamEvent, decode_event
+from protocol.streams import StreamEvent, decode_events
 from tests.integration.fleet_fixtures import Fleet
 from tools.redis_server import free_port
 
@@ -130,7 +130,7 @@ def _final_entry_ids(r: redis.Redis, ids: list[str]) -> dict[str, tuple[int, int
     order = {}
     for rid in ids:
         for entry_id, fields in r.xrange(STREAM_KEY.format(id=rid)):
-            if decode_event(fields).is_last:
+            if any(event.is_last for event in decode_events(fields)):  # a coalesced entry may end with it
                 ms, seq = entry_id.decode().split("-")
                 order[rid] = (int(ms), int(seq))
     return order

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from protocol.keys import STREAM_KEY
 from protocol.messages import Usage
-from protocol.streams import StreamEvent, decode_event
+from protocol.streams import StreamEvent, decode_events
 from tests.integration.ops_fixtures import wait_until
 from tools.redis_server import EmbeddedRedis
 from workers.stream_metrics import StreamPublisherCollector
@@ -38,7 +38,7 @@ def _stream(client: redis.Redis[bytes], rid: str) -> list[tuple[str, int]]:
         entries = client.xrange(STREAM_KEY.format(id=rid))
     except redis.ConnectionError:
         return []
-    return [(e.type, e.index) for e in (decode_event(fields) for _, fields in entries)]
+    return [(e.type, e.index) for _, fields in entries for e in decode_events(fields)]
 
 
 class _Lines(logging.Handler):

@@ -19,7 +19,7 @@ from protocol.errors import (
 )
 from protocol.messages import GenerationParams, OutputSpec, Usage, decode_request
 from protocol.settings import LimitSettings, load_settings
-from protocol.streams import StreamEvent, decode_event, encode_event
+from protocol.streams import StreamEvent, decode_event, decode_events, encode_event, encode_events
 from protocol.validation import check_input, resolve_output
 
 
@@ -149,6 +149,17 @@ def test_stream_events_round_trip() -> None:
     assert decode_event({b"e": encode_event(event)["e"].encode()}).is_last
     with pytest.raises(DecodeError):
         decode_event({"x": "1"})
+
+
+def test_a_coalesced_entry_holds_its_events_in_order_and_an_e_only_reader_sees_the_first() -> None:
+    events = [StreamEvent(type="token", index=i, token_id=10 + i, text=f"<{i}>") for i in range(3)]
+    events.append(StreamEvent(type="final", index=3, finish_reason="length"))
+    fields = encode_events([encode_event(e)["e"] for e in events])
+    assert list(fields) == ["e", "e1", "e2", "e3"]
+    assert decode_events(fields) == events
+    assert decode_events({k.encode(): v.encode() for k, v in fields.items()}) == events  # as redis-py returns them
+    assert decode_event(fields) == events[0]  # a reader of "e" alone: the first event, then an index gap
+    assert decode_events(encode_event(events[0])) == [events[0]]
 
 
 def test_errors_survive_celery_style_rebuilding() -> None:

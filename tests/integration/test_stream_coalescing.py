@@ -1,0 +1,84 @@
+"""Token events coalesced per stream: one XADD carries every pending event of a stream, in order.
+
+Against a real redis-server: with a write window the publisher puts a burst of one stream's tokens and
+its final event into one entry, and a reader (``producer.streams.StreamCursor``, what ``FleetClient.stream``
+and the gateway use) hands on every event once, in order; events of different streams never share an
+entry; a redelivered stream (indexes from 0 again) is still read once. The publisher counts entries and
+its own CPU time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from producer.streams import StreamCursor
+from protocol.keys import STREAM_KEY
+from protocol.messages import Usage
+from protocol.streams import StreamEvent
+from tests.integration.ops_fixtures import wait_until
+from tools.redis_server import EmbeddedRedis
+from workers.stream_publisher import MAX_EVENTS_PER_ENTRY, StreamPublisher
+
+
+def _events(count: int) -> list[StreamEvent]:
+    tokens = [StreamEvent(type="token", index=i, token_id=100 + i, text=f"<{i}>") for i in range(count)]
+    return [*tokens, StreamEvent(type="final", index=count, finish_reason="length",
+                                 usage=Usage(prompt_tokens=1, completion_tokens=count, total_tokens=1 + count))]
+
+
+def _read(client: redis.Redis[bytes], rid: str) -> list[StreamEvent]:
+    cursor = StreamCursor(rid, now_s=time.monotonic(), timeout_s=5)
+    reply = client.xread({STREAM_KEY.format(id=rid): "0-0"}, count=1000)
+    return cursor.read(reply, time.monotonic())
+
+
+@pytest.fixture
+def server() -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis() as server:
+        yield server
+
+
+def test_a_window_puts_a_streams_burst_into_one_entry_read_whole_and_in_order(server: EmbeddedRedis) -> None:
+    client = server.client()
+    publisher = StreamPublisher(server.client(), ttl_s=60, window_ms=300)
+    publisher.start()
+    try:
+        a, b = _events(10), _events(4)
+        for i in range(10):  # two streams interleaved, as a decode step emits them
+            publisher.publish("a", a[i])
+            if i < len(b):
+                publisher.publish("b", b[i])
+        publisher.publish("a", a[10])
+        wait_until(lambda: publisher.published == 16, 10, "the 16 events to be written")
+        assert client.xlen(STREAM_KEY.format(id="a")) == 1 and client.xlen(STREAM_KEY.format(id="b")) == 1
+        assert publisher.entries == 2
+        assert _read(client, "a") == a
+        assert _read(client, "b") == b
+        assert client.ttl(STREAM_KEY.format(id="a")) > 0
+        # a redelivered attempt writes indexes 0.. again: the reader still hands each on once
+        for event in a:
+            publisher.publish("a", event)
+        wait_until(lambda: publisher.published == 27, 10, "the redelivered events to be written")
+        assert _read(client, "a") == a
+        assert publisher.cpu_s > 0
+    finally:
+        publisher.stop()
+
+
+def test_without_a_window_a_long_burst_is_split_into_entries_of_at_most_the_cap(server: EmbeddedRedis) -> None:
+    client = server.client()
+    publisher = StreamPublisher(server.client(), ttl_s=60)
+    events = _events(3 * MAX_EVENTS_PER_ENTRY)
+    for event in events:  # queued before the thread starts: one write finds them all
+        publisher.publish("long", event)
+    publisher.start()
+    try:
+        wait_until(lambda: publisher.published == len(events), 10, "every event to be written")
+        assert client.xlen(STREAM_KEY.format(id="long")) == 4  # 193 events: 64 + 64 + 64 + 1
+        assert _read(client, "long") == events
+    finally:
+        publisher.stop()
