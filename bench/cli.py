@@ -64,14 +64,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--only",
-        choices=["generation", "dispatch", "multiturn", "kvcache", "spinning", "streaming"],
+        choices=["generation", "dispatch", "multiturn", "kvcache", "spinning", "streaming", "guidellm"],
         default=None,
         help="rerun one phase alone and merge its figures into the --json results of an earlier run; "
         "multiturn: the conversation rows (prefix reuse, routing) alone, into multiturn.md/.json beside --out; "
         "kvcache: the Concat against the in-place KV cache (step time against the past, a burst), into "
         "kvcache.md/.json beside --out; spinning: ONNX Runtime spin-waiting off, on and bounded on generation "
         "and one-step work, into spinning.md/.json beside --out; streaming: the stream publisher's CPU, one XADD per "
-        "event against coalesced, into streaming.md/.json beside --out",
+        "event against coalesced, into streaming.md/.json beside --out; guidellm: guidellm's sweep against the "
+        "gateway, into guidellm.md/.json beside --out",
     )
     p.add_argument(
         "--label",
@@ -100,6 +101,17 @@ def register(subparsers: Any) -> None:
     )
     add_arguments(p)
     p.set_defaults(func=run)
+
+
+STANDALONE_PHASES = {
+    "multiturn": ("bench.multiturn", "run_multiturn_only"),
+    "kvcache": ("bench.kvcache", "run_kvcache_only"),
+    "spinning": ("bench.spinning", "run_spinning_only"),
+    "streaming": ("bench.streaming", "run_streaming_only"),
+    "guidellm": ("bench.guidellm_sweep", "run_guidellm_only"),
+}
+"""``--only`` phases that run alone into their own page: (module, function(quick, preset, out_dir, work_dir,
+command, machine_facts))."""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -144,30 +156,14 @@ def run(args: argparse.Namespace) -> int:
 
         run_generation_only(plan, args, command)
         return 0
-    if args.only == "multiturn":
-        from bench.machine import machine_facts
-        from bench.multiturn import run_multiturn_only
+    if args.only in STANDALONE_PHASES:  # each writes <phase>.md/.json beside --out
+        import importlib
 
-        work_dir = Path(args.work_dir)
-        run_multiturn_only(plan.quick, plan.preset, Path(args.out).parent, work_dir, command, machine_facts)
-        return 0
-    if args.only == "kvcache":
-        from bench.kvcache import run_kvcache_only
         from bench.machine import machine_facts
 
-        run_kvcache_only(plan.quick, plan.preset, Path(args.out).parent, Path(args.work_dir), command, machine_facts)
-        return 0
-    if args.only == "spinning":
-        from bench.machine import machine_facts
-        from bench.spinning import run_spinning_only
-
-        run_spinning_only(plan.quick, plan.preset, Path(args.out).parent, Path(args.work_dir), command, machine_facts)
-        return 0
-    if args.only == "streaming":
-        from bench.machine import machine_facts
-        from bench.streaming import run_streaming_only
-
-        run_streaming_only(plan.quick, Path(args.out).parent, Path(args.work_dir), command, machine_facts)
+        module, function = STANDALONE_PHASES[args.only]
+        getattr(importlib.import_module(module), function)(
+            plan.quick, plan.preset, Path(args.out).parent, Path(args.work_dir), command, machine_facts)
         return 0
     if args.only == "dispatch":
         from bench.dispatch_only import run_dispatch_only

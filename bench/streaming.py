@@ -170,10 +170,10 @@ def render_streaming(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_streaming_only(quick: bool, out_dir: Path, work_dir: Path, command: str,
+def run_streaming_only(quick: bool, preset: str, out_dir: Path, work_dir: Path, command: str,
                        machine: Callable[[], dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
-    """``fleet bench --only streaming``: build the ~7 M Llama if needed, run the rows, write ``streaming.md``
-    and ``streaming.json`` in ``out_dir``."""
+    """``fleet bench --only streaming``: build the ~7 M Llama if needed (whatever the ``preset``), run the rows,
+    write ``streaming.md`` and ``streaming.json`` in ``out_dir``."""
     from tools.build_llama import build_llama
     from tools.redis_server import EmbeddedRedis
 

@@ -53,7 +53,7 @@ def guidellm_venv() -> Path:
 @pytest.fixture(scope="module")
 def tokenizer(guidellm_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("guidellm-tokenizer")
-    script = Path(__file__).with_name("make_tokenizer.py")
+    script = ROOT / "tools" / "guidellm_tokenizer.py"
     proc = subprocess.run([str(guidellm_venv / "bin" / "python"), str(script), str(folder)],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

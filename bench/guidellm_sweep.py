@@ -1,0 +1,204 @@
+"""The guidellm rows: vLLM's own load client sweeping the gateway, unchanged.
+
+``fleet bench --only guidellm`` serves the preset's LM with one worker behind a gateway (``fleet api``)
+on a private redis-server, and runs guidellm 0.8.1 (``var/guidellm-venv``, the venv of the
+``tests/guidellm`` tier: built on first use) against ``/v1/completions`` with its ``sweep`` profile:
+a synchronous run, a throughput run (every request at once: saturation), then constant request rates
+evenly between the two. Each request has a synthetic ``prompt_tokens`` prompt (counted by guidellm's
+tokenizer, a small byte-level BPE: ``tools/guidellm_tokenizer.py``) and ``output_tokens`` forced new
+tokens (guidellm sends ``ignore_eos``), streamed with ``continuous_usage_stats``. guidellm's JSON
+report gives, per run: requests/s, output tokens/s, TTFT and inter-token latency (ms).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import time
+import venv
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV = ROOT / "var" / "guidellm-venv"
+TORCH_CPU = "torch==2.13.0+cpu"
+PINS = (TORCH_CPU, "guidellm==0.8.1")
+"""The tier's pins (``tests/guidellm``): one venv serves both."""
+
+__all__ = ["PINS", "VENV", "GuidellmPlan", "ensure_venv", "render_guidellm", "run_guidellm_only", "summarize"]
+
+
+@dataclass(frozen=True)
+class GuidellmPlan:
+    """Sizes of the guidellm rows."""
+
+    prompt_tokens: int = 64
+    output_tokens: int = 32
+    sweep_size: int = 6
+    seconds: float = 20.0
+
+
+QUICK = GuidellmPlan(prompt_tokens=16, output_tokens=8, sweep_size=3, seconds=3.0)
+
+
+def ensure_venv() -> Path:
+    """``var/guidellm-venv`` with :data:`PINS` (built when missing; a few minutes).
+
+    Raises:
+        RuntimeError: pip could not install the pins (offline, no CPU torch wheel on the machine).
+    """
+    marker = VENV / f".ready-{hashlib.sha256(' '.join(PINS).encode()).hexdigest()[:16]}"
+    if not marker.exists():
+        venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
+        proc = subprocess.run([str(VENV / "bin" / "python"), "-m", "pip", "install", "-q", *PINS],
+                              capture_output=True, text=True, timeout=900)  # fmt: skip
+        if proc.returncode != 0:
+            raise RuntimeError(f"guidellm's venv could not be built: {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        marker.touch()
+    return VENV
+
+
+def _stat(metric: dict[str, Any], key: str) -> float:
+    value = metric.get("successful", metric).get(key)
+    return float(value) if isinstance(value, int | float) else float("nan")
+
+
+def _percentile(metric: dict[str, Any], name: str) -> float:
+    percentiles = metric.get("successful", metric).get("percentiles", {})
+    value = percentiles.get(name)
+    return float(value) if isinstance(value, int | float) else float("nan")
+
+
+def summarize(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per run of guidellm's JSON report: strategy, rate, req/s, tokens/s, TTFT and ITL (ms)."""
+    rows = []
+    for bench in report["benchmarks"]:
+        metrics = bench["metrics"]
+        strategy = bench.get("config", {}).get("strategy", bench.get("scheduler", {}).get("strategy", {}))
+        totals = metrics["request_totals"]
+        rows.append({
+            "strategy": strategy.get("type_", strategy.get("type", "?")) if isinstance(strategy, dict) else "?",
+            "rate": strategy.get("rate") if isinstance(strategy, dict) else None,
+            "requests": totals["successful"],
+            "errored": totals["errored"] + totals.get("incomplete", 0),
+            "requests_per_s": _stat(metrics["requests_per_second"], "mean"),
+            "output_tokens_per_s": _stat(metrics["output_tokens_per_second"], "mean"),
+            "ttft_p50_ms": _stat(metrics["time_to_first_token_ms"], "median"),
+            "ttft_p99_ms": _percentile(metrics["time_to_first_token_ms"], "p99"),
+            "itl_p50_ms": _stat(metrics["inter_token_latency_ms"], "median"),
+            "itl_p99_ms": _percentile(metrics["inter_token_latency_ms"], "p99"),
+        })
+    return rows
+
+
+def measure_guidellm(plan: GuidellmPlan, model: Path, work_dir: Path, say: Callable[[str], None]) -> dict[str, Any]:
+    """The sweep through a real gateway + worker (see the module docstring), JSON-friendly."""
+    from bench.procs import FleetConfig, RunningFleet
+    from bench.redis_cost import GatewayServer
+    from protocol.modelcard import load_card
+    from tools.redis_server import EmbeddedRedis
+
+    python = ensure_venv() / "bin" / "python"
+    tokenizer = work_dir / "guidellm-tokenizer"
+    subprocess.run([str(python), str(ROOT / "tools" / "guidellm_tokenizer.py"), str(tokenizer)], check=True,
+                   capture_output=True, timeout=300)  # fmt: skip
+    card = load_card(model)
+    config = FleetConfig(label="guidellm", model_name=card.name, model_path=model, max_batch_size=16, concurrency=32,
+                         celery_loglevel="WARNING", max_input_tokens=512, max_new_tokens=max(64, plan.output_tokens))
+    out = work_dir / "guidellm.json"
+    with EmbeddedRedis() as redis:
+        fleet = RunningFleet(config, redis.url, work_dir)
+        fleet.start()
+        gateway = GatewayServer(fleet.config_path, work_dir / "logs" / "guidellm-gateway.log")
+        try:
+            gateway.wait_ready()
+            cmd = [
+                str(VENV / "bin" / "guidellm"), "run",
+                "--backend", f"kind=openai_http,target={gateway.url},request_format=/v1/completions",
+                "--profile", f"kind=sweep,sweep_size={plan.sweep_size}",
+                "--constraint", f"kind=max_duration,seconds={plan.seconds}",
+                "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
+                "--data", f"kind=synthetic_text,prompt_tokens={plan.prompt_tokens},output_tokens={plan.output_tokens}",
+                "--output", f"kind=json,path={out}",
+                "--disable-progress",
+            ]  # fmt: skip
+            say(f"guidellm sweep ({plan.sweep_size} runs of {plan.seconds:.0f} s) against {gateway.url}")
+            env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                   "PATH": "/usr/bin:/bin"}
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=work_dir,
+                                  timeout=120 + plan.sweep_size * (plan.seconds + 60))  # fmt: skip
+            if proc.returncode != 0:
+                raise RuntimeError(f"guidellm failed ({proc.returncode}): {(proc.stdout + proc.stderr)[-4000:]}")
+        finally:
+            gateway.stop()
+            fleet.stop()
+    report = json.loads(out.read_text())
+    return {"model": card.name, "plan": plan.__dict__, "rows": summarize(report), "guidellm": PINS[1],
+            "route": "/v1/completions"}
+
+
+def render_guidellm(results: dict[str, Any]) -> str:
+    """The Markdown page of a :func:`measure_guidellm` result (with its ``meta``)."""
+    plan, meta = results["plan"], results.get("meta", {})
+    lines = [
+        "# guidellm against the gateway",
+        "",
+        f"From one `{meta.get('command', 'fleet bench --only guidellm')}` run at commit `{meta.get('commit', '?')}`"
+        f"{' (uncommitted changes)' if meta.get('dirty') else ''}, {meta.get('machine', '')}, "
+        f"{meta.get('duration_s', 0):.0f} s. {results['guidellm']} (`guidellm run`, profile `sweep`, "
+        f"{plan['seconds']:.0f} s per run), unchanged, against `{results['route']}` of a gateway and one worker "
+        f"serving `{results['model']}` (C = 32, `max_batch_size` 16) on the same 2 cores; prompts of "
+        f"{plan['prompt_tokens']} guidellm tokens, {plan['output_tokens']} new tokens each (forced), streamed.",
+        "",
+        "| run | rate (req/s) | requests | errors | req/s | output tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | "
+        "ITL p50 (ms) | ITL p99 (ms) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        rate = f"{row['rate']:.2f}" if isinstance(row["rate"], int | float) else "—"
+        lines.append(f"| {row['strategy']} | {rate} | {row['requests']} | {row['errored']} | "
+                     f"{row['requests_per_s']:.2f} | {row['output_tokens_per_s']:.0f} | {row['ttft_p50_ms']:.0f} | "
+                     f"{row['ttft_p99_ms']:.0f} | {row['itl_p50_ms']:.1f} | {row['itl_p99_ms']:.1f} |")
+    saturation = next((r for r in results["rows"] if r["strategy"] == "throughput"), None)
+    if saturation is not None:
+        lines += ["", f"Throughput at saturation: **{saturation['requests_per_s']:.2f} req/s**, "
+                      f"{saturation['output_tokens_per_s']:.0f} output tokens/s."]
+    lines += [
+        "",
+        "How it is measured: `bench/guidellm_sweep.py`; the rates of the constant runs are guidellm's own choice "
+        "between the synchronous and the throughput run. TTFT and ITL are guidellm's, from the streamed chunks.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def run_guidellm_only(quick: bool, preset: str, out_dir: Path, work_dir: Path, command: str,
+                      machine: Callable[[], dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+    """``fleet bench --only guidellm``: build the preset's LM if needed, run the sweep, write ``guidellm.md``
+    and ``guidellm.json`` in ``out_dir``."""
+    from tools.build_model import PRESETS
+    from tools.build_model import main as build_model_main
+
+    def say(msg: str) -> None:
+        print(f"[bench] {msg}", file=sys.stderr)
+
+    spec = PRESETS[preset]["lm"]
+    model = work_dir / "models" / spec["name"] / f"{spec['name']}-1.0.0.onnx"
+    if not model.exists():
+        say(f"building the {preset} lm model → {model}")
+        build_model_main(["--preset", preset, "--kind", "lm", "--out-dir", str(work_dir / "models")])
+    facts = machine()
+    started = time.time()
+    results = measure_guidellm(QUICK if quick else GuidellmPlan(), model, work_dir, say)
+    summary = f"{facts.get('cpu')}, {facts.get('logical_cores')} logical cores, {facts.get('memory_gib')} GiB"
+    results["meta"] = {"command": command, "commit": facts.get("git_commit"), "dirty": facts.get("git_dirty"),
+                       "machine": summary, "started_unix_s": started, "duration_s": time.time() - started}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "guidellm.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out_dir / "guidellm.md").write_text(render_guidellm(results))
+    say(f"guidellm done in {results['meta']['duration_s']:.0f} s: {out_dir / 'guidellm.md'}")
+    return results
