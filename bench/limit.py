@@ -19,9 +19,10 @@ import numpy.typing as npt
 import onnxruntime as ort
 
 from protocol.modelcard import ModelCard, load_card
-from protocol.settings import BatchingSettings, EngineSettings, LimitSettings
+from protocol.settings import BatchingSettings, EngineSettings, LimitSettings, ModelSettings
 from tools.calibration import feeds_for
 from workers.engine import graph_input_names, provider_chain, serving_graph, session_options
+from workers.engines import served_source
 from workers.ort_session import open_session
 
 __all__ = ["LimitPoint", "bare_latency_ms", "bare_parts", "bare_session", "bare_throughput"]
@@ -50,18 +51,23 @@ def bare_parts(
 ) -> tuple[str | bytes, Callable[[], ort.SessionOptions], list[tuple[str, dict[str, Any]]]]:
     """What a worker would open for ``model_path``: the served graph, its session options, its provider chain.
 
-    The graph is :func:`workers.engine.serving_graph`'s (a causal LM's head at the last position
-    when the workers' default ``lm_head_last`` applies), the providers are ``providers`` each with
+    The graph is :func:`workers.engines.served_source`'s on the CPU chain (a causal LM's head at the last
+    position when the workers' default ``lm_head_last`` applies, its attention in place when the workers'
+    ``kv_cache: auto`` puts it there), :func:`workers.engine.serving_graph`'s on a GPU chain (which keeps
+    the Concat cache), the providers are ``providers`` each with
     the worker's options (TensorRT profiles up to ``max_batch_size`` x ``max_input_tokens``);
     ``spinning`` = ORT intra-op spin-waiting.
     """
     card = load_card(model_path)
     engine = EngineSettings(providers=list(providers), intra_op_threads=threads, allow_spinning=spinning)
-    source, _ = serving_graph(model_path, engine, card)
     names = graph_input_names(model_path) if "TensorrtExecutionProvider" in providers else []
-    chain = provider_chain(engine, BatchingSettings(max_batch_size=max_batch_size, max_batch_tokens=max_batch_size
-                                                    * max_input_tokens),
-                           LimitSettings(max_input_tokens=max_input_tokens), card, names)
+    batching = BatchingSettings(max_batch_size=max_batch_size, max_batch_tokens=max_batch_size * max_input_tokens)
+    limits = LimitSettings(max_input_tokens=max_input_tokens)
+    chain = provider_chain(engine, batching, limits, card, names)
+    if card.kind == "causal_lm" and tuple(providers) == ("CPUExecutionProvider",):  # the in-place decision opens it
+        source = served_source(ModelSettings(path=model_path, engine=engine, batching=batching, limits=limits), card)
+    else:
+        source, _ = serving_graph(model_path, engine, card)
     return source, lambda: session_options(engine), chain
 
 

@@ -104,6 +104,17 @@ def _decoder(engine: Engine, model: ModelSettings) -> tuple[Engine, Decoder | No
     return engine, decoder
 
 
+def served_source(model: ModelSettings, card: ModelCard) -> str | bytes:
+    """The graph a worker opens for ``model`` (path or serialized): the LM-head and in-place rewrites as
+    configured, and the Concat form when the in-place probe disagrees (:func:`_decoder`). Opens the model
+    once to decide, without warm-up or placement profiling: the bench's limit and the tests serve the
+    same graph as the workers."""
+    settings = model.engine.model_copy(update={"warmup": False, "report_placement": False})
+    engine = Engine(model.path, card, settings, model.batching, model.limits)
+    engine, _ = _decoder(engine, model.model_copy(update={"engine": settings}))
+    return engine.kv.source
+
+
 def _worker_tokenizer(card: ModelCard, model_path: Path) -> Tokenizer | None:
     """The model's tokenizer for generated text and stop strings; None when it has none."""
     try:
