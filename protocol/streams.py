@@ -1,10 +1,10 @@
 """Token streams: the events a worker appends to a generation's Redis Stream, and their decoding.
 
-Key ``fleet:stream:<request_id>`` (:data:`protocol.keys.STREAM_KEY`). Each entry holds one or more
-JSON :class:`StreamEvent` s of that stream, in order: field ``e`` the first, then ``e1``, ``e2`` … when
-the worker coalesced several (the tokens of several decode steps that waited for the same write;
-:func:`encode_events`, :func:`decode_events`). A reader that knows only ``e`` sees the first event of
-each entry, so an index gap, and finishes the stream from the stored result. The events:
+Key ``fleet:stream:<request_id>`` (:data:`protocol.keys.STREAM_KEY`). Each entry holds one or more JSON
+:class:`StreamEvent` s of that stream, in order: field ``e`` the first and, when the worker coalesced
+several (the tokens of several decode steps that waited for the same write), field ``r`` a JSON array of
+the others (:func:`encode_events`, :func:`decode_events`). A reader that knows only ``e`` sees the first
+event of each entry, so an index gap, and finishes the stream from the stored result. The events:
 
 * ``{"type": "token", "index": i, "token_id": t, "text": delta}`` — the ``i``-th generated token
   (0-based) and the text it adds (``""`` while a multi-byte character is incomplete);
@@ -29,10 +29,12 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from protocol.errors import DecodeError
 from protocol.messages import FinishReason, Usage
 
-__all__ = ["EVENT_FIELD", "StreamEvent", "decode_event", "decode_events", "encode_event", "encode_events"]
+__all__ = ["EVENT_FIELD", "REST_FIELD", "StreamEvent", "decode_event", "decode_events", "encode_event", "encode_events"]
 
 EVENT_FIELD = "e"
-"""The field of an entry's first event (``e1``, ``e2`` … hold the next ones of a coalesced entry)."""
+"""The field of an entry's first event."""
+REST_FIELD = "r"
+"""The field of a coalesced entry's further events: one JSON array, in order."""
 
 
 class StreamEvent(BaseModel):
@@ -63,23 +65,31 @@ def encode_event(event: StreamEvent) -> dict[str, str]:
 
 
 def encode_events(encoded: list[str]) -> dict[str, str]:
-    """One entry's fields for events already encoded (:func:`encode_event`'s values), in stream order."""
-    return {EVENT_FIELD if i == 0 else f"{EVENT_FIELD}{i}": text for i, text in enumerate(encoded)}
+    """One entry's fields for events already encoded (:func:`encode_event`'s values), in stream order:
+    ``e`` the first, ``r`` a JSON array of the rest (absent for one event)."""
+    if len(encoded) == 1:
+        return {EVENT_FIELD: encoded[0]}
+    return {EVENT_FIELD: encoded[0], REST_FIELD: "[" + ",".join(encoded[1:]) + "]"}
 
 
 def decode_events(fields: dict[Any, Any]) -> list[StreamEvent]:
-    """Every event of one entry, in order (``e``, then ``e1``, ``e2`` … while present).
+    """Every event of one entry, in order (``e``, then the array in ``r`` when present).
 
     Raises:
-        DecodeError: the entry has no ``e`` field, or a field is not an event.
+        DecodeError: the entry has no ``e`` field, or a field does not hold events.
     """
     out = [decode_event(fields)]
-    for i in range(1, len(fields)):
-        name = f"{EVENT_FIELD}{i}"
-        raw = fields.get(name, fields.get(name.encode()))
-        if raw is None:
-            break
-        out.append(decode_event({EVENT_FIELD: raw}))
+    raw = fields.get(REST_FIELD, fields.get(REST_FIELD.encode()))
+    if raw is None:
+        return out
+    try:
+        rest = json.loads(raw)
+        if not isinstance(rest, list):
+            raise ValueError(f"{REST_FIELD!r} is not a JSON array")
+        out += [StreamEvent.model_validate(item) for item in rest]
+    except (ValueError, ValidationError) as exc:
+        raise DecodeError(f"stream entry's {REST_FIELD!r} field is not a list of events: {exc}", "stream",
+                          REST_FIELD) from exc
     return out
 
 

@@ -227,8 +227,10 @@ class StreamPublisher:
         dropped_before = self.pending.dropped
         was_empty = not len(self.pending)
         timeout = self.cancel_poll_s
-        if not was_empty and self.window_s:  # wake when the window of what is held ends
-            timeout = max(0.0, min(timeout, self._held_since_s + self.window_s - time.monotonic()))
+        if not was_empty and self.window_s:
+            # sleep out the window of what is held (a blocking get would wake for every new event), then drain
+            time.sleep(max(0.0, min(timeout, self._held_since_s + self.window_s - time.monotonic())))
+            timeout = 0.0
         try:
             item = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
             while True:

@@ -155,11 +155,13 @@ def test_a_coalesced_entry_holds_its_events_in_order_and_an_e_only_reader_sees_t
     events = [StreamEvent(type="token", index=i, token_id=10 + i, text=f"<{i}>") for i in range(3)]
     events.append(StreamEvent(type="final", index=3, finish_reason="length"))
     fields = encode_events([encode_event(e)["e"] for e in events])
-    assert list(fields) == ["e", "e1", "e2", "e3"]
+    assert list(fields) == ["e", "r"]
     assert decode_events(fields) == events
     assert decode_events({k.encode(): v.encode() for k, v in fields.items()}) == events  # as redis-py returns them
     assert decode_event(fields) == events[0]  # a reader of "e" alone: the first event, then an index gap
     assert decode_events(encode_event(events[0])) == [events[0]]
+    with pytest.raises(DecodeError, match="'r' field is not a list of events"):
+        decode_events({"e": fields["e"], "r": '{"type": "token"}'})
 
 
 def test_errors_survive_celery_style_rebuilding() -> None:
