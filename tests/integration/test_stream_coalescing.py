@@ -1,7 +1,7 @@
 """Token events coalesced per stream: one XADD carries every pending event of a stream, in order.
 
-Against a real redis-server: with a write window the publisher puts a burst of one stream's tokens and
-its final event into one entry, and a reader (``producer.streams.StreamCursor``, what ``FleetClient.stream``
+Against a real redis-server: the publisher puts a stream's pending tokens and its final event into one
+entry, and a reader (``producer.streams.StreamCursor``, what ``FleetClient.stream``
 and the gateway use) hands on every event once, in order; events of different streams never share an
 entry; a redelivered stream (indexes from 0 again) is still read once. The publisher counts entries and
 its own CPU time.
@@ -42,17 +42,17 @@ def server() -> Iterator[EmbeddedRedis]:
         yield server
 
 
-def test_a_window_puts_a_streams_burst_into_one_entry_read_whole_and_in_order(server: EmbeddedRedis) -> None:
+def test_a_streams_pending_burst_goes_out_as_one_entry_read_whole_and_in_order(server: EmbeddedRedis) -> None:
     client = server.client()
     publisher = StreamPublisher(server.client(), ttl_s=60, window_ms=300)
+    a, b = _events(10), _events(4)
+    for i in range(10):  # two streams interleaved, as decode steps emit them, queued before the thread runs
+        publisher.publish("a", a[i])
+        if i < len(b):
+            publisher.publish("b", b[i])
+    publisher.publish("a", a[10])
     publisher.start()
     try:
-        a, b = _events(10), _events(4)
-        for i in range(10):  # two streams interleaved, as a decode step emits them
-            publisher.publish("a", a[i])
-            if i < len(b):
-                publisher.publish("b", b[i])
-        publisher.publish("a", a[10])
         wait_until(lambda: publisher.published == 16, 10, "the 16 events to be written")
         assert client.xlen(STREAM_KEY.format(id="a")) == 1 and client.xlen(STREAM_KEY.format(id="b")) == 1
         assert publisher.entries == 2
@@ -82,3 +82,19 @@ def test_without_a_window_a_long_burst_is_split_into_entries_of_at_most_the_cap(
         assert _read(client, "long") == events
     finally:
         publisher.stop()
+
+
+def test_a_streams_first_token_is_written_at_once_with_what_is_pending(server: EmbeddedRedis) -> None:
+    client = server.client()
+    publisher = StreamPublisher(server.client(), ttl_s=60, window_ms=600_000)  # ten minutes: only urgency writes
+    publisher.start()
+    try:
+        later = StreamEvent(type="token", index=5, token_id=105, text="<5>")
+        publisher.publish("running", later)  # a later token waits out the window …
+        first = StreamEvent(type="token", index=0, token_id=100, text="<0>")
+        publisher.publish("new", first)  # … until a stream's first token is written, at once, with it
+        wait_until(lambda: publisher.published == 2, 30, "the first token (and what was pending) to be written")
+        assert _read(client, "new") == [first]
+        assert client.xlen(STREAM_KEY.format(id="running")) == 1
+    finally:
+        publisher.stop(timeout_s=2)
