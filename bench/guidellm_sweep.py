@@ -177,12 +177,11 @@ def render_guidellm(results: dict[str, Any]) -> str:
         "",
         "How it is measured: `bench/guidellm_sweep.py`; the rates of the constant runs are guidellm's own choice "
         "between the synchronous and the throughput run (which keeps 512 requests in flight). TTFT and ITL are "
-        "guidellm's, from the streamed chunks. Tokens reach the client in bursts: the worker's stream publisher "
-        "writes a stream's tokens every `worker.stream_window_ms` (25 ms; the first token at once) and each "
-        "`XREAD` of the gateway returns every entry written since its last, so most consecutive tokens arrive "
-        "together and the ITL median is near 0: the time between tokens a reader sees is the burst interval, "
-        "not the decode step. Requests in flight when a run's time is up are counted apart (guidellm's "
-        "`incomplete`), not as errors.",
+        "guidellm's, from the streamed chunks. A stream's first token is written at once; later ones reach the "
+        "gateway in bursts every `worker.stream_window_ms` (25 ms), each `XREAD` returning every entry written "
+        "since the last, so ITL mixes near-zero gaps inside a burst with the burst interval. The model is the "
+        "preset's with a byte vocabulary (random weights: most tokens add text, so each is its own chunk). "
+        "Requests in flight when a run's time is up are counted apart (guidellm's `incomplete`), not as errors.",
         "",
     ]
     return "\n".join(lines)
