@@ -35,7 +35,7 @@ import redis
 from producer.result_waiter import READY_STATES
 from protocol.errors import DecodeError
 from protocol.keys import STREAM_KEY, WORKER_KEY_PREFIX
-from protocol.streams import decode_event
+from protocol.streams import decode_events
 
 __all__ = ["Ledger", "LedgerReport", "LedgerViolationError", "Violation"]
 
@@ -253,7 +253,7 @@ class Ledger:
                 found.append(Violation("stream_open", rid, "its stream has no events at all"))
                 continue
             try:
-                event = decode_event(last[0][1])
+                event = decode_events(last[0][1])[-1]  # a coalesced entry ends with its last event
             except DecodeError as exc:  # an undecodable last entry is itself a broken stream
                 found.append(Violation("stream_open", rid, f"its last entry does not decode: {exc}"))
                 continue

@@ -9,12 +9,13 @@ and otherwise at most once per quarter of ``ttl_s`` (a stream cut before its end
 quarters of ``ttl_s`` and ``ttl_s`` after its last write). A decode step emits one token per stream, so
 a stream's tokens share an entry when they waited for the same write: under load, or with ``window_ms``
 (``worker.stream_window_ms``), the time the publisher waits after the first pending event before it
-writes, which coalesces the tokens of several decode steps on purpose; a stream's first token is written
-at once (with whatever is pending), so the window never delays the first token. In the same loop it
-reads the cancel marks (``fleet:cancel:<id>``) of the generations this worker runs, one ``MGET`` per
-``cancel_poll_s``, and flags the cancelled ones; the scheduler ends them at its next step. A second
-thread listens on the ``fleet:cancels`` channel, where cancels are also published, so a cancel usually
-lands within one decode step; the poll catches any it missed.
+writes, which coalesces the tokens of several decode steps on purpose; a stream's first token and its
+last event are written at once (with whatever is pending), so the window never delays the first token,
+and a stream ends when its result is stored. In the same loop it reads the cancel marks
+(``fleet:cancel:<id>``) of the generations this worker runs, one ``MGET`` per ``cancel_poll_s``, and
+flags the cancelled ones; the scheduler ends them at its next step. A second thread listens on the
+``fleet:cancels`` channel, where cancels are also published, so a cancel usually lands within one decode
+step; the poll catches any it missed.
 
 While Redis does not answer (a restart, a cut), events are held in order
 (:class:`workers.stream_buffer.PendingEvents`, bounded by events and bytes) and written when it
@@ -113,8 +114,11 @@ class StreamPublisher:
         self.entries = 0
         """Stream entries written (``published / entries`` = events per entry)."""
         self.window_s = max(0.0, window_ms) / 1000
+        self._wake = threading.Event()
+        """Set by :meth:`publish` for a first token or a stream's end: the window's wait ends at once."""
         self._urgent = False
-        """A stream's first token is held: write without waiting out the window (time to first token)."""
+        """A stream's first token or its end is held: write without waiting out the window (time to first
+        token; the end goes out with the stored result)."""
         self.max_events_per_entry = max(1, max_events_per_entry)
         self._held_since_s = 0.0
         self.cpu_s = 0.0
@@ -165,8 +169,11 @@ class StreamPublisher:
                 self._stopping.wait(1.0)
 
     def publish(self, request_id: str, event: StreamEvent) -> None:
-        """Queue ``event`` for the stream of ``request_id`` (never blocks)."""
+        """Queue ``event`` for the stream of ``request_id`` (never blocks); a stream's first token or end
+        cuts short a window being waited out."""
         self._queue.put((request_id, event))
+        if event.is_last or event.index == 0:
+            self._wake.set()
 
     def watch(self, seq: GenSequence) -> None:
         """Check ``seq``'s cancel mark until :meth:`unwatch`."""
@@ -205,6 +212,7 @@ class StreamPublisher:
             due = stopping or self._urgent or now >= self._held_since_s + self.window_s
             if len(self.pending) and now >= outage.retry_at_s and due:
                 try:
+                    self._wake.clear()  # before the write: what is published during it wakes the next wait
                     self._write_pending()
                     self._urgent = False
                     outage.ended(self)
@@ -231,8 +239,9 @@ class StreamPublisher:
         was_empty = not len(self.pending)
         timeout = self.cancel_poll_s
         if not was_empty and self.window_s and not self._urgent:
-            # sleep out the window of what is held (a blocking get would wake for every new event), then drain
-            time.sleep(max(0.0, min(timeout, self._held_since_s + self.window_s - time.monotonic())))
+            # wait out the window of what is held (a blocking get would wake for every new event; a first
+            # token or a stream's end wakes this wait), then drain
+            self._wake.wait(max(0.0, min(timeout, self._held_since_s + self.window_s - time.monotonic())))
             timeout = 0.0
         try:
             item = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
@@ -241,7 +250,7 @@ class StreamPublisher:
                     stopping = True
                 else:
                     self.pending.add(item[0], item[1], bounded=bounded)
-                    self._urgent = self._urgent or (item[1].type == "token" and item[1].index == 0)
+                    self._urgent = self._urgent or item[1].is_last or item[1].index == 0
                 item = self._queue.get_nowait()
         except queue.Empty:
             pass
