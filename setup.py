@@ -40,6 +40,8 @@ BASE = [
     "fastapi>=0.110",
     "fastapi-offline>=1.7",  # Swagger UI / ReDoc assets served by the gateway itself (no CDN)
     "uvicorn>=0.29",
+    "uvloop>=0.19; sys_platform != 'win32'",  # uvicorn's event loop when installed (libuv: less CPU per request)
+    "httptools>=0.6",  # uvicorn's HTTP/1.1 parser when installed (C, in place of pure-Python h11)
     "httpx>=0.27",
     "jinja2>=3.1",  # the gateway renders chat templates
     "boto3>=1.35",  # the model store's S3 client (store/s3.py); conditional puts (IfNoneMatch) need 1.35

@@ -37,7 +37,6 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 import redis
-from celery.result import AsyncResult
 from fastapi import APIRouter, FastAPI, Path, Query, Response
 from fastapi.responses import JSONResponse
 from fastapi_offline import FastAPIOffline
@@ -62,22 +61,22 @@ from gateway.schema import (
 )
 from gateway.sse import EventStream, sse_frame
 from gateway.stream_relay import relay_events
+from gateway.views import read_view, read_view_sync
 from producer.client import FleetClient, RequestStatus
 from producer.idempotent_queue import one_body_per_id, request_fingerprint
-from producer.presence import marker_key, no_worker_message, request_model
+from producer.presence import no_worker_message
 from producer.registry import read_fleet_state, readiness_problems
+from producer.submit_groups import SubmitItem, groupable
 from protocol.errors import (
     FleetError,
     InvalidRequest,
-    RequestCancelled,
     RequestNotFound,
     ResultTimeout,
     UnknownModel,
-    error_from_payload,
 )
 from protocol.keys import REQUEST_KEY, STREAM_KEY
 from protocol.log_format import configure_logging
-from protocol.messages import InferenceRequest, decode_result
+from protocol.messages import InferenceRequest
 from protocol.settings import FleetSettings
 from protocol.streams import StreamEvent
 
@@ -126,17 +125,34 @@ RequestId = Annotated[str, Path(pattern=REQUEST_ID_PATTERN, description="The ID 
 
 @router.post("/v1/requests", status_code=202, response_model=RequestAccepted, response_model_exclude_none=True,
              tags=["requests"])
-def submit(body: SubmitBody, response: Response, rate_key: CallerDep, gw: GatewayDep) -> RequestAccepted:
+async def submit(body: SubmitBody, response: Response, rate_key: CallerDep, gw: GatewayDep) -> RequestAccepted:
     """Validate, admit and queue one request; poll ``Location`` for its result.
 
     A caller-given ``request_id`` is an idempotency key: resubmitting the same body answers the
     request's real status (it may have finished long ago); another body under a known ID is 409.
+    Without one, a one-step request is queued with the others that arrive meanwhile
+    (:mod:`gateway.submit_queue`, ``api.group_submits``).
     """
-    request = _build(gw, body)
-    rid = gw.fleet.send(request, rate_key=rate_key, routing_key=body.routing_key)
+    if body.text is None and gw.fleet.model_loaded(body.model):  # no file, no Redis read: on the loop
+        request = _build(gw, body)
+    else:
+        request = await run_in_threadpool(_build, gw, body)
+    if body.request_id is None and gw.settings.api.group_submits and groupable(request):
+        item = SubmitItem([request], rate_key, [body.routing_key])
+        rid, status = (await gw.submits.submit(item))[0], RequestStatus.QUEUED
+    else:
+        rid, status = await run_in_threadpool(_send_one, gw, request, rate_key, body)
     response.headers["Location"] = f"/v1/requests/{rid}"
-    status = gw.fleet.status(rid) if body.request_id else RequestStatus.QUEUED
-    return _accepted(rid, status, _no_worker(gw, request.model) if status is RequestStatus.QUEUED else None)
+    warning = None
+    if status is RequestStatus.QUEUED and not await gw.apresence.has_worker(request.model):
+        warning = no_worker_message(request.model, gw.settings.queue_for(request.model))
+    return _accepted(rid, status, warning)
+
+
+def _send_one(gw: Gateway, request: InferenceRequest, rate_key: str, body: SubmitBody) -> tuple[str, RequestStatus]:
+    """``FleetClient.send`` (blocking: in a thread): the request's ID and, for a caller-given ID, its real status."""
+    rid = gw.fleet.send(request, rate_key=rate_key, routing_key=body.routing_key)
+    return rid, gw.fleet.status(rid) if body.request_id else RequestStatus.QUEUED
 
 
 @router.post("/v1/requests:batch", status_code=202, response_model=BatchAccepted, response_model_exclude_none=True,
@@ -191,20 +207,14 @@ async def get_request(request_id: RequestId, _: CallerDep, gw: GatewayDep, wait_
     if wait_s is not None and wait_s > gw.settings.api.max_wait_s:
         cap = gw.settings.api.max_wait_s
         raise InvalidRequest(f"wait_s = {wait_s} exceeds the long-poll limit api.max_wait_s={cap}", "wait_s", cap)
-    view = await run_in_threadpool(_view, gw.fleet, request_id)
+    view, model = await read_view(gw.fleet, gw.aredis, request_id)
     if wait_s and view.status in (RequestStatus.QUEUED, RequestStatus.RUNNING):
         with contextlib.suppress(ResultTimeout):  # the bound: answer with the status as it is then
             await await_outcomes(gw.fleet, gw.aredis, [request_id], timeout_s=wait_s)
-        view = await run_in_threadpool(_view, gw.fleet, request_id)
-    if view.status is not RequestStatus.QUEUED:
+        view, model = await read_view(gw.fleet, gw.aredis, request_id)
+    if view.status is not RequestStatus.QUEUED or model is None or await gw.apresence.has_worker(model):
         return view
-    warning = await run_in_threadpool(_queued_warning, gw, request_id)
-    return view.model_copy(update={"warning": warning}) if warning else view
-
-
-def _queued_warning(gw: Gateway, request_id: str) -> str | None:
-    """The no-live-worker warning of a queued request (blocking Redis reads: run in a thread)."""
-    return _no_worker(gw, request_model(gw.fleet.redis.get(marker_key(request_id))))
+    return view.model_copy(update={"warning": no_worker_message(model, gw.settings.queue_for(model))})
 
 
 @router.delete(
@@ -222,7 +232,7 @@ def cancel(request_id: RequestId, _: CallerDep, gw: GatewayDep) -> RequestView |
         now = gw.fleet.status(request_id).value
         msg = f"request {request_id} is {now}: only a queued request or a running generation can be cancelled"
         return _error(409, error_payload("conflict", "Conflict", msg, "request_id"))
-    return _view(gw.fleet, request_id)
+    return read_view_sync(gw.fleet, request_id)[0]
 
 
 @router.get(
@@ -364,30 +374,6 @@ def _model_key_or_name(settings: FleetSettings, name: str) -> str:
         return settings.model_key(name)
     except UnknownModel:
         return name
-
-
-def _view(fleet: FleetClient, request_id: str) -> RequestView:
-    """The request's status, plus its result or error, read without blocking."""
-    status = fleet.status(request_id)
-    if status is RequestStatus.NOT_FOUND:
-        raise RequestNotFound(f"no request {request_id!r} is known (never submitted, or expired)", "request_id", None)
-    view = RequestView(request_id=request_id, status=status)
-    if status in (RequestStatus.QUEUED, RequestStatus.RUNNING):
-        return view
-    # AsyncResult.result reads the stored meta once; .get() would subscribe, which is not thread-safe
-    value = AsyncResult(request_id, app=fleet.app).result
-    if status is RequestStatus.SUCCEEDED:
-        return view.model_copy(update={"result": decode_result(value).model_dump(mode="json")})
-    err: FleetError
-    if isinstance(value, FleetError):
-        err = value
-    elif status is RequestStatus.CANCELLED:  # revoked (Celery stores TaskRevokedError) or cancel-marked
-        err = RequestCancelled(f"request {request_id} was cancelled before it ran", "request_id", None)
-    elif isinstance(value, BaseException):
-        err = error_from_payload(type(value).__name__, value.args)
-    else:
-        err = FleetError(f"request {request_id} failed: {value!r}", None, None)
-    return view.model_copy(update={"error": ErrorBody(**err.to_payload())})
 
 
 def serve(

@@ -7,6 +7,7 @@ needed. The key also names the caller's rate-limit bucket (:func:`producer.admis
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Annotated
 
 import redis.asyncio
@@ -17,9 +18,11 @@ from starlette.exceptions import HTTPException
 
 from gateway.auth import API_KEY_HEADER, key_refusal
 from gateway.middleware import GatewayMetrics
+from gateway.submit_queue import SubmitQueue
 from producer.admission import rate_key_for
 from producer.client import FleetClient
 from producer.presence import AsyncWorkerPresence, WorkerPresence
+from producer.submit_groups import send_group
 from protocol.redis_conn import async_client
 from protocol.settings import FleetSettings
 
@@ -46,6 +49,8 @@ class Gateway:
         self.keys = [k.encode() for k in settings.api.api_keys]
         self.presence = WorkerPresence(fleet.redis)  # which models have a live worker (read at most once a second)
         self.apresence = AsyncWorkerPresence(self.aredis)  # the same, for waits on the event loop
+        self.submits = SubmitQueue(partial(send_group, fleet), max_group_requests=settings.api.max_grouped_requests,
+                                   registry=self.registry)  # fmt: skip
 
     async def aclose(self) -> None:
         """Close both Redis clients and the Celery app."""
@@ -53,8 +58,9 @@ class Gateway:
         self.fleet.close()
 
 
-def gateway_of(request: Request) -> Gateway:
-    """The app's :class:`Gateway`."""
+async def gateway_of(request: Request) -> Gateway:
+    """The app's :class:`Gateway` (``async``: FastAPI runs a plain ``def`` dependency in its thread pool,
+    a hop per request for nothing)."""
     gateway: Gateway = request.app.state.gateway
     return gateway
 
@@ -62,12 +68,14 @@ def gateway_of(request: Request) -> Gateway:
 GatewayDep = Annotated[Gateway, Depends(gateway_of)]
 
 
-def _caller(
+async def _caller(
     api_key: Annotated[str | None, Depends(_api_key)],
     bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
     gw: GatewayDep,
 ) -> str:
-    """The caller's rate-limit bucket; 401 unless a key is one of api.api_keys (when any is set)."""
+    """The caller's rate-limit bucket; 401 unless a key is one of api.api_keys (when any is set).
+
+    ``async`` (no I/O): on the event loop, not a thread-pool hop."""
     key = api_key or (bearer.credentials if bearer else None)
     refusal = key_refusal(key, gw.keys)  # gateway.body_guard refused it already, before reading any body
     if refusal:

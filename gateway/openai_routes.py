@@ -76,6 +76,7 @@ from gateway.outcomes import WAIT_S, await_outcomes, relay_unless_no_worker
 from gateway.sse import DONE_FRAME, EventStream, sse_frame
 from gateway.stream_relay import relay_events
 from producer.registry import read_fleet_state
+from producer.submit_groups import SubmitItem
 from protocol.errors import FleetError, InvalidRequest, NoLiveWorker, RequestNotFound
 from protocol.keys import CANCEL_CHANNEL, CANCEL_KEY
 from protocol.messages import InferenceRequest, InferenceResult
@@ -289,7 +290,7 @@ async def cancel_requests(gw: Gateway, rids: list[str]) -> None:
 async def embeddings(body: EmbeddingBody, rate_key: CallerDep, gw: GatewayDep, http: Request) -> Response:
     """One vector per input (text or token ids) from an encoder model; queued all or none."""
     check_supported(body)
-    ids = await run_in_threadpool(_send_embeddings, gw, body, rate_key)
+    ids = await _queue_embeddings(gw, body, rate_key)
     headers = {"X-Request-ID": ",".join(ids)}
     try:
         waiting = await_outcomes(gw.fleet, gw.aredis, ids, timeout_s=WAIT_S, model=gw.settings.model_key(body.model),
@@ -312,8 +313,23 @@ async def embeddings(body: EmbeddingBody, rate_key: CallerDep, gw: GatewayDep, h
     return JSONResponse(vectors.model_dump(mode="json"), headers=headers)
 
 
-def _send_embeddings(gw: Gateway, body: EmbeddingBody, rate_key: str) -> list[str]:
-    """Build every input's request, admit them together, queue them in one Redis step (in a worker thread)."""
+async def _queue_embeddings(gw: Gateway, body: EmbeddingBody, rate_key: str) -> list[str]:
+    """Build every input's request, admit them together and queue them all or none: with the other
+    submissions of the moment (:mod:`gateway.submit_queue`), or alone in a thread (``api.group_submits``
+    false). Token-id inputs of a model already loaded are built on the loop (no file, no Redis read)."""
+    texts = isinstance(body.input, str) or any(isinstance(x, str) for x in body.input)
+    if not texts and gw.fleet.model_loaded(body.model):
+        built = _build_embeddings(gw, body)
+    else:
+        built = await run_in_threadpool(_build_embeddings, gw, body)
+    routing = [body.user] * len(built)
+    if gw.settings.api.group_submits:
+        return await gw.submits.submit(SubmitItem(built, rate_key, list(routing)))
+    return await run_in_threadpool(_send_embeddings, gw, built, rate_key, routing)
+
+
+def _build_embeddings(gw: Gateway, body: EmbeddingBody) -> list[InferenceRequest]:
+    """One embedding request per input, each validated (raises InvalidRequest naming ``input[i]``)."""
     prompts = embedding_inputs(body)
     cap = gw.settings.api.max_batch_requests
     if len(prompts) > cap:
@@ -325,9 +341,15 @@ def _send_embeddings(gw: Gateway, body: EmbeddingBody, rate_key: str) -> list[st
             built.append(gw.fleet.build_request(body.model, ids, text=text, kind="embedding"))
         except InvalidRequest as exc:
             raise rename_field(exc, {"input_ids": field, "text": field, "output.kind": "model"}) from exc
+    return built
+
+
+def _send_embeddings(gw: Gateway, built: list[InferenceRequest], rate_key: str,
+                     routing: list[str | None]) -> list[str]:  # fmt: skip
+    """Admit ``built`` together and queue it in one Redis step, all or none (blocking: in a thread)."""
     gw.fleet.admission.check_queue(built[0].model, len(built))
     gw.fleet.admission.take_rate(rate_key, len(built))
-    return gw.fleet.send_batch(built, routing_keys=[body.user] * len(built), label="input")  # all or none
+    return gw.fleet.send_batch(built, routing_keys=routing, label="input")
 
 
 def _model_objects(gw: Gateway) -> list[ModelObject]:

@@ -271,11 +271,14 @@ class Admission:
         if rate_key is not None:
             self.take_rate(rate_key, count)
 
-    def check_queue(self, model: str, count: int = 1) -> None:
+    def check_queue(self, model: str, count: int = 1, *, unqueued: int = 0) -> None:
         """Refuse when ``count`` more requests would push ``model``'s queues past its cap.
 
         The cap is the model's: its stable queue and its canary queue together (every worker of the
         model takes from both), so a canary split never lets more than ``max_queue_depth`` wait.
+        ``unqueued``: requests this process admitted for ``model`` but has not queued yet (a group
+        being built: :func:`producer.submit_groups.send_group`); a fresh read of the queues cannot see
+        them, so they are added to it.
 
         Raises:
             QueueFull: with ``retry_after_s`` from the measured drain rate.
@@ -286,7 +289,7 @@ class Admission:
         with self._depths_lock:
             if self._depths.admits(queue, count, cap, self.monotonic()):
                 return
-        depth = queue_depth(self.redis, queue, self.settings.canary_queue_for(key))
+        depth = queue_depth(self.redis, queue, self.settings.canary_queue_for(key)) + unqueued
         if depth + count <= cap:
             with self._depths_lock:
                 self._depths.store(queue, depth + count, self.monotonic())

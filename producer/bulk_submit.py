@@ -20,7 +20,7 @@ from protocol.messages import BULK_TASK_NAME, MAX_BULK_REQUESTS, InferenceReques
 if TYPE_CHECKING:
     from producer.client import FleetClient
 
-__all__ = ["submit_bulk", "submit_many"]
+__all__ = ["queue_bulk_chunk", "submit_bulk", "submit_many"]
 
 
 def _build_all(client: FleetClient, model: str, inputs: Iterable[Sequence[int] | str],
@@ -128,13 +128,13 @@ def submit_bulk(
         for start in range(0, len(unique), chunk_size):
             positions = unique[start : start + chunk_size]
             client.admission.admit(key, count=len(positions), rate_key=rate_key)
-            _queue_chunk(client, key, requests, keys, positions)
+            queue_bulk_chunk(client, key, requests, keys, positions)
             bar.update(len(positions))
         bar.update(len(requests) - len(unique))
     return [str(r.request_id) for r in requests]
 
 
-def _queue_chunk(client: FleetClient, model: str, requests: list[InferenceRequest], routing_keys: list[str],
+def queue_bulk_chunk(client: FleetClient, model: str, requests: list[InferenceRequest], routing_keys: list[str],
                  positions: list[int]) -> None:  # fmt: skip
     """Claim the IDs of ``requests[positions]`` (one chunk) and queue the new ones as ``fleet.infer_bulk``
     messages (one per queue), in one Redis step."""

@@ -140,6 +140,15 @@ class FleetClient(ResultReader):
             self._models[key] = _ModelInfo(card, tokenizer)
         return key, self._models[key]
 
+    def model_loaded(self, model: str) -> bool:
+        """True when ``model``'s card and tokenizer are already in memory (building a request for it then
+        reads no file and no Redis key: safe on an event loop).
+
+        Raises:
+            UnknownModel: ``model`` is not configured.
+        """
+        return self.settings.model_key(model) in self._models
+
     def model_card(self, model: str) -> ModelCard | None:
         """``model``'s card as this client knows it (its file's, else the one its workers published in
         Redis); None when neither is available here."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from enum import StrEnum
 from typing import Any
 
@@ -31,7 +31,7 @@ from protocol.messages import InferenceResult, decode_result
 from protocol.settings import FleetSettings
 from protocol.streams import StreamEvent
 
-__all__ = ["RequestStatus", "ResultReader"]
+__all__ = ["RequestStatus", "ResultReader", "as_fleet_error", "status_from"]
 
 
 class RequestStatus(StrEnum):
@@ -59,27 +59,14 @@ class ResultReader:
         return AsyncResult(request_id, app=self.app)
 
     def status(self, request_id: str) -> RequestStatus:
-        """Where ``request_id`` stands now."""
-        res = self._async(request_id)
-        state = res.state
-        if state == "SUCCESS":
-            return RequestStatus.SUCCEEDED
-        if state == "STARTED":
-            return RequestStatus.RUNNING
-        if state == "REVOKED":
-            return RequestStatus.CANCELLED
-        if state == "FAILURE":
-            err = self._as_fleet_error(res.result)
-            if isinstance(err, RequestExpired):
-                return RequestStatus.EXPIRED
-            if isinstance(err, RequestCancelled):
-                return RequestStatus.CANCELLED
-            return RequestStatus.FAILED
-        if self.redis.exists(CANCEL_KEY.format(id=request_id)):
-            return RequestStatus.CANCELLED
-        if self.redis.exists(REQUEST_KEY.format(id=request_id)):
-            return RequestStatus.QUEUED
-        return RequestStatus.NOT_FOUND
+        """Where ``request_id`` stands now (one Redis round trip: see :func:`status_from`)."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.get(self.app.backend.get_key_for_task(request_id))
+            pipe.exists(CANCEL_KEY.format(id=request_id))
+            pipe.exists(REQUEST_KEY.format(id=request_id))
+            raw, cancel_marked, known = pipe.execute()
+        meta = self.app.backend.decode_result(raw) if raw is not None else None
+        return status_from(meta, cancel_marked=bool(cancel_marked), known=bool(known))
 
     def result(self, request_id: str, *, wait: bool = False, timeout_s: float | None = None) -> InferenceResult | None:
         """The result of ``request_id``; None if not ready and ``wait`` is False.
@@ -159,7 +146,7 @@ class ResultReader:
         if state == "SUCCESS":
             return decode_result(meta["result"])
         if state == "FAILURE":
-            return self._as_fleet_error(meta["result"])
+            return as_fleet_error(meta["result"])
         if state == "REVOKED":
             return RequestCancelled(f"request {request_id} was cancelled", "request_id", None)
         return None
@@ -213,12 +200,41 @@ class ResultReader:
             self.redis, request_id, timeout_s=timeout_s, outcome=lambda: self._finished([request_id]).get(request_id)
         )
 
-    @staticmethod
-    def _as_fleet_error(value: Any) -> FleetError:
-        if isinstance(value, FleetError):
-            return value
-        if isinstance(value, BaseException):
-            return error_from_payload(type(value).__name__, value.args)
-        if isinstance(value, dict) and "exc_type" in value:
-            return error_from_payload(str(value["exc_type"]), value.get("exc_message", ()))
-        return FleetError(str(value), None, None)
+
+def as_fleet_error(value: Any) -> FleetError:
+    """A stored failure (the exception Celery rebuilt, or its JSON form) as the fleet's error."""
+    if isinstance(value, FleetError):
+        return value
+    if isinstance(value, BaseException):
+        return error_from_payload(type(value).__name__, value.args)
+    if isinstance(value, dict) and "exc_type" in value:
+        return error_from_payload(str(value["exc_type"]), value.get("exc_message", ()))
+    return FleetError(str(value), None, None)
+
+
+def status_from(meta: Mapping[str, Any] | None, *, cancel_marked: bool, known: bool) -> RequestStatus:
+    """A request's status from what Redis holds of it: its stored Celery ``meta`` (decoded; None when no
+    state is stored), whether it carries a cancel mark, and whether its submit marker exists.
+
+    A stored state wins (SUCCESS, STARTED, REVOKED, FAILURE: an expiry or a cancel among failures is
+    said as such); then a cancel mark; then the marker (queued); else the ID is unknown.
+    """
+    state = meta.get("status") if meta else None
+    if state == "SUCCESS":
+        return RequestStatus.SUCCEEDED
+    if state == "STARTED":
+        return RequestStatus.RUNNING
+    if state == "REVOKED":
+        return RequestStatus.CANCELLED
+    if state == "FAILURE":
+        err = as_fleet_error(meta.get("result") if meta else None)
+        if isinstance(err, RequestExpired):
+            return RequestStatus.EXPIRED
+        if isinstance(err, RequestCancelled):
+            return RequestStatus.CANCELLED
+        return RequestStatus.FAILED
+    if cancel_marked:
+        return RequestStatus.CANCELLED
+    if known:
+        return RequestStatus.QUEUED
+    return RequestStatus.NOT_FOUND

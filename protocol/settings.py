@@ -408,6 +408,15 @@ class ApiSettings(_Section):
         default=60.0, ge=0, le=600, description="Longest long-poll of GET /v1/requests/{id}?wait_s=...: the "
         "call answers as soon as the result is stored, else at wait_s with the current status (s).",
     )
+    group_submits: bool = Field(
+        default=True, description="Queue the one-step submissions (POST /v1/requests without request_id, "
+        "/v1/embeddings) that arrive while the previous Redis step is in flight together: one fleet.infer_bulk "
+        "message per group and queue (a lone request is still one fleet.infer task). false: one task each.",
+    )
+    max_grouped_requests: int = Field(
+        default=256, ge=1, le=4096, description="Most requests one grouped submission queues (the rest waits "
+        "for the next group; one caller's requests are never split).",
+    )
 
 
 class LogSettings(_Section):

@@ -1,0 +1,89 @@
+"""The gateway's submissions, grouped while the previous Redis step is in flight (group commit).
+
+Every ``POST /v1/requests`` and ``POST /v1/embeddings`` whose requests may share a message
+(:func:`producer.submit_groups.groupable`) waits here instead of taking a thread of its own. One
+flusher at a time takes everything waiting (up to ``api.max_grouped_requests`` requests), admits and
+queues it in one thread call (:func:`producer.submit_groups.send_group`), and answers each caller;
+what arrives meanwhile is the next group. A lone caller's request is sent at once as an ordinary
+``fleet.infer`` task (no window is waited for); under load, one ``fleet.infer_bulk`` message carries a
+group, so the broker, the worker's take and the ack are paid once per group.
+
+Metrics: ``fleet_gateway_submit_groups_total`` (Redis steps) and
+``fleet_gateway_grouped_requests_total`` (requests they queued); their ratio is the mean group size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter
+from starlette.concurrency import run_in_threadpool
+
+from producer.submit_groups import SubmitItem
+
+__all__ = ["SubmitQueue"]
+
+log = logging.getLogger("fleet.api")
+
+SendGroup = Callable[[Sequence[SubmitItem]], list[list[str] | BaseException]]
+
+
+class SubmitQueue:
+    """Collects submissions on the event loop and sends them a group at a time (see the module docstring)."""
+
+    def __init__(self, send_group: SendGroup, *, max_group_requests: int, registry: CollectorRegistry) -> None:
+        """``send_group``: blocking, run in a thread; ``max_group_requests``: most requests per group
+        (an item is never split, so a group holds at least one item)."""
+        self.send_group = send_group
+        self.max_group_requests = max_group_requests
+        self._waiting: list[tuple[SubmitItem, asyncio.Future[list[str]]]] = []
+        self._flusher: asyncio.Task[None] | None = None
+        self.groups = Counter("fleet_gateway_submit_groups", "Redis steps that queued grouped submissions.",
+                              registry=registry)  # fmt: skip
+        self.grouped = Counter("fleet_gateway_grouped_requests",
+                               "Requests queued through grouped submissions (÷ groups = mean group size).",
+                               registry=registry)  # fmt: skip
+
+    async def submit(self, item: SubmitItem) -> list[str]:
+        """Queue ``item``'s requests (all or none); their IDs, in order.
+
+        Raises:
+            Whatever refused the item (QueueFull, RateLimited, UnknownModel, a Redis error).
+        """
+        future: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
+        self._waiting.append((item, future))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush(), name="fleet-submit-flusher")
+        return await future  # a caller that leaves cancels its wait, never its group's send
+
+    def _take_group(self) -> list[tuple[SubmitItem, asyncio.Future[list[str]]]]:
+        group: list[tuple[SubmitItem, asyncio.Future[list[str]]]] = []
+        size = 0
+        while self._waiting:
+            count = len(self._waiting[0][0].requests)
+            if group and size + count > self.max_group_requests:
+                break
+            group.append(self._waiting.pop(0))
+            size += count
+        return group
+
+    async def _flush(self) -> None:
+        while self._waiting:
+            group = self._take_group()
+            items = [item for item, _ in group]
+            try:
+                outcomes = await run_in_threadpool(self.send_group, items)
+            except Exception as exc:  # send_group answers per item; this is a bug or a thread-pool failure
+                log.exception("grouped submit of %d items failed", len(items))
+                outcomes = [exc] * len(items)
+            self.groups.inc()
+            for (item, future), outcome in zip(group, outcomes, strict=True):
+                if isinstance(outcome, BaseException):
+                    if not future.done():
+                        future.set_exception(outcome)
+                    continue
+                self.grouped.inc(len(item.requests))
+                if not future.done():
+                    future.set_result(outcome)

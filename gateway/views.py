@@ -1,0 +1,79 @@
+"""``GET /v1/requests/{id}``'s answer: where a request stands, read in one Redis round trip.
+
+Three keys say everything: the stored Celery meta (a finished, failed or running request), the cancel
+mark, and the submit marker (a queued request, and its model for the no-live-worker warning). The
+gateway reads them in one pipeline on its asyncio client (:func:`read_view`), with no thread-pool hop;
+``DELETE`` reads them the same way from its thread (:func:`read_view_sync`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis.asyncio
+
+from gateway.schema import ErrorBody, RequestView
+from producer.client import FleetClient, RequestStatus
+from producer.presence import marker_key, request_model
+from producer.results import as_fleet_error, status_from
+from protocol.errors import FleetError, RequestCancelled, RequestNotFound
+from protocol.keys import CANCEL_KEY
+from protocol.messages import decode_result
+
+__all__ = ["ViewRead", "read_view", "read_view_sync", "view_from"]
+
+ViewRead = tuple[RequestView, str | None]
+"""A request's view and the model its submit marker names (None when no marker or unreadable)."""
+
+
+def _keys(fleet: FleetClient, request_id: str) -> tuple[str, str, str]:
+    meta_key = fleet.app.backend.get_key_for_task(request_id).decode()
+    return meta_key, CANCEL_KEY.format(id=request_id), marker_key(request_id)
+
+
+def view_from(fleet: FleetClient, request_id: str, raw_meta: bytes | None, cancel_marked: bool,
+              raw_marker: bytes | None) -> ViewRead:  # fmt: skip
+    """The view from the three keys' values (see the module docstring).
+
+    Raises:
+        RequestNotFound: nothing is known of ``request_id`` (never submitted, or expired).
+    """
+    meta: dict[str, Any] | None = fleet.app.backend.decode_result(raw_meta) if raw_meta is not None else None
+    status = status_from(meta, cancel_marked=cancel_marked, known=raw_marker is not None)
+    if status is RequestStatus.NOT_FOUND:
+        raise RequestNotFound(f"no request {request_id!r} is known (never submitted, or expired)", "request_id", None)
+    view = RequestView(request_id=request_id, status=status)
+    model = request_model(raw_marker)
+    if status in (RequestStatus.QUEUED, RequestStatus.RUNNING):
+        return view, model
+    value = meta.get("result") if meta else None
+    if status is RequestStatus.SUCCEEDED:
+        return view.model_copy(update={"result": decode_result(value).model_dump(mode="json")}), model
+    err: FleetError
+    if status is RequestStatus.CANCELLED and not isinstance(value, FleetError):  # revoked, or cancel-marked
+        err = RequestCancelled(f"request {request_id} was cancelled before it ran", "request_id", None)
+    else:
+        err = as_fleet_error(value)
+    return view.model_copy(update={"error": ErrorBody(**err.to_payload())}), model
+
+
+async def read_view(fleet: FleetClient, aredis: redis.asyncio.Redis[bytes], request_id: str) -> ViewRead:
+    """:func:`view_from`, its three keys read in one pipeline on the event loop."""
+    meta_key, cancel_key, request_key = _keys(fleet, request_id)
+    async with aredis.pipeline(transaction=False) as pipe:
+        pipe.get(meta_key)
+        pipe.exists(cancel_key)
+        pipe.get(request_key)
+        raw_meta, cancel_marked, raw_marker = await pipe.execute()
+    return view_from(fleet, request_id, raw_meta, bool(cancel_marked), raw_marker)
+
+
+def read_view_sync(fleet: FleetClient, request_id: str) -> ViewRead:
+    """:func:`read_view` on the client's blocking connection (from a thread)."""
+    meta_key, cancel_key, request_key = _keys(fleet, request_id)
+    with fleet.redis.pipeline(transaction=False) as pipe:
+        pipe.get(meta_key)
+        pipe.exists(cancel_key)
+        pipe.get(request_key)
+        raw_meta, cancel_marked, raw_marker = pipe.execute()
+    return view_from(fleet, request_id, raw_meta, bool(cancel_marked), raw_marker)
