@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--only",
-        choices=["generation", "dispatch", "multiturn", "kvcache", "spinning", "streaming", "guidellm"],
+        choices=["generation", "dispatch", "multiturn", "kvcache", "spinning", "streaming", "guidellm", "gateway"],
         default=None,
         help="rerun one phase alone and merge its figures into the --json results of an earlier run; "
         "multiturn: the conversation rows (prefix reuse, routing) alone, into multiturn.md/.json beside --out; "
@@ -72,7 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "kvcache.md/.json beside --out; spinning: ONNX Runtime spin-waiting off, on and bounded on generation "
         "and one-step work, into spinning.md/.json beside --out; streaming: the stream publisher's CPU, one XADD per "
         "event against coalesced, into streaming.md/.json beside --out; guidellm: guidellm's sweep against the "
-        "gateway, into guidellm.md/.json beside --out",
+        "gateway, into guidellm.md/.json beside --out; gateway: each HTTP route against the FleetClient "
+        "(req/s, latency, CPU per request), into gateway.md/.json beside --out",
     )
     p.add_argument(
         "--label",
@@ -109,6 +110,7 @@ STANDALONE_PHASES = {
     "spinning": ("bench.spinning", "run_spinning_only"),
     "streaming": ("bench.streaming", "run_streaming_only"),
     "guidellm": ("bench.guidellm_sweep", "run_guidellm_only"),
+    "gateway": ("bench.gateway_paths", "run_gateway_only"),
 }
 """``--only`` phases that run alone into their own page: (module, function(quick, preset, out_dir, work_dir,
 command, machine_facts))."""

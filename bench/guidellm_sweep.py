@@ -16,13 +16,14 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
-import sys
 import time
 import venv
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from bench.standalone import built, say, write_page
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / "var" / "guidellm-venv"
@@ -194,23 +195,13 @@ def run_guidellm_only(quick: bool, preset: str, out_dir: Path, work_dir: Path, c
     from tools.build_lm import build_causal_lm
     from tools.build_model import PRESETS
 
-    def say(msg: str) -> None:
-        print(f"[bench] {msg}", file=sys.stderr)
-
     spec = {k: v for k, v in PRESETS[preset]["lm"].items() if k not in ("name", "vocab_size")}
     name = f"{PRESETS[preset]['lm']['name']}-bytes"
-    model = work_dir / "models" / name / f"{name}-1.0.0.onnx"
-    if not model.exists():  # byte ids only: most generated tokens add text, so each one is its own chunk
-        say(f"building {name} (the {preset} LM with a {BYTE_VOCAB}-token byte vocabulary) → {model}")
-        build_causal_lm(work_dir / "models", name=name, vocab_size=BYTE_VOCAB, **spec)
-    facts = machine()
-    started = time.time()
+    # byte ids only: most generated tokens add text, so each one is its own chunk
+    model = built(work_dir / "models" / name / f"{name}-1.0.0.onnx",
+                  f"{name} (the {preset} LM with a {BYTE_VOCAB}-token byte vocabulary)",
+                  lambda: build_causal_lm(work_dir / "models", name=name, vocab_size=BYTE_VOCAB, **spec))
+    facts, started = machine(), time.time()
     results = measure_guidellm(QUICK if quick else GuidellmPlan(), model, work_dir, say)
-    summary = f"{facts.get('cpu')}, {facts.get('logical_cores')} logical cores, {facts.get('memory_gib')} GiB"
-    results["meta"] = {"command": command, "commit": facts.get("git_commit"), "dirty": facts.get("git_dirty"),
-                       "machine": summary, "started_unix_s": started, "duration_s": time.time() - started}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "guidellm.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out_dir / "guidellm.md").write_text(render_guidellm(results))
-    say(f"guidellm done in {results['meta']['duration_s']:.0f} s: {out_dir / 'guidellm.md'}")
-    return results
+    return write_page("guidellm", results, render_guidellm, out_dir, command=command, facts=facts,
+                      started_unix_s=started)  # fmt: skip

@@ -19,10 +19,8 @@ a speed. Writes ``kvcache.md`` and ``kvcache.json`` beside ``--out``.
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.standalone import built, say, write_page
 from protocol.messages import GenerationParams
 from protocol.modelcard import load_card
 from protocol.settings import BatchingSettings, EngineSettings, LimitSettings
@@ -243,24 +242,11 @@ def run_kvcache_only(quick: bool, preset: str, out_dir: Path, work_dir: Path, co
     from tools.build_lm import build_causal_lm
     from tools.build_model import PRESETS
 
-    def say(msg: str) -> None:
-        print(f"[bench] {msg}", file=sys.stderr)
-
     plan = QUICK if quick else KVPlan()
     spec = {k: v for k, v in PRESETS[preset]["lm"].items() if k not in ("name", "max_positions")}
     name = f"{PRESETS[preset]['lm']['name']}-{plan.max_positions}"
-    model = work_dir / "models" / name / f"{name}-1.0.0.onnx"
-    if not model.exists():
-        say(f"building {name} (max_positions {plan.max_positions}) → {model}")
-        build_causal_lm(work_dir / "models", name=name, max_positions=plan.max_positions, **spec)
-    facts = machine()
-    started = time.time()
+    model = built(work_dir / "models" / name / f"{name}-1.0.0.onnx", f"{name} (max_positions {plan.max_positions})",
+                  lambda: build_causal_lm(work_dir / "models", name=name, max_positions=plan.max_positions, **spec))
+    facts, started = machine(), time.time()
     results = measure_kvcache(plan, model, say)
-    summary = f"{facts.get('cpu')}, {facts.get('logical_cores')} logical cores, {facts.get('memory_gib')} GiB"
-    results["meta"] = {"command": command, "commit": facts.get("git_commit"), "dirty": facts.get("git_dirty"),
-                       "machine": summary, "started_unix_s": started, "duration_s": time.time() - started}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "kvcache.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out_dir / "kvcache.md").write_text(render_kvcache(results))
-    say(f"kvcache done in {results['meta']['duration_s']:.0f} s: {out_dir / 'kvcache.md'}")
-    return results
+    return write_page("kvcache", results, render_kvcache, out_dir, command=command, facts=facts, started_unix_s=started)

@@ -21,10 +21,8 @@ ratios to the no-reuse row; nothing here asserts a speed.
 from __future__ import annotations
 
 import itertools
-import json
 import random
 import re
-import sys
 import time
 import urllib.request
 from collections.abc import Callable
@@ -36,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from bench.procs import FleetConfig, RunningFleet, flush_redis
+from bench.standalone import preset_model, say, write_page
 from producer.client import FleetClient
 from protocol.messages import InferenceResult
 from protocol.modelcard import load_card
@@ -233,29 +232,12 @@ def run_multiturn_only(quick: bool, preset: str, out_dir: Path, work_dir: Path, 
                        machine: Callable[[], dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
     """``fleet bench --only multiturn``: build the preset's LM if needed, run the rows, write
     ``multiturn.md`` and ``multiturn.json`` in ``out_dir``."""
-    from tools.build_model import PRESETS
-    from tools.build_model import main as build_model_main
     from tools.redis_server import EmbeddedRedis
 
-    def say(msg: str) -> None:
-        print(f"[bench] {msg}", file=sys.stderr)
-
-    spec = PRESETS[preset]["lm"]
-    model = work_dir / "models" / spec["name"] / f"{spec['name']}-1.0.0.onnx"
-    if not model.exists():
-        say(f"building the {preset} lm model → {model}")
-        build_model_main(["--preset", preset, "--kind", "lm", "--out-dir", str(work_dir / "models")])
+    model = preset_model(preset, "lm", work_dir)
     plan = MultiTurnPlan(conversations=4, turns=3, user_tokens=(8, 12), reply_tokens=4) if quick else MultiTurnPlan()
-    facts = machine()
-    started = time.time()
+    facts, started = machine(), time.time()
     with EmbeddedRedis() as redis:
         results = measure_multiturn(plan, model, redis.url, work_dir, say)
-    summary = f"{facts.get('cpu')}, {facts.get('logical_cores')} logical cores, {facts.get('memory_gib')} GiB"
-    results["meta"] = {"command": command, "commit": facts.get("git_commit"), "dirty": facts.get("git_dirty"),
-                       "machine": summary, "started_unix_s": started,
-                       "duration_s": time.time() - started}  # fmt: skip
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "multiturn.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out_dir / "multiturn.md").write_text(render_multiturn(results))
-    say(f"multiturn done in {results['meta']['duration_s']:.0f} s: {out_dir / 'multiturn.md'}")
+    write_page("multiturn", results, render_multiturn, out_dir, command=command, facts=facts, started_unix_s=started)
     return results

@@ -20,11 +20,9 @@ reports the medians and the ratios to the ``off`` row.
 
 from __future__ import annotations
 
-import json
 import random
 import resource
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.kvcache import loop_burst
+from bench.standalone import preset_model, say, write_page
 from protocol.modelcard import load_card
 from protocol.settings import BatchingSettings, EngineSettings, LimitSettings
 from workers.engine import Engine
@@ -245,30 +244,13 @@ def run_spinning_only(quick: bool, preset: str, out_dir: Path, work_dir: Path, c
                       machine: Callable[[], dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
     """``fleet bench --only spinning``: build the preset's LM if needed, run the rows, write ``spinning.md``
     and ``spinning.json`` in ``out_dir``."""
-    from tools.build_model import PRESETS
-    from tools.build_model import main as build_model_main
-
-    def say(msg: str) -> None:
-        print(f"[bench] {msg}", file=sys.stderr)
-
-    spec = PRESETS[preset]["lm"]
-    model = work_dir / "models" / spec["name"] / f"{spec['name']}-1.0.0.onnx"
-    if not model.exists():
-        say(f"building the {preset} lm model → {model}")
-        build_model_main(["--preset", preset, "--kind", "lm", "--out-dir", str(work_dir / "models")])
-    facts = machine()
-    started = time.time()
-    plan = QUICK if quick else SpinPlan()
-    results = measure_spinning(plan, model, say)
     from tools.redis_server import EmbeddedRedis
 
+    model = preset_model(preset, "lm", work_dir)
+    facts, started = machine(), time.time()
+    plan = QUICK if quick else SpinPlan()
+    results = measure_spinning(plan, model, say)
     with EmbeddedRedis() as redis:
         results["fleet"] = fleet_rows(plan, model, redis.url, work_dir, say)
-    summary = f"{facts.get('cpu')}, {facts.get('logical_cores')} logical cores, {facts.get('memory_gib')} GiB"
-    results["meta"] = {"command": command, "commit": facts.get("git_commit"), "dirty": facts.get("git_dirty"),
-                       "machine": summary, "started_unix_s": started, "duration_s": time.time() - started}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "spinning.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out_dir / "spinning.md").write_text(render_spinning(results))
-    say(f"spinning done in {results['meta']['duration_s']:.0f} s: {out_dir / 'spinning.md'}")
-    return results
+    return write_page("spinning", results, render_spinning, out_dir, command=command, facts=facts,
+                      started_unix_s=started)  # fmt: skip

@@ -18,11 +18,9 @@ Nothing asserts a speed.
 
 from __future__ import annotations
 
-import json
 import random
 import resource
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +29,7 @@ from typing import Any
 
 import redis
 
+from bench.standalone import built, say, write_page
 from protocol.messages import GenerationParams
 from protocol.modelcard import load_card
 from protocol.settings import BatchingSettings, EngineSettings, LimitSettings
@@ -180,24 +179,12 @@ def run_streaming_only(quick: bool, preset: str, out_dir: Path, work_dir: Path, 
     from tools.build_llama import build_llama
     from tools.redis_server import EmbeddedRedis
 
-    def say(msg: str) -> None:
-        print(f"[bench] {msg}", file=sys.stderr)
-
     name = "stream-llama-7m"
-    model = work_dir / "models" / name / f"{name}-1.0.0.onnx"
-    if not model.exists():
-        say(f"building {name} → {model}")
-        build_llama(work_dir / "models", name=name, num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4,
-                    vocab_size=8192, max_positions=512)
-    facts = machine()
-    started = time.time()
+    model = built(work_dir / "models" / name / f"{name}-1.0.0.onnx", name,
+                  lambda: build_llama(work_dir / "models", name=name, num_layers=4, hidden_size=256, num_heads=8,
+                                      num_kv_heads=4, vocab_size=8192, max_positions=512))  # fmt: skip
+    facts, started = machine(), time.time()
     with EmbeddedRedis() as server:
         results = measure_streaming(QUICK if quick else StreamPlan(), model, server.url, say)
-    summary = f"{facts.get('cpu')}, {facts.get('logical_cores')} logical cores, {facts.get('memory_gib')} GiB"
-    results["meta"] = {"command": command, "commit": facts.get("git_commit"), "dirty": facts.get("git_dirty"),
-                       "machine": summary, "started_unix_s": started, "duration_s": time.time() - started}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "streaming.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out_dir / "streaming.md").write_text(render_streaming(results))
-    say(f"streaming done in {results['meta']['duration_s']:.0f} s: {out_dir / 'streaming.md'}")
-    return results
+    return write_page("streaming", results, render_streaming, out_dir, command=command, facts=facts,
+                      started_unix_s=started)  # fmt: skip

@@ -210,7 +210,7 @@ async def get_request(request_id: RequestId, _: CallerDep, gw: GatewayDep, wait_
     view, model = await read_view(gw.fleet, gw.aredis, request_id)
     if wait_s and view.status in (RequestStatus.QUEUED, RequestStatus.RUNNING):
         with contextlib.suppress(ResultTimeout):  # the bound: answer with the status as it is then
-            await await_outcomes(gw.fleet, gw.aredis, [request_id], timeout_s=wait_s)
+            await await_outcomes(gw.fleet, gw.aredis, [request_id], timeout_s=wait_s, notifier=gw.results)
         view, model = await read_view(gw.fleet, gw.aredis, request_id)
     if view.status is not RequestStatus.QUEUED or model is None or await gw.apresence.has_worker(model):
         return view

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException
 
 from gateway.auth import API_KEY_HEADER, key_refusal
 from gateway.middleware import GatewayMetrics
+from gateway.result_notifier import ResultNotifier
 from gateway.submit_queue import SubmitQueue
 from producer.admission import rate_key_for
 from producer.client import FleetClient
@@ -49,11 +50,13 @@ class Gateway:
         self.keys = [k.encode() for k in settings.api.api_keys]
         self.presence = WorkerPresence(fleet.redis)  # which models have a live worker (read at most once a second)
         self.apresence = AsyncWorkerPresence(self.aredis)  # the same, for waits on the event loop
+        self.results = ResultNotifier(self.aredis)  # wakes result waits on publication (one pub/sub connection)
         self.submits = SubmitQueue(partial(send_group, fleet), max_group_requests=settings.api.max_grouped_requests,
                                    registry=self.registry)  # fmt: skip
 
     async def aclose(self) -> None:
         """Close both Redis clients and the Celery app."""
+        await self.results.aclose()
         await self.aredis.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
         self.fleet.close()
 

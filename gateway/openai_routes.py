@@ -252,7 +252,8 @@ async def outcome_or_error(
     failure (its fields renamed to the caller's: ``field_names``, OpenAI's shape)."""
     try:
         waiting = await_outcomes(gw.fleet, gw.aredis, [rid], timeout_s=WAIT_S, model=model,
-                                 no_worker_after_s=gw.settings.api.no_worker_wait_s, presence=gw.apresence)
+                                 no_worker_after_s=gw.settings.api.no_worker_wait_s, presence=gw.apresence,
+                                 notifier=gw.results)
         outcome = (await unless_client_leaves(http, waiting, partial(cancel_requests, gw, [rid])))[rid]
     except ClientLeft:
         return Response(status_code=CLIENT_CLOSED_REQUEST, headers=headers)
@@ -294,7 +295,8 @@ async def embeddings(body: EmbeddingBody, rate_key: CallerDep, gw: GatewayDep, h
     headers = {"X-Request-ID": ",".join(ids)}
     try:
         waiting = await_outcomes(gw.fleet, gw.aredis, ids, timeout_s=WAIT_S, model=gw.settings.model_key(body.model),
-                                 no_worker_after_s=gw.settings.api.no_worker_wait_s, presence=gw.apresence)
+                                 no_worker_after_s=gw.settings.api.no_worker_wait_s, presence=gw.apresence,
+                                 notifier=gw.results)
         outcomes = await unless_client_leaves(http, waiting, partial(cancel_requests, gw, ids))
     except ClientLeft:
         return Response(status_code=CLIENT_CLOSED_REQUEST, headers=headers)

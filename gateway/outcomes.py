@@ -1,6 +1,7 @@
-"""Wait for stored results on the event loop: poll ``celery-task-meta-<id>`` with ``MGET`` on
-``redis.asyncio``, backing off from :data:`FIRST_POLL_S` to :data:`MAX_POLL_S`, so a waiting HTTP
-request costs a coroutine, never a thread.
+"""Wait for stored results on the event loop: read ``celery-task-meta-<id>`` with ``MGET`` on
+``redis.asyncio``, woken by the result's publication (:mod:`gateway.result_notifier`) or, without a
+notifier, polling from :data:`FIRST_POLL_S` to :data:`MAX_POLL_S`, so a waiting HTTP request costs a
+coroutine, never a thread.
 
 A wait for a model no live worker serves is bounded: past ``no_worker_after_s`` the workers' heartbeats
 (:mod:`producer.presence`, what ``/readyz`` reads) are checked every :data:`NO_WORKER_RECHECK_S`, and
@@ -15,6 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import redis.asyncio
 
+from gateway.result_notifier import ResultNotifier
 from producer.client import FleetClient
 from producer.presence import AsyncWorkerPresence, no_worker_message
 from protocol.errors import FleetError, NoLiveWorker, ResultTimeout
@@ -32,6 +34,9 @@ NO_WORKER_RECHECK_S = 1.0
 
 FIRST_POLL_S = 0.005
 MAX_POLL_S = 0.1
+BACKSTOP_POLL_S = (0.05, 0.5)
+"""First and longest pause between two reads of a wait that a publication wakes (s): what bounds the
+delay when a publication is lost."""
 Outcome = InferenceResult | FleetError
 
 
@@ -79,8 +84,12 @@ async def relay_unless_no_worker(
 async def await_outcomes(
     fleet: FleetClient, aredis: redis.asyncio.Redis[bytes], request_ids: Sequence[str], *, timeout_s: float,
     model: str | None = None, no_worker_after_s: float | None = None, presence: AsyncWorkerPresence | None = None,
+    notifier: ResultNotifier | None = None,
 ) -> dict[str, Outcome]:
     """The result (or the error) of every one of ``request_ids``, once all are stored.
+
+    ``notifier`` (the process's :class:`~gateway.result_notifier.ResultNotifier`): woken the moment a
+    result is published, reading the keys only on a slow backstop schedule; without it, polled.
 
     ``model``, ``no_worker_after_s`` and ``presence`` (the process's shared heartbeat reader): from that many
     seconds on, the wait ends as soon as no live worker of ``model`` is seen (checked every
@@ -91,13 +100,30 @@ async def await_outcomes(
         NoLiveWorker: past ``no_worker_after_s``, no live worker serves ``model``.
     """
     backend = fleet.app.backend
+    keys = [backend.get_key_for_task(rid) for rid in dict.fromkeys(request_ids)]
+    if notifier is None:
+        return await _read_until_done(fleet, aredis, request_ids, None, timeout_s, model, no_worker_after_s, presence)
+    async with notifier.watching(keys) as woken:  # subscribed before the first read: no result slips between
+        return await _read_until_done(fleet, aredis, request_ids, woken, timeout_s, model, no_worker_after_s,
+                                      presence)  # fmt: skip
+
+
+async def _read_until_done(
+    fleet: FleetClient, aredis: redis.asyncio.Redis[bytes], request_ids: Sequence[str], woken: asyncio.Event | None,
+    timeout_s: float, model: str | None, no_worker_after_s: float | None, presence: AsyncWorkerPresence | None,
+) -> dict[str, Outcome]:
+    """:func:`await_outcomes`' loop: read the result keys, then wait for ``woken`` (a result published) or
+    the next read of the backstop schedule (``BACKSTOP_POLL_S``, or without ``woken`` the polling one)."""
+    backend = fleet.app.backend
     started = time.monotonic()
     deadline = started + timeout_s
     check_at = None if model is None or no_worker_after_s is None or presence is None else started + no_worker_after_s
-    poll_s = FIRST_POLL_S
+    poll_s, max_poll_s = (FIRST_POLL_S, MAX_POLL_S) if woken is None else BACKSTOP_POLL_S
     done: dict[str, Outcome] = {}
     remaining = list(dict.fromkeys(request_ids))
     while True:
+        if woken is not None:
+            woken.clear()  # before the read: a result stored after it sets the event again
         raws = await aredis.mget([backend.get_key_for_task(rid) for rid in remaining])
         for rid, raw in zip(remaining, raws, strict=True):
             if raw is not None:
@@ -117,5 +143,12 @@ async def await_outcomes(
         if now >= deadline:
             msg = f"no result for {remaining[0]} within {timeout_s} s; poll GET /v1/requests/{remaining[0]}"
             raise ResultTimeout(msg, "timeout_s", timeout_s)
-        await asyncio.sleep(poll_s)
-        poll_s = min(MAX_POLL_S, poll_s * 1.5)
+        pause = min(poll_s, max(0.0, deadline - now))
+        if check_at is not None:
+            pause = min(pause, max(0.0, check_at - now))
+        if woken is None:
+            await asyncio.sleep(pause)
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(woken.wait(), pause)
+        poll_s = min(max_poll_s, poll_s * 1.5)

@@ -140,3 +140,22 @@ def test_quick_multiturn_phase_runs_every_row_on_the_same_conversations(tmp_path
     # every conversation's later turns went to the worker holding it (quick prompts span >= 1 block)
     assert rows["reuse_routing"]["routed"] > 0 and rows["reuse_routing"]["hit_rate"] > 0
     assert "reuse + routing" in (tmp_path / "multiturn.md").read_text()
+
+
+@pytest.mark.timeout(240)
+def test_quick_gateway_phase_measures_every_route_against_the_client(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "producer.cli", "bench", "--quick", "--only", "gateway", "--out",
+           str(tmp_path / "benchmarks.md"), "--work-dir", str(tmp_path / "work")]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=220, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads((tmp_path / "gateway.json").read_text())
+    rows = {kind: setup["rows"] for kind, setup in results["setups"].items()}
+    assert list(rows["lm"]) == ["client", "native_poll", "native_wait"] and list(rows["encoder"]) == ["client",
+                                                                                                    "embeddings"]
+    for kind, setup_rows in rows.items():
+        for key, row in setup_rows.items():
+            assert row["errors"] == 0 and row["qps"] > 0 and row["lone_p50_ms"] > 0, (kind, key, row)
+            assert row["cpu_ms_per_request"]["worker"] > 0 and row["cpu_ms_per_request"]["callers"] > 0
+            if key != "client":
+                assert row["ratio"] > 0 and row["cpu_ms_per_request"]["gateway"] > 0
+    assert "× FleetClient" in (tmp_path / "gateway.md").read_text()

@@ -1,0 +1,122 @@
+"""Waking the gateway's waits the moment a result is stored: one pub/sub connection per process.
+
+A worker stores every result with ``SET`` + ``PUBLISH`` on the result key's own channel (Celery's Redis
+backend protocol, :mod:`workers.bulk` for bulk messages too). :class:`ResultNotifier` keeps one
+``redis.asyncio`` pub/sub connection for the whole gateway: a wait subscribes its result keys' channels
+(:meth:`ResultNotifier.watching`), waits for the server's confirmation, then reads the keys; a
+publication on any of them sets the wait's event. The waits still read the keys themselves
+(:func:`gateway.outcomes.await_outcomes`) on a slow backstop schedule, so a publication that is lost (a
+Redis restart, a subscription not confirmed in time) delays an answer, never loses it.
+
+One connection serves every waiting call: channels are subscribed while some wait needs them and
+unsubscribed when the last one leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import redis
+import redis.asyncio
+
+__all__ = ["CONFIRM_S", "ResultNotifier"]
+
+log = logging.getLogger("fleet.api")
+
+CONFIRM_S = 1.0
+"""Longest wait for the server to confirm a subscription before the wait goes on without it (s)."""
+
+
+class ResultNotifier:
+    """Subscribes result channels for waiting coroutines and wakes them (see the module docstring)."""
+
+    def __init__(self, client: redis.asyncio.Redis[bytes]) -> None:
+        self.client = client
+        self._pubsub: Any = None
+        self._listener: asyncio.Task[None] | None = None
+        self._waiters: dict[bytes, set[asyncio.Event]] = {}
+        self._confirmed: dict[bytes, asyncio.Event] = {}
+        # one command at a time: UNSUBSCRIBEs sent by several tasks at once were lost (redis-py 8.2)
+        self._commands = asyncio.Lock()
+
+    @contextlib.asynccontextmanager
+    async def watching(self, keys: Sequence[bytes]) -> AsyncIterator[asyncio.Event]:
+        """An event set whenever a result is published on one of ``keys`` (result keys, as channels),
+        subscribed (and confirmed, or :data:`CONFIRM_S` passed) before it is yielded: read the keys
+        after entering, and a result stored from then on wakes the event."""
+        event = asyncio.Event()
+        fresh = [k for k in dict.fromkeys(keys) if k not in self._waiters]
+        for key in keys:
+            self._waiters.setdefault(key, set()).add(event)
+        try:
+            if fresh:
+                await self._subscribe(fresh)
+            yield event
+        finally:
+            gone = []
+            for key in keys:
+                waiting = self._waiters.get(key)
+                if waiting is not None:
+                    waiting.discard(event)
+                    if not waiting:
+                        del self._waiters[key]
+                        gone.append(key)
+            if gone and self._pubsub is not None:
+                with contextlib.suppress(redis.RedisError, OSError):  # a broken connection forgets them anyway
+                    async with self._commands:
+                        await self._pubsub.unsubscribe(*gone)
+
+    async def _subscribe(self, keys: list[bytes]) -> None:
+        confirmations = [asyncio.Event() for _ in keys]  # fresh: an earlier subscription's may still be set
+        self._confirmed.update(zip(keys, confirmations, strict=True))
+        try:
+            async with self._commands:
+                if self._pubsub is None:
+                    self._pubsub = self.client.pubsub()
+                await self._pubsub.subscribe(*keys)
+        except (redis.RedisError, OSError) as exc:  # the backstop reads still answer the wait
+            log.warning("result notifications unavailable (%s): waits fall back to reading", exc)
+            return
+        if self._listener is None or self._listener.done():
+            self._listener = asyncio.create_task(self._listen(), name="fleet-result-notifier")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(c.wait() for c in confirmations)), CONFIRM_S)
+
+    async def _listen(self) -> None:
+        """Read the pub/sub connection for as long as the process lives; wake the waiters of each message."""
+        while True:
+            try:
+                message = await self._pubsub.get_message(ignore_subscribe_messages=False, timeout=1.0)
+            except (redis.RedisError, OSError) as exc:
+                log.warning("result notifications interrupted (%s): reconnecting", exc)
+                for confirmed in self._confirmed.values():
+                    confirmed.clear()
+                await asyncio.sleep(0.2)
+                continue
+            except asyncio.CancelledError:
+                raise
+            if message is None:
+                continue
+            channel = message.get("channel")
+            kind = message.get("type")
+            if kind == "message":
+                for event in self._waiters.get(channel, ()):
+                    event.set()
+            elif kind == "subscribe":
+                self._confirmed.setdefault(channel, asyncio.Event()).set()
+            elif kind == "unsubscribe" and channel not in self._waiters:  # not wanted again meanwhile
+                self._confirmed.pop(channel, None)
+
+    async def aclose(self) -> None:
+        """Stop listening and close the connection."""
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._listener
+        if self._pubsub is not None:
+            with contextlib.suppress(Exception):
+                await self._pubsub.aclose()

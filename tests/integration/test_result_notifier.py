@@ -1,0 +1,102 @@
+"""The gateway's result waits woken by the result's publication (:mod:`gateway.result_notifier`), on a
+real redis-server and a real Celery result backend: a wait whose backstop reads are pushed past its
+timeout still answers (only the publication can have woken it); a result stored without a publication
+is still found; many waits share one pub/sub connection and leave no subscription behind."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio
+
+from gateway import outcomes
+from gateway.outcomes import await_outcomes
+from gateway.result_notifier import ResultNotifier
+from producer.client import FleetClient
+from protocol.errors import InvalidRequest
+from protocol.settings import FleetSettings
+from tools.redis_server import EmbeddedRedis
+
+
+@pytest.fixture
+def client(redis_server: EmbeddedRedis) -> Iterator[FleetClient]:
+    redis.Redis.from_url(redis_server.url).flushall()
+    c = FleetClient(FleetSettings(redis_url=redis_server.url))
+    yield c
+    c.close()
+
+
+def _subscribers(url: str, key: bytes) -> int:
+    counts: dict[Any, int] = dict(redis.Redis.from_url(url).pubsub_numsub(key))  # types-redis says str keys; bytes here
+    return int(counts[key])
+
+
+async def _until(check: object, what: str) -> None:
+    for _ in range(20_000):  # each pass yields to the loop (and to Redis): an event, not a time window
+        if await asyncio.to_thread(check):  # type: ignore[arg-type]
+            return
+    raise AssertionError(f"never: {what}")
+
+
+def _fail(client: FleetClient, rid: str, *, publish: bool) -> None:
+    """Store ``rid``'s failure the way a worker does (SET + PUBLISH), or with SET alone."""
+    backend = client.app.backend
+    if publish:
+        backend.mark_as_failure(rid, InvalidRequest(f"bad {rid}", "input_ids", 1))
+        return
+    meta = backend._get_result_meta(result=backend.prepare_exception(InvalidRequest(f"bad {rid}", "input_ids", 1)),
+                                    state="FAILURE", traceback=None, request=None)  # fmt: skip
+    meta["task_id"] = rid
+    client.redis.set(backend.get_key_for_task(rid), backend.encode(meta))
+
+
+def test_a_publication_wakes_every_wait_on_one_connection(client: FleetClient, redis_server: EmbeddedRedis,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setattr(outcomes, "BACKSTOP_POLL_S", (3600.0, 3600.0))  # only a publication can end these waits
+    url = redis_server.url
+
+    async def main() -> None:
+        aredis = redis.asyncio.Redis.from_url(url)
+        notifier = ResultNotifier(aredis)
+        try:
+            key = client.app.backend.get_key_for_task
+            waits = [asyncio.create_task(await_outcomes(client, aredis, ids, timeout_s=120, notifier=notifier))
+                     for ids in (["a"], ["a", "b"], ["b"], ["c"])]  # fmt: skip
+            for rid in "abc":
+                await _until(lambda rid=rid: _subscribers(url, key(rid)) == 1, f"{rid} subscribed once")
+            for rid in "abc":
+                await asyncio.to_thread(_fail, client, rid, publish=True)
+            answers = await asyncio.gather(*waits)
+            assert [sorted(a) for a in answers] == [["a"], ["a", "b"], ["b"], ["c"]]
+            assert all(isinstance(v, InvalidRequest) for a in answers for v in a.values())
+            await _until(lambda: all(_subscribers(url, key(r)) == 0 for r in "abc"), "every channel unsubscribed")
+            pubsubs = [c for c in redis.Redis.from_url(url).client_list() if int(c.get("sub", 0)) or "subscribe"
+                       in c.get("cmd", "")]  # fmt: skip
+            assert len(pubsubs) <= 1  # one connection served them all
+        finally:
+            await notifier.aclose()
+            await aredis.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
+
+    asyncio.run(main())
+
+
+def test_a_result_stored_without_publication_is_still_found(client: FleetClient, redis_server: EmbeddedRedis) -> None:
+    async def main() -> None:
+        aredis = redis.asyncio.Redis.from_url(redis_server.url)
+        notifier = ResultNotifier(aredis)
+        try:
+            key = client.app.backend.get_key_for_task(b"lost".decode())
+            wait = asyncio.create_task(await_outcomes(client, aredis, ["lost"], timeout_s=120, notifier=notifier))
+            await _until(lambda: _subscribers(redis_server.url, key) == 1, "subscribed")
+            await asyncio.to_thread(_fail, client, "lost", publish=False)
+            answer = await wait  # by a backstop read
+            assert isinstance(answer["lost"], InvalidRequest)
+        finally:
+            await notifier.aclose()
+            await aredis.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
+
+    asyncio.run(main())
