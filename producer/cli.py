@@ -180,18 +180,17 @@ def cmd_redis(args: argparse.Namespace) -> int:
 
     # a taken port (PortInUse) or a loopback that is down (LoopbackDown): one line, exit 1 (producer.cli_errors)
     server = EmbeddedRedis(args.port or None, appendonly=args.appendonly).start()
-    from tools.processes import interrupt_on_stop_signals
+    from tools.processes import serve_until_stopped
 
-    interrupt_on_stop_signals()
-    print(f"redis-server listening on port {server.port} (pid {server.proc.pid if server.proc else '?'}): "
-          f"export FLEET_REDIS_URL={server.url}   (Ctrl-C stops it)", flush=True)
-    try:
+    def ready() -> None:
+        print(f"redis-server listening on port {server.port} (pid {server.proc.pid if server.proc else '?'}): "
+              f"export FLEET_REDIS_URL={server.url}   (Ctrl-C stops it)", flush=True)
+
+    def wait() -> None:
         while server.proc is not None and server.proc.poll() is None:
             time.sleep(1)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
+
+    serve_until_stopped(ready, wait, server.stop)
     return 0
 
 

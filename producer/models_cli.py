@@ -105,7 +105,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_store(args: argparse.Namespace) -> int:
-    from tools.processes import interrupt_on_stop_signals
+    from tools.processes import serve_until_stopped
     from tools.redis_server import PortInUse
     from tools.seaweed_server import EmbeddedSeaweed, weed_version
 
@@ -123,16 +123,17 @@ def cmd_store(args: argparse.Namespace) -> int:
         return 1
     exports = " ".join(f"{k}={v}" for k, v in server.env().items())
     pid = server.proc.pid if server.proc else "?"
-    print(f"SeaweedFS {weed_version()} S3 at {server.endpoint_url}, bucket {server.bucket}, data in {server.data_dir} "
-          f"(pid {pid}; log {server.log_path}):\nexport {exports}\n(Ctrl-C stops it)", flush=True)
-    interrupt_on_stop_signals()
-    try:
+
+    def ready() -> None:
+        print(f"SeaweedFS {weed_version()} S3 at {server.endpoint_url}, bucket {server.bucket}, data in "
+              f"{server.data_dir} (pid {pid}; log {server.log_path}):\nexport {exports}\n(Ctrl-C stops it)",
+              flush=True)  # fmt: skip
+
+    def wait() -> None:
         if server.proc is not None:
             server.proc.wait()  # until Ctrl-C / SIGTERM (or the server dies)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
+
+    serve_until_stopped(ready, wait, server.stop)
     return 0
 
 

@@ -81,6 +81,26 @@ def interrupt_on_stop_signals() -> None:
         signal.signal(sig, _interrupt)
 
 
+def serve_until_stopped(ready: Callable[[], None], wait: Callable[[], None], stop: Callable[[], None]) -> None:
+    """A foreground server command's life: ``ready()`` (print the line its callers wait for), ``wait()``
+    until Ctrl-C or SIGTERM (or the server ends), then ``stop()``, always, once.
+
+    The signal handlers are set before ``ready()``: a caller that acts on the printed line at once (a
+    script's ``kill -INT``) may interrupt ``ready()`` itself, and still gets a clean stop and exit 0.
+    Further stop signals are ignored while ``stop()`` runs.
+    """
+    interrupt_on_stop_signals()
+    try:
+        ready()
+        wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        stop()
+
+
 def worker_command(
     model: str, concurrency: int, hostname: str, queue: str, loglevel: str = "INFO", python: str | None = None
 ) -> list[str]:
