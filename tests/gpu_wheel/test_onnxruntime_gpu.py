@@ -10,30 +10,21 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import venv
 from pathlib import Path
 
 import pytest
 
 from tests.integration.fleet_fixtures import Fleet
-from tests.tier_venv import pip_install_or_skip
+from tests.tier_venv import TIERS, ensure_venv
 
 pytestmark = pytest.mark.gpu_wheel
 
 ROOT = Path(__file__).resolve().parents[2]
-ORT_GPU = "onnxruntime-gpu==1.31.1"
-VENV = ROOT / "var" / "ort-gpu-venv"
 
 
 @pytest.fixture(scope="module")
 def gpu_python() -> str:
-    python = VENV / "bin" / "python"
-    marker = VENV / f".ready-{ORT_GPU}-FLEET_ORT-gpu"
-    if not marker.exists():
-        venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
-        # the documented GPU install: FLEET_ORT=gpu makes setup.py depend on onnxruntime-gpu instead
-        pip_install_or_skip(python, ["-e", f"{ROOT}[gpu]", ORT_GPU], env={**os.environ, "FLEET_ORT": "gpu"})
-        marker.touch()
+    python = ensure_venv(TIERS["ort-gpu"])  # the documented GPU install (FLEET_ORT=gpu), built once
     probe = subprocess.run(
         [str(python), "-c", "import onnxruntime as o, importlib.metadata as m; "
          "print(m.version('onnxruntime-gpu'), o.get_available_providers())"],

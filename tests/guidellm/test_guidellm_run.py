@@ -1,7 +1,7 @@
 """guidellm, the load client vLLM users already run, benchmarks a real gateway and worker unchanged.
 
 guidellm 0.8.1 is installed in ``var/guidellm-venv`` (built once, a few minutes; reused while
-``PINS`` stay the same). Its OpenAI backend probes ``GET /health``, lists ``GET /v1/models`` and
+its pins stay the same). Its OpenAI backend probes ``GET /health``, lists ``GET /v1/models`` and
 streams each request with ``stream_options: {"include_usage": true, "continuous_usage_stats":
 true}``, ``max_completion_tokens`` (chat) or ``max_tokens`` (completions), ``stop: null`` and
 ``ignore_eos: true``. A few requests per route, synchronous then 4 concurrent streams; every request
@@ -12,10 +12,8 @@ Offline, or on a machine without the CPU torch wheel, the tier skips (see ``test
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
-import venv
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.integration.ops_fixtures import API_KEY, GatewayProcess, OpsFleet, ops_models, ops_redis
-from tests.tier_venv import pip_install_or_skip
+from tests.tier_venv import TIERS, ensure_venv
 from tools.redis_server import EmbeddedRedis
 
 __all__ = ["ops_models", "ops_redis"]
@@ -31,23 +29,15 @@ __all__ = ["ops_models", "ops_redis"]
 pytestmark = [pytest.mark.guidellm, pytest.mark.timeout(900)]  # the first run builds the venv (a few minutes)
 
 ROOT = Path(__file__).resolve().parents[2]
-VENV = ROOT / "var" / "guidellm-venv"
-TORCH_CPU = "torch==2.13.0+cpu"
-"""The CPU wheel on this machine's disk (pip's find-links); any other torch would download CUDA."""
-PINS = (TORCH_CPU, "guidellm==0.8.1")
 OUTPUT_TOKENS = 8
 REQUESTS = 6
 
 
 @pytest.fixture(scope="session")
 def guidellm_venv() -> Path:
-    """The tier's venv (built on first use, reused while ``PINS`` stay the same)."""
-    marker = VENV / f".ready-{hashlib.sha256(' '.join(PINS).encode()).hexdigest()[:16]}"
-    if not marker.exists():
-        venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
-        pip_install_or_skip(VENV / "bin" / "python", PINS, local_only=[TORCH_CPU], timeout_s=600)
-        marker.touch()
-    return VENV
+    """The tier's venv (built on first use, reused while its pins stay the same: ``tests.tier_venv``)."""
+    ensure_venv(TIERS["guidellm"])
+    return TIERS["guidellm"].venv
 
 
 @pytest.fixture(scope="module")

@@ -1,45 +1,32 @@
 """The optimum tier's session fixtures: its virtual environment and the exports built inside it.
 
 ``optimum_python`` builds ``var/optimum-venv`` (torch CPU, transformers, optimum) on first use and
-reuses it while ``PINS`` stay the same; ``exports`` runs ``export_models.py`` there once per session
-(a tiny random GPT-2 and Llama, exported to ONNX ``text-generation-with-past``, with transformers'
-greedy references). Offline, or without the CPU torch wheel, the tier skips (``tests/tier_venv.py``).
+reuses it while its pins (``tests.tier_venv.TIERS``) stay the same; ``exports`` runs ``export_models.py``
+there once per session (a tiny random GPT-2 and Llama, exported to ONNX ``text-generation-with-past``,
+with transformers' greedy references). Offline, or without the CPU torch wheel, the tier skips (``tests/tier_venv.py``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
-import venv
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.tier_venv import pip_install_or_skip
+from tests.tier_venv import TIERS, ensure_venv
 
 ROOT = Path(__file__).resolve().parents[2]
-VENV = ROOT / "var" / "optimum-venv"
-TORCH_CPU = "torch==2.13.0+cpu"
-"""The CPU wheel on this machine's disk (pip's find-links); any other torch would download CUDA."""
-PINS = (TORCH_CPU, "transformers==4.57.6", "optimum==2.1.0", "optimum-onnx==0.1.0", "onnx==1.23.2",
-        "onnxruntime==1.31.1")
-"""optimum-onnx 0.1.0 needs optimum ~=2.1.0 and transformers <4.58."""
+TIER = TIERS["optimum"]
 EXPORT_SCRIPT = Path(__file__).with_name("export_models.py")
 
 
 @pytest.fixture(scope="session")
 def optimum_python() -> str:
-    """The tier's venv (built on first use, reused while ``PINS`` stay the same)."""
-    python = VENV / "bin" / "python"
-    marker = VENV / f".ready-{hashlib.sha256(' '.join(PINS).encode()).hexdigest()[:16]}"
-    if not marker.exists():
-        venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
-        pip_install_or_skip(python, PINS, local_only=[TORCH_CPU], timeout_s=600)
-        marker.touch()
-    return str(python)
+    """The tier's venv (built on first use, reused while its pins stay the same: ``tests.tier_venv``)."""
+    return str(ensure_venv(TIER))
 
 
 @pytest.fixture(scope="session")
