@@ -27,7 +27,6 @@ results or streams are ``async`` on redis.asyncio, so an open stream costs no th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -41,6 +40,7 @@ from fastapi import APIRouter, FastAPI, Path, Query, Response
 from fastapi.responses import JSONResponse
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from gateway.body_guard import JsonShapeMiddleware, RequestGuardMiddleware, bounds_for
@@ -61,7 +61,7 @@ from gateway.schema import (
 )
 from gateway.sse import EventStream, sse_frame
 from gateway.stream_relay import relay_events
-from gateway.views import read_view, read_view_sync
+from gateway.views import read_view, read_view_sync, view_of_outcome
 from producer.client import FleetClient, RequestStatus
 from producer.idempotent_queue import one_body_per_id, request_fingerprint
 from producer.presence import no_worker_message
@@ -103,6 +103,14 @@ def _build(gw: Gateway, body: SubmitBody) -> InferenceRequest:
     )
 
 
+def _json(model: BaseModel, status: int = 200, *, exclude_none: bool = False,
+          headers: dict[str, str] | None = None) -> Response:  # fmt: skip
+    """``model`` as the response body, serialized once by pydantic (the route's ``response_model`` stays
+    what OpenAPI documents; FastAPI does not validate and serialize a returned ``Response`` again)."""
+    return Response(model.model_dump_json(exclude_none=exclude_none), status_code=status,
+                    media_type="application/json", headers=headers)  # fmt: skip
+
+
 def _error(status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(payload, status_code=status, headers=headers)
 
@@ -125,7 +133,7 @@ RequestId = Annotated[str, Path(pattern=REQUEST_ID_PATTERN, description="The ID 
 
 @router.post("/v1/requests", status_code=202, response_model=RequestAccepted, response_model_exclude_none=True,
              tags=["requests"])
-async def submit(body: SubmitBody, response: Response, rate_key: CallerDep, gw: GatewayDep) -> RequestAccepted:
+async def submit(body: SubmitBody, rate_key: CallerDep, gw: GatewayDep) -> Response:
     """Validate, admit and queue one request; poll ``Location`` for its result.
 
     A caller-given ``request_id`` is an idempotency key: resubmitting the same body answers the
@@ -142,11 +150,10 @@ async def submit(body: SubmitBody, response: Response, rate_key: CallerDep, gw: 
         rid, status = (await gw.submits.submit(item))[0], RequestStatus.QUEUED
     else:
         rid, status = await run_in_threadpool(_send_one, gw, request, rate_key, body)
-    response.headers["Location"] = f"/v1/requests/{rid}"
     warning = None
     if status is RequestStatus.QUEUED and not await gw.apresence.has_worker(request.model):
         warning = no_worker_message(request.model, gw.settings.queue_for(request.model))
-    return _accepted(rid, status, warning)
+    return _json(_accepted(rid, status, warning), 202, exclude_none=True, headers={"Location": f"/v1/requests/{rid}"})
 
 
 def _send_one(gw: Gateway, request: InferenceRequest, rate_key: str, body: SubmitBody) -> tuple[str, RequestStatus]:
@@ -196,7 +203,7 @@ WaitS = Annotated[
 
 
 @router.get("/v1/requests/{request_id}", response_model=RequestView, tags=["requests"])
-async def get_request(request_id: RequestId, _: CallerDep, gw: GatewayDep, wait_s: WaitS = None) -> RequestView:
+async def get_request(request_id: RequestId, _: CallerDep, gw: GatewayDep, wait_s: WaitS = None) -> Response:
     """Where the request stands, with its result or error once it has one (and, while it is queued for a
     model no live worker serves, a ``warning`` that says so).
 
@@ -209,12 +216,14 @@ async def get_request(request_id: RequestId, _: CallerDep, gw: GatewayDep, wait_
         raise InvalidRequest(f"wait_s = {wait_s} exceeds the long-poll limit api.max_wait_s={cap}", "wait_s", cap)
     view, model = await read_view(gw.fleet, gw.aredis, request_id)
     if wait_s and view.status in (RequestStatus.QUEUED, RequestStatus.RUNNING):
-        with contextlib.suppress(ResultTimeout):  # the bound: answer with the status as it is then
-            await await_outcomes(gw.fleet, gw.aredis, [request_id], timeout_s=wait_s, notifier=gw.results)
-        view, model = await read_view(gw.fleet, gw.aredis, request_id)
-    if view.status is not RequestStatus.QUEUED or model is None or await gw.apresence.has_worker(model):
-        return view
-    return view.model_copy(update={"warning": no_worker_message(model, gw.settings.queue_for(model))})
+        try:
+            outcomes = await await_outcomes(gw.fleet, gw.aredis, [request_id], timeout_s=wait_s, notifier=gw.results)
+            view = view_of_outcome(request_id, outcomes[request_id])
+        except ResultTimeout:  # the bound: answer with the status as it is then
+            view, model = await read_view(gw.fleet, gw.aredis, request_id)
+    if view.status is RequestStatus.QUEUED and model is not None and not await gw.apresence.has_worker(model):
+        view = view.model_copy(update={"warning": no_worker_message(model, gw.settings.queue_for(model))})
+    return _json(view)
 
 
 @router.delete(

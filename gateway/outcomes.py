@@ -34,7 +34,7 @@ NO_WORKER_RECHECK_S = 1.0
 
 FIRST_POLL_S = 0.005
 MAX_POLL_S = 0.1
-BACKSTOP_POLL_S = (0.05, 0.5)
+BACKSTOP_POLL_S = (0.25, 1.0)
 """First and longest pause between two reads of a wait that a publication wakes (s): what bounds the
 delay when a publication is lost."""
 Outcome = InferenceResult | FleetError

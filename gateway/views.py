@@ -15,12 +15,12 @@ import redis.asyncio
 from gateway.schema import ErrorBody, RequestView
 from producer.client import FleetClient, RequestStatus
 from producer.presence import marker_key, request_model
-from producer.results import as_fleet_error, status_from
+from producer.results import as_fleet_error, status_from, status_of_error
 from protocol.errors import FleetError, RequestCancelled, RequestNotFound
 from protocol.keys import CANCEL_KEY
-from protocol.messages import decode_result
+from protocol.messages import InferenceResult, decode_result
 
-__all__ = ["ViewRead", "read_view", "read_view_sync", "view_from"]
+__all__ = ["ViewRead", "read_view", "read_view_sync", "view_from", "view_of_outcome"]
 
 ViewRead = tuple[RequestView, str | None]
 """A request's view and the model its submit marker names (None when no marker or unreadable)."""
@@ -55,6 +55,15 @@ def view_from(fleet: FleetClient, request_id: str, raw_meta: bytes | None, cance
     else:
         err = as_fleet_error(value)
     return view.model_copy(update={"error": ErrorBody(**err.to_payload())}), model
+
+
+def view_of_outcome(request_id: str, outcome: InferenceResult | FleetError) -> RequestView:
+    """The view of a finished request from its outcome, as :func:`gateway.outcomes.await_outcomes` returns
+    it (the same reading of the stored meta: no second read)."""
+    if isinstance(outcome, InferenceResult):
+        succeeded = RequestStatus.SUCCEEDED
+        return RequestView(request_id=request_id, status=succeeded, result=outcome.model_dump(mode="json"))
+    return RequestView(request_id=request_id, status=status_of_error(outcome), error=ErrorBody(**outcome.to_payload()))
 
 
 async def read_view(fleet: FleetClient, aredis: redis.asyncio.Redis[bytes], request_id: str) -> ViewRead:

@@ -31,7 +31,7 @@ from protocol.messages import InferenceResult, decode_result
 from protocol.settings import FleetSettings
 from protocol.streams import StreamEvent
 
-__all__ = ["RequestStatus", "ResultReader", "as_fleet_error", "status_from"]
+__all__ = ["RequestStatus", "ResultReader", "as_fleet_error", "status_from", "status_of_error"]
 
 
 class RequestStatus(StrEnum):
@@ -212,6 +212,15 @@ def as_fleet_error(value: Any) -> FleetError:
     return FleetError(str(value), None, None)
 
 
+def status_of_error(err: FleetError) -> RequestStatus:
+    """The status a request that ended with ``err`` has: expired, cancelled, or failed."""
+    if isinstance(err, RequestExpired):
+        return RequestStatus.EXPIRED
+    if isinstance(err, RequestCancelled):
+        return RequestStatus.CANCELLED
+    return RequestStatus.FAILED
+
+
 def status_from(meta: Mapping[str, Any] | None, *, cancel_marked: bool, known: bool) -> RequestStatus:
     """A request's status from what Redis holds of it: its stored Celery ``meta`` (decoded; None when no
     state is stored), whether it carries a cancel mark, and whether its submit marker exists.
@@ -227,12 +236,7 @@ def status_from(meta: Mapping[str, Any] | None, *, cancel_marked: bool, known: b
     if state == "REVOKED":
         return RequestStatus.CANCELLED
     if state == "FAILURE":
-        err = as_fleet_error(meta.get("result") if meta else None)
-        if isinstance(err, RequestExpired):
-            return RequestStatus.EXPIRED
-        if isinstance(err, RequestCancelled):
-            return RequestStatus.CANCELLED
-        return RequestStatus.FAILED
+        return status_of_error(as_fleet_error(meta.get("result") if meta else None))
     if cancel_marked:
         return RequestStatus.CANCELLED
     if known:
