@@ -88,17 +88,21 @@ class ResultNotifier:
 
     async def _listen(self) -> None:
         """Read the pub/sub connection for as long as the process lives; wake the waiters of each message."""
+        broken = False
         while True:
             try:
                 message = await self._pubsub.get_message(ignore_subscribe_messages=False, timeout=1.0)
             except (redis.RedisError, OSError) as exc:
-                log.warning("result notifications interrupted (%s): reconnecting", exc)
+                if not broken:  # once per outage, not every retry
+                    log.warning("result notifications interrupted (%s): waits read their keys until it is back", exc)
+                broken = True
                 for confirmed in self._confirmed.values():
                     confirmed.clear()
                 await asyncio.sleep(0.2)
                 continue
-            except asyncio.CancelledError:
-                raise
+            if broken:
+                log.info("result notifications are back")
+                broken = False
             if message is None:
                 continue
             channel = message.get("channel")
