@@ -107,8 +107,10 @@ def _json(model: BaseModel, status: int = 200, *, exclude_none: bool = False,
           headers: dict[str, str] | None = None) -> Response:  # fmt: skip
     """``model`` as the response body, serialized once by pydantic (the route's ``response_model`` stays
     what OpenAPI documents; FastAPI does not validate and serialize a returned ``Response`` again)."""
-    return Response(model.model_dump_json(exclude_none=exclude_none), status_code=status,
-                    media_type="application/json", headers=headers)  # fmt: skip
+    response = Response(model.model_dump_json(exclude_none=exclude_none), status_code=status,
+                        media_type="application/json")  # fmt: skip
+    response.headers.update(headers or {})  # after Content-Type, where a route's own headers always came
+    return response
 
 
 def _error(status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
