@@ -73,6 +73,15 @@ class BatchingSettings(_Section):
         default=True,
         description="Close the window at once when no request the worker holds is still on its way.",
     )
+    start_together_ms: float = Field(
+        default=25.0,
+        ge=0,
+        le=10_000,
+        description="Generations: while no sequence runs, the first to arrive waits up to this long for "
+        "the requests the worker already holds (taken from Redis, still being decoded), so a burst is "
+        "prefilled together and decodes from one step; it starts as soon as they have all arrived. A lone "
+        "request never waits (ms; 0 = start at once).",
+    )
     max_kv_tokens: int = Field(
         default=32_768,
         ge=1,

@@ -259,7 +259,7 @@ def handle_request(
     """
     runtime.token_taken()
     try:
-        with runtime.scheduler.arrival() as arrival:
+        with runtime.scheduler.arrival(request_id) as arrival:  # the task ID is the request ID
             cancelled = CANCEL_MARKS.take(request_id)  # read as the message was taken (broker.cancel_marks)
             if cancelled is None:
                 cancelled = bool(runtime.redis.exists(CANCEL_KEY.format(id=request_id)))

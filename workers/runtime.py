@@ -73,9 +73,10 @@ class WorkerRuntime:
         self.scheduler = Scheduler(
             self.stable.engine,
             BatchPolicy(b.max_batch_size, b.max_wait_ms, b.max_batch_tokens, b.close_when_idle),
-            backlog=_celery_backlog,
+            backlog=lambda: max(_celery_backlog(), self.scheduler.unseen(_held_task_ids())),
             generation=self.stable.generation,
             version=self.stable.version,
+            start_together_s=b.start_together_ms / 1000,
         )
         self.ready = False
         self.in_flight = 0
@@ -293,6 +294,11 @@ class WorkerRuntime:
 def _celery_backlog() -> int:
     """Requests this worker has received from Redis but not yet started (reserved, not active)."""
     return max(0, len(worker_state.reserved_requests) - len(worker_state.active_requests))
+
+
+def _held_task_ids() -> set[str]:
+    """The Celery task IDs this worker has received and not finished (reserved, active ones included)."""
+    return {str(r.id) for r in list(worker_state.reserved_requests)}
 
 
 def start_runtime(settings: FleetSettings, *, hostname: str, concurrency: int, pool: str) -> WorkerRuntime:

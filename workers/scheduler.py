@@ -149,9 +149,12 @@ class Scheduler:
         backlog: Callable[[], int] | None = None,
         generation: GenerationLoop | None = None,
         version: str = "",
+        start_together_s: float = 0.0,
     ) -> None:
         """``backlog()`` counts requests the worker has received but not yet started (Celery's
         reserved-but-not-active set); like announced arrivals, they keep the window open.
+        ``start_together_s``: while no generation runs, how long the first waiting one waits for those
+        on their way (``batching.start_together_ms``), so a burst is prefilled together.
         ``generation`` serves generate jobs (None: the model cannot generate). ``engine`` is the
         stable engine holding model ``version``; :meth:`swap` replaces it or sets a canary."""
         self._stable = Served(engine, version, "stable", time.time())
@@ -162,6 +165,7 @@ class Scheduler:
         """Generations admitted to a loop and not yet reported to the outcome observers."""
         self._outcome_observers: list[OutcomeObserver] = []
         self._backlog = backlog or (lambda: 0)
+        self.start_together_s = start_together_s
         self.policy = policy
         self.clock = clock
         self._cond = threading.Condition()
@@ -169,6 +173,8 @@ class Scheduler:
         self.generation = generation
         self._gen_waiting: list[GenSequence] = []
         self._arriving = 0
+        self._seen: set[str] = set()
+        """Celery task IDs whose threads reached this worker's code (:meth:`unseen`)."""
         self._stopping = False
         self._observers: list[Observer] = []
         self._thread = threading.Thread(target=self._loop, name="fleet-scheduler", daemon=True)
@@ -277,14 +283,30 @@ class Scheduler:
         with self._cond:
             return len(self._pending)
 
+    def seen(self, task_id: str) -> None:
+        """Note that the thread of Celery task ``task_id`` has reached this worker's code (see
+        :meth:`unseen`): it is no longer on its way, it is announced or handled."""
+        with self._cond:
+            self._seen.add(task_id)
+
+    def unseen(self, held: set[str]) -> int:
+        """How many of ``held`` (the Celery task IDs the worker has received and not finished) have not
+        reached this worker's code yet: taken from Redis, queued for a pool thread, or in Celery's
+        tracer before the task body. IDs no longer held are forgotten."""
+        with self._cond:
+            self._seen &= held
+            return len(held - self._seen)
+
     @contextmanager
-    def arrival(self) -> Iterator[Arrival]:
-        """Announce a job while the task thread decodes and validates it.
+    def arrival(self, task_id: str | None = None) -> Iterator[Arrival]:
+        """Announce a job while the task thread decodes and validates it (``task_id``: its Celery task).
 
         While any announced job has not been submitted, the policy knows company is on its way.
         Leaving the block without submitting (a bad request) withdraws the announcement.
         """
         with self._cond:
+            if task_id is not None:
+                self._seen.add(task_id)
             self._arriving += 1
         handle = Arrival(self)
         try:
@@ -380,13 +402,26 @@ class Scheduler:
                         decision.count :
                     ]
                     reason = decision.reason
-                gen_work = self._admit() if self._gen_waiting else [(loop, []) for loop in loops]
+                hold_until = self._start_together_until(running, on_the_way)
+                admit = self._gen_waiting and hold_until is None
+                gen_work = self._admit() if admit else [(loop, []) for loop in loops]
                 if batch or running or any(joiners for _, joiners in gen_work):
                     return batch, reason, served, formed_unix_s, gen_work
-                timeout = None if not isinstance(decision, Wait) or decision.until_s is None else max(
-                    0.0, decision.until_s - self.clock()
-                )
-                self._cond.wait(timeout)
+                until = [u for u in (decision.until_s if isinstance(decision, Wait) else None, hold_until)
+                         if u is not None]  # fmt: skip
+                self._cond.wait(max(0.0, min(until) - self.clock()) if until else None)
+
+    def _start_together_until(self, running: bool, on_the_way: int) -> float | None:
+        """When the waiting generations should start (clock s) if they are held for company, else None.
+
+        Held only while no sequence runs (a running batch takes joiners at its next step anyway), and
+        only while requests the worker holds are still on their way to the scheduler: a lone request
+        never waits, and a burst starts the moment its last request arrives (caller holds the lock).
+        """
+        if running or on_the_way <= 0 or not self._gen_waiting or self.start_together_s <= 0:
+            return None
+        until = self._gen_waiting[0].arrived_s + self.start_together_s
+        return until if self.clock() < until else None
 
     def _loop(self) -> None:
         while True:

@@ -85,6 +85,7 @@ def register_tasks(app: Celery) -> None:
     def infer_bulk(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Many requests: ``args=[{"requests": [{"request_id": ..., "model": ..., "input_ids": [...]}, ...]}]``."""
         runtime = _runtime()
+        runtime.scheduler.seen(str(self.request.id))  # its requests reach the scheduler together, or fail
         if len(args) != 1 or kwargs or not isinstance(args[0], dict):
             raise DecodeError("fleet.infer_bulk takes exactly one JSON object {requests: [...]}", "args", 1)
         return handle_bulk(

@@ -269,3 +269,22 @@ def test_bad_generation_arguments_raise_fleet_errors_naming_the_field(fleet: Fle
     with pytest.raises(InvalidRequest) as info:
         client.submit("demo-encoder", [5], generation={"max_new_tokens": 4})
     assert info.value.field == "output.kind"
+
+
+def test_generations_that_arrive_together_start_in_the_same_step(fleet: Fleet) -> None:
+    """Eight generations queued in one Redis step reach an idle worker over some milliseconds (a pool
+    thread each): the first waits for the others the worker already holds (``start_together_ms``), so
+    all eight are prefilled together and every decode step carries all eight; before, the first was
+    prefilled alone and decoded alone until the others caught up."""
+    cfg = fleet.config(models={MODEL: {"batching": {"max_batch_size": 8, "start_together_ms": 10_000}}})
+    fleet.worker(cfg, concurrency=8)
+    client = fleet.client(cfg)
+    for attempt in range(3):  # warm, then twice more: each burst must start together
+        built = [client.build_request(MODEL, [3 + 20 * attempt + i, 9, 10], generation={
+            "max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True, "stream": False}) for i in range(8)]
+        results = [_result(client, rid) for rid in client.send_batch(built)]
+        sizes = [r.generation.timings.batch_size_min for r in results]  # type: ignore[union-attr]
+        detail = [(r.generation.timings.batch_size_min, r.generation.timings.batch_size_max,  # type: ignore[union-attr]
+                   r.generation.timings.decode_steps, round(r.timings.batch_started_unix_s or 0, 3),  # type: ignore[union-attr]
+                   len(r.generation.token_ids)) for r in results]  # type: ignore[union-attr]
+        assert sizes == [8] * 8, (attempt, detail)  # from its first decode step, each ran with all eight

@@ -118,3 +118,16 @@ def test_stop_fails_late_submissions_cleanly() -> None:
     sched.stop()
     with pytest.raises(Exception, match="shutting down"):
         sched.submit(Job([1], OutputSpec(kind="next_token"))).result(timeout=1)
+
+
+def test_a_request_is_on_its_way_until_its_thread_reaches_the_worker_s_code() -> None:
+    """``unseen``: of the task IDs the worker holds, those whose thread has not announced itself yet (a
+    pool thread still starting, Celery's tracer, the STARTED state being stored) count as on their way;
+    finished IDs are forgotten."""
+    sched, _ = make(BatchPolicy(8, 50, 1000))
+    assert sched.unseen({"a", "b", "c"}) == 3
+    with sched.arrival("a"):
+        assert sched.unseen({"a", "b", "c"}) == 2
+    sched.seen("b")  # a bulk message's task: its requests reach the scheduler together
+    assert sched.unseen({"a", "b", "c"}) == 1
+    assert sched.unseen({"c"}) == 1 and sched._seen == set()  # a and b finished: forgotten
