@@ -128,6 +128,13 @@ def _no_worker(gw: Gateway, model: str | None) -> str | None:
     return no_worker_message(model, gw.settings.queue_for(model))
 
 
+async def _no_worker_now(gw: Gateway, model: str | None) -> str | None:
+    """:func:`_no_worker` on the event loop (the asyncio heartbeat reader)."""
+    if model is None or await gw.apresence.has_worker(model):
+        return None
+    return no_worker_message(model, gw.settings.queue_for(model))
+
+
 # -- endpoints -----------------------------------------------------------------------------------
 router = APIRouter()
 RequestId = Annotated[str, Path(pattern=REQUEST_ID_PATTERN, description="The ID returned at submission.")]
@@ -152,9 +159,7 @@ async def submit(body: SubmitBody, rate_key: CallerDep, gw: GatewayDep) -> Respo
         rid, status = (await gw.submits.submit(item))[0], RequestStatus.QUEUED
     else:
         rid, status = await run_in_threadpool(_send_one, gw, request, rate_key, body)
-    warning = None
-    if status is RequestStatus.QUEUED and not await gw.apresence.has_worker(request.model):
-        warning = no_worker_message(request.model, gw.settings.queue_for(request.model))
+    warning = await _no_worker_now(gw, request.model) if status is RequestStatus.QUEUED else None
     return _json(_accepted(rid, status, warning), 202, exclude_none=True, headers={"Location": f"/v1/requests/{rid}"})
 
 
@@ -223,9 +228,8 @@ async def get_request(request_id: RequestId, _: CallerDep, gw: GatewayDep, wait_
             view = view_of_outcome(request_id, outcomes[request_id])
         except ResultTimeout:  # the bound: answer with the status as it is then
             view, model = await read_view(gw.fleet, gw.aredis, request_id)
-    if view.status is RequestStatus.QUEUED and model is not None and not await gw.apresence.has_worker(model):
-        view = view.model_copy(update={"warning": no_worker_message(model, gw.settings.queue_for(model))})
-    return _json(view)
+    warning = await _no_worker_now(gw, model) if view.status is RequestStatus.QUEUED else None
+    return _json(view.model_copy(update={"warning": warning}) if warning else view)
 
 
 @router.delete(

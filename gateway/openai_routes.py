@@ -349,8 +349,7 @@ def _build_embeddings(gw: Gateway, body: EmbeddingBody) -> list[InferenceRequest
 def _send_embeddings(gw: Gateway, built: list[InferenceRequest], rate_key: str,
                      routing: list[str | None]) -> list[str]:  # fmt: skip
     """Admit ``built`` together and queue it in one Redis step, all or none (blocking: in a thread)."""
-    gw.fleet.admission.check_queue(built[0].model, len(built))
-    gw.fleet.admission.take_rate(rate_key, len(built))
+    gw.fleet.admission.admit(built[0].model, count=len(built), rate_key=rate_key)
     return gw.fleet.send_batch(built, routing_keys=routing, label="input")
 
 

@@ -99,10 +99,9 @@ async def await_outcomes(
         ResultTimeout: some are still unfinished after ``timeout_s``; names the first of them.
         NoLiveWorker: past ``no_worker_after_s``, no live worker serves ``model``.
     """
-    backend = fleet.app.backend
-    keys = [backend.get_key_for_task(rid) for rid in dict.fromkeys(request_ids)]
     if notifier is None:
         return await _read_until_done(fleet, aredis, request_ids, None, timeout_s, model, no_worker_after_s, presence)
+    keys = [fleet.app.backend.get_key_for_task(rid) for rid in dict.fromkeys(request_ids)]
     async with notifier.watching(keys) as woken:  # subscribed before the first read: no result slips between
         return await _read_until_done(fleet, aredis, request_ids, woken, timeout_s, model, no_worker_after_s,
                                       presence)  # fmt: skip

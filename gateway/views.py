@@ -26,9 +26,11 @@ ViewRead = tuple[RequestView, str | None]
 """A request's view and the model its submit marker names (None when no marker or unreadable)."""
 
 
-def _keys(fleet: FleetClient, request_id: str) -> tuple[str, str, str]:
-    meta_key = fleet.app.backend.get_key_for_task(request_id).decode()
-    return meta_key, CANCEL_KEY.format(id=request_id), marker_key(request_id)
+def _ask(pipe: Any, fleet: FleetClient, request_id: str) -> None:
+    """Queue the three reads on ``pipe`` (a blocking or an asyncio pipeline): meta, cancel mark, marker."""
+    pipe.get(fleet.app.backend.get_key_for_task(request_id))
+    pipe.exists(CANCEL_KEY.format(id=request_id))
+    pipe.get(marker_key(request_id))
 
 
 def view_from(fleet: FleetClient, request_id: str, raw_meta: bytes | None, cancel_marked: bool,
@@ -68,21 +70,15 @@ def view_of_outcome(request_id: str, outcome: InferenceResult | FleetError) -> R
 
 async def read_view(fleet: FleetClient, aredis: redis.asyncio.Redis[bytes], request_id: str) -> ViewRead:
     """:func:`view_from`, its three keys read in one pipeline on the event loop."""
-    meta_key, cancel_key, request_key = _keys(fleet, request_id)
     async with aredis.pipeline(transaction=False) as pipe:
-        pipe.get(meta_key)
-        pipe.exists(cancel_key)
-        pipe.get(request_key)
+        _ask(pipe, fleet, request_id)
         raw_meta, cancel_marked, raw_marker = await pipe.execute()
     return view_from(fleet, request_id, raw_meta, bool(cancel_marked), raw_marker)
 
 
 def read_view_sync(fleet: FleetClient, request_id: str) -> ViewRead:
     """:func:`read_view` on the client's blocking connection (from a thread)."""
-    meta_key, cancel_key, request_key = _keys(fleet, request_id)
     with fleet.redis.pipeline(transaction=False) as pipe:
-        pipe.get(meta_key)
-        pipe.exists(cancel_key)
-        pipe.get(request_key)
+        _ask(pipe, fleet, request_id)
         raw_meta, cancel_marked, raw_marker = pipe.execute()
     return view_from(fleet, request_id, raw_meta, bool(cancel_marked), raw_marker)

@@ -256,10 +256,11 @@ class Admission:
         self._depths = DepthCache(settings.admission.queue_depth_cache_ms / 1000)
         self._depths_lock = threading.Lock()
 
-    def admit(self, model: str, *, count: int = 1, rate_key: str | None = None) -> None:
+    def admit(self, model: str, *, count: int = 1, rate_key: str | None = None, unqueued: int = 0) -> None:
         """Admit ``count`` requests for ``model`` from caller ``rate_key`` (None = no rate limit).
 
-        The queue is checked first, so a refused request never spends rate tokens.
+        The queue is checked first, so a refused request never spends rate tokens. ``unqueued``: see
+        :meth:`check_queue`.
 
         Raises:
             UnknownModel: ``model`` is not configured.
@@ -267,7 +268,7 @@ class Admission:
             RateLimited: the caller's bucket holds fewer than ``count`` tokens (``retry_after_s`` set).
             InvalidRequest: ``count`` exceeds the bucket's whole capacity (it could never pass).
         """
-        self.check_queue(model, count)
+        self.check_queue(model, count, unqueued=unqueued)
         if rate_key is not None:
             self.take_rate(rate_key, count)
 

@@ -72,9 +72,7 @@ def send_group(client: FleetClient, items: Sequence[SubmitItem]) -> list[list[st
             model = client.settings.model_key(item.requests[0].model)
             members = admitted.setdefault(model, [])
             unqueued = sum(len(items[m].requests) for m in members)  # admitted above, not queued yet
-            client.admission.check_queue(model, len(item.requests), unqueued=unqueued)
-            if item.rate_key is not None:
-                client.admission.take_rate(item.rate_key, len(item.requests))
+            client.admission.admit(model, count=len(item.requests), rate_key=item.rate_key, unqueued=unqueued)
         except Exception as exc:  # QueueFull, RateLimited, UnknownModel, a Redis error: this item alone
             outcomes[n] = exc
             continue
