@@ -73,7 +73,7 @@ class WorkerRuntime:
         self.scheduler = Scheduler(
             self.stable.engine,
             BatchPolicy(b.max_batch_size, b.max_wait_ms, b.max_batch_tokens, b.close_when_idle),
-            backlog=lambda: max(_celery_backlog(), self.scheduler.unseen(_held_task_ids())),
+            backlog=lambda: self.scheduler.unseen(_held_task_ids()),
             generation=self.stable.generation,
             version=self.stable.version,
             start_together_s=b.start_together_ms / 1000,
@@ -289,11 +289,6 @@ class WorkerRuntime:
             "started_unix_s": self.started_unix_s,
             "max_batch_size": self.model.batching.max_batch_size,
         }
-
-
-def _celery_backlog() -> int:
-    """Requests this worker has received from Redis but not yet started (reserved, not active)."""
-    return max(0, len(worker_state.reserved_requests) - len(worker_state.active_requests))
 
 
 def _held_task_ids() -> set[str]:

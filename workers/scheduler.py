@@ -151,8 +151,9 @@ class Scheduler:
         version: str = "",
         start_together_s: float = 0.0,
     ) -> None:
-        """``backlog()`` counts requests the worker has received but not yet started (Celery's
-        reserved-but-not-active set); like announced arrivals, they keep the window open.
+        """``backlog()`` counts requests the worker has received but whose threads have not reached its
+        code yet (:meth:`unseen` of Celery's held task IDs: not started, or still in Celery's tracer);
+        like announced arrivals, they keep the window open.
         ``start_together_s``: while no generation runs, how long the first waiting one waits for those
         on their way (``batching.start_together_ms``), so a burst is prefilled together.
         ``generation`` serves generate jobs (None: the model cannot generate). ``engine`` is the
