@@ -64,7 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--only",
-        choices=["generation", "dispatch", "multiturn", "kvcache", "spinning", "streaming", "guidellm", "gateway"],
+        choices=["generation", "dispatch", "multiturn", "kvcache", "spinning", "streaming", "guidellm", "gateway",
+                 "same-weights"],
         default=None,
         help="rerun one phase alone and merge its figures into the --json results of an earlier run; "
         "multiturn: the conversation rows (prefix reuse, routing) alone, into multiturn.md/.json beside --out; "
@@ -73,7 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "and one-step work, into spinning.md/.json beside --out; streaming: the stream publisher's CPU, one XADD per "
         "event against coalesced, into streaming.md/.json beside --out; guidellm: guidellm's sweep against the "
         "gateway, into guidellm.md/.json beside --out; gateway: each HTTP route against the FleetClient "
-        "(req/s, latency, CPU per request), into gateway.md/.json beside --out",
+        "(req/s, latency, CPU per request), into gateway.md/.json beside --out; same-weights: the fleet against a "
+        "bare numpy + ONNX Runtime loop and onnxruntime-genai's og.Engine on the same Llama weights, into "
+        "same-weights.md/.json beside --out",
     )
     p.add_argument(
         "--label",
@@ -111,6 +114,7 @@ STANDALONE_PHASES = {
     "streaming": ("bench.streaming", "run_streaming_only"),
     "guidellm": ("bench.guidellm_sweep", "run_guidellm_only"),
     "gateway": ("bench.gateway_paths", "run_gateway_only"),
+    "same-weights": ("bench.same_weights", "run_same_weights_only"),
 }
 """``--only`` phases that run alone into their own page: (module, function(quick, preset, out_dir, work_dir,
 command, machine_facts))."""

@@ -13,22 +13,20 @@ report gives, per run: requests/s, output tokens/s, TTFT and inter-token latency
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
 import time
-import venv
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.standalone import built, say, write_page
+from tools.tier_venvs import TIERS, build_tier
 
 ROOT = Path(__file__).resolve().parents[1]
-VENV = ROOT / "var" / "guidellm-venv"
-TORCH_CPU = "torch==2.13.0+cpu"
-PINS = (TORCH_CPU, "guidellm==0.8.1")
+VENV = TIERS["guidellm"].venv
+PINS = TIERS["guidellm"].pins
 """The tier's pins (``tests/guidellm``): one venv serves both."""
 
 __all__ = ["PINS", "VENV", "GuidellmPlan", "ensure_venv", "render_guidellm", "run_guidellm_only", "summarize"]
@@ -52,19 +50,12 @@ QUICK = GuidellmPlan(prompt_tokens=16, output_tokens=8, sweep_size=3, seconds=3.
 
 
 def ensure_venv() -> Path:
-    """``var/guidellm-venv`` with :data:`PINS` (built when missing; a few minutes).
+    """``var/guidellm-venv`` (the tests' tier, :data:`tools.tier_venvs.TIERS`; built when missing, a few minutes).
 
     Raises:
         RuntimeError: pip could not install the pins (offline, no CPU torch wheel on the machine).
     """
-    marker = VENV / f".ready-{hashlib.sha256(' '.join(PINS).encode()).hexdigest()[:16]}"
-    if not marker.exists():
-        venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
-        proc = subprocess.run([str(VENV / "bin" / "python"), "-m", "pip", "install", "-q", *PINS],
-                              capture_output=True, text=True, timeout=900)  # fmt: skip
-        if proc.returncode != 0:
-            raise RuntimeError(f"guidellm's venv could not be built: {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-        marker.touch()
+    build_tier(TIERS["guidellm"])
     return VENV
 
 
