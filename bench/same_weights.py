@@ -8,6 +8,10 @@ rounds (the order rotates each round), to:
 
 * **fleet** — FleetClient → Redis → a ``celery worker`` subprocess with continuous batching
   (``max_batch_size`` rows, C = ``max_batch_size``), all submitted at once;
+* **OpenAI SDK, streaming** — the official ``openai`` client against the gateway (``fleet api``) in
+  front of the same worker: ``/v1/completions`` with the prompt's token ids, ``stream=True``,
+  ``ignore_eos``, one thread per request, all at once; its tokens are counted from ``usage`` (a stream
+  carries text);
 * **bare continuous** — :func:`bench.bare_loop.bare_generate` on the fleet's export as is (numpy +
   ONNX Runtime with its default session options, none of the worker's code), ``max_batch_size`` rows;
 * **bare one at a time** — the same loop, one request at a time;
@@ -29,6 +33,7 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -40,6 +45,7 @@ import onnxruntime as ort
 from bench.bare_loop import bare_generate
 from bench.load import scheduled
 from bench.procs import FleetConfig, RunningFleet
+from bench.redis_cost import GatewayServer
 from bench.standalone import built, say, write_page
 from producer.client import FleetClient
 from protocol.errors import FleetError
@@ -52,8 +58,10 @@ from tools.tier_venvs import TIERS, build_tier
 __all__ = ["LlamaSize", "SameWeightsPlan", "measure_same_weights", "render_same_weights", "run_same_weights_only"]
 
 OG_SCRIPT = Path(__file__).with_name("og_tier.py")
-ROWS = ("fleet", "bare continuous", "bare one at a time", "og.Engine")
+ROWS = ("fleet", "OpenAI SDK, streaming", "bare continuous", "bare one at a time", "og.Engine")
 """The rows, in the first round's order (each later round starts one row further on)."""
+TEXT_ONLY = frozenset({"OpenAI SDK, streaming"})
+"""Rows whose replies carry text, not token ids: their tokens are counted (``usage``), not compared."""
 
 
 @dataclass(frozen=True)
@@ -120,9 +128,11 @@ def workload(plan: SameWeightsPlan, vocab_size: int) -> Work:
     return out
 
 
-def _row(tokens: list[list[int]], ttft_ms: list[float], span_s: float) -> Row:
-    total = sum(len(t) for t in tokens)
-    return {"tokens_per_s": total / span_s, "span_s": span_s, "ttft_ms": ttft_ms, "tokens": tokens}
+def _row(tokens: list[list[int]] | None, ttft_ms: list[float], span_s: float, counts: list[int] | None = None) -> Row:
+    """A round of one row; ``counts`` (tokens per request) only where ``tokens`` are not known."""
+    counts = [len(t) for t in tokens] if tokens is not None else counts or []
+    return {"tokens_per_s": sum(counts) / span_s, "span_s": span_s, "ttft_ms": ttft_ms, "tokens": tokens,
+            "counts": counts}
 
 
 def _fleet_round(fleet: RunningFleet, client: FleetClient, work: Work) -> Row:
@@ -141,6 +151,33 @@ def _fleet_round(fleet: RunningFleet, client: FleetClient, work: Work) -> Row:
     span = max(done for _, done, _ in records) - min(sub for sub, _, _ in records)
     return _row([list(g.token_ids) for _, _, g in records],
                 [g.timings.time_to_first_token_ms for _, _, g in records], span)  # fmt: skip
+
+
+def _sdk_round(url: str, model: str, work: Work) -> Row:
+    from openai import OpenAI
+
+    sdk = OpenAI(base_url=f"{url}/v1", api_key="unused-on-loopback", max_retries=0, timeout=600)
+    started = time.perf_counter()
+
+    def one(n: int) -> tuple[float, float, int]:
+        prompt, new = work[n]
+        first, count = float("nan"), 0
+        stream = sdk.completions.create(model=model, prompt=prompt, max_tokens=new, temperature=0, stream=True,
+                                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        for chunk in stream:
+            if chunk.choices and first != first:
+                first = time.perf_counter() - started
+            if chunk.usage is not None:
+                count = chunk.usage.completion_tokens
+        return first, time.perf_counter() - started, count
+
+    try:
+        with ThreadPoolExecutor(len(work)) as pool:
+            done = list(pool.map(one, range(len(work))))
+    finally:
+        sdk.close()
+    return _row(None, [first * 1000 for first, _, _ in done], max(end for _, end, _ in done),
+                counts=[count for _, _, count in done])
 
 
 def _bare_round(session: ort.InferenceSession, work: Work, max_batch: int) -> Row:
@@ -199,12 +236,18 @@ def _summarize(rounds: list[dict[str, Row]]) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}
     for name in ROWS:
         ttft = [t for r in rounds for t in r[name]["ttft_ms"]]
+        compared = name not in TEXT_ONLY
         rows[name] = {"tokens_per_s": _spread([r[name]["tokens_per_s"] for r in rounds]),
                       "ttft_ms": {"p50": float(np.percentile(ttft, 50)), "p99": float(np.percentile(ttft, 99))},
-                      "mismatched_requests": sum(_mismatches(r["fleet"]["tokens"], r[name]["tokens"]) for r in rounds),
-                      "tokens": sum(len(t) for t in rounds[0][name]["tokens"])}  # fmt: skip
+                      "mismatched_requests": sum(_mismatches(r["fleet"]["tokens"], r[name]["tokens"])
+                                                 for r in rounds) if compared else None,
+                      "miscounted_requests": sum(a != b for r in rounds
+                                                 for a, b in zip(r["fleet"]["counts"], r[name]["counts"], strict=True)),
+                      "tokens": sum(rounds[0][name]["counts"])}  # fmt: skip
     ratios = {other: _spread([r["fleet"]["tokens_per_s"] / r[other]["tokens_per_s"] for r in rounds])
-              for other in ROWS[1:]}  # fmt: skip
+              for other in ROWS[1:] if other not in TEXT_ONLY}  # fmt: skip
+    ratios |= {f"{sdk} / fleet": _spread([r[sdk]["tokens_per_s"] / r["fleet"]["tokens_per_s"] for r in rounds])
+               for sdk in TEXT_ONLY}  # fmt: skip
     ttft_p99 = {"fleet": rows["fleet"]["ttft_ms"]["p99"], "bare continuous": rows["bare continuous"]["ttft_ms"]["p99"]}
     return {"rows": rows, "ratios": ratios, "ttft_p99_ratio": ttft_p99["fleet"] / ttft_p99["bare continuous"],
             "og": rounds[0]["og.Engine"].get("og", {})}  # fmt: skip
@@ -222,10 +265,13 @@ def measure_size(plan: SameWeightsPlan, size: LlamaSize, model: Path, og_python:
                       celery_loglevel="WARNING", metrics_port=free_port())  # fmt: skip
     fleet = RunningFleet(cfg, redis_url, work_dir)
     fleet.spawn()
+    gateway = GatewayServer(fleet.config_path, work_dir / "logs" / f"same-weights-{size.name}-gateway.log")
     try:
         client = fleet.ready()
+        gateway.wait_ready()
         runs: dict[str, Callable[[], Row]] = {
             "fleet": lambda: _fleet_round(fleet, client, work),
+            "OpenAI SDK, streaming": lambda: _sdk_round(gateway.url, size.name, work),
             "bare continuous": lambda: _bare_round(session, work, plan.max_batch_size),
             "bare one at a time": lambda: _bare_round(session, work, 1),
             "og.Engine": lambda: _og_round(og_python, og_dir, work, og_dir.parent),
@@ -240,6 +286,7 @@ def measure_size(plan: SameWeightsPlan, size: LlamaSize, model: Path, og_python:
             say(f"{size.name} round {r + 1}/{plan.rounds}: " + ", ".join(
                 f"{name} {rounds[-1][name]['tokens_per_s']:.0f} tok/s" for name in ROWS))  # fmt: skip
     finally:
+        gateway.stop()
         fleet.stop()
     summary = _summarize(rounds)
     summary.update(size=asdict(size), parameters=size.parameters, kv_in_place=in_place,
@@ -299,23 +346,28 @@ def render_same_weights(results: dict[str, Any]) -> str:
             f"{size['num_kv_heads']} KV heads, vocabulary {size['vocab_size']}; {s['workload']['prompt_tokens']} "
             f"prompt tokens and {s['workload']['new_tokens']} new tokens per round.",
             "",
-            "| row | tokens/s, median (range) | TTFT p50 ms | TTFT p99 ms | requests with tokens unlike the fleet's |",
-            "|---|---|---|---|---|",
+            "| row | tokens/s, median (range) | TTFT p50 ms | TTFT p99 ms | requests with tokens unlike the fleet's "
+            "| requests with another token count |",
+            "|---|---|---|---|---|---|",
         ]  # fmt: skip
         for name, row in s["rows"].items():
             t = row["tokens_per_s"]
-            lines.append(f"| {name} | {t['median']:.0f} ({t['min']:.0f}–{t['max']:.0f}) | {row['ttft_ms']['p50']:.0f} "
-                         f"| {row['ttft_ms']['p99']:.0f} | {row['mismatched_requests']} |")  # fmt: skip
+            differ = "not compared (text)" if row["mismatched_requests"] is None else row["mismatched_requests"]
+            ttft = ("–", "–") if name in TEXT_ONLY else (f"{row['ttft_ms']['p50']:.0f}", f"{row['ttft_ms']['p99']:.0f}")
+            lines.append(f"| {name} | {t['median']:.0f} ({t['min']:.0f}–{t['max']:.0f}) | {ttft[0]} | {ttft[1]} "
+                         f"| {differ} | {row['miscounted_requests']} |")  # fmt: skip
         lines += ["", "| ratio | median (range of the per-round ratios) |", "|---|---|"]
         for other, spread in s["ratios"].items():
-            lines.append(f"| fleet / {other} | {_fmt_spread(spread, '×')} |")
+            lines.append(f"| {other if ' / ' in other else f'fleet / {other}'} | {_fmt_spread(spread, '×')} |")
         lines.append(f"| TTFT p99: fleet / bare continuous | {s['ttft_p99_ratio']:.2f}× |")
         per_round = "; ".join(f"{name}: {', '.join(f'{x:.0f}' for x in xs)}" for name, xs in s["per_round"].items())
         lines += ["", f"Tokens/s per round: {per_round}.", ""]
     lines += [
         "How it is measured: `bench/same_weights.py`. The fleet's span is first submit → last result read by "
         "the client; its TTFT is the worker's own figure (submit → first token). The loops' and og.Engine's "
-        "times start when the run starts (every request is waiting then). og.Engine runs in the `genai` "
+        "times start when the run starts (every request is waiting then). The SDK's stream carries text, and a "
+        "token without text (most ids of a vocabulary beyond the 256 bytes) sends no chunk: its TTFT is not "
+        "given and its tokens are counted from `usage`, not compared. og.Engine runs in the `genai` "
         "tier's venv (`tools/tier_venvs.py`), one process per round (loading the model is not timed). The "
         "bare loop uses ONNX Runtime's default session options on the fleet's export as is; the worker "
         "rewrites that graph at load (LM head at the last position, KV cache written in place).",
