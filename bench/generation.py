@@ -237,6 +237,5 @@ def measure_generation(gp: GenPlan, model_path: Path, redis_url: str, work_dir: 
         "rows": rows,
         "limit": limit,
         "providers": {"requested": list(providers), "active": list(engine.providers)},
-        "peer": "skipped (not needed; not installed)",
         "duration_s": round(time.monotonic() - started, 1),
     }

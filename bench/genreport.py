@@ -67,7 +67,6 @@ def saturation_table(gen: dict[str, Any]) -> str:
     out.append([f"limit: bare decode loop, batch {best['batch_size']} (nobody leaves)", fmt(best["tokens_per_s"]),
                 f"{best['tokens_per_s'] / base:.2f}×" if base > 0 else "–", *["–"] * 6,
                 str(best["batch_size"]), "–"])  # fmt: skip
-    out.append(["peer: onnxruntime-genai", f"**{gen.get('peer', 'skipped')}**", *["–"] * 10])
     headers = ["configuration", "tokens/s", "× one at a time", "TTFT p50 ms", "TTFT p99 ms", "inter-token p50 ms",
                "inter-token p99 ms", "latency p50 ms", "latency p99 ms", "mean batch", "KV copy share"]  # fmt: skip
     return md_table(headers, out)

@@ -29,7 +29,8 @@ VENV = TIERS["guidellm"].venv
 PINS = TIERS["guidellm"].pins
 """The tier's pins (``tests/guidellm``): one venv serves both."""
 
-__all__ = ["PINS", "VENV", "GuidellmPlan", "ensure_venv", "render_guidellm", "run_guidellm_only", "summarize"]
+__all__ = ["PINS", "QUICK", "VENV", "GuidellmPlan", "byte_vocab_model", "ensure_venv", "guidellm_body",
+           "measure_guidellm", "render_guidellm", "run_guidellm_only", "summarize"]
 
 
 @dataclass(frozen=True)
@@ -139,18 +140,14 @@ def measure_guidellm(plan: GuidellmPlan, model: Path, work_dir: Path, say: Calla
             "route": "/v1/completions"}
 
 
-def render_guidellm(results: dict[str, Any]) -> str:
-    """The Markdown page of a :func:`measure_guidellm` result (with its ``meta``)."""
-    plan, meta = results["plan"], results.get("meta", {})
+def guidellm_body(results: dict[str, Any]) -> list[str]:
+    """What the sweep measured and how: the table, the saturation line and the method (no heading, no stamp)."""
+    plan = results["plan"]
     lines = [
-        "# guidellm against the gateway",
-        "",
-        f"From one `{meta.get('command', 'fleet bench --only guidellm')}` run at commit `{meta.get('commit', '?')}`"
-        f"{' (uncommitted changes)' if meta.get('dirty') else ''}, {meta.get('machine', '')}, "
-        f"{meta.get('duration_s', 0):.0f} s. {results['guidellm']} (`guidellm run`, profile `sweep`, "
-        f"{plan['seconds']:.0f} s per run), unchanged, against `{results['route']}` of a gateway and one worker "
-        f"serving `{results['model']}` (C = 32, `max_batch_size` 16) on the same 2 cores; prompts of "
-        f"{plan['prompt_tokens']} guidellm tokens, {plan['output_tokens']} new tokens each (forced), streamed.",
+        f"{results['guidellm']} (`guidellm run`, profile `sweep`, {plan['seconds']:.0f} s per run), unchanged, "
+        f"against `{results['route']}` of a gateway and one worker serving `{results['model']}` (C = 32, "
+        f"`max_batch_size` 16) on the same 2 cores; prompts of {plan['prompt_tokens']} guidellm tokens, "
+        f"{plan['output_tokens']} new tokens each (forced), streamed.",
         "",
         "| run | rate (req/s) | requests | errors | in flight at the run's end | req/s | output tokens/s | "
         "TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) |",
@@ -176,22 +173,37 @@ def render_guidellm(results: dict[str, Any]) -> str:
         "Requests in flight when a run's time is up are counted apart (guidellm's `incomplete`), not as errors.",
         "",
     ]
-    return "\n".join(lines)
+    return lines
 
 
-def run_guidellm_only(quick: bool, preset: str, out_dir: Path, work_dir: Path, command: str,
-                      machine: Callable[[], dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
-    """``fleet bench --only guidellm``: build the preset's LM with a byte vocabulary if needed, run the sweep,
-    write ``guidellm.md`` and ``guidellm.json`` in ``out_dir``."""
+def render_guidellm(results: dict[str, Any]) -> str:
+    """The Markdown page of a :func:`measure_guidellm` result (with its ``meta``)."""
+    meta = results.get("meta", {})
+    stamp = (f"From one `{meta.get('command', 'fleet bench --only guidellm')}` run at commit "
+             f"`{meta.get('commit', '?')}`{' (uncommitted changes)' if meta.get('dirty') else ''}, "
+             f"{meta.get('machine', '')}, {meta.get('duration_s', 0):.0f} s.")  # fmt: skip
+    body = guidellm_body(results)
+    return "\n".join(["# guidellm against the gateway", "", f"{stamp} {body[0]}", *body[1:]])
+
+
+def byte_vocab_model(preset: str, work_dir: Path) -> Path:
+    """The ``preset``'s LM with a :data:`BYTE_VOCAB`-token vocabulary (built into ``work_dir/models`` once)."""
     from tools.build_lm import build_causal_lm
     from tools.build_model import PRESETS
 
     spec = {k: v for k, v in PRESETS[preset]["lm"].items() if k not in ("name", "vocab_size")}
     name = f"{PRESETS[preset]['lm']['name']}-bytes"
     # byte ids only: most generated tokens add text, so each one is its own chunk
-    model = built(work_dir / "models" / name / f"{name}-1.0.0.onnx",
-                  f"{name} (the {preset} LM with a {BYTE_VOCAB}-token byte vocabulary)",
-                  lambda: build_causal_lm(work_dir / "models", name=name, vocab_size=BYTE_VOCAB, **spec))
+    return built(work_dir / "models" / name / f"{name}-1.0.0.onnx",
+                 f"{name} (the {preset} LM with a {BYTE_VOCAB}-token byte vocabulary)",
+                 lambda: build_causal_lm(work_dir / "models", name=name, vocab_size=BYTE_VOCAB, **spec))
+
+
+def run_guidellm_only(quick: bool, preset: str, out_dir: Path, work_dir: Path, command: str,
+                      machine: Callable[[], dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+    """``fleet bench --only guidellm``: build the preset's LM with a byte vocabulary if needed, run the sweep,
+    write ``guidellm.md`` and ``guidellm.json`` in ``out_dir``."""
+    model = byte_vocab_model(preset, work_dir)
     facts, started = machine(), time.time()
     results = measure_guidellm(QUICK if quick else GuidellmPlan(), model, work_dir, say)
     return write_page("guidellm", results, render_guidellm, out_dir, command=command, facts=facts,

@@ -78,6 +78,10 @@ class Plan:
     profile_s: float = 6.0
     """py-spy profile of the dispatch loop (0 = none)."""
     peer: bool = True
+    same_weights: bool = True
+    """The same-weights rows (``bench/same_weights.py``: the fleet against a bare loop and og.Engine)."""
+    guidellm: bool = True
+    """guidellm's sweep against the gateway (``bench/guidellm_sweep.py``)."""
     ablations: bool = True
     """Extra rows and variants: lean Celery, ORT spin-waiting on, Celery log level INFO, the bulk path
     (``fleet.infer_bulk``), the LM-head-at-last-position model."""
@@ -116,6 +120,8 @@ def quick_plan() -> Plan:
         dispatch_lone_requests=20,
         profile_s=0.0,
         peer=False,
+        same_weights=False,
+        guidellm=False,
         ablations=False,
         int8_variants=False,
         generation=GenPlan(

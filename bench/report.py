@@ -347,6 +347,7 @@ def render(results: dict[str, Any], img_rel: str, commit_day: str | None = None)
         "per request, end to end: [bulk-path.md](bulk-path.md) (`python -m bench.bulk_vs_single`).\n"
     ]
     parts += [generation_section(results, img_rel)]
+    parts += [same_weights_section(results), guidellm_section(results)]
     peer_note = (
         f"celery-batches peer: Celery {peer.get('celery', '?')} in its own virtualenv, threads pool, "
         f"concurrency 1, prefetch multiplier 64, flush_every {plan['max_batch_size']}, flush_interval "
@@ -365,6 +366,24 @@ def render(results: dict[str, Any], img_rel: str, commit_day: str | None = None)
         "compare ratios within this run rather than absolute figures across runs.\n",
     ]
     return "\n".join(parts)
+
+
+def same_weights_section(results: dict[str, Any]) -> str:
+    """``## Same weights``: :func:`bench.same_weights.same_weights_body`, or why it did not run."""
+    from bench.same_weights import same_weights_body
+
+    sw = results.get("same_weights", {"status": "not run (results from before this phase existed)"})
+    body = same_weights_body(sw, "###") if sw.get("status") == "ok" else [f"{sw['status']}.", ""]
+    return "\n".join(["## Same weights: the fleet, a bare loop and onnxruntime-genai\n", *body])
+
+
+def guidellm_section(results: dict[str, Any]) -> str:
+    """``## guidellm``: :func:`bench.guidellm_sweep.guidellm_body`, or why it did not run."""
+    from bench.guidellm_sweep import guidellm_body
+
+    gl = results.get("guidellm", {"status": "not run (results from before this phase existed)"})
+    body = guidellm_body(gl) if gl.get("status") == "ok" else [f"{gl['status']}.", ""]
+    return "\n".join(["## guidellm against the gateway\n", *body])
 
 
 def commit_date(commit: str) -> str | None:

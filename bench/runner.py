@@ -1,4 +1,5 @@
-"""The bench run: models → the limit → every configuration of the table → dispatch cost → generation → report.
+"""The bench run: models → the limit → every configuration of the table → dispatch cost → generation → the
+same weights against a bare loop and og.Engine → guidellm's sweep → report.
 
 Everything runs on the same machine in one run, so ratios are measured side by side: the fleet
 configurations and the peer are served at once and visited in interleaved rounds (see
@@ -25,6 +26,7 @@ from tqdm import tqdm
 from bench.dispatch import dispatch_variants, measure_dispatch
 from bench.dispatch_only import probe_gateway_and_lone
 from bench.generation import measure_generation
+from bench.guidellm_sweep import GuidellmPlan, byte_vocab_model, measure_guidellm
 from bench.limit import bare_latency_ms, bare_session, bare_throughput
 from bench.machine import machine_facts, provider_chain_for, provider_unavailable
 from bench.peer import PeerUnavailable, ensure_peer_venv
@@ -32,6 +34,7 @@ from bench.plan import WORKLOADS, Plan
 from bench.procs import FleetConfig, flush_redis
 from bench.report import write_report
 from bench.rounds import Server, measure_servers, start_fleet_servers, start_peer_server
+from bench.same_weights import SameWeightsPlan, measure_same_weights
 from protocol.modelcard import load_card
 from tools.build_model import PRESETS
 from tools.build_model import main as build_model_main
@@ -39,6 +42,7 @@ from tools.calibration import synthetic_sequences
 from tools.lm_head_last import write_last_variant
 from tools.quantize import QuantizationRefused, QuantizeConfig, quantize_model, report_path_for
 from tools.redis_server import EmbeddedRedis
+from tools.tier_venvs import IndexUnreachable, TierBuildFailed
 
 __all__ = ["build_models", "run_bench", "run_generation_only"]
 
@@ -270,6 +274,27 @@ def _generation(plan: Plan, model: Path, redis_url: str, work_dir: Path, command
     return out
 
 
+def _same_weights(plan: Plan, redis_url: str, work_dir: Path) -> dict[str, Any]:
+    """The same-weights rows, or why they did not run (``--quick``; no package index for the genai tier)."""
+    if not plan.same_weights:
+        return {"status": "skipped (--quick)"}
+    try:
+        return {"status": "ok", **measure_same_weights(SameWeightsPlan(), redis_url, work_dir)}
+    except (IndexUnreachable, TierBuildFailed) as exc:
+        return {"status": f"not run: the genai tier could not be built ({exc})"}
+
+
+def _guidellm(plan: Plan, work_dir: Path, say: Say) -> dict[str, Any]:
+    """guidellm's sweep (its own Redis, worker and gateway), or why it did not run."""
+    if not plan.guidellm:
+        return {"status": "skipped (--quick)"}
+    try:
+        model = byte_vocab_model(plan.preset, work_dir)
+        return {"status": "ok", **measure_guidellm(GuidellmPlan(), model, work_dir, say)}
+    except (IndexUnreachable, TierBuildFailed) as exc:
+        return {"status": f"not run: the guidellm tier could not be built ({exc})"}
+
+
 def run_generation_only(plan: Plan, args: argparse.Namespace, command: str) -> dict[str, Any]:
     """Rerun only the generation phase: its figures replace ``generation`` in the ``args.json_path``
     results of an earlier run, and the report is rewritten from them.
@@ -307,7 +332,8 @@ def run_bench(plan: Plan, args: argparse.Namespace, command: str) -> dict[str, A
     work_dir = Path(args.work_dir)
     shutil.rmtree(work_dir / "logs", ignore_errors=True)  # worker logs of this run only
     work_dir.mkdir(parents=True, exist_ok=True)
-    steps = ["models", "limit (before)", "fleet + peer", "limit (after)", "dispatch", "generation", "report"]
+    steps = ["models", "limit (before)", "fleet + peer", "limit (after)", "dispatch", "generation", "same weights",
+             "guidellm", "report"]  # fmt: skip
     bar = tqdm(total=len(steps), desc="bench", unit="phase", file=sys.stderr)
 
     def say(msg: str) -> None:
@@ -366,6 +392,13 @@ def run_bench(plan: Plan, args: argparse.Namespace, command: str) -> dict[str, A
         step("generation")
         results["generation"] = _generation(plan, Path(models["fp32"]), redis.url, work_dir, command, say)
         bar.update()
+        step("same weights")
+        flush_redis(redis.url)
+        results["same_weights"] = _same_weights(plan, redis.url, work_dir)
+        bar.update()
+    step("guidellm")
+    results["guidellm"] = _guidellm(plan, work_dir, say)
+    bar.update()
     results["meta"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     results["meta"]["duration_s"] = round(time.monotonic() - started, 1)
     step("report")

@@ -55,7 +55,8 @@ from tools.onnx_layers import RMS_EPSILON
 from tools.redis_server import free_port
 from tools.tier_venvs import TIERS, build_tier
 
-__all__ = ["LlamaSize", "SameWeightsPlan", "measure_same_weights", "render_same_weights", "run_same_weights_only"]
+__all__ = ["QUICK", "LlamaSize", "SameWeightsPlan", "measure_same_weights", "render_same_weights",
+           "run_same_weights_only", "same_weights_body"]
 
 OG_SCRIPT = Path(__file__).with_name("og_tier.py")
 ROWS = ("fleet", "OpenAI SDK, streaming", "bare continuous", "bare one at a time", "og.Engine")
@@ -320,15 +321,11 @@ def _fmt_spread(s: dict[str, float], unit: str = "") -> str:
     return f"{s['median']:.2f}{unit} ({s['min']:.2f}–{s['max']:.2f})"
 
 
-def render_same_weights(results: dict[str, Any]) -> str:
-    """``same-weights.md``: per size, the rows and the fleet's ratios."""
-    meta, plan = results["meta"], results["plan"]
-    dirty = " (uncommitted changes)" if meta["dirty"] else ""
+def same_weights_body(results: dict[str, Any], level: str = "##") -> list[str]:
+    """The intro sentence, per size (a ``level`` heading) its rows and ratios, and the method."""
+    plan = results["plan"]
     lines = [
-        "# Same weights: the fleet, a bare loop and onnxruntime-genai",
-        "",
-        f"From one `{meta['command']}` run at commit `{meta['commit']}`{dirty}, "
-        f"{meta['machine']}, {meta['duration_s']:.0f} s. Each model is one random Llama (`tools/build_llama.py`) "
+        "Each model is one random Llama (`tools/build_llama.py`) "
         f"exported two ways: the fleet's own export, served by the fleet and by a bare numpy + ONNX Runtime loop "
         f"(`bench/bare_loop.py`), and onnxruntime-genai's model builder (FP32, CPU) on the same weights, served "
         f"by `og.Engine` ({', '.join(results['genai_tier'][-2:])}). {plan['requests']} requests arriving together, "
@@ -340,7 +337,7 @@ def render_same_weights(results: dict[str, Any]) -> str:
     for s in results["sizes"]:
         size = s["size"]
         lines += [
-            f"## {size['name']}: {s['parameters'] / 1e6:.1f} M weights",
+            f"{level} {size['name']}: {s['parameters'] / 1e6:.1f} M weights",
             "",
             f"{size['num_layers']} layers, hidden {size['hidden_size']}, {size['num_heads']} query heads and "
             f"{size['num_kv_heads']} KV heads, vocabulary {size['vocab_size']}; {s['workload']['prompt_tokens']} "
@@ -373,7 +370,18 @@ def render_same_weights(results: dict[str, Any]) -> str:
         "rewrites that graph at load (LM head at the last position, KV cache written in place).",
         "",
     ]  # fmt: skip
-    return "\n".join(lines)
+    return lines
+
+
+def render_same_weights(results: dict[str, Any]) -> str:
+    """``same-weights.md``: the stamp, then :func:`same_weights_body`."""
+    meta = results["meta"]
+    dirty = " (uncommitted changes)" if meta["dirty"] else ""
+    body = same_weights_body(results)
+    stamp = (f"From one `{meta['command']}` run at commit `{meta['commit']}`{dirty}, {meta['machine']}, "
+             f"{meta['duration_s']:.0f} s.")  # fmt: skip
+    return "\n".join(["# Same weights: the fleet, a bare loop and onnxruntime-genai", "", f"{stamp} {body[0]}",
+                      *body[1:]])  # fmt: skip
 
 
 def run_same_weights_only(quick: bool, preset: str, out_dir: Path, work_dir: Path, command: str,
