@@ -21,9 +21,10 @@ constraints: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/fleet demo
 
-## test: unit + integration tests (real redis-server, real celery workers, real ONNX Runtime)
+## test: unit + integration tests (real redis-server, real celery workers, real ONNX Runtime), in two
+## processes, each test file whole in one of them (much of the suite waits on subprocesses and events)
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 ## lint: ruff + mypy --strict over the packages
 lint: $(STAMP)
