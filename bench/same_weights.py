@@ -76,6 +76,9 @@ class LlamaSize:
     num_kv_heads: int
     vocab_size: int
     max_positions: int = 256
+    targets: tuple[tuple[str, float], ...] = ()
+    """(ratio, target) pairs the page checks: a ratio key of ``ratios`` (the fleet over that row, or
+    ``"<row> / fleet"``), or ``"TTFT p99"`` (fleet / bare continuous, at most the target)."""
 
     @property
     def parameters(self) -> int:
@@ -98,8 +101,11 @@ class SameWeightsPlan:
     """Sizes of the same-weights rows (the defaults: the outside harness's workload)."""
 
     sizes: tuple[LlamaSize, ...] = (
-        LlamaSize("sw-llama-31m", num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4, vocab_size=8192),
-        LlamaSize("sw-llama-7m", num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4, vocab_size=8192),
+        LlamaSize("sw-llama-31m", num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4, vocab_size=8192,
+                  targets=(("bare continuous", 1.0), ("bare one at a time", 3.0), ("og.Engine", 2.0),
+                           ("OpenAI SDK, streaming / fleet", 0.95), ("TTFT p99", 2.0))),
+        LlamaSize("sw-llama-7m", num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4, vocab_size=8192,
+                  targets=(("bare continuous", 0.9),)),
     )
     requests: int = 16
     prompt_tokens: tuple[int, int] = (10, 64)
@@ -317,6 +323,14 @@ def measure_same_weights(plan: SameWeightsPlan, redis_url: str, work_dir: Path) 
             "genai_tier": list(TIERS["genai"].pins), "onnxruntime": ort.__version__}  # fmt: skip
 
 
+def _target_cell(value: float, target: float | None, *, at_least: bool) -> str:
+    """``≥ 1.00×: met`` (or ``≤``, for a ratio that must stay under its target); ``–`` without one."""
+    if target is None:
+        return "–"
+    met = value >= target if at_least else value <= target
+    return f"{'≥' if at_least else '≤'} {target:.2f}×: {'met' if met else '**not met**'}"
+
+
 def _fmt_spread(s: dict[str, float], unit: str = "") -> str:
     return f"{s['median']:.2f}{unit} ({s['min']:.2f}–{s['max']:.2f})"
 
@@ -353,10 +367,14 @@ def same_weights_body(results: dict[str, Any], level: str = "##") -> list[str]:
             ttft = ("–", "–") if name in TEXT_ONLY else (f"{row['ttft_ms']['p50']:.0f}", f"{row['ttft_ms']['p99']:.0f}")
             lines.append(f"| {name} | {t['median']:.0f} ({t['min']:.0f}–{t['max']:.0f}) | {ttft[0]} | {ttft[1]} "
                          f"| {differ} | {row['miscounted_requests']} |")  # fmt: skip
-        lines += ["", "| ratio | median (range of the per-round ratios) |", "|---|---|"]
+        targets = dict(size.get("targets", ()))
+        lines += ["", "| ratio | median (range of the per-round ratios) | target |", "|---|---|---|"]
         for other, spread in s["ratios"].items():
-            lines.append(f"| {other if ' / ' in other else f'fleet / {other}'} | {_fmt_spread(spread, '×')} |")
-        lines.append(f"| TTFT p99: fleet / bare continuous | {s['ttft_p99_ratio']:.2f}× |")
+            target = _target_cell(spread["median"], targets.get(other), at_least=True)
+            label = other if " / " in other else f"fleet / {other}"
+            lines.append(f"| {label} | {_fmt_spread(spread, '×')} | {target} |")
+        target = _target_cell(s["ttft_p99_ratio"], targets.get("TTFT p99"), at_least=False)
+        lines.append(f"| TTFT p99: fleet / bare continuous | {s['ttft_p99_ratio']:.2f}× | {target} |")
         per_round = "; ".join(f"{name}: {', '.join(f'{x:.0f}' for x in xs)}" for name, xs in s["per_round"].items())
         lines += ["", f"Tokens/s per round: {per_round}.", ""]
     lines += [
