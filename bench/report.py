@@ -280,7 +280,9 @@ _CONTENTS = (
     "load rises; **INT8** — what quantization costs in accuracy and gains in speed; **The limit** — the bare "
     "loop by batch size; **Dispatch cost** — what the queue itself costs per request (Redis commands, CPU) on a "
     "zero-cost model, and why; **Generation** — tokens/s and time to first token of one-at-a-time, static and "
-    "continuous batching; **How it was measured**.\n"
+    "continuous batching; **Same weights** — the fleet against a bare numpy + ONNX Runtime loop and "
+    "onnxruntime-genai's `og.Engine` on one Llama exported both ways, tokens compared; **guidellm** — vLLM's "
+    "load client, unchanged, sweeping the gateway; **How it was measured**.\n"
 )
 
 
