@@ -87,7 +87,9 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
         "baseline (FP32, max_batch_size 1)", "+ dynamic batching", "+ INT8 (dynamic)", "+ TensorRT EP FP16",
         "limit: bare session.run", "peer: celery-batches", "skipped (--quick)", "## Dispatch cost", "## Targets",
         "fleet bench --quick", "## Generation — continuous batching", "continuous batching ≥ 3× one-at-a-time",
-        "in process: continuous generation loop", "limit: bare decode loop", "peer: onnxruntime-genai",
+        "in process: continuous generation loop", "limit: bare decode loop",
+        "## Same weights: the fleet, a bare loop and onnxruntime-genai\n\nskipped (--quick).",
+        "## guidellm against the gateway\n\nskipped (--quick).",
     ):  # fmt: skip
         assert text in md, text
     if rows["tensorrt"]["status"] != "ok":
