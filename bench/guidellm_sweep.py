@@ -101,6 +101,7 @@ def measure_guidellm(plan: GuidellmPlan, model: Path, work_dir: Path, say: Calla
     from protocol.modelcard import load_card
     from tools.redis_server import EmbeddedRedis
 
+    work_dir, model = work_dir.absolute(), model.absolute()  # guidellm runs in work_dir: no relative paths
     python = ensure_venv() / "bin" / "python"
     tokenizer = work_dir / "guidellm-tokenizer"
     subprocess.run([str(python), str(ROOT / "tools" / "guidellm_tokenizer.py"), str(tokenizer)], check=True,

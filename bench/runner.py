@@ -282,6 +282,8 @@ def _same_weights(plan: Plan, redis_url: str, work_dir: Path) -> dict[str, Any]:
         return {"status": "ok", **measure_same_weights(SameWeightsPlan(), redis_url, work_dir)}
     except (IndexUnreachable, TierBuildFailed) as exc:
         return {"status": f"not run: the genai tier could not be built ({exc})"}
+    except Exception as exc:  # the phases before keep their figures; the report says why
+        return {"status": f"failed: {type(exc).__name__}: {exc}"}
 
 
 def _guidellm(plan: Plan, work_dir: Path, say: Say) -> dict[str, Any]:
@@ -293,6 +295,8 @@ def _guidellm(plan: Plan, work_dir: Path, say: Say) -> dict[str, Any]:
         return {"status": "ok", **measure_guidellm(GuidellmPlan(), model, work_dir, say)}
     except (IndexUnreachable, TierBuildFailed) as exc:
         return {"status": f"not run: the guidellm tier could not be built ({exc})"}
+    except Exception as exc:  # the phases before keep their figures; the report says why
+        return {"status": f"failed: {type(exc).__name__}: {exc}"}
 
 
 def run_generation_only(plan: Plan, args: argparse.Namespace, command: str) -> dict[str, Any]:
