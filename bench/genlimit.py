@@ -172,7 +172,8 @@ def relayout_cost(engine: Engine, prompts: Sequence[Sequence[int]], batch_size: 
 def loop_run(engine: Engine, work: Work, *, max_batch_size: int, continuous: bool) -> dict[str, Any]:
     """Every request of ``work`` waiting at once, served by a :class:`GenerationLoop` until all end.
 
-    Returns tokens/s, TTFT and inter-token distributions (ms) and :func:`~bench.genstats.step_shares`.
+    Returns tokens/s, TTFT and inter-token distributions (ms), :func:`~bench.genstats.step_shares`, and per
+    request (in ``work``'s order) its tokens (``token_ids``) and time to first token (``ttft_ms``).
     """
     prefill_cap = max_batch_size * max(len(p) for p, _ in work)
     batching = BatchingSettings(
@@ -214,6 +215,8 @@ def loop_run(engine: Engine, work: Work, *, max_batch_size: int, continuous: boo
         "ttft": asdict(summarize_latencies(ttft)),
         "inter_token": asdict(summarize_latencies(gaps)),
         "shares": step_shares(steps),
+        "token_ids": [list(o.token_ids) for o in outcomes],
+        "ttft_ms": ttft,
     }
 
 

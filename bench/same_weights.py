@@ -12,6 +12,9 @@ rounds (the order rotates each round), to:
   front of the same worker: ``/v1/completions`` with the prompt's token ids, ``stream=True``,
   ``ignore_eos``, one thread per request, all at once; its tokens are counted from ``usage`` (a stream
   carries text);
+* **worker's loop, in process** — the worker's own :class:`~workers.generation.loop.GenerationLoop` on the
+  worker's engine (its session options, the rewritten graph, the in-place cache) in this process, with
+  no Celery, no Redis and no stream: what the fleet's queue and transport cost is the gap to the fleet;
 * **bare continuous** — :func:`bench.bare_loop.bare_generate` on the fleet's export as is (numpy +
   ONNX Runtime with its default session options, none of the worker's code), ``max_batch_size`` rows;
 * **bare one at a time** — the same loop, one request at a time;
@@ -43,6 +46,7 @@ import numpy as np
 import onnxruntime as ort
 
 from bench.bare_loop import bare_generate
+from bench.genlimit import load_engine, loop_run
 from bench.load import scheduled
 from bench.procs import FleetConfig, RunningFleet
 from bench.redis_cost import GatewayServer
@@ -50,16 +54,19 @@ from bench.standalone import built, say, write_page
 from producer.client import FleetClient
 from protocol.errors import FleetError
 from protocol.messages import InferenceResult
+from protocol.modelcard import load_card
 from tools.build_llama import ROPE_THETA, llama_parameter_count, swiglu_width
 from tools.onnx_layers import RMS_EPSILON
 from tools.redis_server import free_port
 from tools.tier_venvs import TIERS, build_tier
+from workers.engine import Engine
 
 __all__ = ["QUICK", "LlamaSize", "SameWeightsPlan", "measure_same_weights", "render_same_weights",
            "run_same_weights_only", "same_weights_body"]
 
 OG_SCRIPT = Path(__file__).with_name("og_tier.py")
-ROWS = ("fleet", "OpenAI SDK, streaming", "bare continuous", "bare one at a time", "og.Engine")
+ROWS = ("fleet", "OpenAI SDK, streaming", "worker's loop, in process", "bare continuous", "bare one at a time",
+        "og.Engine")
 """The rows, in the first round's order (each later round starts one row further on)."""
 TEXT_ONLY = frozenset({"OpenAI SDK, streaming"})
 """Rows whose replies carry text, not token ids: their tokens are counted (``usage``), not compared."""
@@ -187,6 +194,11 @@ def _sdk_round(url: str, model: str, work: Work) -> Row:
                 counts=[count for _, _, count in done])
 
 
+def _loop_round(engine: Engine, work: Work, max_batch: int) -> Row:
+    run = loop_run(engine, work, max_batch_size=max_batch, continuous=True)
+    return _row(run["token_ids"], run["ttft_ms"], run["seconds"])
+
+
 def _bare_round(session: ort.InferenceSession, work: Work, max_batch: int) -> Row:
     requests, span = bare_generate(session, work, max_batch)
     return _row([r.tokens for r in requests], [r.first_s * 1000 for r in requests], span)
@@ -266,6 +278,7 @@ def measure_size(plan: SameWeightsPlan, size: LlamaSize, model: Path, og_python:
     og_dir = _export_og(og_python, model, size, plan, work_dir / "og-exports" / f"{size.name}-b{plan.max_batch_size}")
     work = workload(plan, size.vocab_size)
     session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    engine = load_engine(model, load_card(model), plan.max_batch_size)
     cfg = FleetConfig(label=f"same-weights-{size.name}", model_name=size.name, model_path=model,
                       max_batch_size=plan.max_batch_size, concurrency=plan.max_batch_size,
                       max_input_tokens=plan.prompt_tokens[1], max_new_tokens=plan.new_tokens[1],
@@ -279,6 +292,7 @@ def measure_size(plan: SameWeightsPlan, size: LlamaSize, model: Path, og_python:
         runs: dict[str, Callable[[], Row]] = {
             "fleet": lambda: _fleet_round(fleet, client, work),
             "OpenAI SDK, streaming": lambda: _sdk_round(gateway.url, size.name, work),
+            "worker's loop, in process": lambda: _loop_round(engine, work, plan.max_batch_size),
             "bare continuous": lambda: _bare_round(session, work, plan.max_batch_size),
             "bare one at a time": lambda: _bare_round(session, work, 1),
             "og.Engine": lambda: _og_round(og_python, og_dir, work, og_dir.parent),
@@ -340,8 +354,9 @@ def same_weights_body(results: dict[str, Any], level: str = "##") -> list[str]:
     plan = results["plan"]
     lines = [
         "Each model is one random Llama (`tools/build_llama.py`) "
-        f"exported two ways: the fleet's own export, served by the fleet and by a bare numpy + ONNX Runtime loop "
-        f"(`bench/bare_loop.py`), and onnxruntime-genai's model builder (FP32, CPU) on the same weights, served "
+        f"exported two ways: the fleet's own export, served by the fleet, by the worker's own generation loop in "
+        f"process and by a bare numpy + ONNX Runtime loop (`bench/bare_loop.py`), and onnxruntime-genai's model "
+        f"builder (FP32, CPU) on the same weights, served "
         f"by `og.Engine` ({', '.join(results['genai_tier'][-2:])}). {plan['requests']} requests arriving together, "
         f"prompts {plan['prompt_tokens'][0]}–{plan['prompt_tokens'][1]} tokens, "
         f"{plan['new_tokens'][0]}–{plan['new_tokens'][1]} new tokens each (greedy, forced lengths), at most "
@@ -385,7 +400,9 @@ def same_weights_body(results: dict[str, Any], level: str = "##") -> list[str]:
         "given and its tokens are counted from `usage`, not compared. og.Engine runs in the `genai` "
         "tier's venv (`tools/tier_venvs.py`), one process per round (loading the model is not timed). The "
         "bare loop uses ONNX Runtime's default session options on the fleet's export as is; the worker "
-        "rewrites that graph at load (LM head at the last position, KV cache written in place).",
+        "rewrites that graph at load (LM head at the last position, KV cache written in place) and runs ONNX "
+        "Runtime with intra-op spinning off: the worker's loop in process runs exactly that, without Celery, Redis "
+        "or a stream, so the fleet's gap to it is what the queue and the transport cost.",
         "",
     ]  # fmt: skip
     return lines

@@ -2,8 +2,9 @@
 
 ``fleet bench --quick --only same-weights`` builds a tiny Llama, writes its weights as a Hugging Face
 checkpoint, exports it with onnxruntime-genai's model builder (in the ``genai`` tier's venv, built once
-and reused while its pins stay the same), and serves one burst four ways: a real worker behind Redis,
-the bare numpy + ONNX Runtime loop (continuous and one at a time) and ``og.Engine``. Every request's
+and reused while its pins stay the same), and serves one burst every way: a real worker behind Redis
+(FleetClient, and the official OpenAI SDK through the gateway), the worker's own loop in process, the
+bare numpy + ONNX Runtime loop (continuous and one at a time) and ``og.Engine``. Every request's
 tokens must match the fleet's in every row: two independent exports and three independent loops agree
 on what greedy decoding of these weights gives, which the fleet's speed figures rest on.
 
@@ -42,7 +43,7 @@ def test_fleet_bare_loops_and_og_engine_agree_on_every_token(tmp_path: Path) -> 
         assert row["tokens_per_s"]["median"] > 0
     assert size["og"]["capabilities"]["configured_max_batch_size"] == QUICK.max_batch_size
     assert size["kv_in_place"] is True  # the worker served from the in-place cache
-    assert set(size["ratios"]) == {"bare continuous", "bare one at a time", "og.Engine",
+    assert set(size["ratios"]) == {"worker's loop, in process", "bare continuous", "bare one at a time", "og.Engine",
                                    "OpenAI SDK, streaming / fleet"}
     page = (tmp_path / "same-weights.md").read_text()
     assert "| fleet / og.Engine |" in page and "| OpenAI SDK, streaming / fleet |" in page
