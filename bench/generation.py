@@ -237,5 +237,6 @@ def measure_generation(gp: GenPlan, model_path: Path, redis_url: str, work_dir: 
         "rows": rows,
         "limit": limit,
         "providers": {"requested": list(providers), "active": list(engine.providers)},
+        "kv_in_place": engine.kv.in_place,
         "duration_s": round(time.monotonic() - started, 1),
     }

@@ -66,7 +66,7 @@ def generation_reading(gen: dict[str, Any]) -> str:
         f"of {fmt(sat['continuous']['mean_batch'], 1)} rows (a bare decode step of {b} rows: "
         f"{fmt(bb['step_ms'], 1)} ms), against {fmt(_ms_per_step(wo), 1)} ms per step for one row one at a time "
         f"(bare: {fmt(b1['step_ms'], 1)} ms). A worker's step also carries the joiners' prefill"
-        + ("" if copy == 0 else " and the cache re-layouts")
+        + ("" if gen.get("kv_in_place") else " and the cache re-layouts")
         + ", and shares the machine's cores with Celery, Redis, the stream publisher and the client.",
         f"- **Where a continuous step's time goes** (the worker's own `GenerationLoop` in process, "
         f"{fmt(lc['tokens_per_s'], 0)} tokens/s): prefill of joiners {pct(lc['shares']['prefill_share'])}, re-laying "
@@ -76,11 +76,12 @@ def generation_reading(gen: dict[str, Any]) -> str:
         f"averages {fmt(lc['shares']['mean_running'], 1)} of {b} rows (it drains as the last requests finish) and "
         f"{pct(lc['shares'].get('kv_fill'))} of its cache slots hold real tokens (rows are left-padded to the "
         "longest).",
-        _kv_note(copy, cont, one, sat, lim, prof),
+        _kv_note(copy, cont, one, sat, lim, prof, in_place=bool(gen.get("kv_in_place"))),
         f"- **Static vs continuous**: static batching admits only into an empty batch, so a request that arrives "
         f"while a batch runs waits for the batch's longest member (TTFT p99 {p99['static']} ms static vs "
         f"{p99['continuous']} ms continuous); continuous admits at the next step, but each admission costs a prefill "
-        + ("call. " if copy == 0 else "call and a re-layout of the whole running cache. ") + "At saturation it made "
+        + ("call. " if gen.get("kv_in_place") else "call and a re-layout of the whole running cache. ")
+        + "At saturation it made "
         f"{cont / max(1e-9, stat):.2f}× static's tokens/s in the workers (in process: "
         f"{fmt(lc['tokens_per_s'], 0)} vs {fmt(ls['tokens_per_s'], 0)} tokens/s).",
     ]
@@ -89,14 +90,15 @@ def generation_reading(gen: dict[str, Any]) -> str:
 
 
 def _kv_note(copy: float, cont: float, one: float, sat: dict[str, Any], lim: dict[str, Any],
-             prof: dict[str, Any]) -> str:  # fmt: skip
+             prof: dict[str, Any], *, in_place: bool) -> str:  # fmt: skip
     """What the KV cache costs the workers: nothing re-laid out when it is written in place, else the re-layouts."""
     concat = (f"`present = Concat(past, new)` is {pct(prof['concat_share'])} of ONNX Runtime's node time at batch "
               f"{prof['batch_size']} and {prof['past_tokens']} cached tokens")  # fmt: skip
-    if copy == 0:
-        return ("- **The KV cache is written in place**: the workers re-laid out nothing (0 % of their step time; "
-                "each sequence owns a slot of one preallocated buffer, `engine.kv_cache`). In the export as built, "
-                f"{concat}: the copy of the whole past in every decode step that the worker's rewrite removes.")
+    if in_place:
+        return (f"- **The KV cache is written in place**: the workers copy no past ({pct(copy)} of their step time "
+                "went to the cache's bookkeeping when rows left or joined; each sequence owns a slot of one "
+                f"preallocated buffer, `engine.kv_cache`). In the export as built, {concat}: the copy of the whole "
+                "past in every decode step that the worker's rewrite removes.")
     return (f"- **Copying the KV cache is the cost to remove.** In the workers the re-layouts took {pct(copy)} of the "
             f"continuous row's step time ({pct(sat['static']['worker']['copy_share'])} static); without them the "
             f"same steps would make about {fmt(cont / max(1e-9, 1 - copy), 0)} tokens/s, "
