@@ -108,10 +108,10 @@ class GenSequence:
         return self.prompt + self.generated
 
     def note_prefill(self, started_mono: float, batch: int, padded: int, engine_ms: float) -> None:
-        """Record the prefill call it joined through."""
+        """Record the prefill it joined through, once it is done (``started_mono``: when it began, monotonic s)."""
         self.batch_wait_ms = max(0.0, (started_mono - self.arrived_s) * 1000)
         self.prefill_batch, self.prefill_padded = batch, padded
-        self.prefill_started_unix = time.time()
+        self.prefill_started_unix = time.time() - max(0.0, time.monotonic() - started_mono)  # when it began
         self.engine_ms += engine_ms
 
     def note_decode(self, batch: int, engine_ms: float) -> None:
