@@ -31,6 +31,7 @@ median and range the page reports. Nothing asserts a speed.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import subprocess
 import time
@@ -47,6 +48,7 @@ import onnxruntime as ort
 
 from bench.bare_loop import bare_generate
 from bench.genlimit import load_engine, loop_run
+from bench.genstats import parse_metrics
 from bench.load import scheduled
 from bench.procs import FleetConfig, RunningFleet
 from bench.redis_cost import GatewayServer
@@ -179,7 +181,7 @@ def _sdk_round(url: str, model: str, work: Work) -> Row:
         stream = sdk.completions.create(model=model, prompt=prompt, max_tokens=new, temperature=0, stream=True,
                                         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         for chunk in stream:
-            if chunk.choices and first != first:
+            if chunk.choices and math.isnan(first):
                 first = time.perf_counter() - started
             if chunk.usage is not None:
                 count = chunk.usage.completion_tokens
@@ -234,10 +236,10 @@ def _export_og(python: Path, model: Path, size: LlamaSize, plan: SameWeightsPlan
 def _kv_in_place(port: int) -> bool | None:
     """The worker's ``fleet_worker_kv_in_place`` gauge (None when it does not export one)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith("fleet_worker_kv_in_place"):
-                return float(line.rsplit(" ", 1)[1]) == 1.0
-    return None
+        text = resp.read().decode()
+    if "\nfleet_worker_kv_in_place" not in f"\n{text}":
+        return None
+    return parse_metrics(text, ["fleet_worker_kv_in_place"])["fleet_worker_kv_in_place"] == 1.0
 
 
 def _mismatches(reference: list[list[int]], other: list[list[int]]) -> int:
