@@ -17,12 +17,16 @@ bring back what no key holds). The batched take (:mod:`broker.batch_take`) widen
    when the worker consumes other lists too (its canary queue, kombu's priority lists): a message
    there waits that long on an idle worker;
 2. (after a wait that timed out, only when ``LLEN`` finds another list non-empty)
-   **one script** (:data:`TAKE_SCRIPT`) that, on the first non-empty list in kombu's order, reads up to
-   the worker's free tokens of its oldest messages, records each as kombu records a delivery (``ZADD``
-   of its tag to ``unacked_index``, ``HSET`` of ``[message, exchange, routing_key]`` to ``unacked``),
-   reads its cancel mark (``EXISTS fleet:cancel:<id>``), and only then trims them off the list. Redis
-   runs a script whole or not at all, so every message is at every instant in its queue or in the
-   unacked hash, and kombu's visibility-timeout restore brings back whatever a dead worker held.
+   **one script** (:data:`TAKE_SCRIPT`) that reads, list after list in kombu's order, the oldest
+   messages of each non-empty one until it has as many as the worker has free tokens, records each as
+   kombu records a delivery (``ZADD`` of its tag to ``unacked_index``, ``HSET`` of ``[message,
+   exchange, routing_key]`` to ``unacked``), reads its cancel mark (``EXISTS fleet:cancel:<id>``), and
+   only then trims them off their list. Redis runs a script whole or not at all, so every message is at
+   every instant in its queue or in the unacked hash, and kombu's visibility-timeout restore brings
+   back whatever a dead worker held. Taking from every list at once matters when a burst is split
+   between lists (prefix-aware routing sends part of it to the worker's own queue, the rest to the
+   model's): taken one list per turn, the next turn's wait would sit on the emptied list for up to
+   ``other_lists_wait_s`` while the other list holds the rest of the burst.
 
 Then each message goes through the guard's checks (a refused one is dead-lettered, and its unacked
 entry removed after) and is delivered. A lone request costs one round trip after the wait, as before.
@@ -51,7 +55,7 @@ from broker.cancel_marks import CancelReadingQoS
 from broker.redis_refusals import RedisRefusingWrites, is_write_refusal
 from protocol.keys import CANCEL_KEY
 
-__all__ = ["OTHER_LISTS_WAIT_S", "TAKE_SCRIPT", "start_peek", "take_after_peek"]
+__all__ = ["OTHER_LISTS_WAIT_S", "TAKE_SCRIPT", "sections", "start_peek", "take_after_peek"]
 
 log = logging.getLogger("fleet.poison")
 
@@ -74,61 +78,87 @@ local function string_or_null(value)
 end
 local function refused(reply) return type(reply) == 'table' and reply.err end
 
-for i = 1, lists do
-  local items = redis.call('LRANGE', KEYS[i], -most, -1)
-  if #items > 0 then
-    local out = {KEYS[i], false}
-    local recorded = {}
-    for j = #items, 1, -1 do
-      local raw = items[j]
-      local tag, task_id, mark = false, false, false
-      local ok, message = pcall(cjson.decode, raw)
-      local props = ok and type(message) == 'table' and message.properties
-      if type(props) == 'table' and type(props.delivery_tag) == 'string' and props.delivery_tag ~= '' then
-        local info = props.delivery_info
-        local exchange, routing_key
-        if type(info) == 'table' then exchange, routing_key = info.exchange, info.routing_key end
-        local entry = '[' .. raw .. ',' .. string_or_null(exchange) .. ',' .. string_or_null(routing_key) .. ']'
-        local reply = redis.pcall('ZADD', index, now, props.delivery_tag)
-        if not refused(reply) then reply = redis.pcall('HSET', hash, props.delivery_tag, entry) end
-        if refused(reply) then
-          out[2] = reply.err
-          break
-        end
-        tag = props.delivery_tag
-        recorded[#recorded + 1] = tag
-        local headers = message.headers
-        if type(headers) == 'table' and type(headers.id) == 'string' and headers.id ~= '' then
-          task_id = headers.id
-          mark = redis.call('EXISTS', mark_prefix .. task_id)
-        end
-      end
-      out[#out + 1] = raw
-      out[#out + 1] = tag
-      out[#out + 1] = task_id
-      out[#out + 1] = mark
-    end
-    local taken = (#out - 2) / 4
-    if taken > 0 then
-      local reply = redis.pcall('LTRIM', KEYS[i], 0, -taken - 1)
+-- one list's oldest messages (up to room), recorded then trimmed: {list, error or false, count, rows...}
+local function take(key, room)
+  local items = redis.call('LRANGE', key, -room, -1)
+  local out = {key, false, 0}
+  local recorded = {}
+  for j = #items, 1, -1 do
+    local raw = items[j]
+    local tag, task_id, mark = false, false, false
+    local ok, message = pcall(cjson.decode, raw)
+    local props = ok and type(message) == 'table' and message.properties
+    if type(props) == 'table' and type(props.delivery_tag) == 'string' and props.delivery_tag ~= '' then
+      local info = props.delivery_info
+      local exchange, routing_key
+      if type(info) == 'table' then exchange, routing_key = info.exchange, info.routing_key end
+      local entry = '[' .. raw .. ',' .. string_or_null(exchange) .. ',' .. string_or_null(routing_key) .. ']'
+      local reply = redis.pcall('ZADD', index, now, props.delivery_tag)
+      if not refused(reply) then reply = redis.pcall('HSET', hash, props.delivery_tag, entry) end
       if refused(reply) then
-        for _, t in ipairs(recorded) do
-          redis.pcall('HDEL', hash, t)
-          redis.pcall('ZREM', index, t)
-        end
-        return {KEYS[i], reply.err}
+        out[2] = reply.err
+        break
+      end
+      tag = props.delivery_tag
+      recorded[#recorded + 1] = tag
+      local headers = message.headers
+      if type(headers) == 'table' and type(headers.id) == 'string' and headers.id ~= '' then
+        task_id = headers.id
+        mark = redis.call('EXISTS', mark_prefix .. task_id)
       end
     end
-    return out
+    out[#out + 1] = raw
+    out[#out + 1] = tag
+    out[#out + 1] = task_id
+    out[#out + 1] = mark
+  end
+  local taken = (#out - 3) / 4
+  out[3] = taken
+  if taken > 0 then
+    local reply = redis.pcall('LTRIM', key, 0, -taken - 1)
+    if refused(reply) then
+      for _, t in ipairs(recorded) do
+        redis.pcall('HDEL', hash, t)
+        redis.pcall('ZREM', index, t)
+      end
+      return {key, reply.err, 0}
+    end
+  end
+  return out
+end
+
+local reply = {}
+for i = 1, lists do
+  if most <= 0 then break end
+  if redis.call('LLEN', KEYS[i]) > 0 then
+    local section = take(KEYS[i], most)
+    for _, v in ipairs(section) do reply[#reply + 1] = v end
+    most = most - section[3]
+    if section[2] then break end
   end
 end
-return false
+if #reply == 0 then return false end
+return reply
 """
 """KEYS: the lists in kombu's order, then kombu's unacked hash and its index. ARGV: the most messages to
-take, now (Unix s, the index's score, as kombu writes it), the cancel mark keys' prefix. Returns false
-when every list is empty, else ``[list, error or nil, (message, tag, task ID, cancel mark) ...]`` oldest
-first; tag nil = not recorded, task ID/mark nil = mark not read. A write Redis refuses stops the take
-there (``error``): what was recorded is taken, the rest stays queued."""
+take (over all lists), now (Unix s, the index's score, as kombu writes it), the cancel mark keys' prefix.
+
+Takes from each non-empty list in order until ``most`` are taken. Returns false when every list is
+empty, else one section per list it took from (or was refused on): ``list, error or nil, n`` then ``n``
+rows of ``message, tag, task ID, cancel mark``, oldest first; tag nil = not recorded, task ID/mark nil =
+mark not read. A write Redis refuses stops the take there (``error``, the last section): what was
+recorded is taken, the rest stays queued."""
+
+
+def sections(reply: list[Any]) -> list[tuple[str, Any, list[Any]]]:
+    """The take script's reply as ``(list, error or None, rows)`` per list, in the order taken."""
+    out: list[tuple[str, Any, list[Any]]] = []
+    k = 0
+    while k + 3 <= len(reply):
+        count = int(reply[k + 2])
+        out.append((bytes_to_str(reply[k]), reply[k + 1], reply[k + 3 : k + 3 + 4 * count]))  # type: ignore[no-untyped-call]
+        k += 3 + 4 * count
+    return out
 
 
 def start_peek(channel: Any, timeout: float | None = None) -> bool:
@@ -180,23 +210,33 @@ def take_after_peek(channel: Any, **options: Any) -> bool:
     if peeked is None and not _others_hold_messages(channel):  # the wait timed out on an idle worker
         raise kombu_redis.Empty()  # type: ignore[attr-defined]
     reply = _run_script(channel)
-    if not reply:
+    if not reply or not _deliver_sections(channel, sections(reply)):
         raise kombu_redis.Empty()  # type: ignore[attr-defined]
-    list_key = bytes_to_str(reply[0])  # type: ignore[no-untyped-call]
-    error, rows = reply[1], reply[2:]
-    refusal = redis.exceptions.ResponseError(bytes_to_str(error)) if error else None  # type: ignore[no-untyped-call]
-    if refusal is not None and not rows:  # nothing was taken
-        if is_write_refusal(refusal):
-            raise RedisRefusingWrites(f"Redis refused to record messages from {list_key}: {refusal}")
-        _turn_off(channel, "a command of the take script", refusal)  # an ACL without ZADD, HSET or LTRIM
-        raise kombu_redis.Empty()  # type: ignore[attr-defined]
-    if refusal is not None:
-        log.warning("Redis refused to record more messages from %s: %s", list_key, refusal)
-    queue = list_key.rsplit(channel.sep, 1)[0]
-    channel._queue_cycle.rotate(queue)
-    channel.take_last_list = list_key
-    _check_and_deliver(channel, queue, list_key, rows)
     return True
+
+
+def _deliver_sections(channel: Any, taken: list[tuple[str, Any, list[Any]]]) -> bool:
+    """Check and deliver each list's messages of one take, in order; False when none was taken.
+
+    Raises RedisRefusingWrites when Redis refused to record the first list's messages (nothing taken);
+    any other refusal there turns the atomic take off (an ACL without ZADD, HSET or LTRIM)."""
+    delivered = False
+    for list_key, error, rows in taken:
+        refusal = redis.exceptions.ResponseError(bytes_to_str(error)) if error else None  # type: ignore[no-untyped-call]
+        if refusal is not None and not rows and not delivered:  # nothing was taken
+            if is_write_refusal(refusal):
+                raise RedisRefusingWrites(f"Redis refused to record messages from {list_key}: {refusal}")
+            _turn_off(channel, "a command of the take script", refusal)
+            return False
+        if refusal is not None:
+            log.warning("Redis refused to record more messages from %s: %s", list_key, refusal)
+        if rows:
+            queue = list_key.rsplit(channel.sep, 1)[0]
+            channel._queue_cycle.rotate(queue)
+            channel.take_last_list = list_key
+            _check_and_deliver(channel, queue, list_key, rows)
+            delivered = True
+    return delivered
 
 
 def _others_hold_messages(channel: Any) -> bool:

@@ -14,7 +14,7 @@ from kombu.messaging import Consumer
 from kombu.transport import redis as kombu_redis
 from redis._parsers.base import BaseParser
 
-from broker.atomic_take import CANCEL_PREFIX, TAKE_SCRIPT
+from broker.atomic_take import CANCEL_PREFIX, TAKE_SCRIPT, sections
 from broker.batch_take import unacked_entry_of
 from broker.poison import GuardedChannel
 from tests.integration import take_victim
@@ -40,14 +40,14 @@ def test_the_script_records_the_oldest_messages_before_it_trims_them(redis_serve
     r = redis_server.client()
     for n in range(5):
         r.lpush(QUEUE, _envelope(n))  # LPUSH as kombu's producers: the oldest is at the right end
-    r.lpush(QUEUE + "\x06\x163", _envelope(9))  # a later list in kombu's order: not reached
+    r.lpush(KEYS[1], _envelope(9))  # a later list in kombu's order: reached only with room left
     r.set(CANCEL_PREFIX + "id-1", 1)
     assert r.blmove(QUEUE, QUEUE, 1, "RIGHT", "RIGHT") == _envelope(0)  # the wait pops nothing
     assert r.lrange(QUEUE, 0, -1) == [_envelope(n) for n in (4, 3, 2, 1, 0)]
 
     reply = _take(r, 3)
-    assert reply[:2] == [QUEUE.encode(), None]
-    rows = [reply[k : k + 4] for k in range(2, len(reply), 4)]
+    assert [(key, err) for key, err, _ in sections(reply)] == [(QUEUE, None)]
+    rows = [reply[k : k + 4] for k in range(3, len(reply), 4)]
     assert rows == [[_envelope(n), f"tag-{n}".encode(), f"id-{n}".encode(), int(n == 1)] for n in (0, 1, 2)]
     for n in (0, 1, 2):  # kombu's own entry: what its restore reads back
         raw = _envelope(n)
@@ -57,10 +57,27 @@ def test_the_script_records_the_oldest_messages_before_it_trims_them(redis_serve
         assert r.zscore("unacked_index", f"tag-{n}") == 1000.5
     assert r.lrange(QUEUE, 0, -1) == [_envelope(4), _envelope(3)]
 
-    assert [row for row in _take(r, 8)[2::4]] == [_envelope(3), _envelope(4)]  # fewer than asked: all
-    assert not r.exists(QUEUE)
-    assert [row for row in _take(r, 8)[2::4]] == [_envelope(9)]  # then the next list
+    taken = sections(_take(r, 8))  # room for more than the first list holds: the next list too, in order
+    assert [(key, [row for row in rows[::4]]) for key, _, rows in taken] == [
+        (QUEUE, [_envelope(3), _envelope(4)]), (KEYS[1], [_envelope(9)])]
+    assert not r.exists(QUEUE) and not r.exists(KEYS[1])
+    assert r.hlen("unacked") == 6
     assert _take(r, 8) is None  # every list empty
+
+
+def test_a_burst_split_between_lists_is_taken_in_one_run_up_to_the_free_tokens(redis_server: EmbeddedRedis) -> None:
+    """Prefix-aware routing splits a burst between the worker's own queue and the model's: one run of the
+    script takes from both (old script: the first list only, and the next turn waited on the emptied one)."""
+    r = redis_server.client()
+    for n in range(4):
+        r.lpush(QUEUE, _envelope(n))
+    for n in range(10, 16):
+        r.lpush(KEYS[1], _envelope(n))
+    taken = sections(_take(r, 7))
+    assert [(key, len(rows) // 4) for key, _, rows in taken] == [(QUEUE, 4), (KEYS[1], 3)]
+    assert [row for _, _, rows in taken for row in rows[::4]] == [_envelope(n) for n in (0, 1, 2, 3, 10, 11, 12)]
+    assert r.lrange(KEYS[1], 0, -1) == [_envelope(15), _envelope(14), _envelope(13)]  # beyond the tokens: queued
+    assert sorted(r.hkeys("unacked")) == sorted(f"tag-{n}".encode() for n in (0, 1, 2, 3, 10, 11, 12))
 
 
 def test_refused_writes_take_nothing_and_a_tagless_item_is_taken_unrecorded(redis_server: EmbeddedRedis) -> None:
@@ -71,11 +88,11 @@ def test_refused_writes_take_nothing_and_a_tagless_item_is_taken_unrecorded(redi
         reply = _take(r, 3)
     finally:
         r.config_set("min-replicas-to-write", 0)
-    assert reply[0] == QUEUE.encode() and str(reply[1]).find("NOREPLICAS") >= 0 and len(reply) == 2, reply
+    assert reply[0] == QUEUE.encode() and str(reply[1]).find("NOREPLICAS") >= 0 and reply[2:] == [0], reply
     assert r.llen(QUEUE) == 3 and r.hlen("unacked") == 0  # nothing taken, nothing recorded
 
     reply = _take(r, 3)
-    assert reply[2:] == [_envelope(0), b"tag-0", b"id-0", 0, b"not a kombu envelope", None, None, None,
+    assert reply[2:] == [3, _envelope(0), b"tag-0", b"id-0", 0, b"not a kombu envelope", None, None, None,
                          _envelope(2), b"tag-2", b"id-2", 0]
     assert sorted(r.hkeys("unacked")) == [b"tag-0", b"tag-2"] and r.llen(QUEUE) == 0
 

@@ -82,6 +82,42 @@ def test_each_turn_goes_to_the_worker_that_holds_its_conversation(fleet: Fleet) 
     assert {w.hostname for w in workers} >= {hosts[0] for hosts in served_by}
 
 
+def test_a_burst_split_between_the_worker_s_own_queue_and_the_model_s_starts_together(fleet: Fleet) -> None:
+    """Sixteen generations queued in one Redis step: the eight whose prefix the worker holds are routed to
+    its own queue, the eight new ones to the model's. The worker takes both lists in one take, so all
+    sixteen start in the same step (``start_together_ms`` holds the first for what the worker took).
+    Before, a take read one list only and the next turn waited on the emptied list
+    (``routing.direct_wait_ms``) while the other held the rest: the first eight started alone and the
+    others joined steps later (batch_size_min 8)."""
+    cfg = fleet.config(
+        worker={"model": MODEL, "heartbeat_s": 2.0, "concurrency": 16},
+        models={MODEL: {"batching": {"prefix_block_tokens": BLOCK, "max_batch_size": 16, "start_together_ms": 10_000},
+                        "limits": {"max_input_tokens": 256, "max_new_tokens": 256},
+                        "routing": {"max_direct_queued": 64}}},
+    )
+    worker = fleet.worker(cfg, MODEL, concurrency=16)
+    client = fleet.client(cfg)
+    params = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True, "stream": False}
+    known = [[3 + 20 * i + k for k in range(9)] for i in range(8)]  # two whole blocks each, distinct
+    first = client.wait(client.send_batch([client.build_request(MODEL, p, generation=params) for p in known]),
+                        timeout_s=120)
+    for prompt, res in zip(known, first, strict=True):
+        assert isinstance(res, InferenceResult) and res.generation is not None, res
+        poll_until(partial(_held_by, client.redis, worker.hostname, prompt + res.generation.token_ids), 30,
+                   "the worker to publish the prefixes")
+    own_queue = client.settings.direct_queue_for(MODEL, worker.hostname)
+    fresh = [[400 + 9 * i + k for k in range(9)] for i in range(8)]
+    routed_before = client.router.prefixes.routed
+    burst = [client.build_request(MODEL, [*p, 300], generation=params) for p in known]
+    burst += [client.build_request(MODEL, p, generation=params) for p in fresh]
+    results = client.wait(client.send_batch(burst), timeout_s=120)
+    assert client.router.prefixes.routed - routed_before == 8, "the known prompts were not routed to the worker"
+    assert client.redis.llen(own_queue) == 0
+    detail = [(r.generation.timings.batch_size_min, r.generation.timings.decode_steps)  # type: ignore[union-attr]
+              for r in results if isinstance(r, InferenceResult)]
+    assert [size for size, _ in detail] == [16] * 16, detail
+
+
 def test_a_turn_routed_to_a_worker_that_dies_is_served_by_another(fleet: Fleet) -> None:
     """Two cases on the conversation's holder: SIGKILLed while it runs the turn (the turn comes back after
     the visibility timeout, into the dead worker's queue, and is moved), and SIGKILLed with the turn still
