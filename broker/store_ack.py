@@ -15,7 +15,9 @@ How the pieces meet:
 2. the result backend, storing a SUCCESS for a task whose message properties carry a noted tag, runs
    the script with those two keys and the tag, and records the tag as acked (:meth:`StoreAcks.acked`);
 3. Celery then acks as always; :meth:`StoreAckingQoS.ack` finds the tag recorded and only updates
-   kombu's in-memory bookkeeping (the prefetch count), with no Redis command.
+   kombu's in-memory bookkeeping (the prefetch count), with no Redis command. The worker's prefetch
+   (its tokens) already counts the delivery free from step 2 (:meth:`StoreAckingQoS.can_consume`): a
+   request holds its token from dequeue to result write.
 
 Only a SUCCESS is acked this way: Celery acks a failure too (``task_acks_on_failure_or_timeout``) but
 may reject and requeue it instead, which the store cannot know. A tag that was not noted (another
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Container
 from typing import Any
 
 from kombu.transport import virtual
@@ -73,6 +76,11 @@ class StoreAcks:
                 return True
             return False
 
+    def acked_among(self, delivered: Container[str]) -> int:
+        """How many of ``delivered`` the store acked and Celery has not settled yet."""
+        with self._lock:
+            return sum(1 for tag in self._acked if tag in delivered)
+
     def __len__(self) -> int:
         return len(self._expected)
 
@@ -97,6 +105,22 @@ class StoreAckingQoS(CancelReadingQoS):
         super().append(message, delivery_tag)
         if not getattr(self.channel, "global_keyprefix", ""):  # the script names the keys itself
             self.acks.expect(str(delivery_tag), str(self.unacked_key), str(self.unacked_index_key))
+
+    def _held(self) -> int:
+        """Deliveries that still hold one of the worker's tokens: kombu's count less those whose result the
+        store script already wrote (and acked), which Celery settles a moment later on the task's thread."""
+        return len(self._delivered) - len(self._dirty) - self.acks.acked_among(self._delivered)
+
+    def can_consume(self) -> bool:
+        """kombu's prefetch check, counting a request's token free from its result write (see :meth:`_held`):
+        a burst queued right after the previous one's results is taken whole, not short of those tokens."""
+        pcount = self.prefetch_count
+        return not pcount or self._held() < pcount
+
+    def can_consume_max_estimate(self) -> int | None:
+        """How many more messages may be taken now (None: no prefetch limit), as :meth:`can_consume` counts."""
+        pcount = self.prefetch_count
+        return max(pcount - self._held(), 0) if pcount else None
 
     def ack(self, delivery_tag: Any) -> None:
         if self.acks.settle(str(delivery_tag)):
