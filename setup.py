@@ -27,6 +27,7 @@ BASE = [
     "kombu>=5.7,<5.8",
     "packaging>=23",  # the worker's version check
     "redis>=5",
+    "hiredis>=3",  # redis-py parses replies in C when installed (a stream publisher's write: 174 -> 85 CPU-us)
     "numpy>=1.26",
     "onnx>=1.16",
     "pydantic>=2.7",

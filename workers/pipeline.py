@@ -137,7 +137,7 @@ def prepare(
             eos_ids=runtime.eos_token_ids,
             tokenizer=runtime.tokenizer,
             deadline_s=deadline_mono,
-            emit=runtime.streams.publish,
+            emit=runtime.streams,
             role=role,
             submitted_unix_s=request.submitted_at_unix_s,
         )

@@ -17,27 +17,25 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
-from protocol.keys import STREAM_KEY
-from protocol.streams import EVENT_FIELD, StreamEvent, encode_event
-
 __all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MAX_EVENTS", "HeldEvent", "PendingEvents"]
 
 DEFAULT_MAX_EVENTS = 100_000
 """Default most events held (about a minute of 16 generations at 100 tokens/s each)."""
 DEFAULT_MAX_BYTES = 32 * 1024 * 1024
-"""Default most bytes held (stream keys + encoded events)."""
+"""Default most bytes held (request IDs + encoded events)."""
 _ENTRY_OVERHEAD_BYTES = 64
-"""What one held event costs beyond its key and JSON (tuple, strings' headers), roughly."""
+"""What one held event costs beyond its request ID and JSON (tuple, strings' headers), roughly."""
 
 
 class HeldEvent(NamedTuple):
     """One event waiting for its ``XADD`` (a tuple: one is made per token, on the publisher's thread)."""
 
     request_id: str
-    key: str
-    fields: dict[str, str]
+    event: str
+    """The event's JSON (:func:`protocol.streams.encode_event`, :func:`protocol.streams.encode_token`)."""
     size_bytes: int
     last: bool
+    """It ends its stream (``final`` or ``error``)."""
 
 
 class PendingEvents:
@@ -57,13 +55,10 @@ class PendingEvents:
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, request_id: str, event: StreamEvent, *, bounded: bool = True) -> bool:
-        """Hold ``event``; False when it was refused (``bounded`` and over the bounds, or its stream
-        already has a gap)."""
-        fields = encode_event(event)
-        key = STREAM_KEY.format(id=request_id)
-        size = len(key) + len(fields[EVENT_FIELD]) + _ENTRY_OVERHEAD_BYTES
-        last = event.type != "token"
+    def add(self, request_id: str, event: str, *, last: bool, bounded: bool = True) -> bool:
+        """Hold ``event`` (its JSON; ``last``: it ends its stream); False when it was refused (``bounded`` and
+        over the bounds, or its stream already has a gap)."""
+        size = len(request_id) + len(event) + _ENTRY_OVERHEAD_BYTES
         if last:
             self._cut.discard(request_id)  # the stream ends here: nothing of it follows
         elif request_id in self._cut:
@@ -76,7 +71,7 @@ class PendingEvents:
             if not last:
                 self._cut.add(request_id)
             return False
-        self._items.append(HeldEvent(request_id, key, fields, size, last))
+        self._items.append(HeldEvent(request_id, event, size, last))
         self.bytes += size
         return True
 

@@ -1,21 +1,24 @@
 """The worker's stream publisher: token events to Redis Streams, cancel marks back to sequences.
 
 The scheduler thread must never wait on Redis, so sequences hand their events to
-:meth:`StreamPublisher.publish`, which only queues them. One publisher thread drains the queue and
-writes every pending event in one pipeline: **one ``XADD … MAXLEN ~`` per stream** holding all of that
-stream's pending events (up to :data:`MAX_EVENTS_PER_ENTRY`, :func:`protocol.streams.encode_events`),
-plus an ``EXPIRE`` for a stream's first write, for its last event (the key expires ``ttl_s`` after it)
-and otherwise at most once per quarter of ``ttl_s`` (a stream cut before its end expires between three
-quarters of ``ttl_s`` and ``ttl_s`` after its last write). A decode step emits one token per stream, so
-a stream's tokens share an entry when they waited for the same write: under load, or with ``window_ms``
-(``worker.stream_window_ms``), the time the publisher waits after the first pending event before it
-writes, which coalesces the tokens of several decode steps on purpose; a stream's first token and its
-last event are written at once (with whatever is pending), so the window never delays the first token,
-and a stream ends when its result is stored. In the same loop it reads the cancel marks
-(``fleet:cancel:<id>``) of the generations this worker runs, one ``MGET`` per ``cancel_poll_s``, and
-flags the cancelled ones; the scheduler ends them at its next step. A second thread listens on the
-``fleet:cancels`` channel, where cancels are also published, so a cancel usually lands within one decode
-step; the poll catches any it missed.
+:meth:`StreamPublisher.publish_token` (a token: a tuple into a queue, encoded later by
+:func:`protocol.streams.encode_token`) and :meth:`StreamPublisher.publish` (a final or error event),
+which only queue them. One publisher thread drains the queue and writes every pending event in one run
+of :data:`WRITE_SCRIPT`: **one ``XADD … MAXLEN ~`` per stream** holding all of that stream's pending
+events (up to :data:`MAX_EVENTS_PER_ENTRY`, :func:`protocol.streams.encode_events`), plus an ``EXPIRE``
+for a stream's first write, for its last event (the key expires ``ttl_s`` after it) and otherwise at
+most once per quarter of ``ttl_s`` (a stream cut before its end expires between three quarters of
+``ttl_s`` and ``ttl_s`` after its last write). A decode step emits one token per stream, so a stream's
+tokens share an entry when they waited for the same write: ``window_ms`` (``worker.stream_window_ms``)
+is how long the publisher lets events gather before it writes, which coalesces the tokens of several
+decode steps on purpose. A later token does not wake the publisher: while any stream is open it
+collects once per window. A stream's first token and its last event wake it and are written at once
+(with whatever is pending), so the window never delays the first token, and a stream ends when its
+result is stored. In the same loop it reads the cancel marks (``fleet:cancel:<id>``) of the
+generations this worker runs, one ``MGET`` per ``cancel_poll_s``, and flags the cancelled ones; the
+scheduler ends them at its next step. A second thread listens on the ``fleet:cancels`` channel, where
+cancels are also published, so a cancel usually lands within one decode step; the poll catches any it
+missed.
 
 While Redis does not answer (a restart, a cut), events are held in order
 (:class:`workers.stream_buffer.PendingEvents`, bounded by events and bytes) and written when it
@@ -40,8 +43,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from protocol.errors import FleetError
-from protocol.keys import CANCEL_CHANNEL, CANCEL_KEY
-from protocol.streams import EVENT_FIELD, StreamEvent, encode_events
+from protocol.keys import CANCEL_CHANNEL, CANCEL_KEY, STREAM_KEY
+from protocol.streams import EVENT_FIELD, REST_FIELD, StreamEvent, encode_events, encode_token
 from workers.generation.sequence import GenSequence
 from workers.stream_buffer import DEFAULT_MAX_BYTES, DEFAULT_MAX_EVENTS, HeldEvent, PendingEvents
 
@@ -50,6 +53,8 @@ __all__ = ["FIRST_RETRY_S", "MAX_EVENTS_PER_ENTRY", "MAX_RETRY_S", "WRITE_CHUNK"
 log = logging.getLogger("fleet.streams")
 
 _STOP = ("", None)
+TokenOut = tuple[int, int, str]
+"""A token as :meth:`StreamPublisher.publish_token` queues it: index, token id, text."""
 FIRST_RETRY_S = 0.05
 """First wait before writing again after Redis did not answer (s); doubles up to :data:`MAX_RETRY_S`."""
 MAX_RETRY_S = 1.0
@@ -58,17 +63,53 @@ WRITE_CHUNK = 1024
 """Most events one pipeline writes (a long outage's backlog goes out in order, chunk by chunk)."""
 MAX_EVENTS_PER_ENTRY = 64
 """Most events of one stream coalesced into one entry."""
+IDLE_WAIT_S = 1.0
+"""Longest wait of an idle publisher (no events held, no stream open, no generation watched), in seconds."""
+_MAX_OPEN_STREAMS = 100_000
+"""Most open streams remembered."""
 _MAX_EXPIRE_MARKS = 100_000
 """Most streams whose last ``EXPIRE`` time is remembered."""
 _OUTAGE_PREFIXES = ("OOM", "MASTERDOWN", "TRYAGAIN", "BUSY", "LOADING")
 """Replies that say Redis cannot write *now*: the events are kept and written later."""
+_OUTAGE_REPLIES = (*_OUTAGE_PREFIXES, "READONLY", "NOREPLICAS", "MISCONF")
+"""The same, as :data:`WRITE_SCRIPT` hands back a command's error (a replica after a failover, too few
+replicas, a failing snapshot are passing states as well)."""
+WRITE_SCRIPT = """
+local maxlen, ttl, payload = ARGV[1], ARGV[2], ARGV[3]
+local out = {}
+local at = 1
+for i = 1, #KEYS do
+  local stop = string.find(payload, '\\30', at, true) or (#payload + 1)
+  local cut = string.find(payload, '\\n', at + 1, true)
+  local reply
+  if cut and cut < stop then
+    reply = redis.pcall('XADD', KEYS[i], 'MAXLEN', '~', maxlen, '*', 'e', string.sub(payload, at + 1, cut - 1),
+                        'r', string.sub(payload, cut + 1, stop - 1))
+  else
+    reply = redis.pcall('XADD', KEYS[i], 'MAXLEN', '~', maxlen, '*', 'e', string.sub(payload, at + 1, stop - 1))
+  end
+  if type(reply) == 'table' and reply.err then
+    out[i] = reply.err
+  else
+    out[i] = 1
+    if string.byte(payload, at) == 49 then redis.pcall('EXPIRE', KEYS[i], ttl) end
+  end
+  at = stop + 1
+end
+return out
+"""
+"""One write of the publisher: KEYS are the entries' streams (a stream twice for two entries), ARGV the
+``MAXLEN ~`` cap, the TTL (s) and the entries, each as ``1`` when its stream's ``EXPIRE`` is due after it
+(else ``0``), its ``e`` field and, when it has one, a newline and its ``r`` field, separated by ``\\x1e``
+(JSON never holds a raw control character). Returns per entry 1, or the error Redis gave its ``XADD``.
+One command with three arguments besides the keys, not a pipeline of an ``XADD`` per entry: redis-py packs
+each argument and parses each reply in Python, which was most of the publisher's CPU
+(``fleet bench --only streaming``)."""
 
 
-def _is_outage(exc: BaseException) -> bool:
-    """True for errors that pass (Redis away, restarting, read-only during a failover, out of memory)."""
-    if isinstance(exc, redis.ConnectionError | redis.TimeoutError | redis.exceptions.ReadOnlyError):
-        return True
-    return isinstance(exc, redis.ResponseError) and str(exc).startswith(_OUTAGE_PREFIXES)
+def bytes_to_text(reply: bytes | str | int) -> str:
+    """A script reply element as text."""
+    return reply.decode(errors="replace") if isinstance(reply, bytes) else str(reply)
 
 
 class StreamPublisher:
@@ -96,6 +137,7 @@ class StreamPublisher:
         """
         client.set_retry(Retry(NoBackoff(), 0))  # type: ignore[attr-defined]  # types-redis predates set_retry
         self.redis = client
+        self._script = client.register_script(WRITE_SCRIPT)
         self.ttl_s = ttl_s
         self.max_len = max_len
         self.cancel_poll_s = cancel_poll_s
@@ -103,7 +145,7 @@ class StreamPublisher:
         self.refused = 0
         """Events Redis refused for good (counted in :attr:`dropped` too)."""
         self._stop_deadline_s = float("inf")
-        self._queue: queue.SimpleQueue[tuple[str, StreamEvent | None]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[str, StreamEvent | TokenOut | None]] = queue.SimpleQueue()
         self._watched: dict[str, GenSequence] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="fleet-streams", daemon=True)
@@ -115,12 +157,19 @@ class StreamPublisher:
         """Stream entries written (``published / entries`` = events per entry)."""
         self.window_s = max(0.0, window_ms) / 1000
         self._wake = threading.Event()
-        """Set by :meth:`publish` for a first token or a stream's end: the window's wait ends at once."""
+        """Set by :meth:`publish` for a first token or a stream's end (every event without a window), by
+        :meth:`watch` and :meth:`stop`: the publisher's wait ends at once."""
+        self._open: set[str] = set()
+        """Streams whose first token was taken and whose last event was not: while any is open, the
+        publisher collects events every window (a token does not wake it)."""
         self._urgent = False
         """A stream's first token or its end is held: write without waiting out the window (time to first
         token; the end goes out with the stored result)."""
         self.max_events_per_entry = max(1, max_events_per_entry)
         self._held_since_s = 0.0
+        """When the oldest held event may have been published (monotonic s): the last drain before it."""
+        self._drained_s = time.monotonic()
+        """When the queue was last drained into the hold (monotonic s)."""
         self.cpu_s = 0.0
         """CPU time of the publisher thread so far (s), read at each pass of its loop."""
         self._expired_at: dict[str, float] = {}
@@ -141,6 +190,7 @@ class StreamPublisher:
         self._stop_deadline_s = time.monotonic() + max(0.0, timeout_s - 0.5)
         self._stopping.set()
         self._queue.put(_STOP)
+        self._wake.set()
         self._thread.join(timeout_s)
         self._listener.join(timeout_s)
 
@@ -172,13 +222,22 @@ class StreamPublisher:
         """Queue ``event`` for the stream of ``request_id`` (never blocks); a stream's first token or end
         cuts short a window being waited out."""
         self._queue.put((request_id, event))
-        if event.is_last or event.index == 0:
+        if event.is_last or event.index == 0 or not self.window_s:
+            self._wake.set()
+
+    def publish_token(self, request_id: str, index: int, token_id: int, text: str) -> None:
+        """Queue the ``index``-th token of ``request_id``'s stream: what :meth:`publish` does for a token
+        event, without building one on the caller's thread (the scheduler's, once per token); it is
+        encoded on the publisher's (:func:`protocol.streams.encode_token`)."""
+        self._queue.put((request_id, (index, token_id, text)))
+        if index == 0 or not self.window_s:
             self._wake.set()
 
     def watch(self, seq: GenSequence) -> None:
         """Check ``seq``'s cancel mark until :meth:`unwatch`."""
         with self._lock:
             self._watched[seq.request_id] = seq
+        self._wake.set()  # an idle publisher starts polling the cancel marks
 
     def unwatch(self, request_id: str) -> None:
         """Stop checking ``request_id``'s cancel mark."""
@@ -207,6 +266,7 @@ class StreamPublisher:
         outage = _Outage()
         cpu_mark = time.thread_time()
         while True:
+            self._sleep(next_poll, outage, stopping=stopping)
             stopping = self._take(bounded=outage.down_since_s is not None) or stopping
             now = time.monotonic()
             due = stopping or self._urgent or now >= self._held_since_s + self.window_s
@@ -231,31 +291,62 @@ class StreamPublisher:
             log.warning("stream publisher stopped with %d events unwritten (Redis did not answer); "
                         "their readers finish from the stored results", len(self.pending))
 
+    def _sleep(self, next_poll_s: float, outage: _Outage, *, stopping: bool) -> None:
+        """Wait until there is something to do: held events due (at once when urgent or without a window,
+        else when the window of the oldest closes; after an outage, when the retry is due), the events of
+        open streams to collect (every window: tokens do not wake this thread), the next cancel poll while
+        generations are watched, or a wake from :meth:`publish` (a first token, an end, every event
+        without a window), :meth:`watch` or :meth:`stop`; otherwise up to :data:`IDLE_WAIT_S`."""
+        now = time.monotonic()
+        until = []
+        if len(self.pending):
+            if stopping or self._urgent or not self.window_s:
+                until.append(outage.retry_at_s)
+            else:
+                until.append(max(outage.retry_at_s, self._held_since_s + self.window_s))
+        elif self._open and self.window_s:
+            until.append(self._drained_s + self.window_s)
+        elif stopping:
+            return
+        if self._watched:  # read without the lock: a stale answer costs one early or late poll
+            until.append(next_poll_s)
+        timeout = min(until) - now if until else IDLE_WAIT_S
+        if timeout > 0:
+            self._wake.wait(timeout)
+        self._wake.clear()  # what is published from here on wakes the next wait
+
     def _take(self, *, bounded: bool) -> bool:
-        """Move what was published into the hold (waiting up to ``cancel_poll_s`` for the first), within
-        its bounds when ``bounded`` (Redis does not answer); True when :meth:`stop` asked to stop."""
+        """Move what was published into the hold, within its bounds when ``bounded`` (Redis does not
+        answer); True when :meth:`stop` asked to stop."""
         stopping = False
         dropped_before = self.pending.dropped
         was_empty = not len(self.pending)
-        timeout = self.cancel_poll_s
-        if not was_empty and self.window_s and not self._urgent:
-            # wait out the window of what is held (a blocking get would wake for every new event; a first
-            # token or a stream's end wakes this wait), then drain
-            self._wake.wait(max(0.0, min(timeout, self._held_since_s + self.window_s - time.monotonic())))
-            timeout = 0.0
         try:
-            item = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
+            item = self._queue.get_nowait()
             while True:
-                if item is _STOP or item[1] is None:
+                request_id, out = item
+                if out is None:
                     stopping = True
+                elif type(out) is tuple:  # a token from publish_token
+                    self.pending.add(request_id, encode_token(*out), last=False, bounded=bounded)
+                    if out[0] == 0:
+                        self._urgent = True
+                        self._opened(request_id)
                 else:
-                    self.pending.add(item[0], item[1], bounded=bounded)
-                    self._urgent = self._urgent or item[1].is_last or item[1].index == 0
+                    event: StreamEvent = out  # type: ignore[assignment]
+                    self.pending.add(request_id, event.model_dump_json(exclude_none=True), last=event.is_last,
+                                     bounded=bounded)
+                    self._urgent = self._urgent or event.is_last or event.index == 0
+                    if event.is_last:
+                        self._open.discard(request_id)
+                    elif event.index == 0:
+                        self._opened(request_id)
                 item = self._queue.get_nowait()
         except queue.Empty:
             pass
         if was_empty and len(self.pending):
-            self._held_since_s = time.monotonic()
+            self._held_since_s = self._drained_s  # published since the last drain: the oldest may be that old
+        self._drained_s = time.monotonic()
         if self.pending.dropped > dropped_before and (
             dropped_before == 0 or self.pending.dropped // 10_000 > dropped_before // 10_000
         ):  # the first drop, then one line per 10,000
@@ -264,6 +355,12 @@ class StreamPublisher:
                         len(self.pending), self.pending.bytes, self.pending.max_events, self.pending.max_bytes,
                         self.pending.dropped)
         return stopping
+
+    def _opened(self, request_id: str) -> None:
+        """Note a stream whose tokens are coming (until its last event)."""
+        if len(self._open) >= _MAX_OPEN_STREAMS:
+            self._open.clear()  # streams that never ended (none should): forgotten, not piled up
+        self._open.add(request_id)
 
     def _write_pending(self) -> None:
         """Write every held event, oldest first, :data:`WRITE_CHUNK` per pipeline.
@@ -277,35 +374,41 @@ class StreamPublisher:
             self.pending.pop(len(chunk))
 
     def _write(self, chunk: list[HeldEvent]) -> None:
-        """One pipeline: each stream's events of ``chunk`` as entries of up to ``max_events_per_entry``
-        (in order), then ``EXPIRE`` per stream."""
-        by_key: dict[str, list[HeldEvent]] = {}
+        """One run of :data:`WRITE_SCRIPT`: each stream's events of ``chunk`` as entries of up to
+        ``max_events_per_entry`` (in order), and ``EXPIRE`` on the streams due for one."""
+        by_id: dict[str, list[HeldEvent]] = {}
         for held in chunk:
-            by_key.setdefault(held.key, []).append(held)
-        entries = [
-            events[i : i + self.max_events_per_entry]
-            for events in by_key.values()
-            for i in range(0, len(events), self.max_events_per_entry)
-        ]
-        with self.redis.pipeline(transaction=False) as pipe:
-            for entry in entries:
-                fields = encode_events([held.fields[EVENT_FIELD] for held in entry])
-                pipe.xadd(entry[0].key, fields, maxlen=self.max_len, approximate=True)
-            expiring = self._due_for_expire(by_key)
-            for key in expiring:
-                pipe.expire(key, self.ttl_s)
-            replies = pipe.execute(raise_on_error=False)
-        errors = [r for r in replies if isinstance(r, Exception)]
-        passing = next((e for e in errors if _is_outage(e)), None)
-        if passing is not None:
-            raise passing  # the whole chunk again: a reader drops the entries it already has (by index)
-        refused = sum(len(entry) for entry, r in zip(entries, replies, strict=False) if isinstance(r, Exception))
+            group = by_id.get(held.request_id)
+            if group is None:
+                by_id[held.request_id] = [held]
+            else:
+                group.append(held)
+        by_key = {STREAM_KEY.format(id=request_id): events for request_id, events in by_id.items()}
+        expiring = set(self._due_for_expire(by_key))
+        keys: list[str] = []
+        entries: list[str] = []
+        sizes: list[int] = []
+        for key, events in by_key.items():
+            for i in range(0, len(events), self.max_events_per_entry):
+                entry = events[i : i + self.max_events_per_entry]
+                fields = encode_events([held.event for held in entry])
+                rest = f"\n{fields[REST_FIELD]}" if REST_FIELD in fields else ""
+                last_entry = i + self.max_events_per_entry >= len(events)
+                keys.append(key)
+                entries.append(f"{int(last_entry and key in expiring)}{fields[EVENT_FIELD]}{rest}")
+                sizes.append(len(entry))
+        replies = self._script(keys=keys, args=[self.max_len, self.ttl_s, "\x1e".join(entries)])
+        errors = [bytes_to_text(r) for r in replies if r != 1]
+        passing = next((e for e in errors if e.startswith(_OUTAGE_REPLIES)), None)
+        if passing is not None:  # the whole chunk again: a reader drops the entries it already has (by index)
+            raise redis.ResponseError(passing)
+        refused = sum(n for n, r in zip(sizes, replies, strict=True) if r != 1)
         if refused:
             self.refused += refused
             log.warning("stream publisher: Redis refused %d events (%s); their readers finish from the "
                         "stored results", refused, errors[0])
         self.published += len(chunk) - refused
-        self.entries += len(entries)
+        self.entries += len(keys)
         now = time.monotonic()
         for key in expiring:
             if by_key[key][-1].last:

@@ -21,6 +21,7 @@ from protocol.messages import Usage
 from protocol.streams import StreamEvent
 from tests.integration.ops_fixtures import wait_until
 from tools.redis_server import EmbeddedRedis
+from workers import stream_publisher
 from workers.stream_publisher import MAX_EVENTS_PER_ENTRY, StreamPublisher
 
 
@@ -98,3 +99,51 @@ def test_a_streams_first_token_is_written_at_once_with_what_is_pending(server: E
         assert client.xlen(STREAM_KEY.format(id="running")) == 1
     finally:
         publisher.stop(timeout_s=2)
+
+
+def test_tokens_of_open_streams_are_collected_every_window_without_waking_the_publisher(
+    server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``publish_token`` does not wake the publisher for a later token (the scheduler's cost per token is a
+    queue put): while a stream is open the publisher collects every window on its own. With the idle wait
+    made ten minutes long, only that collection can write them; texts with newlines, record separators and
+    quotes come back as they went, whatever else shares the write."""
+    monkeypatch.setattr(stream_publisher, "IDLE_WAIT_S", 600.0)
+    client = server.client()
+    publisher = StreamPublisher(server.client(), ttl_s=60, window_ms=50)
+    publisher.start()
+    texts = ["a\nb", "\x1e", '"q"', "\\", "é", ""]
+    try:
+        for rid in ("x", "y"):
+            publisher.publish_token(rid, 0, 100, "<0>")  # a first token: written at once, the stream opens
+        wait_until(lambda: publisher.published == 2, 30, "the first tokens")
+        for i, text in enumerate(texts, start=1):
+            publisher.publish_token("x", i, 100 + i, text)
+            publisher.publish_token("y", i, 200 + i, text)
+        wait_until(lambda: publisher.published == 2 + 2 * len(texts), 30, "the later tokens, collected by the window")
+        for rid, base in (("x", 100), ("y", 200)):
+            want = [StreamEvent(type="token", index=0, token_id=100, text="<0>")]
+            want += [StreamEvent(type="token", index=i, token_id=base + i, text=t) for i, t in enumerate(texts, 1)]
+            assert _read(client, rid) == want
+            assert client.ttl(STREAM_KEY.format(id=rid)) > 0
+    finally:
+        publisher.stop()
+
+
+def test_an_entry_redis_refuses_is_counted_and_the_other_streams_of_the_write_go_out(server: EmbeddedRedis) -> None:
+    client = server.client()
+    client.set(STREAM_KEY.format(id="bad"), "a string, not a stream")  # XADD answers WRONGTYPE, for good
+    publisher = StreamPublisher(server.client(), ttl_s=60, window_ms=0)
+    good, bad = _events(3), _events(2)
+    for i in range(4):  # queued before the thread starts: one write holds both streams
+        publisher.publish("good", good[i])
+        if i < len(bad):
+            publisher.publish("bad", bad[i])
+    publisher.start()
+    try:
+        wait_until(lambda: publisher.published + publisher.refused == 7, 10, "the write")
+        assert publisher.refused == 3 and publisher.dropped == 3 and publisher.published == 4
+        assert _read(client, "good") == good
+        assert client.get(STREAM_KEY.format(id="bad")) == b"a string, not a stream"
+    finally:
+        publisher.stop()

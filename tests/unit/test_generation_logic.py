@@ -10,6 +10,7 @@ import pytest
 
 from protocol.messages import GenerationParams
 from protocol.settings import BatchingSettings
+from protocol.streams import EVENT_FIELD, StreamEvent, decode_event, encode_token
 from protocol.tokenization import ByteTokenizer
 from workers.generation.kvcache import relayout, right_aligned_mask
 from workers.generation.loop import GenerationLoop
@@ -109,17 +110,32 @@ def _logits_for(token: int, vocab: int = 300) -> np.ndarray:
     return row
 
 
+class _Collect:
+    """A stream sink that keeps every event, tokens built as the publisher's encoding would read back."""
+
+    def __init__(self) -> None:
+        self.events: list[StreamEvent] = []
+
+    def publish(self, request_id: str, event: StreamEvent) -> None:
+        self.events.append(event)
+
+    def publish_token(self, request_id: str, index: int, token_id: int, text: str) -> None:
+        self.events.append(decode_event({EVENT_FIELD: encode_token(index, token_id, text)}))
+
+
 def test_sequence_cuts_text_at_a_stop_string_and_never_streams_past_it() -> None:
-    events: list[Any] = []
+    sink = _Collect()
+    events = sink.events
     seq = _seq(20, stop=["lo w"])
-    seq.emit = lambda rid, event: events.append(event)
+    seq.emit = sink
     for ch in "hello world":
         if seq.accept(_logits_for(ord(ch) + 3)):
             break
     outcome = seq.end()
     assert outcome.finish_reason == "stop" and outcome.text == "hel"
     assert "".join(e.text for e in events) == "hel"
-    assert events[-1].type == "final" and events[-1].usage.completion_tokens == len(outcome.token_ids)
+    usage = events[-1].usage
+    assert events[-1].type == "final" and usage is not None and usage.completion_tokens == len(outcome.token_ids)
 
 
 def test_sequence_ends_on_eos_length_and_stop_token() -> None:

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given
+from hypothesis import strategies as st
 
 from protocol.errors import (
     ConfigError,
@@ -19,7 +21,7 @@ from protocol.errors import (
 )
 from protocol.messages import GenerationParams, OutputSpec, Usage, decode_request
 from protocol.settings import LimitSettings, load_settings
-from protocol.streams import StreamEvent, decode_event, decode_events, encode_event, encode_events
+from protocol.streams import StreamEvent, decode_event, decode_events, encode_event, encode_events, encode_token
 from protocol.validation import check_input, resolve_output
 
 
@@ -162,6 +164,17 @@ def test_a_coalesced_entry_holds_its_events_in_order_and_an_e_only_reader_sees_t
     assert decode_events(encode_event(events[0])) == [events[0]]
     with pytest.raises(DecodeError, match="'r' field is not a list of events"):
         decode_events({"e": fields["e"], "r": '{"type": "token"}'})
+
+
+@given(index=st.integers(0, 2**31), token_id=st.integers(0, 2**31),
+       text=st.text(st.characters(exclude_categories=["Cs"]), max_size=12))  # a str of decoded UTF-8: no surrogates
+def test_a_token_encoded_without_the_model_is_the_model_s_own_json(index: int, token_id: int, text: str) -> None:
+    """The worker's per-token fast path writes exactly what encode_event writes for the same event (control
+    characters, quotes, backslashes, non-ASCII), so every reader decodes it the same way."""
+    event = StreamEvent(type="token", index=index, token_id=token_id, text=text)
+    assert encode_token(index, token_id, text) == encode_event(event)["e"]
+    assert decode_event({"e": encode_token(index, token_id, text)}) == event
+    assert "\n" not in encode_token(index, token_id, text) and "\x1e" not in encode_token(index, token_id, text)
 
 
 def test_errors_survive_celery_style_rebuilding() -> None:

@@ -9,7 +9,7 @@ from producer.stream_ending import ending_events
 from producer.streams import FIRST_RETRY_S, MAX_RETRY_S, Reconnect, StreamCursor
 from protocol.errors import InputTooLong
 from protocol.messages import Generation, GenerationTimings, InferenceResult, Timings, Usage
-from protocol.streams import StreamEvent, encode_event
+from protocol.streams import EVENT_FIELD, StreamEvent, encode_event
 from workers.stream_buffer import PendingEvents
 
 TEXTS = ["He", "ll", "", "o ", "wo", "rld", ""]  # token 2 completes no character; token 6 is EOS
@@ -117,22 +117,28 @@ def test_reconnect_backs_off_and_gives_up_after_the_bound() -> None:
     assert retry.failed(20.0) == FIRST_RETRY_S  # a new outage starts over
 
 
+def _hold(hold: PendingEvents, request_id: str, event: StreamEvent, *, bounded: bool = True) -> bool:
+    """Hold ``event`` as the publisher does (its JSON, and whether it ends the stream)."""
+    return hold.add(request_id, encode_event(event)[EVENT_FIELD], last=event.is_last, bounded=bounded)
+
+
 def test_the_hold_keeps_order_and_bounds_events_and_bytes() -> None:
     hold = PendingEvents(max_events=4, max_bytes=10_000)
     for i in range(6):
-        hold.add("a", tok(i))
-    assert [h.fields for h in hold.head(10)] == [encode_event(tok(i)) for i in range(4)]
+        _hold(hold, "a", tok(i))
+    assert [h.event for h in hold.head(10)] == [encode_event(tok(i))[EVENT_FIELD] for i in range(4)]
     assert hold.dropped == 2
-    assert not hold.add("a", tok(6))  # its stream has a gap: later tokens are refused too
-    assert hold.add("a", final(7)) and hold.add("b", final(0))  # the ends have a reserve
+    assert not _hold(hold, "a", tok(6))  # its stream has a gap: later tokens are refused too
+    assert _hold(hold, "a", final(7)) and _hold(hold, "b", final(0))  # the ends have a reserve
     assert len(hold) == 6 and hold.dropped == 3
     hold.pop(4)
     assert [h.last for h in hold.head(10)] == [True, True]
-    assert hold.add("c", tok(0))  # room again after the writes
-    assert hold.add("c", tok(1), bounded=False) and hold.add("c", tok(2), bounded=False)  # Redis answers: all pass
+    assert _hold(hold, "c", tok(0))  # room again after the writes
+    assert _hold(hold, "c", tok(1), bounded=False)  # Redis answers: all pass
+    assert _hold(hold, "c", tok(2), bounded=False)
     assert len(hold) == 5
     small = PendingEvents(max_events=1000, max_bytes=300)
-    added = sum(small.add("d", tok(i)) for i in range(7))
+    added = sum(_hold(small, "d", tok(i)) for i in range(7))
     assert 0 < added < 7 and small.bytes <= 300 and small.dropped == 7 - added
 
 

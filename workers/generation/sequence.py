@@ -1,16 +1,15 @@
 """One generation job's state while it runs: tokens, sampler, text, stops, timings, and its events.
 
-The scheduler thread is the only writer. A sequence publishes each token (and the final event)
-through its ``emit`` callback, which must not block (the worker's stream publisher queues it).
+The scheduler thread is the only writer. A sequence publishes each token (and the final event) to its
+``emit`` sink (:class:`StreamSink`: the worker's stream publisher), which must not block.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -23,7 +22,17 @@ from workers.generation.stops import scan_stops
 
 __all__ = ["GenOutcome", "GenSequence"]
 
-Emit = Callable[[str, StreamEvent], None]
+
+
+class StreamSink(Protocol):
+    """Where a streaming sequence's events go (:class:`workers.stream_publisher.StreamPublisher`); neither
+    method may block."""
+
+    def publish(self, request_id: str, event: StreamEvent) -> None:
+        """An event of ``request_id``'s stream (its final event)."""
+
+    def publish_token(self, request_id: str, index: int, token_id: int, text: str) -> None:
+        """The ``index``-th token of ``request_id``'s stream and the text it adds."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +69,7 @@ class GenSequence:
     tokenizer: Tokenizer | None = None
     deadline_s: float | None = None
     """Monotonic deadline (s): past it the sequence ends with finish_reason 'deadline'."""
-    emit: Emit | None = None
+    emit: StreamSink | None = None
     arrived_s: float = 0.0
     future: Future[GenOutcome] = field(default_factory=Future)
     cancel_requested: bool = False
@@ -172,10 +181,7 @@ class GenSequence:
 
     def _emit_token(self, token: int, text: str) -> None:
         if self.emit is not None and self.params.stream:
-            self.emit(
-                self.request_id,
-                StreamEvent(type="token", index=len(self.generated) - 1, token_id=token, text=text),
-            )
+            self.emit.publish_token(self.request_id, len(self.generated) - 1, token, text)
 
     def end(self, reason: FinishReason | None = None) -> GenOutcome:
         """Close the sequence (``reason`` overrides: cancelled, deadline), emit the final event and
@@ -192,7 +198,7 @@ class GenSequence:
             total_tokens=len(self.prompt) + len(self.generated),
         )
         if self.emit is not None and self.params.stream:
-            self.emit(
+            self.emit.publish(
                 self.request_id,
                 StreamEvent(type="final", index=len(self.generated), finish_reason=final, usage=usage, text=tail),
             )
