@@ -60,6 +60,7 @@ from __future__ import annotations
 from broker.cancel_marks import MARKS as CANCEL_MARKS
 from broker.celery_app import make_celery
 from broker.event_buffer import install as install_event_buffer
+from broker.in_hand import IN_HAND as TAKEN_IN_HAND
 from broker.poison import install as install_poison_guard
 from broker.result_backend import install as install_result_backend
 from broker.versions import OVERRIDE_ENV, TESTED, check_broker_versions, installed_versions, untested
@@ -67,6 +68,7 @@ from broker.versions import OVERRIDE_ENV, TESTED, check_broker_versions, install
 __all__ = [
     "CANCEL_MARKS",
     "OVERRIDE_ENV",
+    "TAKEN_IN_HAND",
     "TESTED",
     "check_broker_versions",
     "install_event_buffer",

@@ -52,6 +52,7 @@ from kombu.utils.encoding import bytes_to_str
 
 from broker.batch_take import Taken, room_for_more
 from broker.cancel_marks import CancelReadingQoS
+from broker.in_hand import IN_HAND
 from broker.redis_refusals import RedisRefusingWrites, is_write_refusal
 from protocol.keys import CANCEL_KEY
 
@@ -220,6 +221,16 @@ def _deliver_sections(channel: Any, taken: list[tuple[str, Any, list[Any]]]) -> 
 
     Raises RedisRefusingWrites when Redis refused to record the first list's messages (nothing taken);
     any other refusal there turns the atomic take off (an ACL without ZADD, HSET or LTRIM)."""
+    left = [sum(len(rows) // 4 for _, _, rows in taken)]  # in hand until each is handed to Celery
+    IN_HAND.took(left[0])
+    try:
+        return _deliver_in_order(channel, taken, left)
+    finally:
+        IN_HAND.handing(left[0])
+
+
+def _deliver_in_order(channel: Any, taken: list[tuple[str, Any, list[Any]]], left: list[int]) -> bool:
+    """:func:`_deliver_sections`' work, with ``left`` the take's messages still in hand."""
     delivered = False
     for list_key, error, rows in taken:
         refusal = redis.exceptions.ResponseError(bytes_to_str(error)) if error else None  # type: ignore[no-untyped-call]
@@ -234,7 +245,7 @@ def _deliver_sections(channel: Any, taken: list[tuple[str, Any, list[Any]]]) -> 
             queue = list_key.rsplit(channel.sep, 1)[0]
             channel._queue_cycle.rotate(queue)
             channel.take_last_list = list_key
-            _check_and_deliver(channel, queue, list_key, rows)
+            _check_and_deliver(channel, queue, list_key, rows, left)
             delivered = True
     return delivered
 
@@ -269,9 +280,16 @@ def _run_script(channel: Any) -> Any:
         raise kombu_redis.Empty() from exc  # type: ignore[attr-defined]
 
 
-def _check_and_deliver(channel: Any, queue: str, list_key: str, rows: list[Any]) -> None:
+def _hand_one(left: list[int]) -> None:
+    """One taken message leaves the worker's hand (handed to Celery now, or refused)."""
+    left[0] -= 1
+    IN_HAND.handing()
+
+
+def _check_and_deliver(channel: Any, queue: str, list_key: str, rows: list[Any], left: list[int]) -> None:
     """The guard's checks on each taken message (refused: dead-lettered), then delivery in order; the
-    unacked entries of refused messages are removed once their dead letters are written."""
+    unacked entries of refused messages are removed once their dead letters are written. ``left``: how
+    many of the take are still in hand (:data:`broker.in_hand.IN_HAND`), one less per message handed."""
     accepted: list[Taken] = []
     stray: list[str] = []
     for k in range(0, len(rows) - 3, 4):
@@ -279,6 +297,7 @@ def _check_and_deliver(channel: Any, queue: str, list_key: str, rows: list[Any])
         recorded = bytes_to_str(tag) if tag else None  # type: ignore[no-untyped-call]
         taken = channel._check(queue, list_key, raw if isinstance(raw, bytes) else str(raw).encode())
         if taken is None:
+            _hand_one(left)
             if recorded:
                 stray.append(recorded)
             continue
@@ -291,6 +310,7 @@ def _check_and_deliver(channel: Any, queue: str, list_key: str, rows: list[Any])
     delivered = 0
     try:
         for taken in accepted:
+            _hand_one(left)  # before: Celery may start its task before this call returns
             channel._deliver_checked(queue, list_key, taken)
             delivered += 1
     finally:

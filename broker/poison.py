@@ -43,6 +43,7 @@ from broker.atomic_take import OTHER_LISTS_WAIT_S, start_peek, take_after_peek
 from broker.batch_take import Taken, TakeNotRecorded, add_take, room_for_more, unacked_entry_of
 from broker.cancel_marks import CancelReadingQoS
 from broker.deliveries import count_delivery, count_ttl_s, over_limit
+from broker.in_hand import IN_HAND
 from broker.kombu_channel import ReusesSyncClient
 from broker.message_check import Accepted, Envelope, Refused, check_message, parse_envelope
 from broker.redis_refusals import (
@@ -162,19 +163,27 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
         first = self._check(queue, list_key, item)
         popped = self._record(list_key, [first] if first is not None else [], pop=room)
         unrecorded = popped
+        in_hand = len(popped)  # company on its way for the first one's task (broker.in_hand)
+        IN_HAND.took(in_hand)
         try:
             if first is not None:
                 self._deliver_checked(queue, list_key, first)
             if popped:
                 more = [taken for taken in (self._check(queue, list_key, raw) for raw in popped) if taken is not None]
                 unrecorded = []  # checked: refused ones are dead-lettered, the rest parked by _record if it fails
+                IN_HAND.handing(in_hand - len(more))
+                in_hand = len(more)
                 self._record(list_key, more, pop=0)
                 for taken in more:
+                    IN_HAND.handing()  # before: Celery may start its task before the call returns
+                    in_hand -= 1
                     self._deliver_checked(queue, list_key, taken)
         except BaseException:
             for raw in unrecorded:
                 self._park(list_key, raw)
             raise
+        finally:
+            IN_HAND.handing(in_hand)
 
     def _record(self, list_key: str, batch: list[Taken], *, pop: int) -> list[bytes]:
         """Record ``batch`` as unacked deliveries (noting each cancel mark in ``pre_taken``) and, with

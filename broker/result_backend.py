@@ -103,7 +103,12 @@ class _StoresWithOneScript:
         unacked = ACKS.keys_for(tag) if tag is not None else None
         key = backend.get_key_for_task(task_id)
         if tag is not None and unacked is not None:
-            backend.ensure(self._run_store_script, ([key, *unacked], [value, max(0, ttl), tag]))
+            ACKS.storing(tag)  # its token is free from here: the result may reach its caller before the next line
+            try:
+                backend.ensure(self._run_store_script, ([key, *unacked], [value, max(0, ttl), tag]))
+            except BaseException:
+                ACKS.store_failed(tag)  # not acked: Celery's own ack follows, and the token is held again
+                raise
             ACKS.acked(tag)  # Celery's ack that follows touches no key (broker.store_ack)
         else:
             backend.ensure(self._run_store_script, ([key], [value, max(0, ttl)]))

@@ -46,6 +46,8 @@ class StoreAcks:
         self.limit = limit
         self._expected: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._acked: set[str] = set()
+        self._storing: set[str] = set()
+        """Tags whose store script is running: their tokens count as free (the result may be published)."""
         self._lock = threading.Lock()
 
     def expect(self, tag: str, unacked_key: str, unacked_index_key: str) -> None:
@@ -55,15 +57,29 @@ class StoreAcks:
             while len(self._expected) > self.limit:  # deliveries Celery never acked (restored at shutdown)
                 dropped, _ = self._expected.popitem(last=False)
                 self._acked.discard(dropped)
+                self._storing.discard(dropped)
 
     def keys_for(self, tag: str) -> tuple[str, str] | None:
         """The unacked hash and index of ``tag``, when it was taken by a :class:`StoreAckingQoS`."""
         with self._lock:
             return self._expected.get(tag)
 
+    def storing(self, tag: str) -> None:
+        """The store script of ``tag``'s result is about to run: its caller may have the result before
+        :meth:`acked` is called, and may queue more at once."""
+        with self._lock:
+            if tag in self._expected:
+                self._storing.add(tag)
+
+    def store_failed(self, tag: str) -> None:
+        """The store script of ``tag`` did not run: the delivery holds its token until Celery acks it."""
+        with self._lock:
+            self._storing.discard(tag)
+
     def acked(self, tag: str) -> None:
         """The store script removed ``tag``'s unacked entry."""
         with self._lock:
+            self._storing.discard(tag)
             if tag in self._expected:
                 self._acked.add(tag)
 
@@ -71,15 +87,16 @@ class StoreAcks:
         """Forget ``tag``; True when the store already acked it (kombu's ack then needs no Redis command)."""
         with self._lock:
             self._expected.pop(tag, None)
+            self._storing.discard(tag)
             if tag in self._acked:
                 self._acked.discard(tag)
                 return True
             return False
 
     def acked_among(self, delivered: Container[str]) -> int:
-        """How many of ``delivered`` the store acked and Celery has not settled yet."""
+        """How many of ``delivered`` the store acked (or is acking) and Celery has not settled yet."""
         with self._lock:
-            return sum(1 for tag in self._acked if tag in delivered)
+            return sum(1 for tag in self._acked | self._storing if tag in delivered)
 
     def __len__(self) -> int:
         return len(self._expected)

@@ -18,6 +18,7 @@ from typing import Any
 import redis
 from celery.worker import state as worker_state
 
+from broker import TAKEN_IN_HAND
 from protocol.celeryconf import consumes_direct_queue, restore_interval_s
 from protocol.errors import ConfigError, ModelLoadError
 from protocol.keys import CARD_KEY
@@ -73,7 +74,7 @@ class WorkerRuntime:
         self.scheduler = Scheduler(
             self.stable.engine,
             BatchPolicy(b.max_batch_size, b.max_wait_ms, b.max_batch_tokens, b.close_when_idle),
-            backlog=lambda: self.scheduler.unseen(_held_task_ids()),
+            backlog=lambda: self.scheduler.unseen(_held_task_ids()) + TAKEN_IN_HAND.count,
             generation=self.stable.generation,
             version=self.stable.version,
             start_together_s=b.start_together_ms / 1000,
