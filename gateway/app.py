@@ -77,6 +77,7 @@ from protocol.errors import (
 from protocol.keys import REQUEST_KEY, STREAM_KEY
 from protocol.log_format import configure_logging
 from protocol.messages import InferenceRequest
+from protocol.process_gc import freeze_startup_objects
 from protocol.settings import FleetSettings
 from protocol.streams import StreamEvent
 
@@ -343,11 +344,14 @@ def prometheus(gw: GatewayDep) -> Response:
     return Response(generate_latest(gw.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def create_app(settings: FleetSettings, client: FleetClient | None = None, *, access_log: bool = False) -> FastAPI:
+def create_app(settings: FleetSettings, client: FleetClient | None = None, *, access_log: bool = False,
+               freeze_gc: bool = False) -> FastAPI:  # fmt: skip
     """The gateway app for ``settings``; it owns ``client`` (default: a new one) and closes it at shutdown.
 
     ``access_log``: log one line per request on ``fleet.access``, with its request ID (what
-    :func:`serve` turns on with ``log.format: json``, in place of uvicorn's access log).
+    :func:`serve` turns on with ``log.format: json``, in place of uvicorn's access log). ``freeze_gc``:
+    at start-up, freeze the process's objects out of the garbage collector (:mod:`protocol.process_gc`;
+    :func:`serve` does, the app owning its process).
     """
     gateway = Gateway(settings, client or FleetClient(settings))
     if not settings.api.api_keys:
@@ -355,6 +359,8 @@ def create_app(settings: FleetSettings, client: FleetClient | None = None, *, ac
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if freeze_gc:  # a full collection would stop every request (protocol.process_gc)
+            freeze_startup_objects(log, "gateway")
         yield
         await gateway.aclose()
 
@@ -412,7 +418,7 @@ def serve(
         configure_logging("json", log_level.upper())
         logging_kwargs["log_config"] = None  # uvicorn's loggers propagate to the JSON root handler
     uvicorn.run(
-        create_app(settings, access_log=access_log and json_logs),
+        create_app(settings, access_log=access_log and json_logs, freeze_gc=True),
         host=host or settings.api.host,
         port=port or settings.api.port,
         log_level=log_level,

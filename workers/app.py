@@ -27,6 +27,7 @@ from broker import (
 from protocol.celeryconf import celery_config
 from protocol.errors import ConfigError, FleetError
 from protocol.log_format import TEXT_FORMAT, JsonFormatter, configure_logging
+from protocol.process_gc import freeze_startup_objects
 from protocol.settings import FleetSettings, load_settings
 
 __all__ = ["SETTINGS", "app", "create_app"]
@@ -141,6 +142,7 @@ def _announce_ready(sender: Any = None, **_: Any) -> None:
 
     runtime = current_runtime()
     if runtime is not None:
+        freeze_startup_objects(log, "worker")  # a full collection would stop every thread (protocol.process_gc)
         runtime.mark_ready()
 
 
