@@ -139,7 +139,7 @@ def test_a_result_stored_between_the_read_and_the_subscription_is_not_missed(red
             direct.publish(KEY, _meta("SUCCESS"))
         return value
 
-    waiter._pubsub()  # made now, on the relay's pool; the GETs then go straight to Redis
+    waiter._give_back(waiter._borrow())  # made now, on the relay's pool, kept for the wait; GETs go straight
     waiter.client = direct
     direct.get = get_then_store  # type: ignore[method-assign,assignment]
     try:
@@ -148,3 +148,30 @@ def test_a_result_stored_between_the_read_and_the_subscription_is_not_missed(red
     finally:
         waiter.close()
         relay.close()
+
+
+def test_waits_from_new_threads_reuse_the_idle_connections_of_ended_waits(redis_server: EmbeddedRedis) -> None:
+    """A burst waited on from a new thread pool each time (what a caller's per-burst executor does) reuses
+    the pub/sub connections of the waits before it: Redis sees no new client for the second burst. Before,
+    a connection belonged to its thread and every new thread made one (a connect and a hand-shake)."""
+    direct = redis.Redis(port=redis_server.port)
+    waiter = _waiter(redis.Redis(port=redis_server.port))
+    keys = [f"{KEY}-{i}" for i in range(4)]
+
+    def burst() -> None:
+        for key in keys:
+            direct.set(key, _meta("SUCCESS"))
+        for key in keys:  # each wait on a thread of its own, one after the other
+            thread = threading.Thread(target=waiter.wait, args=(key, 10.0))
+            thread.start()
+            thread.join(15)
+
+    try:
+        burst()
+        connections = int(direct.info("stats")["total_connections_received"])
+        burst()
+        assert int(direct.info("stats")["total_connections_received"]) == connections
+        assert len(waiter._idle) == 1
+    finally:
+        waiter.close()
+    assert waiter._idle == []
