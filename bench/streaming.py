@@ -47,7 +47,7 @@ class StreamPlan:
     """Sizes of the streaming rows."""
 
     requests: int = 48
-    rounds: int = 3
+    rounds: int = 7
     windows_ms: tuple[float, ...] = (10.0, 25.0)
 
 
