@@ -403,8 +403,9 @@ def same_weights_body(results: dict[str, Any], level: str = "##") -> list[str]:
         "tier's venv (`tools/tier_venvs.py`), one process per round (loading the model is not timed). The "
         "bare loop uses ONNX Runtime's default session options on the fleet's export as is; the worker "
         "rewrites that graph at load (LM head at the last position, KV cache written in place) and runs ONNX "
-        "Runtime with intra-op spinning off: the worker's loop in process runs exactly that, without Celery, Redis "
-        "or a stream, so the fleet's gap to it is what the queue and the transport cost.",
+        "Runtime with its session options (intra-op spin-waiting bounded to `spin_duration_us` after each run): "
+        "the worker's loop in process runs exactly that, without Celery, Redis or a stream, so the fleet's gap "
+        "to it is what the queue and the transport cost.",
         "",
     ]  # fmt: skip
     return lines
