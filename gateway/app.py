@@ -66,7 +66,7 @@ from producer.client import FleetClient, RequestStatus
 from producer.idempotent_queue import one_body_per_id, request_fingerprint
 from producer.presence import no_worker_message
 from producer.registry import read_fleet_state, readiness_problems
-from producer.submit_groups import SubmitItem, groupable
+from producer.submit_groups import SubmitItem
 from protocol.errors import (
     FleetError,
     InvalidRequest,
@@ -148,14 +148,14 @@ async def submit(body: SubmitBody, rate_key: CallerDep, gw: GatewayDep) -> Respo
 
     A caller-given ``request_id`` is an idempotency key: resubmitting the same body answers the
     request's real status (it may have finished long ago); another body under a known ID is 409.
-    Without one, a one-step request is queued with the others that arrive meanwhile
+    Without one, the request is queued with the others that arrive meanwhile
     (:mod:`gateway.submit_queue`, ``api.group_submits``).
     """
     if body.text is None and gw.fleet.model_loaded(body.model):  # no file, no Redis read: on the loop
         request = _build(gw, body)
     else:
         request = await run_in_threadpool(_build, gw, body)
-    if body.request_id is None and gw.settings.api.group_submits and groupable(request):
+    if body.request_id is None and gw.settings.api.group_submits:
         item = SubmitItem([request], rate_key, [body.routing_key])
         rid, status = (await gw.submits.submit(item))[0], RequestStatus.QUEUED
     else:

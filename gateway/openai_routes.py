@@ -194,8 +194,12 @@ CLIENT_CLOSED_REQUEST = 499
 async def _generate(
     gw: Gateway, request: InferenceRequest, rate_key: str, face: Face, body: CompletionBody | ChatBody, http: Request
 ) -> Response:
-    # OpenAI's ``user`` (an end-user ID) is the sticky key of a canary split
-    rid = await run_in_threadpool(partial(gw.fleet.send, request, rate_key=rate_key, routing_key=body.user))
+    # OpenAI's ``user`` (an end-user ID) is the sticky key of a canary split; generations arriving together
+    # are queued in one Redis step (gateway.submit_queue) and reach a worker together
+    if gw.settings.api.group_submits:
+        rid = (await gw.submits.submit(SubmitItem([request], rate_key, [body.user])))[0]
+    else:
+        rid = await run_in_threadpool(partial(gw.fleet.send, request, rate_key=rate_key, routing_key=body.user))
     headers = {"X-Request-ID": rid}
     created = int(time.time())
     if body.stream:

@@ -1,12 +1,13 @@
 """The gateway's submissions, grouped while the previous Redis step is in flight (group commit).
 
-Every ``POST /v1/requests`` and ``POST /v1/embeddings`` whose requests may share a message
-(:func:`producer.submit_groups.groupable`) waits here instead of taking a thread of its own. One
+Every ``POST /v1/requests`` without a caller-given ID, ``POST /v1/embeddings``, ``/v1/completions`` and
+``/v1/chat/completions`` waits here instead of taking a thread of its own. One
 flusher at a time takes everything waiting (up to ``api.max_grouped_requests`` requests), admits and
 queues it in one thread call (:func:`producer.submit_groups.send_group`), and answers each caller;
 what arrives meanwhile is the next group. A lone caller's request is sent at once as an ordinary
 ``fleet.infer`` task (no window is waited for); under load, one ``fleet.infer_bulk`` message carries a
-group, so the broker, the worker's take and the ack are paid once per group.
+group's one-step requests, so the broker, the worker's take and the ack are paid once per group, and its
+generations go out in the same Redis step, a task each (:mod:`producer.submit_groups`).
 
 Metrics: ``fleet_gateway_submit_groups_total`` (Redis steps) and
 ``fleet_gateway_grouped_requests_total`` (requests they queued); their ratio is the mean group size.

@@ -9,12 +9,16 @@ Each item keeps what a lone ``FleetClient.send`` / ``send_batch`` would give it:
 * every request keeps its own ID, marker, result key, cancel mark and status;
 * an item's requests are queued all or none.
 
-What changes is the message: the admitted requests of one model travel as one ``fleet.infer_bulk``
-message per queue (canary split kept: :func:`producer.bulk_submit.queue_bulk_chunk`), so the broker,
-the worker's take and the ack are paid once per group, not per request. A group that holds a single
-request is sent as an ordinary ``fleet.infer`` task (so a lightly loaded fleet shows one task per
-request in Flower; under load Flower shows the bulk messages). Generations are not grouped
-(:func:`groupable`), nor (the gateway's choice) requests with a caller-given ID.
+What changes is the message: the admitted one-step requests of one model travel as one
+``fleet.infer_bulk`` message per queue (canary split kept: :func:`producer.bulk_submit.queue_bulk_chunk`),
+so the broker, the worker's take and the ack are paid once per group, not per request. A group that
+holds a single request is sent as an ordinary ``fleet.infer`` task (so a lightly loaded fleet shows one
+task per request in Flower; under load Flower shows the bulk messages). Generations of a group are
+queued in one Redis step too, but as one ``fleet.infer`` task each (:meth:`FleetClient.send_batch`): a
+generation streams and holds its sequence for many steps, and prefix-aware routing picks its worker by
+its prompt; queued together, a burst of them reaches a worker together and starts in one step (sent one
+by one from the gateway's threads, they arrived over tens of milliseconds and the first ones started
+alone). The gateway sends requests with a caller-given ID one ``FleetClient.send`` each.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from protocol.messages import MAX_BULK_REQUESTS, InferenceRequest
 if TYPE_CHECKING:
     from producer.client import FleetClient
 
-__all__ = ["SubmitItem", "groupable", "send_group"]
+__all__ = ["SubmitItem", "generates", "send_group"]
 
 
 @dataclass
@@ -43,17 +47,10 @@ class SubmitItem:
     """Per request (canary stickiness); empty = the request IDs."""
 
 
-def groupable(request: InferenceRequest) -> bool:
-    """True for a one-step request: one that may share a bulk message.
-
-    A generation streams and holds its sequence for many steps (its per-request task is a small part
-    of its cost, and prefix-aware routing picks its worker by prompt). The caller decides about IDs:
-    a caller-given ID is an idempotency key whose resubmission answers the request's real status, so
-    the gateway sends those one ``FleetClient.send`` each.
-    """
+def generates(request: InferenceRequest) -> bool:
+    """True for a generation (queued as a task of its own, never in a bulk message)."""
     output = request.output
-    generates = output is not None and (output.kind == "generate" or (output.kind is None and output.generation))
-    return not generates
+    return output is not None and (output.kind == "generate" or (output.kind is None and bool(output.generation)))
 
 
 def send_group(client: FleetClient, items: Sequence[SubmitItem]) -> list[list[str] | BaseException]:
@@ -83,8 +80,8 @@ def send_group(client: FleetClient, items: Sequence[SubmitItem]) -> list[list[st
             keys = [key or str(r.request_id) for n in chunk
                     for r, key in zip(items[n].requests, _keys(items[n]), strict=True)]  # fmt: skip
             try:
-                if len(requests) == 1 or len(requests) > MAX_BULK_REQUESTS:  # one request; one item past the cap
-                    client.send_batch(requests, routing_keys=keys)
+                if len(requests) == 1 or len(requests) > MAX_BULK_REQUESTS or any(map(generates, requests)):
+                    client.send_batch(requests, routing_keys=keys)  # a task each, one Redis step
                 else:
                     queue_bulk_chunk(client, model, requests, keys, list(range(len(requests))))
             except Exception as exc:
@@ -97,18 +94,20 @@ def send_group(client: FleetClient, items: Sequence[SubmitItem]) -> list[list[st
 
 
 def _chunks(items: Sequence[SubmitItem], members: list[int]) -> list[list[int]]:
-    """``members`` cut on item boundaries into chunks of at most ``MAX_BULK_REQUESTS`` requests (an item is
-    never split: it is queued all or none; an item past the cap alone is one chunk, sent as one
-    ``fleet.infer`` task per request)."""
-    chunks: list[list[int]] = [[]]
-    size = 0
-    for n in members:
-        count = len(items[n].requests)
-        if chunks[-1] and size + count > MAX_BULK_REQUESTS:
-            chunks.append([])
-            size = 0
-        chunks[-1].append(n)
-        size += count
+    """``members`` cut on item boundaries into chunks of at most ``MAX_BULK_REQUESTS`` requests, generations
+    and one-step requests apart (an item is never split: it is queued all or none; an item past the cap
+    alone is one chunk, sent as one ``fleet.infer`` task per request)."""
+    chunks: list[list[int]] = []
+    for kind in (True, False):
+        of_kind = [n for n in members if any(map(generates, items[n].requests)) is kind]
+        size = 0
+        for n in of_kind:
+            count = len(items[n].requests)
+            if not chunks or chunks[-1][0] not in of_kind or size + count > MAX_BULK_REQUESTS:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(n)
+            size += count
     return chunks
 
 

@@ -418,9 +418,11 @@ class ApiSettings(_Section):
         "call answers as soon as the result is stored, else at wait_s with the current status (s).",
     )
     group_submits: bool = Field(
-        default=True, description="Queue the one-step submissions (POST /v1/requests without request_id, "
-        "/v1/embeddings) that arrive while the previous Redis step is in flight together: one fleet.infer_bulk "
-        "message per group and queue (a lone request is still one fleet.infer task). false: one task each.",
+        default=True, description="Queue the submissions that arrive while the previous Redis step is in flight "
+        "(POST /v1/requests without request_id, /v1/embeddings, /v1/completions, /v1/chat/completions) together, "
+        "in one Redis step: one fleet.infer_bulk message per group and queue for one-step requests, one "
+        "fleet.infer task each for generations (a lone request is still one fleet.infer task). false: each "
+        "submission its own Redis step.",
     )
     max_grouped_requests: int = Field(
         default=256, ge=1, le=4096, description="Most requests one grouped submission queues (the rest waits "

@@ -114,3 +114,29 @@ def test_concurrent_http_callers_each_get_their_own_answer(fleet: Fleet, groupin
         assert grouped == (48 + 24 if grouping else 0)
     finally:
         gateway.stop()
+
+
+def test_generations_of_a_group_go_out_in_one_redis_step_a_task_each(fleet: Fleet) -> None:
+    """Three callers' generations and two one-step requests in one group: the generations are queued in one
+    Redis step as a fleet.infer task each (they stream, and route by prompt), the one-step requests as one
+    bulk message; each generation gives what the same request alone gives. Before, the gateway sent each
+    generation alone from a thread of its own, so a burst reached the worker over tens of milliseconds."""
+    cfg = fleet.config()
+    client = fleet.client(cfg)
+    r = redis.Redis.from_url(fleet.redis_url)
+    params = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    prompts = [[3 + i, 9, 10] for i in range(3)]
+    items = [SubmitItem([client.build_request("demo-lm", p, generation=params)], f"caller-{i}")
+             for i, p in enumerate(prompts)]  # fmt: skip
+    items += [SubmitItem([client.build_request("demo-lm", [3, 4 + i], top_k=3)]) for i in range(2)]
+    outcomes = send_group(client, items)  # the generations: one FleetClient.send_batch (one Redis step)
+    assert all(isinstance(o, list) and len(o) == 1 for o in outcomes), outcomes
+    assert sorted(_tasks_in(r, fleet.settings(cfg).queue_for("demo-lm"))) == sorted([TASK_NAME] * 3 + [BULK_TASK_NAME])
+
+    fleet.worker(cfg, "demo-lm")
+    grouped = client.wait([o[0] for o in outcomes[:3]], 120)  # type: ignore[index]
+    alone = client.wait([client.submit("demo-lm", p, generation=params) for p in prompts], 120)
+    for g, a in zip(grouped, alone, strict=True):
+        assert isinstance(g, InferenceResult) and g.generation is not None and isinstance(a, InferenceResult)
+        assert a.generation is not None and g.generation.token_ids == a.generation.token_ids
+        assert len(g.generation.token_ids) == 4
