@@ -74,6 +74,7 @@ class ResultWaiter:
         self.decode = decode
         self._idle: list[_NotingPubSub] = []
         """Pub/sub connections no wait holds now, reused by the next (of any thread)."""
+        self._closed = False
         self._lock = threading.Lock()
 
     def _borrow(self) -> _NotingPubSub:
@@ -86,14 +87,15 @@ class ResultWaiter:
 
     def _give_back(self, pubsub: _NotingPubSub) -> None:
         with self._lock:
-            if len(self._idle) < MAX_IDLE_PUBSUBS:
+            if not self._closed and len(self._idle) < MAX_IDLE_PUBSUBS:
                 self._idle.append(pubsub)
                 return
         _close(pubsub)
 
     def close(self) -> None:
-        """Release the idle pub/sub connections (those of waits under way go when they end)."""
+        """Release the idle pub/sub connections (those of waits under way are closed when they end)."""
         with self._lock:
+            self._closed = True
             idle, self._idle = self._idle, []
         for pubsub in idle:
             _close(pubsub)

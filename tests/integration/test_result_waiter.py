@@ -175,3 +175,7 @@ def test_waits_from_new_threads_reuse_the_idle_connections_of_ended_waits(redis_
     finally:
         waiter.close()
     assert waiter._idle == []
+    thread = threading.Thread(target=waiter.wait, args=(keys[0], 10.0))  # a wait that ends after close()
+    thread.start()
+    thread.join(15)
+    assert waiter._idle == []  # its connection was closed, not kept
