@@ -169,10 +169,9 @@ def _fleet_round(fleet: RunningFleet, client: FleetClient, work: Work) -> Row:
                 [g.timings.time_to_first_token_ms for _, _, g in records], span)  # fmt: skip
 
 
-def _sdk_round(url: str, model: str, work: Work) -> Row:
-    from openai import OpenAI
-
-    sdk = OpenAI(base_url=f"{url}/v1", api_key="unused-on-loopback", max_retries=0, timeout=600)
+def _sdk_round(sdk: Any, model: str, work: Work) -> Row:
+    """One burst through ``sdk`` (an ``openai.OpenAI`` client kept across rounds, as the FleetClient is:
+    its connections stay open, as a user's would)."""
     started = time.perf_counter()
 
     def one(n: int) -> tuple[float, float, int]:
@@ -187,11 +186,8 @@ def _sdk_round(url: str, model: str, work: Work) -> Row:
                 count = chunk.usage.completion_tokens
         return first, time.perf_counter() - started, count
 
-    try:
-        with ThreadPoolExecutor(len(work)) as pool:
-            done = list(pool.map(one, range(len(work))))
-    finally:
-        sdk.close()
+    with ThreadPoolExecutor(len(work)) as pool:
+        done = list(pool.map(one, range(len(work))))
     return _row(None, [first * 1000 for first, _, _ in done], max(end for _, end, _ in done),
                 counts=[count for _, _, count in done])
 
@@ -288,12 +284,15 @@ def measure_size(plan: SameWeightsPlan, size: LlamaSize, model: Path, og_python:
     fleet = RunningFleet(cfg, redis_url, work_dir)
     fleet.spawn()
     gateway = GatewayServer(fleet.config_path, work_dir / "logs" / f"same-weights-{size.name}-gateway.log")
+    from openai import OpenAI
+
+    sdk = OpenAI(base_url=f"{gateway.url}/v1", api_key="unused-on-loopback", max_retries=0, timeout=600)
     try:
         client = fleet.ready()
         gateway.wait_ready()
         runs: dict[str, Callable[[], Row]] = {
             "fleet": lambda: _fleet_round(fleet, client, work),
-            "OpenAI SDK, streaming": lambda: _sdk_round(gateway.url, size.name, work),
+            "OpenAI SDK, streaming": lambda: _sdk_round(sdk, size.name, work),
             "worker's loop, in process": lambda: _loop_round(engine, work, plan.max_batch_size),
             "bare continuous": lambda: _bare_round(session, work, plan.max_batch_size),
             "bare one at a time": lambda: _bare_round(session, work, 1),
@@ -309,6 +308,7 @@ def measure_size(plan: SameWeightsPlan, size: LlamaSize, model: Path, og_python:
             say(f"{size.name} round {r + 1}/{plan.rounds}: " + ", ".join(
                 f"{name} {rounds[-1][name]['tokens_per_s']:.0f} tok/s" for name in ROWS))  # fmt: skip
     finally:
+        sdk.close()
         gateway.stop()
         fleet.stop()
     summary = _summarize(rounds)
