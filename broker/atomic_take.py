@@ -54,6 +54,7 @@ from broker.batch_take import Taken, room_for_more
 from broker.cancel_marks import CancelReadingQoS
 from broker.in_hand import IN_HAND
 from broker.redis_refusals import RedisRefusingWrites, is_write_refusal
+from broker.store_ack import StoreAckingQoS
 from protocol.keys import CANCEL_KEY
 
 __all__ = ["OTHER_LISTS_WAIT_S", "TAKE_SCRIPT", "sections", "start_peek", "take_after_peek"]
@@ -72,6 +73,9 @@ TAKE_SCRIPT = """
 local lists = #KEYS - 2
 local hash, index = KEYS[lists + 1], KEYS[lists + 2]
 local most, now, mark_prefix = tonumber(ARGV[1]), ARGV[2], ARGV[3]
+for i = 4, #ARGV do  -- deliveries whose result store is under way: a token each, once their entry is gone
+  if redis.call('HEXISTS', hash, ARGV[i]) == 0 then most = most + 1 end
+end
 
 local function string_or_null(value)
   if type(value) == 'string' then return cjson.encode(value) end
@@ -142,7 +146,10 @@ if #reply == 0 then return false end
 return reply
 """
 """KEYS: the lists in kombu's order, then kombu's unacked hash and its index. ARGV: the most messages to
-take (over all lists), now (Unix s, the index's score, as kombu writes it), the cancel mark keys' prefix.
+take (over all lists), now (Unix s, the index's score, as kombu writes it), the cancel mark keys' prefix,
+then the tags of this worker's deliveries whose result is being stored: one more message for each whose
+unacked entry the store script has already removed (its result is written; the storing thread has not
+noted it yet, and the caller may already have queued more).
 
 Takes from each non-empty list in order until ``most`` are taken. Returns false when every list is
 empty, else one section per list it took from (or was refused on): ``list, error or nil, n`` then ``n``
@@ -266,13 +273,14 @@ def _others_hold_messages(channel: Any) -> bool:
 def _run_script(channel: Any) -> Any:
     qos = channel.qos
     most = 1 + room_for_more(qos) if channel.take_batch else 1
+    storing = qos.acks.storing_among(qos._delivered) if channel.take_batch and isinstance(qos, StoreAckingQoS) else []
     keys = [*channel.take_keys, qos.unacked_key, qos.unacked_index_key]
     try:
         with channel.conn_or_acquire() as sync:
             script = channel.take_script
             if script is None or script.registered_client is not sync:
                 script = channel.take_script = sync.register_script(TAKE_SCRIPT)
-            return script(keys=keys, args=[most, repr(time.time()), CANCEL_PREFIX], client=sync)
+            return script(keys=keys, args=[most, repr(time.time()), CANCEL_PREFIX, *storing], client=sync)
     except redis.exceptions.ResponseError as exc:
         if is_write_refusal(exc):
             raise RedisRefusingWrites(f"Redis refused the take: {exc}") from exc

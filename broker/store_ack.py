@@ -66,7 +66,7 @@ class StoreAcks:
 
     def storing(self, tag: str) -> None:
         """The store script of ``tag``'s result is about to run: its caller may have the result before
-        :meth:`acked` is called, and may queue more at once."""
+        :meth:`acked` is called, and may queue more at once (see :meth:`storing_among`)."""
         with self._lock:
             if tag in self._expected:
                 self._storing.add(tag)
@@ -94,9 +94,15 @@ class StoreAcks:
             return False
 
     def acked_among(self, delivered: Container[str]) -> int:
-        """How many of ``delivered`` the store acked (or is acking) and Celery has not settled yet."""
+        """How many of ``delivered`` the store acked and Celery has not settled yet."""
         with self._lock:
-            return sum(1 for tag in self._acked | self._storing if tag in delivered)
+            return sum(1 for tag in self._acked if tag in delivered)
+
+    def storing_among(self, delivered: Container[str]) -> list[str]:
+        """The tags of ``delivered`` whose store script is running (or ran, not yet noted): the take frees
+        their tokens once Redis no longer holds their unacked entries (:mod:`broker.atomic_take`)."""
+        with self._lock:
+            return [tag for tag in self._storing if tag in delivered]
 
     def __len__(self) -> int:
         return len(self._expected)

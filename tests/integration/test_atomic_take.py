@@ -30,9 +30,9 @@ def _envelope(n: int) -> bytes:
                        "properties": {"delivery_tag": f"tag-{n}", "delivery_info": info}}).encode()
 
 
-def _take(r: redis.Redis[bytes], most: int) -> list[bytes | int | None]:
+def _take(r: redis.Redis[bytes], most: int, *storing: str) -> list[bytes | int | None]:
     reply: list[bytes | int | None] = r.eval(  # type: ignore[no-untyped-call]
-        TAKE_SCRIPT, len(KEYS), *KEYS, most, "1000.5", CANCEL_PREFIX)
+        TAKE_SCRIPT, len(KEYS), *KEYS, most, "1000.5", CANCEL_PREFIX, *storing)
     return reply
 
 
@@ -124,3 +124,17 @@ def test_a_closing_channel_reads_its_pending_wait_and_takes_nothing(redis_server
         channel.close()  # type: ignore[no-untyped-call]
     assert delivered == [] and r.lrange(QUEUE, 0, -1) == [_envelope(0)] and r.hlen("unacked") == 0
     app.close()
+
+
+def test_a_delivery_whose_result_is_written_frees_its_token_before_its_thread_notes_it(
+    redis_server: EmbeddedRedis,
+) -> None:
+    """A caller can have a result (and queue more) before the worker's storing thread has noted the ack:
+    the take counts a storing delivery's token free once Redis no longer holds its unacked entry, never
+    before (the unacked deliveries stay within the tokens)."""
+    r = redis_server.client()
+    r.hset("unacked", "still-held", "[]")  # its store script has not run yet
+    for n in range(5):
+        r.lpush(QUEUE, _envelope(n))
+    taken = sections(_take(r, 2, "written", "still-held"))  # 2 free tokens, plus "written"'s
+    assert [len(rows) // 4 for _, _, rows in taken] == [3]

@@ -100,10 +100,10 @@ def test_a_token_is_free_from_its_result_write_not_from_celery_s_settling() -> N
     for tag in ("a", "b"):
         qos.acks.expect(tag, "unacked", "unacked_index")
     assert not qos.can_consume() and qos.can_consume_max_estimate() == 0
-    qos.acks.storing("b")  # b's store script runs: its result may already be published
-    assert qos.can_consume_max_estimate() == 1
+    qos.acks.storing("b")  # b's store script runs: the take frees its token once its entry is gone
+    assert qos.can_consume_max_estimate() == 0 and qos.acks.storing_among(qos._delivered) == ["b"]
     qos.acks.store_failed("b")  # it did not run: b holds its token until Celery acks it
-    assert qos.can_consume_max_estimate() == 0
+    assert qos.acks.storing_among(qos._delivered) == []
     qos.acks.storing("a")
     qos.acks.acked("a")  # the store script wrote a's result and removed its unacked entry
     assert qos.can_consume() and qos.can_consume_max_estimate() == 1
