@@ -36,6 +36,7 @@ from producer.reprs import request_argsrepr
 from producer.result_waiter import ResultWaiter
 from producer.results import RequestStatus, ResultReader
 from producer.routing import Router
+from producer.submit_groups import generates
 from producer.task_writer import TaskMessage, TaskWriter
 from protocol.celeryconf import celery_config
 from protocol.errors import (
@@ -449,6 +450,4 @@ class FleetClient(ResultReader):
 
 def _generation_prompt(request: InferenceRequest) -> list[int] | None:
     """The prompt of a generation (what prefix-aware routing looks at); None for any other request."""
-    output = request.output
-    generates = output is not None and (output.kind == "generate" or (output.kind is None and output.generation))
-    return list(request.input_ids) if generates and request.input_ids else None
+    return list(request.input_ids) if generates(request) and request.input_ids else None
