@@ -6,7 +6,8 @@ their order reversed every other round:
 
 * ``bench-lm``, one-step requests (top-5 next tokens of a short prompt): ``FleetClient`` (``submit`` +
   ``result(wait=True)``); ``POST /v1/requests`` + ``GET /v1/requests/{id}`` polled (from 2 ms, backing
-  off ×1.5 to 20 ms); the same with one long-poll ``GET …?wait_s=30``;
+  off ×1.5 to 20 ms); the same with one long-poll ``GET …?wait_s=30``; ``POST /v1/requests?wait_s=30``
+  alone (the result in the submit's answer);
 * ``bench-encoder``: ``FleetClient`` embeddings; ``POST /v1/embeddings`` with one input per call.
 
 Then one caller alone sends ``lone`` requests through each row (median latency). The HTTP callers use
@@ -111,21 +112,40 @@ def native_path(url: str, model: str, *, long_poll: bool) -> Path_:
         status, _, location = h.call("POST", "/v1/requests", {"model": model, "input_ids": list(ids)})
         if status != 202:
             raise RuntimeError(f"POST /v1/requests answered {status}")
-        wait = 0.002
-        while True:
-            if long_poll:
-                _, view, _ = h.call("GET", location + "?wait_s=30")
-            else:
-                time.sleep(wait)
-                _, view, _ = h.call("GET", location)
-                wait = min(0.02, wait * 1.5)
-            if view.get("status") in TERMINAL:
-                if view["status"] != "succeeded":
-                    raise RuntimeError(f"request {view.get('request_id')} {view['status']}: {view.get('error')}")
-                return
+        _await_view(h, location, long_poll)
 
     label = "POST /v1/requests + long-poll GET (`?wait_s=30`)" if long_poll else "POST /v1/requests + polled GET"
     return Path_(label, lambda: Http(url), one, lambda h: h.close())
+
+
+def submit_wait_path(url: str, model: str) -> Path_:
+    """``POST /v1/requests?wait_s=30``: the result in the submit's own answer (200), one exchange per request."""
+
+    def one(h: Http, ids: Sequence[int]) -> None:
+        status, view, location = h.call("POST", "/v1/requests?wait_s=30", {"model": model, "input_ids": list(ids)})
+        if status == 202:  # not finished within the wait: long-poll its Location
+            _await_view(h, location, True)
+        elif status != 200 or view.get("status") != "succeeded":
+            raise RuntimeError(f"POST /v1/requests?wait_s=30 answered {status}: {view}")
+
+    return Path_("POST /v1/requests?wait_s=30 (one exchange)", lambda: Http(url), one, lambda h: h.close())
+
+
+def _await_view(h: Http, location: str, long_poll: bool) -> None:
+    """GET ``location`` until the request is terminal: long-polled, or polled from 2 ms backing off ×1.5 to
+    20 ms; raises unless it succeeded."""
+    wait = 0.002
+    while True:
+        if long_poll:
+            _, view, _ = h.call("GET", location + "?wait_s=30")
+        else:
+            time.sleep(wait)
+            _, view, _ = h.call("GET", location)
+            wait = min(0.02, wait * 1.5)
+        if view.get("status") in TERMINAL:
+            if view["status"] != "succeeded":
+                raise RuntimeError(f"request {view.get('request_id')} {view['status']}: {view.get('error')}")
+            return
 
 
 def embeddings_path(url: str, model: str) -> Path_:
@@ -239,7 +259,8 @@ def _setup_rows(plan: GatewayPlan, kind: str, model: Path, redis_url: str, work_
         else:
             paths = {"client": client_path(client, card.name, None),
                      "native_poll": native_path(gateway.url, card.name, long_poll=False),
-                     "native_wait": native_path(gateway.url, card.name, long_poll=True)}  # fmt: skip
+                     "native_wait": native_path(gateway.url, card.name, long_poll=True),
+                     "submit_wait": submit_wait_path(gateway.url, card.name)}  # fmt: skip
         pids = {"gateway": gateway.proc.pid, "worker": fleet.pid, "redis": _redis_pid(redis_url)}
         for path in paths.values():  # warm every path (first loads, connections)
             closed_loop(path, prompts, 4, 0.3, 0.0)

@@ -2,7 +2,8 @@
 
 ::
 
-    POST   /v1/requests               202 + Location      queue one request
+    POST   /v1/requests[?wait_s=s]    202 + Location | 200  queue one request; wait_s (or Prefer: wait=s):
+                                                          200 with its view if it finishes within the wait
     POST   /v1/requests:batch         202                 queue many (all or none)
     GET    /v1/requests/{id}[?wait_s=s]  200 | 404        status + result or error; wait_s: long-poll for it
     GET    /v1/requests/{id}/stream   200 SSE | 404 | 409 a generation's token events as they come
@@ -36,7 +37,7 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 import redis
-from fastapi import APIRouter, FastAPI, Path, Query, Response
+from fastapi import APIRouter, FastAPI, Header, Path, Query, Response
 from fastapi.responses import JSONResponse
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -49,6 +50,7 @@ from gateway.errors import ERROR_RESPONSES, error_payload, install_error_handler
 from gateway.middleware import AccessLogMiddleware, BodyLimitMiddleware, MetricsMiddleware
 from gateway.openai_routes import router as openai_router
 from gateway.outcomes import await_outcomes
+from gateway.prefer import prefer_wait_s
 from gateway.responses_routes import router as responses_router
 from gateway.schema import (
     REQUEST_ID_PATTERN,
@@ -139,18 +141,37 @@ async def _no_worker_now(gw: Gateway, model: str | None) -> str | None:
 # -- endpoints -----------------------------------------------------------------------------------
 router = APIRouter()
 RequestId = Annotated[str, Path(pattern=REQUEST_ID_PATTERN, description="The ID returned at submission.")]
+WaitS = Annotated[
+    float | None,
+    Query(ge=0, description="Long-poll: answer as soon as the result is stored, or after this many seconds with "
+          "the current status (at most api.max_wait_s; default: answer at once)."),
+]  # fmt: skip
+PreferHeader = Annotated[
+    str | None,
+    Header(description="RFC 7240 preferences; `wait=<s>` on a submit: answer with the result if it is stored "
+           "within that many seconds (at most api.max_wait_s), as `Prefer: wait` does on other job APIs."),
+]  # fmt: skip
 
 
 @router.post("/v1/requests", status_code=202, response_model=RequestAccepted, response_model_exclude_none=True,
-             tags=["requests"])
-async def submit(body: SubmitBody, rate_key: CallerDep, gw: GatewayDep) -> Response:
+             tags=["requests"], responses={200: {"model": RequestView, "description": "with ``wait_s`` (or "
+             "``Prefer: wait``): the request finished within the wait; the body is its view, as GET answers"}})
+async def submit(body: SubmitBody, rate_key: CallerDep, gw: GatewayDep, wait_s: WaitS = None,
+                 prefer: PreferHeader = None) -> Response:  # fmt: skip
     """Validate, admit and queue one request; poll ``Location`` for its result.
 
     A caller-given ``request_id`` is an idempotency key: resubmitting the same body answers the
     request's real status (it may have finished long ago); another body under a known ID is 409.
     Without one, the request is queued with the others that arrive meanwhile
     (:mod:`gateway.submit_queue`, ``api.group_submits``).
+
+    ``wait_s`` (s, up to ``api.max_wait_s``; more is a 422 naming the limit), or the header
+    ``Prefer: wait=<s>`` (RFC 7240; a longer wait is cut to ``api.max_wait_s`` and the header
+    ``Preference-Applied`` says the wait applied): wait for the result on the event loop and answer 200 with
+    the request's view (what ``GET`` answers) as soon as it is stored; else, at the end of the wait, 202
+    as without a wait, with the status then. One HTTP exchange per request instead of a submit and a GET.
     """
+    wait, applied = _submit_wait(gw, wait_s, prefer)
     if body.text is None and gw.fleet.model_loaded(body.model):  # no file, no Redis read: on the loop
         request = _build(gw, body)
     else:
@@ -160,8 +181,40 @@ async def submit(body: SubmitBody, rate_key: CallerDep, gw: GatewayDep) -> Respo
         rid, status = (await gw.submits.submit(item))[0], RequestStatus.QUEUED
     else:
         rid, status = await run_in_threadpool(_send_one, gw, request, rate_key, body)
+    headers = {"Location": f"/v1/requests/{rid}", **applied}
+    if wait:
+        view = await _view_when_done(gw, rid, wait)
+        if view is not None:
+            return _json(view, 200, headers=headers)
+        status = (await read_view(gw.fleet, gw.aredis, rid))[0].status  # the status at the end of the wait
     warning = await _no_worker_now(gw, request.model) if status is RequestStatus.QUEUED else None
-    return _json(_accepted(rid, status, warning), 202, exclude_none=True, headers={"Location": f"/v1/requests/{rid}"})
+    return _json(_accepted(rid, status, warning), 202, exclude_none=True, headers=headers)
+
+
+def _submit_wait(gw: Gateway, wait_s: float | None, prefer: str | None) -> tuple[float, dict[str, str]]:
+    """How long a submit waits for its result (s; 0 = not at all) and the headers that say so.
+
+    ``wait_s`` over ``api.max_wait_s`` is refused (InvalidRequest naming ``wait_s``); ``Prefer: wait`` is a
+    preference (RFC 7240): a longer one is cut to the limit, an unreadable one ignored."""
+    cap = gw.settings.api.max_wait_s
+    if wait_s is not None:
+        if wait_s > cap:
+            raise InvalidRequest(f"wait_s = {wait_s} exceeds the long-poll limit api.max_wait_s={cap}", "wait_s", cap)
+        return wait_s, {}
+    preferred = prefer_wait_s(prefer)
+    if preferred is None:
+        return 0.0, {}
+    wait = min(preferred, cap)
+    return wait, {"Preference-Applied": f"wait={wait:g}"}
+
+
+async def _view_when_done(gw: Gateway, request_id: str, wait_s: float) -> RequestView | None:
+    """The request's view once its result is stored, waiting at most ``wait_s`` s; None if it is not by then."""
+    try:
+        outcomes = await await_outcomes(gw.fleet, gw.aredis, [request_id], timeout_s=wait_s, notifier=gw.results)
+    except ResultTimeout:
+        return None
+    return view_of_outcome(request_id, outcomes[request_id])
 
 
 def _send_one(gw: Gateway, request: InferenceRequest, rate_key: str, body: SubmitBody) -> tuple[str, RequestStatus]:
@@ -203,13 +256,6 @@ def submit_batch(body: BatchSubmitBody, rate_key: CallerDep, gw: GatewayDep) -> 
     )
 
 
-WaitS = Annotated[
-    float | None,
-    Query(ge=0, description="Long-poll: answer as soon as the result is stored, or after this many seconds with "
-          "the current status (at most api.max_wait_s; default: answer at once)."),
-]  # fmt: skip
-
-
 @router.get("/v1/requests/{request_id}", response_model=RequestView, tags=["requests"])
 async def get_request(request_id: RequestId, _: CallerDep, gw: GatewayDep, wait_s: WaitS = None) -> Response:
     """Where the request stands, with its result or error once it has one (and, while it is queued for a
@@ -224,10 +270,10 @@ async def get_request(request_id: RequestId, _: CallerDep, gw: GatewayDep, wait_
         raise InvalidRequest(f"wait_s = {wait_s} exceeds the long-poll limit api.max_wait_s={cap}", "wait_s", cap)
     view, model = await read_view(gw.fleet, gw.aredis, request_id)
     if wait_s and view.status in (RequestStatus.QUEUED, RequestStatus.RUNNING):
-        try:
-            outcomes = await await_outcomes(gw.fleet, gw.aredis, [request_id], timeout_s=wait_s, notifier=gw.results)
-            view = view_of_outcome(request_id, outcomes[request_id])
-        except ResultTimeout:  # the bound: answer with the status as it is then
+        done = await _view_when_done(gw, request_id, wait_s)
+        if done is not None:
+            view = done
+        else:  # the bound: answer with the status as it is then
             view, model = await read_view(gw.fleet, gw.aredis, request_id)
     warning = await _no_worker_now(gw, model) if view.status is RequestStatus.QUEUED else None
     return _json(view.model_copy(update={"warning": warning}) if warning else view)

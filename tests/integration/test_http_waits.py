@@ -1,8 +1,9 @@
 """What HTTP load clients and pollers need from a real gateway and worker: the request bodies guidellm
 (vLLM's benchmark client) sends, byte for byte in shape (``stream_options.continuous_usage_stats``,
 ``max_completion_tokens``, ``stop: null``, ``ignore_eos``, content parts), its ``/health`` and
-``/v1/models`` probes, and the long-poll of ``GET /v1/requests/{id}?wait_s=`` (the result as soon as
-it is stored; the status at the bound; a wait past ``api.max_wait_s`` refused naming the limit)."""
+``/v1/models`` probes, the long-poll of ``GET /v1/requests/{id}?wait_s=`` (the result as soon as
+it is stored; the status at the bound; a wait past ``api.max_wait_s`` refused naming the limit), and the
+same wait on the submit itself (``POST /v1/requests?wait_s=`` or ``Prefer: wait=``: one exchange)."""
 
 from __future__ import annotations
 
@@ -148,3 +149,52 @@ def test_long_poll_past_the_limit_is_refused_naming_it(fleet: Fleet) -> None:
     assert doc["field"] == "wait_s" and doc["limit"] == MAX_WAIT_S and "api.max_wait_s" in doc["message"]
     negative = fleet.http.get(f"/v1/requests/{rid}", params={"wait_s": -1}).json()
     assert negative["field"] == "query.wait_s"
+
+
+GENERATE = {"kind": "generate", "generation": {"max_new_tokens": 4}}
+
+
+def test_submit_with_wait_answers_the_result_in_one_exchange(fleet: Fleet) -> None:
+    """``?wait_s=`` and ``Prefer: wait`` (RFC 7240) on the submit: 200 with the view GET answers, and its
+    Location; a preference past ``api.max_wait_s`` is cut to it and ``Preference-Applied`` says so.
+    Before, both were ignored: 202 and a GET to follow."""
+    body = {"model": "demo-lm", "input_ids": [1, 2, 3], "output": GENERATE}
+    by_query = fleet.http.post("/v1/requests", json=body, params={"wait_s": MAX_WAIT_S}, timeout=MAX_WAIT_S + 30)
+    by_header = fleet.http.post("/v1/requests", json=body, headers={"Prefer": f"respond-async, wait={10 * MAX_WAIT_S}"},
+                                timeout=MAX_WAIT_S + 30)  # fmt: skip
+    for answer in (by_query, by_header):
+        assert answer.status_code == 200, answer.text
+        doc = answer.json()
+        assert doc["status"] == "succeeded" and len(doc["result"]["generation"]["token_ids"]) == 4
+        assert answer.headers["Location"] == f"/v1/requests/{doc['request_id']}"
+        assert fleet.http.get(answer.headers["Location"]).json() == doc  # the same view GET answers
+    assert "Preference-Applied" not in by_query.headers
+    assert by_header.headers["Preference-Applied"] == f"wait={MAX_WAIT_S:g}"
+    next_token = {"model": "demo-lm", "input_ids": [5, 6], "output": {"kind": "next_token"}}
+    one_step = fleet.http.post("/v1/requests", json=next_token, params={"wait_s": MAX_WAIT_S}, timeout=MAX_WAIT_S + 30)
+    assert one_step.status_code == 200 and one_step.json()["result"]["top_k"], one_step.text
+
+
+def test_submit_wait_bound_answers_202_with_the_status_then(fleet: Fleet) -> None:
+    body = {"model": "idle-lm", "input_ids": [1, 2, 3], "output": GENERATE}
+    started = time.monotonic()
+    answer = fleet.http.post("/v1/requests", json=body, headers={"Prefer": "wait=1.5"})
+    waited_s = time.monotonic() - started
+    assert answer.status_code == 202, answer.text
+    doc = answer.json()
+    assert doc["status"] == "queued" and "idle-lm" in doc["warning"] and answer.headers["Location"] == doc["location"]
+    assert answer.headers["Preference-Applied"] == "wait=1.5"
+    assert waited_s >= 1.5 * 0.9  # it held the call to the bound (no upper bound asserted: the machine is loaded)
+    unreadable = fleet.http.post("/v1/requests", json=body, headers={"Prefer": "wait=soon"})
+    assert unreadable.status_code == 202 and "Preference-Applied" not in unreadable.headers  # a hint: ignored
+
+
+def test_submit_wait_past_the_limit_is_refused_naming_it_and_queues_nothing(fleet: Fleet) -> None:
+    rid = "submit-wait-over-the-limit"
+    body = {"model": "idle-lm", "input_ids": [1, 2, 3], "request_id": rid}
+    answer = fleet.http.post("/v1/requests", json=body, params={"wait_s": MAX_WAIT_S + 1})
+    assert answer.status_code == 422
+    doc = answer.json()
+    assert doc["field"] == "wait_s" and doc["limit"] == MAX_WAIT_S and "api.max_wait_s" in doc["message"]
+    assert fleet.http.get(f"/v1/requests/{rid}").status_code == 404  # refused before anything was queued
+    assert fleet.http.post("/v1/requests", json=body, params={"wait_s": -1}).json()["field"] == "query.wait_s"
