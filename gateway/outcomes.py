@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import redis.asyncio
 
-from gateway.result_notifier import ResultNotifier
+from gateway.result_notifier import ResultNotifier, Watch
 from producer.client import FleetClient
 from producer.presence import AsyncWorkerPresence, no_worker_message
 from protocol.errors import FleetError, NoLiveWorker, ResultTimeout
@@ -102,28 +102,31 @@ async def await_outcomes(
     if notifier is None:
         return await _read_until_done(fleet, aredis, request_ids, None, timeout_s, model, no_worker_after_s, presence)
     keys = [fleet.app.backend.get_key_for_task(rid) for rid in dict.fromkeys(request_ids)]
-    async with notifier.watching(keys) as woken:  # subscribed before the first read: no result slips between
-        return await _read_until_done(fleet, aredis, request_ids, woken, timeout_s, model, no_worker_after_s,
+    async with notifier.watching(keys) as watch:  # subscribed before the first read: no result slips between
+        return await _read_until_done(fleet, aredis, request_ids, watch, timeout_s, model, no_worker_after_s,
                                       presence)  # fmt: skip
 
 
 async def _read_until_done(
-    fleet: FleetClient, aredis: redis.asyncio.Redis[bytes], request_ids: Sequence[str], woken: asyncio.Event | None,
+    fleet: FleetClient, aredis: redis.asyncio.Redis[bytes], request_ids: Sequence[str], watch: Watch | None,
     timeout_s: float, model: str | None, no_worker_after_s: float | None, presence: AsyncWorkerPresence | None,
 ) -> dict[str, Outcome]:
-    """:func:`await_outcomes`' loop: read the result keys, then wait for ``woken`` (a result published) or
-    the next read of the backstop schedule (``BACKSTOP_POLL_S``, or without ``woken`` the polling one)."""
+    """:func:`await_outcomes`' loop: read the result keys, then wait for ``watch`` (a result published) or
+    the next read of the backstop schedule (``BACKSTOP_POLL_S``, or without ``watch`` the polling one).
+    A publication carries the stored value: woken by one, the wait takes it from ``watch.published`` and
+    reads Redis again only when the backstop's time comes."""
     backend = fleet.app.backend
     started = time.monotonic()
     deadline = started + timeout_s
     check_at = None if model is None or no_worker_after_s is None or presence is None else started + no_worker_after_s
-    poll_s, max_poll_s = (FIRST_POLL_S, MAX_POLL_S) if woken is None else BACKSTOP_POLL_S
+    poll_s, max_poll_s = (FIRST_POLL_S, MAX_POLL_S) if watch is None else BACKSTOP_POLL_S
     done: dict[str, Outcome] = {}
     remaining = list(dict.fromkeys(request_ids))
+    read = True  # the first pass reads: a result stored before the subscription was never published to it
     while True:
-        if woken is not None:
-            woken.clear()  # before the read: a result stored after it sets the event again
-        raws = await aredis.mget([backend.get_key_for_task(rid) for rid in remaining])
+        if watch is not None:
+            watch.event.clear()  # before the read: a result stored after it sets the event again
+        raws = await _stored_values(aredis, [backend.get_key_for_task(rid) for rid in remaining], watch, read)
         for rid, raw in zip(remaining, raws, strict=True):
             if raw is not None:
                 # the client's own reading of a stored meta, so every face reports the same outcome
@@ -145,9 +148,27 @@ async def _read_until_done(
         pause = min(poll_s, max(0.0, deadline - now))
         if check_at is not None:
             pause = min(pause, max(0.0, check_at - now))
-        if woken is None:
-            await asyncio.sleep(pause)
-        else:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(woken.wait(), pause)
+        read = await _pause(watch, pause)
         poll_s = min(max_poll_s, poll_s * 1.5)
+
+
+async def _stored_values(aredis: redis.asyncio.Redis[bytes], keys: list[bytes], watch: Watch | None,
+                         read: bool) -> list[bytes | None]:  # fmt: skip
+    """The value of each result key: read from Redis, or (``read`` False: woken by a publication) what was
+    published on it since; a key without a publication is read at the backstop's time."""
+    if read or watch is None:
+        return list(await aredis.mget(keys))
+    return [watch.published.pop(key, None) for key in keys]
+
+
+async def _pause(watch: Watch | None, pause_s: float) -> bool:
+    """Wait ``pause_s`` s, or less when a publication wakes ``watch``; whether the next pass must read Redis
+    (True unless a publication came)."""
+    if watch is None:
+        await asyncio.sleep(pause_s)
+        return True
+    try:
+        await asyncio.wait_for(watch.event.wait(), pause_s)
+    except TimeoutError:  # no publication came: the backstop's read
+        return True
+    return False

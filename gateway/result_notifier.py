@@ -9,7 +9,9 @@ publication on any of them sets the wait's event. The waits still read the keys 
 Redis restart, a subscription not confirmed in time) delays an answer, never loses it.
 
 One connection serves every waiting call: channels are subscribed while some wait needs them and
-unsubscribed when the last one leaves.
+unsubscribed when the last one leaves. A publication carries the stored value itself (the worker
+publishes what it stores), so a woken wait reads it from :attr:`Watch.published` instead of asking Redis
+again: one round trip fewer per answer.
 """
 
 from __future__ import annotations
@@ -23,12 +25,23 @@ from typing import Any
 import redis
 import redis.asyncio
 
-__all__ = ["CONFIRM_S", "ResultNotifier"]
+__all__ = ["CONFIRM_S", "ResultNotifier", "Watch"]
 
 log = logging.getLogger("fleet.api")
 
 CONFIRM_S = 1.0
 """Longest wait for the server to confirm a subscription before the wait goes on without it (s)."""
+
+
+class Watch:
+    """One wait's view of its channels: ``event`` is set by each publication on one of them, and
+    ``published`` holds the latest value published on each (result key → the stored meta, as bytes)."""
+
+    __slots__ = ("event", "published")
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.published: dict[bytes, bytes] = {}
 
 
 class ResultNotifier:
@@ -38,30 +51,30 @@ class ResultNotifier:
         self.client = client
         self._pubsub: Any = None
         self._listener: asyncio.Task[None] | None = None
-        self._waiters: dict[bytes, set[asyncio.Event]] = {}
+        self._waiters: dict[bytes, set[Watch]] = {}
         self._confirmed: dict[bytes, asyncio.Event] = {}
         # one command at a time: UNSUBSCRIBEs sent by several tasks at once were lost (redis-py 8.2)
         self._commands = asyncio.Lock()
 
     @contextlib.asynccontextmanager
-    async def watching(self, keys: Sequence[bytes]) -> AsyncIterator[asyncio.Event]:
-        """An event set whenever a result is published on one of ``keys`` (result keys, as channels),
-        subscribed (and confirmed, or :data:`CONFIRM_S` passed) before it is yielded: read the keys
-        after entering, and a result stored from then on wakes the event."""
-        event = asyncio.Event()
+    async def watching(self, keys: Sequence[bytes]) -> AsyncIterator[Watch]:
+        """A :class:`Watch` woken whenever a result is published on one of ``keys`` (result keys, as
+        channels), subscribed (and confirmed, or :data:`CONFIRM_S` passed) before it is yielded: read the
+        keys after entering, and a result stored from then on wakes it, its value in ``published``."""
+        watch = Watch()
         fresh = [k for k in dict.fromkeys(keys) if k not in self._waiters]
         for key in keys:
-            self._waiters.setdefault(key, set()).add(event)
+            self._waiters.setdefault(key, set()).add(watch)
         try:
             if fresh:
                 await self._subscribe(fresh)
-            yield event
+            yield watch
         finally:
             gone = []
             for key in keys:
                 waiting = self._waiters.get(key)
                 if waiting is not None:
-                    waiting.discard(event)
+                    waiting.discard(watch)
                     if not waiting:
                         del self._waiters[key]
                         gone.append(key)
@@ -108,8 +121,9 @@ class ResultNotifier:
             channel = message.get("channel")
             kind = message.get("type")
             if kind == "message":
-                for event in self._waiters.get(channel, ()):
-                    event.set()
+                for watch in self._waiters.get(channel, ()):
+                    watch.published[channel] = message["data"]
+                    watch.event.set()
             elif kind == "subscribe":
                 self._confirmed.setdefault(channel, asyncio.Event()).set()
             elif kind == "unsubscribe" and channel not in self._waiters:  # not wanted again meanwhile

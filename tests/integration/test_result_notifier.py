@@ -100,3 +100,40 @@ def test_a_result_stored_without_publication_is_still_found(client: FleetClient,
             await aredis.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
 
     asyncio.run(main())
+
+
+def test_a_woken_wait_takes_the_published_value_without_reading_it_again(
+    client: FleetClient, redis_server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker publishes what it stores: a wait woken by the publication answers from it. One MGET per
+    wait (the read after subscribing), where a second read of the same value followed every wake-up."""
+    monkeypatch.setattr(outcomes, "BACKSTOP_POLL_S", (3600.0, 3600.0))  # no backstop read in this test
+    url = redis_server.url
+
+    async def main() -> None:
+        aredis = redis.asyncio.Redis.from_url(url)
+        notifier = ResultNotifier(aredis)
+        try:
+            key = client.app.backend.get_key_for_task
+            mgets_before = _calls(url, "mget")
+            waits = [asyncio.create_task(await_outcomes(client, aredis, [rid], timeout_s=120, notifier=notifier))
+                     for rid in ("p", "q")]  # fmt: skip
+            for rid in "pq":
+                await _until(lambda rid=rid: _subscribers(url, key(rid)) == 1, f"{rid} subscribed")
+            await _until(lambda: _calls(url, "mget") - mgets_before == 2, "each wait read its key once")
+            for rid in "pq":
+                await asyncio.to_thread(_fail, client, rid, publish=True)
+            answers = await asyncio.gather(*waits)
+            assert all(isinstance(a[rid], InvalidRequest) and a[rid].message == f"bad {rid}"
+                       for a, rid in zip(answers, "pq", strict=True))  # fmt: skip
+            assert _calls(url, "mget") - mgets_before == 2  # no read after the wake-up
+        finally:
+            await notifier.aclose()
+            await aredis.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
+
+    asyncio.run(main())
+
+
+def _calls(url: str, command: str) -> int:
+    stats = redis.Redis.from_url(url).info("commandstats")
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
