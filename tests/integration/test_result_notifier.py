@@ -6,7 +6,8 @@ is still found; many waits share one pub/sub connection and leave no subscriptio
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -28,6 +29,18 @@ def client(redis_server: EmbeddedRedis) -> Iterator[FleetClient]:
     c = FleetClient(FleetSettings(redis_url=redis_server.url))
     yield c
     c.close()
+
+
+@contextlib.asynccontextmanager
+async def _notifying(url: str) -> AsyncIterator[tuple[redis.asyncio.Redis[bytes], ResultNotifier]]:
+    """An asyncio client and a notifier on it, both closed at the end."""
+    aredis = redis.asyncio.Redis.from_url(url)
+    notifier = ResultNotifier(aredis)
+    try:
+        yield aredis, notifier
+    finally:
+        await notifier.aclose()
+        await aredis.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
 
 
 def _subscribers(url: str, key: bytes) -> int:
@@ -60,9 +73,7 @@ def test_a_publication_wakes_every_wait_on_one_connection(client: FleetClient, r
     url = redis_server.url
 
     async def main() -> None:
-        aredis = redis.asyncio.Redis.from_url(url)
-        notifier = ResultNotifier(aredis)
-        try:
+        async with _notifying(url) as (aredis, notifier):
             key = client.app.backend.get_key_for_task
             waits = [asyncio.create_task(await_outcomes(client, aredis, ids, timeout_s=120, notifier=notifier))
                      for ids in (["a"], ["a", "b"], ["b"], ["c"])]  # fmt: skip
@@ -77,27 +88,19 @@ def test_a_publication_wakes_every_wait_on_one_connection(client: FleetClient, r
             pubsubs = [c for c in redis.Redis.from_url(url).client_list() if int(c.get("sub", 0)) or "subscribe"
                        in c.get("cmd", "")]  # fmt: skip
             assert len(pubsubs) <= 1  # one connection served them all
-        finally:
-            await notifier.aclose()
-            await aredis.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
 
     asyncio.run(main())
 
 
 def test_a_result_stored_without_publication_is_still_found(client: FleetClient, redis_server: EmbeddedRedis) -> None:
     async def main() -> None:
-        aredis = redis.asyncio.Redis.from_url(redis_server.url)
-        notifier = ResultNotifier(aredis)
-        try:
+        async with _notifying(redis_server.url) as (aredis, notifier):
             key = client.app.backend.get_key_for_task(b"lost".decode())
             wait = asyncio.create_task(await_outcomes(client, aredis, ["lost"], timeout_s=120, notifier=notifier))
             await _until(lambda: _subscribers(redis_server.url, key) == 1, "subscribed")
             await asyncio.to_thread(_fail, client, "lost", publish=False)
             answer = await wait  # by a backstop read
             assert isinstance(answer["lost"], InvalidRequest)
-        finally:
-            await notifier.aclose()
-            await aredis.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
 
     asyncio.run(main())
 
@@ -111,9 +114,7 @@ def test_a_woken_wait_takes_the_published_value_without_reading_it_again(
     url = redis_server.url
 
     async def main() -> None:
-        aredis = redis.asyncio.Redis.from_url(url)
-        notifier = ResultNotifier(aredis)
-        try:
+        async with _notifying(url) as (aredis, notifier):
             key = client.app.backend.get_key_for_task
             mgets_before = _calls(url, "mget")
             waits = [asyncio.create_task(await_outcomes(client, aredis, [rid], timeout_s=120, notifier=notifier))
@@ -127,9 +128,6 @@ def test_a_woken_wait_takes_the_published_value_without_reading_it_again(
             assert all(isinstance(a[rid], InvalidRequest) and a[rid].message == f"bad {rid}"
                        for a, rid in zip(answers, "pq", strict=True))  # fmt: skip
             assert _calls(url, "mget") - mgets_before == 2  # no read after the wake-up
-        finally:
-            await notifier.aclose()
-            await aredis.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
 
     asyncio.run(main())
 
