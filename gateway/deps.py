@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException
 from gateway.auth import API_KEY_HEADER, key_refusal
 from gateway.middleware import GatewayMetrics
 from gateway.result_notifier import ResultNotifier
+from gateway.stream_hub import StreamHub
 from gateway.submit_queue import SubmitQueue
 from producer.admission import rate_key_for
 from producer.client import FleetClient
@@ -30,9 +31,10 @@ from protocol.settings import FleetSettings
 __all__ = ["API_KEY_HEADER", "MAX_REDIS_CONNECTIONS", "CallerDep", "Gateway", "GatewayDep", "gateway_of"]
 
 MAX_REDIS_CONNECTIONS = 4096
-"""Connections of the gateway's asyncio Redis pool. Each open stream holds one while it waits in
-``XREAD BLOCK`` (and each waiting non-streaming call one per poll), so this bounds the streams one
-gateway process relays at once; past it a call fails with 503 (redis-py's default is 100)."""
+"""Connections of the gateway's asyncio Redis pool. The open streams wait in one ``XREAD BLOCK``
+(:class:`gateway.stream_hub.StreamHub`), but a stream that joins while that read is under way waits on a
+connection of its own until it ends, and each waiting non-streaming call holds one per poll; past the
+bound a call fails with 503 (redis-py's default is 100)."""
 _api_key = APIKeyHeader(name=API_KEY_HEADER, auto_error=False, description="One of api.api_keys.")
 _bearer = HTTPBearer(auto_error=False, description="One of api.api_keys, as the OpenAI SDKs send it.")
 
@@ -51,11 +53,13 @@ class Gateway:
         self.presence = WorkerPresence(fleet.redis)  # which models have a live worker (read at most once a second)
         self.apresence = AsyncWorkerPresence(self.aredis)  # the same, for waits on the event loop
         self.results = ResultNotifier(self.aredis)  # wakes result waits on publication (one pub/sub connection)
+        self.streams = StreamHub(self.aredis)  # one XREAD waits for every relayed token stream
         self.submits = SubmitQueue(partial(send_group, fleet), max_group_requests=settings.api.max_grouped_requests,
                                    registry=self.registry)  # fmt: skip
 
     async def aclose(self) -> None:
         """Close both Redis clients and the Celery app."""
+        await self.streams.aclose()
         await self.results.aclose()
         await self.aredis.aclose()  # type: ignore[attr-defined]  # types-redis predates aclose
         self.fleet.close()

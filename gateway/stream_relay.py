@@ -1,7 +1,8 @@
 """The gateway's reader of a generation's stream, for the native SSE route and the OpenAI routes alike.
 
 :func:`relay_events` is :func:`producer.streams.aiter_events` on the gateway's ``redis.asyncio``
-client with the stored result as its backstop: a stream that stopped short of its end (events
+client, its waits shared with every other relayed stream (:class:`gateway.stream_hub.StreamHub`: one
+``XREAD`` for all), with the stored result as its backstop: a stream that stopped short of its end (events
 lost in a Redis restart, a worker that could not write them) ends from the stored result (same
 token indexes, same text), and the reader never waits for events that can no longer come. While
 Redis does not answer it tries again, for up to :data:`producer.streams.MAX_OUTAGE_S`.
@@ -42,4 +43,4 @@ def relay_events(gw: Gateway, request_id: str, *, timeout_s: float = WAIT_S) -> 
     async def outcome() -> Outcome | None:
         return await stored_outcome(gw, request_id)
 
-    return aiter_events(gw.aredis, request_id, timeout_s=timeout_s, outcome=outcome)
+    return aiter_events(gw.aredis, request_id, timeout_s=timeout_s, outcome=outcome, read=gw.streams.xread)

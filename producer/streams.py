@@ -49,10 +49,13 @@ __all__ = [
     "MAX_OUTAGE_S",
     "MAX_RETRY_S",
     "READ_COUNT",
+    "Entry",
     "Reconnect",
     "StreamCursor",
+    "StreamRead",
     "aiter_events",
     "iter_events",
+    "stream_entries",
 ]
 
 READ_COUNT = 256
@@ -69,6 +72,9 @@ Outcome = InferenceResult | FleetError
 
 Entry = tuple[Any, dict[Any, Any]]
 """One stream entry as redis-py returns it: ``(entry id, fields)``."""
+StreamRead = Callable[[str, "str | bytes", int], Awaitable[list[Entry]]]
+"""``read(key, last_id, block_ms)``: the entries of stream ``key`` after ``last_id``, waiting up to
+``block_ms`` ms for some ([] when none came); what :func:`aiter_events` reads with."""
 
 
 class StreamCursor:
@@ -155,7 +161,7 @@ class StreamCursor:
             ResultTimeout: the reply is empty and nothing arrived for ``timeout_s``.
             DecodeError: an entry is not a stream event.
         """
-        entries = _entries(reply)
+        entries = stream_entries(reply)
         if not entries and self.timed_out(now_s):
             raise self.timeout_error()
         return self.feed(entries, now_s)
@@ -180,7 +186,7 @@ class StreamCursor:
         )
 
 
-def _entries(reply: Any) -> list[Entry]:
+def stream_entries(reply: Any) -> list[Entry]:
     """The entries of an ``XREAD`` reply for one key: RESP2 ``[[key, entries]]``, RESP3 ``{key: [entries]}``
     or the unified ``{key: entries}``; None or empty when the block ran out."""
     if not reply:
@@ -230,8 +236,10 @@ async def aiter_events(
     block_ms: int = 1000,
     outcome: Callable[[], Awaitable[Outcome | None]] | None = None,
     max_outage_s: float = MAX_OUTAGE_S,
+    read: StreamRead | None = None,
 ) -> AsyncIterator[StreamEvent]:
-    """Each event of ``request_id``'s stream once, waiting with ``XREAD BLOCK`` on ``aredis`` (no thread).
+    """Each event of ``request_id``'s stream once, waiting with ``XREAD BLOCK`` on ``aredis`` (no thread),
+    or with ``read`` (one wait shared by many streams: :class:`gateway.stream_hub.StreamHub`).
 
     Stops after the last event (``final`` or ``error``). ``block_ms`` is the longest single wait.
     ``outcome()`` returns the request's stored result or error (None while it has none); with it, a
@@ -246,7 +254,10 @@ async def aiter_events(
     retry = Reconnect(max_outage_s)
     while not cursor.finished:
         try:
-            entries = _entries(await aredis.xread(*cursor.xread_args(time.monotonic())))
+            if read is None:
+                entries = stream_entries(await aredis.xread(*cursor.xread_args(time.monotonic())))
+            else:
+                entries = await read(cursor.key, cursor.last_id, cursor.block_for_ms(time.monotonic()))
             retry.answered()
         except RETRIED as exc:
             await asyncio.sleep(_retry_wait(retry, exc))
@@ -281,7 +292,7 @@ def iter_events(
     retry = Reconnect(max_outage_s)
     while not cursor.finished:
         try:
-            entries = _entries(redis_client.xread(*cursor.xread_args(time.monotonic())))
+            entries = stream_entries(redis_client.xread(*cursor.xread_args(time.monotonic())))
             retry.answered()
         except RETRIED as exc:
             time.sleep(_retry_wait(retry, exc))  # the caller's thread waits for Redis: nothing else to do on it
