@@ -62,7 +62,7 @@ from gateway.schema import (
     SubmitBody,
 )
 from gateway.sse import EventStream, sse_frame
-from gateway.stream_relay import relay_events
+from gateway.stream_relay import relay_event_batches
 from gateway.views import read_view, read_view_sync, view_of_outcome
 from producer.client import FleetClient, RequestStatus
 from producer.idempotent_queue import one_body_per_id, request_fingerprint
@@ -351,8 +351,8 @@ async def _stream_facts(gw: Gateway, request_id: str) -> tuple[dict[str, Any] | 
 
 async def _native_frames(gw: Gateway, request_id: str) -> AsyncIterator[bytes]:
     try:
-        async for event in relay_events(gw, request_id):  # ends from the stored result if events were lost
-            yield sse_frame(event.model_dump(mode="json", exclude_none=True))
+        async for batch in relay_event_batches(gw, request_id):  # ends from the stored result if events were lost
+            yield b"".join(sse_frame(event.model_dump(mode="json", exclude_none=True)) for event in batch)
     except (FleetError, redis.RedisError) as exc:  # silence past WAIT_S, an unreadable entry, Redis trouble
         err = relay_error(exc, request_id)
         error = StreamEvent(type="error", index=0, error=type(err).__name__, message=err.message, field=err.field)

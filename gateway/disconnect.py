@@ -15,6 +15,8 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
+from gateway.cancelling import cancel_and_wait
+
 __all__ = ["ClientLeft", "client_left", "unless_client_leaves"]
 
 T = TypeVar("T")
@@ -40,10 +42,11 @@ async def unless_client_leaves(request: Request, work: Awaitable[T], on_leave: C
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if not task.done():
-            task.cancel()
+        left = not task.done()
         watch.cancel()
-    if task.cancelled() or not task.done():
+        if left:  # until it has ended: a single cancel can be swallowed (gateway.cancelling)
+            await cancel_and_wait(task)
+    if left:
         await asyncio.shield(on_leave())
         raise ClientLeft
     return task.result()

@@ -74,7 +74,7 @@ from gateway.openai_schema import (
 )
 from gateway.outcomes import WAIT_S, await_outcomes, relay_unless_no_worker
 from gateway.sse import DONE_FRAME, EventStream, sse_frame
-from gateway.stream_relay import relay_events
+from gateway.stream_relay import relay_event_batches
 from producer.registry import read_fleet_state
 from producer.submit_groups import SubmitItem
 from protocol.errors import FleetError, InvalidRequest, NoLiveWorker, RequestNotFound
@@ -231,14 +231,17 @@ async def _frames(gw: Gateway, rid: str, model: str, writer: ChunkWriter, ended:
     for payload in writer.opening():
         yield sse_frame(payload)
     # ends from the stored result if events were lost; silent with no worker of the model: bounded
-    events = relay_unless_no_worker(relay_events(gw, rid), gw.fleet, gw.apresence, model,
-                                    wait_s=gw.settings.api.no_worker_wait_s)
+    batches = relay_unless_no_worker(relay_event_batches(gw, rid), gw.fleet, gw.apresence, model,
+                                     wait_s=gw.settings.api.no_worker_wait_s)
     try:
-        async for event in events:
-            if event.is_last:
-                ended.append(True)
-            for payload in writer.on_event(event):
-                yield sse_frame(payload)
+        async for batch in batches:  # one read's events: one write to the client
+            frames: list[bytes] = []
+            for event in batch:
+                if event.is_last:
+                    ended.append(True)
+                frames.extend(sse_frame(payload) for payload in writer.on_event(event))
+            if frames:
+                yield b"".join(frames)
     except NoLiveWorker as exc:  # an error chunk naming the model; the request is cancelled
         ended.append(True)
         yield sse_frame(openai_error_of(await give_up_waiting(gw, [rid], exc)))

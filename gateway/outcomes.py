@@ -10,12 +10,13 @@ the wait ends with :class:`~protocol.errors.NoLiveWorker` naming the model while
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import TypeVar
 
 import redis.asyncio
 
+from gateway.cancelling import cancel_and_wait
 from gateway.result_notifier import ResultNotifier, Watch
 from producer.client import FleetClient
 from producer.presence import AsyncWorkerPresence, no_worker_message
@@ -38,12 +39,14 @@ BACKSTOP_POLL_S = (0.25, 1.0)
 """First and longest pause between two reads of a wait that a publication wakes (s): what bounds the
 delay when a publication is lost."""
 Outcome = InferenceResult | FleetError
+Item = TypeVar("Item", StreamEvent, list[StreamEvent])
+"""What a relay hands on: one event, or the events one read brought."""
 
 
 async def relay_unless_no_worker(
-    events: AsyncIterator[StreamEvent], fleet: FleetClient, presence: AsyncWorkerPresence, model: str, *,
+    events: AsyncIterator[Item], fleet: FleetClient, presence: AsyncWorkerPresence, model: str, *,
     wait_s: float,
-) -> AsyncIterator[StreamEvent]:
+) -> AsyncIterator[Item]:
     """``events`` as they come; but while none has come and no live worker of ``model`` is seen (checked
     every :data:`NO_WORKER_RECHECK_S`), the silence ends after ``wait_s`` with NoLiveWorker.
 
@@ -53,9 +56,9 @@ async def relay_unless_no_worker(
     it = events.__aiter__()
     started = time.monotonic()
     watching = not await presence.has_worker(model)  # a worker is seen, or an event came: no bound
-    step: asyncio.Future[StreamEvent] | None = None
+    step: asyncio.Future[Item] | None = None
     try:
-        while True:
+        if watching:  # the first item, read beside the heartbeat checks
             step = asyncio.ensure_future(it.__anext__())
             while watching:
                 done, _ = await asyncio.wait({step}, timeout=NO_WORKER_RECHECK_S)
@@ -66,16 +69,15 @@ async def relay_unless_no_worker(
                     raise NoLiveWorker(no_worker_message(model, fleet.settings.queue_for(model)) + waited,
                                        "model", model)
             try:
-                event = await step
+                first = await step
             except StopAsyncIteration:
                 return
-            watching = False
-            yield event
+            yield first
+        async for item in it:  # unbounded from here: read directly, no task per item
+            yield item
     finally:  # the relay's pending read ends before the relay closes (it cannot close while it runs)
         if step is not None and not step.done():
-            step.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                await step
+            await cancel_and_wait(step)  # again while it goes on: a cancel can be swallowed (gateway.cancelling)
         closing = getattr(it, "aclose", None)
         if closing is not None:
             await closing()

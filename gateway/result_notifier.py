@@ -25,6 +25,8 @@ from typing import Any
 import redis
 import redis.asyncio
 
+from gateway.cancelling import cancel_and_wait
+
 __all__ = ["CONFIRM_S", "ResultNotifier", "Watch"]
 
 log = logging.getLogger("fleet.api")
@@ -132,9 +134,7 @@ class ResultNotifier:
     async def aclose(self) -> None:
         """Stop listening and close the connection."""
         if self._listener is not None:
-            self._listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._listener
+            await cancel_and_wait(self._listener)
         if self._pubsub is not None:
             with contextlib.suppress(Exception):
                 await self._pubsub.aclose()

@@ -30,6 +30,7 @@ from typing import Any
 import redis
 import redis.asyncio
 
+from gateway.cancelling import cancel_and_wait
 from producer.streams import Entry, stream_entries
 
 __all__ = ["HUB_BLOCK_MS", "REJOIN_S", "StreamHub", "stream_id"]
@@ -106,10 +107,10 @@ class StreamHub:
         self._waiting.setdefault(key, []).append(waiter)
         self._start()
         self._wake.set()
-        try:
-            return await asyncio.wait_for(asyncio.shield(waiter.future), block_ms / 1000)
-        except TimeoutError:
-            return []
+        try:  # asyncio.wait, not wait_for: a cancel that meets the answer must still cancel (Python 3.11's
+            # wait_for returns the result then, and the relay's task would read on after it was cancelled)
+            await asyncio.wait({waiter.future}, timeout=block_ms / 1000)
+            return waiter.future.result() if waiter.future.done() else []
         finally:
             waiters = self._waiting.get(key)
             if waiters is not None:
@@ -192,9 +193,7 @@ class StreamHub:
     async def aclose(self) -> None:
         """Stop the loop (readers waiting on it get [] at their own bound)."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            await cancel_and_wait(self._task)
 
 
 def _by_stream(reply: Any) -> dict[str, list[Entry]]:

@@ -14,12 +14,12 @@ from collections.abc import AsyncIterator
 
 from gateway.deps import Gateway
 from gateway.outcomes import WAIT_S
-from producer.streams import aiter_events
+from producer.streams import aiter_event_batches, aiter_events
 from protocol.errors import FleetError
 from protocol.messages import InferenceResult
 from protocol.streams import StreamEvent
 
-__all__ = ["relay_events", "stored_outcome"]
+__all__ = ["relay_event_batches", "relay_events", "stored_outcome"]
 
 Outcome = InferenceResult | FleetError
 
@@ -44,3 +44,13 @@ def relay_events(gw: Gateway, request_id: str, *, timeout_s: float = WAIT_S) -> 
         return await stored_outcome(gw, request_id)
 
     return aiter_events(gw.aredis, request_id, timeout_s=timeout_s, outcome=outcome, read=gw.streams.xread)
+
+
+def relay_event_batches(gw: Gateway, request_id: str, *, timeout_s: float = WAIT_S) -> AsyncIterator[list[StreamEvent]]:
+    """:func:`relay_events`' events as each read brings them (non-empty lists): a relay writes one read's
+    events to its client in one piece, one write instead of one per token."""
+
+    async def outcome() -> Outcome | None:
+        return await stored_outcome(gw, request_id)
+
+    return aiter_event_batches(gw.aredis, request_id, timeout_s=timeout_s, outcome=outcome, read=gw.streams.xread)

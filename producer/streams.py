@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import redis
 import redis.asyncio
@@ -53,6 +53,7 @@ __all__ = [
     "Reconnect",
     "StreamCursor",
     "StreamRead",
+    "aiter_event_batches",
     "aiter_events",
     "iter_events",
     "stream_entries",
@@ -228,7 +229,37 @@ RETRIED = (redis.ConnectionError, redis.TimeoutError)
 """What a reader retries: Redis unreachable, restarting (``LOADING`` is a ConnectionError), or slow."""
 
 
+class ReadOptions(TypedDict, total=False):
+    """:func:`aiter_events`' and :func:`aiter_event_batches`' optional arguments (see them)."""
+
+    block_ms: int
+    outcome: Callable[[], Awaitable[Outcome | None]] | None
+    max_outage_s: float
+    read: StreamRead | None
+
+
 async def aiter_events(
+    aredis: redis.asyncio.Redis[bytes], request_id: str, *, timeout_s: float, **options: Unpack[ReadOptions]
+) -> AsyncIterator[StreamEvent]:
+    """Each event of ``request_id``'s stream once, waiting with ``XREAD BLOCK`` on ``aredis`` (no thread),
+    or with ``read`` (one wait shared by many streams: :class:`gateway.stream_hub.StreamHub`).
+
+    Stops after the last event (``final`` or ``error``). ``block_ms`` (default 1000) is the longest single
+    wait. ``outcome()`` returns the request's stored result or error (None while it has none); with it, a
+    stream that stopped short ends from the stored result (see the module's docstring). ``max_outage_s``
+    (default :data:`MAX_OUTAGE_S`) bounds the retries while Redis does not answer.
+
+    Raises:
+        ResultTimeout: nothing arrived for ``timeout_s`` seconds.
+        DecodeError: an entry is not a stream event.
+        redis.ConnectionError, redis.TimeoutError: Redis did not answer for ``max_outage_s``.
+    """
+    async for batch in aiter_event_batches(aredis, request_id, timeout_s=timeout_s, **options):
+        for event in batch:
+            yield event
+
+
+async def aiter_event_batches(
     aredis: redis.asyncio.Redis[bytes],
     request_id: str,
     *,
@@ -237,19 +268,9 @@ async def aiter_events(
     outcome: Callable[[], Awaitable[Outcome | None]] | None = None,
     max_outage_s: float = MAX_OUTAGE_S,
     read: StreamRead | None = None,
-) -> AsyncIterator[StreamEvent]:
-    """Each event of ``request_id``'s stream once, waiting with ``XREAD BLOCK`` on ``aredis`` (no thread),
-    or with ``read`` (one wait shared by many streams: :class:`gateway.stream_hub.StreamHub`).
-
-    Stops after the last event (``final`` or ``error``). ``block_ms`` is the longest single wait.
-    ``outcome()`` returns the request's stored result or error (None while it has none); with it, a
-    stream that stopped short ends from the stored result (see the module's docstring).
-
-    Raises:
-        ResultTimeout: nothing arrived for ``timeout_s`` seconds.
-        DecodeError: an entry is not a stream event.
-        redis.ConnectionError, redis.TimeoutError: Redis did not answer for ``max_outage_s``.
-    """
+) -> AsyncIterator[list[StreamEvent]]:
+    """:func:`aiter_events`' events, as the reads return them: one non-empty list per read (a relay then
+    writes what one read brought in one piece). Same arguments and errors as :func:`aiter_events`."""
     cursor = StreamCursor(request_id, now_s=time.monotonic(), timeout_s=timeout_s, block_ms=block_ms)
     retry = Reconnect(max_outage_s)
     while not cursor.finished:
@@ -262,16 +283,18 @@ async def aiter_events(
         except RETRIED as exc:
             await asyncio.sleep(_retry_wait(retry, exc))
             continue
-        for event in cursor.feed(entries, time.monotonic()):
-            yield event
+        fed = cursor.feed(entries, time.monotonic())
+        if fed:
+            yield fed
         if outcome is not None and cursor.result_due(time.monotonic(), bool(entries)):
             try:
                 stored = await outcome()
             except RETRIED as exc:
                 await asyncio.sleep(_retry_wait(retry, exc))
                 continue
-            for event in _ending(cursor, stored):
-                yield event
+            ending = _ending(cursor, stored)
+            if ending:
+                yield ending
         _check_silence(cursor, entries)
 
 
