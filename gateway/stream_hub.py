@@ -11,12 +11,13 @@ script call, so their new entries appear together: :class:`StreamHub` waits on a
 
 Readers keep their own position (``last_id``) and their own logic (:class:`producer.streams.StreamCursor`:
 each token once, the silence bound, the stored result as the end of a stream that stopped short): the hub
-only multiplexes the waiting, and never holds an entry a reader has not asked for. A reader whose stream
-is not in the read under way (it just opened, or came back after that read was sent) reads on its own,
-as before, for no longer than what is left of that read, and joins the next one. Once a read returns, the
-hub lets the readers it answered come back (:data:`REJOIN_S` at most) before it sends the next, so in the
-steady state every stream is in the one read. A Redis error of the hub's read is handed to every reader
-waiting on it, which retries as it would its own read (:mod:`producer.streams`).
+only multiplexes the waiting, and never holds an entry a reader has not asked for. Once a read returns,
+the hub lets the readers it answered come back (:data:`REJOIN_S` at most) before it sends the next, so in
+the steady state every stream is in the one read; a reader that comes back later is in the read after
+(:data:`HUB_BLOCK_MS` at most, sooner when any stream gets entries), and a stream's first read, while a
+read without it is under way, is made on its own (so a new stream's first token never waits for it). A
+Redis error of the hub's read is handed to every reader waiting on it, which retries as it would its own
+read (:mod:`producer.streams`).
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ __all__ = ["HUB_BLOCK_MS", "REJOIN_S", "StreamHub", "stream_id"]
 
 log = logging.getLogger("fleet.api")
 
-HUB_BLOCK_MS = 100
-"""Longest wait of the hub's read (ms): what a stream that joins while a read is under way waits on its
-own at most before it is in the next one, and how often an idle hub reads again while streams are open."""
+HUB_BLOCK_MS = 25
+"""Longest wait of the hub's read (ms): the most a reader that comes back while a read is under way without
+its stream waits for the next read (a stream's first read does not wait: it reads on its own meanwhile),
+and how often the hub reads again while open streams get nothing."""
 REJOIN_S = 0.005
 """How long the hub waits, after a read returned, for the readers it answered to come back (s)."""
 READ_COUNT = 256
@@ -88,9 +90,9 @@ class StreamHub:
         deadline_s = time.monotonic() + block_ms / 1000
         while True:
             left_ms = round((deadline_s - time.monotonic()) * 1000)
-            if key in self._in_read or not self._reading:  # in the read under way, or in the next one
-                return await self._wait(key, last_id, max(1, left_ms))
-            # a read is under way without this stream: read on its own until that read ends at the latest
+            if key in self._in_read or not self._reading or stream_id(last_id) != (0, 0):
+                return await self._wait(key, last_id, max(1, left_ms))  # in the read under way, or the next
+            # a stream's first read while a read is under way without it: on its own until that read ends
             own_ms = max(1, min(left_ms, round((self._read_ends_s - time.monotonic()) * 1000)))
             entries = stream_entries(await self.client.xread({key: last_id}, count=READ_COUNT, block=own_ms))
             if entries or own_ms >= left_ms:

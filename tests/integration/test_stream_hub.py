@@ -92,6 +92,9 @@ def test_each_reader_gets_the_entries_after_its_own_position(redis_server: Embed
 
 
 def test_a_stream_that_joins_during_a_read_is_not_kept_waiting_for_it(redis_server: EmbeddedRedis) -> None:
+    """Its first read goes on its own while the hub's read (a minute long here) does not name it; a reader
+    that comes back with a position is in the hub's next read, sent as soon as the one under way returns."""
+
     async def main() -> None:
         async with _hub(redis_server.url, block_ms=60_000) as (client, hub):
             waiting = asyncio.create_task(hub.xread(KEYS[0], "0-0", 120_000))
@@ -99,12 +102,15 @@ def test_a_stream_that_joins_during_a_read_is_not_kept_waiting_for_it(redis_serv
             joining = asyncio.create_task(hub.xread(KEYS[1], "0-0", 120_000))
             for _ in range(100):
                 await asyncio.sleep(0)
-            await client.xadd(KEYS[1], {"v": "new"})
+            first = await client.xadd(KEYS[1], {"v": "new"})
             got = await asyncio.wait_for(joining, 30)  # its own read answered it, not the minute-long one
             assert [f[b"v"] for _, f in got] == [b"new"]
             assert not waiting.done()
-            await client.xadd(KEYS[0], {"v": "old"})
+            back = asyncio.create_task(hub.xread(KEYS[1], first, 120_000))  # not in the read under way: waits
+            await client.xadd(KEYS[0], {"v": "old"})  # the read under way returns; the next names KEYS[1]
             assert [f[b"v"] for _, f in await waiting] == [b"old"]
+            await client.xadd(KEYS[1], {"v": "next"})
+            assert [f[b"v"] for _, f in await asyncio.wait_for(back, 30)] == [b"next"]
 
     asyncio.run(main())
 
