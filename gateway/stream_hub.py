@@ -7,7 +7,7 @@ worker writes (once per ``worker.stream_window_ms``). The worker writes every ru
 script call, so their new entries appear together: :class:`StreamHub` waits on all of them with one
 ``XREAD BLOCK`` naming every stream a reader is waiting on, and hands each reader its own entries. In
 ``fleet bench --only same-weights``' streaming burst (16 OpenAI SDK streams, 724 tokens) the gateway's
-``XREAD`` calls went from 333 to about 100.
+``XREAD`` calls went from 333 to about 140.
 
 Readers keep their own position (``last_id``) and their own logic (:class:`producer.streams.StreamCursor`:
 each token once, the silence bound, the stored result as the end of a stream that stopped short): the hub
