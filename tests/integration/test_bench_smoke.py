@@ -154,8 +154,8 @@ def test_quick_gateway_phase_measures_every_route_against_the_client(tmp_path: P
     assert done.returncode == 0, done.stderr[-4000:]
     results = json.loads((tmp_path / "gateway.json").read_text())
     rows = {kind: setup["rows"] for kind, setup in results["setups"].items()}
-    assert list(rows["lm"]) == ["client", "native_poll", "native_wait"] and list(rows["encoder"]) == ["client",
-                                                                                                    "embeddings"]
+    assert list(rows["lm"]) == ["client", "native_poll", "native_wait", "submit_wait"]
+    assert list(rows["encoder"]) == ["client", "embeddings"]
     for kind, setup_rows in rows.items():
         for key, row in setup_rows.items():
             assert row["errors"] == 0 and row["qps"] > 0 and row["lone_p50_ms"] > 0, (kind, key, row)
