@@ -8,9 +8,7 @@ hand to the scheduler (a one-step :class:`~workers.scheduler.Job` or a
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -35,8 +33,6 @@ from workers.runtime import WorkerRuntime
 from workers.scheduler import Arrival, Job, JobResult, Role
 
 __all__ = ["Prepared", "finish", "handle_request", "prepare"]
-
-log = logging.getLogger(__name__)
 
 
 class Prepared:
@@ -251,17 +247,12 @@ def finish(runtime: WorkerRuntime, prepared: Prepared, *, request_id: str, worke
 
 
 def handle_request(
-    runtime: WorkerRuntime, payload: Any, *, request_id: str, worker: str, role: Role = "stable",
-    generation_queued: Callable[[], None] | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    runtime: WorkerRuntime, payload: Any, *, request_id: str, worker: str, role: Role = "stable"
+) -> dict[str, Any]:
     """Serve one request end to end on this worker; returns the JSON result.
 
     A generation holds its token of the bucket until its last token. A failure of a request that
     asked to generate ends its stream with an error event, so stream readers never hang.
-    ``generation_queued`` (the task's STARTED state) is called once a generation is with the scheduler,
-    never before: a Redis round trip ahead of the hand-over kept each request of a burst from the
-    scheduler that long, and the burst from starting together. It is called on this thread, before the
-    result is stored, so it never follows the result; when it fails, the generation runs all the same.
 
     Raises:
         FleetError: the request is invalid, expired, cancelled, or meant for another model.
@@ -273,8 +264,6 @@ def handle_request(
             if cancelled is None:
                 cancelled = bool(runtime.redis.exists(CANCEL_KEY.format(id=request_id)))
             prepared = prepare(runtime, payload, arrival, request_id=request_id, cancelled=cancelled, role=role)
-        if generation_queued is not None and prepared.seq is not None:
-            _note_queued(generation_queued, request_id)
         return finish(runtime, prepared, request_id=request_id, worker=worker)
     except Exception as exc:
         runtime.streams.fail_if_generating(request_id, payload, exc)
@@ -282,13 +271,3 @@ def handle_request(
     finally:
         runtime.streams.unwatch(request_id)
         runtime.token_returned()
-
-
-def _note_queued(generation_queued: Callable[[], None], request_id: str) -> None:
-    """Call ``generation_queued``; a failure is logged, not raised: the generation already runs, and its
-    result (or its cancel, through the cancel key and channel) does not depend on the state it writes."""
-    try:
-        generation_queued()
-    except Exception:
-        log.warning("request %s: its running state could not be stored; it runs all the same", request_id,
-                    exc_info=True)  # fmt: skip

@@ -15,8 +15,6 @@ message is acked (or rejected) and its slot given back.
 from __future__ import annotations
 
 import os
-import time
-from functools import partial
 from typing import Any
 
 from celery import Celery, Task, signals
@@ -74,10 +72,11 @@ def register_tasks(app: Celery) -> None:
                 "args",
                 1,
             )
-        started = None if self.app.conf.task_track_started else partial(_store_running, self)
+        if not self.app.conf.task_track_started and _generates(payload):
+            self.update_state(state="STARTED", meta={"pid": os.getpid(), "hostname": self.request.hostname})
         return handle_request(
             runtime, payload, request_id=str(self.request.id), worker=str(self.request.hostname or runtime.hostname),
-            role=role_of(self), generation_queued=started,
+            role=role_of(self),
         )
 
     @app.task(  # type: ignore[untyped-decorator]
@@ -143,12 +142,11 @@ def role_of(task: Task) -> Role:
     return "canary" if routing_key.endswith(CANARY_SUFFIX) else "stable"
 
 
-def _store_running(task: Task) -> None:
-    """A generation's STARTED state (:class:`~protocol.messages.RequestStatus` ``running``), stored even with
-    ``celery.track_started`` off: a generation runs long enough for it to matter, and ``cancel`` reads it.
-    Called once the generation is with the scheduler; ``running_since_unix_s`` (s) is when it was stored."""
-    task.update_state(state="STARTED", meta={"pid": os.getpid(), "hostname": task.request.hostname,
-                                             "running_since_unix_s": time.time()})  # fmt: skip
+def _generates(payload: Any) -> bool:
+    """Whether a request payload asks to generate: its STARTED state is stored even with ``celery.track_started``
+    off, since a generation runs long enough for ``running`` to matter and ``cancel`` reads it."""
+    output = payload.get("output") if isinstance(payload, dict) else None
+    return isinstance(output, dict) and (output.get("kind") == "generate" or output.get("generation") is not None)
 
 
 def _runtime() -> WorkerRuntime:

@@ -7,9 +7,6 @@ since; it still refuses at the cap, and a known ID still answers with its ID the
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -95,35 +92,3 @@ def test_started_is_stored_for_generations_only(fleet: Fleet) -> None:
     assert stores_during() == 1  # the result only: a one-step request goes from queued to its result
     # STARTED, then the result (not streamed: a stream's events are runs of the publisher's write script)
     assert stores_during(generation={"max_new_tokens": 3, "stream": False}) == 2
-
-
-def test_a_generations_running_state_is_stored_once_it_reached_the_scheduler(fleet: Fleet) -> None:
-    """The STARTED write is a Redis round trip on the task's thread: stored before the hand-over, it kept
-    each request of a burst from the scheduler that long (16 of them, 15-25 ms: the burst started split).
-    It now follows the hand-over, and still precedes the result (same thread)."""
-    cfg = fleet.config()
-    fleet.worker(cfg)
-    client = fleet.client(cfg)
-    client.result(client.submit("demo-lm", [1, 2]), wait=True, timeout_s=60)  # the worker is up
-    r = redis.Redis.from_url(fleet.redis_url)
-    for n in range(3):
-        rid = str(uuid.uuid4())
-        pubsub = r.pubsub()
-        pubsub.subscribe(client.app.backend.get_key_for_task(rid))
-        assert pubsub.get_message(timeout=30)["type"] == "subscribe"  # type: ignore[index]
-        client.submit("demo-lm", [3 + n, 4], request_id=rid, generation={"max_new_tokens": 4, "stream": False})
-        states: list[dict[str, object]] = []
-        deadline = time.monotonic() + 60  # a bound, not a wait: the result ends the loop
-        while not states or states[-1]["status"] != "SUCCESS":
-            assert time.monotonic() < deadline, states
-            message = pubsub.get_message(timeout=1)
-            if message and message["type"] == "message":
-                states.append(json.loads(message["data"]))
-        pubsub.close()
-        assert [m["status"] for m in states] == ["STARTED", "SUCCESS"]
-        result = InferenceResult.model_validate(states[-1]["result"])
-        assert result.timings.batch_started_unix_s is not None
-        arrived_unix_s = result.timings.batch_started_unix_s - result.timings.batch_wait_ms / 1000
-        running = states[0]["result"]
-        assert isinstance(running, dict)
-        assert running["running_since_unix_s"] >= arrived_unix_s - 0.002, (running, arrived_unix_s)
