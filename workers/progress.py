@@ -26,13 +26,16 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from celery.worker import state as worker_state
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["Held", "ProgressCollector", "ProgressReport", "ProgressWatch", "WorkerProgress", "deadline_of"]
+__all__ = ["Held", "ProgressCollector", "ProgressReport", "ProgressWatch", "WorkerProgress", "copied",
+           "deadline_of"]
+
+T = TypeVar("T")
 
 log = logging.getLogger("fleet.progress")
 
@@ -129,20 +132,26 @@ def deadline_of(args: Any) -> float | None:
     return max(deadlines)
 
 
+def copied(items: Iterable[T], tries: int = 5) -> list[T]:
+    """``items`` as a list, read from another thread: Celery's sets of requests (``WeakSet``) change on the
+    consumer's thread, and a copy that meets a change raises RuntimeError ("Set changed size during
+    iteration"); it is tried again, up to ``tries`` times, then [] (what it is used for reads it again
+    soon)."""
+    for _ in range(tries):
+        try:
+            return list(items)
+        except RuntimeError:
+            continue
+    return []
+
+
 def held_requests() -> list[Held]:
     """The requests Celery holds for this worker (received, not finished), read from another thread.
 
     A request with an ETA that has not started is left out: it waits by design, in Celery's timer.
     """
-    for _ in range(5):  # the consumer's thread may change the sets while they are copied
-        try:
-            requests = list(worker_state.reserved_requests)
-            running = {id(r) for r in list(worker_state.active_requests)}
-            break
-        except RuntimeError:
-            continue
-    else:
-        return []
+    requests = copied(worker_state.reserved_requests)
+    running = {id(r) for r in copied(worker_state.active_requests)}
     return [Held(str(r.id), deadline_of(getattr(r, "args", None))) for r in requests
             if id(r) in running or not getattr(r, "eta", None)]
 

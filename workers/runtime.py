@@ -32,7 +32,7 @@ from workers.engines import LoadedModel
 from workers.health import Heartbeat
 from workers.outcomes import OutcomeWriter
 from workers.policy import BatchPolicy
-from workers.progress import ProgressWatch, WorkerProgress
+from workers.progress import ProgressWatch, WorkerProgress, copied
 from workers.reconcile import Reconciler
 from workers.scheduler import Role, Scheduler
 from workers.stream_publisher import StreamPublisher
@@ -293,8 +293,9 @@ class WorkerRuntime:
 
 
 def _held_task_ids() -> set[str]:
-    """The Celery task IDs this worker has received and not finished (reserved, active ones included)."""
-    return {str(r.id) for r in list(worker_state.reserved_requests)}
+    """The Celery task IDs this worker has received and not finished (reserved, active ones included), read
+    from the scheduler's thread while the consumer's changes the set (:func:`workers.progress.copied`)."""
+    return {str(r.id) for r in copied(worker_state.reserved_requests)}
 
 
 def start_runtime(settings: FleetSettings, *, hostname: str, concurrency: int, pool: str) -> WorkerRuntime:

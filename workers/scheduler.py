@@ -386,7 +386,7 @@ class Scheduler:
                 gen_busy = running or (bool(loops) and bool(self._gen_waiting))
                 if self._stopping and not self._pending and not gen_busy:
                     return None
-                on_the_way = 0 if self._stopping else self._arriving + self._backlog()
+                on_the_way = 0 if self._stopping else self._arriving + self._on_their_way()
                 decision = self.policy.decide(
                     self.clock(), [Pending(j.arrived_s, len(j.input_ids)) for j in self._pending], on_the_way
                 )
@@ -411,6 +411,15 @@ class Scheduler:
                 until = [u for u in (decision.until_s if isinstance(decision, Wait) else None, hold_until)
                          if u is not None]  # fmt: skip
                 self._cond.wait(max(0.0, min(until) - self.clock()) if until else None)
+
+    def _on_their_way(self) -> int:
+        """``backlog()``, or 0 when it fails: a failure there must not end the scheduler's thread (every held
+        request would wait for ever), it only ends a wait for company early."""
+        try:
+            return self._backlog()
+        except Exception:
+            log.exception("the backlog count failed; counted as 0")
+            return 0
 
     def _start_together_until(self, running: bool, on_the_way: int) -> float | None:
         """When the waiting generations should start (clock s) if they are held for company, else None.

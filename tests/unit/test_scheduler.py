@@ -13,6 +13,7 @@ from protocol.messages import OutputSpec
 from protocol.modelcard import ModelCard
 from workers.padding import PaddedBatch
 from workers.policy import BatchPolicy
+from workers.progress import copied
 from workers.scheduler import BatchStats, Job, JobResult, Scheduler
 
 POISON = 13
@@ -131,3 +132,41 @@ def test_a_request_is_on_its_way_until_its_thread_reaches_the_worker_s_code() ->
     sched.seen("b")  # a bulk message's task: its requests reach the scheduler together
     assert sched.unseen({"a", "b", "c"}) == 1
     assert sched.unseen({"c"}) == 1 and sched._seen == set()  # a and b finished: forgotten
+
+
+def test_a_failing_backlog_count_never_stops_the_scheduler() -> None:
+    """The backlog is counted from Celery's set of held requests, which the consumer's thread changes; a
+    copy that met a change raised on the scheduler's thread and ended it, and every held request waited
+    for ever (8 requests held for 120 s, the worker reported not ready). Now the count is 0 that once."""
+    calls: list[int] = []
+
+    def backlog() -> int:
+        calls.append(1)
+        raise RuntimeError("Set changed size during iteration")
+
+    engine = FakeEngine()
+    sched = Scheduler(engine, BatchPolicy(2, 10_000, 1000), backlog=backlog)  # type: ignore[arg-type]
+    futures = [sched.submit(Job([1, i], OutputSpec(kind="next_token"))) for i in range(2)]
+    sched.start()
+    done = results(futures)
+    sched.stop()
+    assert all(isinstance(r, JobResult) for r in done) and calls
+
+
+def test_copied_reads_a_set_that_changes_while_it_is_copied() -> None:
+    class Changing:
+        """Raises as a WeakSet does when another thread changes it mid-copy, its first ``changes`` times."""
+
+        def __init__(self, changes: int) -> None:
+            self.changes, self.tries = changes, 0
+
+        def __iter__(self) -> Any:
+            self.tries += 1
+            if self.tries <= self.changes:
+                raise RuntimeError("Set changed size during iteration")
+            return iter(["a", "b"])
+
+    once = Changing(1)
+    assert copied(once) == ["a", "b"] and once.tries == 2
+    always = Changing(10**9)
+    assert copied(always) == [] and always.tries == 5  # read again at the next use
