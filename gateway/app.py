@@ -196,16 +196,21 @@ def _submit_wait(gw: Gateway, wait_s: float | None, prefer: str | None) -> tuple
 
     ``wait_s`` over ``api.max_wait_s`` is refused (InvalidRequest naming ``wait_s``); ``Prefer: wait`` is a
     preference (RFC 7240): a longer one is cut to the limit, an unreadable one ignored."""
-    cap = gw.settings.api.max_wait_s
     if wait_s is not None:
-        if wait_s > cap:
-            raise InvalidRequest(f"wait_s = {wait_s} exceeds the long-poll limit api.max_wait_s={cap}", "wait_s", cap)
-        return wait_s, {}
+        return _checked_wait(gw, wait_s), {}
     preferred = prefer_wait_s(prefer)
     if preferred is None:
         return 0.0, {}
-    wait = min(preferred, cap)
+    wait = min(preferred, gw.settings.api.max_wait_s)
     return wait, {"Preference-Applied": f"wait={wait:g}"}
+
+
+def _checked_wait(gw: Gateway, wait_s: float) -> float:
+    """``wait_s`` (a long-poll's bound, s), refused (InvalidRequest naming ``wait_s``) over ``api.max_wait_s``."""
+    cap = gw.settings.api.max_wait_s
+    if wait_s > cap:
+        raise InvalidRequest(f"wait_s = {wait_s} exceeds the long-poll limit api.max_wait_s={cap}", "wait_s", cap)
+    return wait_s
 
 
 async def _view_when_done(gw: Gateway, request_id: str, wait_s: float) -> RequestView | None:
@@ -265,9 +270,8 @@ async def get_request(request_id: RequestId, _: CallerDep, gw: GatewayDep, wait_
     result on the event loop (:func:`gateway.outcomes.await_outcomes`, no thread per waiter) and answer
     as soon as it is stored, else at ``wait_s`` with the status then.
     """
-    if wait_s is not None and wait_s > gw.settings.api.max_wait_s:
-        cap = gw.settings.api.max_wait_s
-        raise InvalidRequest(f"wait_s = {wait_s} exceeds the long-poll limit api.max_wait_s={cap}", "wait_s", cap)
+    if wait_s is not None:
+        _checked_wait(gw, wait_s)
     view, model = await read_view(gw.fleet, gw.aredis, request_id)
     if wait_s and view.status in (RequestStatus.QUEUED, RequestStatus.RUNNING):
         done = await _view_when_done(gw, request_id, wait_s)

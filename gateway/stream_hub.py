@@ -32,7 +32,7 @@ import redis
 import redis.asyncio
 
 from gateway.cancelling import cancel_and_wait
-from producer.streams import Entry, stream_entries
+from producer.streams import READ_COUNT, Entry, stream_entries
 
 __all__ = ["HUB_BLOCK_MS", "REJOIN_S", "StreamHub", "stream_id"]
 
@@ -44,8 +44,6 @@ its stream waits for the next read (a stream's first read does not wait: it read
 and how often the hub reads again while open streams get nothing."""
 REJOIN_S = 0.005
 """How long the hub waits, after a read returned, for the readers it answered to come back (s)."""
-READ_COUNT = 256
-"""Most entries the hub's read returns per stream."""
 
 
 def stream_id(entry_id: str | bytes) -> tuple[int, int]:

@@ -11,10 +11,11 @@ Redis does not answer it tries again, for up to :data:`producer.streams.MAX_OUTA
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from functools import partial
 
 from gateway.deps import Gateway
 from gateway.outcomes import WAIT_S
-from producer.streams import aiter_event_batches, aiter_events
+from producer.streams import ReadOptions, aiter_event_batches, aiter_events
 from protocol.errors import FleetError
 from protocol.messages import InferenceResult
 from protocol.streams import StreamEvent
@@ -39,18 +40,15 @@ def relay_events(gw: Gateway, request_id: str, *, timeout_s: float = WAIT_S) -> 
         DecodeError: an entry is not a stream event.
         redis.ConnectionError, redis.TimeoutError: Redis did not answer for ``MAX_OUTAGE_S``.
     """
-
-    async def outcome() -> Outcome | None:
-        return await stored_outcome(gw, request_id)
-
-    return aiter_events(gw.aredis, request_id, timeout_s=timeout_s, outcome=outcome, read=gw.streams.xread)
+    return aiter_events(gw.aredis, request_id, timeout_s=timeout_s, **_relayed(gw, request_id))
 
 
 def relay_event_batches(gw: Gateway, request_id: str, *, timeout_s: float = WAIT_S) -> AsyncIterator[list[StreamEvent]]:
     """:func:`relay_events`' events as each read brings them (non-empty lists): a relay writes one read's
     events to its client in one piece, one write instead of one per token."""
+    return aiter_event_batches(gw.aredis, request_id, timeout_s=timeout_s, **_relayed(gw, request_id))
 
-    async def outcome() -> Outcome | None:
-        return await stored_outcome(gw, request_id)
 
-    return aiter_event_batches(gw.aredis, request_id, timeout_s=timeout_s, outcome=outcome, read=gw.streams.xread)
+def _relayed(gw: Gateway, request_id: str) -> ReadOptions:
+    """How the gateway reads a stream: the stored result as its backstop, its waits in the stream hub."""
+    return {"outcome": partial(stored_outcome, gw, request_id), "read": gw.streams.xread}
