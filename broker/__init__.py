@@ -29,6 +29,8 @@ What it adapts, module by module:
   ``[args, kwargs, embed]`` body, kombu's JSON envelope, the ``redelivered`` mark).
 * :mod:`broker.redis_refusals`: redis-py's ``BaseParser.EXCEPTION_CLASSES`` (write refusals raised as
   connection errors in a worker process).
+* :mod:`broker.priority_lists`: kombu's priority sibling lists (``sep``, ``priority_steps``): a queue's
+  depth is four ``LLEN`` replies.
 * :mod:`broker.versions`: the pins and the worker's start-up check.
 
 Not here yet, and to check on an upgrade as well: ``producer/task_writer.py`` (writes Celery's task message
@@ -62,6 +64,7 @@ from broker.celery_app import make_celery
 from broker.event_buffer import install as install_event_buffer
 from broker.in_hand import IN_HAND as TAKEN_IN_HAND
 from broker.poison import install as install_poison_guard
+from broker.priority_lists import queue_depth
 from broker.result_backend import install as install_result_backend
 from broker.versions import OVERRIDE_ENV, TESTED, check_broker_versions, installed_versions, untested
 
@@ -76,5 +79,6 @@ __all__ = [
     "install_result_backend",
     "installed_versions",
     "make_celery",
+    "queue_depth",
     "untested",
 ]

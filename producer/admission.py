@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import redis
 
+from broker import queue_depth
 from protocol.errors import InvalidRequest, QueueFull, RateLimited
 from protocol.keys import DRAIN_KEY, RATE_KEY
 from protocol.settings import FleetSettings
@@ -54,9 +55,6 @@ __all__ = [
     "rate_retry_after_s",
 ]
 
-KOMBU_PRIORITY_SEP = "\x06\x16"
-KOMBU_PRIORITY_STEPS = (3, 6, 9)
-"""kombu's Redis transport keeps priorities 3/6/9 in sibling lists ``<queue>\\x06\\x16<n>``."""
 
 
 # -- pure arithmetic -----------------------------------------------------------------------------
@@ -220,17 +218,6 @@ end
 redis.call('EXPIRE', KEYS[1], ttl)
 return {allowed, string.format('%.9f', tokens)}
 """
-
-
-def queue_depth(client: redis.Redis[bytes], queue: str, *more: str) -> int:
-    """Requests waiting in Celery queue ``queue`` and any ``more`` queues (each one's Redis list plus
-    kombu's priority siblings), read in one round trip."""
-    with client.pipeline(transaction=False) as pipe:
-        for name in (queue, *more):
-            pipe.llen(name)
-            for step in KOMBU_PRIORITY_STEPS:
-                pipe.llen(f"{name}{KOMBU_PRIORITY_SEP}{step}")
-        return sum(int(n) for n in pipe.execute())
 
 
 class Admission:

@@ -78,9 +78,10 @@ class BatchingSettings(_Section):
         ge=0,
         le=10_000,
         description="Generations: while no sequence runs, the first to arrive waits up to this long for "
-        "the requests the worker already holds (taken from Redis, still being decoded), so a burst is "
-        "prefilled together and decodes from one step; it starts as soon as they have all arrived. A lone "
-        "request never waits (ms; 0 = start at once).",
+        "the requests the worker already holds (taken from Redis, still being decoded) and, when it holds "
+        "none, for the messages still waiting on the lists it takes from, so a burst is prefilled together "
+        "and decodes from one step; it starts as soon as they have all arrived or a full batch waits. A "
+        "lone request never waits (ms; 0 = start at once).",
     )
     max_kv_tokens: int = Field(
         default=32_768,

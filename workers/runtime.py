@@ -18,7 +18,7 @@ from typing import Any
 import redis
 from celery.worker import state as worker_state
 
-from broker import TAKEN_IN_HAND
+from broker import TAKEN_IN_HAND, queue_depth
 from protocol.celeryconf import consumes_direct_queue, restore_interval_s
 from protocol.errors import ConfigError, ModelLoadError
 from protocol.keys import CARD_KEY
@@ -40,6 +40,10 @@ from workers.stream_publisher import StreamPublisher
 __all__ = ["WorkerRuntime", "current_runtime", "start_runtime", "stop_runtime"]
 
 log = logging.getLogger("fleet.worker")
+
+HOLD_DEPTH_TIMEOUT_S = 0.25
+"""Socket timeout (s) of the queue-depth read behind the start-together wait: it runs while the
+scheduler's lock is held, so a slow Redis ends the wait (the burst starts) instead of stalling arrivals."""
 
 _runtime: WorkerRuntime | None = None
 _lock = threading.Lock()
@@ -78,7 +82,9 @@ class WorkerRuntime:
             generation=self.stable.generation,
             version=self.stable.version,
             start_together_s=b.start_together_ms / 1000,
+            queued=self._waiting_in_redis,
         )
+        self._depth_redis = sync_client(settings, socket_timeout=HOLD_DEPTH_TIMEOUT_S)
         self.ready = False
         self.in_flight = 0
         self._count_lock = threading.Lock()
@@ -250,6 +256,12 @@ class WorkerRuntime:
         """Engine steps run so far: batches and the stable generation loop's steps (progress, for readiness)."""
         loop = self.scheduler.generation
         return self.scheduler.batches_run + (loop.steps_run if loop is not None else 0)
+
+    def _waiting_in_redis(self) -> int:
+        """Messages waiting on the lists this worker takes from (priority siblings included), for the
+        scheduler's start-together wait; one round trip, at most ``HOLD_DEPTH_TIMEOUT_S``."""
+        lists = [self.queue, self.canary_queue] + ([self.direct_queue.name] if self.direct_queue is not None else [])
+        return queue_depth(self._depth_redis, *lists)
 
     def _queued(self) -> int:
         """Items waiting in this worker's queue, canary queue and own queue."""

@@ -150,12 +150,16 @@ class Scheduler:
         generation: GenerationLoop | None = None,
         version: str = "",
         start_together_s: float = 0.0,
+        queued: Callable[[], int] | None = None,
     ) -> None:
         """``backlog()`` counts requests the worker has received but whose threads have not reached its
         code yet (:meth:`unseen` of Celery's held task IDs: not started, or still in Celery's tracer);
         like announced arrivals, they keep the window open.
         ``start_together_s``: while no generation runs, how long the first waiting one waits for those
-        on their way (``batching.start_together_ms``), so a burst is prefilled together.
+        on their way (``batching.start_together_ms``), so a burst is prefilled together. ``queued()``
+        counts the messages still waiting in Redis on the lists this worker takes from (one round trip);
+        it is read only for that wait, once nothing the worker holds is on its way: a burst whose last
+        messages the worker has not taken yet still starts together.
         ``generation`` serves generate jobs (None: the model cannot generate). ``engine`` is the
         stable engine holding model ``version``; :meth:`swap` replaces it or sets a canary."""
         self._stable = Served(engine, version, "stable", time.time())
@@ -166,6 +170,7 @@ class Scheduler:
         """Generations admitted to a loop and not yet reported to the outcome observers."""
         self._outcome_observers: list[OutcomeObserver] = []
         self._backlog = backlog or (lambda: 0)
+        self._queued = queued or (lambda: 0)
         self.start_together_s = start_together_s
         self.policy = policy
         self.clock = clock
@@ -424,14 +429,30 @@ class Scheduler:
     def _start_together_until(self, running: bool, on_the_way: int) -> float | None:
         """When the waiting generations should start (clock s) if they are held for company, else None.
 
-        Held only while no sequence runs (a running batch takes joiners at its next step anyway), and
-        only while requests the worker holds are still on their way to the scheduler: a lone request
-        never waits, and a burst starts the moment its last request arrives (caller holds the lock).
+        Held only while no sequence runs (a running batch takes joiners at its next step anyway), while
+        fewer than a full batch wait, and only while company is on its way to the scheduler: requests
+        the worker holds, or (read only when there are none) messages still waiting in Redis on the
+        lists it takes from. A lone request never waits, and a burst starts the moment its last request
+        arrives (caller holds the lock).
         """
-        if running or on_the_way <= 0 or not self._gen_waiting or self.start_together_s <= 0:
+        if running or not self._gen_waiting or self.start_together_s <= 0:
+            return None
+        if len(self._gen_waiting) >= self.policy.max_batch_size:
             return None
         until = self._gen_waiting[0].arrived_s + self.start_together_s
-        return until if self.clock() < until else None
+        if self.clock() >= until:
+            return None
+        if on_the_way <= 0 and self._queued_in_redis() <= 0:
+            return None
+        return until
+
+    def _queued_in_redis(self) -> int:
+        """``queued()``, or 0 when it fails (Redis down or slow): the burst then starts without them."""
+        try:
+            return self._queued()
+        except Exception as exc:
+            log.warning("could not count the messages waiting in Redis (%s); starting without them", exc)
+            return 0
 
     def _loop(self) -> None:
         while True:

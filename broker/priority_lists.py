@@ -1,0 +1,28 @@
+"""How many messages wait in Celery queues: each queue's Redis list and kombu's priority siblings.
+
+kombu's Redis transport keeps priorities 3/6/9 in sibling lists ``<queue>\\x06\\x16<n>`` (its ``sep``
+and ``priority_steps``), so a queue's depth is the sum of four ``LLEN`` replies. The producer's admission
+reads it (:mod:`producer.admission`), and a worker reads it for the lists it takes from while a
+burst of generations is held to start together (:mod:`workers.scheduler`).
+"""
+
+from __future__ import annotations
+
+import redis
+
+__all__ = ["KOMBU_PRIORITY_SEP", "KOMBU_PRIORITY_STEPS", "queue_depth"]
+
+KOMBU_PRIORITY_SEP = "\x06\x16"
+KOMBU_PRIORITY_STEPS = (3, 6, 9)
+"""kombu's Redis transport keeps priorities 3/6/9 in sibling lists ``<queue>\\x06\\x16<n>``."""
+
+
+def queue_depth(client: redis.Redis[bytes], queue: str, *more: str) -> int:
+    """Requests waiting in Celery queue ``queue`` and any ``more`` queues (each one's Redis list plus
+    kombu's priority siblings), read in one round trip."""
+    with client.pipeline(transaction=False) as pipe:
+        for name in (queue, *more):
+            pipe.llen(name)
+            for step in KOMBU_PRIORITY_STEPS:
+                pipe.llen(f"{name}{KOMBU_PRIORITY_SEP}{step}")
+        return sum(int(n) for n in pipe.execute())
