@@ -17,6 +17,8 @@ from typing import Any
 
 import redis
 from celery.worker import state as worker_state
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from broker import TAKEN_IN_HAND, queue_depth
 from protocol.celeryconf import consumes_direct_queue, restore_interval_s
@@ -42,8 +44,9 @@ __all__ = ["WorkerRuntime", "current_runtime", "start_runtime", "stop_runtime"]
 log = logging.getLogger("fleet.worker")
 
 HOLD_DEPTH_TIMEOUT_S = 0.25
-"""Socket timeout (s) of the queue-depth read behind the start-together wait: it runs while the
-scheduler's lock is held, so a slow Redis ends the wait (the burst starts) instead of stalling arrivals."""
+"""Connect and read timeout (s) of the queue-depth read behind the start-together wait, tried once: it
+runs while the scheduler's lock is held, so a slow or unreachable Redis ends the wait (the burst
+starts) instead of stalling arrivals."""
 
 _runtime: WorkerRuntime | None = None
 _lock = threading.Lock()
@@ -84,7 +87,10 @@ class WorkerRuntime:
             start_together_s=b.start_together_ms / 1000,
             queued=self._waiting_in_redis,
         )
-        self._depth_redis = sync_client(settings, socket_timeout=HOLD_DEPTH_TIMEOUT_S)
+        self._depth_redis = sync_client(  # no retries: a slow or unreachable Redis ends the wait at once
+            settings, socket_timeout=HOLD_DEPTH_TIMEOUT_S, socket_connect_timeout=HOLD_DEPTH_TIMEOUT_S,
+            retry=Retry(NoBackoff(), 0),
+        )
         self.ready = False
         self.in_flight = 0
         self._count_lock = threading.Lock()
