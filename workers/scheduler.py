@@ -171,6 +171,7 @@ class Scheduler:
         self._outcome_observers: list[OutcomeObserver] = []
         self._backlog = backlog or (lambda: 0)
         self._queued = queued or (lambda: 0)
+        self._queued_failing = False
         self.start_together_s = start_together_s
         self.policy = policy
         self.clock = clock
@@ -447,12 +448,18 @@ class Scheduler:
         return until
 
     def _queued_in_redis(self) -> int:
-        """``queued()``, or 0 when it fails (Redis down or slow): the burst then starts without them."""
+        """``queued()``, or 0 when it fails (Redis down or slow): the burst then starts without them.
+        A failure is logged once until a count succeeds again (not at every decision of an outage)."""
         try:
-            return self._queued()
+            count = self._queued()
         except Exception as exc:
-            log.warning("could not count the messages waiting in Redis (%s); starting without them", exc)
+            if not self._queued_failing:
+                log.warning("could not count the messages waiting in Redis (%s); bursts start without them "
+                            "until it answers", exc)  # fmt: skip
+            self._queued_failing = True
             return 0
+        self._queued_failing = False
+        return count
 
     def _loop(self) -> None:
         while True:
