@@ -370,10 +370,9 @@ class FleetClient(ResultReader):
             raise InvalidRequest(f"routing_keys has {len(keys)} keys for {len(requests)} requests", "routing_keys",
                                  len(requests))  # fmt: skip
         requests = [r if r.request_id else r.model_copy(update={"request_id": uuid.uuid4().hex}) for r in requests]
-        queues = [
-            self.router.choose(r.model, key or str(r.request_id), _generation_prompt(r))
-            for r, key in zip(requests, keys, strict=True)
-        ]
+        queues = self.router.choose_many(
+            [(r.model, key or str(r.request_id), _generation_prompt(r)) for r, key in zip(requests, keys, strict=True)]
+        )
         new = self._queue_tasks(requests, queues, [request_argsrepr(r, None) for r in requests],
                                 label=lambda i: f"{label}[{i}]")  # fmt: skip
         for r, fresh in zip(requests, new, strict=True):

@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import redis
 
@@ -102,37 +102,61 @@ class PrefixRouter:
             self._live[model] = (now, hosts)
         return hosts
 
-    def holders(self, model: str, prompt: Sequence[int]) -> list[Holder]:
-        """What each live worker of ``model`` holds of ``prompt`` (one round trip)."""
+    def holders(self, model: str, prompts: Sequence[Sequence[int]]) -> list[list[Holder]]:
+        """What each live worker of ``model`` holds of each of ``prompts`` (one round trip for them all;
+        no round trip when no prompt has a whole block or no worker is live)."""
         model = self.settings.model_key(model)
-        served = self.settings.models[model]
-        digests = block_digests(prompt[: max(0, len(prompt) - 1)], served.batching.prefix_block_tokens)
-        hosts = self.live_hosts(model) if digests else []
+        block = self.settings.models[model].batching.prefix_block_tokens
+        digests = [block_digests(prompt[: max(0, len(prompt) - 1)], block) for prompt in prompts]
+        hosts = self.live_hosts(model) if any(digests) else []
         if not hosts:
-            return []
+            return [[] for _ in prompts]
+        looked_up = [d for d in digests if d]
         with self.client.pipeline(transaction=False) as pipe:
             for host in hosts:
-                pipe.smismember(PREFIX_HOLDER_KEY.format(model=model, host=host), digests)  # type: ignore[no-untyped-call]
                 pipe.llen(self.settings.direct_queue_for(model, host))
+            for wanted in looked_up:
+                for host in hosts:
+                    pipe.smismember(PREFIX_HOLDER_KEY.format(model=model, host=host), wanted)  # type: ignore[no-untyped-call]
             replies = pipe.execute()
-        return [
-            Holder(host, held_blocks(replies[2 * i]), int(replies[2 * i + 1])) for i, host in enumerate(hosts)
-        ]
+        queued = [int(n) for n in replies[: len(hosts)]]
+        flags = iter(replies[len(hosts) :])
+        out: list[list[Holder]] = []
+        for wanted in digests:
+            if not wanted:
+                out.append([])
+                continue
+            out.append([Holder(host, held_blocks(next(flags)), queued[i]) for i, host in enumerate(hosts)])
+        return out
 
     def direct_queue(self, model: str, prompt: Sequence[int]) -> str | None:
         """The own queue of the worker to send this generation to, or None (the model's queue)."""
-        if self.disabled or not routes_by_prefix(self.settings, model):
-            return None
+        return self.direct_queues(model, [prompt])[0]
+
+    def direct_queues(self, model: str, prompts: Sequence[Sequence[int]]) -> list[str | None]:
+        """:meth:`direct_queue` for generations of ``model`` sent together, with one round trip for them
+        all. Each one routed to a worker counts in that worker's queue for the ones after it, as it will
+        once they are queued, so ``routing.max_direct_queued`` bounds the group as it bounds single sends."""
+        if self.disabled or not routes_by_prefix(self.settings, model) or not prompts:
+            return [None] * len(prompts)
         try:
-            holders = self.holders(model, prompt)
+            holders = self.holders(model, prompts)
         except redis.ResponseError as exc:
             self.disabled = True
             log.warning("prefix-aware routing is off for this process: Redis refused the lookup (%s)", exc)
-            return None
-        chosen = pick_holder(holders, self.settings.model(model).routing.max_direct_queued)
-        if chosen is None:
-            self.unrouted += 1
-            self.passed_over += any(h.blocks for h in holders)
-            return None
-        self.routed += 1
-        return self.settings.direct_queue_for(self.settings.model_key(model), chosen.host)
+            return [None] * len(prompts)
+        key = self.settings.model_key(model)
+        bound = self.settings.model(model).routing.max_direct_queued
+        added: dict[str, int] = {}
+        out: list[str | None] = []
+        for found in holders:
+            chosen = pick_holder([replace(h, queued=h.queued + added.get(h.host, 0)) for h in found], bound)
+            if chosen is None:
+                self.unrouted += 1
+                self.passed_over += any(h.blocks for h in found)
+                out.append(None)
+                continue
+            self.routed += 1
+            added[chosen.host] = added.get(chosen.host, 0) + 1
+            out.append(self.settings.direct_queue_for(key, chosen.host))
+        return out

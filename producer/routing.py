@@ -74,12 +74,23 @@ class Router:
         ``generate_from``: the prompt of a generation. A stable-role generation goes to the own queue
         of the live worker holding the longest prefix of it, when one does and is not busy past the
         bound (:mod:`producer.prefix_routing`)."""
-        role = self.role(model, routing_key)
-        if role == "stable" and generate_from is not None:
-            direct = self.prefixes.direct_queue(model, generate_from)
-            if direct is not None:
-                return direct
-        return self.queue(model, role)
+        return self.choose_many([(model, routing_key, generate_from)])[0]
+
+    def choose_many(self, sends: Sequence[tuple[str, str, Sequence[int] | None]]) -> list[str]:
+        """:meth:`choose` for requests sent together (``(model, routing_key, generate_from)`` each): the
+        generations of one model are looked up in one round trip (:meth:`PrefixRouter.direct_queues`)."""
+        roles = [self.role(model, key) for model, key, _ in sends]
+        queues = [self.queue(model, role) for (model, _, _), role in zip(sends, roles, strict=True)]
+        by_model: dict[str, list[int]] = {}
+        for i, ((model, _, prompt), role) in enumerate(zip(sends, roles, strict=True)):
+            if role == "stable" and prompt is not None:
+                by_model.setdefault(model, []).append(i)
+        for model, members in by_model.items():
+            direct = self.prefixes.direct_queues(model, [sends[i][2] or [] for i in members])
+            for i, queue in zip(members, direct, strict=True):
+                if queue is not None:
+                    queues[i] = queue
+        return queues
 
     def sample_prompt(self, model: str, request_id: str, input_ids: Sequence[int]) -> None:
         """While ``model`` has a canary, keep 1 in 20 requests' prompts for ``fleet models compare``'s
