@@ -19,9 +19,9 @@ from prometheus_client.registry import Collector
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from broker import queue_depth
 from gateway.body_guard import replaying, send_error
 from gateway.errors import error_payload
-from producer.admission import queue_depth
 from producer.prefix_routing import PrefixRouter
 from producer.registry import list_workers
 from protocol.model_state import AUTO_ROLLBACKS_KEY, read_state

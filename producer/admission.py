@@ -49,12 +49,10 @@ __all__ = [
     "DepthCache",
     "bucket_take",
     "drain_rate_per_s",
-    "queue_depth",
     "queue_retry_after_s",
     "rate_key_for",
     "rate_retry_after_s",
 ]
-
 
 
 # -- pure arithmetic -----------------------------------------------------------------------------

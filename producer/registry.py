@@ -18,7 +18,8 @@ from typing import Any
 
 import redis
 
-from producer.admission import Admission, queue_depth
+from broker import queue_depth
+from producer.admission import Admission
 from protocol.errors import ModelLoadError
 from protocol.keys import CARD_KEY, WORKER_KEY_PREFIX
 from protocol.modelcard import ModelCard, card_path_for, load_card

@@ -263,19 +263,20 @@ class WorkerRuntime:
         loop = self.scheduler.generation
         return self.scheduler.batches_run + (loop.steps_run if loop is not None else 0)
 
+    def _own_queues(self) -> list[str]:
+        """The queues this worker takes from: the model's queue, its canary queue and its own queue."""
+        return [self.queue, self.canary_queue] + ([self.direct_queue.name] if self.direct_queue is not None else [])
+
     def _waiting_in_redis(self) -> int:
         """Messages waiting on the lists this worker takes from (priority siblings included), for the
         scheduler's start-together wait; one round trip, at most ``HOLD_DEPTH_TIMEOUT_S``."""
-        lists = [self.queue, self.canary_queue] + ([self.direct_queue.name] if self.direct_queue is not None else [])
-        return queue_depth(self._depth_redis, *lists)
+        return queue_depth(self._depth_redis, *self._own_queues())
 
     def _queued(self) -> int:
         """Items waiting in this worker's queue, canary queue and own queue."""
         with self.redis.pipeline(transaction=False) as pipe:
-            pipe.llen(self.queue)
-            pipe.llen(self.canary_queue)
-            if self.direct_queue is not None:
-                pipe.llen(self.direct_queue.name)
+            for queue in self._own_queues():
+                pipe.llen(queue)
             return sum(int(n) for n in pipe.execute())
 
     def snapshot(self) -> dict[str, Any]:
