@@ -24,6 +24,7 @@ from protocol.keys import STREAM_KEY
 from protocol.messages import InferenceResult
 from protocol.streams import StreamEvent, decode_events
 from tests.integration.fleet_fixtures import Fleet
+from tools.processes import poll_until
 from tools.redis_server import free_port
 
 MODEL = "demo-lm"
@@ -145,7 +146,15 @@ def test_short_request_overtakes_running_long_generations(fleet: Fleet) -> None:
     assert first.type == "token"
     short = _generate(client, [11, 12, 13], max_new_tokens=3, ignore_eos=True)
     results = [_result(client, rid) for rid in [short, *long_ids]]
-    order = _final_entry_ids(redis.Redis.from_url(fleet.redis_url), [short, *long_ids])
+    r = redis.Redis.from_url(fleet.redis_url)
+    everyone = [short, *long_ids]
+    # the stream publisher's thread writes a final event beside the result's store, not before it: wait for
+    # every stream's final entry (a result can be read a moment before it)
+    def all_final() -> dict[str, tuple[int, int]] | None:
+        found = _final_entry_ids(r, everyone)
+        return found if len(found) == len(everyone) else None
+
+    order = poll_until(all_final, 60, "every stream's final event")
     assert all(order[short] < order[rid] for rid in long_ids), order
     assert results[0].generation.timings.batch_size_max > 1  # type: ignore[union-attr]  # it ran beside them
 
