@@ -7,7 +7,8 @@ a model with ``routing.prefix_aware`` on, :class:`PrefixRouter` digests the prom
 in one pipelined round trip asks every live worker's set which of them it holds and how long that
 worker's own queue is. :func:`pick_holder` chooses the worker holding the most blocks whose queue is
 under ``routing.max_direct_queued``; the request goes to that worker's own queue. No holder, or every
-holder busy past the bound: the model's queue, where any worker takes it.
+holder busy past the bound: the model's queue, where any worker takes it. With one live worker there
+is nothing to choose: no lookup is made and the model's queue reaches that worker.
 
 A hint, never a promise: a digest may be stale (evicted since), and a worker that dies leaves its
 queue to the others (:class:`workers.direct_queue.DirectQueue`). The live workers are read at most
@@ -85,7 +86,7 @@ class PrefixRouter:
         self.routed = 0
         """Generations sent to a worker's own queue."""
         self.unrouted = 0
-        """Generations looked up and sent to the model's queue (no holder, or every holder busy)."""
+        """Generations sent to the model's queue: no holder, every holder busy, or one live worker (no lookup)."""
         self.passed_over = 0
         """Of ``unrouted``: those a live worker held, passed over for its queue at ``max_direct_queued``."""
 
@@ -103,13 +104,17 @@ class PrefixRouter:
         return hosts
 
     def holders(self, model: str, prompts: Sequence[Sequence[int]]) -> list[list[Holder]]:
-        """What each live worker of ``model`` holds of each of ``prompts`` (one round trip for them all;
-        no round trip when no prompt has a whole block or no worker is live)."""
+        """What each live worker of ``model`` holds of each of ``prompts`` (one round trip for them all).
+
+        No round trip, and no holder, when no prompt has a whole block or fewer than two workers are
+        live: a lone worker takes from the model's queue as well as its own, so a lookup could only
+        choose the worker that serves the request anyway, and its own queue is where an idle worker
+        looks only every ``routing.direct_wait_ms``."""
         model = self.settings.model_key(model)
         block = self.settings.models[model].batching.prefix_block_tokens
         digests = [block_digests(prompt[: max(0, len(prompt) - 1)], block) for prompt in prompts]
         hosts = self.live_hosts(model) if any(digests) else []
-        if not hosts:
+        if len(hosts) < 2:
             return [[] for _ in prompts]
         looked_up = [d for d in digests if d]
         with self.client.pipeline(transaction=False) as pipe:

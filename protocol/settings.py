@@ -224,7 +224,8 @@ class RoutingSettings(_Section):
     prefix_aware: bool = Field(
         default=True,
         description="Send a generation whose prompt starts with a prefix a live worker holds in its prefix "
-        "cache (batching.prefix_cache_bytes) to that worker's own queue; the rest go to the model's queue.",
+        "cache (batching.prefix_cache_bytes) to that worker's own queue; the rest go to the model's queue. "
+        "With one live worker no lookup is made: the model's queue reaches it too.",
     )
     max_direct_queued: int = Field(
         default=4,

@@ -273,11 +273,9 @@ class WorkerRuntime:
         return queue_depth(self._depth_redis, *self._own_queues())
 
     def _queued(self) -> int:
-        """Items waiting in this worker's queue, canary queue and own queue."""
-        with self.redis.pipeline(transaction=False) as pipe:
-            for queue in self._own_queues():
-                pipe.llen(queue)
-            return sum(int(n) for n in pipe.execute())
+        """Messages waiting in this worker's queue, canary queue and own queue, kombu's priority lists
+        included (a message a plain Celery client sent with ``priority=`` waits in one of those)."""
+        return queue_depth(self.redis, *self._own_queues())
 
     def snapshot(self) -> dict[str, Any]:
         """The heartbeat document (see :mod:`workers.health`); ``ready`` is false while the worker holds

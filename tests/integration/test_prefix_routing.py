@@ -20,7 +20,7 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from producer.client import FleetClient
-from protocol.keys import PREFIX_HOLDER_KEY
+from protocol.keys import LIVE_WORKERS_KEY, PREFIX_HOLDER_KEY
 from protocol.messages import InferenceResult
 from protocol.prefix_digest import block_digests
 from protocol.settings import load_settings
@@ -97,6 +97,8 @@ def test_a_burst_split_between_the_worker_s_own_queue_and_the_model_s_starts_tog
     )
     worker = fleet.worker(cfg, MODEL, concurrency=16)
     client = fleet.client(cfg)
+    # a second live worker that holds nothing (its heartbeat's entry): with one live worker no lookup is made
+    client.redis.zadd(LIVE_WORKERS_KEY.format(model=MODEL), {"idle@elsewhere": time.time() + 600})
     params = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True, "stream": False}
     known = [[3 + 20 * i + k for k in range(9)] for i in range(8)]  # two whole blocks each, distinct
     first = client.wait(client.send_batch([client.build_request(MODEL, p, generation=params) for p in known]),

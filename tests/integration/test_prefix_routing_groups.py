@@ -25,12 +25,13 @@ BLOCK = 4
 HOSTS = ("w1@a", "w2@b")
 
 
-def _router(fleet: Fleet, max_direct_queued: int) -> tuple[PrefixRouter, redis.Redis[bytes]]:
+def _router(fleet: Fleet, max_direct_queued: int,
+            hosts: tuple[str, ...] = HOSTS) -> tuple[PrefixRouter, redis.Redis[bytes]]:  # fmt: skip
     cfg = fleet.config(models={MODEL: {"batching": {"prefix_block_tokens": BLOCK},
                                        "routing": {"max_direct_queued": max_direct_queued}}})  # fmt: skip
     settings = load_settings(cfg)
     r: redis.Redis[bytes] = redis.Redis.from_url(fleet.redis_url)
-    r.zadd(LIVE_WORKERS_KEY.format(model=MODEL), {h: time.time() + 600 for h in HOSTS})
+    r.zadd(LIVE_WORKERS_KEY.format(model=MODEL), {h: time.time() + 600 for h in hosts})
     return PrefixRouter(r, settings), r
 
 
@@ -65,3 +66,23 @@ def test_a_group_never_routes_past_max_direct_queued(fleet: Fleet) -> None:
     own = router.settings.direct_queue_for(MODEL, HOSTS[0])
     assert grouped == [own, own, None, None]  # 1 waiting + 2 routed = the bound; the rest to the model's queue
     assert router.routed - routed_before == 2 and router.passed_over >= 2
+
+
+def test_one_live_worker_is_not_looked_up_and_gets_its_requests_on_the_model_s_queue(fleet: Fleet) -> None:
+    """A lone worker takes from the model's queue as well as its own: a lookup could only choose it, and an
+    idle worker waits on the list it last took from, looking at the other every ``routing.direct_wait_ms``
+    (traced: a turn routed to a lone idle worker's own queue started 27 ms after its submit). Before, every
+    generation of a one-worker model paid the lookup's round trip and went to the worker's own queue."""
+    router, r = _router(fleet, max_direct_queued=64, hosts=HOSTS[:1])
+    held = list(range(3, 12))
+    _hold(r, HOSTS[0], held)
+    before = redis_commandstats(fleet.redis_url)
+    chosen = router.direct_queues(MODEL, [[*held, 7], [*held, 8]])
+    calls = {k: v - before.get(k, 0) for k, v in redis_commandstats(fleet.redis_url).items()}
+    assert chosen == [None, None]  # the model's queue
+    assert calls.get("smismember", 0) == 0 and calls.get("llen", 0) == 0, calls
+    assert router.routed == 0
+    r.zadd(LIVE_WORKERS_KEY.format(model=MODEL), {HOSTS[1]: time.time() + 600})  # a second worker goes live
+    router.cache_s = 0.0
+    own = router.settings.direct_queue_for(MODEL, HOSTS[0])
+    assert router.direct_queues(MODEL, [[*held, 7]]) == [own]
