@@ -49,7 +49,7 @@ from gateway.deps import CallerDep, Gateway, GatewayDep
 from gateway.errors import ERROR_RESPONSES, error_payload, install_error_handlers, relay_error
 from gateway.middleware import AccessLogMiddleware, BodyLimitMiddleware, MetricsMiddleware
 from gateway.openai_routes import router as openai_router
-from gateway.outcomes import await_outcomes
+from gateway.outcomes import await_outcomes, await_watched
 from gateway.prefer import prefer_wait_s
 from gateway.responses_routes import router as responses_router
 from gateway.schema import (
@@ -63,7 +63,7 @@ from gateway.schema import (
 )
 from gateway.sse import EventStream, sse_frame
 from gateway.stream_relay import relay_event_batches
-from gateway.views import read_view, read_view_sync, view_of_outcome
+from gateway.views import ViewRead, read_view, read_view_sync, view_of_outcome
 from producer.client import FleetClient, RequestStatus
 from producer.idempotent_queue import one_body_per_id, request_fingerprint
 from producer.presence import no_worker_message
@@ -222,6 +222,22 @@ async def _view_when_done(gw: Gateway, request_id: str, wait_s: float) -> Reques
     return view_of_outcome(request_id, outcomes[request_id])
 
 
+async def _long_polled_view(gw: Gateway, request_id: str, wait_s: float) -> ViewRead:
+    """The request's view once it is finished, or at ``wait_s`` s as it is then. Its result channel is
+    subscribed before the view is read, so the view's own read of the result is the wait's first: a
+    result stored after it is published to the wait (one round trip fewer than reading it again)."""
+    key = gw.fleet.app.backend.get_key_for_task(request_id)
+    async with gw.results.watching([key]) as watch:
+        view, model = await read_view(gw.fleet, gw.aredis, request_id)
+        if view.status not in (RequestStatus.QUEUED, RequestStatus.RUNNING):
+            return view, model
+        try:
+            outcomes = await await_watched(gw.fleet, gw.aredis, [request_id], watch, timeout_s=wait_s)
+        except ResultTimeout:  # the bound: answer with the status as it is then
+            return await read_view(gw.fleet, gw.aredis, request_id)
+    return view_of_outcome(request_id, outcomes[request_id]), model
+
+
 def _send_one(gw: Gateway, request: InferenceRequest, rate_key: str, body: SubmitBody) -> tuple[str, RequestStatus]:
     """``FleetClient.send`` (blocking: in a thread): the request's ID and, for a caller-given ID, its real status."""
     rid = gw.fleet.send(request, rate_key=rate_key, routing_key=body.routing_key)
@@ -272,13 +288,10 @@ async def get_request(request_id: RequestId, _: CallerDep, gw: GatewayDep, wait_
     """
     if wait_s is not None:
         _checked_wait(gw, wait_s)
-    view, model = await read_view(gw.fleet, gw.aredis, request_id)
-    if wait_s and view.status in (RequestStatus.QUEUED, RequestStatus.RUNNING):
-        done = await _view_when_done(gw, request_id, wait_s)
-        if done is not None:
-            view = done
-        else:  # the bound: answer with the status as it is then
-            view, model = await read_view(gw.fleet, gw.aredis, request_id)
+    if wait_s:
+        view, model = await _long_polled_view(gw, request_id, wait_s)
+    else:
+        view, model = await read_view(gw.fleet, gw.aredis, request_id)
     warning = await _no_worker_now(gw, model) if view.status is RequestStatus.QUEUED else None
     return _json(view.model_copy(update={"warning": warning}) if warning else view)
 

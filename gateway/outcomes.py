@@ -24,7 +24,8 @@ from protocol.errors import FleetError, NoLiveWorker, ResultTimeout
 from protocol.messages import InferenceResult
 from protocol.streams import StreamEvent
 
-__all__ = ["FIRST_POLL_S", "MAX_POLL_S", "NO_WORKER_RECHECK_S", "WAIT_S", "await_outcomes", "relay_unless_no_worker"]
+__all__ = ["FIRST_POLL_S", "MAX_POLL_S", "NO_WORKER_RECHECK_S", "WAIT_S", "await_outcomes", "await_watched",
+           "relay_unless_no_worker"]
 
 WAIT_S = 600.0
 """Longest wait of a gateway call for a result, and longest silence of a stream it relays (s); the
@@ -109,14 +110,30 @@ async def await_outcomes(
                                       presence)  # fmt: skip
 
 
+async def await_watched(
+    fleet: FleetClient, aredis: redis.asyncio.Redis[bytes], request_ids: Sequence[str], watch: Watch, *,
+    timeout_s: float,
+) -> dict[str, Outcome]:
+    """:func:`await_outcomes` for a caller that subscribed ``watch`` (:meth:`ResultNotifier.watching`) and
+    then read the result keys itself, finding them unfinished: no first read, the next comes from a
+    publication or the backstop.
+
+    Raises:
+        ResultTimeout: some are still unfinished after ``timeout_s``; names the first of them.
+    """
+    return await _read_until_done(fleet, aredis, request_ids, watch, timeout_s, None, None, None, read_first=False)
+
+
 async def _read_until_done(
     fleet: FleetClient, aredis: redis.asyncio.Redis[bytes], request_ids: Sequence[str], watch: Watch | None,
     timeout_s: float, model: str | None, no_worker_after_s: float | None, presence: AsyncWorkerPresence | None,
+    *, read_first: bool = True,
 ) -> dict[str, Outcome]:
     """:func:`await_outcomes`' loop: read the result keys, then wait for ``watch`` (a result published) or
     the next read of the backstop schedule (``BACKSTOP_POLL_S``, or without ``watch`` the polling one).
     A publication carries the stored value: woken by one, the wait takes it from ``watch.published`` and
-    reads Redis again only when the backstop's time comes."""
+    reads Redis again only when the backstop's time comes. ``read_first`` False (a subscribed ``watch``
+    whose keys the caller read after subscribing): the first pass takes only what was published."""
     backend = fleet.app.backend
     started = time.monotonic()
     deadline = started + timeout_s
@@ -124,7 +141,7 @@ async def _read_until_done(
     poll_s, max_poll_s = (FIRST_POLL_S, MAX_POLL_S) if watch is None else BACKSTOP_POLL_S
     done: dict[str, Outcome] = {}
     remaining = list(dict.fromkeys(request_ids))
-    read = True  # the first pass reads: a result stored before the subscription was never published to it
+    read = read_first or watch is None  # a result stored before the subscription was never published to it
     while True:
         if watch is not None:
             watch.event.clear()  # before the read: a result stored after it sets the event again

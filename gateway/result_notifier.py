@@ -9,9 +9,10 @@ publication on any of them sets the wait's event. The waits still read the keys 
 Redis restart, a subscription not confirmed in time) delays an answer, never loses it.
 
 One connection serves every waiting call: channels are subscribed while some wait needs them and
-unsubscribed when the last one leaves. A publication carries the stored value itself (the worker
-publishes what it stores), so a woken wait reads it from :attr:`Watch.published` instead of asking Redis
-again: one round trip fewer per answer.
+unsubscribed when the last one leaves, by a task of their own, so a wait answers without waiting for
+that and the channels that several waits left in one turn go in one ``UNSUBSCRIBE``. A publication
+carries the stored value itself (the worker publishes what it stores), so a woken wait reads it from
+:attr:`Watch.published` instead of asking Redis again: one round trip fewer per answer.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ class ResultNotifier:
         self._confirmed: dict[bytes, asyncio.Event] = {}
         # one command at a time: UNSUBSCRIBEs sent by several tasks at once were lost (redis-py 8.2)
         self._commands = asyncio.Lock()
+        self._leaving: set[bytes] = set()
+        """Channels whose last wait ended, not yet unsubscribed (:meth:`_unsubscribe_left`)."""
+        self._unsubscriber: asyncio.Task[None] | None = None
 
     @contextlib.asynccontextmanager
     async def watching(self, keys: Sequence[bytes]) -> AsyncIterator[Watch]:
@@ -72,17 +76,29 @@ class ResultNotifier:
                 await self._subscribe(fresh)
             yield watch
         finally:
-            gone = []
             for key in keys:
                 waiting = self._waiters.get(key)
                 if waiting is not None:
                     waiting.discard(watch)
                     if not waiting:
                         del self._waiters[key]
-                        gone.append(key)
-            if gone and self._pubsub is not None:
-                with contextlib.suppress(redis.RedisError, OSError):  # a broken connection forgets them anyway
-                    async with self._commands:
+                        if self._pubsub is not None:  # subscribed (or tried): unsubscribed by the task below
+                            self._leaving.add(key)
+            if self._leaving and self._pubsub is not None and (self._unsubscriber is None or self._unsubscriber.done()):
+                self._unsubscriber = asyncio.create_task(self._unsubscribe_left(), name="fleet-result-unsubscribe")
+
+    async def _unsubscribe_left(self) -> None:
+        """Unsubscribe, in one command per turn, the channels no wait needs any more: a wait that ends answers
+        its caller without waiting for that, and channels left together go together. A channel wanted
+        again meanwhile stays subscribed (its new wait subscribed it again, after this if it comes later:
+        the commands are sent in order under one lock)."""
+        while self._leaving:
+            await asyncio.sleep(0)  # let the waits ending in this turn of the loop add theirs
+            async with self._commands:
+                gone = [key for key in self._leaving if key not in self._waiters]
+                self._leaving.clear()
+                if gone:
+                    with contextlib.suppress(redis.RedisError, OSError):  # a broken connection forgets them anyway
                         await self._pubsub.unsubscribe(*gone)
 
     async def _subscribe(self, keys: list[bytes]) -> None:
@@ -133,6 +149,8 @@ class ResultNotifier:
 
     async def aclose(self) -> None:
         """Stop listening and close the connection."""
+        if self._unsubscriber is not None:
+            await cancel_and_wait(self._unsubscriber)
         if self._listener is not None:
             await cancel_and_wait(self._listener)
         if self._pubsub is not None:

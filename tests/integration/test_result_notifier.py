@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,9 +17,11 @@ import redis
 import redis.asyncio
 
 from gateway import outcomes
+from gateway.app import get_request
 from gateway.outcomes import await_outcomes
 from gateway.result_notifier import ResultNotifier
 from producer.client import FleetClient
+from producer.presence import marker_key
 from protocol.errors import InvalidRequest
 from protocol.settings import FleetSettings
 from tools.redis_server import EmbeddedRedis
@@ -135,3 +139,77 @@ def test_a_woken_wait_takes_the_published_value_without_reading_it_again(
 def _calls(url: str, command: str) -> int:
     stats = redis.Redis.from_url(url).info("commandstats")
     return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+def test_waits_that_end_together_leave_their_channels_in_one_unsubscribe(
+    client: FleetClient, redis_server: EmbeddedRedis
+) -> None:
+    """A wait that ends answers at once: its channels are unsubscribed by the notifier's own task, and the
+    channels of the waits that ended in the same turn go in one ``UNSUBSCRIBE`` (before, each wait sent
+    its own and waited for it before answering)."""
+    url = redis_server.url
+
+    async def main() -> None:
+        async with _notifying(url) as (_, notifier):
+            keys = [client.app.backend.get_key_for_task(rid) for rid in ("x", "y", "z")]
+            before = _calls(url, "unsubscribe")
+            async with contextlib.AsyncExitStack() as waits:
+                for key in keys:
+                    await waits.enter_async_context(notifier.watching([key]))
+                for key in keys:
+                    await _until(lambda key=key: _subscribers(url, key) == 1, "subscribed")
+            await _until(lambda: all(_subscribers(url, k) == 0 for k in keys), "every channel unsubscribed")
+            assert _calls(url, "unsubscribe") - before == 1
+
+    asyncio.run(main())
+
+
+def test_a_channel_wanted_again_before_its_unsubscribe_stays_subscribed(
+    client: FleetClient, redis_server: EmbeddedRedis
+) -> None:
+    """A wait ends and another on the same result starts before the notifier's task has unsubscribed the
+    channel: the channel stays subscribed, and the publication wakes the new wait."""
+    url = redis_server.url
+
+    async def main() -> None:
+        async with _notifying(url) as (_, notifier):
+            key = client.app.backend.get_key_for_task("again")
+            async with notifier.watching([key]):
+                await _until(lambda: _subscribers(url, key) == 1, "subscribed")
+            async with notifier.watching([key]) as watch:  # in the same turn: the unsubscribe is not sent yet
+                for _ in range(50):  # let the notifier's task run its turns
+                    await asyncio.sleep(0)
+                assert _subscribers(url, key) == 1
+                await asyncio.to_thread(_fail, client, "again", publish=True)
+                await asyncio.wait_for(watch.event.wait(), 60)
+                assert key in watch.published
+            await _until(lambda: _subscribers(url, key) == 0, "unsubscribed once no wait needs it")
+
+    asyncio.run(main())
+
+
+def test_a_long_poll_reads_the_result_once_and_takes_it_from_the_publication(
+    client: FleetClient, redis_server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``GET /v1/requests/{id}?wait_s=`` (the route's function, on real Redis and a real notifier): the
+    result's channel is subscribed before the request's view is read, so the view's read is the wait's
+    first and the answer comes from the publication. Before, the view was read, then the channel
+    subscribed and the result read again with an ``MGET``."""
+    monkeypatch.setattr(outcomes, "BACKSTOP_POLL_S", (3600.0, 3600.0))  # only a publication can end the wait
+    url = redis_server.url
+    client.redis.set(marker_key("polled"), b"{}")  # submitted, not started: queued
+
+    async def main() -> None:
+        async with _notifying(url) as (aredis, notifier):
+            gw = SimpleNamespace(settings=client.settings, fleet=client, aredis=aredis, results=notifier)
+            mgets_before = _calls(url, "mget")
+            poll = asyncio.create_task(get_request("polled", None, gw, wait_s=60.0))  # type: ignore[arg-type]
+            key = client.app.backend.get_key_for_task("polled")
+            await _until(lambda: _subscribers(url, key) == 1, "subscribed")
+            await asyncio.to_thread(_fail, client, "polled", publish=True)
+            response = await asyncio.wait_for(poll, 60)
+            doc = json.loads(bytes(response.body))
+            assert doc["status"] == "failed" and doc["error"]["message"] == "bad polled", doc
+            assert _calls(url, "mget") - mgets_before == 0
+
+    asyncio.run(main())
