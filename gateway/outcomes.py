@@ -17,6 +17,7 @@ from typing import TypeVar
 import redis.asyncio
 
 from gateway.cancelling import cancel_and_wait
+from gateway.event_waits import set_within
 from gateway.result_notifier import ResultNotifier, Watch
 from producer.client import FleetClient
 from producer.presence import AsyncWorkerPresence, no_worker_message
@@ -186,8 +187,4 @@ async def _pause(watch: Watch | None, pause_s: float) -> bool:
     if watch is None:
         await asyncio.sleep(pause_s)
         return True
-    try:
-        await asyncio.wait_for(watch.event.wait(), pause_s)
-    except TimeoutError:  # no publication came: the backstop's read
-        return True
-    return False
+    return not await set_within(watch.event, pause_s)  # no publication came: the backstop's read

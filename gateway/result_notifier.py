@@ -27,6 +27,7 @@ import redis
 import redis.asyncio
 
 from gateway.cancelling import cancel_and_wait
+from gateway.event_waits import all_set_within
 
 __all__ = ["CONFIRM_S", "ResultNotifier", "Watch"]
 
@@ -114,8 +115,7 @@ class ResultNotifier:
             return
         if self._listener is None or self._listener.done():
             self._listener = asyncio.create_task(self._listen(), name="fleet-result-notifier")
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*(c.wait() for c in confirmations)), CONFIRM_S)
+        await all_set_within(confirmations, CONFIRM_S)  # unconfirmed: the wait goes on, its backstop reads
 
     async def _listen(self) -> None:
         """Read the pub/sub connection for as long as the process lives; wake the waiters of each message."""

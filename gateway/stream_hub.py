@@ -32,6 +32,7 @@ import redis
 import redis.asyncio
 
 from gateway.cancelling import cancel_and_wait
+from gateway.event_waits import set_within
 from producer.streams import READ_COUNT, Entry, stream_entries
 
 __all__ = ["HUB_BLOCK_MS", "REJOIN_S", "StreamHub", "stream_id"]
@@ -124,9 +125,7 @@ class StreamHub:
         while True:
             if not self._waiting:
                 self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), 60.0)
-                except TimeoutError:
+                if not await set_within(self._wake, 60.0):
                     return  # idle: the next reader starts the loop again
                 continue
             streams = {key: min(waiters, key=lambda w: w.after).last_id for key, waiters in self._waiting.items()}
@@ -187,8 +186,7 @@ class StreamHub:
             if left_s <= 0:
                 return
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), left_s)
+            await set_within(self._wake, left_s)
 
     async def aclose(self) -> None:
         """Stop the loop (readers waiting on it get [] at their own bound)."""
