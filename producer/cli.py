@@ -152,12 +152,34 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.config:
         os.environ["FLEET_CONFIG"] = str(args.config)
     model = settings.model_key(settings.worker.model)
-    hostname = args.hostname or f"{model}@%h"
+    hostname = args.hostname or _free_default_name(settings, model)
     cmd = worker_command(
         model, settings.worker.concurrency, hostname, settings.queue_for(model), args.loglevel
     )
     os.execvp(cmd[0], [*cmd, *args.celery_args])
     return 0  # pragma: no cover - execvp does not return
+
+
+def _free_default_name(settings: Any, model: str) -> str:
+    """``<model>@<host>``, or ``<model>-2@<host>``, … when a live worker already holds it (two on one host:
+    :mod:`workers.namesakes`); Celery's ``<model>@%h`` when Redis does not answer (the worker checks again)."""
+    import socket
+
+    import redis
+
+    from protocol.redis_conn import sync_client
+    from workers.namesakes import free_worker_name
+
+    client = sync_client(settings, socket_timeout=2, socket_connect_timeout=2)
+    try:
+        name = free_worker_name(client, model, socket.gethostname())
+    except redis.RedisError:
+        return f"{model}@%h"
+    finally:
+        client.close()
+    if not name.startswith(f"{model}@"):
+        print(f"fleet worker: {model}@{socket.gethostname()} is running; this worker is {name}", file=sys.stderr)
+    return name
 
 
 def cmd_build_model(args: argparse.Namespace) -> int:

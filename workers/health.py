@@ -4,10 +4,11 @@ Key ``fleet:worker:<hostname>`` holds a JSON document (hostname, model, the stab
 ``version_since_unix_s``, ``canary_version``, ``last_refusal``, active providers, ``nodes`` (the
 stable graph's node count per provider, :attr:`workers.engine.Engine.placement`; null when
 ``engine.report_placement`` is off), ready, concurrency = tokens, in-flight, batches run, pid, queue
-and canary queue) that expires after three heartbeat periods, so a dead worker disappears by itself.
-``ready`` is false while the worker loads, and while it holds work it does not progress (``held``
-requests, ``stalled_s`` without progress, ``overdue_slots``: :mod:`workers.progress`), which
-``fleet probe ready`` reads.
+and canary queue, ``heartbeat_unix_s``, ``heartbeat_s`` its period, ``instance`` one per process: only
+the process that wrote it deletes it, :mod:`workers.namesakes`) that expires after three heartbeat
+periods, so a dead worker disappears by itself. ``ready`` is false while the worker loads, and while it
+holds work it does not progress (``held`` requests, ``stalled_s`` without progress, ``overdue_slots``:
+:mod:`workers.progress`), which ``fleet probe ready`` reads.
 ``fleet:model:<name>:card`` holds the model card, so producers on other machines can validate and
 tokenize without the file.
 """
@@ -19,12 +20,14 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 import redis
 
 from protocol.keys import CARD_KEY, LIVE_WORKERS_KEY, WORKER_KEY_PREFIX
+from workers.namesakes import RELEASE_SCRIPT
 
 __all__ = ["Heartbeat", "list_workers", "read_card_json"]
 
@@ -45,6 +48,9 @@ class Heartbeat:
         self._period_s = period_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="fleet-heartbeat", daemon=True)
+        self.instance = uuid.uuid4().hex
+        """Marks this process's beats (``instance`` in the document): a stop deletes only its own
+        (:mod:`workers.namesakes`)."""
         self.on_beat: list[Callable[[float], None]] = []
         """Called after each published beat with the heartbeat's expiry (unix s), on the beating thread;
         whatever one raises is logged, and the next one still runs."""
@@ -64,7 +70,8 @@ class Heartbeat:
         may be restarting)."""
         try:
             now = time.time()
-            doc = {**self._snapshot(), "heartbeat_unix_s": now}
+            doc = {**self._snapshot(), "heartbeat_unix_s": now, "heartbeat_s": self._period_s,
+                   "instance": self.instance}
             ttl_s = self.ttl_s
             with self._client.pipeline(transaction=False) as pipe:
                 pipe.set(self._key, json.dumps(doc), ex=ttl_s)
@@ -91,10 +98,11 @@ class Heartbeat:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(self._period_s * 2)
-        with contextlib.suppress(redis.RedisError):
-            self._client.delete(self._key)
-            if self._model:
-                self._client.zrem(LIVE_WORKERS_KEY.format(model=self._model), self._hostname)
+        keys = [self._key] + ([LIVE_WORKERS_KEY.format(model=self._model)] if self._model else [])
+        with contextlib.suppress(redis.RedisError):  # a namesake's heartbeat and live entry are left alone
+            if not self._client.eval(RELEASE_SCRIPT, len(keys), *keys, self.instance, self._hostname):  # type: ignore[no-untyped-call]
+                log.warning("heartbeat %s now belongs to another process under the same name: left in place",
+                            self._key)  # fmt: skip
 
     def _loop(self) -> None:
         while not self._stop.wait(self._period_s):

@@ -32,6 +32,7 @@ from workers.direct_queue import DirectQueue, PrefixHolder
 from workers.engine import Engine
 from workers.engines import LoadedModel
 from workers.health import Heartbeat
+from workers.namesakes import live_namesake, namesake_message
 from workers.outcomes import OutcomeWriter
 from workers.policy import BatchPolicy
 from workers.progress import ProgressWatch, WorkerProgress, copied
@@ -315,11 +316,27 @@ def _held_task_ids() -> set[str]:
     return {str(r.id) for r in copied(worker_state.reserved_requests)}
 
 
+def _refuse_a_running_namesake(settings: FleetSettings, hostname: str) -> None:
+    """Raise ConfigError when a live worker of another process already runs under ``hostname``
+    (:mod:`workers.namesakes`); a Redis that does not answer yet is not a reason to refuse."""
+    client = sync_client(settings, socket_timeout=5)
+    try:
+        namesake = live_namesake(client, hostname)
+    except redis.RedisError:
+        return
+    finally:
+        client.close()
+    if namesake is not None:
+        model = settings.model_key(settings.worker.model) if settings.worker.model else "<model>"
+        raise ConfigError(namesake_message(hostname, namesake, model), "hostname", "one live worker per name")
+
+
 def start_runtime(settings: FleetSettings, *, hostname: str, concurrency: int, pool: str) -> WorkerRuntime:
     """Build and start this process's runtime (once).
 
     Raises:
-        ConfigError: wrong pool, too few tokens for the batch size, unknown model.
+        ConfigError: wrong pool, too few tokens for the batch size, unknown model, a live worker of another
+            process under ``hostname``.
         ModelLoadError / ProviderUnavailable: the model cannot be served as configured.
     """
     global _runtime
@@ -332,6 +349,7 @@ def start_runtime(settings: FleetSettings, *, hostname: str, concurrency: int, p
         )
     if not settings.models:
         raise ConfigError("no models are configured (settings 'models')", "models", "at least one")
+    _refuse_a_running_namesake(settings, hostname)
     with _lock:
         if _runtime is None:
             try:

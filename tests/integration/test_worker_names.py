@@ -1,0 +1,137 @@
+"""One live worker per Celery hostname (:mod:`workers.namesakes`), on a real redis-server and real workers.
+
+Before, ``fleet worker --model demo-lm`` started twice on one host ran two workers both named
+``demo-lm@<host>``: one heartbeat key and one live-set entry for two processes, and when either stopped
+it deleted them, so the other read as gone ("no live worker serves model 'demo-lm'") until its next
+beat. A README run caught it: the gateway answered a submit with that warning while a worker served it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import redis
+
+from protocol.keys import LIVE_WORKERS_KEY, WORKER_KEY_PREFIX
+from tests.integration.fleet_fixtures import Fleet
+from tools.processes import poll_until
+from workers.health import Heartbeat
+from workers.namesakes import free_worker_name, live_namesake
+
+MODEL = "demo-lm"
+
+
+def _beat(r: redis.Redis[bytes], hostname: str) -> dict[str, object]:
+    return dict(json.loads(r.get(WORKER_KEY_PREFIX + hostname) or b"{}"))
+
+
+def _ready(r: redis.Redis[bytes], hostname: str) -> bool:
+    return _beat(r, hostname).get("ready") is True
+
+
+def test_a_second_worker_under_a_live_name_refuses_to_start_naming_it(fleet: Fleet) -> None:
+    cfg = fleet.config()
+    r: redis.Redis[bytes] = redis.Redis.from_url(fleet.redis_url)
+    first = fleet.worker(cfg, MODEL, hostname="same@test")
+    instance = _beat(r, "same@test")["instance"]
+    second = fleet.worker(cfg, MODEL, hostname="same@test", wait=False)
+    assert second.proc is not None
+    assert second.proc.wait(timeout=120) == 3, second.log_tail()
+    log = second.log_tail(20_000)
+    assert "a worker named same@test is already running" in log and "--hostname" in log, log
+    assert _beat(r, "same@test")["instance"] == instance  # the first one's heartbeat, untouched
+    assert r.zscore(LIVE_WORKERS_KEY.format(model=MODEL), "same@test") is not None
+    assert first.proc is not None and first.proc.poll() is None
+
+
+def test_fleet_worker_without_a_name_takes_a_free_one_and_a_stop_leaves_the_other_live(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    cfg = fleet.config()
+    r: redis.Redis[bytes] = redis.Redis.from_url(fleet.redis_url)
+    host = socket.gethostname()
+    env = {**os.environ, "FLEET_CONFIG": str(cfg)}
+    procs = []
+    try:
+        for n in (1, 2):
+            log = (tmp_path / f"cli-worker-{n}.log").open("wb")
+            procs.append(subprocess.Popen([sys.executable, "-m", "producer.cli", "worker", "--model", MODEL,
+                                           "--concurrency", "8", "--config", str(cfg)],
+                                          env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
+            name = f"{MODEL}@{host}" if n == 1 else f"{MODEL}-2@{host}"
+            poll_until(partial(_ready, r, name), 120, f"{name} ready")
+        live = LIVE_WORKERS_KEY.format(model=MODEL)
+        assert {m.decode() for m in r.zrange(live, 0, -1)} >= {f"{MODEL}@{host}", f"{MODEL}-2@{host}"}
+        procs[1].send_signal(signal.SIGTERM)  # warm shutdown of the second
+        assert procs[1].wait(timeout=60) == 0
+        assert _ready(r, f"{MODEL}@{host}")  # the first's heartbeat is its own: the stop left it
+        assert r.zscore(live, f"{MODEL}@{host}") is not None
+        assert r.get(WORKER_KEY_PREFIX + f"{MODEL}-2@{host}") is None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(timeout=60)
+
+
+def test_a_stop_leaves_a_namesake_s_heartbeat_and_live_entry(fleet: Fleet) -> None:
+    r: redis.Redis[bytes] = redis.Redis.from_url(fleet.redis_url)
+    doc = {"hostname": "n@test", "model": MODEL, "instance": "another-process", "heartbeat_unix_s": time.time(),
+           "heartbeat_s": 2.0}  # fmt: skip
+    r.set(WORKER_KEY_PREFIX + "n@test", json.dumps(doc), ex=60)
+    r.zadd(LIVE_WORKERS_KEY.format(model=MODEL), {"n@test": time.time() + 60})
+    mine = Heartbeat(r, "n@test", lambda: {"model": MODEL}, 2.0)
+    mine._model = MODEL  # as after its first beat, which the namesake's has since replaced
+    mine.stop()
+    assert _beat(r, "n@test")["instance"] == "another-process"
+    assert r.zscore(LIVE_WORKERS_KEY.format(model=MODEL), "n@test") is not None
+    alone = Heartbeat(r, "m@test", lambda: {"model": MODEL}, 2.0)
+    alone.beat()
+    alone.stop()  # its own: removed
+    assert r.get(WORKER_KEY_PREFIX + "m@test") is None
+    assert r.zscore(LIVE_WORKERS_KEY.format(model=MODEL), "m@test") is None
+
+
+def test_a_stale_heartbeat_does_not_hold_its_name(fleet: Fleet) -> None:
+    """A SIGKILLed worker's heartbeat lingers for its TTL (three periods); past 1.5 periods without a beat
+    its name is free again, so the restarted worker keeps it."""
+    r: redis.Redis[bytes] = redis.Redis.from_url(fleet.redis_url)
+    fresh = {"instance": "a", "heartbeat_unix_s": time.time(), "heartbeat_s": 2.0}
+    stale = {"instance": "b", "heartbeat_unix_s": time.time() - 10, "heartbeat_s": 2.0}
+    r.set(WORKER_KEY_PREFIX + "x@h", json.dumps(fresh), ex=60)
+    r.set(WORKER_KEY_PREFIX + "x-2@h", json.dumps(fresh), ex=60)
+    r.set(WORKER_KEY_PREFIX + "y@h", json.dumps(stale), ex=60)
+    assert free_worker_name(r, "x", "h") == "x-3@h"
+    assert free_worker_name(r, "y", "h") == "y@h"
+
+
+def test_a_killed_worker_s_name_is_taken_over_once_its_heartbeat_is_stale(fleet: Fleet) -> None:
+    """The heartbeat a SIGKILLed worker left is watched, not trusted: it never beats again, so once it is 1.5
+    periods old the restarted worker starts under the name; a heartbeat that beats again is a live worker."""
+    r: redis.Redis[bytes] = redis.Redis.from_url(fleet.redis_url)
+    clock = [1000.5]
+
+    def sleep(s: float) -> None:
+        clock[0] += s
+
+    r.set(WORKER_KEY_PREFIX + "k@h", json.dumps({"instance": "dead", "heartbeat_unix_s": 1000.0, "heartbeat_s": 2.0}))
+    assert live_namesake(r, "k@h", clock=lambda: clock[0], sleep=sleep) is None
+    assert clock[0] >= 1003.0  # it waited for the heartbeat to grow stale
+
+    def beating(s: float) -> None:  # the namesake beats while we watch
+        clock[0] += s
+        r.set(WORKER_KEY_PREFIX + "k@h", json.dumps({"instance": "alive", "heartbeat_unix_s": clock[0],
+                                                     "heartbeat_s": 2.0}))  # fmt: skip
+
+    clock[0] = 1000.5
+    r.set(WORKER_KEY_PREFIX + "k@h", json.dumps({"instance": "alive", "heartbeat_unix_s": 1000.0, "heartbeat_s": 2.0}))
+    found = live_namesake(r, "k@h", clock=lambda: clock[0], sleep=beating)
+    assert found is not None and found["instance"] == "alive"
