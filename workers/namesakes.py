@@ -32,8 +32,9 @@ from protocol.keys import WORKER_KEY_PREFIX
 __all__ = ["MAX_SUFFIX", "RELEASE_SCRIPT", "STALE_PERIODS", "free_worker_name", "live_namesake",
            "namesake_message", "running_namesake"]
 
-STALE_PERIODS = 1.5
-"""A heartbeat older than this many of its periods is a stopped worker's (a live one beats every period)."""
+STALE_PERIODS = 2.5
+"""A heartbeat older than this many of its periods is a stopped worker's: a live one beats every period, and
+a busy one (the GIL, a loaded machine) may beat late, but its key expires at three."""
 MAX_SUFFIX = 64
 """Most names ``fleet worker`` tries for one model on one host."""
 

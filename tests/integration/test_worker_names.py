@@ -101,7 +101,7 @@ def test_a_stop_leaves_a_namesake_s_heartbeat_and_live_entry(fleet: Fleet) -> No
 
 
 def test_a_stale_heartbeat_does_not_hold_its_name(fleet: Fleet) -> None:
-    """A SIGKILLed worker's heartbeat lingers for its TTL (three periods); past 1.5 periods without a beat
+    """A SIGKILLed worker's heartbeat lingers for its TTL (three periods); past 2.5 periods without a beat
     its name is free again, so the restarted worker keeps it."""
     r: redis.Redis[bytes] = redis.Redis.from_url(fleet.redis_url)
     fresh = {"instance": "a", "heartbeat_unix_s": time.time(), "heartbeat_s": 2.0}
@@ -114,7 +114,7 @@ def test_a_stale_heartbeat_does_not_hold_its_name(fleet: Fleet) -> None:
 
 
 def test_a_killed_worker_s_name_is_taken_over_once_its_heartbeat_is_stale(fleet: Fleet) -> None:
-    """The heartbeat a SIGKILLed worker left is watched, not trusted: it never beats again, so once it is 1.5
+    """The heartbeat a SIGKILLed worker left is watched, not trusted: it never beats again, so once it is 2.5
     periods old the restarted worker starts under the name; a heartbeat that beats again is a live worker."""
     r: redis.Redis[bytes] = redis.Redis.from_url(fleet.redis_url)
     clock = [1000.5]
@@ -124,7 +124,7 @@ def test_a_killed_worker_s_name_is_taken_over_once_its_heartbeat_is_stale(fleet:
 
     r.set(WORKER_KEY_PREFIX + "k@h", json.dumps({"instance": "dead", "heartbeat_unix_s": 1000.0, "heartbeat_s": 2.0}))
     assert live_namesake(r, "k@h", clock=lambda: clock[0], sleep=sleep) is None
-    assert clock[0] >= 1003.0  # it waited for the heartbeat to grow stale
+    assert clock[0] >= 1005.0  # it waited for the heartbeat to grow stale (2.5 periods)
 
     def beating(s: float) -> None:  # the namesake beats while we watch
         clock[0] += s
