@@ -9,12 +9,14 @@ burst of generations is held to start together (:mod:`workers.scheduler`).
 from __future__ import annotations
 
 import redis
+from kombu.transport import redis as kombu_redis
 
 __all__ = ["KOMBU_PRIORITY_SEP", "KOMBU_PRIORITY_STEPS", "queue_depth"]
 
-KOMBU_PRIORITY_SEP = "\x06\x16"
-KOMBU_PRIORITY_STEPS = (3, 6, 9)
-"""kombu's Redis transport keeps priorities 3/6/9 in sibling lists ``<queue>\\x06\\x16<n>``."""
+KOMBU_PRIORITY_SEP: str = kombu_redis.Channel.sep
+"""kombu's separator between a queue's name and a priority step (``"\\x06\\x16"``)."""
+KOMBU_PRIORITY_STEPS = tuple(step for step in kombu_redis.Channel.priority_steps if step)
+"""kombu's priority steps with a list of their own (3, 6, 9: step 0 is the queue's own list)."""
 
 
 def queue_depth(client: redis.Redis[bytes], queue: str, *more: str) -> int:
