@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from protocol.messages import GenerationParams
 from protocol.settings import BatchingSettings
@@ -15,7 +17,7 @@ from protocol.tokenization import ByteTokenizer
 from workers.generation.kvcache import relayout, right_aligned_mask
 from workers.generation.loop import GenerationLoop
 from workers.generation.prefill_queue import plan_chunks
-from workers.generation.sampling import Sampler, apply_repetition_penalty, nucleus_probs
+from workers.generation.sampling import Sampler, apply_repetition_penalty, greedy_rows, nucleus_probs
 from workers.generation.sequence import GenSequence
 from workers.generation.stops import scan_stops
 
@@ -198,3 +200,23 @@ def test_tensorrt_profiles_cover_the_decode_range_of_a_kv_model() -> None:
 )
 def test_prefill_chunks_take_the_budget_oldest_first(remaining: list[int], budget: int, takes: list[int]) -> None:
     assert plan_chunks(remaining, budget) == takes
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 6).flatmap(lambda rows: st.lists(
+    st.lists(st.sampled_from([-1.5, 0.0, 0.25, 3.0, float("inf"), float("-inf"), float("nan")]),
+             min_size=5, max_size=5), min_size=rows, max_size=rows)))  # fmt: skip
+def test_a_batch_greedy_pick_is_each_rows_own_pick(rows: list[list[float]]) -> None:
+    """The decode step's one-call greedy picks equal what each row's sampler picks from its float64 copy,
+    ties (few distinct values), infinities and NaN included."""
+    logits = np.asarray(rows, dtype=np.float32)
+    sampler = Sampler(GenerationParams(max_new_tokens=1, temperature=0.0))
+    assert sampler.takes_argmax
+    assert greedy_rows(logits).tolist() == [sampler.pick(row, []) for row in logits]
+
+
+@pytest.mark.parametrize(("temperature", "penalty", "argmax"), [(0.0, 1.0, True), (0.0, 1.3, False),
+                                                                 (0.7, 1.0, False)])  # fmt: skip
+def test_only_plain_greedy_takes_the_batch_argmax(temperature: float, penalty: float, argmax: bool) -> None:
+    params = GenerationParams(max_new_tokens=1, temperature=temperature, repetition_penalty=penalty)
+    assert Sampler(params).takes_argmax is argmax

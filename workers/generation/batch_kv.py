@@ -214,7 +214,10 @@ class SlotKV:
         slots = [seq.slot for seq in running]
         logits, ms = self.decoder.decode_slots(self.cache, {s: t for s, t in zip(slots, tokens, strict=True)
                                                             if s is not None})
-        return logits[[s for s in slots if s is not None]], ms
+        rows = [s for s in slots if s is not None]
+        if rows == list(range(len(logits))):  # running order is slot order (no free slot inside): no copy
+            return logits, ms
+        return logits[rows], ms
 
     def row_kv(self, running: Sequence[GenSequence], row: int) -> Cache | None:
         seq = running[row]

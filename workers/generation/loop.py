@@ -38,6 +38,7 @@ from workers.generation.batch_kv import Prefilled, batch_kv_for
 from workers.generation.decoder import Decoder
 from workers.generation.prefill_queue import Joining, plan_chunks
 from workers.generation.prefix_cache import PrefixCache
+from workers.generation.sampling import greedy_rows
 from workers.generation.sequence import GenSequence
 
 __all__ = ["GenStepStats", "GenerationLoop"]
@@ -242,9 +243,15 @@ class GenerationLoop:
             return 0.0, 0
         tokens = [s.generated[-1] for s in self.running]
         logits, decode_ms = self.kv.decode(self.running, tokens)
+        argmax = [s.sampler.takes_argmax for s in self.running]
+        picked = greedy_rows(logits) if any(argmax) else None  # one call, not a float64 copy and argmax per row
         for row, seq in enumerate(self.running):
             seq.note_decode(rows, decode_ms)
-            if seq.accept(logits[row]):
+            if picked is not None and argmax[row]:
+                ended = seq.accept_token(int(picked[row]))
+            else:
+                ended = seq.accept(logits[row])
+            if ended:
                 self._keep_row(row)
                 finished.append(seq.end().finish_reason)
         return decode_ms, rows

@@ -15,7 +15,7 @@ import numpy.typing as npt
 
 from protocol.messages import GenerationParams
 
-__all__ = ["Sampler", "apply_repetition_penalty", "greedy", "nucleus_probs"]
+__all__ = ["Sampler", "apply_repetition_penalty", "greedy", "greedy_rows", "nucleus_probs"]
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -37,6 +37,13 @@ def apply_repetition_penalty(logits: FloatArray, seen: Iterable[int], penalty: f
 def greedy(logits: FloatArray) -> int:
     """Index of the largest logit; ties go to the lowest id (``argmax`` takes the first)."""
     return int(np.argmax(logits))
+
+
+def greedy_rows(logits: npt.NDArray[np.floating]) -> npt.NDArray[np.int64]:
+    """:func:`greedy` of every row of ``logits`` [rows, vocab] in one call: what a sampler that
+    :attr:`~Sampler.takes_argmax` picks (a float32 row and its float64 copy have the same largest entry,
+    ties and NaN included, since the copy is exact)."""
+    return np.asarray(np.argmax(logits, axis=-1), dtype=np.int64)
 
 
 def nucleus_probs(logits: FloatArray, temperature: float, top_k: int, top_p: float) -> FloatArray:
@@ -68,6 +75,12 @@ class Sampler:
     def __init__(self, params: GenerationParams) -> None:
         self.params = params
         self._rng = np.random.Generator(np.random.PCG64(params.seed or 0))
+
+    @property
+    def takes_argmax(self) -> bool:
+        """True when :meth:`pick` is the row's argmax whatever the history (greedy, no repetition
+        penalty): a batch's picks are then :func:`greedy_rows` of its logits, one call for all rows."""
+        return self.params.temperature == 0.0 and self.params.repetition_penalty == 1.0
 
     def pick(self, logits: npt.NDArray[np.floating], history: Iterable[int]) -> int:
         """The next token from one row of logits [vocab]; ``history`` = prompt + generated ids so far."""

@@ -135,7 +135,11 @@ class GenSequence:
 
     def accept(self, logits_row: npt.NDArray[np.floating]) -> bool:
         """Choose the next token from ``logits_row`` [vocab]; returns True when the sequence ended."""
-        token = self.sampler.pick(logits_row, self.history)
+        return self.accept_token(self.sampler.pick(logits_row, self.history))
+
+    def accept_token(self, token: int) -> bool:
+        """Take ``token`` (chosen by this sequence's sampler) as the next one; returns True when the
+        sequence ended. A decode step that picks a whole batch's greedy tokens at once calls this."""
         now = time.monotonic()
         if not self.generated:
             self._first_unix = time.time()
