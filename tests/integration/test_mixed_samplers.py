@@ -13,6 +13,7 @@ from pathlib import Path
 
 from protocol.messages import GenerationParams
 from tests.integration.multiturn import make_loop
+from workers.generation.inplace_decoder import InPlaceDecoder
 from workers.generation.loop import GenerationLoop
 from workers.generation.sequence import GenSequence
 
@@ -58,3 +59,24 @@ def test_a_batch_of_mixed_samplers_gives_each_request_its_tokens_alone(model_dir
     assert [o.token_ids for o in got] == alone
     assert [len(t) for t in alone] == [p.max_new_tokens for p in [*PARAMS, LATE]]
     assert got[-1].batch_size_max < len(PARAMS) + 1 and got[0].batch_size_max == len(PARAMS)
+
+
+def test_decode_steps_keep_one_binding_per_span_and_fresh_logits(model_dir: Path) -> None:
+    """Steps over one span of slots reuse one binding (only ids, mask, positions and logits are rebound);
+    a step's logits are its own (the next step does not write into them), and a new span binds anew."""
+    loop = make_loop(model_dir / "demo-llama" / "demo-llama-1.0.0.onnx", prefix_cache_bytes=0, max_batch_size=4)
+    decoder = loop.decoder
+    assert isinstance(decoder, InPlaceDecoder)
+    cache = decoder.new_cache(4)
+    slots = cache.take(3)
+    decoder.prefill_first(cache, slots, [[5, 6, 7], [8, 9], [10, 11, 12, 13]])
+    first, _ = decoder.decode_slots(cache, {0: 11, 1: 12, 2: 13})
+    kept = first.copy()
+    assert decoder._step_binding is not None
+    binding = decoder._step_binding[2]
+    second, _ = decoder.decode_slots(cache, {0: 14, 1: 15, 2: 16})
+    assert decoder._step_binding is not None and decoder._step_binding[2] is binding
+    assert (first == kept).all() and not (second == first).all()
+    cache.release(2)  # the span shrinks to 2 slots
+    third, _ = decoder.decode_slots(cache, {0: 17, 1: 18})
+    assert third.shape[0] == 2 and decoder._step_binding is not None and decoder._step_binding[2] is not binding

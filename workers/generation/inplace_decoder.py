@@ -47,6 +47,8 @@ class InPlaceDecoder(Decoder):
 
     def __init__(self, engine: Engine) -> None:
         super().__init__(engine)
+        self._step_binding: tuple[SlotCache, int, ort.IOBinding] | None = None
+        """The decode steps' binding: its cache bindings hold while the span of slots stays the same."""
         if not (self._has_mask and self._has_positions):
             raise ModelLoadError(f"{engine.model_path}: an in-place cache needs attention_mask and position_ids inputs",
                                  "inputs", ["attention_mask", "position_ids"])
@@ -71,19 +73,34 @@ class InPlaceDecoder(Decoder):
             binding.bind_input(name, "cpu", 0, np.float32, shape, pointer)
             binding.bind_output(self.present_for[name], "cpu", 0, np.float32, shape, pointer)
 
+    def _step_binding_for(self, cache: SlotCache, rows: int) -> ort.IOBinding:
+        """The binding of a decode step over slots ``0 .. rows - 1``: the last step's while the cache and
+        the span are the same (its 2 × layers cache bindings then still hold: the buffers never move), so
+        a step rebinds only its ids, mask, positions and logits."""
+        held = self._step_binding
+        if held is not None and held[0] is cache and held[1] == rows:
+            return held[2]
+        binding = self.session.io_binding()
+        binding.bind_output("logits", "cpu", 0)  # first: outputs come back in the order they were first bound
+        self._bind_slots(binding, cache, 0, rows)
+        self._step_binding = (cache, rows, binding)
+        return binding
+
     def _run(self, cache: SlotCache, first: int, ids: npt.NDArray[np.int64], mask: npt.NDArray[np.int64],
-             positions: npt.NDArray[np.int64]) -> tuple[FloatArray, float]:
-        """One call over slots ``first .. first + rows - 1``; returns (logits [rows, S or 1, vocab], ms)."""
+             positions: npt.NDArray[np.int64], *, step: bool = False) -> tuple[FloatArray, float]:
+        """One call over slots ``first .. first + rows - 1``; returns (logits [rows, S or 1, vocab], ms).
+        ``step``: a decode step (``first`` 0), on the binding kept for the steps of one span."""
         rows = int(ids.shape[0])
         if int(mask.sum(axis=1).max()) > cache.capacity:
             raise ValueError(f"a row would hold {int(mask.sum(axis=1).max())} tokens; the KV slots hold "
                              f"{cache.capacity} (the card's max_positions)")
-        binding = self.session.io_binding()
+        binding = self._step_binding_for(cache, rows) if step else self.session.io_binding()
         self._bind_input(binding, "input_ids", ids)
         self._bind_input(binding, "attention_mask", mask)
         self._bind_input(binding, "position_ids", positions)
         binding.bind_output("logits", "cpu", 0)
-        self._bind_slots(binding, cache, first, rows)
+        if not step:
+            self._bind_slots(binding, cache, first, rows)
         started = time.perf_counter()
         self.session.run_with_iobinding(binding)
         engine_ms = (time.perf_counter() - started) * 1000
@@ -131,7 +148,7 @@ class InPlaceDecoder(Decoder):
         ids = np.full((span, 1), self.engine.card.pad_token_id, dtype=np.int64)
         for slot, token in tokens.items():
             ids[slot, 0] = token
-        logits, engine_ms = self._run(cache, 0, ids, mask, lengths.reshape(span, 1).astype(np.int64))
+        logits, engine_ms = self._run(cache, 0, ids, mask, lengths.reshape(span, 1).astype(np.int64), step=True)
         for slot in tokens:
             cache.lengths[slot] += 1
         self._decode_steps += 1
