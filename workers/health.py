@@ -27,7 +27,7 @@ from typing import Any
 import redis
 
 from protocol.keys import CARD_KEY, LIVE_WORKERS_KEY, WORKER_KEY_PREFIX
-from workers.namesakes import RELEASE_SCRIPT
+from workers.namesakes import BEAT_SCRIPT, RELEASE_SCRIPT, STALE_PERIODS
 
 __all__ = ["Heartbeat", "list_workers", "read_card_json"]
 
@@ -51,6 +51,8 @@ class Heartbeat:
         self.instance = uuid.uuid4().hex
         """Marks this process's beats (``instance`` in the document): a stop deletes only its own
         (:mod:`workers.namesakes`)."""
+        self._ceded = False
+        """The last beat found the name held by a live worker of another process (logged once per loss)."""
         self.on_beat: list[Callable[[float], None]] = []
         """Called after each published beat with the heartbeat's expiry (unix s), on the beating thread;
         whatever one raises is logged, and the next one still runs."""
@@ -65,29 +67,50 @@ class Heartbeat:
         self.beat()
         self._thread.start()
 
+    def claim(self) -> dict[str, Any] | None:
+        """The first beat, before the worker takes any message: None when it was published (or Redis did not
+        answer: not a reason to refuse), else the heartbeat of the live worker of another process that holds
+        this name (nothing was written; :data:`~workers.namesakes.BEAT_SCRIPT`)."""
+        return self._beat_once()
+
     def beat(self) -> None:
-        """Publish the current snapshot, and this worker in its model's live set (errors are logged: Redis
-        may be restarting)."""
+        """Publish the current snapshot, and this worker in its model's live set, unless a live worker of
+        another process holds the name now (errors are logged: Redis may be restarting)."""
+        holder = self._beat_once()
+        if holder is None:
+            self._ceded = False
+        elif not self._ceded:  # once per loss: its beats are not published while the other one lives
+            self._ceded = True
+            log.error("heartbeat %s belongs to a live worker of another process (pid %s): this worker's beats are "
+                      "not published while it lives", self._key, holder.get("pid", "?"))  # fmt: skip
+
+    def _beat_once(self) -> dict[str, Any] | None:
         try:
             now = time.time()
             doc = {**self._snapshot(), "heartbeat_unix_s": now, "heartbeat_s": self._period_s,
                    "instance": self.instance}
             ttl_s = self.ttl_s
-            with self._client.pipeline(transaction=False) as pipe:
-                pipe.set(self._key, json.dumps(doc), ex=ttl_s)
-                if doc.get("model"):
-                    self._model = str(doc["model"])
-                    live = LIVE_WORKERS_KEY.format(model=self._model)
-                    pipe.zadd(live, {self._hostname: now + ttl_s})
-                    pipe.zremrangebyscore(live, "-inf", now)  # workers that died without removing themselves
-                    pipe.expire(live, ttl_s)
-                pipe.execute()
+            if doc.get("model"):
+                self._model = str(doc["model"])
+            keys = [self._key] + ([LIVE_WORKERS_KEY.format(model=self._model)] if doc.get("model") else [])
+            held = self._client.eval(BEAT_SCRIPT, len(keys), *keys, json.dumps(doc), self.instance, ttl_s,  # type: ignore[no-untyped-call]
+                                     repr(now), self._hostname, repr(STALE_PERIODS))  # fmt: skip
         except redis.RedisError as exc:
             log.warning("heartbeat to Redis failed: %s", exc)
-            return
+            return None
+        if held is not None:
+            try:
+                holder = json.loads(held)
+            except ValueError:
+                holder = {}
+            return holder if isinstance(holder, dict) else {}
+        self._run_hooks(now + ttl_s)
+        return None
+
+    def _run_hooks(self, expires_unix_s: float) -> None:
         for hook in self.on_beat:
             try:
-                hook(now + ttl_s)
+                hook(expires_unix_s)
             except redis.RedisError as exc:
                 log.warning("heartbeat hook %s: Redis failed: %s", getattr(hook, "__name__", hook), exc)
             except Exception:  # a hook's bug must not stop the heartbeat (the worker would look dead)

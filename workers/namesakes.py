@@ -11,7 +11,11 @@ worker serves model m") until its next beat.
 * a worker refuses to start (exit 3) under a name a live worker of another process holds
   (:func:`live_namesake`: a heartbeat that beats again), naming it and the way out (``--hostname``);
 * a stopping worker deletes its heartbeat and live-set entry only while they are its own
-  (:data:`RELEASE_SCRIPT`: each beat carries the process's ``instance``).
+  (:data:`RELEASE_SCRIPT`: each beat carries the process's ``instance``);
+* every beat, the first included, is written only while no live worker of another process holds the name
+  (:data:`BEAT_SCRIPT`, one step in Redis): two workers started under one name at the same instant both pass
+  the check above (neither beats until its model is loaded), and the second to claim the name refuses to
+  start then, before it takes any message.
 
 "Live" is a heartbeat beaten within :data:`STALE_PERIODS` of its own period: the heartbeat of a worker
 that was SIGKILLed lingers for three periods (its TTL), and its successor under the same name starts
@@ -29,7 +33,7 @@ import redis
 
 from protocol.keys import WORKER_KEY_PREFIX
 
-__all__ = ["MAX_SUFFIX", "RELEASE_SCRIPT", "STALE_PERIODS", "free_worker_name", "live_namesake",
+__all__ = ["BEAT_SCRIPT", "MAX_SUFFIX", "RELEASE_SCRIPT", "STALE_PERIODS", "free_worker_name", "live_namesake",
            "namesake_message", "running_namesake"]
 
 STALE_PERIODS = 2.5
@@ -54,6 +58,32 @@ return 1
 """
 """KEYS: the heartbeat key [, the model's live set]; ARGV: this process's instance, its hostname. Deletes both
 unless the heartbeat is another instance's (a namesake's); returns 1 when it did."""
+
+BEAT_SCRIPT = """
+local held = redis.call('GET', KEYS[1])
+if held then
+  local ok, doc = pcall(cjson.decode, held)
+  if ok and type(doc) == 'table' and doc['instance'] ~= nil and doc['instance'] ~= ARGV[2] then
+    local beat, period = tonumber(doc['heartbeat_unix_s']), tonumber(doc['heartbeat_s'])
+    if beat == nil or period == nil or tonumber(ARGV[4]) - beat <= tonumber(ARGV[6]) * period then
+      return held
+    end
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
+if #KEYS > 1 then
+  redis.call('ZADD', KEYS[2], tonumber(ARGV[4]) + tonumber(ARGV[3]), ARGV[5])
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[4])
+  redis.call('EXPIRE', KEYS[2], ARGV[3])
+end
+return false
+"""
+"""KEYS: the heartbeat key [, the model's live set]; ARGV: the beat's document, this process's instance, the
+TTL (s), now (unix s), the hostname, :data:`STALE_PERIODS`. Writes the beat (and the live entry) unless the key
+holds a live heartbeat of another instance (not stale, as :func:`running_namesake` reads it): then it writes
+nothing and returns that document. The check and the write are one step, so of two processes that start under
+one name at the same instant (both passed :func:`live_namesake` before either beat) the second to beat finds
+the first's heartbeat and never overwrites it."""
 
 
 def running_namesake(client: redis.Redis[bytes], hostname: str, *, now_s: float | None = None,

@@ -209,7 +209,16 @@ class WorkerRuntime:
 
     def start(self) -> None:
         """Start the scheduler thread, publish the model card and the first heartbeat, load a canary
-        the state names, then follow the state (the reconciler thread)."""
+        the state names, then follow the state (the reconciler thread).
+
+        Raises:
+            ConfigError: a live worker of another process claimed this worker's name first (both started
+                at once; :mod:`workers.namesakes`): nothing was started.
+        """
+        holder = self.heartbeat.claim()
+        if holder is not None:
+            raise ConfigError(namesake_message(self.hostname, holder, self.model_key), "hostname",
+                              "one live worker per name")  # fmt: skip
         self.scheduler.start()
         self.streams.start()
         if self.prefix_holder is not None:

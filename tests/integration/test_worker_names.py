@@ -135,3 +135,49 @@ def test_a_killed_worker_s_name_is_taken_over_once_its_heartbeat_is_stale(fleet:
     r.set(WORKER_KEY_PREFIX + "k@h", json.dumps({"instance": "alive", "heartbeat_unix_s": 1000.0, "heartbeat_s": 2.0}))
     found = live_namesake(r, "k@h", clock=lambda: clock[0], sleep=beating)
     assert found is not None and found["instance"] == "alive"
+
+
+def test_a_beat_never_takes_a_name_a_live_worker_of_another_process_holds(fleet: Fleet) -> None:
+    """The check before start and the first beat are apart by the model's load: two workers started under one
+    name at the same instant both passed the check. The beat itself is the claim (one script in Redis): the
+    second to beat finds the first's live heartbeat, writes nothing, and gets it back to refuse with."""
+    r: redis.Redis[bytes] = redis.Redis.from_url(fleet.redis_url)
+    live = LIVE_WORKERS_KEY.format(model=MODEL)
+    first = Heartbeat(r, "twin@test", lambda: {"model": MODEL, "pid": 111}, 2.0)
+    second = Heartbeat(r, "twin@test", lambda: {"model": MODEL, "pid": 222}, 2.0)
+    assert first.claim() is None
+    held = second.claim()
+    assert held is not None and held["instance"] == first.instance and held["pid"] == 111
+    assert _beat(r, "twin@test")["instance"] == first.instance  # untouched
+    entry = r.zscore(live, "twin@test")
+    second.beat()  # a later beat of the loser: still nothing written
+    assert _beat(r, "twin@test")["instance"] == first.instance and r.zscore(live, "twin@test") == entry
+    first.beat()
+    assert _beat(r, "twin@test")["instance"] == first.instance
+    stale = {**_beat(r, "twin@test"), "heartbeat_unix_s": time.time() - 10}  # its process stopped beating
+    r.set(WORKER_KEY_PREFIX + "twin@test", json.dumps(stale), ex=60)
+    assert second.claim() is None  # a stale heartbeat frees the name, as the check reads it
+    assert _beat(r, "twin@test")["instance"] == second.instance
+    assert r.zscore(live, "twin@test") is not None
+
+
+def test_two_workers_started_at_once_under_one_name_leave_one_running(fleet: Fleet) -> None:
+    """Both start before either beats; exactly one serves the name, the other exits 3 naming it, and the
+    heartbeat is the survivor's."""
+    cfg = fleet.config()
+    r: redis.Redis[bytes] = redis.Redis.from_url(fleet.redis_url)
+    twins = [fleet.worker(cfg, MODEL, hostname="twin@race", wait=False) for _ in range(2)]
+    procs = [t.proc for t in twins]
+    assert all(p is not None for p in procs)
+
+    def one_refused() -> bool:
+        return any(p is not None and p.poll() is not None for p in procs)
+
+    poll_until(one_refused, 180, "one of two same-named workers to exit")
+    refused = next(t for t in twins if t.proc is not None and t.proc.poll() is not None)
+    survivor = next(t for t in twins if t is not refused)
+    assert refused.proc is not None and refused.proc.returncode == 3, refused.log_tail()
+    assert "a worker named twin@race is already running" in refused.log_tail(20_000)
+    survivor.wait_ready(120)
+    assert survivor.proc is not None and survivor.proc.poll() is None
+    assert _beat(r, "twin@race")["pid"] == survivor.proc.pid
