@@ -5,8 +5,7 @@ One real celery worker on a real redis-server serves an LM big enough for the en
 capacity; a Poisson trace at a quarter of it with a 2 s burst at 1.5x is replayed for real and
 through the model (fed the service the worker reported in that run and the real submit times).
 The model's p50 and p99 queue wait must agree with the measured ones within a factor of 3 (or 10 ms)
-(planner.replay.agreement); a wrong model (two workers instead of one) must fall outside it, and one
-without the worker's per-request cost (engine time only) must predict shorter waits.
+(planner.replay.agreement), and a wrong model (two workers instead of one) must fall outside it.
 """
 
 from __future__ import annotations
@@ -29,8 +28,8 @@ def test_simulated_queue_wait_agrees_with_a_real_run(fleet: Fleet, tmp_path: Pat
         assert check_at.ok, check_at
     # a fleet of the wrong size is far outside (15 vs 511 ms at p50 in one run): the check can fail
     assert not result.passes(result.wrong["two workers"]), result.agreements(result.wrong["two workers"])
-    # leaving out the worker's per-request cost always predicts shorter waits; how much shorter varies
-    # with the machine's load (4x in one CI-sized run, 13x in docs/plan.md's), so only the direction
-    # is asserted here
-    engine_only = result.wrong["engine time only"]
-    assert engine_only.percentile_ms(50) < result.predicted.percentile_ms(50), result.to_json()
+    # The engine-time-only and no-batching models are reported, not asserted: on a loaded machine the
+    # calibrated batch cost grows almost linearly with the rows (10.5 ms + 8.9 per row in one CI run), and
+    # then leaving out the per-request stage can predict longer waits (259.5 vs 238.2 ms at p50 there: the
+    # stage spreads arrivals into more, smaller batches) as well as shorter ones (4x shorter in another).
+    # The stage's own effect is checked where it is known by hand (tests/unit/test_planner_model.py).
