@@ -66,7 +66,7 @@ def _start_flower(redis_url: str, logdir: Path) -> tuple[subprocess.Popen[bytes]
         [
             sys.executable,
             "-m",
-            "celery",
+            "producer.flower_main",  # celery flower, with a SIGTERM that always stops it
             "-b",
             redis_url,
             "flower",

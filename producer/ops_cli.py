@@ -290,7 +290,7 @@ def flower_command(
     cmd = [
         sys.executable,
         "-m",
-        "celery",
+        "producer.flower_main",  # celery flower, with a SIGTERM that always stops it
         "flower",
         f"--address={host or settings.flower.host}",
         f"--port={port or settings.flower.port}",

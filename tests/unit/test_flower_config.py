@@ -112,7 +112,7 @@ def test_flower_command_options_are_flower_options_and_secrets_stay_in_env(tmp_p
         redis_url="redis://:redis-secret@127.0.0.1:6379/0", flower={"basic_auth": ["ops:pw-secret"], "port": 5599}
     )
     cmd, env = flower_command(settings, None, None, tmp_path / "f.db")
-    assert cmd[1:4] == ["-m", "celery", "flower"]
+    assert cmd[1:4] == ["-m", "producer.flower_main", "flower"]
     options = dict(arg.removeprefix("--").split("=", 1) for arg in cmd[4:])
     assert all(is_flower_option(arg) for arg in cmd[4:])
     assert options == {
