@@ -196,8 +196,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_redis(args: argparse.Namespace) -> int:
-    import time
-
     from tools.redis_server import EmbeddedRedis
 
     # a taken port (PortInUse) or a loopback that is down (LoopbackDown): one line, exit 1 (producer.cli_errors)
@@ -208,11 +206,10 @@ def cmd_redis(args: argparse.Namespace) -> int:
         print(f"redis-server listening on port {server.port} (pid {server.proc.pid if server.proc else '?'}): "
               f"export FLEET_REDIS_URL={server.url}   (Ctrl-C stops it)", flush=True)
 
-    def wait() -> None:
-        while server.proc is not None and server.proc.poll() is None:
-            time.sleep(1)
+    def running() -> bool:
+        return server.proc is not None and server.proc.poll() is None
 
-    serve_until_stopped(ready, wait, server.stop)
+    serve_until_stopped(ready, running, server.stop)
     return 0
 
 

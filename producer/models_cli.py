@@ -129,11 +129,10 @@ def cmd_store(args: argparse.Namespace) -> int:
               f"{server.data_dir} (pid {pid}; log {server.log_path}):\nexport {exports}\n(Ctrl-C stops it)",
               flush=True)  # fmt: skip
 
-    def wait() -> None:
-        if server.proc is not None:
-            server.proc.wait()  # until Ctrl-C / SIGTERM (or the server dies)
+    def running() -> bool:
+        return server.proc is not None and server.proc.poll() is None  # until Ctrl-C / SIGTERM (or it dies)
 
-    serve_until_stopped(ready, wait, server.stop)
+    serve_until_stopped(ready, running, server.stop)
     return 0
 
 

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -65,34 +66,55 @@ def poll_until(check: Callable[[], Any], timeout_s: float, what: str, poll_s: fl
         time.sleep(poll_s)
 
 
+_STOP_REQUESTED = threading.Event()
+"""Set by the stop-signal handler of :func:`interrupt_on_stop_signals` (it outlives a dropped exception)."""
+
+
+def stop_requested() -> bool:
+    """Whether SIGINT or SIGTERM came since :func:`interrupt_on_stop_signals` set the handlers."""
+    return _STOP_REQUESTED.is_set()
+
+
 def interrupt_on_stop_signals() -> None:
-    """Make SIGINT and SIGTERM raise KeyboardInterrupt in this (main-thread) process.
+    """Make SIGINT and SIGTERM raise KeyboardInterrupt in this (main-thread) process, and note the request
+    (:func:`stop_requested`).
 
     A foreground command (``fleet redis``, ``fleet store``) stops its server cleanly on Ctrl-C; but a
     process started asynchronously by a non-interactive shell (``cmd &`` in a script, CI) inherits
     SIGINT *ignored*, and Python then installs no handler at all, so Ctrl-C and ``kill -INT`` would do
     nothing. Setting the handlers explicitly makes both signals work however the command was started.
+    Python runs a handler between bytecodes of whatever the main thread runs, finalizers included, and
+    drops an exception raised in a weakref callback or a ``__del__`` ("Exception ignored in …"): the note
+    is what a waiting loop still sees then (:func:`serve_until_stopped`).
     """
+    _STOP_REQUESTED.clear()
 
     def _interrupt(signum: int, frame: object) -> None:
+        _STOP_REQUESTED.set()
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
 
 
-def serve_until_stopped(ready: Callable[[], None], wait: Callable[[], None], stop: Callable[[], None]) -> None:
-    """A foreground server command's life: ``ready()`` (print the line its callers wait for), ``wait()``
-    until Ctrl-C or SIGTERM (or the server ends), then ``stop()``, always, once.
+STOP_CHECK_S = 0.2
+"""How often :func:`serve_until_stopped` checks the server and the stop note (s)."""
+
+
+def serve_until_stopped(ready: Callable[[], None], running: Callable[[], bool], stop: Callable[[], None]) -> None:
+    """A foreground server command's life: ``ready()`` (print the line its callers wait for), then wait while
+    ``running()`` (the server lives) until Ctrl-C or SIGTERM, then ``stop()``, always, once.
 
     The signal handlers are set before ``ready()``: a caller that acts on the printed line at once (a
     script's ``kill -INT``) may interrupt ``ready()`` itself, and still gets a clean stop and exit 0.
-    Further stop signals are ignored while ``stop()`` runs.
+    A stop signal whose KeyboardInterrupt Python dropped (it landed in a finalizer) still stops the wait
+    within :data:`STOP_CHECK_S`. Further stop signals are ignored while ``stop()`` runs.
     """
     interrupt_on_stop_signals()
     try:
         ready()
-        wait()
+        while not stop_requested() and running():
+            _STOP_REQUESTED.wait(STOP_CHECK_S)
     except KeyboardInterrupt:
         pass
     finally:

@@ -31,8 +31,9 @@ class Held:
     pass
 
 def finalizer(_ref):
-    os.kill(os.getpid(), signal.SIGTERM)  # the handler runs at the next bytecodes, here in the callback
-    sum(range(1000))
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(1000):  # the handler runs at the loop's first backward jump, inside the callback
+        pass
 
 held = Held()
 ref = weakref.ref(held, finalizer)
