@@ -41,6 +41,8 @@ class Heartbeat:
         self, client: redis.Redis[bytes], hostname: str, snapshot: Callable[[], dict[str, Any]], period_s: float
     ) -> None:
         self._client = client
+        self._beat_script = client.register_script(BEAT_SCRIPT)
+        self._release_script = client.register_script(RELEASE_SCRIPT)
         self._key = WORKER_KEY_PREFIX + hostname
         self._hostname = hostname
         self._model: str | None = None
@@ -90,11 +92,11 @@ class Heartbeat:
             doc = {**self._snapshot(), "heartbeat_unix_s": now, "heartbeat_s": self._period_s,
                    "instance": self.instance}
             ttl_s = self.ttl_s
-            if doc.get("model"):
-                self._model = str(doc["model"])
-            keys = [self._key] + ([LIVE_WORKERS_KEY.format(model=self._model)] if doc.get("model") else [])
-            held = self._client.eval(BEAT_SCRIPT, len(keys), *keys, json.dumps(doc), self.instance, ttl_s,  # type: ignore[no-untyped-call]
-                                     repr(now), self._hostname, repr(STALE_PERIODS))  # fmt: skip
+            model = str(doc["model"]) if doc.get("model") else None
+            if model is not None:
+                self._model = model
+            held = self._beat_script(self._script_keys(model), [json.dumps(doc), self.instance, ttl_s, repr(now),
+                                                                self._hostname, repr(STALE_PERIODS)])  # fmt: skip
         except redis.RedisError as exc:
             log.warning("heartbeat to Redis failed: %s", exc)
             return None
@@ -106,6 +108,11 @@ class Heartbeat:
             return holder if isinstance(holder, dict) else {}
         self._run_hooks(now + ttl_s)
         return None
+
+    def _script_keys(self, model: str | None) -> list[str]:
+        """The KEYS of :data:`~workers.namesakes.BEAT_SCRIPT` and ``RELEASE_SCRIPT``: the heartbeat, and
+        ``model``'s live set when the worker serves one."""
+        return [self._key] + ([LIVE_WORKERS_KEY.format(model=model)] if model else [])
 
     def _run_hooks(self, expires_unix_s: float) -> None:
         for hook in self.on_beat:
@@ -121,9 +128,8 @@ class Heartbeat:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(self._period_s * 2)
-        keys = [self._key] + ([LIVE_WORKERS_KEY.format(model=self._model)] if self._model else [])
         with contextlib.suppress(redis.RedisError):  # a namesake's heartbeat and live entry are left alone
-            if not self._client.eval(RELEASE_SCRIPT, len(keys), *keys, self.instance, self._hostname):  # type: ignore[no-untyped-call]
+            if not self._release_script(self._script_keys(self._model), [self.instance, self._hostname]):
                 log.warning("heartbeat %s now belongs to another process under the same name: left in place",
                             self._key)  # fmt: skip
 
