@@ -103,9 +103,11 @@ def input_names(model_path: Path) -> list[str]:
 
 
 def feeds_for(
-    names: Collection[str], card: ModelCard, batch: Sequence[Sequence[int]]
+    names: Collection[str], card: ModelCard, batch: Sequence[Sequence[int]],
+    kv_dtype: type[np.floating[Any]] = np.float32,
 ) -> dict[str, npt.NDArray[Any]]:
-    """Inputs named ``names`` for ``batch``, right-padded with ``card.pad_token_id`` (empty KV cache)."""
+    """Inputs named ``names`` for ``batch``, right-padded with ``card.pad_token_id`` (empty KV cache of
+    ``kv_dtype``: the graph's past inputs' type)."""
     width = max(len(s) for s in batch)
     ids = np.full((len(batch), width), card.pad_token_id, dtype=np.int64)
     mask = np.zeros((len(batch), width), dtype=np.int64)
@@ -121,7 +123,7 @@ def feeds_for(
         feeds["token_type_ids"] = np.zeros_like(ids)
     for name in names:
         if name.startswith("past_key_values."):
-            feeds[name] = np.zeros((len(batch), card.kv_heads, 0, card.head_dim), dtype=np.float32)
+            feeds[name] = np.zeros((len(batch), card.kv_heads, 0, card.head_dim), dtype=kv_dtype)
     return feeds
 
 

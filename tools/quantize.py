@@ -1,18 +1,20 @@
-"""``fleet quantize``: INT8 post-training quantization with an accuracy report and a gate.
+"""``fleet quantize``: INT8 post-training quantization, or an FP16 conversion, with an accuracy report and a gate.
 
-Two modes, both through ONNX Runtime's own tools, after ``quant_pre_process``:
+Three modes, all through ONNX Runtime's own tools (the INT8 ones after ``quant_pre_process``):
 
 * ``dynamic`` — INT8 weights, activations quantized on the fly (``quantize_dynamic``); the
   recommended mode for transformers on CPU; needs no data.
 * ``static`` — QDQ INT8 (``quantize_static``) calibrated on a set of token sequences (a JSONL
   file, or seeded synthetic prompts); ``symmetric`` makes activations and weights signed and
-  symmetric, as TensorRT's INT8 path wants (``trt_int8_enable``, no calibration table).
+  symmetric, as TensorRT's INT8 path wants (``trt_int8_enable``, no calibration table);
+* ``fp16`` — weights, activations and the KV cache in float16 (:mod:`tools.fp16`): what the CUDA
+  provider runs fast, and what its in-place KV cache needs.
 
-The target (``cfg.target``: ``cpu``, ``tensorrt``; ``cuda`` is refused) picks the mode:
+The target (``cfg.target``: ``cpu``, ``tensorrt``, ``cuda``) picks the mode (``cuda``: fp16, INT8 refused):
 :func:`tools.quantize_config.mode_for_target`.
 
 The result is a new versioned file next to the original — ``demo-lm-1.0.0.onnx`` →
-``demo-lm-1.0.0-int8.onnx`` (static: ``-int8-static``, symmetric: ``-int8-static-sym``) — with its
+``demo-lm-1.0.0-int8.onnx`` (static: ``-int8-static``, symmetric: ``-int8-static-sym``, fp16: ``-fp16``) — with its
 model card (``version`` and ``quantization`` set) and a JSON report ``<stem>.report.json``: file sizes
 and ratio, top-1 next-token agreement, mean KL and max |Δ log-prob| against FP32 on held-out
 prompts, and the latency ratio measured in the same run. The gate (``min_top1_agreement``,
@@ -55,7 +57,9 @@ from tools.calibration import (
     read_sequences,
     synthetic_sequences,
 )
+from tools.fp16 import convert_to_fp16
 from tools.quant_accuracy import AccuracyReport, compare_logits
+from workers.kv_dtype import kv_dtype
 
 __all__ = [
     "STATIC_OP_TYPES",
@@ -86,7 +90,9 @@ class QuantizationRefused(Exception):
 
 
 def label_for(cfg: QuantizeConfig) -> str:
-    """The card's ``quantization`` value, e.g. ``int8-dynamic`` or ``int8-static-qdq-symmetric``."""
+    """The card's ``quantization`` value, e.g. ``int8-dynamic``, ``int8-static-qdq-symmetric`` or ``fp16``."""
+    if cfg.mode == "fp16":
+        return "fp16"
     if cfg.mode == "dynamic":
         return "int8-dynamic" + ("-per-channel" if cfg.per_channel else "")
     return (
@@ -97,7 +103,9 @@ def label_for(cfg: QuantizeConfig) -> str:
 
 
 def default_version(base: str, cfg: QuantizeConfig) -> str:
-    """``1.0.0`` → ``1.0.0-int8`` (dynamic), ``1.0.0-int8-static``, ``1.0.0-int8-static-sym``."""
+    """``1.0.0`` → ``1.0.0-int8`` (dynamic), ``1.0.0-int8-static``, ``1.0.0-int8-static-sym``, ``1.0.0-fp16``."""
+    if cfg.mode == "fp16":
+        return f"{base}-fp16"
     if cfg.mode == "dynamic":
         return f"{base}-int8"
     return f"{base}-int8-static" + ("-sym" if cfg.symmetric else "")
@@ -123,7 +131,8 @@ def _session(path: Path, threads: int) -> ort.InferenceSession:
 
 
 def _quantize(src: Path, dst: Path, card: ModelCard, cfg: QuantizeConfig, progress: bool) -> dict[str, Any]:
-    """Write the INT8 model of ``src`` to ``dst``; returns the calibration facts for the report."""
+    """Write the INT8 (or FP16) model of ``src`` to ``dst``; returns the calibration (conversion) facts for the
+    report."""
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.ERROR)  # ORT's quantizer logs a pre-processing hint per call (on the root logger)
@@ -134,6 +143,8 @@ def _quantize(src: Path, dst: Path, card: ModelCard, cfg: QuantizeConfig, progre
 
 
 def _run_quantizer(src: Path, dst: Path, card: ModelCard, cfg: QuantizeConfig, progress: bool) -> dict[str, Any]:
+    if cfg.mode == "fp16":
+        return convert_to_fp16(src, dst)
     if cfg.mode == "dynamic":
         ops = list(cfg.op_types) if cfg.op_types else None
         quantize_dynamic(
@@ -171,13 +182,19 @@ def _run_quantizer(src: Path, dst: Path, card: ModelCard, cfg: QuantizeConfig, p
     return {"source": source, "sequences": len(seqs), "method": "minmax", "op_types": ops}
 
 
+def _inputs(sess: ort.InferenceSession) -> tuple[list[str], type[np.floating[Any]]]:
+    """The session's input names and its KV cache's element type (float32, or float16 after ``--mode fp16``)."""
+    inputs = sess.get_inputs()
+    return [i.name for i in inputs], kv_dtype([i for i in inputs if i.name.startswith("past_key_values.")])
+
+
 def _last_logits(
     sess: ort.InferenceSession, card: ModelCard, prompts: list[list[int]], desc: str, progress: bool
 ) -> npt.NDArray[np.float32]:
-    names = [i.name for i in sess.get_inputs()]
+    names, dtype = _inputs(sess)
     rows = []
     for seq in tqdm(prompts, desc=desc, unit="prompt", disable=not progress, leave=False):
-        (out,) = sess.run(["logits"], feeds_for(names, card, [seq]))
+        (out,) = sess.run(["logits"], feeds_for(names, card, [seq], kv_dtype=dtype))
         logits = np.asarray(out)
         rows.append(logits[0, min(len(seq), logits.shape[1]) - 1])  # a last-position-only model has 1
     return np.stack(rows).astype(np.float32)
@@ -190,29 +207,32 @@ def _latency(
     prompts: list[list[int]],
     rounds: int,
     progress: bool,
+    short: str,
 ) -> dict[str, float | int]:
-    """Mean ms per prompt of each session, runs interleaved so both see the same machine load."""
-    names = [i.name for i in ref.get_inputs()]
-    feeds = [feeds_for(names, card, [p]) for p in prompts]
-    spent = {"fp32": 0.0, "int8": 0.0}
-    for f in feeds[:2]:  # warm both (first runs allocate)
-        ref.run(["logits"], f)
-        cand.run(["logits"], f)
+    """Mean ms per prompt of each session, runs interleaved so both see the same machine load (the candidate's
+    figure is keyed ``<short>_ms``: ``int8_ms``, ``fp16_ms``)."""
+    sessions = {"fp32": ref, short: cand}
+    feeds = {name: [feeds_for(names, card, [p], kv_dtype=dtype) for p in prompts]
+             for name, (names, dtype) in ((name, _inputs(sess)) for name, sess in sessions.items())}
+    spent = dict.fromkeys(sessions, 0.0)
+    for i in range(min(2, len(prompts))):  # warm both (first runs allocate)
+        for name, sess in sessions.items():
+            sess.run(["logits"], feeds[name][i])
     for _ in tqdm(range(rounds), desc="latency", unit="round", disable=not progress, leave=False):
-        for f in feeds:
-            for name, sess in (("fp32", ref), ("int8", cand)):
+        for i in range(len(prompts)):
+            for name, sess in sessions.items():
                 start = time.perf_counter()
-                sess.run(["logits"], f)
+                sess.run(["logits"], feeds[name][i])
                 spent[name] += time.perf_counter() - start
-    runs = max(1, rounds * len(feeds))
-    fp32_ms, int8_ms = 1000 * spent["fp32"] / runs, 1000 * spent["int8"] / runs
+    runs = max(1, rounds * len(prompts))
+    fp32_ms, cand_ms = 1000 * spent["fp32"] / runs, 1000 * spent[short] / runs
     return {
-        "prompts": len(feeds),
+        "prompts": len(prompts),
         "rounds": rounds,
         "fp32_ms": round(fp32_ms, 3),
-        "int8_ms": round(int8_ms, 3),
-        "ratio": round(int8_ms / fp32_ms, 4),
-        "speedup": round(fp32_ms / int8_ms, 3),
+        f"{short}_ms": round(cand_ms, 3),
+        "ratio": round(cand_ms / fp32_ms, 4),
+        "speedup": round(fp32_ms / cand_ms, 3),
     }
 
 
@@ -273,6 +293,8 @@ def quantize_model(model_file: Path, cfg: QuantizeConfig, *, progress: bool = Tr
         raise ValueError(f"{model_file}: the accuracy report compares next-token logits; kind is {card.kind}")
     if cfg.symmetric and cfg.mode != "static":
         raise ValueError("symmetric applies to static QDQ quantization (--mode static)")
+    if cfg.mode == "fp16" and (cfg.per_channel or cfg.op_types or cfg.calibration_path):
+        raise ValueError("--per-channel, --op-types and --calibration apply to INT8 modes, not to --mode fp16")
     if mode_for_target(cfg.target, cfg.mode, cfg.symmetric) != (cfg.mode, cfg.symmetric):
         raise ValueError(f"--target {cfg.target} quantizes static QDQ, symmetric (--mode static --symmetric)")
     version = cfg.version or default_version(card.version, cfg)
@@ -280,24 +302,28 @@ def quantize_model(model_file: Path, cfg: QuantizeConfig, *, progress: bool = Tr
     if target.exists() and not cfg.overwrite:
         raise FileExistsError(f"{target} exists; pass --overwrite to replace it")
     new_card = card.model_copy(update={"version": version, "quantization": label_for(cfg)})
+    short = "fp16" if cfg.mode == "fp16" else "int8"  # the candidate in the report's keys: int8_bytes, fp16_ms…
     with tempfile.TemporaryDirectory(prefix=".quantize-", dir=model_file.parent) as tmp_dir:
         tmp = Path(tmp_dir)
         symbolic = importlib.util.find_spec("sympy") is not None
-        _say(f"pre-processing {model_file.name} (symbolic shapes: {symbolic})", progress)
-        quant_pre_process(str(model_file), str(tmp / "pre.onnx"), skip_symbolic_shape=not symbolic)
+        source = model_file
+        if cfg.mode != "fp16":  # the INT8 quantizers want inferred shapes; the FP16 converter infers its own
+            _say(f"pre-processing {model_file.name} (symbolic shapes: {symbolic})", progress)
+            quant_pre_process(str(model_file), str(tmp / "pre.onnx"), skip_symbolic_shape=not symbolic)
+            source = tmp / "pre.onnx"
         _say(f"quantizing ({label_for(cfg)})", progress)
-        calibration = _quantize(tmp / "pre.onnx", tmp / "raw.onnx", card, cfg, progress)
-        _stamp(tmp / "raw.onnx", new_card, tmp / "int8.onnx")
+        calibration = _quantize(source, tmp / "raw.onnx", card, cfg, progress)
+        _stamp(tmp / "raw.onnx", new_card, tmp / "out.onnx")
         prompts, eval_source = _eval_prompts(card, cfg)
         _say(f"comparing against FP32 on {len(prompts)} held-out prompts", progress)
         ref = _session(model_file, cfg.intra_op_threads)
-        cand = _session(tmp / "int8.onnx", cfg.intra_op_threads)
+        cand = _session(tmp / "out.onnx", cfg.intra_op_threads)
         acc = compare_logits(
             _last_logits(ref, card, prompts, "fp32", progress),
-            _last_logits(cand, card, prompts, "int8", progress),
+            _last_logits(cand, card, prompts, short, progress),
         )
-        latency = _latency(ref, cand, card, prompts[: cfg.latency_prompts], cfg.latency_rounds, progress)
-        fp32_bytes, int8_bytes = model_file.stat().st_size, (tmp / "int8.onnx").stat().st_size
+        latency = _latency(ref, cand, card, prompts[: cfg.latency_prompts], cfg.latency_rounds, progress, short)
+        fp32_bytes, out_bytes = model_file.stat().st_size, (tmp / "out.onnx").stat().st_size
         failures = _gate(acc, cfg)
         report: dict[str, Any] = {
             "source": str(model_file),
@@ -313,8 +339,8 @@ def quantize_model(model_file: Path, cfg: QuantizeConfig, *, progress: bool = Tr
             "calibration": calibration,
             "sizes": {
                 "fp32_bytes": fp32_bytes,
-                "int8_bytes": int8_bytes,
-                "ratio": round(int8_bytes / fp32_bytes, 4),
+                f"{short}_bytes": out_bytes,
+                "ratio": round(out_bytes / fp32_bytes, 4),
             },
             "accuracy": {**acc.as_dict(), "eval_source": eval_source},
             "latency": latency,
@@ -337,7 +363,7 @@ def quantize_model(model_file: Path, cfg: QuantizeConfig, *, progress: bool = Tr
                 report,
             )
         _say(f"writing {target}", progress)
-        (tmp / "int8.onnx").replace(target)  # same folder: an atomic rename
+        (tmp / "out.onnx").replace(target)  # same folder: an atomic rename
     card_path_for(target).write_text(new_card.model_dump_json(indent=2) + "\n")
     report_path_for(target).write_text(json.dumps(report, indent=2) + "\n")
     return QuantizeOutcome(target, report)

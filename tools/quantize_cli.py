@@ -2,11 +2,12 @@
 
 Prints the JSON report on stdout. Exit codes: 0 written; 1 refused by the accuracy gate (the
 message on stderr gives the measured figures, nothing is written) or by the store (``--publish``:
-the version exists, the store cannot be reached); 2 bad arguments or files, ``--target cuda`` (no
+the version exists, the store cannot be reached); 2 bad arguments or files, INT8 for ``--target cuda`` (no
 INT8 kernels there: the line says why and what to do instead), or a ``--mode`` the target does not take.
 
 ``--target cpu`` (default) quantizes as ``--mode`` says (dynamic by default); ``--target tensorrt``
-quantizes static QDQ, symmetric (``--mode static --symmetric``), what TensorRT builds INT8 layers from.
+quantizes static QDQ, symmetric (``--mode static --symmetric``), what TensorRT builds INT8 layers from;
+``--target cuda`` converts to FP16 (``--mode fp16``, :mod:`tools.fp16`).
 
 ``--publish VERSION`` then pushes the written INT8 file, its card and its ``.report.json`` to the
 model store (``store`` settings) as ``<name>/<VERSION>``, e.g. ``demo-lm/1.2.3-int8``; the JSON on
@@ -34,8 +35,8 @@ def register(subparsers: Any) -> None:
     d = QuantizeConfig()
     p: argparse.ArgumentParser = subparsers.add_parser(
         "quantize",
-        help="write an INT8 copy of a model (dynamic or static QDQ) with an accuracy report and gate",
-        description="Quantize MODEL.onnx to INT8 next to it (e.g. demo-lm-1.0.0-int8.onnx + card + "
+        help="write an INT8 (dynamic or static QDQ) or FP16 copy of a model with an accuracy report and gate",
+        description="Quantize MODEL.onnx to INT8 or FP16 next to it (e.g. demo-lm-1.0.0-int8.onnx + card + "
         ".report.json). The gate refuses to write a model below --min-top1-agreement or above --max-kl.",
     )
     p.add_argument("model", type=Path, help="FP32 .onnx file with its model card (.json) next to it")
@@ -43,14 +44,15 @@ def register(subparsers: Any) -> None:
         "--target",
         choices=TARGETS,
         default=d.target,
-        help="where the INT8 model runs: cpu (--mode as given, dynamic by default), tensorrt (static QDQ "
-        "symmetric), cuda (refused: the CUDA EP has no INT8 kernels; serve FP32 there)",
+        help="where the model runs: cpu (--mode as given, dynamic INT8 by default), tensorrt (static QDQ "
+        "symmetric), cuda (FP16; INT8 refused: the CUDA EP has no INT8 kernels)",
     )
     p.add_argument(
         "--mode",
-        choices=["dynamic", "static"],
+        choices=["dynamic", "static", "fp16"],
         default=None,
-        help=f"dynamic INT8 (no data) or static QDQ INT8 with calibration; default: the target's ({d.mode} for cpu)",
+        help="dynamic INT8 (no data), static QDQ INT8 with calibration, or fp16 (weights, activations and KV "
+        f"cache in float16); default: the target's ({d.mode} for cpu, fp16 for cuda)",
     )
     p.add_argument(
         "--symmetric",
@@ -99,7 +101,7 @@ def register(subparsers: Any) -> None:
         "--max-kl",
         type=float,
         default=d.max_kl,
-        help=f"gate: largest mean KL(P_fp32 || P_int8) in nats (default {d.max_kl})",
+        help=f"gate: largest mean KL(P_fp32 || P_quantized) in nats (default {d.max_kl})",
     )
     p.add_argument(
         "--version", default=None, help="version of the new file (default: <version>-int8[-static][-sym])"

@@ -39,6 +39,7 @@ from protocol.pooling import Pooling, load_pooling
 from protocol.settings import BatchingSettings, EngineSettings, LimitSettings
 from workers.inplace_graph import KVChoice, inplace_source
 from workers.int8_providers import int8_placement_warning
+from workers.kv_dtype import kv_dtype
 from workers.ort_session import ProviderStep, imported_ort_build, open_session
 from workers.padding import PaddedBatch, pad_batch
 from workers.placement import format_nodes, placement_warning, read_placement
@@ -274,6 +275,8 @@ class Engine:
         self._inputs = {i.name: i for i in self.session.get_inputs()}
         outputs = [o.name for o in self.session.get_outputs()]
         self._past = sorted(n for n in self._inputs if n.startswith("past_key_values."))
+        self.kv_dtype = kv_dtype([self._inputs[n] for n in self._past])
+        """numpy type of the KV cache (float32 or float16: the graph's ``past_key_values.*`` inputs)."""
         if card.kind == "causal_lm":
             if "logits" not in outputs:
                 raise ModelLoadError(
@@ -348,7 +351,7 @@ class Engine:
             feeds["token_type_ids"] = np.zeros_like(batch.input_ids)
         rows = batch.input_ids.shape[0]
         for name in self._past:
-            feeds[name] = np.zeros((rows, self.card.kv_heads, 0, self.card.head_dim), dtype=np.float32)
+            feeds[name] = np.zeros((rows, self.card.kv_heads, 0, self.card.head_dim), dtype=self.kv_dtype)
         return feeds
 
     def run(self, batch: PaddedBatch) -> npt.NDArray[np.float32]:

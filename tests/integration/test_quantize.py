@@ -144,19 +144,51 @@ def test_target_cpu_is_the_default_dynamic_int8(demo_lm: Path, capsys: pytest.Ca
     assert "DynamicQuantizeLinear" in ops
 
 
-@pytest.mark.parametrize("mode", [None, "dynamic", "static"])
-def test_target_cuda_is_refused_with_the_reason_and_the_fix(
-    demo_lm: Path, capsys: pytest.CaptureFixture[str], mode: str | None
+@pytest.mark.parametrize("mode", ["dynamic", "static"])
+def test_int8_for_target_cuda_is_refused_with_the_reason_and_the_fix(
+    demo_lm: Path, capsys: pytest.CaptureFixture[str], mode: str
 ) -> None:
     before = sorted(demo_lm.parent.iterdir())
-    code, report, err = _run(capsys, str(demo_lm), "--target", "cuda", *(["--mode", mode] if mode else []))
+    code, report, err = _run(capsys, str(demo_lm), "--target", "cuda", "--mode", mode)
     assert code == 2 and report is None
     [line] = err.strip().splitlines()
     assert line.startswith("fleet quantize: --target cuda: ")
     for words in ("DynamicQuantizeLinear/MatMulInteger", "42x slower than FP32", "serve the FP32 model on CUDA",
-                  "--target tensorrt"):  # fmt: skip
+                  "--mode fp16", "--target tensorrt"):  # fmt: skip
         assert words in line
     assert sorted(demo_lm.parent.iterdir()) == before  # nothing written
+
+
+def test_target_cuda_writes_fp16_with_report(demo_lm: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--target cuda`` without ``--mode``: FP16 (what the CUDA provider runs), through the same report and gate."""
+    code, report, err = _run(capsys, str(demo_lm), "--target", "cuda", "--overwrite")
+    assert code == 0, err
+    assert report is not None and (report["target"], report["mode"], report["quantization"]) == ("cuda", "fp16", "fp16")
+    expected = demo_lm.with_name("demo-lm-1.0.0-fp16.onnx")
+    assert Path(report["output"]) == expected and load_card(expected).quantization == "fp16"
+    assert report["sizes"]["fp16_bytes"] == expected.stat().st_size and 0.4 < report["sizes"]["ratio"] < 0.6
+    assert report["accuracy"]["top1_agreement"] >= 0.95 and report["latency"]["fp16_ms"] > 0
+    assert "int8_bytes" not in report["sizes"] and "int8_ms" not in report["latency"]
+    sess = ort.InferenceSession(str(expected), providers=["CPUExecutionProvider"])
+    feeds = feeds_for(input_names(expected), load_card(expected), [[5, 6, 7, 8]], kv_dtype=np.float16)
+    (logits,) = sess.run(["logits"], feeds)
+    assert logits.dtype == np.float32 and np.isfinite(logits).all()
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--target", "tensorrt", "--mode", "fp16"], ["engine.trt_fp16", "serve the FP32 file", "--target cuda"]),
+    (["--mode", "fp16", "--symmetric"], ["--symmetric applies to static QDQ INT8"]),
+    (["--mode", "fp16", "--per-channel"], ["apply to INT8 modes, not to --mode fp16"]),
+])  # fmt: skip
+def test_fp16_with_what_it_cannot_take_is_refused(
+    demo_lm: Path, capsys: pytest.CaptureFixture[str], argv: list[str], words: list[str]
+) -> None:
+    before = sorted(demo_lm.parent.iterdir())
+    code, report, err = _run(capsys, str(demo_lm), *argv)
+    assert code == 2 and report is None
+    for word in words:
+        assert word in err
+    assert sorted(demo_lm.parent.iterdir()) == before
 
 
 def test_target_with_a_conflicting_mode_is_refused(demo_lm: Path, capsys: pytest.CaptureFixture[str]) -> None:

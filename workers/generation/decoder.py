@@ -229,6 +229,8 @@ class Decoder:
         """(device type, device id) the outputs are bound on (:func:`decoder_device`)."""
         card = engine.card
         self._empty_shape = (card.kv_heads, 0, card.head_dim)
+        self.kv_dtype = engine.kv_dtype
+        """numpy type of the cache (the graph's past inputs: float32 or float16)."""
         self._h2d_bytes = self._d2h_bytes = self._prefills = self._decode_steps = self._tokens = 0
 
     @property
@@ -291,7 +293,7 @@ class Decoder:
         binding = self.session.io_binding()
         self._bind_common(binding, padded.input_ids, mask, positions)
         for name in self.past_names:
-            past = np.zeros((rows, self._empty_shape[0], past_width, self._empty_shape[2]), dtype=np.float32)
+            past = np.zeros((rows, self._empty_shape[0], past_width, self._empty_shape[2]), dtype=self.kv_dtype)
             for row, hit in enumerate(prefixes or ()):
                 if hit is not None:
                     past[row, :, past_width - hit.tokens :, :] = hit.kv[name]

@@ -63,15 +63,15 @@ class InPlaceDecoder(Decoder):
         """A cache of ``slots`` slots, each as long as the model card's ``max_positions``."""
         card = self.engine.card
         return SlotCache(self.past_names, slots=slots, kv_heads=card.kv_heads, capacity=card.max_positions,
-                         head_dim=card.head_dim)
+                         head_dim=card.head_dim, dtype=self.kv_dtype)
 
     def _bind_slots(self, binding: ort.IOBinding, cache: SlotCache, first: int, rows: int) -> None:
         heads, capacity, dim = cache.slot_shape
         shape = [rows, heads, capacity, dim]
         for name in self.past_names:
             pointer = cache.pointer(name, first)
-            binding.bind_input(name, "cpu", 0, np.float32, shape, pointer)
-            binding.bind_output(self.present_for[name], "cpu", 0, np.float32, shape, pointer)
+            binding.bind_input(name, "cpu", 0, cache.dtype, shape, pointer)
+            binding.bind_output(self.present_for[name], "cpu", 0, cache.dtype, shape, pointer)
 
     def _step_binding_for(self, cache: SlotCache, rows: int) -> ort.IOBinding:
         """The binding of a decode step over slots ``0 .. rows - 1``: the last step's while the cache and

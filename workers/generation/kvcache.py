@@ -43,7 +43,8 @@ def relayout(
 
     ``positions[r]`` is the count of real entries of row ``r`` of ``cache`` (its last columns);
     ``joiners[j][name]`` is ``[kv_heads, lengths[j], head_dim]`` (the real columns of a prefill).
-    Returns the new cache and its ``attention_mask``.
+    Returns the new cache (the element type of the arrays given: float32 or float16) and its
+    ``attention_mask``.
     """
     kept = [int(positions[r]) for r in keep]
     sizes = kept + [int(n) for n in lengths]
@@ -53,7 +54,7 @@ def relayout(
     for name in names:
         sample = joiners[0][name] if joiners else (cache or {})[name][0]
         heads, _, dim = sample.shape
-        arr = np.empty((len(sizes), heads, width, dim), dtype=np.float32)
+        arr = np.empty((len(sizes), heads, width, dim), dtype=sample.dtype)
         for row, size in enumerate(sizes):
             if size < width:
                 arr[row, :, : width - size, :] = 0.0

@@ -136,7 +136,7 @@ class PrefixCache:
         """
         if len(tokens) < self.block_tokens:
             return False
-        owned = {name: np.array(array[:, : len(tokens), :], dtype=np.float32, copy=True) for name, array in kv.items()}
+        owned = {name: np.array(array[:, : len(tokens), :], copy=True) for name, array in kv.items()}  # its own type
         nbytes = sum(a.nbytes for a in owned.values())
         if nbytes > self.max_bytes:
             return False

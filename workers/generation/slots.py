@@ -2,8 +2,9 @@
 
 For a graph whose attention is ``GroupQueryAttention`` (:mod:`tools.inplace_kv`), every
 ``past_key_values.*`` input and its ``present.*`` output are bound to the same buffer
-``[slots, kv_heads, capacity, head_dim]`` (float32, host memory): a step writes each row's new keys
-and values at the row's own column and reads only its first ``length + 1`` columns. A sequence owns
+``[slots, kv_heads, capacity, head_dim]`` (the graph's float32 or float16, host memory): a step writes
+each row's new keys and values at the row's own column and reads only its first ``length + 1`` columns.
+A sequence owns
 one slot from its first prefill to its end; a join writes only the joiner's slot and a leave frees
 one, so no other sequence's cache ever moves and a decode step copies no past.
 
@@ -13,20 +14,21 @@ a first-prompt prefill binds the joiners' run; a prompt that continues after a c
 earlier chunk binds its one slot.
 
 Sizes: ``slots`` is the loop's ``max_batch_size``; ``capacity`` the model card's ``max_positions``
-(tokens). Memory = ``2 x layers x slots x kv_heads x capacity x head_dim x 4`` bytes
-(:attr:`SlotCache.nbytes`).
+(tokens). Memory = ``2 x layers x slots x kv_heads x capacity x head_dim x`` 4 bytes (float32) or 2
+(float16) (:attr:`SlotCache.nbytes`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 __all__ = ["SlotCache", "contiguous_runs"]
 
-FloatArray = npt.NDArray[np.float32]
+FloatArray = npt.NDArray[np.floating[Any]]
 
 
 def contiguous_runs(slots: Sequence[int]) -> list[list[int]]:
@@ -44,15 +46,17 @@ class SlotCache:
     """The buffers, which slots are taken, and how many tokens each slot holds."""
 
     def __init__(self, past_names: Sequence[str], *, slots: int, kv_heads: int, capacity: int,
-                 head_dim: int) -> None:
+                 head_dim: int, dtype: type[np.floating[Any]] = np.float32) -> None:
+        """``dtype``: the element type of the graph's past inputs (float32 or float16)."""
         if slots < 1 or capacity < 2:
             raise ValueError(f"slots={slots} must be >= 1 and capacity={capacity} >= 2")
         self.past_names = list(past_names)
         self.slots = slots
         self.capacity = capacity
         self.buffers: dict[str, FloatArray] = {
-            name: np.zeros((slots, kv_heads, capacity, head_dim), dtype=np.float32) for name in self.past_names
+            name: np.zeros((slots, kv_heads, capacity, head_dim), dtype=dtype) for name in self.past_names
         }
+        self.dtype = np.dtype(dtype)
         self.lengths = np.zeros(slots, dtype=np.int64)
         """Per slot: tokens whose KV it holds (its next token's column)."""
         self._taken = np.zeros(slots, dtype=bool)

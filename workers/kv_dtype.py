@@ -1,0 +1,43 @@
+"""The element type of a causal LM's KV cache, read from its graph's ``past_key_values.*`` inputs.
+
+A float32 export and a float16 one (what GPU deployments serve: optimum's ``--dtype fp16``, or
+``python -m tools.fp16``) take the same inputs with different element types, and ONNX Runtime refuses
+a past of the other type ("Unexpected input data type"). Every array the worker makes for the cache
+(the empty past of a prefill, a re-laid-out batch, the in-place slots, the prefix cache's copies) takes
+the type this module reads from the session, never a fixed one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from protocol.errors import ModelLoadError
+
+__all__ = ["KV_DTYPES", "kv_dtype"]
+
+KV_DTYPES: dict[str, type[np.floating[Any]]] = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+"""ONNX Runtime's type string of a past input → the numpy type of the cache's arrays."""
+
+
+def kv_dtype(past_inputs: Sequence[Any]) -> type[np.floating[Any]]:
+    """The numpy element type of the cache from the session's ``past_key_values.*`` inputs (``NodeArg``s:
+    ``.name``, ``.type``); float32 when there are none.
+
+    Raises:
+        ModelLoadError: a past input of another type (bfloat16, double: numpy or the fleet's kernels
+            have none), or past inputs of mixed types; the message names the input and its type.
+    """
+    found: dict[str, str] = {arg.name: arg.type for arg in past_inputs}
+    for name, onnx_type in found.items():
+        if onnx_type not in KV_DTYPES:
+            raise ModelLoadError(
+                f"{name} is {onnx_type}; the KV cache can be float32 or float16 ({', '.join(KV_DTYPES)})",
+                name, onnx_type)
+    types = sorted(set(found.values()))
+    if len(types) > 1:
+        raise ModelLoadError(f"past_key_values inputs mix {' and '.join(types)}: one KV cache holds one type",
+                             "past_key_values.*", types)
+    return KV_DTYPES[types[0]] if types else np.float32
