@@ -3,9 +3,13 @@
 :func:`inplace_source` applies :func:`tools.inplace_kv.rewrite_inplace_kv` to the graph the worker
 serves (after the LM-head-last rewrite) when ``engine.kv_cache`` allows it; the generation loop then
 checks the result against the original on a probe (:mod:`workers.generation.inplace_check`) before
-it serves a token. The in-place cache lives in host memory and ONNX Runtime's ``GroupQueryAttention``
-runs float32 on the CPU provider only (its CUDA kernel takes float16/bfloat16), so a chain that
-requests a GPU provider keeps the ``Concat`` cache.
+it serves a token.
+
+Providers: on the CPU provider ``GroupQueryAttention`` runs float32 and float16, and the slots are host
+memory. A chain with a GPU provider gets the in-place cache only for a float16 graph (the CUDA kernel
+takes float16/bfloat16: ``fleet quantize --target cuda`` writes one) and with the CUDA provider in it
+(TensorRT does not run ``GroupQueryAttention``); its slots are then device memory. Otherwise the chain
+keeps the ``Concat`` cache, with the reason logged.
 """
 
 from __future__ import annotations
@@ -35,6 +39,12 @@ class KVChoice:
     """Why this cache (logged at load, shown by the bench)."""
 
 
+def _float16_cache(model: onnx.ModelProto) -> bool:
+    """True when the graph's ``past_key_values.*`` inputs are float16."""
+    types = {i.type.tensor_type.elem_type for i in model.graph.input if i.name.startswith("past_key_values.")}
+    return types == {onnx.TensorProto.FLOAT16}
+
+
 def _load(source: str | bytes) -> onnx.ModelProto:
     return onnx.load_from_string(source) if isinstance(source, bytes) else onnx.load(source, load_external_data=False)
 
@@ -50,12 +60,16 @@ def inplace_source(source: str | bytes, engine: EngineSettings, card: ModelCard,
     from tools.inplace_kv import has_inplace_attention, rewrite_inplace_kv
 
     reason = ""
-    if providers != ["CPUExecutionProvider"]:
-        reason = f"providers {providers}: the in-place cache runs on the CPU provider only"
+    gpu = [p for p in providers if p != "CPUExecutionProvider"]
+    if gpu and "CUDAExecutionProvider" not in providers:
+        reason = f"providers {providers}: on a GPU the in-place cache needs the CUDA provider (GroupQueryAttention)"
     else:
         try:
             model = _load(source)
-            if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
+            if gpu and not _float16_cache(model):
+                reason = (f"providers {providers}: GroupQueryAttention's CUDA kernel takes a float16 KV cache and "
+                          "this graph's is float32 (fleet quantize --target cuda writes a float16 file)")
+            elif any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
                 reason = "the weights are in external data"
             elif has_inplace_attention(model):
                 return KVChoice(source, True, "the graph's attention is GroupQueryAttention already")

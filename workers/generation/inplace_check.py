@@ -19,7 +19,6 @@ from protocol.errors import ModelLoadError
 from workers.engine import Engine
 from workers.generation.decoder import Decoder
 from workers.generation.inplace_decoder import InPlaceDecoder
-from workers.generation.slots import SlotCache
 
 __all__ = ["PROBE_TOLERANCE", "InPlaceMismatch", "open_decoder", "probe_inplace", "probe_tolerance"]
 
@@ -38,7 +37,8 @@ def probe_tolerance(dtype: type[np.floating[Any]]) -> float:
 
 
 class InPlaceMismatch(ModelLoadError):
-    """The in-place graph's probe disagrees with the original graph."""
+    """The in-place graph's probe disagrees with the original graph, or could not run (``engine.kv_cache: auto``
+    then serves the Concat cache: :func:`workers.engines._decoder`)."""
 
 
 def open_decoder(engine: Engine) -> Decoder:
@@ -46,12 +46,17 @@ def open_decoder(engine: Engine) -> Decoder:
     (after the probe agrees), a :class:`Decoder` otherwise.
 
     Raises:
-        InPlaceMismatch: the probe's relative error is over :func:`probe_tolerance` of the cache's type.
+        InPlaceMismatch: the probe's relative error is over :func:`probe_tolerance` of the cache's type, or the
+            decoder or its probe raised (the message names the exception).
     """
     if not engine.kv.in_place:
         return Decoder(engine)
-    decoder = InPlaceDecoder(engine)
-    error = probe_inplace(decoder, engine.concat_source)
+    try:
+        decoder = InPlaceDecoder(engine)
+        error = probe_inplace(decoder, engine.concat_source)
+    except Exception as exc:  # ORT's own errors (a device's kernel or allocation) as much as ours
+        raise InPlaceMismatch(f"the in-place decoder could not run its probe: {type(exc).__name__}: {exc}",
+                              "engine.kv_cache", "in_place") from exc
     tolerance = probe_tolerance(decoder.kv_dtype)
     if error > tolerance:
         raise InPlaceMismatch(f"the in-place graph's probe differs from the original by {error:.1e} "
@@ -85,8 +90,7 @@ def probe_inplace(decoder: InPlaceDecoder, original: str | bytes, *, seed: int =
     rng = np.random.default_rng(seed)
     high = min(card.vocab_size, 250)
     seqs = [[int(t) for t in rng.integers(3, high, size=14)] for _ in range(3)]
-    cache = SlotCache(decoder.past_names, slots=3, kv_heads=card.kv_heads, capacity=PROBE_CAPACITY,
-                      head_dim=card.head_dim, dtype=decoder.kv_dtype)
+    cache = decoder.slot_cache(3, PROBE_CAPACITY)
     cache.take(3)
     done = [5, 2, 9]
     pairs: list[tuple[np.ndarray, np.ndarray]] = []

@@ -14,8 +14,10 @@ Three kinds of call:
   prefix, an earlier chunk), one slot per call;
 - :meth:`InPlaceDecoder.decode_slots`: one token for every slot ``0 .. span-1``.
 
-The transfer meter of :class:`~workers.generation.decoder.Decoder` counts what is bound from the host
-and the logits read back; the cache itself is never bound from a fresh array.
+Where the slots live: host memory on the CPU provider; device memory on a GPU session
+(:attr:`InPlaceDecoder.slots_on_device`; the graph must be float16 and the CUDA provider active, since it
+runs ``GroupQueryAttention``). The transfer meter of :class:`~workers.generation.decoder.Decoder` counts
+what is bound from the host and the logits read back; the cache itself is never bound from a fresh array.
 """
 
 from __future__ import annotations
@@ -52,8 +54,13 @@ class InPlaceDecoder(Decoder):
         if not (self._has_mask and self._has_positions):
             raise ModelLoadError(f"{engine.model_path}: an in-place cache needs attention_mask and position_ids inputs",
                                  "inputs", ["attention_mask", "position_ids"])
-        if self.device[0] != "cpu":
-            raise ModelLoadError("the in-place KV cache runs on the CPU provider only", "engine.kv_cache", "in_place")
+        if self.device[0] != "cpu" and "CUDAExecutionProvider" not in self.session.get_providers():
+            raise ModelLoadError("the in-place KV cache on a GPU needs the CUDA provider active (it runs "
+                                 f"GroupQueryAttention); the session runs on {self.session.get_providers()}",
+                                 "engine.kv_cache", "in_place")
+        self.slots_on_device = self.device[0] != "cpu"
+        """Slot buffers as ONNX Runtime values on :attr:`device` (a GPU session) rather than numpy; a test may set
+        it on a CPU session to run the device path there."""
 
     @property
     def supports_prefix_reuse(self) -> bool:
@@ -62,16 +69,23 @@ class InPlaceDecoder(Decoder):
     def new_cache(self, slots: int) -> SlotCache:
         """A cache of ``slots`` slots, each as long as the model card's ``max_positions``."""
         card = self.engine.card
-        return SlotCache(self.past_names, slots=slots, kv_heads=card.kv_heads, capacity=card.max_positions,
-                         head_dim=card.head_dim, dtype=self.kv_dtype)
+        return self.slot_cache(slots, card.max_positions)
+
+    def slot_cache(self, slots: int, capacity: int) -> SlotCache:
+        """``slots`` slots of ``capacity`` tokens, of the graph's type, where :attr:`slots_on_device` says."""
+        card = self.engine.card
+        return SlotCache(self.past_names, slots=slots, kv_heads=card.kv_heads, capacity=capacity,
+                         head_dim=card.head_dim, dtype=self.kv_dtype,
+                         device=self.device if self.slots_on_device else None)
 
     def _bind_slots(self, binding: ort.IOBinding, cache: SlotCache, first: int, rows: int) -> None:
         heads, capacity, dim = cache.slot_shape
         shape = [rows, heads, capacity, dim]
+        kind, index = cache.device
         for name in self.past_names:
             pointer = cache.pointer(name, first)
-            binding.bind_input(name, "cpu", 0, cache.dtype, shape, pointer)
-            binding.bind_output(self.present_for[name], "cpu", 0, cache.dtype, shape, pointer)
+            binding.bind_input(name, kind, index, cache.dtype, shape, pointer)
+            binding.bind_output(self.present_for[name], kind, index, cache.dtype, shape, pointer)
 
     def _step_binding_for(self, cache: SlotCache, rows: int) -> ort.IOBinding:
         """The binding of a decode step over slots ``0 .. rows - 1``: the last step's while the cache and
