@@ -40,6 +40,7 @@ from workers.generation.inplace_check import open_decoder
 from workers.generation.inplace_decoder import InPlaceDecoder
 from workers.generation.loop import GenerationLoop, GenStepStats
 from workers.generation.sequence import GenSequence
+from workers.kv_dtype import session_kv_dtype
 from workers.ort_session import open_session
 
 __all__ = ["Work", "concat_share", "decode_limit", "load_engine", "loop_run", "relayout_cost"]
@@ -220,7 +221,8 @@ def loop_run(engine: Engine, work: Work, *, max_batch_size: int, continuous: boo
     }
 
 
-def _decode_feeds(card: ModelCard, names: Sequence[str], batch_size: int, past: int) -> dict[str, Any]:
+def _decode_feeds(card: ModelCard, names: Sequence[str], batch_size: int, past: int,
+                  dtype: type[np.floating[Any]] = np.float32) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     feeds: dict[str, Any] = {
         "input_ids": rng.integers(3, card.vocab_size, size=(batch_size, 1), dtype=np.int64),
@@ -230,7 +232,7 @@ def _decode_feeds(card: ModelCard, names: Sequence[str], batch_size: int, past: 
     shape = (batch_size, card.kv_heads, past, card.head_dim)
     for name in names:
         if name.startswith("past_key_values."):
-            feeds[name] = rng.standard_normal(shape, dtype=np.float32)
+            feeds[name] = rng.standard_normal(shape, dtype=np.float32).astype(dtype)
     return {k: v for k, v in feeds.items() if k in names}
 
 
@@ -246,7 +248,7 @@ def concat_share(model_path: Path, card: ModelCard, *, batch_size: int, past: in
             return opts
 
         sess, _steps = open_session(str(model_path), profiled, [(p, {}) for p in providers])
-        feeds = _decode_feeds(card, [i.name for i in sess.get_inputs()], batch_size, past)
+        feeds = _decode_feeds(card, [i.name for i in sess.get_inputs()], batch_size, past, session_kv_dtype(sess))
         for _ in range(runs):
             sess.run(None, feeds)
         events = json.loads(Path(sess.end_profiling()).read_text())

@@ -7,17 +7,18 @@ It answers, on the machine it runs on, in one run:
 2. **Providers**: TensorRT, CUDA and CPU, each loaded for real over a one-node graph; for one that
    does not load, why (the dynamic loader's own message, e.g. ``libnvinfer.so.10: cannot open shared
    object file``, or no GPU).
-3. **Node placement** of every served graph (FP32, dynamic INT8, static QDQ INT8) on every chain
+3. **Node placement** of every served graph (FP32, FP16, dynamic INT8, static QDQ INT8) on every chain
    that loads: how many nodes each provider ran in a profiled run (:mod:`workers.placement`).
 4. **Engine ceiling** per batch size: bare ``session.run`` of the graph the workers serve, on the
    report's provider chain (:mod:`bench.limit`), requests per second.
 5. **The fleet** on the same chain, side by side: one worker per configuration of the table
-   (batch 1, batching, INT8, TensorRT FP16 when TensorRT loads), the per-request path
+   (batch 1, batching, FP16, INT8, TensorRT FP16 when TensorRT loads), the per-request path
    (``fleet.infer``) and the bulk path (``fleet.infer_bulk``) at saturation, each as a share of
    the engine ceiling of its graph.
-6. **Generation**: continuous batching against one request at a time and static batches (tokens/s),
-   and the bytes the decoder copied host↔device per generated token (:class:`workers.generation.
-   decoder.Decoder` ``transfers``).
+6. **Generation**: continuous batching against one request at a time and static batches (tokens/s), for
+   the FP32 graph (the Concat cache on a GPU) and the FP16 one (the in-place cache where it applies: on a
+   GPU, slots in device memory), and the bytes the decoder copied host↔device per generated token on each
+   cache (:class:`workers.generation.decoder.Decoder` ``transfers``).
 
 On a machine without a GPU it runs on the CPU chain and says why each GPU provider is missing, so
 the same command (and its test) runs everywhere. Times are absolute wall-clock figures of the
@@ -38,6 +39,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import onnx
 import onnxruntime as ort
 
 __all__ = ["ReportPlan", "full_report_plan", "gpu_facts", "provider_rows", "quick_report_plan", "run_report"]
@@ -202,13 +204,21 @@ def _prompts(plan: ReportPlan, vocab_size: int) -> list[list[int]]:
 
 
 def build_report_models(plan: ReportPlan, work_dir: Path, say: Say) -> dict[str, str]:
-    """FP32, dynamic INT8 and (``quantize_static``) static QDQ INT8 of the preset's LM: name → path."""
+    """FP32, FP16 (``fleet quantize --target cuda``), dynamic INT8 and (``quantize_static``) static QDQ INT8 of
+    the preset's LM: name → path."""
     from bench.plan import quick_plan
     from bench.runner import build_models
+    from tools.quantize import quantize_model
+    from tools.quantize_config import QuantizeConfig
 
     bench_plan = replace(quick_plan(), preset=plan.preset, ablations=False, int8_variants=plan.quantize_static)
     built = build_models(bench_plan, work_dir, say)
     models = {"fp32": built["fp32"], "int8-dynamic": built["int8"]}
+    fp16 = QuantizeConfig(mode="fp16", target="cuda", eval_count=16, latency_rounds=1, latency_prompts=4,
+                          overwrite=True)
+    written = quantize_model(Path(built["fp32"]), fp16, progress=False).path
+    if written is not None:
+        models["fp16"] = str(written)
     static = built["variants"].get("static", {})
     if static.get("written"):
         models["int8-static-qdq"] = static["output"]
@@ -222,6 +232,7 @@ def placement_phase(models: dict[str, str], choices: list[str], plan: ReportPlan
     from protocol.modelcard import load_card
     from tools.calibration import feeds_for
     from workers.engine import graph_input_names
+    from workers.kv_dtype import graph_kv_dtype
     from workers.placement import profiled_placement
 
     rows = []
@@ -230,10 +241,11 @@ def placement_phase(models: dict[str, str], choices: list[str], plan: ReportPlan
         card = load_card(path)
         prompts = _prompts(plan, card.vocab_size)[:4]
         names = graph_input_names(path)  # the served graph's inputs are the file's (only the LM head is rewritten)
+        dtype = graph_kv_dtype(onnx.load(str(path), load_external_data=False))
         for choice in choices:
             source, make_options, chain = bare_parts(path, providers=provider_chain_for(choice),
                                                      max_batch_size=plan.max_batch_size)  # fmt: skip
-            placement = profiled_placement(source, make_options, chain, feeds_for(names, card, prompts))
+            placement = profiled_placement(source, make_options, chain, feeds_for(names, card, prompts, kv_dtype=dtype))
             rows.append({"model": variant, "chain": choice, "active": placement.active, "nodes": placement.nodes,
                          "total": placement.total})  # fmt: skip
     return rows
@@ -283,6 +295,9 @@ def _fleet_configs(models: dict[str, str], choice: str, plan: ReportPlan, rows: 
         "int8": replace(base, label="batching, dynamic INT8", model_name="report-int8",
                         model_path=Path(models["int8-dynamic"])),
     }  # fmt: skip
+    if "fp16" in models:
+        configs["fp16"] = replace(base, label="batching, FP16", model_name="report-fp16",
+                                  model_path=Path(models["fp16"]))
     trt = next((r for r in rows if r["provider"] == "TensorrtExecutionProvider"), {"loads": False})
     if trt["loads"]:
         configs["tensorrt-fp16"] = replace(
@@ -390,7 +405,8 @@ def generation_phase(model: str, choice: str, plan: ReportPlan, redis_url: str, 
                      "ttft_p50_ms": (sat.get("ttft") or {}).get("p50_ms"),
                      "inter_token_p50_ms": (sat.get("inter_token") or {}).get("p50_ms")}  # fmt: skip
     best = result["limit"]["best"]
-    return {"rows": rows, "limit_best": best, "providers": result["providers"], "workload": result["workload"]}
+    return {"rows": rows, "limit_best": best, "providers": result["providers"], "workload": result["workload"],
+            "kv_in_place": result.get("kv_in_place"), "model": Path(model).name}
 
 
 def transfer_phase(model: str, choice: str, plan: ReportPlan) -> dict[str, Any]:
@@ -399,6 +415,13 @@ def transfer_phase(model: str, choice: str, plan: ReportPlan) -> dict[str, Any]:
     from bench.transfers import measure_transfers
 
     return measure_transfers(Path(model), choice, rows=plan.transfer_rows, steps=plan.transfer_steps)
+
+
+def inplace_transfer_phase(model: str, choice: str, plan: ReportPlan) -> dict[str, Any]:
+    """The same script on the in-place cache (the FP16 graph: what a GPU chain serves in place)."""
+    from bench.transfers import measure_inplace_transfers
+
+    return measure_inplace_transfers(Path(model), choice, rows=plan.transfer_rows, steps=plan.transfer_steps)
 
 
 # -------------------------------------------------------------------------------------------------- run
@@ -448,7 +471,13 @@ def run_report(plan: ReportPlan, provider: str | None, work_dir: Path, say: Say)
             "scaling", lambda: scaling_phase(models, choice, plan, redis.url, work_dir, say))
         results["generation"] = timed(
             "generation", lambda: generation_phase(models["fp32"], choice, plan, redis.url, work_dir, say))
+        if "fp16" in models:
+            results["generation_fp16"] = timed(
+                "generation fp16", lambda: generation_phase(models["fp16"], choice, plan, redis.url, work_dir, say))
     results["transfers"] = timed("transfers", lambda: transfer_phase(models["fp32"], choice, plan))
+    if "fp16" in models:
+        results["transfers_in_place"] = timed(
+            "transfers in place", lambda: inplace_transfer_phase(models["fp16"], choice, plan))
     results["shares"] = shares(results)
     results["meta"] = {"plan": {k: v for k, v in asdict(plan).items() if k != "generation"},
                        "phases_s": phases, "duration_s": round(time.monotonic() - started, 1),
@@ -460,7 +489,7 @@ def run_report(plan: ReportPlan, provider: str | None, work_dir: Path, say: Say)
 def shares(results: dict[str, Any]) -> dict[str, Any]:
     """Each fleet row's req/s as a share of the engine ceiling of its graph (best batch size, and the
     batch size the workers are capped at)."""
-    model_of = {"baseline": "fp32", "batching": "fp32", "int8": "int8-dynamic"}
+    model_of = {"baseline": "fp32", "batching": "fp32", "int8": "int8-dynamic", "fp16": "fp16"}
     out: dict[str, Any] = {}
     for key, row in results["fleet"].items():
         ceiling = results["ceiling"].get(model_of.get(key, ""))

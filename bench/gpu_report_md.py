@@ -155,7 +155,7 @@ def _transfers(t: dict[str, Any]) -> list[str]:
     out = [
         f"Device of the cache: **{t['device']}** ({' → '.join(_short(p) for p in t['providers'])}). {t['rows']} rows, "
         f"prompts of {t['prompt_tokens']} tokens, {t['steps']} decode steps at a fixed membership, then one row "
-        "leaves (a re-layout).",
+        "leaves.",
         "",
         "| phase | host→device bytes | device→host bytes | tokens | bytes per token (both ways) |",
         "|---|---|---|---|---|",
@@ -163,7 +163,8 @@ def _transfers(t: dict[str, Any]) -> list[str]:
     for name, phase in {**t["phases"], "**all**": t["total"]}.items():
         out.append(f"| {name} | {_num(phase['h2d_bytes'])} | {_num(phase['d2h_bytes'])} | {phase['tokens']} "
                    f"| {_num(phase['bytes_per_token'])} |")  # fmt: skip
-    out += ["", f"The cache at the end: {_num(t['cache_bytes_at_end'])} bytes."]
+    what = "The slot buffers (preallocated)" if "slots" in t else "The cache at the end"
+    out += ["", f"{what}: {_num(t['cache_bytes_at_end'])} bytes."]
     if t.get("note"):
         out += ["", t["note"]]
     return out
@@ -227,10 +228,35 @@ def render(results: dict[str, Any], *, json_name: str = "gpu-report.json") -> st
         "## Generation",
         "",
         *_generation(results["generation"]),
+        *_generation_fp16(results.get("generation_fp16")),
         "",
         "## Host↔device copies per generated token",
         "",
+        "### Concat cache (FP32 graph)",
+        "",
         *_transfers(results["transfers"]),
+        *_transfers_in_place(results.get("transfers_in_place")),
         "",
     ]
     return "\n".join(lines)
+
+
+def _cache_of(gen: dict[str, Any]) -> str:
+    in_place = gen.get("kv_in_place")
+    return "in-place cache" if in_place else "Concat cache" if in_place is False else "cache not recorded"
+
+
+def _generation_fp16(gen: dict[str, Any] | None) -> list[str]:
+    if not gen:
+        return []
+    return ["", f"### FP16 graph ({gen.get('model', 'fp16')}, workers on the {_cache_of(gen)})", "",
+            *_generation(gen)]
+
+
+def _transfers_in_place(t: dict[str, Any] | None) -> list[str]:
+    if not t:
+        return []
+    if "skipped" in t:
+        return ["", "### In-place cache (FP16 graph)", "",
+                f"Not measured on this chain ({' → '.join(_short(p) for p in t['providers'])}): {t['skipped']}."]
+    return ["", f"### In-place cache (FP16 graph, {t['dtype']} slots in {t['slots']} memory)", "", *_transfers(t)]

@@ -23,6 +23,7 @@ from protocol.settings import BatchingSettings, EngineSettings, LimitSettings, M
 from tools.calibration import feeds_for
 from workers.engine import graph_input_names, provider_chain, serving_graph, session_options
 from workers.engines import served_source
+from workers.kv_dtype import session_kv_dtype
 from workers.ort_session import open_session
 
 __all__ = ["LimitPoint", "bare_latency_ms", "bare_parts", "bare_session", "bare_throughput"]
@@ -93,11 +94,11 @@ def bare_session(
 def _batches(
     sess: ort.InferenceSession, card: ModelCard, prompts: Sequence[Sequence[int]], batch_size: int
 ) -> list[dict[str, npt.NDArray[Any]]]:
-    names = [i.name for i in sess.get_inputs()]
+    names, dtype = [i.name for i in sess.get_inputs()], session_kv_dtype(sess)
     groups = [prompts[i : i + batch_size] for i in range(0, len(prompts) - batch_size + 1, batch_size)]
     if not groups:
         groups = [list(prompts[:batch_size]) * max(1, batch_size // max(1, len(prompts)))]
-    return [feeds_for(names, card, g) for g in groups]
+    return [feeds_for(names, card, g, kv_dtype=dtype) for g in groups]
 
 
 def bare_throughput(
@@ -127,8 +128,8 @@ def bare_throughput(
 
 def bare_latency_ms(sess: ort.InferenceSession, card: ModelCard, prompts: Sequence[Sequence[int]]) -> float:
     """Median ms of one ``session.run`` of one prompt (batch 1), over ``prompts`` in order."""
-    names = [i.name for i in sess.get_inputs()]
-    feeds = [feeds_for(names, card, [p]) for p in prompts]
+    names, dtype = [i.name for i in sess.get_inputs()], session_kv_dtype(sess)
+    feeds = [feeds_for(names, card, [p], kv_dtype=dtype) for p in prompts]
     sess.run(["logits"], feeds[0])
     times = []
     for f in feeds:

@@ -59,7 +59,7 @@ from tools.calibration import (
 )
 from tools.fp16 import convert_to_fp16
 from tools.quant_accuracy import AccuracyReport, compare_logits
-from workers.kv_dtype import kv_dtype
+from workers.kv_dtype import session_kv_dtype
 
 __all__ = [
     "STATIC_OP_TYPES",
@@ -184,8 +184,7 @@ def _run_quantizer(src: Path, dst: Path, card: ModelCard, cfg: QuantizeConfig, p
 
 def _inputs(sess: ort.InferenceSession) -> tuple[list[str], type[np.floating[Any]]]:
     """The session's input names and its KV cache's element type (float32, or float16 after ``--mode fp16``)."""
-    inputs = sess.get_inputs()
-    return [i.name for i in inputs], kv_dtype([i for i in inputs if i.name.startswith("past_key_values.")])
+    return [i.name for i in sess.get_inputs()], session_kv_dtype(sess)
 
 
 def _last_logits(

@@ -17,11 +17,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
 
 from protocol.errors import ModelLoadError
 from protocol.modelcard import ModelCard
 from protocol.settings import EngineSettings
+from workers.kv_dtype import graph_kv_dtype
 
 __all__ = ["KVChoice", "inplace_source"]
 
@@ -37,12 +39,6 @@ class KVChoice:
     in_place: bool
     reason: str
     """Why this cache (logged at load, shown by the bench)."""
-
-
-def _float16_cache(model: onnx.ModelProto) -> bool:
-    """True when the graph's ``past_key_values.*`` inputs are float16."""
-    types = {i.type.tensor_type.elem_type for i in model.graph.input if i.name.startswith("past_key_values.")}
-    return types == {onnx.TensorProto.FLOAT16}
 
 
 def _load(source: str | bytes) -> onnx.ModelProto:
@@ -66,7 +62,7 @@ def inplace_source(source: str | bytes, engine: EngineSettings, card: ModelCard,
     else:
         try:
             model = _load(source)
-            if gpu and not _float16_cache(model):
+            if gpu and graph_kv_dtype(model) is not np.float16:
                 reason = (f"providers {providers}: GroupQueryAttention's CUDA kernel takes a float16 KV cache and "
                           "this graph's is float32 (fleet quantize --target cuda writes a float16 file)")
             elif any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):

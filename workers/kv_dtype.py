@@ -16,10 +16,20 @@ import numpy as np
 
 from protocol.errors import ModelLoadError
 
-__all__ = ["KV_DTYPES", "kv_dtype"]
+__all__ = ["KV_DTYPES", "graph_kv_dtype", "kv_dtype", "session_kv_dtype"]
 
 KV_DTYPES: dict[str, type[np.floating[Any]]] = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 """ONNX Runtime's type string of a past input → the numpy type of the cache's arrays."""
+_ONNX_TYPE_NAMES = {1: "tensor(float)", 10: "tensor(float16)", 11: "tensor(double)", 16: "tensor(bfloat16)"}
+"""``onnx.TensorProto`` element types → ONNX Runtime's type strings (the others are named by number)."""
+PAST = "past_key_values."
+
+
+class _Arg:
+    """A graph input as :func:`kv_dtype` reads it (``onnx`` inputs have no ORT type string)."""
+
+    def __init__(self, name: str, onnx_type: str) -> None:
+        self.name, self.type = name, onnx_type
 
 
 def kv_dtype(past_inputs: Sequence[Any]) -> type[np.floating[Any]]:
@@ -41,3 +51,18 @@ def kv_dtype(past_inputs: Sequence[Any]) -> type[np.floating[Any]]:
         raise ModelLoadError(f"past_key_values inputs mix {' and '.join(types)}: one KV cache holds one type",
                              "past_key_values.*", types)
     return KV_DTYPES[types[0]] if types else np.float32
+
+
+def session_kv_dtype(session: Any) -> type[np.floating[Any]]:
+    """:func:`kv_dtype` of an ``onnxruntime.InferenceSession``'s past inputs."""
+    return kv_dtype([arg for arg in session.get_inputs() if arg.name.startswith(PAST)])
+
+
+def graph_kv_dtype(model: Any) -> type[np.floating[Any]]:
+    """:func:`kv_dtype` of an ``onnx.ModelProto``'s past inputs (before any session opens it)."""
+    args = []
+    for graph_input in model.graph.input:
+        if graph_input.name.startswith(PAST):
+            elem = graph_input.type.tensor_type.elem_type
+            args.append(_Arg(graph_input.name, _ONNX_TYPE_NAMES.get(elem, f"tensor(type {elem})")))
+    return kv_dtype(args)

@@ -51,12 +51,15 @@ def test_placement_counts_every_node_of_each_served_graph(report: tuple[dict[str
 
     results, _ = report
     models = {r["model"] for r in results["placement"]}
-    assert models == {"fp32", "int8-dynamic", "int8-static-qdq"}
+    assert models == {"fp32", "fp16", "int8-dynamic", "int8-static-qdq"}
     for row in results["placement"]:
         assert row["active"] == ["CPUExecutionProvider"]
         assert row["nodes"] == {"CPUExecutionProvider": row["total"]}
         # ONNX Runtime fuses nodes at load, so the count is of the optimized graph: at most the file's nodes
         graph_nodes = len(onnx.load(results["models"][row["model"]]["path"], load_external_data=False).graph.node)
+        if row["model"] == "fp16":  # the CPU provider runs float16 nodes it has no float16 kernel for between Casts
+            assert graph_nodes < row["total"] <= 2 * graph_nodes
+            continue
         assert 0 < row["total"] <= graph_nodes + 2  # + the last-position gather of the served graph
 
 
@@ -67,7 +70,7 @@ def test_the_fleet_is_measured_against_the_ceiling_of_its_own_graph(report: tupl
         assert [p["batch_size"] for p in entry["points"]] == plan["batch_sizes"], variant
         assert all(p["qps"] > 0 and p["runs"] >= 3 for p in entry["points"])
     fleet = results["fleet"]
-    assert set(fleet) == {"baseline", "batching", "int8"}  # no TensorRT rows: it does not load here
+    assert set(fleet) == {"baseline", "batching", "int8", "fp16"}  # no TensorRT rows: it does not load here
     for key, row in fleet.items():
         assert row["per_request"]["errors"] == 0 and row["per_request"]["requests"] > 0, key
         assert row["providers_active"] == ["CPUExecutionProvider"]
@@ -75,6 +78,7 @@ def test_the_fleet_is_measured_against_the_ceiling_of_its_own_graph(report: tupl
     # each worker's own count at load (heartbeat) equals the report's profiled count of the same graph
     assert fleet["batching"]["nodes_at_load"] == placement[("fp32", "cpu")]
     assert fleet["int8"]["nodes_at_load"] == placement[("int8-dynamic", "cpu")]
+    assert fleet["fp16"]["nodes_at_load"] == placement[("fp16", "cpu")]
     assert "Nodes per provider each worker counted at model load" in markdown
     assert fleet["batching"]["bulk"]["errors"] == 0 and fleet["batching"]["bulk"]["requests"] > 0
     shares = results["shares"]
@@ -109,6 +113,17 @@ def test_generation_and_transfers_hold_figures_of_the_run(report: tuple[dict[str
     first = t["phases"]["first decode step (cache from numpy)"]
     assert steady["h2d_bytes"] / steady["tokens"] < first["h2d_bytes"] / first["tokens"]  # the cache stays put
     assert "nothing crossed a bus" in markdown
+    fp16 = results["generation_fp16"]
+    assert fp16["kv_in_place"] is True and fp16["model"].endswith("-fp16.onnx")
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in fp16["rows"].values())
+    slots = results["transfers_in_place"]
+    assert (slots["dtype"], slots["slots"], slots["device"]) == ("float16", "host", "cpu")
+    assert slots["total"]["tokens"] == t["total"]["tokens"]
+    left = slots["phases"]["step after one row leaves (no re-layout)"]
+    after = t["phases"]["step after one row leaves (re-layout)"]
+    assert left["h2d_bytes"] < after["h2d_bytes"] / 10  # the cache is not sent up again: ids, mask, positions only
+    assert "### In-place cache (FP16 graph, float16 slots in host memory)" in markdown
+    assert "### FP16 graph (" in markdown and "workers on the in-place cache)" in markdown
 
 
 def test_a_provider_that_cannot_run_here_is_refused_before_anything_is_built(tmp_path: Path) -> None:
