@@ -282,12 +282,17 @@ def quantize_model(model_file: Path, cfg: QuantizeConfig, *, progress: bool = Tr
     Raises:
         QuantizationRefused: the gate failed; ``exc.report`` holds the measured figures.
         FileExistsError: the target exists and ``cfg.overwrite`` is False.
-        ValueError: not a causal LM, a symmetric dynamic request, ``cfg.target`` cuda or a mode ``cfg.target``
-            does not take (:func:`tools.quantize_config.mode_for_target`), or a bad calibration/eval file.
+        ValueError: not a causal LM, a source quantized already (card ``quantization``), a symmetric dynamic
+            request, INT8 for ``cfg.target`` cuda or a mode ``cfg.target`` does not take
+            (:func:`tools.quantize_config.mode_for_target`), INT8-only options with fp16, or a bad
+            calibration/eval file.
         ModelLoadError: no model card next to ``model_file``.
     """
     started = time.monotonic()
     card = load_card(model_file)
+    if (card.quantization or "fp32").strip().lower() not in ("fp32", "float32", "none"):
+        raise ValueError(f"{model_file.name} is {card.quantization} already (its card's quantization): quantize "
+                         "the FP32 file it was made from")
     if card.kind != "causal_lm":
         raise ValueError(f"{model_file}: the accuracy report compares next-token logits; kind is {card.kind}")
     if cfg.symmetric and cfg.mode != "static":

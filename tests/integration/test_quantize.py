@@ -175,6 +175,21 @@ def test_target_cuda_writes_fp16_with_report(demo_lm: Path, capsys: pytest.Captu
     assert logits.dtype == np.float32 and np.isfinite(logits).all()
 
 
+@pytest.mark.parametrize("mode", ["dynamic", "fp16"])
+def test_a_file_quantized_already_is_refused_by_its_card(
+    demo_lm: Path, capsys: pytest.CaptureFixture[str], mode: str
+) -> None:
+    """An FP16 file (or an INT8 one) is not quantized again: ONNX Runtime's quantizers failed on it deep inside."""
+    code, _report, err = _run(capsys, str(demo_lm), "--target", "cuda", "--overwrite")
+    assert code == 0, err
+    fp16 = demo_lm.with_name("demo-lm-1.0.0-fp16.onnx")
+    before = sorted(demo_lm.parent.iterdir())
+    code, report, err = _run(capsys, str(fp16), "--mode", mode)
+    assert code == 2 and report is None
+    assert "demo-lm-1.0.0-fp16.onnx is fp16 already (its card's quantization): quantize the FP32 file" in err
+    assert sorted(demo_lm.parent.iterdir()) == before
+
+
 @pytest.mark.parametrize(("argv", "words"), [
     (["--target", "tensorrt", "--mode", "fp16"], ["engine.trt_fp16", "serve the FP32 file", "--target cuda"]),
     (["--mode", "fp16", "--symmetric"], ["--symmetric applies to static QDQ INT8"]),
