@@ -176,8 +176,9 @@ class EngineSettings(_Section):
         "GroupQueryAttention so the KV cache is a preallocated buffer written at each sequence's own "
         "position (tools/inplace_kv.py; a join or leave moves no other sequence's cache, a decode step copies "
         "no past), checked against the original graph on a probe; 'concat' serves the graph's own "
-        "Concat cache; 'auto' = in_place where it applies (CPU provider, a graph the rewrite matches, "
-        "the probe equal), concat otherwise, with the reason logged.",
+        "Concat cache; 'auto' = in_place where it applies (the CPU provider, or a GPU chain with the CUDA "
+        "provider and a float16 graph; a graph the rewrite matches; the probe equal), concat otherwise, with "
+        "the reason logged.",
     )
 
     @model_validator(mode="after")
