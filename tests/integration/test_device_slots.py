@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from protocol.errors import ModelLoadError
 from protocol.modelcard import load_card
@@ -75,6 +77,44 @@ def test_device_slots_copy_in_and_out_like_host_slots(dtype: type[np.floating]) 
         dtype).itemsize)
     base = device.values[NAMES[1]].data_ptr()
     assert device.pointer(NAMES[1], 3) == base + 3 * 3 * 8 * 5 * np.dtype(dtype).itemsize
+
+
+_OPS = st.lists(st.one_of(
+    st.tuples(st.just("take"), st.integers(1, 3)),
+    st.tuples(st.just("write"), st.integers(0, 3), st.integers(0, 8)),
+    st.tuples(st.just("read"), st.integers(0, 3), st.integers(0, 8)),
+    st.tuples(st.just("release"), st.integers(0, 3)),
+), min_size=1, max_size=24)  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None, database=None, derandomize=True)
+@given(ops=_OPS, heads=st.integers(1, 3), half=st.booleans())
+def test_any_sequence_of_slot_operations_leaves_device_slots_equal_to_host_slots(
+        ops: list[tuple[object, ...]], heads: int, half: bool) -> None:
+    """Takes, writes of 0..capacity tokens, reads and releases in any order, on both kinds of buffer."""
+    dtype = np.float16 if half else np.float32
+    shape = {"slots": 4, "kv_heads": heads, "capacity": 8, "head_dim": 2}
+    host = SlotCache(NAMES[:2], **shape, dtype=dtype)
+    device = SlotCache(NAMES[:2], **shape, dtype=dtype, device=("cpu", 0))
+    rng = np.random.default_rng(len(ops))
+    for op in ops:
+        if op[0] == "take":
+            count = min(int(op[1]), host.free)  # type: ignore[call-overload]
+            assert device.take(count) == host.take(count)
+        elif op[0] == "release":
+            host.release(int(op[1]))  # type: ignore[call-overload]
+            device.release(int(op[1]))  # type: ignore[call-overload]
+        elif op[0] == "write":
+            kv = {name: rng.standard_normal((heads, int(op[2]), 2)).astype(dtype) for name in NAMES[:2]}  # type: ignore[call-overload]
+            host.write(int(op[1]), kv)  # type: ignore[call-overload]
+            device.write(int(op[1]), kv)  # type: ignore[call-overload]
+        else:
+            want, got = host.read(int(op[1]), int(op[2])), device.read(int(op[1]), int(op[2]))  # type: ignore[call-overload]
+            assert all(np.array_equal(got[name], want[name]) and got[name].dtype == dtype for name in NAMES[:2])
+        assert np.array_equal(device.lengths, host.lengths) and device.span == host.span
+    for name in NAMES[:2]:
+        assert np.array_equal(device.values[name].numpy(), host.buffers[name])
+    assert (device.written_bytes, device.read_bytes) == (host.written_bytes, host.read_bytes)
 
 
 def _device_loop(path: Path, batching: BatchingSettings) -> tuple[GenerationLoop, float]:
