@@ -138,6 +138,35 @@ class Arrival:
         return self._scheduler.submit_generation(seq, was_arriving=True)
 
 
+class CountOrZero:
+    """A count the scheduler reads to decide (``count()``), or 0 when it raises: a failure must not end the
+    scheduler's thread (every held request would wait for ever). A failure is logged once per failing
+    stretch, not at every decision of it (``traceback``: with the exception's, for a count that should not
+    fail), and the count answering again is logged too."""
+
+    def __init__(self, count: Callable[[], int], what: str, meanwhile: str, *, traceback: bool = False) -> None:
+        self._count = count
+        self.what = what
+        self.meanwhile = meanwhile
+        """What a failure costs, for the log line."""
+        self._traceback = traceback
+        self.failing = False
+
+    def __call__(self) -> int:
+        try:
+            count = self._count()
+        except Exception as exc:
+            if not self.failing:
+                log.warning("%s failed (%s: %s); counted as 0 (%s) until it answers", self.what,
+                            type(exc).__name__, exc, self.meanwhile, exc_info=self._traceback)  # fmt: skip
+            self.failing = True
+            return 0
+        if self.failing:
+            log.info("%s answers again", self.what)
+            self.failing = False
+        return count
+
+
 class Scheduler:
     """Owns the pending list and the engine thread."""
 
@@ -169,9 +198,10 @@ class Scheduler:
         self._gen_live: list[GenSequence] = []
         """Generations admitted to a loop and not yet reported to the outcome observers."""
         self._outcome_observers: list[OutcomeObserver] = []
-        self._backlog = backlog or (lambda: 0)
-        self._queued = queued or (lambda: 0)
-        self._queued_failing = False
+        self._on_their_way = CountOrZero(backlog or (lambda: 0), "the count of requests on their way to the scheduler",
+                                         "a wait for company ends early", traceback=True)  # a local count: a bug
+        self._queued_in_redis = CountOrZero(queued or (lambda: 0), "the count of messages waiting in Redis",
+                                            "bursts start without them")
         self.start_together_s = start_together_s
         self.policy = policy
         self.clock = clock
@@ -418,15 +448,6 @@ class Scheduler:
                          if u is not None]  # fmt: skip
                 self._cond.wait(max(0.0, min(until) - self.clock()) if until else None)
 
-    def _on_their_way(self) -> int:
-        """``backlog()``, or 0 when it fails: a failure there must not end the scheduler's thread (every held
-        request would wait for ever), it only ends a wait for company early."""
-        try:
-            return self._backlog()
-        except Exception:
-            log.exception("the backlog count failed; counted as 0")
-            return 0
-
     def _start_together_until(self, running: bool, on_the_way: int) -> float | None:
         """When the waiting generations should start (clock s) if they are held for company, else None.
 
@@ -446,20 +467,6 @@ class Scheduler:
         if on_the_way <= 0 and self._queued_in_redis() <= 0:
             return None
         return until
-
-    def _queued_in_redis(self) -> int:
-        """``queued()``, or 0 when it fails (Redis down or slow): the burst then starts without them.
-        A failure is logged once until a count succeeds again (not at every decision of an outage)."""
-        try:
-            count = self._queued()
-        except Exception as exc:
-            if not self._queued_failing:
-                log.warning("could not count the messages waiting in Redis (%s); bursts start without them "
-                            "until it answers", exc)  # fmt: skip
-            self._queued_failing = True
-            return 0
-        self._queued_failing = False
-        return count
 
     def _loop(self) -> None:
         while True:

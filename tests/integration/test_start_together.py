@@ -54,10 +54,10 @@ class WaitingInRedis:
             self.read.clear()
 
 
-def _scheduler(model_dir: Path, queued: object, batch: int) -> Scheduler:
+def _scheduler(model_dir: Path, queued: object, batch: int, backlog: object = None) -> Scheduler:
     loop = make_loop(model_dir / "demo-llama" / "demo-llama-1.0.0.onnx", prefix_cache_bytes=0, max_batch_size=batch)
     return Scheduler(loop.decoder.engine, BatchPolicy(batch, 0, 16_384), generation=loop,  # type: ignore[arg-type]
-                     start_together_s=HOLD_S, queued=queued)  # type: ignore[arg-type]
+                     start_together_s=HOLD_S, queued=queued, backlog=backlog)  # type: ignore[arg-type]
 
 
 def test_a_burst_still_waiting_in_redis_starts_together(model_dir: Path) -> None:
@@ -90,16 +90,20 @@ def test_nothing_waiting_in_redis_starts_a_lone_request_at_once(model_dir: Path)
     assert outcome.batch_size_max == 1 and waiting.reads >= 1
 
 
+@pytest.mark.parametrize("failing", ["queued", "backlog"])
 def test_a_failing_count_starts_the_burst_and_the_scheduler_lives(
-    model_dir: Path, caplog: pytest.LogCaptureFixture
+    model_dir: Path, caplog: pytest.LogCaptureFixture, failing: str
 ) -> None:
+    """Either count the start-together wait reads (messages in Redis, requests on their way) may raise: the
+    burst starts, the scheduler lives, and the failure is logged once per outage, not at every decision."""
     reads: list[int] = []
 
     def down() -> int:
         reads.append(1)
         raise ConnectionError("Redis is down")
 
-    sched = _scheduler(model_dir, down, batch=4)
+    sched = _scheduler(model_dir, down if failing == "queued" else WaitingInRedis(0), batch=4,
+                       backlog=down if failing == "backlog" else None)  # fmt: skip
     sched.start()
     try:
         with caplog.at_level(logging.WARNING, logger="fleet.scheduler"):
@@ -108,8 +112,11 @@ def test_a_failing_count_starts_the_burst_and_the_scheduler_lives(
     finally:
         sched.stop()
     assert first.batch_size_max == 1 and len(second.token_ids) == 6 and len(reads) >= 2
-    warnings = [r for r in caplog.records if "could not count the messages waiting in Redis" in r.getMessage()]
+    what = "messages waiting in Redis" if failing == "queued" else "requests on their way to the scheduler"
+    warnings = [r for r in caplog.records if f"the count of {what} failed (ConnectionError: Redis is down)"
+                in r.getMessage()]  # fmt: skip
     assert len(warnings) == 1  # once per outage, not at every decision
+    assert bool(warnings[0].exc_info) == (failing == "backlog")  # a local count failing is a bug: traced
 
 
 def test_a_full_batch_never_waits_for_more(model_dir: Path) -> None:
