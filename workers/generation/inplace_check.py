@@ -26,9 +26,10 @@ PROBE_CAPACITY = 32
 """Tokens per slot of the probe's own cache."""
 PROBE_TOLERANCE = 1e-4
 """Largest relative logit difference the probe accepts for a float32 cache (float32 rewrites give about 1e-6)."""
-FP16_PROBE_TOLERANCE = 5e-3
+FP16_PROBE_TOLERANCE = 1e-2
 """The same for a float16 graph: the rewritten attention and the original round float16 intermediates at
-different points, so they differ by a few float16 ulps (the demo Llama: 3e-4; float16's ulp at 1 is 1e-3)."""
+different points, so they differ by a few float16 ulps (float16's ulp at 1 is 1e-3; measured: the demo Llama
+3e-4, optimum's GPT-2 3e-4 and Llama 1.8e-3). A rewrite that is wrong differs by the logits themselves."""
 
 
 def probe_tolerance(dtype: type[np.floating[Any]]) -> float:
