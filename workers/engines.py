@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from protocol.generation_config import load_generation_defaults
 from protocol.modelcard import ModelCard, load_card
 from protocol.settings import FleetSettings, ModelSettings
@@ -99,8 +101,10 @@ def _decoder(engine: Engine, model: ModelSettings) -> tuple[Engine, Decoder | No
         engine = Engine(model.path, engine.card, settings, model.batching, model.limits)
         return engine, Decoder(engine)
     if engine.kv.in_place:
-        log.info("model %s %s: KV cache in place (GroupQueryAttention slots; probe relative error %.1e)",
-                 engine.card.name, engine.card.version, getattr(decoder, "probe_error", 0.0))
+        log.info("model %s %s: KV cache in place (GroupQueryAttention slots of %s in %s memory; probe relative "
+                 "error %.1e)", engine.card.name, engine.card.version, np.dtype(engine.kv_dtype).name,
+                 "device" if getattr(decoder, "slots_on_device", False) else "host",
+                 getattr(decoder, "probe_error", 0.0))  # fmt: skip
     return engine, decoder
 
 

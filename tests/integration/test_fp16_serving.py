@@ -156,7 +156,7 @@ def test_a_worker_serves_an_fp16_model(fleet: Fleet, models: dict[str, Path]) ->
     """A real ``celery worker`` on the float16 file: scoring and generation give what the in-process loop gives."""
     path = models["llama-fp16"]
     cfg = fleet.config(worker={"model": "demo-llama"}, models={"demo-llama": {"path": str(path)}})
-    fleet.worker(cfg, model="demo-llama", concurrency=8)
+    worker = fleet.worker(cfg, model="demo-llama", concurrency=8)
     client = fleet.client(cfg)
     scored = client.result(client.submit("demo-llama", [5, 17, 9, 30], top_k=3), wait=True, timeout_s=120)
     assert scored is not None and scored.version == "1.0.0-fp16"
@@ -169,3 +169,4 @@ def test_a_worker_serves_an_fp16_model(fleet: Fleet, models: dict[str, Path]) ->
     seq = GenSequence(request_id="x", prompt=[5, 17, 9, 30], eos_ids=frozenset(),
                       params=GenerationParams(**params, stream=False))
     assert generated.generation.token_ids == _tokens(make_loop(path, prefix_cache_bytes=0), [seq])[0]
+    assert "KV cache in place (GroupQueryAttention slots of float16 in host memory" in worker.log_path.read_text()
