@@ -203,3 +203,26 @@ def test_this_environment_has_only_the_cpu_build() -> None:
     out = subprocess.run([sys.executable, "-m", "pip", "list", "--format=freeze"], capture_output=True,
                          text=True, check=True).stdout.lower()
     assert "onnxruntime==" in out and "onnxruntime-gpu" not in out
+
+
+def test_gpu_wheel_serves_a_float16_model_in_place_after_the_gpu_steps_fall_back(
+        fleet: Fleet, gpu_python: str, tmp_path: Path) -> None:
+    """``fleet quantize --target cuda``'s file on the default chain: a float16 graph with CUDA in the chain gets
+    the in-place cache; here CUDA cannot load, the session runs on CPU, and the slots stay in host memory."""
+    from tools.build_llama import build_llama
+    from tools.quantize import quantize_model
+    from tools.quantize_config import QuantizeConfig
+
+    fp16 = quantize_model(build_llama(tmp_path / "models"), QuantizeConfig(mode="fp16", target="cuda", eval_count=8,
+                          latency_rounds=1, latency_prompts=2), progress=False).path  # fmt: skip
+    assert fp16 is not None
+    cfg = fleet.config(worker={"model": "demo-llama"}, models={"demo-llama": {"path": str(fp16)}})
+    worker = fleet.worker(cfg, model="demo-llama", python=gpu_python)
+    log = worker.log_tail(50000)
+    assert "ACTIVE ['CPUExecutionProvider']" in log and "FALLBACK" in log
+    assert "KV cache in place (GroupQueryAttention slots of float16 in host memory" in log
+    client = fleet.client(cfg)
+    params = {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}
+    result = client.result(client.submit("demo-llama", [5, 17, 9, 30], generation=params), wait=True, timeout_s=120)
+    assert result is not None and result.generation is not None and len(result.generation.token_ids) == 5
+    assert result.version == "1.0.0-fp16"
