@@ -52,6 +52,7 @@ from gateway.openai_routes import router as openai_router
 from gateway.outcomes import await_outcomes, await_watched
 from gateway.prefer import prefer_wait_s
 from gateway.responses_routes import router as responses_router
+from gateway.result_notifier import Watch
 from gateway.schema import (
     REQUEST_ID_PATTERN,
     BatchAccepted,
@@ -176,16 +177,20 @@ async def submit(body: SubmitBody, rate_key: CallerDep, gw: GatewayDep, wait_s: 
         request = _build(gw, body)
     else:
         request = await run_in_threadpool(_build, gw, body)
-    if body.request_id is None and gw.settings.api.group_submits:
-        item = SubmitItem([request], rate_key, [body.routing_key])
-        rid, status = (await gw.submits.submit(item))[0], RequestStatus.QUEUED
+    view: RequestView | None = None
+    if wait and body.request_id is None:  # a new ID: subscribed before it is queued, nothing stored to read first
+        key = gw.fleet.app.backend.get_key_for_task(request.request_id)
+        async with gw.results.watching([key]) as watch:
+            rid, status = await _queue(gw, request, rate_key, body)
+            view = await _view_when_published(gw, rid, watch, wait)
     else:
-        rid, status = await run_in_threadpool(_send_one, gw, request, rate_key, body)
+        rid, status = await _queue(gw, request, rate_key, body)
+        if wait:  # a caller-given ID may be finished already: its result is read first
+            view = await _view_when_done(gw, rid, wait)
     headers = {"Location": f"/v1/requests/{rid}", **applied}
+    if view is not None:
+        return _json(view, 200, headers=headers)
     if wait:
-        view = await _view_when_done(gw, rid, wait)
-        if view is not None:
-            return _json(view, 200, headers=headers)
         status = (await read_view(gw.fleet, gw.aredis, rid))[0].status  # the status at the end of the wait
     warning = await _no_worker_now(gw, request.model) if status is RequestStatus.QUEUED else None
     return _json(_accepted(rid, status, warning), 202, exclude_none=True, headers=headers)
@@ -211,6 +216,25 @@ def _checked_wait(gw: Gateway, wait_s: float) -> float:
     if wait_s > cap:
         raise InvalidRequest(f"wait_s = {wait_s} exceeds the long-poll limit api.max_wait_s={cap}", "wait_s", cap)
     return wait_s
+
+
+async def _queue(gw: Gateway, request: InferenceRequest, rate_key: str, body: SubmitBody) -> tuple[str, RequestStatus]:
+    """Queue ``request``: with the others that arrive meanwhile (no caller-given ID, ``api.group_submits``), or
+    alone; its ID and status (a caller-given ID's real one)."""
+    if body.request_id is None and gw.settings.api.group_submits:
+        item = SubmitItem([request], rate_key, [body.routing_key])
+        return (await gw.submits.submit(item))[0], RequestStatus.QUEUED
+    return await run_in_threadpool(_send_one, gw, request, rate_key, body)
+
+
+async def _view_when_published(gw: Gateway, request_id: str, watch: Watch, wait_s: float) -> RequestView | None:
+    """:func:`_view_when_done` for a request whose result channel ``watch`` subscribed before it was queued: no
+    first read of its key (nothing can be stored yet), the result comes with its publication."""
+    try:
+        outcomes = await await_watched(gw.fleet, gw.aredis, [request_id], watch, timeout_s=wait_s)
+    except ResultTimeout:
+        return None
+    return view_of_outcome(request_id, outcomes[request_id])
 
 
 async def _view_when_done(gw: Gateway, request_id: str, wait_s: float) -> RequestView | None:

@@ -17,6 +17,8 @@ import httpx
 import pytest
 
 from tests.integration.ops_fixtures import API_KEY, GatewayProcess, OpsFleet, ops_models, ops_redis
+from tests.integration.test_cancel_marks import Monitor
+from tools.processes import poll_until
 from tools.redis_server import EmbeddedRedis
 
 __all__ = ["ops_models", "ops_redis"]
@@ -173,6 +175,31 @@ def test_submit_with_wait_answers_the_result_in_one_exchange(fleet: Fleet) -> No
     next_token = {"model": "demo-lm", "input_ids": [5, 6], "output": {"kind": "next_token"}}
     one_step = fleet.http.post("/v1/requests", json=next_token, params={"wait_s": MAX_WAIT_S}, timeout=MAX_WAIT_S + 30)
     assert one_step.status_code == 200 and one_step.json()["result"]["top_k"], one_step.text
+
+
+def test_a_submit_wait_is_subscribed_before_the_request_is_queued(fleet: Fleet) -> None:
+    """``POST ?wait_s=`` with a new ID subscribes its result channel before the request is queued, so nothing
+    can be stored unheard and the key is not read first (before: queued, then subscribed, then read). Read
+    off Redis's own MONITOR, up to a marker command sent after the answer."""
+    monitor = Monitor(fleet.ops.redis_url)
+    try:
+        answer = fleet.http.post("/v1/requests", json={"model": "idle-lm", "input_ids": [1, 2, 3]},
+                                 params={"wait_s": 0.2})  # fmt: skip
+        assert answer.status_code == 202, answer.text
+        rid = answer.json()["request_id"]
+        marker = f"marker-{rid}"
+        fleet.ops.redis.get(marker)
+        poll_until(lambda: any(marker in c["command"] for c in monitor.commands), 30, "the marker in MONITOR")
+    finally:
+        monitor.close()
+    commands = [c["command"] for c in monitor.commands]
+    key = f"celery-task-meta-{rid}"
+    subscribed = next(i for i, c in enumerate(commands) if c.startswith("SUBSCRIBE") and key in c)
+    queued = next(i for i, c in enumerate(commands) if rid in c and key not in c)  # the submit script
+    assert subscribed < queued, commands[subscribed - 2 : queued + 2]
+    reads = [c for c in commands if c.split(" ", 1)[0] in ("GET", "MGET") and key in c]
+    # the backstop's read at the bound and the status read of the 202: no read before the first publication
+    assert len(reads) == 2, reads
 
 
 def test_submit_wait_bound_answers_202_with_the_status_then(fleet: Fleet) -> None:
