@@ -10,6 +10,8 @@ and gate as INT8 (:mod:`tools.quantize`). What changes and what does not:
 - every other graph input and output keeps its type (``input_ids`` int64, ``logits`` and
   ``last_hidden_state`` float32), so producers, clients and the worker's post-processing see what they did.
 
+Causal LMs and encoders alike (an encoder's report compares its mean-pooled vectors).
+
 The worker reads the cache's type from the graph (:mod:`workers.kv_dtype`), so a float16 export from
 elsewhere (optimum's ``--dtype fp16``) is served the same way.
 """

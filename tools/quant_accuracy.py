@@ -1,4 +1,4 @@
-"""How far a quantized model's next-token distribution drifts from FP32's (pure numpy, no I/O).
+"""How far a quantized model's next-token distribution (or an encoder's vectors) drifts from FP32's (pure numpy).
 
 All figures compare two ``[n, vocab]`` arrays of last-position logits, row by row:
 
@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["AccuracyReport", "compare_logits", "log_softmax"]
+__all__ = ["AccuracyReport", "EmbeddingAccuracy", "compare_embeddings", "compare_logits", "log_softmax"]
 
 FloatArray = npt.NDArray[np.floating]
 
@@ -72,3 +72,37 @@ def compare_logits(reference: FloatArray, candidate: FloatArray, top: int = 5) -
         max_abs_delta_logprob=float(delta.max()),
         max_abs_delta_logprob_top5=float(np.take_along_axis(delta, top_ids, axis=-1).max()),
     )
+
+
+@dataclass(frozen=True)
+class EmbeddingAccuracy:
+    """Drift of an encoder's converted copy against FP32: mean-pooled token vectors, prompt by prompt."""
+
+    prompts: int
+    """Rows compared."""
+    min_cosine: float
+    """Smallest cosine similarity between a prompt's two vectors (1 = the same direction)."""
+    mean_cosine: float
+    max_abs_delta: float
+    """Largest |candidate - reference| over every prompt and dimension, divided by the largest |reference|."""
+
+    def as_dict(self) -> dict[str, float | int]:
+        """JSON-friendly view."""
+        return asdict(self)
+
+
+def compare_embeddings(reference: FloatArray, candidate: FloatArray) -> EmbeddingAccuracy:
+    """Compare ``candidate`` vectors to ``reference`` (both ``[n, dim]``, same prompts in order).
+
+    Raises:
+        ValueError: the shapes differ, are not 2-D, or hold no rows.
+    """
+    ref = np.asarray(reference, dtype=np.float64)
+    cand = np.asarray(candidate, dtype=np.float64)
+    if ref.shape != cand.shape or ref.ndim != 2 or ref.shape[0] == 0:
+        raise ValueError(f"need two equal [n, dim] arrays with n >= 1, got {ref.shape} and {cand.shape}")
+    norms = np.linalg.norm(ref, axis=1) * np.linalg.norm(cand, axis=1)
+    cosine = np.where(norms > 0, np.sum(ref * cand, axis=1) / np.where(norms > 0, norms, 1.0), 1.0)
+    scale = float(np.abs(ref).max()) or 1.0
+    return EmbeddingAccuracy(prompts=int(ref.shape[0]), min_cosine=float(cosine.min()),
+                             mean_cosine=float(cosine.mean()), max_abs_delta=float(np.abs(cand - ref).max()) / scale)

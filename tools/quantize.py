@@ -17,8 +17,9 @@ The result is a new versioned file next to the original — ``demo-lm-1.0.0.onnx
 ``demo-lm-1.0.0-int8.onnx`` (static: ``-int8-static``, symmetric: ``-int8-static-sym``, fp16: ``-fp16``) — with its
 model card (``version`` and ``quantization`` set) and a JSON report ``<stem>.report.json``: file sizes
 and ratio, top-1 next-token agreement, mean KL and max |Δ log-prob| against FP32 on held-out
-prompts, and the latency ratio measured in the same run. The gate (``min_top1_agreement``,
-``max_kl``) refuses to write a model that falls below it: :class:`QuantizationRefused` carries the
+prompts (an encoder, ``fp16`` only: the cosine similarity of each prompt's mean-pooled vectors), and the
+latency ratio measured in the same run. The gate (``min_top1_agreement``, ``max_kl``; an encoder's
+``min_cosine``) refuses to write a model that falls below it: :class:`QuantizationRefused` carries the
 measured figures and nothing is written.
 """
 
@@ -58,7 +59,7 @@ from tools.calibration import (
     synthetic_sequences,
 )
 from tools.fp16 import convert_to_fp16
-from tools.quant_accuracy import AccuracyReport, compare_logits
+from tools.quant_accuracy import AccuracyReport, EmbeddingAccuracy, compare_embeddings, compare_logits
 from workers.kv_dtype import session_kv_dtype
 
 __all__ = [
@@ -187,16 +188,21 @@ def _inputs(sess: ort.InferenceSession) -> tuple[list[str], type[np.floating[Any
     return [i.name for i in sess.get_inputs()], session_kv_dtype(sess)
 
 
-def _last_logits(
+def _per_prompt(
     sess: ort.InferenceSession, card: ModelCard, prompts: list[list[int]], desc: str, progress: bool
 ) -> npt.NDArray[np.float32]:
+    """One row per prompt (one prompt per run: no padding): a causal LM's logits at its last token, an
+    encoder's ``last_hidden_state`` averaged over its tokens."""
     names, dtype = _inputs(sess)
+    encoder = card.kind == "encoder"
+    output = "last_hidden_state" if encoder else "logits"
     rows = []
     for seq in tqdm(prompts, desc=desc, unit="prompt", disable=not progress, leave=False):
-        (out,) = sess.run(["logits"], feeds_for(names, card, [seq], kv_dtype=dtype))
-        logits = np.asarray(out)
-        rows.append(logits[0, min(len(seq), logits.shape[1]) - 1])  # a last-position-only model has 1
-    return np.stack(rows).astype(np.float32)
+        (out,) = sess.run([output], feeds_for(names, card, [seq], kv_dtype=dtype))
+        array = np.asarray(out, dtype=np.float32)
+        # a last-position-only LM head gives one position
+        rows.append(array[0].mean(axis=0) if encoder else array[0, min(len(seq), array.shape[1]) - 1])
+    return np.stack(rows)
 
 
 def _latency(
@@ -211,17 +217,18 @@ def _latency(
     """Mean ms per prompt of each session, runs interleaved so both see the same machine load (the candidate's
     figure is keyed ``<short>_ms``: ``int8_ms``, ``fp16_ms``)."""
     sessions = {"fp32": ref, short: cand}
+    output = "last_hidden_state" if card.kind == "encoder" else "logits"
     feeds = {name: [feeds_for(names, card, [p], kv_dtype=dtype) for p in prompts]
              for name, (names, dtype) in ((name, _inputs(sess)) for name, sess in sessions.items())}
     spent = dict.fromkeys(sessions, 0.0)
     for i in range(min(2, len(prompts))):  # warm both (first runs allocate)
         for name, sess in sessions.items():
-            sess.run(["logits"], feeds[name][i])
+            sess.run([output], feeds[name][i])
     for _ in tqdm(range(rounds), desc="latency", unit="round", disable=not progress, leave=False):
         for i in range(len(prompts)):
             for name, sess in sessions.items():
                 start = time.perf_counter()
-                sess.run(["logits"], feeds[name][i])
+                sess.run([output], feeds[name][i])
                 spent[name] += time.perf_counter() - start
     runs = max(1, rounds * len(prompts))
     fp32_ms, cand_ms = 1000 * spent["fp32"] / runs, 1000 * spent[short] / runs
@@ -235,7 +242,20 @@ def _latency(
     }
 
 
-def _gate(acc: AccuracyReport, cfg: QuantizeConfig) -> list[str]:
+def summary_of(acc: AccuracyReport | EmbeddingAccuracy) -> str:
+    """The accuracy figures in one phrase (the refusal's message, the CLI's last line)."""
+    if isinstance(acc, EmbeddingAccuracy):
+        return (f"smallest cosine similarity {acc.min_cosine:.5f}, mean {acc.mean_cosine:.5f}, "
+                f"max |Δ| {acc.max_abs_delta:.2e} of the largest value")
+    return (f"top-1 agreement {acc.top1_agreement:.3f}, mean KL {acc.mean_kl:.4f} nats, "
+            f"max |Δ log-prob| {acc.max_abs_delta_logprob:.3f}")
+
+
+def _gate(acc: AccuracyReport | EmbeddingAccuracy, cfg: QuantizeConfig) -> list[str]:
+    if isinstance(acc, EmbeddingAccuracy):
+        if acc.min_cosine < cfg.min_cosine:
+            return [f"smallest cosine similarity {acc.min_cosine:.5f} < min_cosine {cfg.min_cosine}"]
+        return []
     failures = []
     if acc.top1_agreement < cfg.min_top1_agreement:
         failures.append(
@@ -293,8 +313,11 @@ def quantize_model(model_file: Path, cfg: QuantizeConfig, *, progress: bool = Tr
     if (card.quantization or "fp32").strip().lower() not in ("fp32", "float32", "none"):
         raise ValueError(f"{model_file.name} is {card.quantization} already (its card's quantization): quantize "
                          "the FP32 file it was made from")
-    if card.kind != "causal_lm":
-        raise ValueError(f"{model_file}: the accuracy report compares next-token logits; kind is {card.kind}")
+    if card.kind == "encoder" and cfg.mode != "fp16":
+        raise ValueError(f"{model_file}: INT8 takes causal LMs (its report compares next-token logits); an encoder "
+                         "converts to FP16 (--mode fp16, or --target cuda), its report comparing the vectors")
+    if card.kind not in ("causal_lm", "encoder"):
+        raise ValueError(f"{model_file}: kind {card.kind} has no accuracy report (causal_lm, encoder)")
     if cfg.symmetric and cfg.mode != "static":
         raise ValueError("symmetric applies to static QDQ quantization (--mode static)")
     if cfg.mode == "fp16" and (cfg.per_channel or cfg.op_types or cfg.calibration_path):
@@ -322,10 +345,10 @@ def quantize_model(model_file: Path, cfg: QuantizeConfig, *, progress: bool = Tr
         _say(f"comparing against FP32 on {len(prompts)} held-out prompts", progress)
         ref = _session(model_file, cfg.intra_op_threads)
         cand = _session(tmp / "out.onnx", cfg.intra_op_threads)
-        acc = compare_logits(
-            _last_logits(ref, card, prompts, "fp32", progress),
-            _last_logits(cand, card, prompts, short, progress),
-        )
+        acc: AccuracyReport | EmbeddingAccuracy
+        compare = compare_embeddings if card.kind == "encoder" else compare_logits
+        acc = compare(_per_prompt(ref, card, prompts, "fp32", progress),
+                      _per_prompt(cand, card, prompts, short, progress))
         latency = _latency(ref, cand, card, prompts[: cfg.latency_prompts], cfg.latency_rounds, progress, short)
         fp32_bytes, out_bytes = model_file.stat().st_size, (tmp / "out.onnx").stat().st_size
         failures = _gate(acc, cfg)
@@ -349,8 +372,8 @@ def quantize_model(model_file: Path, cfg: QuantizeConfig, *, progress: bool = Tr
             "accuracy": {**acc.as_dict(), "eval_source": eval_source},
             "latency": latency,
             "gate": {
-                "min_top1_agreement": cfg.min_top1_agreement,
-                "max_kl": cfg.max_kl,
+                **({"min_cosine": cfg.min_cosine} if card.kind == "encoder"
+                   else {"min_top1_agreement": cfg.min_top1_agreement, "max_kl": cfg.max_kl}),
                 "passed": not failures,
                 "failures": failures,
             },
@@ -359,13 +382,8 @@ def quantize_model(model_file: Path, cfg: QuantizeConfig, *, progress: bool = Tr
             "elapsed_s": round(time.monotonic() - started, 2),
         }
         if failures:
-            raise QuantizationRefused(
-                f"refused to write {target.name}: "
-                + "; ".join(failures)
-                + f" (measured on {acc.prompts} prompts: top-1 agreement {acc.top1_agreement:.3f}, "
-                f"mean KL {acc.mean_kl:.4f} nats, max |Δ log-prob| {acc.max_abs_delta_logprob:.3f})",
-                report,
-            )
+            raise QuantizationRefused(f"refused to write {target.name}: " + "; ".join(failures)
+                                      + f" (measured on {acc.prompts} prompts: {summary_of(acc)})", report)
         _say(f"writing {target}", progress)
         (tmp / "out.onnx").replace(target)  # same folder: an atomic rename
     card_path_for(target).write_text(new_card.model_dump_json(indent=2) + "\n")

@@ -7,7 +7,7 @@ INT8 kernels there: the line says why and what to do instead), or a ``--mode`` t
 
 ``--target cpu`` (default) quantizes as ``--mode`` says (dynamic by default); ``--target tensorrt``
 quantizes static QDQ, symmetric (``--mode static --symmetric``), what TensorRT builds INT8 layers from;
-``--target cuda`` converts to FP16 (``--mode fp16``, :mod:`tools.fp16`).
+``--target cuda`` converts to FP16 (``--mode fp16``, :mod:`tools.fp16`), a causal LM or an encoder.
 
 ``--publish VERSION`` then pushes the written INT8 file, its card and its ``.report.json`` to the
 model store (``store`` settings) as ``<name>/<VERSION>``, e.g. ``demo-lm/1.2.3-int8``; the JSON on
@@ -104,6 +104,13 @@ def register(subparsers: Any) -> None:
         help=f"gate: largest mean KL(P_fp32 || P_quantized) in nats (default {d.max_kl})",
     )
     p.add_argument(
+        "--min-cosine",
+        type=float,
+        default=d.min_cosine,
+        help=f"gate for an encoder (--mode fp16): least cosine similarity of a prompt's FP32 and converted "
+        f"mean-pooled vectors (default {d.min_cosine})",
+    )
+    p.add_argument(
         "--version", default=None, help="version of the new file (default: <version>-int8[-static][-sym])"
     )
     p.add_argument("--latency-rounds", type=int, default=d.latency_rounds)
@@ -149,6 +156,7 @@ def run_quantize(args: argparse.Namespace) -> int:
         seed=args.seed,
         min_top1_agreement=args.min_top1_agreement,
         max_kl=args.max_kl,
+        min_cosine=args.min_cosine,
         version=args.version,
         latency_rounds=args.latency_rounds,
         intra_op_threads=args.threads,
@@ -181,12 +189,11 @@ def run_quantize(args: argparse.Namespace) -> int:
             return 1
     print(json.dumps({**outcome.report, "published": published} if args.publish else outcome.report))
     rep = outcome.report
-    print(
-        f"fleet quantize: wrote {outcome.path} ({rep['sizes']['ratio']:.0%} of FP32 size, top-1 agreement "
-        f"{rep['accuracy']['top1_agreement']:.3f}, mean KL {rep['accuracy']['mean_kl']:.4f}, "
-        f"{rep['latency']['speedup']:.2f}x FP32 speed)",
-        file=sys.stderr,
-    )
+    acc = rep["accuracy"]
+    figures = (f"smallest cosine similarity {acc['min_cosine']:.5f}" if "min_cosine" in acc
+               else f"top-1 agreement {acc['top1_agreement']:.3f}, mean KL {acc['mean_kl']:.4f}")
+    print(f"fleet quantize: wrote {outcome.path} ({rep['sizes']['ratio']:.0%} of FP32 size, {figures}, "
+          f"{rep['latency']['speedup']:.2f}x FP32 speed)", file=sys.stderr)
     return 0
 
 

@@ -60,6 +60,9 @@ class QuantizeConfig:
     """Gate: refuse below this fraction of prompts with the same top-1 next token."""
     max_kl: float = 0.05
     """Gate: refuse above this mean KL(P_fp32 || P_quantized) (nats)."""
+    min_cosine: float = 0.99
+    """Gate for an encoder (``--mode fp16``): refuse below this smallest cosine similarity between a prompt's
+    FP32 and converted mean-pooled vectors."""
     version: str | None = None
     """Version of the new file; default ``<version>-int8`` (+ ``-static``, ``-sym``), ``<version>-fp16``."""
     latency_rounds: int = 3

@@ -170,3 +170,28 @@ def test_a_worker_serves_an_fp16_model(fleet: Fleet, models: dict[str, Path]) ->
                       params=GenerationParams(**params, stream=False))
     assert generated.generation.token_ids == _tokens(make_loop(path, prefix_cache_bytes=0), [seq])[0]
     assert "KV cache in place (GroupQueryAttention slots of float16 in host memory" in worker.log_path.read_text()
+
+
+def test_a_worker_serves_an_fp16_encoder_with_the_fp32_ones_vectors(fleet: Fleet, tmp_path: Path) -> None:
+    """An encoder converted by ``fleet quantize --target cuda``, served beside its FP32 file: each embedding
+    points where the FP32 one does."""
+    from tools.build_encoder import build_encoder
+
+    fp32 = build_encoder(tmp_path / "models")
+    fp16 = quantize_model(fp32, FP16, progress=False).path
+    assert fp16 is not None
+    same = {"batching": {"max_batch_size": 8}, "limits": {"max_input_tokens": 64}, "engine": {"intra_op_threads": 1}}
+    cfg = fleet.config(models={"enc32": {"path": str(fp32), **same}, "enc16": {"path": str(fp16), **same}})
+    for model in ("enc32", "enc16"):
+        fleet.worker(cfg, model=model, concurrency=8)
+    client = fleet.client(cfg)
+    texts = ["the queue is the fleet", "half precision", "ok"]
+    vectors = {}
+    for model in ("enc32", "enc16"):
+        ids = [client.submit(model, text=t, kind="embedding") for t in texts]
+        results = [client.result(rid, wait=True, timeout_s=120) for rid in ids]
+        assert all(r is not None and r.embedding for r in results)
+        vectors[model] = np.asarray([r.embedding for r in results if r is not None], dtype=np.float64)
+    assert vectors["enc16"].shape == vectors["enc32"].shape
+    cosine = np.sum(vectors["enc16"] * vectors["enc32"], axis=1)  # both L2-normalised
+    assert (cosine > 0.999).all(), cosine

@@ -13,6 +13,7 @@ import pytest
 
 from producer.cli import main as fleet_main
 from protocol.modelcard import load_card
+from tools.build_encoder import build_encoder
 from tools.build_lm import build_causal_lm
 from tools.calibration import feeds_for, input_names, synthetic_sequences, write_sequences
 
@@ -188,6 +189,27 @@ def test_a_file_quantized_already_is_refused_by_its_card(
     assert code == 2 and report is None
     assert "demo-lm-1.0.0-fp16.onnx is fp16 already (its card's quantization): quantize the FP32 file" in err
     assert sorted(demo_lm.parent.iterdir()) == before
+
+
+def test_an_encoder_converts_to_fp16_with_a_vector_report_and_int8_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    encoder = build_encoder(tmp_path)
+    code, report, err = _run(capsys, str(encoder), "--mode", "dynamic")
+    assert code == 2 and report is None and "an encoder converts to FP16 (--mode fp16, or --target cuda)" in err
+    code, report, err = _run(capsys, str(encoder), "--target", "cuda")
+    assert code == 0, err
+    assert report is not None and report["quantization"] == "fp16" and report["gate"] == {
+        "min_cosine": 0.99, "passed": True, "failures": []}
+    acc = report["accuracy"]
+    assert acc["prompts"] == 64 and 0.999 <= acc["min_cosine"] <= acc["mean_cosine"] <= 1.0 + 1e-9
+    assert 0 < acc["max_abs_delta"] < 1e-2 and report["latency"]["fp16_ms"] > 0
+    assert "smallest cosine similarity" in err
+    written = encoder.with_name("demo-encoder-1.0.0-fp16.onnx")
+    assert Path(report["output"]) == written and load_card(written).kind == "encoder"
+    code, refused, err = _run(capsys, str(encoder), "--target", "cuda", "--overwrite", "--min-cosine", "1.01")
+    assert code == 1 and refused is not None and refused["written"] is False
+    assert "smallest cosine similarity" in err and "< min_cosine 1.01" in err
 
 
 @pytest.mark.parametrize(("argv", "words"), [

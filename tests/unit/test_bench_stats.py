@@ -26,7 +26,7 @@ from bench.stats import (
     summarize_runs,
 )
 from protocol.messages import Generation, GenerationTimings, InferenceResult, Timings, Usage
-from tools.quant_accuracy import compare_logits, log_softmax
+from tools.quant_accuracy import compare_embeddings, compare_logits, log_softmax
 
 
 @pytest.mark.parametrize(
@@ -157,6 +157,17 @@ def test_compare_logits_known_values() -> None:
     assert rep.mean_kl == pytest.approx(kl_row0 / 2)
     assert rep.max_abs_delta_logprob == pytest.approx(math.log(2))
     assert rep.max_abs_delta_logprob_top5 == pytest.approx(math.log(2))
+
+
+def test_compare_embeddings_known_values() -> None:
+    ref = np.array([[1.0, 0.0], [3.0, 4.0], [0.0, 0.0]])
+    cand = np.array([[1.0, 1.0], [6.0, 8.0], [0.0, 0.0]])  # 45 degrees off; the same direction twice as long; zero
+    rep = compare_embeddings(ref, cand)
+    assert rep.prompts == 3 and rep.min_cosine == pytest.approx(math.sqrt(0.5))
+    assert rep.mean_cosine == pytest.approx((math.sqrt(0.5) + 1.0 + 1.0) / 3)  # a zero row counts as agreeing
+    assert rep.max_abs_delta == pytest.approx(4.0 / 4.0)  # |8 - 4| over the largest |reference|
+    with pytest.raises(ValueError, match=r"\[n, dim\]"):
+        compare_embeddings(ref, cand[:2])
 
 
 def test_compare_logits_shift_invariant() -> None:
