@@ -106,6 +106,16 @@ def _nodes(counts: dict[str, int] | None) -> str:
     return ", ".join(f"{name.removesuffix('ExecutionProvider')} {n}" for name, n in counts.items())
 
 
+def _kv(doc: dict[str, Any] | None) -> str:
+    """A heartbeat's ``kv_cache`` as ``in place float16 device 192 MiB`` or ``concat float32``; ``-`` without one."""
+    if not doc:
+        return "-"
+    words = ["in place" if doc.get("cache") == "in_place" else str(doc.get("cache")), str(doc.get("dtype"))]
+    if doc.get("memory"):
+        words += [str(doc["memory"]), f"{int(doc.get('bytes') or 0) / 2**20:.0f} MiB"]
+    return " ".join(words)
+
+
 def format_status(doc: dict[str, Any]) -> str:
     """The human table of ``fleet status`` from its JSON document (see :func:`status_document`)."""
     workers = [
@@ -118,6 +128,7 @@ def format_status(doc: dict[str, Any]) -> str:
             str(w.get("batches_run", 0)),
             ",".join(p.removesuffix("ExecutionProvider") for p in w.get("providers") or []),
             _nodes(w.get("nodes")),
+            _kv(w.get("kv_cache")),
             _age(w.get("heartbeat_age_s")),
         ]
         for w in doc["workers"]
@@ -137,7 +148,8 @@ def format_status(doc: dict[str, Any]) -> str:
     ]
     lines = ["WORKERS"]
     lines += _table(
-        ["HOSTNAME", "MODEL", "VERSION", "READY", "IN-FLIGHT/C", "BATCHES", "PROVIDERS", "NODES", "HEARTBEAT"],
+        ["HOSTNAME", "MODEL", "VERSION", "READY", "IN-FLIGHT/C", "BATCHES", "PROVIDERS", "NODES", "KV CACHE",
+         "HEARTBEAT"],
         workers,
     )
     if not workers:

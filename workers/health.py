@@ -3,7 +3,9 @@
 Key ``fleet:worker:<hostname>`` holds a JSON document (hostname, model, the stable ``version`` and
 ``version_since_unix_s``, ``canary_version``, ``last_refusal``, active providers, ``nodes`` (the
 stable graph's node count per provider, :attr:`workers.engine.Engine.placement`; null when
-``engine.report_placement`` is off), ready, concurrency = tokens, in-flight, batches run, pid, queue
+``engine.report_placement`` is off), ``kv_cache`` (which KV cache generates, its element type and, in place,
+where its slots live: :func:`workers.runtime.kv_cache_doc`; null for a model that does not generate), ready,
+concurrency = tokens, in-flight, batches run, pid, queue
 and canary queue, ``heartbeat_unix_s``, ``heartbeat_s`` its period, ``instance`` one per process: only
 the process that wrote it deletes it, :mod:`workers.namesakes`) that expires after three heartbeat
 periods, so a dead worker disappears by itself. ``ready`` is false while the worker loads, and while it

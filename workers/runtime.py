@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import redis
 from celery.worker import state as worker_state
 from redis.backoff import NoBackoff
@@ -31,6 +32,7 @@ from protocol.tokenization import Tokenizer
 from workers.direct_queue import DirectQueue, PrefixHolder
 from workers.engine import Engine
 from workers.engines import LoadedModel
+from workers.generation.loop import GenerationLoop
 from workers.health import Heartbeat
 from workers.namesakes import live_namesake, namesake_message
 from workers.outcomes import OutcomeWriter
@@ -51,6 +53,19 @@ starts) instead of stalling arrivals."""
 
 _runtime: WorkerRuntime | None = None
 _lock = threading.Lock()
+
+
+def kv_cache_doc(loop: GenerationLoop | None) -> dict[str, Any] | None:
+    """The heartbeat's ``kv_cache``: which KV cache the stable version generates on (``in_place`` or ``concat``),
+    its element type, and for the in-place one where its slots live and their bytes; None without generation."""
+    if loop is None:
+        return None
+    doc: dict[str, Any] = {"cache": "in_place" if loop.kv.in_place else "concat",
+                           "dtype": np.dtype(loop.decoder.kv_dtype).name}
+    slots = getattr(loop.kv, "cache", None)
+    if slots is not None:
+        doc.update(memory="device" if slots.on_device else "host", bytes=slots.nbytes)
+    return doc
 
 
 class WorkerRuntime:
@@ -304,6 +319,7 @@ class WorkerRuntime:
             "direct_queue": self.direct_queue.name if self.direct_queue is not None else None,
             "providers": self.engine.providers,
             "nodes": self.engine.placement,
+            "kv_cache": kv_cache_doc(self.scheduler.generation),
             "ready": self.ready and not progress.stalled,
             "held": progress.held,
             "stalled_s": round(progress.stalled_for_s, 1),

@@ -106,3 +106,24 @@ def test_the_served_session_does_not_stay_profiled(ops_models: Any, report: bool
     engine.warm_up()
     # ONNX Runtime answers an empty path when the session is not profiling: steady state runs are not profiled
     assert engine.session.end_profiling() == ""
+
+
+def test_the_heartbeat_and_status_say_which_kv_cache_generates(ops_fleet: OpsFleet) -> None:
+    """``kv_cache`` in the heartbeat and the KV CACHE column: the in-place cache's element type, where its slots
+    live and their bytes (max_batch_size x the card's max_positions); ``concat`` when configured; nothing for
+    an encoder."""
+    config = ops_fleet.config(serve=("demo-lm", "demo-encoder"))
+    lm = ops_fleet.worker(config, "demo-lm")
+    encoder = ops_fleet.worker(config, "demo-encoder")
+    card = load_card(ops_fleet.models.lm)
+    slots = 2 * card.num_layers * 8 * card.kv_heads * card.max_positions * card.head_dim * 4  # max_batch_size 8
+    beat = _heartbeat(ops_fleet, lm.hostname)["kv_cache"]
+    assert beat == {"cache": "in_place", "dtype": "float32", "memory": "host", "bytes": slots}
+    assert _heartbeat(ops_fleet, encoder.hostname)["kv_cache"] is None
+    table = ops_fleet.fleet_cli(config, "status", module="producer.ops_cli")
+    assert table.returncode == 0, table.stderr
+    assert "KV CACHE" in table.stdout.splitlines()[1]
+    assert f"in place float32 host {slots / 2**20:.0f} MiB" in _worker_row(table.stdout, lm.hostname)
+    concat = ops_fleet.config(serve=("demo-lm",), models={"demo-lm": {"engine": {"kv_cache": "concat"}}})
+    other = ops_fleet.worker(concat, "demo-lm")
+    assert _heartbeat(ops_fleet, other.hostname)["kv_cache"] == {"cache": "concat", "dtype": "float32"}
