@@ -49,10 +49,9 @@ from gateway.deps import CallerDep, Gateway, GatewayDep
 from gateway.errors import ERROR_RESPONSES, error_payload, install_error_handlers, relay_error
 from gateway.middleware import AccessLogMiddleware, BodyLimitMiddleware, MetricsMiddleware
 from gateway.openai_routes import router as openai_router
-from gateway.outcomes import await_outcomes, await_watched
 from gateway.prefer import prefer_wait_s
+from gateway.request_waits import long_polled_view, view_when_done, view_when_published
 from gateway.responses_routes import router as responses_router
-from gateway.result_notifier import Watch
 from gateway.schema import (
     REQUEST_ID_PATTERN,
     BatchAccepted,
@@ -64,7 +63,7 @@ from gateway.schema import (
 )
 from gateway.sse import EventStream, sse_frame
 from gateway.stream_relay import relay_event_batches
-from gateway.views import ViewRead, read_view, read_view_sync, view_of_outcome
+from gateway.views import read_view, read_view_sync
 from producer.client import FleetClient, RequestStatus
 from producer.idempotent_queue import one_body_per_id, request_fingerprint
 from producer.presence import no_worker_message
@@ -74,7 +73,6 @@ from protocol.errors import (
     FleetError,
     InvalidRequest,
     RequestNotFound,
-    ResultTimeout,
     UnknownModel,
 )
 from protocol.keys import REQUEST_KEY, STREAM_KEY
@@ -182,11 +180,11 @@ async def submit(body: SubmitBody, rate_key: CallerDep, gw: GatewayDep, wait_s: 
         key = gw.fleet.app.backend.get_key_for_task(request.request_id)
         async with gw.results.watching([key]) as watch:
             rid, status = await _queue(gw, request, rate_key, body)
-            view = await _view_when_published(gw, rid, watch, wait)
+            view = await view_when_published(gw, rid, watch, wait)
     else:
         rid, status = await _queue(gw, request, rate_key, body)
         if wait:  # a caller-given ID may be finished already: its result is read first
-            view = await _view_when_done(gw, rid, wait)
+            view = await view_when_done(gw, rid, wait)
     headers = {"Location": f"/v1/requests/{rid}", **applied}
     if view is not None:
         return _json(view, 200, headers=headers)
@@ -225,41 +223,6 @@ async def _queue(gw: Gateway, request: InferenceRequest, rate_key: str, body: Su
         item = SubmitItem([request], rate_key, [body.routing_key])
         return (await gw.submits.submit(item))[0], RequestStatus.QUEUED
     return await run_in_threadpool(_send_one, gw, request, rate_key, body)
-
-
-async def _view_when_published(gw: Gateway, request_id: str, watch: Watch, wait_s: float) -> RequestView | None:
-    """:func:`_view_when_done` for a request whose result channel ``watch`` subscribed before it was queued: no
-    first read of its key (nothing can be stored yet), the result comes with its publication."""
-    try:
-        outcomes = await await_watched(gw.fleet, gw.aredis, [request_id], watch, timeout_s=wait_s)
-    except ResultTimeout:
-        return None
-    return view_of_outcome(request_id, outcomes[request_id])
-
-
-async def _view_when_done(gw: Gateway, request_id: str, wait_s: float) -> RequestView | None:
-    """The request's view once its result is stored, waiting at most ``wait_s`` s; None if it is not by then."""
-    try:
-        outcomes = await await_outcomes(gw.fleet, gw.aredis, [request_id], timeout_s=wait_s, notifier=gw.results)
-    except ResultTimeout:
-        return None
-    return view_of_outcome(request_id, outcomes[request_id])
-
-
-async def _long_polled_view(gw: Gateway, request_id: str, wait_s: float) -> ViewRead:
-    """The request's view once it is finished, or at ``wait_s`` s as it is then. Its result channel is
-    subscribed before the view is read, so the view's own read of the result is the wait's first: a
-    result stored after it is published to the wait (one round trip fewer than reading it again)."""
-    key = gw.fleet.app.backend.get_key_for_task(request_id)
-    async with gw.results.watching([key]) as watch:
-        view, model = await read_view(gw.fleet, gw.aredis, request_id)
-        if view.status not in (RequestStatus.QUEUED, RequestStatus.RUNNING):
-            return view, model
-        try:
-            outcomes = await await_watched(gw.fleet, gw.aredis, [request_id], watch, timeout_s=wait_s)
-        except ResultTimeout:  # the bound: answer with the status as it is then
-            return await read_view(gw.fleet, gw.aredis, request_id)
-    return view_of_outcome(request_id, outcomes[request_id]), model
 
 
 def _send_one(gw: Gateway, request: InferenceRequest, rate_key: str, body: SubmitBody) -> tuple[str, RequestStatus]:
@@ -313,7 +276,7 @@ async def get_request(request_id: RequestId, _: CallerDep, gw: GatewayDep, wait_
     if wait_s is not None:
         _checked_wait(gw, wait_s)
     if wait_s:
-        view, model = await _long_polled_view(gw, request_id, wait_s)
+        view, model = await long_polled_view(gw, request_id, wait_s)
     else:
         view, model = await read_view(gw.fleet, gw.aredis, request_id)
     warning = await _no_worker_now(gw, model) if view.status is RequestStatus.QUEUED else None

@@ -30,6 +30,7 @@ import numpy.typing as npt
 
 from protocol.errors import FleetError, RequestExpired
 from protocol.messages import OutputSpec
+from workers.count_or_zero import CountOrZero
 from workers.engine import Engine
 from workers.generation.loop import GenerationLoop
 from workers.generation.sequence import GenOutcome, GenSequence
@@ -136,35 +137,6 @@ class Arrival:
         """Hand a generation to the scheduler; returns its future."""
         self.submitted = True
         return self._scheduler.submit_generation(seq, was_arriving=True)
-
-
-class CountOrZero:
-    """A count the scheduler reads to decide (``count()``), or 0 when it raises: a failure must not end the
-    scheduler's thread (every held request would wait for ever). A failure is logged once per failing
-    stretch, not at every decision of it (``traceback``: with the exception's, for a count that should not
-    fail), and the count answering again is logged too."""
-
-    def __init__(self, count: Callable[[], int], what: str, meanwhile: str, *, traceback: bool = False) -> None:
-        self._count = count
-        self.what = what
-        self.meanwhile = meanwhile
-        """What a failure costs, for the log line."""
-        self._traceback = traceback
-        self.failing = False
-
-    def __call__(self) -> int:
-        try:
-            count = self._count()
-        except Exception as exc:
-            if not self.failing:
-                log.warning("%s failed (%s: %s); counted as 0 (%s) until it answers", self.what,
-                            type(exc).__name__, exc, self.meanwhile, exc_info=self._traceback)  # fmt: skip
-            self.failing = True
-            return 0
-        if self.failing:
-            log.info("%s answers again", self.what)
-            self.failing = False
-        return count
 
 
 class Scheduler:
