@@ -37,7 +37,8 @@ def register(subparsers: Any) -> None:
         "quantize",
         help="write an INT8 (dynamic or static QDQ) or FP16 copy of a model with an accuracy report and gate",
         description="Quantize MODEL.onnx to INT8 or FP16 next to it (e.g. demo-lm-1.0.0-int8.onnx + card + "
-        ".report.json). The gate refuses to write a model below --min-top1-agreement or above --max-kl.",
+        ".report.json). The gate refuses to write a model below --min-top1-agreement or above --max-kl (an "
+        "encoder, FP16 only: below --min-cosine).",
     )
     p.add_argument("model", type=Path, help="FP32 .onnx file with its model card (.json) next to it")
     p.add_argument(
