@@ -198,8 +198,9 @@ def test_a_submit_wait_is_subscribed_before_the_request_is_queued(fleet: Fleet) 
     queued = next(i for i, c in enumerate(commands) if rid in c and key not in c)  # the submit script
     assert subscribed < queued, commands[subscribed - 2 : queued + 2]
     reads = [c for c in commands if c.split(" ", 1)[0] in ("GET", "MGET") and key in c]
-    # the backstop's read at the bound and the status read of the 202: no read before the first publication
-    assert len(reads) == 2, reads
+    # the backstop's read at the bound (none if the loop was held past it) and the status read of the 202;
+    # before, a read right after the subscription made three
+    assert 1 <= len(reads) <= 2, reads
 
 
 def test_submit_wait_bound_answers_202_with_the_status_then(fleet: Fleet) -> None:
