@@ -15,8 +15,9 @@ import pytest
 
 from protocol.keys import CANCEL_KEY, STREAM_KEY
 from protocol.streams import StreamEvent, encode_event
-from tests.integration.openai_fixtures import API_KEY, Served, ops_models, ops_redis, served, stored_meta
+from tests.integration.openai_fixtures import API_KEY, Served, ops_models, ops_redis, served
 from tests.integration.ops_fixtures import wait_until
+from tests.integration.test_cancel_marks import Monitor
 
 __all__ = ["ops_models", "ops_redis", "served"]
 
@@ -33,26 +34,47 @@ def _data_frames(lines: list[str]) -> list[str]:
     return [line[len("data: ") :] for line in lines if line.startswith("data: ")]
 
 
+def _relayed_before_stored(commands: list[str], rid: str) -> bool:
+    """Whether, in Redis's own order of commands, the gateway asked for the request's stream entries after one
+    it had already received (an ``XREAD`` naming the stream with a last ID past ``0-0``) before the worker
+    stored the request's final result: tokens were relayed while the request ran."""
+    stream, result = STREAM_KEY.format(id=rid), f"celery-task-meta-{rid}"
+    stored = next(i for i, c in enumerate(commands) if result in c and '"status": "SUCCESS"' in c)
+    for command in commands[:stored]:
+        words = command.split(" ")
+        if words[0] == "XREAD" and stream in words:
+            keys = words[words.index("STREAMS") + 1 :]
+            last_id = keys[keys.index(stream) + len(keys) // 2]
+            if last_id not in ("0", "0-0", "$"):
+                return True
+    return False
+
+
 def test_chat_stream_tokens_arrive_before_the_request_completes(served: Served, client: openai.OpenAI) -> None:
-    raw = client.chat.completions.with_raw_response.create(
-        model="demo-lm",
-        messages=[{"role": "user", "content": "Tell me a long story"}],
-        max_tokens=256,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body=NO_EOS,
-    )
-    rid = raw.headers["x-request-id"]
-    assert raw.headers["content-type"].startswith("text/event-stream")
-    chunks = []
-    at_first_token: list[bytes | None] = []
-    for chunk in raw.parse():
-        if not at_first_token and chunk.choices and chunk.choices[0].delta.content:
-            at_first_token.append(stored_meta(served, rid))  # the stored result, read as the first text arrives
-        chunks.append(chunk)
-    assert at_first_token, "no chunk carried text"
-    assert at_first_token[0] is None or json.loads(at_first_token[0])["status"] != "SUCCESS"
+    """Read off Redis's MONITOR, not the client's clock: a client starved by a loaded machine may parse its
+    first chunk after the worker finished, though the gateway relayed it long before. The relay is a
+    generator the response pulls: it asks for entries past the first ones only once their frames were
+    handed to the server to send, so such an ``XREAD`` before the result is stored is that proof."""
+    monitor = Monitor(served.fleet.redis_url)
+    try:
+        raw = client.chat.completions.with_raw_response.create(
+            model="demo-lm",
+            messages=[{"role": "user", "content": "Tell me a long story"}],
+            max_tokens=256,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=NO_EOS,
+        )
+        rid = raw.headers["x-request-id"]
+        assert raw.headers["content-type"].startswith("text/event-stream")
+        chunks = list(raw.parse())
+        marker = f"marker-{rid}"
+        served.redis.get(marker)
+        wait_until(lambda: any(marker in c["command"] for c in monitor.commands), 30, "the marker in MONITOR")
+    finally:
+        monitor.close()
+    assert _relayed_before_stored([c["command"] for c in monitor.commands], rid)
     assert chunks[0].choices[0].delta.role == "assistant" and all(c.id == f"chatcmpl-{rid}" for c in chunks)
     *body, finish, usage = chunks
     assert finish.choices[0].finish_reason == "length" and usage.choices == []
