@@ -24,6 +24,8 @@ from protocol.keys import STREAM_KEY
 from protocol.messages import InferenceResult
 from protocol.streams import StreamEvent, decode_events
 from tests.integration.fleet_fixtures import Fleet
+from tests.integration.stream_order import relayed_before_stored
+from tests.integration.test_cancel_marks import Monitor
 from tools.processes import poll_until
 from tools.redis_server import free_port
 
@@ -236,21 +238,26 @@ def test_generation_metrics_count_tokens_first_tokens_and_finish_reasons(fleet: 
 
 
 def test_fleet_submit_stream_prints_text_before_the_request_completes(fleet: Fleet) -> None:
+    """The CLI's stream reader asked for tokens past the first ones before the worker stored the result (Redis's
+    MONITOR: the order a starved reader's own clock cannot show), and printed the whole text."""
     cfg = fleet.config(models={MODEL: {"limits": {"max_new_tokens": 480}}})
     fleet.worker(cfg)
     client = fleet.client(cfg)
     env = {**os.environ, "FLEET_CONFIG": str(cfg), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "producer.cli", "submit", "--model", MODEL, "--text", "Hello", "--stream",
            "--max-new-tokens", "480", "--ignore-eos", "--request-id", "cli-stream-1"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert proc.stdout is not None and proc.stderr is not None
-    first = proc.stdout.read(1)  # blocks until the first text arrives
-    status_at_first_text = client.status("cli-stream-1").value
-    out = proc.stdout.read()  # the rest, through the same buffered reader (communicate() would bypass it)
-    err = proc.stderr.read()
-    proc.wait(60)
-    assert proc.returncode == 0, err
-    assert first and status_at_first_text in ("queued", "running")
+    monitor = Monitor(fleet.redis_url)
+    try:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        client.redis.get("marker-cli-stream-1")
+        poll_until(lambda: any("marker-cli-stream-1" in c["command"] for c in monitor.commands), 30,
+                   "the marker in MONITOR")  # fmt: skip
+    finally:
+        monitor.close()
+    assert relayed_before_stored([c["command"] for c in monitor.commands], "cli-stream-1")
+    first, out = out[:1], out[1:]
     summary = json.loads(err.decode().strip().splitlines()[-1])
     assert summary == {"request_id": "cli-stream-1", "finish_reason": "length",
                        "usage": {"prompt_tokens": 5, "completion_tokens": 480, "total_tokens": 485}}

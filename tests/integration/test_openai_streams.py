@@ -17,6 +17,7 @@ from protocol.keys import CANCEL_KEY, STREAM_KEY
 from protocol.streams import StreamEvent, encode_event
 from tests.integration.openai_fixtures import API_KEY, Served, ops_models, ops_redis, served
 from tests.integration.ops_fixtures import wait_until
+from tests.integration.stream_order import relayed_before_stored
 from tests.integration.test_cancel_marks import Monitor
 
 __all__ = ["ops_models", "ops_redis", "served"]
@@ -32,22 +33,6 @@ def client(served: Served) -> openai.OpenAI:
 
 def _data_frames(lines: list[str]) -> list[str]:
     return [line[len("data: ") :] for line in lines if line.startswith("data: ")]
-
-
-def _relayed_before_stored(commands: list[str], rid: str) -> bool:
-    """Whether, in Redis's own order of commands, the gateway asked for the request's stream entries after one
-    it had already received (an ``XREAD`` naming the stream with a last ID past ``0-0``) before the worker
-    stored the request's final result: tokens were relayed while the request ran."""
-    stream, result = STREAM_KEY.format(id=rid), f"celery-task-meta-{rid}"
-    stored = next(i for i, c in enumerate(commands) if result in c and '"status": "SUCCESS"' in c)
-    for command in commands[:stored]:
-        words = command.split(" ")
-        if words[0] == "XREAD" and stream in words:
-            keys = words[words.index("STREAMS") + 1 :]
-            last_id = keys[keys.index(stream) + len(keys) // 2]
-            if last_id not in ("0", "0-0", "$"):
-                return True
-    return False
 
 
 def test_chat_stream_tokens_arrive_before_the_request_completes(served: Served, client: openai.OpenAI) -> None:
@@ -74,7 +59,7 @@ def test_chat_stream_tokens_arrive_before_the_request_completes(served: Served, 
         wait_until(lambda: any(marker in c["command"] for c in monitor.commands), 30, "the marker in MONITOR")
     finally:
         monitor.close()
-    assert _relayed_before_stored([c["command"] for c in monitor.commands], rid)
+    assert relayed_before_stored([c["command"] for c in monitor.commands], rid)
     assert chunks[0].choices[0].delta.role == "assistant" and all(c.id == f"chatcmpl-{rid}" for c in chunks)
     *body, finish, usage = chunks
     assert finish.choices[0].finish_reason == "length" and usage.choices == []
