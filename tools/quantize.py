@@ -188,6 +188,11 @@ def _inputs(sess: ort.InferenceSession) -> tuple[list[str], type[np.floating[Any
     return [i.name for i in sess.get_inputs()], session_kv_dtype(sess)
 
 
+def _output_of(card: ModelCard) -> str:
+    """The graph output the report reads: an encoder's ``last_hidden_state``, a causal LM's ``logits``."""
+    return "last_hidden_state" if card.kind == "encoder" else "logits"
+
+
 def _per_prompt(
     sess: ort.InferenceSession, card: ModelCard, prompts: list[list[int]], desc: str, progress: bool
 ) -> npt.NDArray[np.float32]:
@@ -195,7 +200,7 @@ def _per_prompt(
     encoder's ``last_hidden_state`` averaged over its tokens."""
     names, dtype = _inputs(sess)
     encoder = card.kind == "encoder"
-    output = "last_hidden_state" if encoder else "logits"
+    output = _output_of(card)
     rows = []
     for seq in tqdm(prompts, desc=desc, unit="prompt", disable=not progress, leave=False):
         (out,) = sess.run([output], feeds_for(names, card, [seq], kv_dtype=dtype))
@@ -217,7 +222,7 @@ def _latency(
     """Mean ms per prompt of each session, runs interleaved so both see the same machine load (the candidate's
     figure is keyed ``<short>_ms``: ``int8_ms``, ``fp16_ms``)."""
     sessions = {"fp32": ref, short: cand}
-    output = "last_hidden_state" if card.kind == "encoder" else "logits"
+    output = _output_of(card)
     feeds = {name: [feeds_for(names, card, [p], kv_dtype=dtype) for p in prompts]
              for name, (names, dtype) in ((name, _inputs(sess)) for name, sess in sessions.items())}
     spent = dict.fromkeys(sessions, 0.0)

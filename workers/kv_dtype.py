@@ -1,7 +1,7 @@
 """The element type of a causal LM's KV cache, read from its graph's ``past_key_values.*`` inputs.
 
 A float32 export and a float16 one (what GPU deployments serve: optimum's ``--dtype fp16``, or
-``python -m tools.fp16``) take the same inputs with different element types, and ONNX Runtime refuses
+``fleet quantize --target cuda``) take the same inputs with different element types, and ONNX Runtime refuses
 a past of the other type ("Unexpected input data type"). Every array the worker makes for the cache
 (the empty past of a prefill, a re-laid-out batch, the in-place slots, the prefix cache's copies) takes
 the type this module reads from the session, never a fixed one.
