@@ -112,9 +112,10 @@ def test_continuous_batching_gives_transformers_greedy_tokens(served: tuple[Flee
     model = request.node.callspec.params["served"]
     requests = spec["requests"]
     assert any(ref["finish_reason"] == "stop" for ref in requests), "no reference ends at the EOS"
-    burst = MAX_BATCH_SIZE + 1
-    assert len(requests) > burst, "the workload is too small to leave requests for random arrivals"
-    for arrivals, burst in ((f"a burst of {burst}, then random arrivals", burst), ("one burst", len(requests))):
+    first_burst = MAX_BATCH_SIZE + 1
+    assert len(requests) > first_burst, "the workload is too small to leave requests for random arrivals"
+    rounds = ((f"a burst of {first_burst}, then random arrivals", first_burst), ("one burst", len(requests)))
+    for arrivals, burst in rounds:
         results = client.wait(_submit(client, model, requests, burst), timeout_s=120)
         report = "\n".join(_row(i, ref, got) for i, (ref, got) in enumerate(zip(requests, results, strict=True)))
         print(f"\n{model} (EOS {spec['eos_token_id']}), {arrivals}:\n{report}")
