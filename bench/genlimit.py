@@ -61,14 +61,15 @@ def engine_settings(providers: Sequence[str] = ("CPUExecutionProvider",)) -> Eng
 
 def load_engine(model_path: Path, card: ModelCard, max_batch_size: int,
                 providers: Sequence[str] = ("CPUExecutionProvider",),
-                kv_cache: Literal["auto", "in_place", "concat"] = "auto") -> Engine:  # fmt: skip
+                kv_cache: Literal["auto", "in_place", "concat"] = "auto",
+                cuda_graph: bool = False) -> Engine:  # fmt: skip
     """An engine with the worker's session options on ``providers`` (no warm-up), with ``kv_cache``
-    (``auto``: the cache a worker would serve).
+    (``auto``: the cache a worker would serve) and ``engine.cuda_graph``.
 
     Raises:
         ProviderUnavailable: a GPU chain whose first provider is not active.
     """
-    settings = engine_settings(providers).model_copy(update={"kv_cache": kv_cache})
+    settings = engine_settings(providers).model_copy(update={"kv_cache": kv_cache, "cuda_graph": cuda_graph})
     return Engine(model_path, card, settings, BatchingSettings(max_batch_size=max_batch_size),
                   LimitSettings())  # fmt: skip
 

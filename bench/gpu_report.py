@@ -83,6 +83,8 @@ class ReportPlan:
     """Also build static QDQ INT8 (the graph TensorRT runs in INT8)."""
     transfer_rows: int = 8
     transfer_steps: int = 32
+    graph_rounds: int = 5
+    """Rounds of the decode-graphs phase (each variant runs ``transfer_rows`` rows for ``transfer_steps`` steps)."""
     scale_workers: tuple[int, ...] = (1, 2, 4)
     """Worker processes of one model on the one device, started one step after another."""
     scale_processes: int = 4
@@ -114,8 +116,8 @@ def quick_report_plan() -> ReportPlan:
     return ReportPlan(
         preset="demo", batch_sizes=(1, 8), ceiling_s=0.2, prompts=32, max_batch_size=8, concurrency=16,
         fleet_s=1.5, warmup_s=0.3, bulk_clients=2, bulk_chunk=32, quantize_static=True, transfer_rows=4,
-        transfer_steps=8, scale_workers=(1, 2), scale_processes=2, scale_clients=8, generation=quick_plan().generation,
-        quick=True,
+        transfer_steps=8, graph_rounds=2, scale_workers=(1, 2), scale_processes=2, scale_clients=8,
+        generation=quick_plan().generation, quick=True,
     )  # fmt: skip
 
 
@@ -424,6 +426,14 @@ def inplace_transfer_phase(model: str, choice: str, plan: ReportPlan) -> dict[st
     return measure_inplace_transfers(Path(model), choice, rows=plan.transfer_rows, steps=plan.transfer_steps)
 
 
+def decode_graphs_phase(model: str, choice: str, plan: ReportPlan) -> dict[str, Any]:
+    """Decode steps as CUDA graphs vs kernel by kernel on the in-place cache (:mod:`bench.cuda_graphs`)."""
+    from bench.cuda_graphs import measure_decode_graphs
+
+    return measure_decode_graphs(Path(model), choice, rows=plan.transfer_rows, steps=plan.transfer_steps,
+                                 rounds=plan.graph_rounds)  # fmt: skip
+
+
 # -------------------------------------------------------------------------------------------------- run
 
 
@@ -478,6 +488,10 @@ def run_report(plan: ReportPlan, provider: str | None, work_dir: Path, say: Say)
     if "fp16" in models:
         results["transfers_in_place"] = timed(
             "transfers in place", lambda: inplace_transfer_phase(models["fp16"], choice, plan))
+    # the FP16 graph is what a GPU chain serves in place; a CPU chain serves the FP32 one in place too
+    graphs_model = models.get("fp16", models["fp32"])
+    results["decode_graphs"] = timed("decode steps as CUDA graphs",
+                                     lambda: decode_graphs_phase(graphs_model, choice, plan))
     results["shares"] = shares(results)
     results["meta"] = {"plan": {k: v for k, v in asdict(plan).items() if k != "generation"},
                        "phases_s": phases, "duration_s": round(time.monotonic() - started, 1),

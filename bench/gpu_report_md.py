@@ -237,8 +237,32 @@ def render(results: dict[str, Any], *, json_name: str = "gpu-report.json") -> st
         *_transfers(results["transfers"]),
         *_transfers_in_place(results.get("transfers_in_place")),
         "",
+        *_decode_graphs(results.get("decode_graphs")),
     ]
     return "\n".join(lines)
+
+
+def _decode_graphs(g: dict[str, Any] | None) -> list[str]:
+    """The decode-graphs phase (:mod:`bench.cuda_graphs`): one row per variant, ratios against ordinary steps."""
+    if not g:
+        return []
+    head = ["## Decode steps as CUDA graphs (`engine.cuda_graph`)", ""]
+    chain = " → ".join(_short(p) for p in g["providers"])
+    if "skipped" in g:
+        return [*head, f"Not measured on this chain ({chain}): {g['skipped']}.", ""]
+    lines = [*head,
+             f"In process, on the in-place cache, {chain}: {g['rows']} rows of {g['prompt_tokens']}-token prompts, "
+             f"{g['steps']} greedy steps a round, {g['rounds']} rounds alternating the variants; a step is timed from "
+             f"the call to its logits in host memory (slots of {g['capacity']} tokens). Same tokens in every "
+             f"variant: {'yes' if g['same_tokens'] else '**no**'}.", "",
+             "| decode steps | ms/step p50 | p90 | tokens/s | vs ordinary |", "|---|---:|---:|---:|---:|"]
+    for name, row in g["variants"].items():
+        if row["status"] != "ok":
+            lines.append(f"| {name} | not run: {row['reason']} | | | |")
+            continue
+        lines.append(f"| {name} | {row['step_ms_p50']:.3f} | {row['step_ms_p90']:.3f} | {row['tokens_per_s']:,.0f} "
+                     f"| {row['vs_ordinary']:.2f}× |")
+    return [*lines, ""]
 
 
 def _cache_of(gen: dict[str, Any]) -> str:

@@ -107,12 +107,15 @@ def _nodes(counts: dict[str, int] | None) -> str:
 
 
 def _kv(doc: dict[str, Any] | None) -> str:
-    """A heartbeat's ``kv_cache`` as ``in place float16 device 192 MiB`` or ``concat float32``; ``-`` without one."""
+    """A heartbeat's ``kv_cache`` as ``in place float16 device 192 MiB`` (``+ cuda graphs`` when its decode steps
+    replay CUDA graphs) or ``concat float32``; ``-`` without one."""
     if not doc:
         return "-"
     words = ["in place" if doc.get("cache") == "in_place" else str(doc.get("cache")), str(doc.get("dtype"))]
     if doc.get("memory"):
         words += [str(doc["memory"]), f"{int(doc.get('bytes') or 0) / 2**20:.0f} MiB"]
+    if doc.get("cuda_graphs"):
+        words.append("+ cuda graphs")
     return " ".join(words)
 
 

@@ -49,6 +49,10 @@ __all__ = [
 
 DEFAULT_CONFIG_PATH = Path("configs/fleet.yaml")
 PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
+GRAPH_CAPTURE_OPTIONS = {"CUDAExecutionProvider": "enable_cuda_graph",
+                         "TensorrtExecutionProvider": "trt_cuda_graph_enable"}
+"""Each GPU provider's own option to capture runs as CUDA graphs: refused in ``provider_options`` (the fleet's
+runs change shape); ``engine.cuda_graph`` sets the CUDA one where the shapes are fixed."""
 
 
 class _Section(BaseModel):
@@ -181,6 +185,15 @@ class EngineSettings(_Section):
         "the reason logged.",
     )
 
+    cuda_graph: bool = Field(
+        default=False,
+        description="Causal LMs on the CUDA provider: capture each decode step as a CUDA graph and replay it "
+        "(ONNX Runtime's enable_cuda_graph), one graph per span of KV slots, so a step costs one graph launch "
+        "instead of a kernel launch per node. Needs the in-place KV cache (fixed-shape steps at fixed "
+        "addresses) and a chain whose GPU provider is CUDA alone; otherwise, or when ONNX Runtime refuses the "
+        "capture at load, the steps run without graphs and the reason is logged. Figures: docs/gpu.md.",
+    )
+
     @model_validator(mode="after")
     def _known_providers(self) -> EngineSettings:
         for name in [*self.providers, *([self.require_provider] if self.require_provider else [])]:
@@ -188,6 +201,16 @@ class EngineSettings(_Section):
                 raise ValueError(f"unknown execution provider {name!r}; known: {', '.join(PROVIDERS)}")
         if not self.providers:
             raise ValueError("providers must name at least one execution provider")
+        return self
+
+    @model_validator(mode="after")
+    def _graphs_through_cuda_graph(self) -> EngineSettings:
+        for provider, option in GRAPH_CAPTURE_OPTIONS.items():
+            if str(self.provider_options.get(provider, {}).get(option, "0")).lower() not in ("0", "false"):
+                raise ValueError(
+                    f"provider_options.{provider}.{option}: ONNX Runtime would capture the first run's shapes "
+                    "and replay them for every later run, whatever its batch; set engine.cuda_graph: true "
+                    "instead (the decode steps of the in-place KV cache, one graph per span of slots)")
         return self
 
 

@@ -20,6 +20,7 @@ session runs more than 10 % of its nodes on the CPU).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import shutil
@@ -37,6 +38,7 @@ from protocol.errors import ModelLoadError, ProviderUnavailable
 from protocol.modelcard import ModelCard
 from protocol.pooling import Pooling, load_pooling
 from protocol.settings import BatchingSettings, EngineSettings, LimitSettings
+from workers.cuda_graph import NO_GRAPH, capture_active, cuda_graph_chain, open_capturing, run_options
 from workers.inplace_graph import KVChoice, inplace_source
 from workers.int8_providers import int8_placement_warning
 from workers.kv_dtype import kv_dtype
@@ -212,10 +214,13 @@ class Engine:
         """The served graph before the in-place rewrite (the generation loop's probe compares against it)."""
         self.kv: KVChoice = inplace_source(source, engine, card, [n for n, _ in self.requested])
         source = self.kv.source
+        graph_chain, self.cuda_graph_reason = cuda_graph_chain(self.requested, engine, self.kv)
+        """Why decode steps run without CUDA graphs though ``engine.cuda_graph`` asks for them (None: not asked,
+        or they run with them: :attr:`cuda_graph`)."""
         # the profile is written at end_profiling (in __init__, below); the folder goes with it
         profile_dir = tempfile.mkdtemp(prefix="fleet-placement-") if engine.report_placement else None
         try:
-            self._open(source, engine, profile_dir)
+            self._open(source, engine, profile_dir, graph_chain)
             self.placement: dict[str, int] | None = self._count_placement() if profile_dir else None
             """Nodes of the served graph per execution provider (None: ``engine.report_placement`` off)."""
         except BaseException:
@@ -227,8 +232,11 @@ class Engine:
             if profile_dir:
                 shutil.rmtree(profile_dir, ignore_errors=True)
 
-    def _open(self, source: str | bytes, engine: EngineSettings, profile_dir: str | None) -> None:
-        """Open the session on the requested chain (profiling into ``profile_dir`` when set) and check it.
+    def _open(self, source: str | bytes, engine: EngineSettings, profile_dir: str | None,
+              graph_chain: list[tuple[str, dict[str, Any]]]) -> None:
+        """Open the session on ``graph_chain`` (the requested chain, with CUDA graph capture where asked for
+        and possible), profiling into ``profile_dir`` when set, and check it. A session asked for graphs
+        that ONNX Runtime does not give them (it refuses the CUDA step) is reopened on the requested chain.
 
         Raises:
             ModelLoadError / ProviderUnavailable: see :class:`Engine`.
@@ -244,9 +252,22 @@ class Engine:
             return opts
 
         try:
-            self.session, self.provider_steps = open_session(source, options, self.requested)
+            self.session, self.provider_steps, refused = open_capturing(
+                lambda chain: open_session(source, options, chain), graph_chain, self.requested)
+            self.cuda_graph_reason = refused or self.cuda_graph_reason
         except Exception as exc:  # ORT raises its own Fail/InvalidGraph types
             raise ModelLoadError(f"cannot load {model_path}: {exc}", "path", str(model_path)) from exc
+        self.cuda_graph = capture_active(self.provider_steps)
+        """True when decode steps of the in-place cache are captured and replayed as CUDA graphs."""
+        self.run_options: ort.RunOptions | None = run_options(NO_GRAPH) if self.cuda_graph else None
+        """The options of every run that is not a decode step (None: no graphs in this session)."""
+        self._graph_ids = itertools.count(1)
+        if self.cuda_graph:
+            log.info("model %s %s: decode steps captured and replayed as CUDA graphs (one per span of KV slots)",
+                     card.name, card.version)
+        elif self.cuda_graph_reason:
+            log.warning("model %s %s: engine.cuda_graph is on but decode steps run without CUDA graphs: %s",
+                        card.name, card.version, self.cuda_graph_reason)
         self.load_ms = (time.perf_counter() - started) * 1000
         self.providers: list[str] = list(self.session.get_providers())
         log.info(
@@ -313,6 +334,10 @@ class Engine:
         )
         return nodes
 
+    def next_graph_id(self) -> int:
+        """A CUDA graph id no other run of this session uses (1, 2, ...): one per captured step shape."""
+        return next(self._graph_ids)
+
     def _why_not(self, provider: str) -> str:
         """The recorded reason ``provider`` is not active (not in the chain, or its step's reason)."""
         for step in self.provider_steps:
@@ -356,7 +381,7 @@ class Engine:
 
     def run(self, batch: PaddedBatch) -> npt.NDArray[np.float32]:
         """One forward pass: ``logits`` [b, s, vocab] or ``last_hidden_state`` [b, s, dim]."""
-        (out,) = self.session.run([self.output_name], self.feeds(batch))
+        (out,) = self.session.run([self.output_name], self.feeds(batch), self.run_options)
         return np.asarray(out, dtype=np.float32)
 
     def warm_up(self) -> float:

@@ -102,9 +102,10 @@ def _decoder(engine: Engine, model: ModelSettings) -> tuple[Engine, Decoder | No
         return engine, Decoder(engine)
     if engine.kv.in_place:
         log.info("model %s %s: KV cache in place (GroupQueryAttention slots of %s in %s memory; probe relative "
-                 "error %.1e)", engine.card.name, engine.card.version, np.dtype(engine.kv_dtype).name,
-                 "device" if getattr(decoder, "slots_on_device", False) else "host",
-                 getattr(decoder, "probe_error", 0.0))  # fmt: skip
+                 "error %.1e; decode steps as CUDA graphs: %s)", engine.card.name, engine.card.version,
+                 np.dtype(engine.kv_dtype).name, "device" if getattr(decoder, "slots_on_device", False) else "host",
+                 getattr(decoder, "probe_error", 0.0),
+                 "yes" if engine.cuda_graph and getattr(decoder, "fixed_steps", False) else "no")  # fmt: skip
     return engine, decoder
 
 

@@ -57,11 +57,14 @@ _lock = threading.Lock()
 
 def kv_cache_doc(loop: GenerationLoop | None) -> dict[str, Any] | None:
     """The heartbeat's ``kv_cache``: which KV cache the stable version generates on (``in_place`` or ``concat``),
-    its element type, and for the in-place one where its slots live and their bytes; None without generation."""
+    its element type, whether its decode steps replay CUDA graphs (``cuda_graphs``, :mod:`workers.cuda_graph`), and
+    for the in-place one where its slots live and their bytes; None without generation."""
     if loop is None:
         return None
+    decoder = loop.decoder
     doc: dict[str, Any] = {"cache": "in_place" if loop.kv.in_place else "concat",
-                           "dtype": np.dtype(loop.decoder.kv_dtype).name}
+                           "dtype": np.dtype(decoder.kv_dtype).name,
+                           "cuda_graphs": bool(decoder.engine.cuda_graph and getattr(decoder, "fixed_steps", False))}
     slots = getattr(loop.kv, "cache", None)
     if slots is not None:
         doc.update(memory="device" if slots.on_device else "host", bytes=slots.nbytes)

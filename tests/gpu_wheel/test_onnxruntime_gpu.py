@@ -226,3 +226,32 @@ def test_gpu_wheel_serves_a_float16_model_in_place_after_the_gpu_steps_fall_back
     result = client.result(client.submit("demo-llama", [5, 17, 9, 30], generation=params), wait=True, timeout_s=120)
     assert result is not None and result.generation is not None and len(result.generation.token_ids) == 5
     assert result.version == "1.0.0-fp16"
+
+
+def test_gpu_wheel_asked_for_cuda_graphs_serves_without_them_and_says_why(
+        fleet: Fleet, gpu_python: str, tmp_path: Path) -> None:
+    """``engine.cuda_graph`` on a CUDA chain: the session asks the CUDA provider for graph capture; here that
+    provider cannot load, so the worker reopens the chain as configured, logs why there are no graphs, and
+    generates on the in-place cache with steps launched one kernel at a time."""
+    from tools.build_llama import build_llama
+    from tools.quantize import quantize_model
+    from tools.quantize_config import QuantizeConfig
+
+    fp16 = quantize_model(build_llama(tmp_path / "models"), QuantizeConfig(mode="fp16", target="cuda", eval_count=8,
+                          latency_rounds=1, latency_prompts=2), progress=False).path  # fmt: skip
+    assert fp16 is not None
+    engine = {"providers": ["CUDAExecutionProvider", "CPUExecutionProvider"], "cuda_graph": True}
+    cfg = fleet.config(worker={"model": "demo-llama"}, models={"demo-llama": {"path": str(fp16), "engine": engine}})
+    worker = fleet.worker(cfg, model="demo-llama", python=gpu_python)
+    log = worker.log_tail(50000)
+    print(log[-6000:])
+    why = [ln for ln in log.splitlines() if "engine.cuda_graph is on but decode steps run without CUDA graphs" in ln]
+    # the chain with graph capture was tried first; the loader's reason is quoted
+    assert len(why) == 1 and "the CUDA provider did not open with graph capture: " in why[0], why
+    assert "cannot open shared object file" in why[0]
+    assert "ACTIVE ['CPUExecutionProvider']" in log
+    assert "decode steps as CUDA graphs: no)" in log
+    client = fleet.client(cfg)
+    params = {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}
+    result = client.result(client.submit("demo-llama", [5, 17, 9, 30], generation=params), wait=True, timeout_s=120)
+    assert result is not None and result.generation is not None and len(result.generation.token_ids) == 5

@@ -126,6 +126,21 @@ def test_generation_and_transfers_hold_figures_of_the_run(report: tuple[dict[str
     assert "### FP16 graph (" in markdown and "workers on the in-place cache)" in markdown
 
 
+def test_decode_steps_as_graphs_say_why_they_did_not_run_and_the_rest_are_measured(
+        report: tuple[dict[str, Any], str]) -> None:
+    results, markdown = report
+    g = results["decode_graphs"]
+    assert g["providers"] == ["CPUExecutionProvider"] and g["same_tokens"] is True
+    assert g["rounds"] == results["meta"]["plan"]["graph_rounds"]
+    ordinary, fixed, graphs = (g["variants"][v] for v in ("ordinary steps", "fixed steps", "CUDA graphs"))
+    assert ordinary["status"] == fixed["status"] == "ok" and ordinary["vs_ordinary"] == 1.0
+    assert fixed["tokens_per_s"] > 0 and fixed["step_ms_p50"] > 0
+    assert graphs == {"status": "not run", "reason": "the provider chain ['CPUExecutionProvider'] has no CUDA "
+                                                     "provider (in this onnxruntime build)"}
+    assert "## Decode steps as CUDA graphs (`engine.cuda_graph`)" in markdown
+    assert "| CUDA graphs | not run: the provider chain" in markdown
+
+
 def test_a_provider_that_cannot_run_here_is_refused_before_anything_is_built(tmp_path: Path) -> None:
     done = _report(tmp_path, "--provider", "cuda")
     assert done.returncode == 2

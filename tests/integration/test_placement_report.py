@@ -118,7 +118,7 @@ def test_the_heartbeat_and_status_say_which_kv_cache_generates(ops_fleet: OpsFle
     card = load_card(ops_fleet.models.lm)
     slots = 2 * card.num_layers * 8 * card.kv_heads * card.max_positions * card.head_dim * 4  # max_batch_size 8
     beat = _heartbeat(ops_fleet, lm.hostname)["kv_cache"]
-    assert beat == {"cache": "in_place", "dtype": "float32", "memory": "host", "bytes": slots}
+    assert beat == {"cache": "in_place", "dtype": "float32", "cuda_graphs": False, "memory": "host", "bytes": slots}
     assert _heartbeat(ops_fleet, encoder.hostname)["kv_cache"] is None
     table = ops_fleet.fleet_cli(config, "status", module="producer.ops_cli")
     assert table.returncode == 0, table.stderr
@@ -126,4 +126,5 @@ def test_the_heartbeat_and_status_say_which_kv_cache_generates(ops_fleet: OpsFle
     assert f"in place float32 host {slots / 2**20:.0f} MiB" in _worker_row(table.stdout, lm.hostname)
     concat = ops_fleet.config(serve=("demo-lm",), models={"demo-lm": {"engine": {"kv_cache": "concat"}}})
     other = ops_fleet.worker(concat, "demo-lm")
-    assert _heartbeat(ops_fleet, other.hostname)["kv_cache"] == {"cache": "concat", "dtype": "float32"}
+    assert _heartbeat(ops_fleet, other.hostname)["kv_cache"] == {"cache": "concat", "dtype": "float32",
+                                                                 "cuda_graphs": False}

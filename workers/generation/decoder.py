@@ -299,7 +299,7 @@ class Decoder:
                     past[row, :, past_width - hit.tokens :, :] = hit.kv[name]
             self._bind_input(binding, name, past)
         started = time.perf_counter()
-        self.session.run_with_iobinding(binding)
+        self.session.run_with_iobinding(binding, self.engine.run_options)
         engine_ms = (time.perf_counter() - started) * 1000
         logits_value, *presents = binding.get_outputs()
         logits = self._fetch(logits_value)
@@ -335,7 +335,7 @@ class Decoder:
             else:
                 binding.bind_ortvalue_input(name, value)
         started = time.perf_counter()
-        self.session.run_with_iobinding(binding)
+        self.session.run_with_iobinding(binding, self.engine.run_options)
         engine_ms = (time.perf_counter() - started) * 1000
         logits_value, *presents = binding.get_outputs()
         logits = self._fetch(logits_value)[:, -1, :]

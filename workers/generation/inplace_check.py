@@ -10,6 +10,7 @@ small calls (the probe's slots are 32 tokens long).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,8 @@ from workers.generation.decoder import Decoder
 from workers.generation.inplace_decoder import InPlaceDecoder
 
 __all__ = ["PROBE_TOLERANCE", "InPlaceMismatch", "open_decoder", "probe_inplace", "probe_tolerance"]
+
+log = logging.getLogger("fleet.engine")
 
 PROBE_CAPACITY = 32
 """Tokens per slot of the probe's own cache."""
@@ -54,7 +57,8 @@ def open_decoder(engine: Engine) -> Decoder:
         return Decoder(engine)
     try:
         decoder = InPlaceDecoder(engine)
-        error = probe_inplace(decoder, engine.concat_source)
+        error = _probe_fixed_steps(decoder, engine) if decoder.fixed_steps else probe_inplace(decoder,
+                                                                                             engine.concat_source)
     except Exception as exc:  # ORT's own errors (a device's kernel or allocation) as much as ours
         raise InPlaceMismatch(f"the in-place decoder could not run its probe: {type(exc).__name__}: {exc}",
                               "engine.kv_cache", "in_place") from exc
@@ -65,6 +69,23 @@ def open_decoder(engine: Engine) -> Decoder:
                               "cache)", "engine.kv_cache", "in_place")
     decoder.probe_error = error
     return decoder
+
+
+def _probe_fixed_steps(decoder: InPlaceDecoder, engine: Engine) -> float:
+    """The probe with the decode steps as CUDA graphs; when that raises or disagrees, the probe again with
+    steps run one kernel at a time (logged, and named in ``engine.cuda_graph_reason``)."""
+    try:
+        error = probe_inplace(decoder, engine.concat_source)
+        if error <= probe_tolerance(decoder.kv_dtype):
+            return error
+        why = f"its probe differs from the original graph by {error:.1e} (relative)"
+    except Exception as exc:  # a capture ONNX Runtime or the driver refuses at the first steps
+        why = f"its probe raised {type(exc).__name__}: {exc}"
+    decoder.fixed_steps = False
+    engine.cuda_graph_reason = f"decode steps as CUDA graphs: {why}"
+    log.warning("model %s %s: decode steps run without CUDA graphs: %s", engine.card.name, engine.card.version,
+                engine.cuda_graph_reason)
+    return probe_inplace(decoder, engine.concat_source)
 
 
 def _reference(session: ort.InferenceSession, names: set[str], past_names: list[str], kv_heads: int,

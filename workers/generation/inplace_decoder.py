@@ -18,26 +18,55 @@ Where the slots live: host memory on the CPU provider; device memory on a GPU se
 (:attr:`InPlaceDecoder.slots_on_device`; the graph must be float16 and the CUDA provider active, since it
 runs ``GroupQueryAttention``). The transfer meter of :class:`~workers.generation.decoder.Decoder` counts
 what is bound from the host and the logits read back; the cache itself is never bound from a fresh array.
+
+Fixed steps (:attr:`InPlaceDecoder.fixed_steps`, on when the session captures CUDA graphs:
+:mod:`workers.cuda_graph`): a decode step over a span of slots writes its ids, positions and a mask as
+wide as the slots' capacity into buffers made once for that span and cache, and reads its logits from
+another, so every step of a span runs the same shapes at the same addresses: the graph captured at its
+first steps is replayed at the next. The mask costs ``span x capacity x 8`` bytes host→device a step.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import onnxruntime as ort
 
 from protocol.errors import ModelLoadError
+from workers.cuda_graph import run_options
 from workers.engine import Engine
 from workers.generation.decoder import Decoder
 from workers.generation.slots import SlotCache
 from workers.padding import pad_batch
 
-__all__ = ["InPlaceDecoder"]
+__all__ = ["FixedStep", "InPlaceDecoder"]
 
 FloatArray = npt.NDArray[np.float32]
+_ELEMENT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+@dataclass(frozen=True)
+class FixedStep:
+    """The buffers of the decode steps over one span of one cache: bound once, rewritten at each step."""
+
+    binding: ort.IOBinding
+    """Holds the buffers below and the span's slots, as inputs and outputs."""
+    ids: ort.OrtValue
+    """``[span, 1]`` int64."""
+    mask: ort.OrtValue
+    """``[span, capacity]`` int64, each row's ones right-aligned."""
+    positions: ort.OrtValue
+    """``[span, 1]`` int64."""
+    logits: ort.OrtValue
+    """``[span, 1, vocab]`` of the graph's logits type."""
+    options: ort.RunOptions | None
+    """The run options naming this span's CUDA graph (None: a session without graphs)."""
 
 
 class InPlaceDecoder(Decoder):
@@ -61,6 +90,12 @@ class InPlaceDecoder(Decoder):
         self.slots_on_device = self.device[0] != "cpu"
         """Slot buffers as ONNX Runtime values on :attr:`device` (a GPU session) rather than numpy; a test may set
         it on a CPU session to run the device path there."""
+        self.fixed_steps = engine.cuda_graph
+        """Decode steps on fixed shapes at fixed addresses (see the module doc): on when the session captures
+        CUDA graphs; a test may set it on a CPU session to run that path there."""
+        self._fixed: weakref.WeakKeyDictionary[SlotCache, dict[int, FixedStep]] = weakref.WeakKeyDictionary()
+        logits_type = next(o.type for o in self.session.get_outputs() if o.name == "logits")
+        self._logits_dtype = _ELEMENT_TYPES.get(logits_type, np.float32)
 
     @property
     def supports_prefix_reuse(self) -> bool:
@@ -116,7 +151,7 @@ class InPlaceDecoder(Decoder):
         if not step:
             self._bind_slots(binding, cache, first, rows)
         started = time.perf_counter()
-        self.session.run_with_iobinding(binding)
+        self.session.run_with_iobinding(binding, self.engine.run_options)
         engine_ms = (time.perf_counter() - started) * 1000
         logits_value = binding.get_outputs()[0]
         return self._fetch(logits_value), engine_ms
@@ -157,14 +192,61 @@ class InPlaceDecoder(Decoder):
         span = cache.span
         lengths = np.where([cache.taken(s) for s in range(span)], cache.lengths[:span], 0)
         totals = lengths + 1
-        width = int(totals.max())
+        width = cache.capacity if self.fixed_steps else int(totals.max())
         mask = (np.arange(width)[None, :] >= (width - totals)[:, None]).astype(np.int64)
         ids = np.full((span, 1), self.engine.card.pad_token_id, dtype=np.int64)
         for slot, token in tokens.items():
             ids[slot, 0] = token
-        logits, engine_ms = self._run(cache, 0, ids, mask, lengths.reshape(span, 1).astype(np.int64), step=True)
+        positions = lengths.reshape(span, 1).astype(np.int64)
+        if self.fixed_steps:
+            logits, engine_ms = self._fixed_step(cache, ids, mask, positions)
+        else:
+            logits, engine_ms = self._run(cache, 0, ids, mask, positions, step=True)
         for slot in tokens:
             cache.lengths[slot] += 1
         self._decode_steps += 1
         self._tokens += len(tokens)
         return np.asarray(logits[:, -1, :], dtype=np.float32), engine_ms
+
+    def _fixed_step(self, cache: SlotCache, ids: npt.NDArray[np.int64], mask: npt.NDArray[np.int64],
+                    positions: npt.NDArray[np.int64]) -> tuple[FloatArray, float]:
+        """A decode step over slots ``0 .. span - 1`` through the span's :class:`FixedStep`; returns (a copy of
+        the logits [span, 1, vocab] as float32, engine ms)."""
+        if int(mask.sum(axis=1).max()) > cache.capacity:
+            raise ValueError(f"a row would hold {int(mask.sum(axis=1).max())} tokens; the KV slots hold "
+                             f"{cache.capacity} (the card's max_positions)")
+        step = self._fixed_for(cache, int(ids.shape[0]))
+        for value, array in ((step.ids, ids), (step.mask, mask), (step.positions, positions)):
+            value.update_inplace(np.ascontiguousarray(array))
+            self._h2d_bytes += array.nbytes
+        started = time.perf_counter()
+        self.session.run_with_iobinding(step.binding, step.options)
+        engine_ms = (time.perf_counter() - started) * 1000
+        # a copy: the next step of the span writes the same buffer (on the CPU provider numpy() is a view)
+        return np.array(self._fetch(step.logits), dtype=np.float32), engine_ms
+
+    def _fixed_for(self, cache: SlotCache, span: int) -> FixedStep:
+        """The buffers of the steps over ``span`` slots of ``cache``, made and bound at its first step (with a
+        new CUDA graph id when the session captures graphs)."""
+        steps = self._fixed.setdefault(cache, {})
+        held = steps.get(span)
+        if held is not None:
+            return held
+        kind, index = self.device
+
+        def buffer(shape: list[int], dtype: Any) -> ort.OrtValue:
+            value = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, kind, index)
+            value.update_inplace(np.zeros(shape, dtype=dtype))
+            return value
+
+        binding = self.session.io_binding()
+        logits = buffer([span, 1, self.engine.card.vocab_size], self._logits_dtype)
+        binding.bind_ortvalue_output("logits", logits)  # first: outputs come back in the order they were bound
+        self._bind_slots(binding, cache, 0, span)
+        ids, mask, positions = buffer([span, 1], np.int64), buffer([span, cache.capacity], np.int64), \
+            buffer([span, 1], np.int64)
+        for name, value in (("input_ids", ids), ("attention_mask", mask), ("position_ids", positions)):
+            binding.bind_ortvalue_input(name, value)
+        options = run_options(self.engine.next_graph_id()) if self.engine.cuda_graph else None
+        steps[span] = FixedStep(binding, ids, mask, positions, logits, options)
+        return steps[span]
