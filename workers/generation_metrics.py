@@ -20,6 +20,8 @@ Series (label ``model``; times in seconds):
                                                              its rate / the tokens' rate
 ``fleet_worker_kv_in_place``                     gauge       1 when the cache is written in place
                                                              (GroupQueryAttention slots), 0 for Concat
+``fleet_worker_cuda_graphs``                     gauge       1 when decode steps replay CUDA graphs
+                                                             (``engine.cuda_graph``, workers.cuda_graph)
 ``fleet_worker_prefix_lookups_total``            counter     prompts looked up in the prefix cache, by
                                                              ``result``: hit, miss (hit rate =
                                                              hit / (hit + miss))
@@ -95,6 +97,10 @@ class GenerationMetrics:
               registry=registry).labels(model).set_function(
             lambda: float(g.kv.in_place) if (g := now()) is not None else 0.0
         )
+        Gauge("fleet_worker_cuda_graphs", "1 when decode steps are replayed as CUDA graphs.", m,
+              registry=registry).labels(model).set_function(
+            lambda: float(_replays_graphs(g)) if (g := now()) is not None else 0.0
+        )
         self.kv_copied = Counter(
             "fleet_worker_kv_copied_bytes", "KV-cache bytes copied (re-layouts, the graph's Concat of the past).", m,
             registry=registry,
@@ -147,3 +153,8 @@ class GenerationMetrics:
         gap_ms = timings.get("mean_inter_token_ms")
         if isinstance(gap_ms, int | float) and len(generation.get("token_ids") or ()) > 1:  # type: ignore[union-attr]
             self.inter_token.labels(self.model).observe(gap_ms / 1000)
+
+
+def _replays_graphs(loop: GenerationLoop) -> bool:
+    """True when ``loop``'s decode steps are captured and replayed as CUDA graphs."""
+    return bool(loop.decoder.engine.cuda_graph and getattr(loop.decoder, "fixed_steps", False))

@@ -232,6 +232,8 @@ def test_generation_metrics_count_tokens_first_tokens_and_finish_reasons(fleet: 
     assert _metric(text, "fleet_worker_time_to_first_token_seconds_count") == 5
     assert _metric(text, "fleet_worker_inter_token_seconds_count") == 5
     assert _metric(text, "fleet_worker_running_sequences") == 0
+    assert _metric(text, "fleet_worker_kv_in_place") == 1
+    assert f'fleet_worker_cuda_graphs{{model="{MODEL}"}} 0.0' in text.splitlines()  # the CPU provider has none
     listening = {c.laddr.ip for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port
                  and c.status == psutil.CONN_LISTEN}
     assert listening == {"127.0.0.1"}  # where the gateway binds by default, not 0.0.0.0
