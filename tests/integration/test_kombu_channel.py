@@ -4,32 +4,20 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
+from typing import Any
 
 from kombu.transport import redis as kombu_redis
 
-from bench.procs import redis_commandstats
 from broker import make_celery
 from broker.kombu_channel import FleetChannel, PlainPipelineQoS
 from protocol.celeryconf import celery_config
 from protocol.settings import load_settings
 from tests.integration.fleet_fixtures import Fleet
+from tests.integration.test_cancel_marks import Monitor
+from tools.processes import poll_until
 from tools.redis_server import EmbeddedRedis
-
-PROBE = {"info", "hello", "client"}  # redis_commandstats's own connection
-
-
-def settled_calls(redis_url: str, before: dict[str, int], acks: int, wait_s: float = 10.0) -> dict[str, int]:
-    """Commands since ``before``, read once the worker has acked ``acks`` deliveries (``HDEL``).
-
-    With ``acks_late`` the result is stored and published before the ack, so a client can hold its
-    last result while the worker's ``HDEL`` is still on its way; reading at once races with it."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        after = redis_commandstats(redis_url)
-        calls = {k: v - before.get(k, 0) for k, v in after.items() if k not in PROBE}
-        if calls.get("hdel", 0) >= acks or time.monotonic() > deadline:
-            return calls
-        time.sleep(0.05)
+from workers.drain_meter import FLUSH_INTERVAL_S
 
 
 def test_a_channel_reuses_one_client_until_its_pool_changes(redis_server: EmbeddedRedis) -> None:
@@ -49,22 +37,42 @@ def test_a_channel_reuses_one_client_until_its_pool_changes(redis_server: Embedd
 
 
 def test_a_request_takes_no_transaction_and_one_store_script(fleet: Fleet) -> None:
+    """Counted from Redis's MONITOR (commands a script runs included), by the key each command writes: the
+    worker's heartbeats (a ``ZADD`` to its model's live set and direct-queue registry each beat) and the drain
+    meter's flushes run on their own clock, so a window that takes longer holds more of them."""
     cfg = fleet.config()
     fleet.worker(cfg)
     client = fleet.client(cfg)
     for i in range(2):  # connections, the script and the routing state are set up here
         client.result(client.submit("demo-lm", [1, i + 2]), wait=True, timeout_s=60)
-    before = redis_commandstats(fleet.redis_url)
-    for i in range(10):
-        assert client.result(client.submit("demo-lm", [3, i + 4]), wait=True, timeout_s=60) is not None
-    calls = settled_calls(fleet.redis_url, before, acks=10)
-    assert calls.get("multi", 0) == 0 and calls.get("exec", 0) == 0, calls  # plain pipelines and a script
-    assert calls["lpush"] == 10 and calls["zadd"] == 10 and calls["hdel"] == 10
-    # scripts: one take (broker.atomic_take: ZADD + HSET + LTRIM inside, run only when a list holds a
-    # message) and one store (the ack's HDEL inside) per request, beside the producer's own
-    assert calls["ltrim"] == 10 and calls["evalsha"] >= 20 and not calls.get("brpop") and not calls.get("rpop"), calls
-    assert calls.get("incrby", 0) <= 4, calls  # the drain meter: twice a second, not per request
-    assert calls["subscribe"] == 10 and calls["unsubscribe"] == 10
+    monitor = Monitor(fleet.redis_url)
+    try:
+        started = time.monotonic()
+        for i in range(10):
+            assert client.result(client.submit("demo-lm", [3, i + 4]), wait=True, timeout_s=60) is not None
+        # with acks_late the result is stored and published before the ack, and MONITOR relays each command a
+        # moment after it ran: wait for the worker's tenth HDEL and the client's tenth UNSUBSCRIBE
+        poll_until(lambda: len(_named(monitor.commands, "HDEL unacked ")) >= 10
+                   and len(_named(monitor.commands, "UNSUBSCRIBE")) >= 10, 60, "the tenth ack and unsubscribe")
+        elapsed_s = time.monotonic() - started
+        commands = list(monitor.commands)
+    finally:
+        monitor.close()
+    names = Counter(c["command"].split(" ", 1)[0].upper() for c in commands)
+    assert names["MULTI"] == names["EXEC"] == 0, names  # plain pipelines and scripts
+    assert names["BRPOP"] == names["RPOP"] == 0, names
+    assert len(_named(commands, "LPUSH ")) == 10
+    # the take script (broker.atomic_take: ZADD + HSET + LTRIM inside, run only when a list holds a message)
+    # and one store script (the ack's HDEL inside) per request, beside the producer's own
+    assert len(_named(commands, "ZADD unacked_index ")) == 10 and len(_named(commands, "HDEL unacked ")) == 10
+    assert names["LTRIM"] == 10 and names["EVALSHA"] >= 20, names
+    # the drain meter writes at most two seconds' counts per flush, not one per request
+    assert names["INCRBY"] <= 2 * (int(elapsed_s / FLUSH_INTERVAL_S) + 2), (names["INCRBY"], elapsed_s)
+    assert names["SUBSCRIBE"] == names["UNSUBSCRIBE"] == 10, names
+
+
+def _named(commands: list[dict[str, Any]], prefix: str) -> list[dict[str, Any]]:
+    return [c for c in commands if c["command"].startswith(prefix)]
 
 
 def test_flower_sees_each_result_as_its_repr(fleet: Fleet) -> None:
