@@ -76,7 +76,7 @@ def measure_decode_graphs(model_path: Path, choice: str, *, rows: int = 8, steps
         decoder = open_decoder(engine) if engine.kv.in_place else None
         if not isinstance(decoder, InPlaceDecoder):
             return {"skipped": engine.kv.reason or "the in-place probe disagreed", "providers": list(engine.providers)}
-        if variant == "CUDA graphs" and not (engine.cuda_graph and decoder.fixed_steps):
+        if variant == "CUDA graphs" and not decoder.replays_graphs:
             skipped[variant] = engine.cuda_graph_reason or "the session does not capture graphs"
             continue
         decoder.fixed_steps = variant != "ordinary steps"

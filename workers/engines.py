@@ -105,7 +105,7 @@ def _decoder(engine: Engine, model: ModelSettings) -> tuple[Engine, Decoder | No
                  "error %.1e; decode steps as CUDA graphs: %s)", engine.card.name, engine.card.version,
                  np.dtype(engine.kv_dtype).name, "device" if getattr(decoder, "slots_on_device", False) else "host",
                  getattr(decoder, "probe_error", 0.0),
-                 "yes" if engine.cuda_graph and getattr(decoder, "fixed_steps", False) else "no")  # fmt: skip
+                 "yes" if decoder.replays_graphs else "no")  # fmt: skip
     return engine, decoder
 
 

@@ -99,7 +99,7 @@ class GenerationMetrics:
         )
         Gauge("fleet_worker_cuda_graphs", "1 when decode steps are replayed as CUDA graphs.", m,
               registry=registry).labels(model).set_function(
-            lambda: float(_replays_graphs(g)) if (g := now()) is not None else 0.0
+            lambda: float(g.decoder.replays_graphs) if (g := now()) is not None else 0.0
         )
         self.kv_copied = Counter(
             "fleet_worker_kv_copied_bytes", "KV-cache bytes copied (re-layouts, the graph's Concat of the past).", m,
@@ -153,8 +153,3 @@ class GenerationMetrics:
         gap_ms = timings.get("mean_inter_token_ms")
         if isinstance(gap_ms, int | float) and len(generation.get("token_ids") or ()) > 1:  # type: ignore[union-attr]
             self.inter_token.labels(self.model).observe(gap_ms / 1000)
-
-
-def _replays_graphs(loop: GenerationLoop) -> bool:
-    """True when ``loop``'s decode steps are captured and replayed as CUDA graphs."""
-    return bool(loop.decoder.engine.cuda_graph and getattr(loop.decoder, "fixed_steps", False))

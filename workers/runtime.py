@@ -61,10 +61,8 @@ def kv_cache_doc(loop: GenerationLoop | None) -> dict[str, Any] | None:
     for the in-place one where its slots live and their bytes; None without generation."""
     if loop is None:
         return None
-    decoder = loop.decoder
     doc: dict[str, Any] = {"cache": "in_place" if loop.kv.in_place else "concat",
-                           "dtype": np.dtype(decoder.kv_dtype).name,
-                           "cuda_graphs": bool(decoder.engine.cuda_graph and getattr(decoder, "fixed_steps", False))}
+                           "dtype": np.dtype(loop.decoder.kv_dtype).name, "cuda_graphs": loop.decoder.replays_graphs}
     slots = getattr(loop.kv, "cache", None)
     if slots is not None:
         doc.update(memory="device" if slots.on_device else "host", bytes=slots.nbytes)

@@ -270,6 +270,11 @@ class Decoder:
             binding.bind_output(self.present_for[name], kind, index)
 
     @property
+    def replays_graphs(self) -> bool:
+        """True when decode steps are captured and replayed as CUDA graphs (only the in-place decoder's can be)."""
+        return False
+
+    @property
     def supports_prefix_reuse(self) -> bool:
         """True when the graph takes ``attention_mask`` and ``position_ids`` (a prefill that starts from a
         cached prefix needs both: its new tokens' positions do not start at 0)."""

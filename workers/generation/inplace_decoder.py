@@ -69,6 +69,14 @@ class FixedStep:
     """The run options naming this span's CUDA graph (None: a session without graphs)."""
 
 
+def _check_capacity(cache: SlotCache, mask: npt.NDArray[np.int64]) -> None:
+    """Raises ValueError when a row of ``mask`` holds more tokens than a slot of ``cache``."""
+    longest = int(mask.sum(axis=1).max())
+    if longest > cache.capacity:
+        raise ValueError(f"a row would hold {longest} tokens; the KV slots hold {cache.capacity} (the card's "
+                         "max_positions)")
+
+
 class InPlaceDecoder(Decoder):
     """A :class:`Decoder` for graphs whose attention writes the cache in place; one per worker."""
 
@@ -100,6 +108,11 @@ class InPlaceDecoder(Decoder):
     @property
     def supports_prefix_reuse(self) -> bool:
         return True
+
+    @property
+    def replays_graphs(self) -> bool:
+        """True when the session captures CUDA graphs and the decode steps are fixed steps (see the module doc)."""
+        return self.engine.cuda_graph and self.fixed_steps
 
     def new_cache(self, slots: int) -> SlotCache:
         """A cache of ``slots`` slots, each as long as the model card's ``max_positions``."""
@@ -140,9 +153,7 @@ class InPlaceDecoder(Decoder):
         """One call over slots ``first .. first + rows - 1``; returns (logits [rows, S or 1, vocab], ms).
         ``step``: a decode step (``first`` 0), on the binding kept for the steps of one span."""
         rows = int(ids.shape[0])
-        if int(mask.sum(axis=1).max()) > cache.capacity:
-            raise ValueError(f"a row would hold {int(mask.sum(axis=1).max())} tokens; the KV slots hold "
-                             f"{cache.capacity} (the card's max_positions)")
+        _check_capacity(cache, mask)
         binding = self._step_binding_for(cache, rows) if step else self.session.io_binding()
         self._bind_input(binding, "input_ids", ids)
         self._bind_input(binding, "attention_mask", mask)
@@ -212,9 +223,7 @@ class InPlaceDecoder(Decoder):
                     positions: npt.NDArray[np.int64]) -> tuple[FloatArray, float]:
         """A decode step over slots ``0 .. span - 1`` through the span's :class:`FixedStep`; returns (a copy of
         the logits [span, 1, vocab] as float32, engine ms)."""
-        if int(mask.sum(axis=1).max()) > cache.capacity:
-            raise ValueError(f"a row would hold {int(mask.sum(axis=1).max())} tokens; the KV slots hold "
-                             f"{cache.capacity} (the card's max_positions)")
+        _check_capacity(cache, mask)
         step = self._fixed_for(cache, int(ids.shape[0]))
         for value, array in ((step.ids, ids), (step.mask, mask), (step.positions, positions)):
             value.update_inplace(np.ascontiguousarray(array))
