@@ -52,7 +52,7 @@ from kombu.utils.encoding import bytes_to_str
 
 from broker.batch_take import Taken, room_for_more
 from broker.cancel_marks import CancelReadingQoS
-from broker.in_hand import IN_HAND
+from broker.in_hand import IN_HAND, Take
 from broker.redis_refusals import RedisRefusingWrites, is_write_refusal
 from broker.store_ack import StoreAckingQoS
 from protocol.keys import CANCEL_KEY
@@ -217,19 +217,22 @@ def take_after_peek(channel: Any, **options: Any) -> bool:
         raise kombu_redis.Empty()  # type: ignore[attr-defined]
     if peeked is None and not _others_hold_messages(channel):  # the wait timed out on an idle worker
         raise kombu_redis.Empty()  # type: ignore[attr-defined]
-    reply = _run_script(channel)
-    if not reply or not _deliver_sections(channel, sections(reply)):
-        raise kombu_redis.Empty()  # type: ignore[attr-defined]
+    with IN_HAND.taking() as take:  # from the script's run in Redis until its messages are counted
+        reply = _run_script(channel)
+        taken = sections(reply) if reply else []
+        if not taken or not _deliver_sections(channel, taken, take):
+            raise kombu_redis.Empty()  # type: ignore[attr-defined]
     return True
 
 
-def _deliver_sections(channel: Any, taken: list[tuple[str, Any, list[Any]]]) -> bool:
+def _deliver_sections(channel: Any, taken: list[tuple[str, Any, list[Any]]], take: Take) -> bool:
     """Check and deliver each list's messages of one take, in order; False when none was taken.
+    ``take``: the take in flight, which counts them as in hand (:mod:`broker.in_hand`).
 
     Raises RedisRefusingWrites when Redis refused to record the first list's messages (nothing taken);
     any other refusal there turns the atomic take off (an ACL without ZADD, HSET or LTRIM)."""
     left = [sum(len(rows) // 4 for _, _, rows in taken)]  # in hand until each is handed to Celery
-    IN_HAND.took(left[0])
+    take.took(left[0])
     try:
         return _deliver_in_order(channel, taken, left)
     finally:
@@ -288,10 +291,18 @@ def _run_script(channel: Any) -> Any:
         raise kombu_redis.Empty() from exc  # type: ignore[attr-defined]
 
 
-def _hand_one(left: list[int]) -> None:
-    """One taken message leaves the worker's hand (handed to Celery now, or refused)."""
+def _refused_one(left: list[int]) -> None:
+    """One taken message leaves the worker's hand: the checks refused it."""
     left[0] -= 1
     IN_HAND.handing()
+
+
+def _hand_over(channel: Any, queue: str, list_key: str, taken: Taken, left: list[int]) -> None:
+    """Deliver one checked message; it counts as on its way, by task ID, until Celery's call returns
+    (Celery reserves it inside the call, and may start its task before the call returns)."""
+    left[0] -= 1
+    with IN_HAND.handing_over(taken.task_id):
+        channel._deliver_checked(queue, list_key, taken)
 
 
 def _check_and_deliver(channel: Any, queue: str, list_key: str, rows: list[Any], left: list[int]) -> None:
@@ -305,7 +316,7 @@ def _check_and_deliver(channel: Any, queue: str, list_key: str, rows: list[Any],
         recorded = bytes_to_str(tag) if tag else None  # type: ignore[no-untyped-call]
         taken = channel._check(queue, list_key, raw if isinstance(raw, bytes) else str(raw).encode())
         if taken is None:
-            _hand_one(left)
+            _refused_one(left)
             if recorded:
                 stray.append(recorded)
             continue
@@ -318,8 +329,7 @@ def _check_and_deliver(channel: Any, queue: str, list_key: str, rows: list[Any],
     delivered = 0
     try:
         for taken in accepted:
-            _hand_one(left)  # before: Celery may start its task before this call returns
-            channel._deliver_checked(queue, list_key, taken)
+            _hand_over(channel, queue, list_key, taken, left)
             delivered += 1
     finally:
         for taken in accepted[delivered:]:  # recorded as unacked: restored after the visibility timeout

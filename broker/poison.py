@@ -161,13 +161,15 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
             return
         room = room_for_more(self.qos) if self.take_batch else 0
         first = self._check(queue, list_key, item)
-        popped = self._record(list_key, [first] if first is not None else [], pop=room)
+        with IN_HAND.taking() as take:  # company on its way for the first one's task (broker.in_hand)
+            popped = self._record(list_key, [first] if first is not None else [], pop=room)
+            take.took(len(popped))
         unrecorded = popped
-        in_hand = len(popped)  # company on its way for the first one's task (broker.in_hand)
-        IN_HAND.took(in_hand)
+        in_hand = len(popped)
         try:
             if first is not None:
-                self._deliver_checked(queue, list_key, first)
+                with IN_HAND.handing_over(first.task_id, counted=False):
+                    self._deliver_checked(queue, list_key, first)
             if popped:
                 more = [taken for taken in (self._check(queue, list_key, raw) for raw in popped) if taken is not None]
                 unrecorded = []  # checked: refused ones are dead-lettered, the rest parked by _record if it fails
@@ -175,9 +177,9 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
                 in_hand = len(more)
                 self._record(list_key, more, pop=0)
                 for taken in more:
-                    IN_HAND.handing()  # before: Celery may start its task before the call returns
                     in_hand -= 1
-                    self._deliver_checked(queue, list_key, taken)
+                    with IN_HAND.handing_over(taken.task_id):  # until Celery's call returns: it reserves it inside
+                        self._deliver_checked(queue, list_key, taken)
         except BaseException:
             for raw in unrecorded:
                 self._park(list_key, raw)

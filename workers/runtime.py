@@ -98,7 +98,7 @@ class WorkerRuntime:
         self.scheduler = Scheduler(
             self.stable.engine,
             BatchPolicy(b.max_batch_size, b.max_wait_ms, b.max_batch_tokens, b.close_when_idle),
-            backlog=lambda: self.scheduler.unseen(_held_task_ids()) + TAKEN_IN_HAND.count,
+            backlog=self._on_their_way,
             generation=self.stable.generation,
             version=self.stable.version,
             start_together_s=b.start_together_ms / 1000,
@@ -236,6 +236,7 @@ class WorkerRuntime:
             raise ConfigError(namesake_message(self.hostname, holder, self.model_key), "hostname",
                               "one live worker per name")  # fmt: skip
         self.scheduler.start()
+        TAKEN_IN_HAND.subscribe(self.scheduler.wake)  # a take that brought nothing ends a wait for company
         self.streams.start()
         if self.prefix_holder is not None:
             self.prefix_holder.start()
@@ -266,6 +267,7 @@ class WorkerRuntime:
         """Drain the scheduler and withdraw the heartbeat."""
         self.ready = False
         self.reconciler.stop()
+        TAKEN_IN_HAND.unsubscribe(self.scheduler.wake)
         self.scheduler.stop()
         self.streams.stop()
         self.heartbeat.stop()
@@ -288,6 +290,13 @@ class WorkerRuntime:
         """Engine steps run so far: batches and the stable generation loop's steps (progress, for readiness)."""
         loop = self.scheduler.generation
         return self.scheduler.batches_run + (loop.steps_run if loop is not None else 0)
+
+    def _on_their_way(self) -> int:
+        """Requests this worker process took from Redis whose threads have not reached its code yet: in
+        the channel's hand (a take in flight, taken, being handed over) or held by Celery, not started.
+        Counted once each, none missed between the two (:meth:`broker.in_hand.InHand.beside`)."""
+        task_ids, anonymous = TAKEN_IN_HAND.beside(_held_task_ids)
+        return self.scheduler.unseen(task_ids) + anonymous
 
     def _own_queues(self) -> list[str]:
         """The queues this worker takes from: the model's queue, its canary queue and its own queue."""

@@ -292,6 +292,12 @@ class Scheduler:
         with self._cond:
             return len(self._pending)
 
+    def wake(self) -> None:
+        """Have the scheduler thread decide again now: something it waits on changed (a count of company
+        on its way dropped)."""
+        with self._cond:
+            self._cond.notify_all()
+
     def seen(self, task_id: str) -> None:
         """Note that the thread of Celery task ``task_id`` has reached this worker's code (see
         :meth:`unseen`): it is no longer on its way, it is announced or handled."""

@@ -17,7 +17,7 @@ from broker.batch_take import room_for_more
 from protocol.errors import RequestCancelled
 from protocol.keys import DEAD_LETTER_KEY
 from tests.integration.fleet_fixtures import Fleet
-from tests.integration.test_cancel_marks import Monitor
+from tests.integration.redis_monitor import Monitor
 from tools.processes import poll_until
 from tools.redis_server import EmbeddedRedis
 
@@ -108,7 +108,7 @@ def test_a_backed_up_queue_is_taken_in_batches_within_the_tokens(fleet: Fleet) -
             assert client.result(rid, wait=True, timeout_s=60) is not None
     held.stop()
     fleet.workers[0].stop(timeout_s=20)
-    commands = list(monitor.commands)
+    commands = monitor.up_to_now()
     monitor.close()
 
     assert not [c for c in commands if c["command"].startswith(("BRPOP", "RPOP"))]  # nothing popped unrecorded

@@ -24,8 +24,8 @@ from protocol.keys import STREAM_KEY
 from protocol.messages import InferenceResult
 from protocol.streams import StreamEvent, decode_events
 from tests.integration.fleet_fixtures import Fleet
+from tests.integration.redis_monitor import Monitor
 from tests.integration.stream_order import relayed_before_stored
-from tests.integration.test_cancel_marks import Monitor
 from tools.processes import poll_until
 from tools.redis_server import free_port
 
@@ -253,12 +253,10 @@ def test_fleet_submit_stream_prints_text_before_the_request_completes(fleet: Fle
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
-        client.redis.get("marker-cli-stream-1")
-        poll_until(lambda: any("marker-cli-stream-1" in c["command"] for c in monitor.commands), 30,
-                   "the marker in MONITOR")  # fmt: skip
+        commands = [c["command"] for c in monitor.up_to_now()]
     finally:
         monitor.close()
-    assert relayed_before_stored([c["command"] for c in monitor.commands], "cli-stream-1")
+    assert relayed_before_stored(commands, "cli-stream-1")
     first, out = out[:1], out[1:]
     summary = json.loads(err.decode().strip().splitlines()[-1])
     assert summary == {"request_id": "cli-stream-1", "finish_reason": "length",

@@ -17,8 +17,7 @@ import httpx
 import pytest
 
 from tests.integration.ops_fixtures import API_KEY, GatewayProcess, OpsFleet, ops_models, ops_redis
-from tests.integration.test_cancel_marks import Monitor
-from tools.processes import poll_until
+from tests.integration.redis_monitor import Monitor
 from tools.redis_server import EmbeddedRedis
 
 __all__ = ["ops_models", "ops_redis"]
@@ -187,12 +186,9 @@ def test_a_submit_wait_is_subscribed_before_the_request_is_queued(fleet: Fleet) 
                                  params={"wait_s": 0.2})  # fmt: skip
         assert answer.status_code == 202, answer.text
         rid = answer.json()["request_id"]
-        marker = f"marker-{rid}"
-        fleet.ops.redis.get(marker)
-        poll_until(lambda: any(marker in c["command"] for c in monitor.commands), 30, "the marker in MONITOR")
+        commands = [c["command"] for c in monitor.up_to_now()]
     finally:
         monitor.close()
-    commands = [c["command"] for c in monitor.commands]
     key = f"celery-task-meta-{rid}"
     subscribed = next(i for i, c in enumerate(commands) if c.startswith("SUBSCRIBE") and key in c)
     queued = next(i for i, c in enumerate(commands) if rid in c and key not in c)  # the submit script

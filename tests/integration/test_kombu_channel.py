@@ -14,7 +14,7 @@ from broker.kombu_channel import FleetChannel, PlainPipelineQoS
 from protocol.celeryconf import celery_config
 from protocol.settings import load_settings
 from tests.integration.fleet_fixtures import Fleet
-from tests.integration.test_cancel_marks import Monitor
+from tests.integration.redis_monitor import Monitor
 from tools.processes import poll_until
 from tools.redis_server import EmbeddedRedis
 from workers.drain_meter import FLUSH_INTERVAL_S

@@ -17,8 +17,8 @@ from protocol.keys import CANCEL_KEY, STREAM_KEY
 from protocol.streams import StreamEvent, encode_event
 from tests.integration.openai_fixtures import API_KEY, Served, ops_models, ops_redis, served
 from tests.integration.ops_fixtures import wait_until
+from tests.integration.redis_monitor import Monitor
 from tests.integration.stream_order import relayed_before_stored
-from tests.integration.test_cancel_marks import Monitor
 
 __all__ = ["ops_models", "ops_redis", "served"]
 
@@ -54,12 +54,10 @@ def test_chat_stream_tokens_arrive_before_the_request_completes(served: Served, 
         rid = raw.headers["x-request-id"]
         assert raw.headers["content-type"].startswith("text/event-stream")
         chunks = list(raw.parse())
-        marker = f"marker-{rid}"
-        served.redis.get(marker)
-        wait_until(lambda: any(marker in c["command"] for c in monitor.commands), 30, "the marker in MONITOR")
+        commands = [c["command"] for c in monitor.up_to_now()]
     finally:
         monitor.close()
-    assert relayed_before_stored([c["command"] for c in monitor.commands], rid)
+    assert relayed_before_stored(commands, rid)
     assert chunks[0].choices[0].delta.role == "assistant" and all(c.id == f"chatcmpl-{rid}" for c in chunks)
     *body, finish, usage = chunks
     assert finish.choices[0].finish_reason == "length" and usage.choices == []

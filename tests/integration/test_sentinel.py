@@ -44,7 +44,7 @@ from protocol.redis_conn import sync_client
 from protocol.settings import load_settings
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.ops_fixtures import ROOT, GatewayProcess
-from tests.integration.test_cancel_marks import Monitor
+from tests.integration.redis_monitor import Monitor
 from tools.redis_server import EmbeddedRedis, EmbeddedSentinel
 
 MASTER_NAME = "fleet"
@@ -242,7 +242,7 @@ def test_a_sentinel_worker_guards_and_batches_its_queue(tmp_path: Path, model_di
             assert client.result(rid, wait=True, timeout_s=90) is not None, worker.log_tail()
         assert worker.proc is not None and worker.proc.poll() is None, worker.log_tail()
         worker.stop(timeout_s=20)
-        commands = [str(c["command"]) for c in monitor.commands]
+        commands = [str(c["command"]) for c in monitor.up_to_now()]
         monitor.close()
         assert master.llen(DEAD_LETTER_KEY) == 1
         assert any(c.startswith(f"LRANGE {queue} -") for c in commands)  # the batched, atomic take

@@ -16,7 +16,7 @@ from protocol.celeryconf import celery_config
 from protocol.errors import FleetError
 from protocol.settings import load_settings
 from tests.integration.fleet_fixtures import Fleet
-from tests.integration.test_cancel_marks import Monitor
+from tests.integration.redis_monitor import Monitor
 from tools.redis_server import EmbeddedRedis
 
 
@@ -41,7 +41,7 @@ def test_a_success_is_acked_by_its_store_script_and_a_failure_by_kombu(fleet: Fl
     with pytest.raises(FleetError):
         client.result(bad.id, wait=True, timeout_s=60)
     fleet.workers[0].stop(timeout_s=20)  # every ack has landed
-    commands = list(monitor.commands)
+    commands = monitor.up_to_now()
     monitor.close()
     for rid in good:
         tag = _tag_of(r, rid, commands)

@@ -1,6 +1,7 @@
-"""Messages of one take are "in hand" (broker.in_hand.IN_HAND) until each is handed to Celery: the first
-task of a burst can reach the scheduler while the rest of its take is still being handed over, and the
-scheduler's start-together count must see them. Pure bookkeeping, on a stand-in channel."""
+"""Messages of one take are "in hand" (broker.in_hand.IN_HAND) from the moment they leave Redis until
+Celery holds them: the first task of a burst can reach the scheduler while the rest of its take is
+still being handed over, and the scheduler's start-together count must see every one of them, once.
+Pure bookkeeping, on a stand-in channel whose delivery reserves the task as Celery's strategy does."""
 
 from __future__ import annotations
 
@@ -14,23 +15,34 @@ from broker.in_hand import IN_HAND, InHand
 
 
 class _Channel:
-    """What the take's delivery touches of a GuardedChannel: the checks, the delivery, kombu's cycle."""
+    """What the take's delivery touches of a GuardedChannel: the checks, the delivery, kombu's cycle.
+    Its delivery adds the task to ``reserved`` midway (Celery's ``task_reserved``), and reads what is on
+    its way just before and just after."""
 
     sep = "\x06\x16"
 
     def __init__(self, refuse: set[bytes], fail_at: int | None = None) -> None:
         self.refuse, self.fail_at = refuse, fail_at
         self.in_hand_at_delivery: list[int] = []
+        self.on_their_way: list[int] = []
+        self.reserved: set[str] = set()
         self.pre_taken: dict[str, Any] = {}
         self._queue_cycle = SimpleNamespace(rotate=lambda queue: None)
 
     def _check(self, queue: str, list_key: str, raw: bytes) -> Any:
-        return None if raw in self.refuse else SimpleNamespace(tag=raw.decode(), task_id=None)
+        return None if raw in self.refuse else SimpleNamespace(tag=raw.decode(), task_id=raw.decode())
 
     def _deliver_checked(self, queue: str, list_key: str, taken: Any) -> None:
         if len(self.in_hand_at_delivery) == self.fail_at:
             raise RuntimeError("Celery refused the message")
         self.in_hand_at_delivery.append(IN_HAND.count)
+        self._read_on_their_way()
+        self.reserved.add(taken.task_id)
+        self._read_on_their_way()
+
+    def _read_on_their_way(self) -> None:
+        task_ids, anonymous = IN_HAND.beside(lambda: set(self.reserved))
+        self.on_their_way.append(len(task_ids) + anonymous)
 
 
 def _rows(*raws: bytes) -> list[Any]:
@@ -38,20 +50,60 @@ def _rows(*raws: bytes) -> list[Any]:
     return [x for raw in raws for x in (raw, None if raw == b"bad" else raw, None, None)]
 
 
+def _deliver(channel: _Channel, taken: list[tuple[str, Any, list[Any]]]) -> bool:
+    with IN_HAND.taking() as take:
+        assert IN_HAND.now().anonymous == 1  # the script ran: its messages left Redis, the reply is on its way
+        return atomic_take._deliver_sections(channel, taken, take)
+
+
 def test_a_take_is_in_hand_until_each_message_is_handed_over_and_none_is_left_after() -> None:
     channel = _Channel(refuse={b"bad"})
-    taken = [("q1", None, _rows(b"a", b"bad", b"b")), ("q2", None, _rows(b"c", b"d"))]
-    assert atomic_take._deliver_sections(channel, taken)
+    assert _deliver(channel, [("q1", None, _rows(b"a", b"bad", b"b")), ("q2", None, _rows(b"c", b"d"))])
     # at each hand-over, the ones after it (not the refused one) are still in hand
     assert channel.in_hand_at_delivery == [3, 2, 1, 0]
-    assert IN_HAND.count == 0
+    assert IN_HAND.count == 0 and IN_HAND.now().anonymous == 0 and not IN_HAND.now().handing
+
+
+def test_every_message_of_a_take_is_on_its_way_exactly_once_at_every_instant_of_its_hand_over() -> None:
+    """Before Celery reserves a message and after, until its task starts, the count holds each accepted
+    message of the take once: none is counted both in hand and reserved, none in neither."""
+    channel = _Channel(refuse={b"bad"})
+    assert _deliver(channel, [("q1", None, _rows(b"a", b"bad", b"b", b"c", b"d"))])
+    assert channel.on_their_way == [4] * 8
 
 
 def test_a_failed_hand_over_leaves_nothing_counted() -> None:
     channel = _Channel(refuse=set(), fail_at=1)
     with pytest.raises(RuntimeError):
-        atomic_take._deliver_sections(channel, [("q1", None, _rows(b"a", b"b", b"c"))])
-    assert channel.in_hand_at_delivery == [2] and IN_HAND.count == 0
+        _deliver(channel, [("q1", None, _rows(b"a", b"b", b"c"))])
+    assert channel.in_hand_at_delivery == [2]
+    assert IN_HAND.count == 0 and IN_HAND.now().anonymous == 0 and not IN_HAND.now().handing
+
+
+def test_a_take_that_brought_nothing_stops_counting_and_wakes_the_listeners() -> None:
+    hand = InHand()
+    woken: list[int] = []
+    hand.subscribe(lambda: woken.append(hand.now().anonymous))
+    with hand.taking() as take:
+        assert hand.now().anonymous == 1
+        take.took(0)
+        assert hand.now().anonymous == 0
+    assert woken == [0]
+    with hand.taking():  # the script raised: its exit ends the count
+        pass
+    assert hand.now().anonymous == 0 and woken == [0, 0]
+
+
+def test_a_take_in_flight_becomes_its_messages_in_one_step() -> None:
+    hand = InHand()
+    with hand.taking() as take:
+        take.took(3)
+        assert hand.now().anonymous == 3  # not 4: the take no longer counts once its messages do
+    assert hand.now().anonymous == 3
+    for name in ("x", "y", "z"):
+        with hand.handing_over(name):
+            assert hand.now().handing == frozenset({name})
+    assert hand.now().anonymous == 0 and not hand.now().handing
 
 
 def test_the_count_never_goes_below_zero() -> None:
