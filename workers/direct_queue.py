@@ -31,7 +31,11 @@ import redis
 
 from protocol.keys import DIRECT_QUEUES_KEY, PREFIX_HOLDER_KEY
 
-__all__ = ["MOVE_SCRIPT", "DirectQueue", "PrefixHolder"]
+__all__ = ["MOVE_SCRIPT", "PUBLISH_WAIT_S", "DirectQueue", "PrefixHolder"]
+
+PUBLISH_WAIT_S = 1.0
+"""Longest wait of :meth:`PrefixHolder.sync` (s): a Redis that does not take the digests delays a result by
+no more than this (routing is a hint)."""
 
 log = logging.getLogger("fleet.routing")
 
@@ -100,7 +104,9 @@ class PrefixHolder:
 
     ``held``/``released`` only enqueue; a thread writes them (SADD/SREM, pipelined, in order) and keeps
     the set's TTL; Redis errors are logged and the changes dropped (routing is a hint: a stale digest
-    costs a miss, never a wrong answer).
+    costs a miss, never a wrong answer). :meth:`sync` waits for what was enqueued before it: a generation's
+    result and its stream's last event are written after it, so a caller who has the reply finds its
+    conversation held when it sends the next turn.
     """
 
     def __init__(self, client: redis.Redis[bytes], *, model: str, hostname: str, ttl_s: int) -> None:
@@ -111,6 +117,11 @@ class PrefixHolder:
         self._thread = threading.Thread(target=self._run, name="fleet-prefix-holder", daemon=True)
         self.published = 0
         """Digest changes written."""
+        self._progress = threading.Condition()
+        self._enqueued = 0
+        """Changes enqueued so far."""
+        self._settled = 0
+        """Changes written or dropped so far (they settle in the order they were enqueued)."""
 
     def start(self) -> None:
         """Start the writer (and drop whatever an earlier process of this hostname left)."""
@@ -120,15 +131,29 @@ class PrefixHolder:
 
     def held(self, digests: list[bytes]) -> None:
         """The cache holds these digests now (scheduler thread; does not block)."""
-        self._changes.put(("add", digests))
+        self._enqueue(("add", digests))
 
     def released(self, digests: list[bytes]) -> None:
         """The cache no longer holds these digests (scheduler thread; does not block)."""
-        self._changes.put(("rem", digests))
+        self._enqueue(("rem", digests))
 
     def reset(self) -> None:
         """The model changed: every digest published so far is void."""
-        self._changes.put(("reset", []))
+        self._enqueue(("reset", []))
+
+    def sync(self, timeout_s: float = PUBLISH_WAIT_S) -> bool:
+        """Wait until every change enqueued before this call is written (or dropped on a Redis error), at
+        most ``timeout_s`` s; False when the wait ran out, or at once when the writer does not run."""
+        if not self._thread.is_alive():
+            return False
+        with self._progress:
+            target = self._enqueued
+            return self._progress.wait_for(lambda: self._settled >= target, timeout_s)
+
+    def _enqueue(self, change: tuple[str, list[bytes]]) -> None:
+        with self._progress:
+            self._enqueued += 1
+            self._changes.put(change)
 
     def refresh(self) -> None:
         """Extend the set's life by one TTL (heartbeat thread)."""
@@ -174,3 +199,7 @@ class PrefixHolder:
             self.published += sum(len(d) for _, d in batch)
         except redis.RedisError as exc:
             log.warning("could not publish %d prefix-cache changes: %s", len(batch), exc)
+        finally:
+            with self._progress:
+                self._settled += len(batch)
+                self._progress.notify_all()

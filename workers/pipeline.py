@@ -229,6 +229,8 @@ def finish(runtime: WorkerRuntime, prepared: Prepared, *, request_id: str, worke
     done = prepared.future.result()
     ids = {"request_id": request_id, "worker": worker}
     if isinstance(done, GenOutcome):
+        if runtime.prefix_holder is not None:  # the conversation is held (for routing) before its reply is stored
+            runtime.prefix_holder.sync()
         return _encode(
             runtime, prepared, **ids, started_unix_s=done.prefill_started_unix_s, batch_wait_ms=done.batch_wait_ms,
             inference_ms=done.engine_ms, batch_size=done.prefill_batch_size,

@@ -149,6 +149,7 @@ class WorkerRuntime:
             self.redis, model=self.model_key, hostname=hostname, ttl_s=max(60, 10 * ttl_s)
         )
         self._hold_prefixes(self.stable)
+        self.streams.before_end = self.prefix_holder.sync  # a stream's last event, too, after the digests
         self.heartbeat.on_beat.append(self._routing_beat)
 
     def _hold_prefixes(self, loaded: LoadedModel) -> None:

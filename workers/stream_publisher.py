@@ -37,6 +37,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -177,6 +178,10 @@ class StreamPublisher:
         """CPU time of the publisher thread so far (s), read at each pass of its loop."""
         self._expired_at: dict[str, float] = {}
         """Stream key → when its TTL was last set (monotonic s), for streams not ended yet."""
+        self.before_end: Callable[[], object] | None = None
+        """Called (publisher thread) before a write that ends a stream: what must be in Redis before a
+        reader learns the generation ended (the prefix digests that route its next turn,
+        :meth:`workers.direct_queue.PrefixHolder.sync`, a bounded wait)."""
 
     def start(self) -> None:
         """Start the publisher and cancel-listener threads."""
@@ -382,6 +387,8 @@ class StreamPublisher:
     def _write(self, chunk: list[HeldEvent]) -> None:
         """One run of :data:`WRITE_SCRIPT`: each stream's events of ``chunk`` as entries of up to
         ``max_events_per_entry`` (in order), and ``EXPIRE`` on the streams due for one."""
+        if self.before_end is not None and any(held.last for held in chunk):
+            self.before_end()
         by_id: dict[str, list[HeldEvent]] = {}
         for held in chunk:
             group = by_id.get(held.request_id)

@@ -253,6 +253,7 @@ def test_fleet_submit_stream_prints_text_before_the_request_completes(fleet: Fle
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
+        client.result("cli-stream-1", wait=True, timeout_s=60)  # the stream may end before the result is stored
         commands = [c["command"] for c in monitor.up_to_now()]
     finally:
         monitor.close()

@@ -54,6 +54,7 @@ def test_chat_stream_tokens_arrive_before_the_request_completes(served: Served, 
         rid = raw.headers["x-request-id"]
         assert raw.headers["content-type"].startswith("text/event-stream")
         chunks = list(raw.parse())
+        stored = served.finished(rid)  # the last chunk may reach the client before the worker stores the result
         commands = [c["command"] for c in monitor.up_to_now()]
     finally:
         monitor.close()
@@ -64,7 +65,7 @@ def test_chat_stream_tokens_arrive_before_the_request_completes(served: Served, 
     assert usage.usage is not None and usage.usage.completion_tokens == 256
     text = "".join(c.choices[0].delta.content or "" for c in [*body, finish])
     assert len(body) > 10  # one chunk per token that completed a character, not one block at the end
-    assert text == served.finished(rid)["result"]["generation"]["text"]
+    assert text == stored["result"]["generation"]["text"]
 
 
 def test_completion_stream_matches_the_non_streamed_text(client: openai.OpenAI) -> None:

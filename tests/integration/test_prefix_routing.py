@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import random
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +66,9 @@ def test_each_turn_goes_to_the_worker_that_holds_its_conversation(fleet: Fleet) 
     served_by: list[list[str]] = [[] for _ in range(conversations)]
     for turn in range(4):
         prompts = [h + [rng.randrange(3, 500) for _ in range(rng.randint(5, 10))] for h in history]
-        if turn:  # the holder has published each conversation's prefix (an event, not a pause)
+        if turn:  # each conversation is held by the time its reply is stored (PrefixHolder.sync), not eventually
             for host, tokens in zip([hosts[-1] for hosts in served_by], history, strict=True):
-                poll_until(partial(_held_by, client.redis, host, tokens), 30, f"worker {host} to publish a prefix")
+                assert _held_by(client.redis, host, tokens), f"worker {host} had not published the prefix"
         ids = [_generate(client, p) for p in prompts]
         results = client.wait(ids, timeout_s=120)
         for c, (prompt, res) in enumerate(zip(prompts, results, strict=True)):
@@ -105,8 +104,7 @@ def test_a_burst_split_between_the_worker_s_own_queue_and_the_model_s_starts_tog
                         timeout_s=120)
     for prompt, res in zip(known, first, strict=True):
         assert isinstance(res, InferenceResult) and res.generation is not None, res
-        poll_until(partial(_held_by, client.redis, worker.hostname, prompt + res.generation.token_ids), 30,
-                   "the worker to publish the prefixes")
+        assert _held_by(client.redis, worker.hostname, prompt + res.generation.token_ids)  # held before stored
     own_queue = client.settings.direct_queue_for(MODEL, worker.hostname)
     fresh = [[400 + 9 * i + k for k in range(9)] for i in range(8)]
     routed_before = client.router.prefixes.routed
@@ -139,7 +137,7 @@ def test_a_turn_routed_to_a_worker_that_dies_is_served_by_another(fleet: Fleet) 
     holder = by_host[turn1.timings.worker]
     other = second if holder is first else first
     history = prompt + turn1.generation.token_ids
-    poll_until(lambda: _held_by(r, holder.hostname, history), 30, "the holder to publish the prefix")
+    assert _held_by(r, holder.hostname, history)  # held by the time the reply is stored
 
     long_turn = _generate(client, [*history, 20, 21, 22], new=200)  # long enough to be killed mid-turn
     ledger.accepted(long_turn)
@@ -153,7 +151,7 @@ def test_a_turn_routed_to_a_worker_that_dies_is_served_by_another(fleet: Fleet) 
     # the other worker holds the conversation now; kill it with a turn waiting in its own queue
     assert done.generation is not None
     history2 = [*history, 20, 21, 22, *done.generation.token_ids]
-    poll_until(lambda: _held_by(r, other.hostname, history2), 30, "the other worker to publish the prefix")
+    assert _held_by(r, other.hostname, history2)
     third = fleet.worker(cfg, MODEL)
     other.kill()
     killed_at = time.monotonic()
@@ -191,9 +189,8 @@ def test_a_responses_conversation_through_the_gateway_stays_on_its_worker(ops_fl
             result = fleet.result(response.id.removeprefix("resp_"), wait=True, timeout_s=30)
             assert result is not None
             served_by.append(result.timings.worker)
-            # the next turn is sent once the holder has published this turn's prefix (an event, not a pause)
-            holder_key = PREFIX_HOLDER_KEY.format(model="demo-lm", host=result.timings.worker)
-            poll_until(partial(fleet.redis.scard, holder_key), 30, "the worker to publish its prefixes")
+            # the worker published this turn's prefix before it stored the reply the SDK got
+            assert fleet.redis.scard(PREFIX_HOLDER_KEY.format(model="demo-lm", host=result.timings.worker))
         assert len(set(served_by)) == 1, served_by
         metrics = {(s.name, s.labels.get("result")): s.value
                    for family in text_string_to_metric_families(httpx.get(gateway.url + "/metrics").text)
