@@ -13,7 +13,7 @@ A message is counted from the moment it leaves Redis until Celery holds it, with
 - **a take in flight** (:meth:`InHand.taking`): the take script ran in Redis, so its messages are no
   longer on their lists, and its reply is on its way to this process: counted as one message on its
   way until the reply is read;
-- **taken** (:meth:`InHand.took`): read, not yet handed over;
+- **taken** (:meth:`Take.took`): read, not yet handed over;
 - **being handed over** (:meth:`InHand.handing_over`): from just before Celery's delivery call to its
   return, by task ID. Celery adds the task to its reserved set inside that call, so for a while the
   message is in both; the reader unites the two sets of IDs, so it never counts a message twice, and
@@ -55,11 +55,6 @@ class InHand:
         self._lock = threading.Lock()
         self._listeners: list[Callable[[], None]] = []
 
-    @property
-    def count(self) -> int:
-        """Messages taken and not handed to Celery yet (takes in flight and hand-overs under way excluded)."""
-        return self._taken
-
     def now(self) -> InHandNow:
         """Everything on its way, read at one instant."""
         with self._lock:
@@ -93,19 +88,19 @@ class InHand:
         try:
             yield take
         finally:
-            if not take.done:
-                with self._lock:
-                    self._taking -= 1
-                    take.done = True
+            self._brought(take, 0)  # a take that raised, or brought nothing: no longer in flight
             self._dropped()
 
-    def took(self, n: int) -> None:
-        """``n`` messages were taken and are about to be handed over."""
+    def _brought(self, take: Take, n: int) -> None:
+        """``take`` brought ``n`` more messages; it is no longer in flight (once, whoever calls first)."""
         with self._lock:
             self._taken += n
+            if not take.done:
+                self._taking -= 1
+                take.done = True
 
     def handing(self, n: int = 1) -> None:
-        """``n`` of them leave the worker's hand without a hand-over (refused by the checks, or the
+        """``n`` taken messages leave the worker's hand without a hand-over (refused by the checks, or the
         delivery failed before them)."""
         with self._lock:
             self._taken = max(0, self._taken - n)
@@ -114,10 +109,10 @@ class InHand:
     @contextmanager
     def handing_over(self, task_id: str | None, *, counted: bool = True) -> Iterator[None]:
         """One message is handed to Celery in this block (``task_id``: its Celery task, None for a message
-        without one, which Celery never starts; ``counted``: it was counted by :meth:`took`, so it leaves
-        that count now)."""
+        without one, which Celery never starts; ``counted``: it was counted by :meth:`Take.took`, so it
+        leaves that count now)."""
         with self._lock:
-            if counted:
+            if counted:  # it was counted by Take.took
                 self._taken = max(0, self._taken - 1)
             if task_id is not None:
                 self._handing[task_id] += 1
@@ -146,11 +141,7 @@ class Take:
     def took(self, n: int) -> None:
         """The take brought ``n`` messages, about to be handed over: they are counted as taken from this
         instant, and the take no longer counts as in flight."""
-        with self._hand._lock:
-            self._hand._taken += n
-            if not self.done:
-                self._hand._taking -= 1
-                self.done = True
+        self._hand._brought(self, n)
 
 
 IN_HAND = InHand()

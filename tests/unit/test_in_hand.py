@@ -35,7 +35,7 @@ class _Channel:
     def _deliver_checked(self, queue: str, list_key: str, taken: Any) -> None:
         if len(self.in_hand_at_delivery) == self.fail_at:
             raise RuntimeError("Celery refused the message")
-        self.in_hand_at_delivery.append(IN_HAND.count)
+        self.in_hand_at_delivery.append(IN_HAND.now().anonymous)
         self._read_on_their_way()
         self.reserved.add(taken.task_id)
         self._read_on_their_way()
@@ -61,7 +61,7 @@ def test_a_take_is_in_hand_until_each_message_is_handed_over_and_none_is_left_af
     assert _deliver(channel, [("q1", None, _rows(b"a", b"bad", b"b")), ("q2", None, _rows(b"c", b"d"))])
     # at each hand-over, the ones after it (not the refused one) are still in hand
     assert channel.in_hand_at_delivery == [3, 2, 1, 0]
-    assert IN_HAND.count == 0 and IN_HAND.now().anonymous == 0 and not IN_HAND.now().handing
+    assert IN_HAND.now().anonymous == 0 and not IN_HAND.now().handing
 
 
 def test_every_message_of_a_take_is_on_its_way_exactly_once_at_every_instant_of_its_hand_over() -> None:
@@ -77,7 +77,7 @@ def test_a_failed_hand_over_leaves_nothing_counted() -> None:
     with pytest.raises(RuntimeError):
         _deliver(channel, [("q1", None, _rows(b"a", b"b", b"c"))])
     assert channel.in_hand_at_delivery == [2]
-    assert IN_HAND.count == 0 and IN_HAND.now().anonymous == 0 and not IN_HAND.now().handing
+    assert IN_HAND.now().anonymous == 0 and not IN_HAND.now().handing
 
 
 def test_a_take_that_brought_nothing_stops_counting_and_wakes_the_listeners() -> None:
@@ -108,6 +108,7 @@ def test_a_take_in_flight_becomes_its_messages_in_one_step() -> None:
 
 def test_the_count_never_goes_below_zero() -> None:
     hand = InHand()
-    hand.took(2)
+    with hand.taking() as take:
+        take.took(2)
     hand.handing(3)
-    assert hand.count == 0
+    assert hand.now().anonymous == 0
