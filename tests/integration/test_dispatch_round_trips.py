@@ -7,6 +7,7 @@ since; it still refuses at the cap, and a known ID still answers with its ID the
 
 from __future__ import annotations
 
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -17,6 +18,7 @@ from producer.admission import Admission
 from protocol.errors import QueueFull
 from protocol.messages import InferenceResult
 from tests.integration.fleet_fixtures import Fleet
+from tests.integration.redis_monitor import Monitor
 
 
 def test_submit_reads_the_depth_once_per_window_and_still_refuses_at_the_cap(fleet: Fleet) -> None:
@@ -80,14 +82,20 @@ def test_started_is_stored_for_generations_only(fleet: Fleet) -> None:
     client.result(client.submit("demo-lm", [1, 2]), wait=True, timeout_s=60)  # connections set up
 
     def stores_during(generation: dict[str, int | bool] | None = None) -> int:
-        """State writes: each is one run of the worker's store script (broker.result_backend)."""
-        before = redis_commandstats(fleet.redis_url)
-        rid = client.submit("demo-lm", [3, 4], generation=generation)
-        assert client.result(rid, wait=True, timeout_s=60) is not None
-        after = redis_commandstats(fleet.redis_url)
-        runs = sum(after.get(k, 0) - before.get(k, 0) for k in ("evalsha", "eval"))
-        # the submission's own claim-and-queue script (producer.idempotent_queue) and the worker's take
-        return runs - 2  # script (broker.atomic_take)
+        """State writes of one request: each is one run of the worker's store script (broker.result_backend),
+        seen in Redis's MONITOR as the run's first command, a ``SET <state key> <meta> NX`` inside a script (a
+        run that finds a state already stored writes it again with a plain SET, not counted). Counted by key,
+        not as script runs in a window: the worker's heartbeat script runs every 0.5 s and may fall in it."""
+        monitor = Monitor(fleet.redis_url)
+        try:
+            rid = client.submit("demo-lm", [3, 4], generation=generation)
+            assert client.result(rid, wait=True, timeout_s=60) is not None
+            commands = monitor.up_to_now()
+        finally:
+            monitor.close()
+        key = f"celery-task-meta-{rid}"
+        return sum(1 for c in commands if c["client_type"] == "lua" and c["command"].startswith(f"SET {key} ")
+                   and re.search(r" NX( EX \d+)?$", c["command"]))
 
     assert stores_during() == 1  # the result only: a one-step request goes from queued to its result
     # STARTED, then the result (not streamed: a stream's events are runs of the publisher's write script)
