@@ -107,13 +107,12 @@ class InHand:
         self._dropped()
 
     @contextmanager
-    def handing_over(self, task_id: str | None, *, counted: bool = True) -> Iterator[None]:
-        """One message is handed to Celery in this block (``task_id``: its Celery task, None for a message
-        without one, which Celery never starts; ``counted``: it was counted by :meth:`Take.took`, so it
-        leaves that count now)."""
+    def handing_over(self, task_id: str | None) -> Iterator[None]:
+        """One taken message (counted by :meth:`Take.took`) is handed to Celery in this block: it leaves
+        the taken count now and counts by ``task_id`` (its Celery task; None for a message without one,
+        which Celery never starts) until the block ends."""
         with self._lock:
-            if counted:  # it was counted by Take.took
-                self._taken = max(0, self._taken - 1)
+            self._taken = max(0, self._taken - 1)
             if task_id is not None:
                 self._handing[task_id] += 1
         try:

@@ -129,18 +129,20 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
         try:
             if self.peek_sent:
                 return take_after_peek(self, **options)
-            try:
-                dest__item = self.client.parse_response(self.client.connection, "BRPOP", **options)
-            except self.connection_errors:
-                self.client.connection.disconnect()
-                raise
-            except redis.exceptions.ResponseError as exc:
-                if not is_write_refusal(exc):
+            with IN_HAND.taking() as take:  # the poller saw the reply: it may carry a message off its list
+                try:
+                    dest__item = self.client.parse_response(self.client.connection, "BRPOP", **options)
+                except self.connection_errors:
+                    self.client.connection.disconnect()
                     raise
-                self.client.connection.disconnect()  # Celery reconnects, with backoff, until Redis takes writes
-                raise RedisRefusingWrites(f"Redis refused BRPOP: {exc}") from exc
-            if not dest__item:
-                raise kombu_redis.Empty()  # type: ignore[attr-defined]
+                except redis.exceptions.ResponseError as exc:
+                    if not is_write_refusal(exc):
+                        raise
+                    self.client.connection.disconnect()  # Celery reconnects, with backoff, until Redis takes writes
+                    raise RedisRefusingWrites(f"Redis refused BRPOP: {exc}") from exc
+                if not dest__item:
+                    raise kombu_redis.Empty()  # type: ignore[attr-defined]
+                take.took(1)  # in hand until _take hands it over or refuses it
             dest, item = dest__item
             list_key = bytes_to_str(dest)  # type: ignore[no-untyped-call]
             queue = list_key.rsplit(self.sep, 1)[0]
@@ -154,21 +156,42 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
                 flush()
 
     def _take(self, queue: str, list_key: str, item: bytes) -> None:
-        """Deliver ``item`` and, the queue backed up, up to the worker's free tokens more
-        (:mod:`broker.batch_take`); dead-letter what the checks refuse. Never raises for an item's sake."""
-        if not isinstance(self.qos, CancelReadingQoS):  # a QoS that records each delivery itself
-            self._admit(queue, list_key, item)
-            return
-        room = room_for_more(self.qos) if self.take_batch else 0
-        first = self._check(queue, list_key, item)
-        with IN_HAND.taking() as take:  # company on its way for the first one's task (broker.in_hand)
-            popped = self._record(list_key, [first] if first is not None else [], pop=room)
-            take.took(len(popped))
+        """Deliver ``item`` (counted as taken in :data:`~broker.in_hand.IN_HAND`) and, the queue backed up,
+        up to the worker's free tokens more (:mod:`broker.batch_take`); dead-letter what the checks refuse.
+        Never raises for an item's sake."""
+        first_in_hand = 1  # until its hand-over starts, or it is refused or parked
+        try:
+            if not isinstance(self.qos, CancelReadingQoS):  # a QoS that records each delivery itself
+                alone = self._check(queue, list_key, item)
+                if alone is not None:
+                    first_in_hand = 0
+                    with IN_HAND.handing_over(alone.task_id):
+                        self._deliver_checked(queue, list_key, alone)
+                return
+            room = room_for_more(self.qos) if self.take_batch else 0
+            first = self._check(queue, list_key, item)
+            recorded = [first] if first is not None else []
+            if room > 0:
+                with IN_HAND.taking() as take:  # company on its way for the first one's task (broker.in_hand)
+                    popped = self._record(list_key, recorded, pop=room)
+                    take.took(len(popped))
+            else:
+                popped = self._record(list_key, recorded, pop=0)
+            if first is not None:
+                first_in_hand = 0
+            self._deliver_taken(queue, list_key, first, popped)
+        finally:
+            if first_in_hand:
+                IN_HAND.handing(first_in_hand)
+
+    def _deliver_taken(self, queue: str, list_key: str, first: Taken | None, popped: list[bytes]) -> None:
+        """Hand ``first`` (recorded as unacked, counted as taken) to Celery, then check, record and hand
+        over ``popped`` (counted as taken); parks what is not recorded when a delivery raises."""
         unrecorded = popped
         in_hand = len(popped)
         try:
             if first is not None:
-                with IN_HAND.handing_over(first.task_id, counted=False):
+                with IN_HAND.handing_over(first.task_id):  # counted as taken since its BRPOP reply was read
                     self._deliver_checked(queue, list_key, first)
             if popped:
                 more = [taken for taken in (self._check(queue, list_key, raw) for raw in popped) if taken is not None]
@@ -246,12 +269,6 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
             return None
         envelope, checked = verdict
         return Taken.of(envelope.payload, checked.body, item, envelope.task_id, envelope.task)
-
-    def _admit(self, queue: str, list_key: str, item: bytes) -> None:
-        """Deliver ``item`` to kombu/Celery, or dead-letter it; never raises for the item's sake."""
-        taken = self._check(queue, list_key, item)
-        if taken is not None:
-            self._deliver_checked(queue, list_key, taken)
 
     def _deliver_checked(self, queue: str, list_key: str, taken: Taken) -> None:
         """Hand a checked message to kombu/Celery; what Celery raises on it dead-letters it."""
