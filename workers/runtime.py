@@ -41,6 +41,7 @@ from workers.progress import ProgressWatch, WorkerProgress, copied
 from workers.reconcile import Reconciler
 from workers.scheduler import Role, Scheduler
 from workers.stream_publisher import StreamPublisher
+from workers.trace_guard import off_traced, on_traced
 
 __all__ = ["WorkerRuntime", "current_runtime", "start_runtime", "stop_runtime"]
 
@@ -239,6 +240,7 @@ class WorkerRuntime:
         self.scheduler.start()
         TAKEN_IN_HAND.subscribe(self.scheduler.wake)  # a take that brought nothing ends a wait for company
         self.streams.start()
+        on_traced(self.streams.stored)  # a generation's stream ends once its result is stored
         if self.prefix_holder is not None:
             self.prefix_holder.start()
         try:
@@ -270,6 +272,7 @@ class WorkerRuntime:
         self.reconciler.stop()
         TAKEN_IN_HAND.unsubscribe(self.scheduler.wake)
         self.scheduler.stop()
+        off_traced(self.streams.stored)
         self.streams.stop()
         self.heartbeat.stop()
         if self.prefix_holder is not None:

@@ -13,8 +13,9 @@ tokens share an entry when they waited for the same write: ``window_ms`` (``work
 is how long the publisher lets events gather before it writes, which coalesces the tokens of several
 decode steps on purpose. A later token does not wake the publisher: while any stream is open it
 collects once per window. A stream's first token and its last event wake it and are written at once
-(with whatever is pending), so the window never delays the first token, and a stream ends when its
-result is stored. In the same loop it reads the cancel marks (``fleet:cancel:<id>``) of the
+(with whatever is pending), so the window never delays the first token; the last event of a
+generation ``fleet.infer`` runs is queued once its result is stored (:mod:`workers.stream_ends`), so a
+reader that saw a stream end finds its result. In the same loop it reads the cancel marks (``fleet:cancel:<id>``) of the
 generations this worker runs, one ``MGET`` per ``cancel_poll_s``, and flags the cancelled ones; the
 scheduler ends them at its next step. A second thread listens on the ``fleet:cancels`` channel, where
 cancels are also published, so a cancel usually lands within one decode step; the poll catches any it
@@ -49,8 +50,9 @@ from protocol.keys import CANCEL_CHANNEL, CANCEL_KEY, STREAM_KEY
 from protocol.streams import EVENT_FIELD, REST_FIELD, StreamEvent, encode_events, encode_token
 from workers.generation.sequence import GenSequence
 from workers.stream_buffer import DEFAULT_MAX_BYTES, DEFAULT_MAX_EVENTS, HeldEvent, PendingEvents
+from workers.stream_ends import EndsAfterStore
 
-__all__ = ["FIRST_RETRY_S", "MAX_EVENTS_PER_ENTRY", "MAX_RETRY_S", "WRITE_CHUNK", "StreamPublisher"]
+__all__ = ["FIRST_RETRY_S", "MAX_EVENTS_PER_ENTRY", "MAX_RETRY_S", "WRITE_CHUNK", "StreamPublisher", "asks_to_generate"]
 
 log = logging.getLogger("fleet.streams")
 
@@ -107,6 +109,14 @@ return out
 One command with three arguments besides the keys, not a pipeline of an ``XADD`` per entry: redis-py packs
 each argument and parses each reply in Python, which was most of the publisher's CPU
 (``fleet bench --only streaming``)."""
+
+
+def asks_to_generate(payload: Any) -> bool:
+    """Whether a request payload asks to generate (its stream, if any, is this publisher's to end). Such a
+    request's STARTED state is stored even with ``celery.track_started`` off, since a generation runs long
+    enough for ``running`` to matter and ``cancel`` reads it."""
+    output = payload.get("output") if isinstance(payload, dict) else None
+    return isinstance(output, dict) and (output.get("kind") == "generate" or output.get("generation") is not None)
 
 
 def bytes_to_text(reply: bytes | str | int) -> str:
@@ -178,6 +188,8 @@ class StreamPublisher:
         """CPU time of the publisher thread so far (s), read at each pass of its loop."""
         self._expired_at: dict[str, float] = {}
         """Stream key → when its TTL was last set (monotonic s), for streams not ended yet."""
+        self.ends = EndsAfterStore()
+        """Streams whose last event waits for their stored result (:mod:`workers.stream_ends`)."""
         self.before_end: Callable[[], object] | None = None
         """Called (publisher thread) before a write that ends a stream: what must be in Redis before a
         reader learns the generation ended (the prefix digests that route its next turn,
@@ -196,6 +208,8 @@ class StreamPublisher:
     def stop(self, timeout_s: float = 10.0) -> None:
         """Publish what is queued (trying for up to ``timeout_s`` while Redis does not answer), then stop."""
         self._stop_deadline_s = time.monotonic() + max(0.0, timeout_s - 0.5)
+        for request_id, events in self.ends.release_all():  # every stream this worker ends, ends
+            self._queue_ends(request_id, events)
         self._stopping.set()
         self._queue.put(_STOP)
         self._wake.set()
@@ -228,9 +242,28 @@ class StreamPublisher:
 
     def publish(self, request_id: str, event: StreamEvent) -> None:
         """Queue ``event`` for the stream of ``request_id`` (never blocks); a stream's first token or end
-        cuts short a window being waited out."""
+        cuts short a window being waited out. The end of a stream :meth:`hold_end` marked waits for
+        :meth:`stored`."""
+        if event.is_last and self.ends.keep(request_id, event):
+            return
         self._queue.put((request_id, event))
         if event.is_last or event.index == 0 or not self.window_s:
+            self._wake.set()
+
+    def hold_end(self, request_id: str) -> None:
+        """Publish the events that end ``request_id``'s stream only once its result is stored
+        (:meth:`stored`), so a reader that sees the end finds the result."""
+        for let_go, events in self.ends.hold(request_id):
+            self._queue_ends(let_go, events)
+
+    def stored(self, request_id: str) -> None:
+        """``request_id``'s result is stored (or its task is done without one): publish its stream's held end."""
+        self._queue_ends(request_id, self.ends.release(request_id))
+
+    def _queue_ends(self, request_id: str, events: list[StreamEvent]) -> None:
+        for event in events:
+            self._queue.put((request_id, event))
+        if events:
             self._wake.set()
 
     def publish_token(self, request_id: str, index: int, token_id: int, text: str) -> None:
@@ -254,11 +287,7 @@ class StreamPublisher:
 
     def fail_if_generating(self, request_id: str, payload: Any, exc: BaseException) -> None:
         """End the stream of a failed request that asked to generate with an error event."""
-        output = payload.get("output") if isinstance(payload, dict) else None
-        wants_generation = isinstance(output, dict) and (
-            output.get("kind") == "generate" or output.get("generation") is not None
-        )
-        if not wants_generation:
+        if not asks_to_generate(payload):
             return
         field = exc.field if isinstance(exc, FleetError) else None
         limit = exc.limit if isinstance(exc, FleetError) else None

@@ -36,6 +36,7 @@ from workers.bulk import handle_bulk
 from workers.pipeline import handle_request
 from workers.runtime import WorkerRuntime, current_runtime
 from workers.scheduler import Role
+from workers.stream_publisher import asks_to_generate
 from workers.trace_guard import ContainedTask
 
 __all__ = ["consume_direct_queue", "register_tasks"]
@@ -72,8 +73,10 @@ def register_tasks(app: Celery) -> None:
                 "args",
                 1,
             )
-        if not self.app.conf.task_track_started and _generates(payload):
-            self.update_state(state="STARTED", meta={"pid": os.getpid(), "hostname": self.request.hostname})
+        if asks_to_generate(payload):
+            runtime.streams.hold_end(str(self.request.id))  # its stream ends once its result is stored
+            if not self.app.conf.task_track_started:
+                self.update_state(state="STARTED", meta={"pid": os.getpid(), "hostname": self.request.hostname})
         return handle_request(
             runtime, payload, request_id=str(self.request.id), worker=str(self.request.hostname or runtime.hostname),
             role=role_of(self),
@@ -140,13 +143,6 @@ def role_of(task: Task) -> Role:
     info = getattr(task.request, "delivery_info", None) or {}
     routing_key = str(info.get("routing_key") or "")
     return "canary" if routing_key.endswith(CANARY_SUFFIX) else "stable"
-
-
-def _generates(payload: Any) -> bool:
-    """Whether a request payload asks to generate: its STARTED state is stored even with ``celery.track_started``
-    off, since a generation runs long enough for ``running`` to matter and ``cancel`` reads it."""
-    output = payload.get("output") if isinstance(payload, dict) else None
-    return isinstance(output, dict) and (output.get("kind") == "generate" or output.get("generation") is not None)
 
 
 def _runtime() -> WorkerRuntime:

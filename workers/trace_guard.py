@@ -29,7 +29,7 @@ from celery.exceptions import Reject
 
 from protocol.errors import FleetError
 
-__all__ = ["ContainedTask", "contain", "outside_body_errors"]
+__all__ = ["ContainedTask", "contain", "off_traced", "on_traced", "outside_body_errors"]
 
 log = logging.getLogger("fleet.trace")
 
@@ -44,14 +44,40 @@ def outside_body_errors() -> int:
     return _outside_body_errors
 
 
+_traced_callbacks: list[Callable[[str], None]] = []
+
+
+def on_traced(callback: Callable[[str], None]) -> None:
+    """Call ``callback(task_id)`` on the task's thread each time a fleet task's trace is done: its result
+    stored (a FAILURE too), whatever the outcome, before its message is acked. It must not block."""
+    _traced_callbacks.append(callback)
+
+
+def off_traced(callback: Callable[[str], None]) -> None:
+    """Stop calling ``callback`` (a closed worker runtime)."""
+    if callback in _traced_callbacks:
+        _traced_callbacks.remove(callback)
+
+
+def _traced(task_id: str) -> None:
+    for callback in list(_traced_callbacks):
+        try:
+            callback(task_id)
+        except Exception:  # the ack must happen whatever a callback does
+            log.exception("a callback after the trace of %s raised", task_id)
+
+
 def contain(task: Task, tracer: Tracer) -> Tracer:
-    """``tracer`` (Celery's ``__trace__`` of ``task``), except that no exception leaves it."""
+    """``tracer`` (Celery's ``__trace__`` of ``task``), except that no exception leaves it; then the
+    :func:`on_traced` callbacks."""
 
     def trace(uuid: str, args: Any, kwargs: Any, request: Any = None) -> Any:
         try:
             return tracer(uuid, args, kwargs, request)
         except Exception as exc:  # Celery's own handling raised: the message must still be acked or rejected
             return _failed_trace(task, uuid, exc)
+        finally:
+            _traced(str(uuid))
 
     trace.__wrapped__ = tracer  # type: ignore[attr-defined]
     return trace

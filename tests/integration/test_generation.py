@@ -205,6 +205,39 @@ def test_invalid_generation_fails_with_the_field_and_ends_its_stream(fleet: Flee
     assert events[-1].type == "error" and events[-1].field == "output.generation.max_new_tokens"
 
 
+def test_a_reader_that_saw_a_stream_end_finds_the_request_s_terminal_state(fleet: Fleet) -> None:
+    """The event that ends a stream (``final``, ``error``) is written after the request's result is stored:
+    a client that read a stream to its end and then asked for the status, without waiting, got ``running``
+    when the worker's stream publisher won the race against the result store."""
+    cfg = fleet.config()
+    fleet.worker(cfg)
+    client = fleet.client(cfg)
+    monitor = Monitor(fleet.redis_url)
+    try:
+        ended = {_generate(client, [40 + i, 41], max_new_tokens=6, ignore_eos=True): "succeeded" for i in range(6)}
+        client.app.send_task(  # valid for the producer's checks, refused by the worker's: an error event
+            "fleet.infer", task_id="too-long-to-stream", queue="fleet.demo-lm",
+            args=[{"model": MODEL, "input_ids": [5] * 10,
+                   "output": {"kind": "generate", "generation": {"max_new_tokens": 600, "stream": True}}}],
+        )
+        ended["too-long-to-stream"] = "failed"
+        statuses = {}
+        for rid in ended:
+            events = list(client.stream(rid, timeout_s=60))
+            statuses[rid] = client.status(rid)  # at once: the stream's end says the request is done
+            assert events[-1].type == ("final" if ended[rid] == "succeeded" else "error")
+        commands = [c["command"] for c in monitor.up_to_now()]
+    finally:
+        monitor.close()
+    assert statuses == ended
+    for rid in ended:  # Redis's own order: the result's store, then the stream's end
+        stored = next(i for i, c in enumerate(commands) if c.startswith(f"SET celery-task-meta-{rid} ")
+                      and ('"status": "SUCCESS"' in c or '"status": "FAILURE"' in c))  # not its STARTED
+        end = next(i for i, c in enumerate(commands) if c.startswith(f"XADD {STREAM_KEY.format(id=rid)} ")
+                   and ('"final"' in c or '"error"' in c))  # fmt: skip
+        assert stored < end, rid
+
+
 def _metric(text: str, name: str, **labels: str) -> float:
     total = 0.0
     for line in text.splitlines():
@@ -253,7 +286,6 @@ def test_fleet_submit_stream_prints_text_before_the_request_completes(fleet: Fle
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
-        client.result("cli-stream-1", wait=True, timeout_s=60)  # the stream may end before the result is stored
         commands = [c["command"] for c in monitor.up_to_now()]
     finally:
         monitor.close()

@@ -54,7 +54,7 @@ def test_chat_stream_tokens_arrive_before_the_request_completes(served: Served, 
         rid = raw.headers["x-request-id"]
         assert raw.headers["content-type"].startswith("text/event-stream")
         chunks = list(raw.parse())
-        stored = served.finished(rid)  # the last chunk may reach the client before the worker stores the result
+        stored = served.finished(rid)  # stored before the stream's end was written
         commands = [c["command"] for c in monitor.up_to_now()]
     finally:
         monitor.close()
