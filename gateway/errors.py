@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse
 from kombu.exceptions import OperationalError
 from starlette.exceptions import HTTPException
 
+from gateway.invalid_fields import describe
 from gateway.schema import ErrorBody
 from protocol.errors import (
     AdmissionRefused,
@@ -160,10 +161,8 @@ def _on_invalid(request: Request, exc: Exception) -> JSONResponse:
     if first.get("type") == "json_invalid":
         err = InvalidRequest(_json_error_message(first, exc.body), "body", "JSON")
         return fleet_error_response(err, openai=is_openai_path(request.url.path))
-    field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
-    more = f" (and {len(errs) - 1} more errors)" if len(errs) > 1 else ""
-    err = InvalidRequest(f"invalid field {field}: {first['msg']}{more}", field)
-    return fleet_error_response(err, openai=is_openai_path(request.url.path))
+    field, message = describe(errs)
+    return fleet_error_response(InvalidRequest(message, field), openai=is_openai_path(request.url.path))
 
 
 def _json_error_message(error: Any, body: Any) -> str:

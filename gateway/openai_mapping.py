@@ -67,6 +67,7 @@ __all__ = [
     "max_tokens_field",
     "prompt_field",
     "rename_field",
+    "wrong_kind",
 ]
 
 DEFAULT_TEMPERATURE = 1.0
@@ -102,6 +103,8 @@ def check_supported(body: CompletionBody | ChatBody | EmbeddingBody) -> None:
             raise _refuse(name, value, "only 0; the fleet's repetition_penalty (in the body) penalises repeats", 0)
     if body.logit_bias:
         raise _refuse("logit_bias", body.logit_bias, "no logit bias")
+    if body.stream_options is not None and not body.stream:  # as OpenAI answers
+        raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options", "stream: true")
     if isinstance(body, CompletionBody):
         checks = {"best_of": body.best_of not in (None, 1), "echo": bool(body.echo)}
         checks |= {"logprobs": body.logprobs is not None, "suffix": body.suffix is not None}
@@ -173,6 +176,16 @@ def rename_field(exc: E, names: dict[str, str], prefix: str = "") -> E:
     return type(exc)(exc.message.replace(exc.field, renamed), renamed, exc.limit)
 
 
+def wrong_kind(exc: E, model: str, task: str, instead: str) -> E | InvalidRequest:
+    """``exc`` unless it says the model cannot produce what the route answers with (field ``output.kind``):
+    then that, named ``model``: ``model`` cannot ``task`` (``generate text``), why, and ``instead`` (the
+    route that serves such a model)."""
+    if not isinstance(exc, InvalidRequest) or exc.field != "output.kind":
+        return exc
+    why = exc.message.split(": ", 1)[-1]
+    return InvalidRequest(f"model {model!r} cannot {task}: {why}; {instead}", "model", exc.limit)
+
+
 def _one(items: Sequence[Any], field: str) -> Any:
     if len(items) != 1:
         raise InvalidRequest(f"{field} holds {len(items)} prompts; send one prompt per request", field, 1)
@@ -229,10 +242,14 @@ def chat_messages(body: ChatBody) -> list[dict[str, Any]]:
     """The conversation as a chat template sees it: ``{"role", "content"}`` (+ ``name``), content text.
 
     Raises:
-        InvalidRequest: a content part that is not text (image, audio, …), naming it.
+        InvalidRequest: a content part that is not text (image, audio, …), or no content where OpenAI
+            requires it (every role but ``assistant``), naming it.
     """
     out = []
     for i, message in enumerate(body.messages):
+        if message.content is None and message.role != "assistant":  # as OpenAI: only an assistant turn may omit it
+            raise InvalidRequest(f"messages[{i}].content is required for a {message.role!r} message",
+                                 f"messages[{i}].content", "a string or text parts")  # fmt: skip
         item = {"role": message.role, "content": _text_of(message.content, f"messages[{i}]")}
         if message.name is not None:
             item["name"] = message.name

@@ -61,6 +61,7 @@ from gateway.openai_mapping import (
     max_tokens_field,
     prompt_field,
     rename_field,
+    wrong_kind,
 )
 from gateway.openai_schema import (
     ChatBody,
@@ -77,7 +78,7 @@ from gateway.sse import DONE_FRAME, EventStream, sse_frame
 from gateway.stream_relay import relay_event_batches
 from producer.registry import read_fleet_state
 from producer.submit_groups import SubmitItem
-from protocol.errors import FleetError, InvalidRequest, NoLiveWorker, RequestNotFound
+from protocol.errors import FleetError, InvalidRequest, NoLiveWorker, RequestNotFound, UnknownModel
 from protocol.keys import CANCEL_CHANNEL, CANCEL_KEY
 from protocol.messages import InferenceRequest, InferenceResult
 
@@ -115,7 +116,7 @@ def build_generation(gw: Gateway, body: CompletionBody | ChatBody, prompt: Promp
     Raises:
         InvalidRequest: naming the OpenAI field (``prompt``/``messages``, ``max_tokens``, …).
     """
-    names = {"input_ids": field, "text": field, "max_new_tokens": max_tokens_field(body), "output.kind": "model"}
+    names = {"input_ids": field, "text": field, "max_new_tokens": max_tokens_field(body)}
     try:
         key = gw.settings.model_key(body.model)
         _refuse_without_tokenizer(gw, key, body.model)
@@ -128,7 +129,8 @@ def build_generation(gw: Gateway, body: CompletionBody | ChatBody, prompt: Promp
             key, ids, kind="generate", generation=generation_params(body), generation_fallbacks=fallbacks
         )
     except InvalidRequest as exc:
-        raise rename_field(exc, names, prefix="output.generation.") from exc
+        refused = wrong_kind(exc, body.model, "generate text", "an encoder model answers POST /v1/embeddings")
+        raise rename_field(refused, names, prefix="output.generation.") from exc
 
 
 def _refuse_without_tokenizer(gw: Gateway, key: str, model: str) -> None:
@@ -349,7 +351,8 @@ def _build_embeddings(gw: Gateway, body: EmbeddingBody) -> list[InferenceRequest
         try:
             built.append(gw.fleet.build_request(body.model, ids, text=text, kind="embedding"))
         except InvalidRequest as exc:
-            raise rename_field(exc, {"input_ids": field, "text": field, "output.kind": "model"}) from exc
+            refused = wrong_kind(exc, body.model, "embed", "a causal LM answers POST /v1/completions")
+            raise rename_field(refused, {"input_ids": field, "text": field}) from exc
     return built
 
 
@@ -395,8 +398,13 @@ def models(_: CallerDep, gw: GatewayDep) -> ModelObjectList:
 
 @router.get("/v1/models/{model}", response_model=ModelObject, tags=["fleet"])
 def model(model: Annotated[str, PathParam(max_length=200)], _: CallerDep, gw: GatewayDep) -> ModelObject:
-    """One configured model (404 when none has that name)."""
-    found = [m for m in _model_objects(gw) if m.id == model]
+    """One configured model, named as every route names it (case and ``-``/``_`` do not matter; 404 when
+    none has that name)."""
+    try:
+        key = gw.settings.model_key(model)
+    except UnknownModel:
+        key = None
+    found = [m for m in _model_objects(gw) if m.id == key]
     if not found:
         raise RequestNotFound(f"no model {model!r} is configured; GET /v1/models lists them", "model", None)
     return found[0]

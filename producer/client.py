@@ -84,6 +84,13 @@ def _output_spec(
         raise as_invalid_request(exc, prefix="output") from exc
 
 
+def _as_text_error(exc: InvalidRequest) -> InvalidRequest:
+    """An error about the ids tokenized from a request's text, named ``text`` as the caller sent it."""
+    if exc.field != "input_ids":
+        return exc
+    return type(exc)(exc.message.replace("input_ids", "text", 1), "text", exc.limit)
+
+
 class _ModelInfo:
     def __init__(self, card: ModelCard | None, tokenizer: Tokenizer | None) -> None:
         self.card = card
@@ -236,9 +243,12 @@ class FleetClient(ResultReader):
         spec = _output_spec(kind=kind, top_k=top_k, normalize=normalize, generation=generation)
         truncated = False
         if info.card is not None:
-            checked = check_input(ids, limits=limits, vocab_size=info.card.vocab_size)
+            try:
+                checked = check_input(ids, limits=limits, vocab_size=info.card.vocab_size)
+            except InvalidRequest as exc:  # the caller sent text: its tokens are too many, or none
+                raise _as_text_error(exc) if text is not None else exc from exc
             ids, truncated = checked.input_ids, checked.truncated
-            spec = resolve_output(spec, model_kind=info.card.kind, limits=limits)
+            spec = resolve_output(spec, model_kind=info.card.kind, limits=limits, vocab_size=info.card.vocab_size)
         now = time.time()
         try:
             return InferenceRequest(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator
 
 from protocol.errors import DecodeError
 
@@ -67,10 +67,10 @@ class GenerationParams(_Frozen):
     max_new_tokens: StrictInt = Field(
         default=16, ge=1, description="Most tokens to generate (<= limits.max_new_tokens)."
     )
-    temperature: float = Field(default=0.0, ge=0.0, le=100.0, description="0 = greedy; else softmax temperature.")
+    temperature: StrictFloat = Field(default=0.0, ge=0.0, le=100.0, description="0 = greedy; else softmax temperature.")
     top_k: StrictInt = Field(default=0, ge=0, description="Sample among the k most likely tokens; 0 = no cut.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 = no cut.")
-    repetition_penalty: float = Field(
+    top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 = no cut.")
+    repetition_penalty: StrictFloat = Field(
         default=1.0, gt=0.0, le=10.0, description="CTRL-style penalty on tokens already in prompt or output; 1 = off."
     )
     stop_token_ids: list[StrictInt] = Field(
@@ -118,8 +118,8 @@ class InferenceRequest(_Frozen):
     truncated: StrictBool = Field(
         default=False, description="The producer already cut input_ids to the model's limits (reported in the result)."
     )
-    submitted_at_unix_s: float | None = Field(default=None, description="Producer wall clock (s).")
-    deadline_unix_s: float | None = Field(
+    submitted_at_unix_s: StrictFloat | None = Field(default=None, description="Producer wall clock (s).")
+    deadline_unix_s: StrictFloat | None = Field(
         default=None, description="Wall-clock time after which the request is dropped as expired (s)."
     )
 

@@ -58,17 +58,21 @@ def check_input(input_ids: list[int], *, limits: LimitSettings, vocab_size: int)
     return CheckedInput(list(input_ids), truncated)
 
 
-def resolve_output(spec: OutputSpec, *, model_kind: ModelKind, limits: LimitSettings) -> OutputSpec:
+def resolve_output(
+    spec: OutputSpec, *, model_kind: ModelKind, limits: LimitSettings, vocab_size: int | None = None
+) -> OutputSpec:
     """The output the model will produce for ``spec``; fills the default kind.
 
     Raises:
-        InvalidRequest: the kind does not fit the model, or top_k exceeds ``limits.max_top_k``.
+        InvalidRequest: the kind does not fit the model, top_k exceeds ``limits.max_top_k``, or (given
+            ``vocab_size``) a stop token id is outside ``[0, vocab_size)``.
     """
     offered: tuple[OutputKind, ...] = ("next_token", "generate") if model_kind == "causal_lm" else ("embedding",)
     kind = spec.kind or ("generate" if spec.generation is not None else offered[0])
     if kind not in offered:
         raise InvalidRequest(
-            f"output.kind {kind!r} is not available: a {model_kind} model produces {' or '.join(map(repr, offered))}",
+            f"output.kind {kind!r} is not available: {'an' if model_kind[0] in 'aeiou' else 'a'} {model_kind} model "
+            f"produces {' or '.join(map(repr, offered))}",
             "output.kind",
             list(offered),
         )
@@ -85,6 +89,13 @@ def resolve_output(spec: OutputSpec, *, model_kind: ModelKind, limits: LimitSett
                 "output.generation.max_new_tokens",
                 limits.max_new_tokens,
             )
+        for pos, token in enumerate(params.stop_token_ids):
+            if vocab_size is not None and not 0 <= token < vocab_size:
+                raise TokenOutOfRange(
+                    f"output.generation.stop_token_ids[{pos}] = {token} is outside the vocabulary [0, {vocab_size})",
+                    f"output.generation.stop_token_ids[{pos}]",
+                    vocab_size,
+                )
         return spec.model_copy(update={"kind": kind, "generation": params})
     if kind == "next_token" and spec.top_k > limits.max_top_k:
         raise InvalidRequest(

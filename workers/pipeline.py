@@ -126,7 +126,8 @@ def prepare(
         deadline_mono = time.monotonic() + remaining_s
     limits = runtime.model.limits
     checked = check_input(list(request.input_ids), limits=limits, vocab_size=runtime.card.vocab_size)
-    output = resolve_output(request.output, model_kind=runtime.card.kind, limits=limits)
+    output = resolve_output(request.output, model_kind=runtime.card.kind, limits=limits,
+                            vocab_size=runtime.card.vocab_size)
     kind = output.kind or "next_token"
     if kind == "generate":
         params = _check_generation(runtime, output, len(checked.input_ids))

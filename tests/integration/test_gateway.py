@@ -197,6 +197,16 @@ def test_limits_are_named(served: Served) -> None:
     assert top_k.status_code == 422 and "max_top_k=64" in top_k.json()["message"]
     shape = http.post("/v1/requests", json={"model": "demo-lm", "input_ids": "abc"})
     assert shape.status_code == 422 and shape.json()["field"] == "input_ids"
+    text = http.post("/v1/requests", json={"model": "demo-lm", "text": "a" * 65})
+    assert text.status_code == 422 and text.json()["field"] == "text"  # the caller sent text, not input_ids
+    assert "max_input_tokens=64" in text.json()["message"]
+    for field, value, where in [("temperature", True, "output.generation.temperature"),
+                                ("deadline_s", "5", "deadline_s"), ("stop_token_ids", [512], None)]:
+        body: dict[str, Any] = {"model": "demo-lm", "input_ids": [1], "output": {"generation": {}}}
+        (body["output"]["generation"] if where != "deadline_s" else body)[field] = value
+        refused = http.post("/v1/requests", json=body)
+        named = where or "output.generation.stop_token_ids[0]"
+        assert refused.status_code == 422 and refused.json()["field"] == named, refused.json()
 
 
 def test_gateway_and_worker_metrics(served: Served) -> None:

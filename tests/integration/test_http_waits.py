@@ -149,7 +149,7 @@ def test_long_poll_past_the_limit_is_refused_naming_it(fleet: Fleet) -> None:
     doc = answer.json()
     assert doc["field"] == "wait_s" and doc["limit"] == MAX_WAIT_S and "api.max_wait_s" in doc["message"]
     negative = fleet.http.get(f"/v1/requests/{rid}", params={"wait_s": -1}).json()
-    assert negative["field"] == "query.wait_s"
+    assert negative["field"] == "wait_s"
 
 
 GENERATE = {"kind": "generate", "generation": {"max_new_tokens": 4}}
@@ -221,4 +221,4 @@ def test_submit_wait_past_the_limit_is_refused_naming_it_and_queues_nothing(flee
     doc = answer.json()
     assert doc["field"] == "wait_s" and doc["limit"] == MAX_WAIT_S and "api.max_wait_s" in doc["message"]
     assert fleet.http.get(f"/v1/requests/{rid}").status_code == 404  # refused before anything was queued
-    assert fleet.http.post("/v1/requests", json=body, params={"wait_s": -1}).json()["field"] == "query.wait_s"
+    assert fleet.http.post("/v1/requests", json=body, params={"wait_s": -1}).json()["field"] == "wait_s"

@@ -32,6 +32,7 @@ def test_models_list_and_retrieve(client: openai.OpenAI) -> None:
     assert extra["max_input_tokens"] == 64 and extra["max_new_tokens"] == 256
     assert (models["plain-lm"].model_extra or {})["ready"] is False
     assert client.models.retrieve("demo-encoder").id == "demo-encoder"
+    assert client.models.retrieve("DEMO_ENCODER").id == "demo-encoder"  # named as every other route names it
     with pytest.raises(openai.NotFoundError) as info:
         client.models.retrieve("no-such-model")
     assert info.value.body["param"] == "model"  # type: ignore[index]
@@ -145,16 +146,26 @@ def test_embeddings_float_and_base64(served: Served, client: openai.OpenAI) -> N
         ({"prompt": "x" * 65}, 400, "prompt", "max_input_tokens=64"),
         ({"prompt": ["one", "two"]}, 400, "prompt", "one prompt per request"),
         ({"temperature": 3}, 400, "temperature", "less than or equal to 2"),
-        ({"model": "demo-encoder"}, 400, "model", "'generate' is not available"),
+        ({"model": "demo-encoder"}, 400, "model", "model 'demo-encoder' cannot generate text: an encoder model"),
         ({"model": "no-such-model"}, 404, "model", "no-such-model"),
         ({"bogus_field": 1}, 400, "bogus_field", "Extra inputs are not permitted"),
+        # a JSON true or a numeric string is no number: before, true sampled at temperature 1
+        ({"temperature": True}, 400, "temperature", "valid number"),
+        ({"top_p": "0.5"}, 400, "top_p", "valid number"),
+        ({"repetition_penalty": True}, 400, "repetition_penalty", "valid number"),
+        # a field of several forms is named as sent (before: "prompt.str", "Input should be a valid string")
+        ({"prompt": [1, "a"]}, 400, "prompt", "none of its accepted forms"),
+        ({"stop": 5}, 400, "stop", "none of its accepted forms (str, list[str])"),
+        ({"stream_options": {"include_usage": True}}, 400, "stream_options", "only allowed when stream is true"),
+        ({"stop_token_ids": [512]}, 400, "stop_token_ids[0]", "outside the vocabulary [0, 512)"),
+        ({"stop_token_ids": [-1]}, 400, "stop_token_ids[0]", "outside the vocabulary [0, 512)"),
     ],
 )
 def test_completion_refusals_name_the_field(
     client: openai.OpenAI, call: dict[str, Any], status: int, param: str, words: str
 ) -> None:
     args: dict[str, Any] = {"model": "demo-lm", "prompt": "Hi", "max_tokens": 4}
-    extra = {k: call.pop(k) for k in list(call) if k == "bogus_field"}
+    extra = {k: call.pop(k) for k in list(call) if k in ("bogus_field", "repetition_penalty", "stop_token_ids")}
     args.update(call)
     with pytest.raises(openai.APIStatusError) as info:
         client.completions.create(**args, extra_body=extra or None)
@@ -172,6 +183,10 @@ def test_chat_refusals_name_the_field(client: openai.OpenAI) -> None:
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
          "messages[0].content[0].type", "only text parts"),
         ({"max_completion_tokens": 100_000}, "max_completion_tokens", "max_new_tokens=256"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content", "required for a 'user' message"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "none of its accepted forms"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0].text",
+         "valid string"),
     ]
     for extra, param, words in cases:
         args: dict[str, Any] = {"model": "demo-lm", "messages": [{"role": "user", "content": "Hi"}], **extra}
@@ -185,6 +200,7 @@ def test_embedding_refusals(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.embeddings.create(model="demo-lm", input="hi")
     assert info.value.body["param"] == "model"  # type: ignore[index]
+    assert info.value.body["message"].startswith("model 'demo-lm' cannot embed: a causal_lm model")  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as info:
         client.embeddings.create(model="demo-encoder", input=["ok", "x" * 65])
     assert info.value.body["param"] == "input[1]"  # type: ignore[index]

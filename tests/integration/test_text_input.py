@@ -84,7 +84,8 @@ def test_over_long_text_is_refused_when_truncate_is_none(fleet: Fleet) -> None:
     cfg = fleet.config(models={"demo-encoder": {"path": str(path), "limits": {"max_input_tokens": 16}}})
     with pytest.raises(InputTooLong, match="max_input_tokens=16") as info:
         fleet.client(cfg).submit("demo-encoder", text=LONG)
-    assert (info.value.field, info.value.limit) == ("input_ids", 16)
+    assert (info.value.field, info.value.limit) == ("text", 16)  # named as the caller sent it
+    assert str(info.value).startswith("text has ")
     assert redis.Redis.from_url(fleet.redis_url).llen("fleet.demo-encoder") == 0
 
 

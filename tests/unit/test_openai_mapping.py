@@ -85,7 +85,7 @@ def test_unsupported_fields_are_refused_by_name(body: Any, field: str) -> None:
         completion(),
         completion(n=1, best_of=1, frequency_penalty=0, presence_penalty=0.0, logit_bias={}, echo=False, user="u"),
         chat(n=1, logprobs=False, tool_choice="none", tools=[], response_format={"type": "text"}),
-        chat(parallel_tool_calls=True, stream_options={"include_usage": True}),
+        chat(stream=True, parallel_tool_calls=True, stream_options={"include_usage": True}),
         EmbeddingBody(model="e", input=["a"], encoding_format="base64", user="u"),
     ],
 )

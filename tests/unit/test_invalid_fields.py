@@ -1,0 +1,63 @@
+"""A body that failed validation is told the field as the caller sent it (gateway.invalid_fields), from the errors
+pydantic gives for the gateway's real body models. Pure logic."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from gateway.invalid_fields import caller_path, describe
+from gateway.openai_schema import ChatBody, CompletionBody
+from gateway.responses_schema import ResponseBody
+
+
+def _described(model: type[BaseModel], body: dict[str, Any]) -> tuple[str, str]:
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    return describe([{**e, "loc": ("body", *e["loc"])} for e in info.value.errors()])  # as FastAPI locates them
+
+
+@pytest.mark.parametrize(
+    ("model", "body", "field", "words"),
+    [
+        (CompletionBody, {"model": "m", "prompt": 5}, "prompt",
+         "matches none of its accepted forms (str, list[str], list[int], list[list[int]])"),
+        (CompletionBody, {"model": "m", "prompt": [1, "a"]}, "prompt", "matches none of its accepted forms"),
+        (CompletionBody, {"model": "m", "prompt": "x", "temperature": True}, "temperature", "valid number"),
+        (ChatBody, {"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content",
+         "matches none of its accepted forms"),
+        # the value took one form (a list of parts): what is wrong is inside it
+        (ChatBody, {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+         "messages[0].content[0].text", "valid string"),
+        (ChatBody, {"model": "m", "messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+         "messages[0].tool_calls", "Extra inputs are not permitted"),
+        (ResponseBody, {"model": "m", "input": [{"role": "tool", "content": "x"}]}, "input[0].role", "Input should be"),
+    ],
+)
+def test_a_field_is_named_as_sent_with_what_is_wrong(
+    model: type[BaseModel], body: dict[str, Any], field: str, words: str
+) -> None:
+    named, message = _described(model, body)
+    assert named == field and message.startswith(f"invalid field {field}: ") and words in message, message
+
+
+def test_where_a_value_came_from_is_not_part_of_its_name() -> None:
+    wait = [{"loc": ("query", "wait_s"), "msg": "Input should be greater than or equal to 0", "type": "x"}]
+    assert describe(wait) == ("wait_s", "invalid field wait_s: Input should be greater than or equal to 0")
+    whole = [{"loc": ("body",), "msg": "Field required", "type": "missing"}]
+    assert describe(whole)[0] == "body"
+    two = [{"loc": ("body", "a"), "msg": "bad", "type": "x"}, {"loc": ("body", "b"), "msg": "bad", "type": "x"}]
+    assert describe(two) == ("a", "invalid field a: bad (and 1 more errors)")
+
+
+def test_a_dict_key_is_a_field_not_a_form() -> None:
+    """A user's own key (capitalised, say) of a dict field is part of the path, not a union's form."""
+    errors = [{"loc": ("body", "metadata", "Owner"), "msg": "Input should be a valid string", "type": "string_type"}]
+    assert describe(errors)[0] == "metadata.Owner"
+
+
+def test_caller_path_writes_indexes_in_brackets() -> None:
+    assert caller_path(("messages", 0, "content", 1, "text")) == "messages[0].content[1].text"
+    assert caller_path((2,)) == "[2]" and caller_path(()) == ""
