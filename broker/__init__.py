@@ -63,6 +63,7 @@ from broker.cancel_marks import MARKS as CANCEL_MARKS
 from broker.celery_app import make_celery
 from broker.event_buffer import install as install_event_buffer
 from broker.in_hand import IN_HAND as TAKEN_IN_HAND
+from broker.message_check import bulk_request_ids
 from broker.poison import install as install_poison_guard
 from broker.priority_lists import queue_depth
 from broker.result_backend import install as install_result_backend
@@ -73,6 +74,7 @@ __all__ = [
     "OVERRIDE_ENV",
     "TAKEN_IN_HAND",
     "TESTED",
+    "bulk_request_ids",
     "check_broker_versions",
     "install_event_buffer",
     "install_poison_guard",

@@ -20,7 +20,8 @@ bring back what no key holds). The batched take (:mod:`broker.batch_take`) widen
    **one script** (:data:`TAKE_SCRIPT`) that reads, list after list in kombu's order, the oldest
    messages of each non-empty one until it has as many as the worker has free tokens, records each as
    kombu records a delivery (``ZADD`` of its tag to ``unacked_index``, ``HSET`` of ``[message,
-   exchange, routing_key]`` to ``unacked``), reads its cancel mark (``EXISTS fleet:cancel:<id>``), and
+   "", queue]`` to ``unacked``: restored onto the queue it was taken from, whatever the routing its
+   envelope names), reads its cancel mark (``EXISTS fleet:cancel:<id>``), and
    only then trims them off their list. Redis runs a script whole or not at all, so every message is at
    every instant in its queue or in the unacked hash, and kombu's visibility-timeout restore brings
    back whatever a dead worker held. Taking from every list at once matters when a burst is split
@@ -77,15 +78,13 @@ for i = 4, #ARGV do  -- deliveries whose result store is under way: a token each
   if redis.call('HEXISTS', hash, ARGV[i]) == 0 then most = most + 1 end
 end
 
-local function string_or_null(value)
-  if type(value) == 'string' then return cjson.encode(value) end
-  return 'null'
-end
 local function refused(reply) return type(reply) == 'table' and reply.err end
 
 -- one list's oldest messages (up to room), recorded then trimmed: {list, error or false, count, rows...}
 local function take(key, room)
   local items = redis.call('LRANGE', key, -room, -1)
+  -- restored (worker gone) onto the queue it was taken from, whatever its envelope's routing says
+  local restore_to = cjson.encode(string.match(key, '^(.-)\\6\\22') or key)
   local out = {key, false, 0}
   local recorded = {}
   for j = #items, 1, -1 do
@@ -94,10 +93,7 @@ local function take(key, room)
     local ok, message = pcall(cjson.decode, raw)
     local props = ok and type(message) == 'table' and message.properties
     if type(props) == 'table' and type(props.delivery_tag) == 'string' and props.delivery_tag ~= '' then
-      local info = props.delivery_info
-      local exchange, routing_key
-      if type(info) == 'table' then exchange, routing_key = info.exchange, info.routing_key end
-      local entry = '[' .. raw .. ',' .. string_or_null(exchange) .. ',' .. string_or_null(routing_key) .. ']'
+      local entry = '[' .. raw .. ',"",' .. restore_to .. ']'
       local reply = redis.pcall('ZADD', index, now, props.delivery_tag)
       if not refused(reply) then reply = redis.pcall('HSET', hash, props.delivery_tag, entry) end
       if refused(reply) then

@@ -72,10 +72,13 @@ class Taken:
         return cls(payload, body, raw, str(payload["properties"]["delivery_tag"]), task_id, task)
 
 
-def unacked_entry_of(raw: bytes, delivery_info: dict[str, Any]) -> bytes:
+def unacked_entry_of(raw: bytes, queue: str) -> bytes:
     """kombu's unacked hash entry ``[message, exchange, routing_key]``, with the list's bytes spliced in
-    as the message (the same JSON value kombu would encode again)."""
-    tail = str(dumps([delivery_info.get("exchange"), delivery_info.get("routing_key")]))  # type: ignore[no-untyped-call]
+    as the message (the same JSON value kombu would encode again), and the default exchange with the
+    ``queue`` it was taken from as the routing: kombu restores it there (onto its priority's list), not
+    where its envelope's ``delivery_info`` points, which a sender may have written to name a queue
+    nobody consumes, or an exchange kombu cannot look up (the message would be restored nowhere)."""
+    tail = str(dumps(["", queue]))  # type: ignore[no-untyped-call]
     return b"[" + raw + b"," + tail[1:].encode()
 
 

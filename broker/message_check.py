@@ -47,9 +47,11 @@ from celery.utils.time import maybe_iso8601, maybe_make_aware
 from kombu.utils.json import loads as _kombu_loads
 
 from protocol.deadletter import Reason
+from protocol.keys import utf8_text
+from protocol.messages import BULK_TASK_NAME
 
-__all__ = ["BODY_LAYOUT", "FLEET_TASK_PREFIX", "MAX_TASK_ID_CHARS", "Accepted", "Envelope", "Refused", "check_message",
-           "parse_envelope"]
+__all__ = ["BODY_LAYOUT", "FLEET_TASK_PREFIX", "MAX_TASK_ID_CHARS", "Accepted", "Envelope", "Refused",
+           "bulk_request_ids", "check_message", "parse_envelope"]
 
 MAX_TASK_ID_CHARS = 256
 """Longest task ID accepted (Celery's are 36-character UUIDs; the fleet's request IDs at most 200)."""
@@ -141,13 +143,34 @@ def parse_envelope(item: bytes) -> Envelope | Refused:
         return Refused(bad.reason, bad.field, bad.detail, bad.limit, task_id, task)
 
 
+def bulk_request_ids(item: bytes) -> list[str]:
+    """The request IDs a ``fleet.infer_bulk`` queue item carries (``args[0].requests[*].request_id``,
+    those a result can be stored under), so a dead-lettered bulk message fails each of its requests;
+    ``[]`` for any other item or one that cannot be read. Never raises."""
+    try:
+        doc = kombu_loads(item)
+        if not isinstance(doc, dict) or not isinstance(doc.get("headers"), dict):
+            return []
+        if doc["headers"].get("task") != BULK_TASK_NAME:
+            return []
+        args = kombu_loads(_body_bytes(doc))[0]
+        requests = args[0]["requests"] if isinstance(args, list) and args and isinstance(args[0], dict) else []
+    except Exception:  # an unreadable body fails the message under its task ID only
+        return []
+    if not isinstance(requests, list):
+        return []
+    ids = [r.get("request_id") for r in requests if isinstance(r, dict)]
+    return list(dict.fromkeys(rid for rid in ids if isinstance(rid, str) and rid and utf8_text(rid)))
+
+
 def _identity(headers: Any) -> tuple[str | None, str | None]:
     """The task ID and name in ``headers``, where they are usable strings (for the FAILURE result)."""
     if not isinstance(headers, dict):
         return None, None
     task_id, task = headers.get("id"), headers.get("task")
-    good_id = isinstance(task_id, str) and 0 < len(task_id) <= MAX_TASK_ID_CHARS
-    return (task_id if good_id else None), (task if isinstance(task, str) else None)
+    good_id = isinstance(task_id, str) and 0 < len(task_id) <= MAX_TASK_ID_CHARS and utf8_text(task_id)
+    return (task_id if good_id else None), (task if isinstance(task, str) and utf8_text(task) else None)
+
 
 
 def _envelope(doc: Any) -> Envelope:
@@ -229,6 +252,10 @@ def _check_identity(headers: dict[str, Any]) -> str:
         raise _Bad(Reason.BAD_HEADERS, "headers.id",
                    f"headers.id must be a string of 1..{MAX_TASK_ID_CHARS} characters; got {got}",
                    f"1..{MAX_TASK_ID_CHARS} characters")
+    if not utf8_text(task_id) or not utf8_text(task):
+        field = "headers.id" if not utf8_text(task_id) else "headers.task"
+        raise _Bad(Reason.BAD_HEADERS, field, f"{field} holds a lone surrogate (a \\uD800-\\uDFFF escape): not "
+                   "UTF-8 text, so no result could be stored under it", "UTF-8 text")
     return task
 
 

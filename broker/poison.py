@@ -45,7 +45,7 @@ from broker.cancel_marks import CancelReadingQoS
 from broker.deliveries import count_delivery, count_ttl_s, over_limit
 from broker.in_hand import IN_HAND
 from broker.kombu_channel import ReusesSyncClient
-from broker.message_check import Accepted, Envelope, Refused, check_message, parse_envelope
+from broker.message_check import Accepted, Envelope, Refused, bulk_request_ids, check_message, parse_envelope
 from broker.redis_refusals import (
     BrokerChannelClosed,
     ParkedItems,
@@ -227,7 +227,7 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
                 pipe = client.pipeline(transaction=False)
                 now = time.time()
                 for taken in batch:
-                    entry = unacked_entry_of(taken.raw, taken.payload["properties"].get("delivery_info") or {})
+                    entry = unacked_entry_of(taken.raw, list_key.split(self.sep, 1)[0])  # its queue
                     counts.append(add_take(pipe, qos, taken.tag, entry, taken.task_id, now))
                 if pop > 0:
                     pipe.rpop(list_key, pop)
@@ -340,6 +340,8 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
             log.exception("could not write the dead letter")
         if refused.task_id is not None and cfg is not None:
             _store_failure(cfg, refused.task_id, refused.task, queue, _failure(refused))
+        if cfg is not None:  # a bulk message's requests each wait on their own ID: they fail with it
+            _fail_requests_of_bulk(cfg, item, _failure(refused))
 
     def _park(self, list_key: str, item: bytes) -> None:
         parked = _config.parked if _config is not None else None
@@ -399,6 +401,18 @@ def _store_failure(cfg: GuardConfig, task_id: str, task: str | None, queue: str,
         cfg.app.backend.mark_as_failure(task_id, error, request=request, call_errbacks=False)
     except Exception:
         log.exception("could not store the FAILURE result of %s", task_id)
+
+
+def _fail_requests_of_bulk(cfg: GuardConfig, item: bytes, error: FleetError) -> None:
+    """FAILURE for each request ID a dead-lettered ``fleet.infer_bulk`` item carries (kept where an outcome
+    is stored already)."""
+    request_ids = bulk_request_ids(item)
+    if not request_ids:
+        return
+    try:
+        cfg.app.backend.store_many([(rid, "FAILURE", error) for rid in request_ids])
+    except Exception:
+        log.exception("could not store the FAILURE results of the %d requests of a bulk message", len(request_ids))
 
 
 def configure(app: Celery, settings: FleetSettings, hostname: str) -> GuardConfig:

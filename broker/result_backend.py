@@ -12,13 +12,15 @@ Each result is also written by one Lua script (:class:`_StoresWithOneScript`) in
 ``GET`` (is a SUCCESS already stored?) followed by ``MULTI``/``SETEX``/``PUBLISH``/``EXEC``: one round
 trip and 3 Redis commands (``EVALSHA``, ``SET``, ``PUBLISH``) instead of two round trips and 5, and the
 check and the write are one atomic step, so a redelivered request's late result can no longer
-overwrite a SUCCESS another worker wrote in between (Celery's check-then-write leaves that window).
+overwrite an outcome another worker stored in between (Celery's check-then-write leaves that window),
+and no outcome is ever overwritten: the first SUCCESS, FAILURE or REVOKED stored is the request's.
 
 Installed for the worker's app only (:func:`install`): producers keep Celery's behaviour of raising.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from celery import Celery, states
@@ -65,7 +67,8 @@ else
 end
 if not stored then
   local ok, current = pcall(cjson.decode, redis.call('GET', KEYS[1]))
-  if ok and type(current) == 'table' and current['status'] == 'SUCCESS' then
+  local status = ok and type(current) == 'table' and current['status']
+  if status == 'SUCCESS' or status == 'FAILURE' or status == 'REVOKED' then
     ack()
     return 0
   end
@@ -75,22 +78,24 @@ redis.call('PUBLISH', KEYS[1], ARGV[1])
 ack()
 return 1
 """
-"""Store one result unless a SUCCESS is stored already; publish it when stored. KEYS[1]: the result key;
-ARGV[1]: the encoded (JSON) meta; ARGV[2]: time to live in seconds (0 = none). With KEYS[2] and KEYS[3]
-(kombu's unacked hash and index) and ARGV[3] (a delivery tag), the delivery is acked in the same step,
-hash entry first as kombu does (:mod:`broker.store_ack`). Returns 1 when written, 0 when a SUCCESS
-was kept. The usual case (no state stored yet) is one ``SET NX`` and one
-``PUBLISH``; a stored state (a generation's STARTED) is read and overwritten unless it is a SUCCESS."""
+"""Store one result unless a terminal state (SUCCESS, FAILURE, REVOKED) is stored already: a stored
+outcome never changes (a redelivered copy, a duplicate task ID, a bulk message naming a finished request);
+publish it when stored. KEYS[1]: the result key; ARGV[1]: the encoded (JSON) meta; ARGV[2]: time to live
+in seconds (0 = none). With KEYS[2] and KEYS[3] (kombu's unacked hash and index) and ARGV[3] (a delivery
+tag), the delivery is acked in the same step, hash entry first as kombu does (:mod:`broker.store_ack`).
+Returns 1 when written, 0 when a terminal state was kept. The usual case (no state stored yet) is one
+``SET NX`` and one ``PUBLISH``; a stored STARTED (a generation's) is read and overwritten."""
 
 
 class _StoresWithOneScript:
-    """Celery's ``_store_result`` (same meta, same refusal to overwrite a SUCCESS, same size limit),
-    done by :data:`STORE_RESULT_SCRIPT` in one round trip."""
+    """Celery's ``_store_result`` (same meta, same size limit; a stored outcome is never overwritten),
+    done by :data:`STORE_RESULT_SCRIPT` in one round trip; :meth:`store_many` stores many in one pipeline."""
 
     _store_script: Any = None
 
-    def _store_result(self, task_id: Any, result: Any, state: str, traceback: Any = None, request: Any = None,
-                      **kwargs: Any) -> Any:  # fmt: skip
+    def _stored_form(self, task_id: Any, result: Any, state: str, traceback: Any = None,
+                     request: Any = None) -> tuple[Any, Any, int]:  # fmt: skip
+        """The result key, the encoded meta (as Celery's backend writes it) and its time to live (s, 0 = none)."""
         backend: Any = self
         meta = backend._get_result_meta(result=result, state=state, traceback=traceback, request=request)
         meta["task_id"] = bytes_to_str(task_id)  # type: ignore[no-untyped-call]
@@ -99,25 +104,49 @@ class _StoresWithOneScript:
             raise BackendStoreError("value too large for Redis backend", state=state, task_id=task_id)
         expires = getattr(backend, "failure_expires", backend.expires) if state == states.FAILURE else backend.expires
         ttl = int(expires.total_seconds()) if hasattr(expires, "total_seconds") else int(expires or 0)
+        return backend.get_key_for_task(task_id), value, max(0, ttl)
+
+    def store_many(self, outcomes: Sequence[tuple[str, str, Any]]) -> int:
+        """Store each ``(task_id, state, result or exception)`` as Celery's ``store_result`` would, by the
+        same script (a stored outcome is kept), in one pipeline; no delivery is acked. Returns how many
+        were written. Retried like one store while Redis does not answer or refuses writes."""
+        backend: Any = self
+        rows = [self._stored_form(task_id, backend.encode_result(result, state), state)
+                for task_id, state, result in outcomes]  # fmt: skip
+
+        def run() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)  # type: ignore[attr-defined]
+            for key, value, ttl in rows:
+                self._script()(keys=[key], args=[value, ttl], client=pipe)
+            return list(pipe.execute())
+
+        return sum(int(written) for written in backend.ensure(run, ()))
+
+    def _store_result(self, task_id: Any, result: Any, state: str, traceback: Any = None, request: Any = None,
+                      **kwargs: Any) -> Any:  # fmt: skip
+        backend: Any = self
+        key, value, ttl = self._stored_form(task_id, result, state, traceback, request)
         tag = delivery_tag_of(request) if state == states.SUCCESS else None
         unacked = ACKS.keys_for(tag) if tag is not None else None
-        key = backend.get_key_for_task(task_id)
         if tag is not None and unacked is not None:
             ACKS.storing(tag)  # its token is free from here: the result may reach its caller before the next line
             try:
-                backend.ensure(self._run_store_script, ([key, *unacked], [value, max(0, ttl), tag]))
+                backend.ensure(self._run_store_script, ([key, *unacked], [value, ttl, tag]))
             except BaseException:
                 ACKS.store_failed(tag)  # not acked: Celery's own ack follows, and the token is held again
                 raise
             ACKS.acked(tag)  # Celery's ack that follows touches no key (broker.store_ack)
         else:
-            backend.ensure(self._run_store_script, ([key], [value, max(0, ttl)]))
+            backend.ensure(self._run_store_script, ([key], [value, ttl]))
         return result
 
-    def _run_store_script(self, keys: list[Any], args: list[Any]) -> Any:
+    def _script(self) -> Any:
         if self._store_script is None:
             self._store_script = self.client.register_script(STORE_RESULT_SCRIPT)  # type: ignore[attr-defined]
-        return self._store_script(keys=keys, args=args, client=self.client)  # type: ignore[attr-defined]
+        return self._store_script
+
+    def _run_store_script(self, keys: list[Any], args: list[Any]) -> Any:
+        return self._script()(keys=keys, args=args, client=self.client)  # type: ignore[attr-defined]
 
 
 class RefusalTolerantRedisBackend(_RetriesWriteRefusals, _StoresWithOneScript, RedisBackend):  # type: ignore[misc]

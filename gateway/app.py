@@ -323,7 +323,9 @@ async def stream(request_id: RequestId, _: CallerDep, gw: GatewayDep) -> Respons
         raise RequestNotFound(f"no request {request_id!r} is known (never submitted, or expired)", "request_id", None)
     kind = marker.get("kind") if marker else None
     if (kind not in (None, "generate")) or (has_result and not has_stream):
-        what = f"a {kind} request" if kind not in (None, "generate") else "finished and has no stream (stream: false?)"
+        what = (f"a {kind} request" if kind not in (None, "generate")
+                else "finished without a stream (it asked for stream: false, or ended before it ran: cancelled, "
+                "expired)")  # fmt: skip
         msg = f"request {request_id} is {what}: only generations stream; GET /v1/requests/{request_id} has its result"
         return _error(409, error_payload("conflict", "Conflict", msg, "request_id"))
     return EventStream(_native_frames(gw, request_id))

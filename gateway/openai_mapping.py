@@ -139,7 +139,7 @@ def generation_params(body: CompletionBody | ChatBody) -> GenerationParams:
         "max_new_tokens": getattr(body, max_field),
         "temperature": body.temperature,
         "top_p": body.top_p,
-        "seed": body.seed,
+        "seed": None if body.seed is None else body.seed % 2**63,  # OpenAI's int64; the fleet's seeds are >= 0
         "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
         "top_k": body.top_k,
         "repetition_penalty": body.repetition_penalty,

@@ -334,9 +334,12 @@ async def _queue_embeddings(gw: Gateway, body: EmbeddingBody, rate_key: str) -> 
     else:
         built = await run_in_threadpool(_build_embeddings, gw, body)
     routing = [body.user] * len(built)
-    if gw.settings.api.group_submits:
-        return await gw.submits.submit(SubmitItem(built, rate_key, list(routing)))
-    return await run_in_threadpool(_send_embeddings, gw, built, rate_key, routing)
+    try:
+        if gw.settings.api.group_submits:
+            return await gw.submits.submit(SubmitItem(built, rate_key, list(routing)))
+        return await run_in_threadpool(_send_embeddings, gw, built, rate_key, routing)
+    except InvalidRequest as exc:  # more inputs at once than the rate bucket holds: named as the body names them
+        raise rename_field(exc, {"requests": "input"}) from exc
 
 
 def _build_embeddings(gw: Gateway, body: EmbeddingBody) -> list[InferenceRequest]:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from protocol.messages import RequestFloat
 
 __all__ = [
     "ChatBody",
@@ -49,25 +51,28 @@ class StreamOptions(_Body):
 class _Sampling(_Body):
     model: StrictStr = Field(min_length=1, max_length=200, examples=["demo-lm"])
     max_tokens: StrictInt | None = Field(default=None, ge=1, description="-> max_new_tokens.")
-    temperature: StrictFloat | None = Field(
+    temperature: RequestFloat | None = Field(
         default=None, ge=0, le=2,
         description="0 = greedy. Default: the model's generation_config.json, else 1 (OpenAI's).",
     )  # fmt: skip
-    top_p: StrictFloat | None = Field(default=None, gt=0, le=1)
+    top_p: RequestFloat | None = Field(default=None, gt=0, le=1)
     n: StrictInt | None = Field(default=None, description="Must be 1.")
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     stop: StrictStr | list[StrictStr] | None = Field(default=None, description="Up to 16 stop strings.")
-    seed: StrictInt | None = Field(default=None, description="Sampling seed (>= 0); default 0.")
-    frequency_penalty: StrictFloat | None = Field(default=None, description="Only 0 (use repetition_penalty).")
-    presence_penalty: StrictFloat | None = Field(default=None, description="Only 0 (use repetition_penalty).")
-    logit_bias: dict[str, StrictFloat] | None = Field(default=None, description="Not supported (must be empty).")
+    seed: StrictInt | None = Field(
+        default=None, ge=-(2**63), lt=2**63,
+        description="Sampling seed, any int64 as OpenAI's (a negative one is taken mod 2**63); default 0.",
+    )  # fmt: skip
+    frequency_penalty: RequestFloat | None = Field(default=None, description="Only 0 (use repetition_penalty).")
+    presence_penalty: RequestFloat | None = Field(default=None, description="Only 0 (use repetition_penalty).")
+    logit_bias: dict[str, RequestFloat] | None = Field(default=None, description="Not supported (must be empty).")
     user: StrictStr | None = Field(
         default=None, description="End-user ID: the sticky key of a canary split (default: the request ID)."
     )
     # fleet extensions (vLLM names)
     top_k: StrictInt | None = Field(default=None, ge=0, description="Fleet: sample among the top k; 0 = off.")
-    repetition_penalty: StrictFloat | None = Field(default=None, description="Fleet: CTRL-style penalty; 1 = off.")
+    repetition_penalty: RequestFloat | None = Field(default=None, description="Fleet: CTRL-style penalty; 1 = off.")
     ignore_eos: StrictBool | None = Field(default=None, description="Fleet: generate past the EOS token.")
     stop_token_ids: list[StrictInt] | None = Field(default=None, description="Fleet: ids that end generation.")
 

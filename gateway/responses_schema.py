@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from protocol.errors import InvalidRequest
+from protocol.messages import RequestFloat
 
 __all__ = [
     "InputMessage",
@@ -58,8 +59,8 @@ class ResponseBody(BaseModel):
     previous_response_id: StrictStr | None = Field(default=None, max_length=200)
     store: StrictBool | None = Field(default=True, description="Keep the response (api.responses_ttl_s).")
     max_output_tokens: StrictInt | None = Field(default=None, ge=1, description="-> max_new_tokens.")
-    temperature: StrictFloat | None = Field(default=None, ge=0, le=2, description="0 = greedy.")
-    top_p: StrictFloat | None = Field(default=None, gt=0, le=1)
+    temperature: RequestFloat | None = Field(default=None, ge=0, le=2, description="0 = greedy.")
+    top_p: RequestFloat | None = Field(default=None, gt=0, le=1)
     stream: StrictBool | None = False
     metadata: dict[str, StrictStr] | None = Field(default=None, description="Stored and returned as given.")
     user: StrictStr | None = Field(default=None, description="End-user ID: the sticky key of a canary split.")

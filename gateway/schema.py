@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from producer.client import RequestStatus
-from protocol.messages import GenerationParams
+from protocol.messages import GenerationParams, RequestFloat
 
 __all__ = [
     "REQUEST_ID_PATTERN",
@@ -62,7 +62,7 @@ class SubmitBody(_Body):
         pattern=REQUEST_ID_PATTERN,
         description="Caller-given ID; resubmitting a known ID is a no-op (idempotent).",
     )
-    deadline_s: StrictFloat | None = Field(
+    deadline_s: RequestFloat | None = Field(
         default=None, gt=0, le=86_400, description="Drop the request if it has not run within this many s."
     )
     routing_key: StrictStr | None = Field(

@@ -156,7 +156,15 @@ class ResultReader:
 
         A running generation stops within one decode step and ends with ``finish_reason``
         ``cancelled`` (its tokens so far are its result); a running one-step request cannot be stopped.
+
+        Raises:
+            RequestNotFound: no request of that ID is known (never submitted through the fleet, or its
+                result expired), as ``DELETE /v1/requests/{id}`` answers 404 and ``fleet cancel`` exits 1;
+                before, the cancel mark it set refused a request later sent under that ID, for an hour.
         """
+        if self.status(request_id) is RequestStatus.NOT_FOUND:
+            raise RequestNotFound(f"no request {request_id!r} is known: never submitted through the fleet, or its "
+                                  "result expired (result_ttl_s)", "request_id", None)  # fmt: skip
         state = self._async(request_id).state
         if state == "STARTED" and self._kind_of(request_id) == "generate":
             self._mark_cancelled(request_id)

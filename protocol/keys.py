@@ -15,8 +15,10 @@ __all__ = [
     "RATE_KEY",
     "REQUEST_KEY",
     "RESPONSE_KEY",
+    "RESULT_KEY",
     "STREAM_KEY",
     "WORKER_KEY_PREFIX",
+    "utf8_text",
 ]
 
 REQUEST_KEY = "fleet:req:{id}"
@@ -62,3 +64,16 @@ expires. A worker past it is dead: any live worker moves its queue onto the mode
 (:mod:`workers.direct_queue`); the entry stays until the dead worker's unacked requests, restored
 into that queue after the visibility timeout, have been moved too. Each beat extends the key's life
 to that long past the beat, so it goes once no worker beats."""
+
+
+RESULT_KEY = "celery-task-meta-{id}"
+"""Celery's Redis result key of a request (its task ID; the fleet sets no key prefix)."""
+
+def utf8_text(text: str) -> bool:
+    """Whether ``text`` can be written as UTF-8, so as part of a Redis key (a request ID): JSON's
+    ``\\ud800`` escape decodes to a lone surrogate, which cannot."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

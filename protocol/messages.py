@@ -13,11 +13,21 @@ deadlines inside a process use ``time.monotonic()``.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator
+from pydantic import (
+    AllowInfNan,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+    field_validator,
+)
 
-from protocol.errors import DecodeError
+from protocol.errors import DecodeError, InvalidRequest
 
 __all__ = [
     "BULK_TASK_NAME",
@@ -31,6 +41,7 @@ __all__ = [
     "InferenceRequest",
     "InferenceResult",
     "OutputSpec",
+    "RequestFloat",
     "Timings",
     "TopToken",
     "Usage",
@@ -38,6 +49,10 @@ __all__ = [
     "decode_request",
     "decode_result",
 ]
+
+
+RequestFloat = Annotated[float, Strict(), AllowInfNan(False)]
+"""A number a request carries: a JSON number (not ``true``, not ``"0.5"``), finite (not ``NaN``/``Infinity``)."""
 
 SCHEMA_VERSION = 1
 TASK_NAME = "fleet.infer"
@@ -67,10 +82,12 @@ class GenerationParams(_Frozen):
     max_new_tokens: StrictInt = Field(
         default=16, ge=1, description="Most tokens to generate (<= limits.max_new_tokens)."
     )
-    temperature: StrictFloat = Field(default=0.0, ge=0.0, le=100.0, description="0 = greedy; else softmax temperature.")
+    temperature: RequestFloat = Field(
+        default=0.0, ge=0.0, le=100.0, description="0 = greedy; else softmax temperature."
+    )
     top_k: StrictInt = Field(default=0, ge=0, description="Sample among the k most likely tokens; 0 = no cut.")
-    top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 = no cut.")
-    repetition_penalty: StrictFloat = Field(
+    top_p: RequestFloat = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 = no cut.")
+    repetition_penalty: RequestFloat = Field(
         default=1.0, gt=0.0, le=10.0, description="CTRL-style penalty on tokens already in prompt or output; 1 = off."
     )
     stop_token_ids: list[StrictInt] = Field(
@@ -118,8 +135,8 @@ class InferenceRequest(_Frozen):
     truncated: StrictBool = Field(
         default=False, description="The producer already cut input_ids to the model's limits (reported in the result)."
     )
-    submitted_at_unix_s: StrictFloat | None = Field(default=None, description="Producer wall clock (s).")
-    deadline_unix_s: StrictFloat | None = Field(
+    submitted_at_unix_s: RequestFloat | None = Field(default=None, description="Producer wall clock (s).")
+    deadline_unix_s: RequestFloat | None = Field(
         default=None, description="Wall-clock time after which the request is dropped as expired (s)."
     )
 
@@ -226,11 +243,13 @@ def decode_result(payload: Any) -> InferenceResult:
         raise DecodeError(_first_error(exc), _first_field(exc), None) from exc
 
 
-def as_invalid_request(exc: ValidationError, prefix: str = "") -> DecodeError:
-    """A pydantic error as the fleet's :class:`DecodeError` (an InvalidRequest) naming the field."""
+def as_invalid_request(exc: ValidationError, prefix: str = "") -> InvalidRequest:
+    """A pydantic error in what a caller passed (a producer's arguments, a gateway body's values) as the
+    fleet's :class:`InvalidRequest` naming the field; a message a worker cannot decode is a
+    :class:`DecodeError` (:func:`decode_request`)."""
     field = _first_field(exc)
     field = f"{prefix}.{field}" if prefix and field != "request" else (prefix or field)
-    return DecodeError(_first_error(exc, prefix), field, None)
+    return InvalidRequest(_first_error(exc, prefix), field, None)
 
 
 def _first_field(exc: ValidationError) -> str:

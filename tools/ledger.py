@@ -34,12 +34,11 @@ import redis
 
 from producer.result_waiter import READY_STATES
 from protocol.errors import DecodeError
-from protocol.keys import STREAM_KEY, WORKER_KEY_PREFIX
+from protocol.keys import RESULT_KEY, STREAM_KEY, WORKER_KEY_PREFIX
 from protocol.streams import decode_events
 
 __all__ = ["Ledger", "LedgerReport", "LedgerViolationError", "Violation"]
 
-META_KEY = "celery-task-meta-{id}"
 UNACKED_KEY = "unacked"
 """kombu's Redis transport default ``unacked_key`` (the fleet does not change it)."""
 PRIORITY_SEP = "\x06\x16"
@@ -203,7 +202,7 @@ class Ledger:
         out: list[tuple[str, str] | None] = []
         for start in range(0, len(ids), 500):
             chunk = ids[start : start + 500]
-            raws = self.client.mget([META_KEY.format(id=rid) for rid in chunk]) if chunk else []
+            raws = self.client.mget([RESULT_KEY.format(id=rid) for rid in chunk]) if chunk else []
             for raw in raws:
                 out.append(_terminal_of(raw))
         return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from protocol.errors import DecodeError, FleetError, InvalidRequest
-from protocol.keys import CANCEL_KEY
+from protocol.keys import CANCEL_KEY, utf8_text
 from protocol.messages import MAX_BULK_REQUESTS
 from workers.metrics import outcome_of, queue_wait_ms_of
 from workers.pipeline import Prepared, finish, prepare
@@ -35,17 +35,20 @@ class _Collector:
         return job.future
 
 
-def _request_ids(items: list[Any]) -> list[str]:
-    ids = []
+def _request_ids(items: list[Any]) -> list[str | DecodeError]:
+    """Each item's request ID, or why it has none a result could be stored under (that item alone fails:
+    its siblings still run and store theirs)."""
+    ids: list[str | DecodeError] = []
     for pos, item in enumerate(items):
         rid = item.get("request_id") if isinstance(item, dict) else None
-        if not isinstance(rid, str) or not rid:
-            raise DecodeError(
-                f"requests[{pos}].request_id is required in a bulk message",
+        if not isinstance(rid, str) or not rid or not utf8_text(rid):
+            ids.append(DecodeError(
+                f"requests[{pos}].request_id is required in a bulk message: a non-empty UTF-8 string",
                 f"requests[{pos}].request_id",
                 "non-empty string",
-            )
-        ids.append(rid)
+            ))
+        else:
+            ids.append(rid)
     return ids
 
 
@@ -69,23 +72,28 @@ def handle_bulk(
             MAX_BULK_REQUESTS,
         )
     ids = _request_ids(items)
-    cancelled = runtime.redis.mget([CANCEL_KEY.format(id=rid) for rid in ids])
+    named = [rid for rid in ids if isinstance(rid, str)]
+    marks = dict(zip(named, runtime.redis.mget([CANCEL_KEY.format(id=rid) for rid in named]), strict=True))
     collector = _Collector()
     prepared: list[Prepared | FleetError] = []
-    for rid, item, mark in zip(ids, items, cancelled, strict=True):
+    for rid, item in zip(ids, items, strict=True):
+        if isinstance(rid, FleetError):
+            prepared.append(rid)
+            continue
         try:
-            prepared.append(prepare(runtime, item, collector, request_id=rid, cancelled=bool(mark), role=role))
+            prepared.append(prepare(runtime, item, collector, request_id=rid, cancelled=bool(marks[rid]), role=role))
         except FleetError as exc:
             prepared.append(exc)
     for _ in ids:
         runtime.token_taken()
     try:
         runtime.scheduler.submit_many(collector.jobs)
-        outcomes: list[tuple[str, str, Any]] = []
+        outcomes: list[tuple[str | None, str, Any]] = []
         for rid, prep in zip(ids, prepared, strict=True):
             if isinstance(prep, FleetError):
-                outcomes.append((rid, "FAILURE", prep))
+                outcomes.append((rid if isinstance(rid, str) else None, "FAILURE", prep))
                 continue
+            assert isinstance(rid, str)  # an item without a usable ID was prepared as its error
             try:
                 outcomes.append((rid, "SUCCESS", finish(runtime, prep, request_id=rid, worker=worker)))
             except Exception as exc:
@@ -97,10 +105,10 @@ def handle_bulk(
     return summarize(outcomes)
 
 
-def summarize(outcomes: list[tuple[str, str, Any]]) -> dict[str, Any]:
+def summarize(outcomes: list[tuple[str | None, str, Any]]) -> dict[str, Any]:
     """The bulk task's return value: counts, counts by metrics ``outcome`` label, and queue waits.
 
-    ``outcomes`` holds ``(request_id, "SUCCESS" | "FAILURE", result dict | exception)`` per request.
+    ``outcomes`` holds ``(request_id or None, "SUCCESS" | "FAILURE", result dict | exception)`` per request.
     ``queue_wait_ms`` lists each succeeded request's producer submit → batch start time (ms), in
     request order; the worker's metrics observe them like ``fleet.infer`` results.
     """
@@ -123,19 +131,7 @@ def summarize(outcomes: list[tuple[str, str, Any]]) -> dict[str, Any]:
     }
 
 
-def _store_all(backend: Any, outcomes: list[tuple[str, str, Any]]) -> None:
-    """Write each request's result the way Celery's Redis backend does (SETEX + PUBLISH), in one pipeline."""
-    with backend.client.pipeline() as pipe:
-        for rid, state, value in outcomes:
-            result = backend.prepare_exception(value) if state == "FAILURE" else value
-            meta = backend._get_result_meta(result=result, state=state, traceback=None, request=None)
-            meta["task_id"] = rid
-            encoded = backend.encode(meta)
-            key = backend.get_key_for_task(rid)
-            expires = (getattr(backend, "failure_expires", None) if state == "FAILURE" else None) or backend.expires
-            if expires:
-                pipe.setex(key, int(expires), encoded)
-            else:
-                pipe.set(key, encoded)
-            pipe.publish(key, encoded)
-        pipe.execute()
+def _store_all(backend: Any, outcomes: list[tuple[str | None, str, Any]]) -> None:
+    """Write each named request's result as ``fleet.infer``'s are written (Celery's format, by the result
+    backend's store script: a stored outcome is never replaced), in one pipeline."""
+    backend.store_many([(rid, state, value) for rid, state, value in outcomes if rid is not None])

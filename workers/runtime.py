@@ -247,6 +247,7 @@ class WorkerRuntime:
             self.redis.set(CARD_KEY.format(model=self.model_key), self.card.model_dump_json())
         except redis.RedisError as exc:
             log.warning("could not publish the model card: %s", exc)
+        self.heartbeat.on_beat.append(self._card_beat)
         self.heartbeat.start()
         self.reconciler.start()
         log.info(
@@ -259,6 +260,11 @@ class WorkerRuntime:
             self.concurrency,
             self.engine.providers,
         )
+
+    def _card_beat(self, _expires_unix_s: float) -> None:
+        """Publish the model card again where Redis lost it (a restart without persistence, a flush): producers
+        on machines without the model's files read its tokenizer and limits there. One ``SET NX`` per beat."""
+        self.redis.set(CARD_KEY.format(model=self.model_key), self.card.model_dump_json(), nx=True)
 
     def mark_ready(self) -> None:
         """Called once the consumer runs: the worker now takes requests."""

@@ -105,6 +105,9 @@ def test_two_gateways_share_one_token_bucket(ops_fleet: OpsFleet) -> None:
     body = {"model": "demo-lm", "input_ids": [1, 2]}
     bucket = RATE_KEY.format(key=rate_key_for(API_KEY))
 
+    # more inputs at once than the bucket holds: refused before it is touched, named as the body names them
+    too_many = clients[0].post("/v1/embeddings", json={"model": "demo-encoder", "input": [[5, 6]] * (capacity + 1)})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "input", too_many.text
     # one request alone first, so the bucket's timestamp is exactly the first admission's time
     assert clients[0].post("/v1/requests", json=body).status_code == 202
     first_ts = float(ops_fleet.redis.hget(bucket, "ts") or 0)

@@ -53,7 +53,7 @@ def test_the_script_records_the_oldest_messages_before_it_trims_them(redis_serve
         raw = _envelope(n)
         entry = r.hget("unacked", f"tag-{n}")
         assert entry is not None and entry.startswith(b"[" + raw + b",")  # the list's bytes, spliced in
-        assert json.loads(entry) == json.loads(unacked_entry_of(raw, {"exchange": "", "routing_key": QUEUE}))
+        assert json.loads(entry) == json.loads(unacked_entry_of(raw, QUEUE))
         assert r.zscore("unacked_index", f"tag-{n}") == 1000.5
     assert r.lrange(QUEUE, 0, -1) == [_envelope(4), _envelope(3)]
 
@@ -63,6 +63,29 @@ def test_the_script_records_the_oldest_messages_before_it_trims_them(redis_serve
     assert not r.exists(QUEUE) and not r.exists(KEYS[1])
     assert r.hlen("unacked") == 6
     assert _take(r, 8) is None  # every list empty
+
+
+@pytest.mark.parametrize("info", [{"exchange": "", "routing_key": "fleet.nowhere"},  # a queue nobody consumes
+                                  {"exchange": "bogus", "routing_key": QUEUE},  # kombu looks it up to nothing
+                                  {"exchange": "", "routing_key": ""}])
+def test_a_taken_message_is_restored_onto_the_queue_it_came_from_whatever_its_envelope_says(
+    redis_server: EmbeddedRedis, info: dict[str, str]
+) -> None:
+    """kombu restores a dead worker's message by the routing of its unacked entry; the entry named the
+    envelope's routing, so a sender's stray ``delivery_info`` stranded the message on a list nobody reads,
+    or restored it nowhere (a lost request). The entry now names the list it was taken from (its queue,
+    for a priority's list) on the default exchange, which kombu's restore reads as that queue."""
+    r = redis_server.client()
+    for n, key in ((0, KEYS[0]), (1, KEYS[1])):
+        r.lpush(key, json.dumps({"body": "W10=", "headers": {"id": f"id-{n}", "task": "fleet.infer"},
+                                 "properties": {"delivery_tag": f"tag-{n}", "delivery_info": info}}).encode())
+    assert len(sections(_take(r, 4))) == 2
+    for n in (0, 1):
+        entry = json.loads(r.hget("unacked", f"tag-{n}") or b"null")
+        assert entry[1:] == ["", QUEUE]  # the priority list's too: kombu picks the list by its priority
+        channel = object.__new__(kombu_redis.Channel)
+        channel.deadletter_queue = None
+        assert channel._lookup(entry[1], entry[2]) == [QUEUE]  # kombu's restore target for that entry
 
 
 def test_a_burst_split_between_lists_is_taken_in_one_run_up_to_the_free_tokens(redis_server: EmbeddedRedis) -> None:

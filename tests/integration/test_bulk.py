@@ -77,3 +77,28 @@ def test_bulk_refuses_bad_input_before_queueing(fleet: Fleet) -> None:
         client.submit_bulk("demo-lm", [[1, 2], [1, 70000]])
     with pytest.raises(InvalidRequest, match="chunk_size"):
         client.submit_bulk("demo-lm", [[1]], chunk_size=0)
+
+
+def test_a_bulk_message_never_replaces_a_stored_result_and_an_unnamed_item_fails_alone(fleet: Fleet) -> None:
+    """A plain Celery bulk message naming a finished request stored its own result over it (a plain SETEX),
+    and one item without a usable request ID failed the whole message: its siblings never got a result."""
+    cfg = fleet.config()
+    fleet.worker(cfg)
+    client = fleet.client(cfg)
+    r = redis.Redis.from_url(fleet.redis_url)
+    known = client.submit("demo-lm", [5, 6, 7], request_id="bulk-known")
+    assert client.result(known, wait=True, timeout_s=60) is not None
+    stored = r.get(f"celery-task-meta-{known}")
+    plain = Celery(broker=fleet.redis_url, backend=fleet.redis_url)
+    summary = plain.send_task("fleet.infer_bulk", args=[{"requests": [
+        {"request_id": known, "model": "demo-lm", "input_ids": [8, 9, 10, 11, 12, 13, 14]},
+        {"request_id": "bulk-fresh", "model": "demo-lm", "input_ids": [5, 6]},
+        {"request_id": "bulk-fresh", "model": "demo-lm", "input_ids": [7, 8, 9]},  # the same ID twice: one outcome
+        {"request_id": "", "model": "demo-lm", "input_ids": [5]},
+        {"model": "demo-lm", "input_ids": [5]},
+    ]}], queue="fleet.demo-lm").get(timeout=60)
+    plain.close()
+    assert r.get(f"celery-task-meta-{known}") == stored  # byte for byte
+    fresh = client.result("bulk-fresh", wait=True, timeout_s=10)
+    assert isinstance(fresh, InferenceResult)
+    assert summary["count"] == 5 and summary["failed"] == 2, summary

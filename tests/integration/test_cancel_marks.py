@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from broker.cancel_marks import CancelMarks
-from protocol.errors import RequestCancelled
+from protocol.errors import RequestCancelled, RequestNotFound
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.redis_monitor import Monitor, parse_monitor_line
 
@@ -47,6 +47,12 @@ def test_a_request_cancelled_while_queued_is_not_run(fleet: Fleet) -> None:
     with pytest.raises(RequestCancelled):
         client.result(doomed, wait=True, timeout_s=60)
     assert client.result(client.submit("demo-lm", [8, 9]), wait=True, timeout_s=60) is not None
+    # an ID nobody sent: refused, as the gateway (404) and `fleet cancel` (exit 1) refuse it, and no mark is
+    # left to cancel a request later sent under that ID (before: True, and that request never ran)
+    with pytest.raises(RequestNotFound):
+        client.cancel("never-sent-1")
+    assert client.result(client.submit("demo-lm", [8, 9], request_id="never-sent-1"), wait=True,
+                         timeout_s=60) is not None  # fmt: skip
 
 
 def test_marks_are_taken_once_and_the_oldest_dropped() -> None:
@@ -68,10 +74,10 @@ def test_the_unacked_entry_splices_the_taken_bytes_into_kombu_s_json() -> None:
     raw = (b'{"body": "W1tdLCB7fV0=", "headers": {"id": "r-1", "task": "fleet.infer"}, '
            b'"properties": {"delivery_tag": "t"}}')
     message = SimpleNamespace(_raw=json.loads(raw))
-    delivery = {"exchange": "fleet.demo-lm", "routing_key": "fleet.demo-lm"}
-    spliced, encoded = unacked_entry_of(raw, delivery), unacked_entry(message, delivery)
+    delivery = {"exchange": "", "routing_key": "fleet.demo-lm"}
+    spliced, encoded = unacked_entry_of(raw, "fleet.demo-lm"), unacked_entry(message, delivery)
     assert isinstance(spliced, bytes) and raw in spliced  # the bytes as taken, not encoded again
-    assert json.loads(spliced) == json.loads(encoded) == [json.loads(raw), "fleet.demo-lm", "fleet.demo-lm"]
+    assert json.loads(spliced) == json.loads(encoded) == [json.loads(raw), "", "fleet.demo-lm"]
 
 
 def test_a_monitor_line_whose_argument_ends_in_a_backslash_keeps_its_other_arguments() -> None:

@@ -66,6 +66,7 @@ def test_seeded_sampling_repeats_and_stop_strings_map(client: openai.OpenAI) -> 
         return out.choices[0].text
 
     assert sample(7) == sample(7)
+    assert sample(-1) == sample(2**63 - 1)  # OpenAI's seeds are any int64: a negative one is taken mod 2**63
     greedy = client.completions.create(model="demo-lm", prompt="abc", max_tokens=12, temperature=0, extra_body=NO_EOS)
     text = greedy.choices[0].text
     stop = next((text[i : i + 2] for i in range(2, len(text) - 1) if text[i : i + 2].isprintable()), None)
@@ -159,6 +160,7 @@ def test_embeddings_float_and_base64(served: Served, client: openai.OpenAI) -> N
         ({"stream_options": {"include_usage": True}}, 400, "stream_options", "only allowed when stream is true"),
         ({"stop_token_ids": [512]}, 400, "stop_token_ids[0]", "outside the vocabulary [0, 512)"),
         ({"stop_token_ids": [-1]}, 400, "stop_token_ids[0]", "outside the vocabulary [0, 512)"),
+        ({"seed": 2**63}, 400, "seed", "less than 9223372036854775808"),
     ],
 )
 def test_completion_refusals_name_the_field(

@@ -68,3 +68,30 @@ def test_a_success_is_kept_and_an_earlier_state_is_overwritten(redis_server: Emb
     r.set(backend.get_key_for_task("t4"), b"not json")  # unreadable state: overwritten, as Celery would
     backend.store_result("t4", {"n": 4}, states.SUCCESS)
     assert json.loads(r.get(backend.get_key_for_task("t4")) or b"{}")["status"] == "SUCCESS"
+
+
+def test_no_stored_outcome_is_ever_replaced(redis_server: EmbeddedRedis) -> None:
+    """A stored FAILURE or REVOKED is kept as a SUCCESS is: a stray copy of a failed request (a duplicate task
+    ID, an expired copy, a poison copy dead-lettered) must not turn a request a client saw fail into one that
+    succeeded, nor a STARTED overwrite an outcome."""
+    backend = _backend(redis_server.url)
+    r = redis.Redis(port=redis_server.port)
+    for task_id, first in (("f1", states.FAILURE), ("r1", states.REVOKED)):
+        backend.store_result(task_id, ValueError("first") if first == states.FAILURE else None, first)
+        for later, value in ((states.SUCCESS, {"n": 1}), (states.FAILURE, ValueError("later")),
+                             (states.STARTED, {"pid": 1})):  # fmt: skip
+            backend.store_result(task_id, value, later)
+            assert json.loads(r.get(backend.get_key_for_task(task_id)) or b"{}")["status"] == first
+
+
+def test_many_results_are_stored_in_one_pipeline_by_the_same_rule(redis_server: EmbeddedRedis) -> None:
+    backend = _backend(redis_server.url)
+    r = redis.Redis(port=redis_server.port)
+    backend.store_result("kept", {"n": 0}, states.SUCCESS)
+    written = backend.store_many([("kept", states.SUCCESS, {"n": 9}), ("new", states.SUCCESS, {"n": 1}),
+                                  ("bad", states.FAILURE, ValueError("no"))])  # fmt: skip
+    assert written == 2
+    assert json.loads(r.get(backend.get_key_for_task("kept")) or b"{}")["result"] == {"n": 0}
+    assert json.loads(r.get(backend.get_key_for_task("new")) or b"{}")["result"] == {"n": 1}
+    failed = json.loads(r.get(backend.get_key_for_task("bad")) or b"{}")
+    assert failed["status"] == "FAILURE" and failed["result"]["exc_type"] == "ValueError"

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from broker.message_check import Accepted, Envelope, Refused, check_message, parse_envelope
+from broker.message_check import Accepted, Envelope, Refused, bulk_request_ids, check_message, parse_envelope
 from protocol.deadletter import Reason
 from tests.queue_items import envelope, good_body, pickle_item, raw
 
@@ -130,6 +130,8 @@ REFUSED: list[tuple[str, Callable[[dict[str, Any]], None], Reason, str]] = [
      "properties.delivery_info.routing_key"),
     ("priority infinite", prop("priority", 1e400), Reason.NOT_A_MESSAGE, "properties.priority"),
     ("priority a string", prop("priority", "5"), Reason.NOT_A_MESSAGE, "properties.priority"),
+    # JSON's \ud800 escape: a lone surrogate, which no Redis key (its result, its dead letter) can hold
+    ("id a lone surrogate", header("id", "sur-\ud800-x"), Reason.BAD_HEADERS, "headers.id"),
 ]
 
 
@@ -238,3 +240,12 @@ def test_a_refused_embed_and_a_built_in_task_are_named_in_the_detail() -> None:
     header("task", "celery.chunks")(doc)
     got = verdict(raw(doc))
     assert isinstance(got, Refused) and "'celery.chunks'" in got.detail and got.limit == "a fleet.* task"
+
+
+def test_the_requests_of_a_bulk_item_are_read_for_their_failures() -> None:
+    items = [{"request_id": "a"}, {"request_id": "b"}, {"request_id": "a"}, {"request_id": "sur-\ud800"}, {}, 5]
+    bulk = raw(envelope("q", json.dumps([[{"requests": items}], {}, {}]).encode(), task="fleet.infer_bulk"))
+    assert bulk_request_ids(bulk) == ["a", "b"]  # once each; none a result could not be stored under
+    assert bulk_request_ids(raw(envelope("q", good_body({"request_id": "a"})))) == []  # not a bulk message
+    assert bulk_request_ids(b"not json") == []
+    assert bulk_request_ids(raw(envelope("q", b"[1", task="fleet.infer_bulk"))) == []

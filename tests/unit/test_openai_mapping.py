@@ -8,6 +8,7 @@ import struct
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from gateway.chat import ChatTemplate, render_chat
 from gateway.errors import is_openai_path, openai_error, openai_error_of, status_of
@@ -126,7 +127,6 @@ def test_chat_length_prefers_max_completion_tokens(fields: dict[str, Any], expec
 @pytest.mark.parametrize(
     ("body", "field"),
     [
-        (completion(seed=-1), "seed"),
         (completion(repetition_penalty=0.0), "repetition_penalty"),
         (completion(stop=[str(i) for i in range(17)]), "stop"),
         (completion(stop=["x" * 300]), "stop"),
@@ -344,3 +344,10 @@ def test_openai_shapes_and_paths() -> None:
     assert [is_openai_path(p) for p in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")] == [True] * 3
     assert is_openai_path("/v1/models") and is_openai_path("/v1/models/demo-lm")
     assert not any(is_openai_path(p) for p in ("/v1/requests", "/v1/requests/x/stream", "/healthz"))
+
+
+def test_an_openai_seed_is_any_int64_and_a_negative_one_is_taken_mod_2_63() -> None:
+    assert generation_params(completion(seed=-1)).seed == 2**63 - 1
+    assert generation_params(completion(seed=7)).seed == 7
+    with pytest.raises(ValidationError):
+        completion(seed=2**63)
