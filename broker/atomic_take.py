@@ -58,10 +58,13 @@ from broker.redis_refusals import RedisRefusingWrites, is_write_refusal
 from broker.store_ack import StoreAckingQoS
 from protocol.keys import CANCEL_KEY
 
-__all__ = ["OTHER_LISTS_WAIT_S", "TAKE_SCRIPT", "sections", "start_peek", "take_after_peek"]
+__all__ = ["OTHER_LISTS_WAIT_S", "RETAG", "TAKE_SCRIPT", "sections", "start_peek", "take_after_peek"]
 
 log = logging.getLogger("fleet.poison")
 
+RETAG = "~retag~"
+"""Between a message's own delivery tag and the suffix the take script gives it when another unacked message
+holds that tag already (a sender that reuses tags): each delivery keeps an unacked entry of its own."""
 OTHER_LISTS_WAIT_S = 0.25
 """Longest blocking wait, in seconds, when the worker consumes more than one list: a message on a list
 other than the one waited on is seen at the wait's end, so at most this late on an idle worker."""
@@ -81,6 +84,7 @@ end
 local function refused(reply) return type(reply) == 'table' and reply.err end
 
 -- one list's oldest messages (up to room), recorded then trimmed: {list, error or false, count, rows...}
+local RETAG = ARGV_RETAG  -- the Python constant RETAG, as a Lua string
 local function take(key, room)
   local items = redis.call('LRANGE', key, -room, -1)
   -- restored (worker gone) onto the queue it was taken from, whatever its envelope's routing says
@@ -94,13 +98,17 @@ local function take(key, room)
     local props = ok and type(message) == 'table' and message.properties
     if type(props) == 'table' and type(props.delivery_tag) == 'string' and props.delivery_tag ~= '' then
       local entry = '[' .. raw .. ',"",' .. restore_to .. ']'
-      local reply = redis.pcall('ZADD', index, now, props.delivery_tag)
-      if not refused(reply) then reply = redis.pcall('HSET', hash, props.delivery_tag, entry) end
+      tag = props.delivery_tag
+      if redis.call('HEXISTS', hash, tag) == 1 then  -- another message holds the tag: this one gets its own
+        local clock = redis.call('TIME')
+        tag = tag .. RETAG .. clock[1] .. clock[2] .. '.' .. j
+      end
+      local reply = redis.pcall('ZADD', index, now, tag)
+      if not refused(reply) then reply = redis.pcall('HSET', hash, tag, entry) end
       if refused(reply) then
         out[2] = reply.err
         break
       end
-      tag = props.delivery_tag
       recorded[#recorded + 1] = tag
       local headers = message.headers
       if type(headers) == 'table' and type(headers.id) == 'string' and headers.id ~= '' then
@@ -140,7 +148,7 @@ for i = 1, lists do
 end
 if #reply == 0 then return false end
 return reply
-"""
+""".replace("ARGV_RETAG", repr(RETAG))
 """KEYS: the lists in kombu's order, then kombu's unacked hash and its index. ARGV: the most messages to
 take (over all lists), now (Unix s, the index's score, as kombu writes it), the cancel mark keys' prefix,
 then the tags of this worker's deliveries whose result is being stored: one more message for each whose
@@ -149,9 +157,10 @@ noted it yet, and the caller may already have queued more).
 
 Takes from each non-empty list in order until ``most`` are taken. Returns false when every list is
 empty, else one section per list it took from (or was refused on): ``list, error or nil, n`` then ``n``
-rows of ``message, tag, task ID, cancel mark``, oldest first; tag nil = not recorded, task ID/mark nil =
-mark not read. A write Redis refuses stops the take there (``error``, the last section): what was
-recorded is taken, the rest stays queued."""
+rows of ``message, tag, task ID, cancel mark``, oldest first (the tag it was recorded under: its own,
+or its own + :data:`RETAG` + a suffix when another unacked message holds that tag); tag nil = not
+recorded, task ID/mark nil = mark not read. A write Redis refuses stops the take there (``error``, the
+last section): what was recorded is taken, the rest stays queued."""
 
 
 def sections(reply: list[Any]) -> list[tuple[str, Any, list[Any]]]:
@@ -316,6 +325,8 @@ def _check_and_deliver(channel: Any, queue: str, list_key: str, rows: list[Any],
             if recorded:
                 stray.append(recorded)
             continue
+        if recorded is not None and recorded.startswith(taken.tag + RETAG):  # the sender's tag was held already
+            taken = taken.retagged(recorded)
         if recorded == taken.tag:
             read_for = bytes_to_str(task_id) if task_id else None  # type: ignore[no-untyped-call]
             channel.pre_taken[taken.tag] = bool(mark) if read_for and read_for == taken.task_id else None

@@ -34,6 +34,7 @@ channel, and the worker takes one message per turn as kombu does.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +71,14 @@ class Taken:
     @classmethod
     def of(cls, payload: dict[str, Any], body: Any, raw: bytes, task_id: str | None, task: str | None) -> Taken:
         return cls(payload, body, raw, str(payload["properties"]["delivery_tag"]), task_id, task)
+
+    def retagged(self, tag: str) -> Taken:
+        """The same message delivered under ``tag``: the take recorded it so because another message held its
+        own tag in the unacked hash (one entry per tag: the later one overwrote the first's, which a dead
+        worker then never got back). kombu's message, its ack and the store's ack use ``tag``; a restore
+        puts the list's bytes back, with the tag the sender gave."""
+        payload = {**self.payload, "properties": {**self.payload["properties"], "delivery_tag": tag}}
+        return dataclasses.replace(self, payload=payload, tag=tag)
 
 
 def unacked_entry_of(raw: bytes, queue: str) -> bytes:

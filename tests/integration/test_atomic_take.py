@@ -14,10 +14,12 @@ from kombu.messaging import Consumer
 from kombu.transport import redis as kombu_redis
 from redis._parsers.base import BaseParser
 
-from broker.atomic_take import CANCEL_PREFIX, TAKE_SCRIPT, sections
+from broker.atomic_take import CANCEL_PREFIX, RETAG, TAKE_SCRIPT, sections
 from broker.batch_take import unacked_entry_of
 from broker.poison import GuardedChannel
 from tests.integration import take_victim
+from tests.integration.fleet_fixtures import Fleet
+from tests.queue_items import envelope, good_body, raw
 from tools.redis_server import EmbeddedRedis
 
 QUEUE = "fleet.demo-lm"
@@ -86,6 +88,24 @@ def test_a_taken_message_is_restored_onto_the_queue_it_came_from_whatever_its_en
         channel = object.__new__(kombu_redis.Channel)
         channel.deadletter_queue = None
         assert channel._lookup(entry[1], entry[2]) == [QUEUE]  # kombu's restore target for that entry
+
+
+def test_messages_that_share_a_delivery_tag_each_keep_an_unacked_entry(redis_server: EmbeddedRedis) -> None:
+    """kombu's unacked hash holds one entry per tag: a sender that reused a tag had the later message overwrite
+    the earlier's entry, and a worker killed while it held them gave back only one (the others were in no
+    list and no hash). A tag held already gets a suffix of its own; the list's bytes are recorded as taken."""
+    r = redis_server.client()
+    shared = {"exchange": "", "routing_key": QUEUE}
+    items = [json.dumps({"body": "W10=", "headers": {"id": f"id-{n}", "task": "fleet.infer"},
+                         "properties": {"delivery_tag": "same", "delivery_info": shared}}).encode() for n in range(3)]
+    r.hset("unacked", "same", b"[held by a message taken earlier]")
+    for item in items:
+        r.lpush(QUEUE, item)
+    [(_, _, rows)] = sections(_take(r, 3))
+    tags = [row.decode() for row in rows[1::4]]
+    assert len(set(tags)) == 3 and all(t.startswith("same" + RETAG) for t in tags), tags
+    assert r.hget("unacked", "same") == b"[held by a message taken earlier]"  # not overwritten
+    assert [json.loads(r.hget("unacked", t) or b"null")[0]["headers"]["id"] for t in tags] == ["id-0", "id-1", "id-2"]
 
 
 def test_a_burst_split_between_lists_is_taken_in_one_run_up_to_the_free_tokens(redis_server: EmbeddedRedis) -> None:
@@ -161,3 +181,24 @@ def test_a_delivery_whose_result_is_written_frees_its_token_before_its_thread_no
         r.lpush(QUEUE, _envelope(n))
     taken = sections(_take(r, 2, "written", "still-held"))  # 2 free tokens, plus "written"'s
     assert [len(rows) // 4 for _, _, rows in taken] == [3]
+
+
+def test_a_worker_killed_holding_messages_that_share_a_tag_gives_each_back(fleet: Fleet) -> None:
+    """Three generations a sender queued under one delivery tag, running on a worker that is then SIGKILLed:
+    each has its own unacked entry to be restored from (before: one entry, the other two lost for good)."""
+    cfg = fleet.config(models={"demo-lm": {"limits": {"max_new_tokens": 480}}})
+    worker = fleet.worker(cfg)
+    client = fleet.client(cfg)
+    r = redis.Redis.from_url(fleet.redis_url)
+    ids = [f"shared-tag-{n}" for n in range(3)]
+    for rid in ids:
+        request = {"model": "demo-lm", "input_ids": [5, 6, 7],
+                   "output": {"kind": "generate", "generation": {"max_new_tokens": 480, "ignore_eos": True}}}
+        item = envelope(QUEUE, good_body(request), task_id=rid)
+        item["properties"]["delivery_tag"] = "one-tag-for-all"
+        r.lpush(QUEUE, raw(item))
+    for rid in ids:  # every one is running (a first token out of 480): held, unacked
+        assert next(iter(client.stream(rid, timeout_s=60))).type == "token"
+    worker.kill()
+    held = [json.loads(entry)[0]["headers"]["id"] for entry in r.hvals("unacked")]
+    assert sorted(held) == ids, held

@@ -36,12 +36,12 @@ def _by_sender(commands: list[dict[str, Any]]) -> dict[str, list[str]]:
 
 def _recorded_together(commands: list[dict[str, Any]]) -> list[int]:
     """Sizes of each run of deliveries recorded back to back on one connection or in one script run
-    (``ZADD``/``HSET``/``EXISTS``)."""
+    (``HEXISTS``/``ZADD``/``HSET``/``EXISTS``)."""
     runs: list[int] = []
     for sent in _by_sender(commands).values():
         count = 0
         for command in [*sent, "END"]:
-            if command.startswith(("ZADD unacked_index ", "EXISTS fleet:cancel:")):
+            if command.startswith(("ZADD unacked_index ", "EXISTS fleet:cancel:", "HEXISTS unacked ")):
                 continue
             if command.startswith("HSET unacked "):
                 count += 1
