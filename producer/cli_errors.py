@@ -4,9 +4,11 @@ a documented exit code, and no traceback unless ``--debug`` (or ``FLEET_DEBUG=1`
 Exit codes (every ``fleet`` command, ``python -m producer.ops_cli`` too):
 
 * 0 ok;
-* 1 the request failed, timed out or is unknown; Redis unreachable or refused the credentials; a local
+* 1 the request failed (a queued request's stored error, whatever its type: :class:`RequestFailed`), timed
+  out or is unknown; Redis unreachable or refused the credentials; a local
   server (``fleet redis``, ``fleet demo``) could not start (port taken, loopback down); not ready;
-* 2 bad input or settings (a YAML error, an invalid value, an unknown model, no model store): nothing done;
+* 2 bad input or settings (a YAML error, an invalid value, an unknown model, no model store, a model file or
+  card that cannot be used): nothing done;
 * 3 a worker could not start;
 * 130 interrupted (Ctrl-C).
 """
@@ -22,10 +24,10 @@ from collections.abc import Callable
 import redis
 from kombu.exceptions import OperationalError as KombuOperationalError
 
-from protocol.errors import ConfigError, FleetError, InvalidRequest
+from protocol.errors import ConfigError, FleetError, InvalidRequest, ModelLoadError
 from protocol.redis_conn import mask_url, passwords_in, redact
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_OK", "debug_enabled", "redis_problem", "run_command"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_OK", "RequestFailed", "debug_enabled", "redis_problem", "run_command"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -34,6 +36,16 @@ EXIT_INTERRUPTED = 130
 
 REDIS_UNREACHABLE_FIX = "start one with `fleet redis`, or set FLEET_REDIS_URL to a Redis that answers"
 REDIS_CREDENTIALS_FIX = "check the user and password in FLEET_REDIS_URL (redis://USER:PASSWORD@host:port/db)"
+
+
+class RequestFailed(Exception):
+    """A request that was queued ended in ``error``, read back from the result store: exit 1 whatever the
+    error's type. An InvalidRequest the worker raised (TokenOutOfRange, …) is no bad input of this command:
+    the request was queued (exit 2 is for errors raised before anything was queued)."""
+
+    def __init__(self, error: FleetError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def debug_enabled(args: argparse.Namespace | None = None) -> bool:
@@ -85,10 +97,14 @@ def _describe(exc: BaseException, args: argparse.Namespace) -> tuple[str, int, b
     """(the line, the exit code, whether the error's JSON payload goes to stdout)."""
     from tools.redis_server import LoopbackDown, PortInUse
 
+    if isinstance(exc, RequestFailed):
+        return str(exc), EXIT_FAILED, True
     if isinstance(exc, InvalidRequest):
         return str(exc), EXIT_BAD_INPUT, True
     if isinstance(exc, ConfigError):
         return str(exc), EXIT_BAD_INPUT, False
+    if type(exc) is ModelLoadError:  # a model file, card or tokenizer here that cannot be used; its subclasses
+        return str(exc), EXIT_BAD_INPUT, True  # (a fetch's ChecksumMismatch) are failures of the command: exit 1
     if isinstance(exc, FleetError):
         return str(exc) + _store_fix(exc), EXIT_FAILED, True
     if _is_redis_failure(exc):
@@ -120,7 +136,8 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
         if debug_enabled(args):
             raise
         line, code, payload = _describe(exc, args)
-        if payload and isinstance(exc, FleetError):
-            print(json.dumps(exc.to_payload()))
+        error = exc.error if isinstance(exc, RequestFailed) else exc
+        if payload and isinstance(error, FleetError):
+            print(json.dumps(error.to_payload()))
         print(f"fleet: {line}", file=sys.stderr)
         return code

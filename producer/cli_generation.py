@@ -7,7 +7,9 @@ import json
 import sys
 from typing import Any
 
-__all__ = ["add_generation_args", "generation_from_args", "print_stream"]
+from protocol.errors import InvalidRequest
+
+__all__ = ["add_generation_args", "generation_from_args", "parse_ids", "print_stream"]
 
 _FLAGS = ("max_new_tokens", "temperature", "top_p", "sample_top_k", "repetition_penalty", "seed", "stop",
           "stop_token_ids", "ignore_eos")
@@ -40,8 +42,20 @@ def generation_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
     if "sample_top_k" in given:
         given["top_k"] = given.pop("sample_top_k")
     if "stop_token_ids" in given:
-        given["stop_token_ids"] = [int(t) for t in str(given["stop_token_ids"]).split(",") if t.strip()]
+        given["stop_token_ids"] = parse_ids(str(given["stop_token_ids"]), "--stop-token-ids", "stop_token_ids")
     return given
+
+
+def parse_ids(raw: str, flag: str, field: str) -> list[int]:
+    """The comma-separated token ids of ``flag`` (``5,6,7``; spaces and empty items are ignored).
+
+    Raises:
+        InvalidRequest: an item is not an integer; names ``flag`` (exit 2, nothing queued).
+    """
+    try:
+        return [int(t) for t in raw.replace(" ", "").split(",") if t != ""]
+    except ValueError as exc:
+        raise InvalidRequest(f"{flag} must be comma-separated integers: {exc}", field, "integers") from exc
 
 
 def print_stream(client: Any, request_id: str, timeout_s: float) -> int:

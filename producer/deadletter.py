@@ -11,22 +11,34 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from broker import bulk_request_ids
 from protocol.deadletter import DeadLetter, read_entry, requeue_allowed
 from protocol.errors import InvalidRequest, RequestNotFound
-from protocol.keys import DEAD_LETTER_KEY, DELIVERIES_KEY
+from protocol.keys import DEAD_LETTER_KEY, DELIVERIES_KEY, RESULT_KEY
 from protocol.settings import shared_queue_of
 
 __all__ = ["DeadLetterStore", "fresh_delivery"]
 
 # Take the entry off the dead-letter list and put its item back on its queue in one step: two
 # operators requeueing the same entry push it once, and a crash in between loses nothing.
+# The FAILURE the dead-lettering stored (under the task's ID, and each request's of a bulk message) goes
+# in the same step, before the message is back: a worker may take it at once and store its outcome, which
+# the result store never replaces. Any other stored outcome (a copy that ran meanwhile) is kept.
 _REQUEUE = """
-if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 1 then
-  redis.call('LPUSH', KEYS[2], ARGV[2])
-  redis.call('DEL', KEYS[3])
-  return 1
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return {0, 0} end
+local cleared = 0
+for i = 4, #KEYS do
+  local ok, meta = pcall(cjson.decode, redis.call('GET', KEYS[i]) or '')
+  local exc = ok and type(meta) == 'table' and meta['status'] == 'FAILURE' and meta['result']
+  local why = type(exc) == 'table' and type(exc['exc_message']) == 'table' and exc['exc_message'][1]
+  if type(why) == 'string' and string.sub(why, 1, 13) == 'dead-lettered' then
+    redis.call('DEL', KEYS[i])
+    cleared = cleared + 1
+  end
 end
-return 0
+redis.call('DEL', KEYS[3])
+redis.call('LPUSH', KEYS[2], ARGV[2])
+return {1, cleared}
 """
 
 
@@ -75,12 +87,14 @@ class DeadLetterStore:
                 return item, entry
         raise RequestNotFound(f"no dead-letter entry with ID or task ID {ident!r}", "id", None)
 
-    def requeue(self, ident: str, *, force: bool = False) -> DeadLetter:
+    def requeue(self, ident: str, *, force: bool = False) -> tuple[DeadLetter, int]:
         """Push the entry's message back onto the list it came from (the model's queue, for a message
         taken from a worker's own queue) and remove the entry.
 
         Its delivery count is reset (and its ``redelivered`` marks dropped), so it gets
-        ``max_deliveries`` deliveries again.
+        ``max_deliveries`` deliveries again, and the FAILURE stored when it was dead-lettered is removed
+        (its task's, and each request's of a bulk message), so it runs to a new outcome. Returns the
+        entry and how many such FAILUREs were removed.
 
         Raises:
             RequestNotFound: no such entry (or another operator took it first).
@@ -97,12 +111,15 @@ class DeadLetterStore:
             )
         deliveries_key = DELIVERIES_KEY.format(id=entry.task_id or "")
         target = shared_queue_of(entry.list_key)  # a worker's own queue: onto the model's (that worker may be gone)
-        done = self.client.eval(
-            _REQUEUE, 3, DEAD_LETTER_KEY, target, deliveries_key, stored, fresh_delivery(entry.raw_bytes())
+        item = entry.raw_bytes()
+        failed = [RESULT_KEY.format(id=rid) for rid in dict.fromkeys([*([entry.task_id] if entry.task_id else []),
+                                                                     *bulk_request_ids(item)])]  # fmt: skip
+        done, cleared = self.client.eval(
+            _REQUEUE, 3 + len(failed), DEAD_LETTER_KEY, target, deliveries_key, *failed, stored, fresh_delivery(item)
         )
         if not done:
             raise RequestNotFound(f"dead-letter entry {entry.id} was removed meanwhile", "id", None)
-        return entry
+        return entry, int(cleared)
 
     def purge(self, *, older_than_s: float, now_unix_s: float) -> int:
         """Remove the entries dead-lettered more than ``older_than_s`` ago; returns how many went."""

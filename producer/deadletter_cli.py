@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from datetime import UTC, datetime
 from typing import Any
 
+from producer.cli_types import number_in
 from producer.deadletter import DeadLetterStore
 from protocol.deadletter import DeadLetter, requeue_allowed
 from protocol.redis_conn import sync_client
@@ -68,32 +70,11 @@ def cmd_requeue(args: argparse.Namespace) -> int:
     _stored, found = store.find(args.id)
     if not requeue_allowed(found.reason) and not args.force:
         store.requeue(args.id)  # raises InvalidRequest (the reason and --force); nothing has changed
-    # The guard's FAILURE goes before the message is back on its queue: a worker may store the request's
-    # result at once, a result is written once (the FAILURE would keep the new one out), and deleting the
-    # FAILURE afterwards could race with, and remove, the result the worker just stored.
-    forgot = _forget_guard_failure(settings, found.task_id) if found.task_id else False
-    entry = store.requeue(args.id, force=args.force)
+    entry, cleared = store.requeue(args.id, force=args.force)  # with the FAILUREs the guard stored
     _print({"id": entry.id, "requeued": True, "task_id": entry.task_id, "queue": entry.queue,
             "list_key": entry.list_key, "reason": entry.reason.value, "forced": bool(args.force),
-            "failure_cleared": forgot})
+            "failure_cleared": cleared > 0, "failures_cleared": cleared})
     return 0
-
-
-def _forget_guard_failure(settings: FleetSettings, task_id: str) -> bool:
-    """Delete the FAILURE result the guard stored for ``task_id`` (never another result): the requeued
-    message will write its own, and until then the request reads as queued again."""
-    from broker import make_celery
-    from protocol.celeryconf import celery_config
-
-    app = make_celery(celery_config(settings))
-    try:
-        meta = app.backend.get_task_meta(task_id)
-        if meta.get("status") == "FAILURE" and str(meta.get("result", "")).startswith("dead-lettered"):
-            app.backend.forget(task_id)
-            return True
-        return False
-    finally:
-        app.close()
 
 
 def cmd_purge(args: argparse.Namespace) -> int:
@@ -103,11 +84,7 @@ def cmd_purge(args: argparse.Namespace) -> int:
     return 0
 
 
-def _seconds(raw: str) -> float:
-    value = float(raw)
-    if value < 0:
-        raise argparse.ArgumentTypeError("must be >= 0 seconds")
-    return value
+_seconds = number_in(float, 0, math.inf, "must be a number of seconds >= 0")
 
 
 def register(sub: Any) -> None:

@@ -28,11 +28,12 @@ from typing import Any
 import redis
 
 from producer import flower_config
+from producer.cli_types import setting_type
 from producer.flower_broker import flower_broker_env
 from protocol.errors import ConfigError
 from protocol.keys import WORKER_KEY_PREFIX
 from protocol.redis_conn import describe_redis_error, sync_client
-from protocol.settings import FleetSettings, load_settings
+from protocol.settings import ApiSettings, FleetSettings, FlowerSettings, load_settings
 
 __all__ = ["format_status", "main", "register"]
 
@@ -52,15 +53,16 @@ def cmd_api(args: argparse.Namespace) -> int:
     from gateway.app import serve
 
     settings = _settings(args)
-    host, port = args.host or settings.api.host, args.port or settings.api.port
+    host = args.host or settings.api.host
+    port = settings.api.port if args.port is None else args.port  # in range: setting_type
     if (taken := _bind_problem(host, port)) is not None:
         print(f"fleet: cannot listen on {host}:{port}: {taken}; stop what holds it, or choose another port "
               "with --port N (FLEET_API__PORT)", file=sys.stderr)
         return 1
     serve(
         settings,
-        host=args.host,
-        port=args.port,
+        host=host,
+        port=port,
         log_level=args.log_level,
         access_log=not args.no_access_log,
     )
@@ -308,7 +310,7 @@ def flower_command(
         "producer.flower_main",  # celery flower, with a SIGTERM that always stops it
         "flower",
         f"--address={host or settings.flower.host}",
-        f"--port={port or settings.flower.port}",
+        f"--port={settings.flower.port if port is None else port}",
         f"--conf={Path(flower_config.__file__).resolve()}",
         f"--tasks_columns={','.join(FLOWER_TASKS_COLUMNS)}",
         "--persistent=True",
@@ -340,7 +342,8 @@ def register(sub: Any) -> None:
     p = sub.add_parser("api", help="run the HTTP gateway (FastAPI + uvicorn)")
     common(p)
     p.add_argument("--host", default=None, help="bind address (default: settings api.host)")
-    p.add_argument("--port", type=int, default=None, help="port (default: settings api.port)")
+    p.add_argument("--port", type=setting_type(ApiSettings, "api.port"), default=None,
+                   help="port, 1..65535 (default: settings api.port)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
     p.set_defaults(func=cmd_api)
@@ -360,7 +363,8 @@ def register(sub: Any) -> None:
     p = sub.add_parser("flower", help="run Flower on the fleet's Redis, with basic auth from settings")
     common(p)
     p.add_argument("--host", default=None, help="bind address (default: settings flower.host)")
-    p.add_argument("--port", type=int, default=None, help="port (default: settings flower.port)")
+    p.add_argument("--port", type=setting_type(FlowerSettings, "flower.port"), default=None,
+                   help="port, 1..65535 (default: settings flower.port)")
     p.add_argument(
         "--db", type=Path, default=FLOWER_DB, help=f"file where Flower keeps what it saw (default: {FLOWER_DB})"
     )

@@ -71,14 +71,15 @@ def load_card(model_path: Path) -> ModelCard:
 
     Raises:
         ModelLoadError: neither a card nor a ``config.json`` is there, or the one found is not
-            valid JSON or does not describe a usable model (names the offending key).
+            valid JSON or does not describe a usable model (one line: the file, the offending key and why).
     """
     card_file = card_path_for(model_path)
     if card_file.exists():
         try:
             return ModelCard.model_validate_json(card_file.read_text())
         except ValidationError as exc:
-            raise ModelLoadError(f"model card {card_file} is invalid: {exc}", "card", str(card_file)) from exc
+            raise ModelLoadError(f"model card {card_file} is invalid: {_first_problem(exc)}", "card",
+                                 str(card_file)) from exc
     config_file = model_path.parent / "config.json"
     if config_file.exists():
         try:
@@ -91,6 +92,15 @@ def load_card(model_path: Path) -> ModelCard:
     raise ModelLoadError(
         f"no model card {card_file.name} or config.json next to {model_path}", "card", str(card_file)
     )
+
+
+def _first_problem(exc: ValidationError) -> str:
+    """``key: why`` of the first thing pydantic refused (``why`` alone for JSON that does not parse), and how
+    many more there are."""
+    errors = exc.errors()
+    key = ".".join(str(part) for part in errors[0]["loc"])
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{key}: {errors[0]['msg']}{more}" if key else f"{errors[0]['msg']}{more}"
 
 
 _DECODER_TYPES = frozenset({

@@ -14,9 +14,12 @@ An invalid value raises :class:`protocol.errors.ConfigError` naming the setting 
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -628,6 +631,17 @@ class FleetSettings(BaseSettings):
                 merged[key] = value
         return {**data, "models": merged}
 
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_ports(cls, url: str) -> str:
+        """Each host's port (every ``;``-separated part of a sentinel:// list) is a number from 0 to 65535:
+        refused here, not by the first connection (the message never shows the URL: it may hold a password)."""
+        try:
+            _ = [urlsplit(part.strip()).port for part in url.split(";")]  # .port raises on a bad one
+        except ValueError:  # not echoed: in redis://USER:PASSWORD/0 (no @HOST), urlsplit's "port" is the password
+            raise ValueError("a port must be a number from 0 to 65535 (redis://HOST:PORT/DB)") from None
+        return url
+
     @model_validator(mode="after")
     def _check_redis(self) -> FleetSettings:
         scheme = self.redis_url.partition("://")[0].lower()
@@ -724,6 +738,7 @@ def load_settings(config_path: Path | str | None = None, **overrides: Any) -> Fl
     elif config_path is not None or "FLEET_CONFIG" in os.environ:
         raise ConfigError(f"config file {path} does not exist", "FLEET_CONFIG", str(path))
     _name_env_only_models(data)
+    _warn_unknown_env()
     try:
         settings = FleetSettings(**data)
     except ValidationError as exc:
@@ -735,6 +750,43 @@ def load_settings(config_path: Path | str | None = None, **overrides: Any) -> Fl
         except ValidationError as exc:
             raise ConfigError(_describe(exc), _first_loc(exc), None) from exc
     return settings
+
+
+NOT_SETTINGS_ENV = frozenset({"FLEET_CONFIG", "FLEET_DEBUG", "FLEET_ORT", "FLEET_GIT_COMMIT", "FLEET_BENCH_PROVIDER",
+                              "FLEET_FUZZ_ENVELOPES", "FLEET_API_KEYS"})  # fmt: skip
+"""``FLEET_*`` variables that are not settings: the config file, ``--debug``, the install's ONNX Runtime build,
+the bench's provider and commit, the fuzz tests' size, docker compose's API keys."""
+_warned_env: set[str] = set()
+
+
+def _warn_unknown_env() -> None:
+    """Log (once per process) each ``FLEET_*`` variable that names no setting: pydantic-settings ignores it,
+    so a typo (``FLEET_WORKER_CONCURRENCY``, one underscore) silently left the default in force. A nested
+    name that does not exist (``FLEET_WORKER__BOGUS``) is refused by the settings themselves."""
+    for var in os.environ:
+        name = var.upper()
+        if not name.startswith("FLEET_") or name in NOT_SETTINGS_ENV or name in _warned_env:
+            continue
+        if name[len("FLEET_"):].split("__", 1)[0].lower() in FleetSettings.model_fields:
+            continue
+        _warned_env.add(name)
+        meant = _meant(name[len("FLEET_"):].lower())
+        hint = f" (did you mean {meant}?)" if meant else ""
+        logging.getLogger("fleet.settings").warning("environment variable %s is not a setting and is ignored%s",
+                                                    var, hint)  # fmt: skip
+
+
+def _meant(rest: str) -> str | None:
+    """The setting's variable a mistyped ``FLEET_<rest>`` most likely meant: a section's field written with
+    one underscore (``worker_concurrency`` → ``FLEET_WORKER__CONCURRENCY``), else a close top-level name."""
+    for name, field in FleetSettings.model_fields.items():
+        section = field.annotation
+        sub = rest[len(name) + 1 :]
+        is_section = isinstance(section, type) and issubclass(section, BaseModel)
+        if rest.startswith(name + "_") and is_section and sub in section.model_fields:  # type: ignore[union-attr]
+            return f"FLEET_{name.upper()}__{sub.upper()}"
+    close = difflib.get_close_matches(rest, list(FleetSettings.model_fields), 1, 0.75)
+    return f"FLEET_{close[0].upper()}" if close else None
 
 
 def _read_yaml(path: Path) -> Any:

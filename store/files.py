@@ -28,7 +28,7 @@ from protocol.modelcard import ModelCard, card_path_for
 from protocol.pooling import pooling_files
 from store.manifest import MANIFEST_NAME, FileRole
 
-__all__ = ["ModelFolder", "external_data_files", "hash_file", "model_file_in", "select_files"]
+__all__ = ["ModelFolder", "external_data_files", "hash_file", "model_file_in", "read_onnx", "select_files"]
 
 CHUNK_BYTES = 1 << 20
 """Read size for hashing and copying (1 MiB)."""
@@ -89,6 +89,19 @@ def _tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
                 yield from _tensors(sub)
 
 
+def read_onnx(model_file: Path) -> onnx.ModelProto:
+    """The ONNX model in ``model_file``, its weights in external data files left unread.
+
+    Raises:
+        ModelLoadError: ``<model_file> is not a readable ONNX model: …`` (a corrupt file, one that is no
+            protobuf at all, one that cannot be read), field ``path``.
+    """
+    try:
+        return onnx.load(str(model_file), load_external_data=False)
+    except Exception as exc:  # onnx raises protobuf's DecodeError / OSError variants
+        raise ModelLoadError(f"{model_file} is not a readable ONNX model: {exc}", "path", str(model_file)) from exc
+
+
 def external_data_files(model_file: Path) -> list[str]:
     """The external-data files ``model_file``'s graph names (relative to its folder), sorted.
 
@@ -96,10 +109,7 @@ def external_data_files(model_file: Path) -> list[str]:
         ModelLoadError: the file is not a readable ONNX model, or names a file outside its folder
             or one that does not exist.
     """
-    try:
-        proto = onnx.load(str(model_file), load_external_data=False)
-    except Exception as exc:  # onnx raises DecodeError / OSError variants
-        raise ModelLoadError(f"{model_file} is not a readable ONNX model: {exc}", "path", str(model_file)) from exc
+    proto = read_onnx(model_file)
     names: set[str] = set()
     for tensor in _tensors(proto.graph):
         if tensor.data_location != onnx.TensorProto.EXTERNAL:

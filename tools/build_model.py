@@ -19,11 +19,13 @@ last); both folders also get ``generation_config.json`` and ``tokenizer_config.j
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from protocol.errors import ConfigError
 from protocol.modelcard import load_card
 
 __all__ = ["KINDS", "PRESETS", "add_build_model_arguments", "main", "preset_parameter_count",
@@ -131,7 +133,7 @@ def _specs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     """(kind, builder keyword arguments) for every model ``args`` asks for."""
     kinds = list(KINDS) if args.kind == "all" else [args.kind]
     if args.name is not None and len(kinds) > 1:
-        raise ValueError(f"--name needs a single --kind ({', '.join(KINDS)})")
+        raise ConfigError(f"--name needs a single --kind ({', '.join(KINDS)})", "--name", "a single --kind")
     specs = []
     for kind in kinds:
         spec = dict(PRESETS[args.preset][kind])
@@ -149,19 +151,33 @@ def run_build_model(args: argparse.Namespace) -> list[Path]:
     Each line: path, number of weights, file size (MiB), build time (s).
 
     Raises:
-        ValueError: inconsistent flags or sizes (e.g. ``--name`` with ``--kind all``, a vocabulary
-            too small for the tokenizer, heads not dividing the hidden size).
+        ConfigError: inconsistent flags or sizes (e.g. ``--name`` with ``--kind all``, a vocabulary
+            too small for the tokenizer, heads not dividing the hidden size), the flags named: exit 2.
     """
     paths = []
     for kind, spec in _specs(args):
         start_s = time.monotonic()
-        path = _builder(kind)(Path(args.out_dir), **spec)
+        try:
+            path = _builder(kind)(Path(args.out_dir), **spec)
+        except ValueError as exc:  # the builders check their sizes before writing anything
+            raise _in_flag_words(exc) from exc
         elapsed_s = time.monotonic() - start_s
         size_mib = path.stat().st_size / 2**20
         params = load_card(path).parameters
         print(f"{path}  {kind:<8} {params / 1e6:8.2f} M weights  {size_mib:8.2f} MiB  {elapsed_s:6.2f} s")
         paths.append(path)
     return paths
+
+
+def _in_flag_words(exc: ValueError) -> ConfigError:
+    """A builder's refusal, which names its keywords (``num_heads=7``), in the words of the flags (``--heads=7``)."""
+    message, named = str(exc), []
+    for flag, (keyword, _) in _OVERRIDES.items():
+        pattern = rf"\b{keyword}\b"
+        if re.search(pattern, message):
+            named.append(f"--{flag.replace('_', '-')}")
+            message = re.sub(pattern, named[-1], message)
+    return ConfigError(message, named[0] if named else None, None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -171,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         run_build_model(args)
-    except ValueError as exc:
+    except ConfigError as exc:
         parser.error(str(exc))
     return 0
 

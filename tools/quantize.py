@@ -50,6 +50,7 @@ from onnxruntime.quantization.shape_inference import quant_pre_process
 from tqdm import tqdm
 
 from protocol.modelcard import ModelCard, card_path_for, load_card
+from store.files import read_onnx
 from tools.artifacts import model_path as versioned_path
 from tools.calibration import (
     JsonlCalibrationReader,
@@ -311,10 +312,11 @@ def quantize_model(model_file: Path, cfg: QuantizeConfig, *, progress: bool = Tr
             request, INT8 for ``cfg.target`` cuda or a mode ``cfg.target`` does not take
             (:func:`tools.quantize_config.mode_for_target`), INT8-only options with fp16, or a bad
             calibration/eval file.
-        ModelLoadError: no model card next to ``model_file``.
+        ModelLoadError: no model card next to ``model_file``, or it is not a readable ONNX model.
     """
     started = time.monotonic()
     card = load_card(model_file)
+    read_onnx(model_file)  # a corrupt file is refused here, naming it, not deep in the quantizer
     if (card.quantization or "fp32").strip().lower() not in ("fp32", "float32", "none"):
         raise ValueError(f"{model_file.name} is {card.quantization} already (its card's quantization): quantize "
                          "the FP32 file it was made from")

@@ -38,6 +38,7 @@ from protocol.errors import ModelLoadError, ProviderUnavailable
 from protocol.modelcard import ModelCard
 from protocol.pooling import Pooling, load_pooling
 from protocol.settings import BatchingSettings, EngineSettings, LimitSettings
+from store.files import read_onnx
 from workers.cuda_graph import NO_GRAPH, capture_active, cuda_graph_chain, open_capturing, run_options
 from workers.inplace_graph import KVChoice, inplace_source
 from workers.int8_providers import int8_placement_warning
@@ -90,7 +91,7 @@ def session_options(engine: EngineSettings) -> ort.SessionOptions:
 
 def graph_input_names(model_path: Path) -> list[str]:
     """Input names of the ONNX graph, read without loading weights (for TensorRT profiles)."""
-    graph = onnx.load(str(model_path), load_external_data=False).graph
+    graph = read_onnx(model_path).graph
     initializers = {init.name for init in graph.initializer}
     return [i.name for i in graph.input if i.name not in initializers]
 
@@ -168,13 +169,16 @@ def serving_graph(model_path: Path, engine: EngineSettings, card: ModelCard) -> 
     With ``engine.lm_head_last`` a causal LM's head moves after a gather of the last position
     (tools/lm_head_last.py, FP32 or INT8; the graph as bytes); the path itself when the rewrite does
     not apply (external data, or no LM head op behind ``logits``). The bench's limit loads the same graph.
+
+    Raises:
+        ModelLoadError: ``model_path`` is not a readable ONNX model (names the file).
     """
     if not (engine.lm_head_last and card.kind == "causal_lm"):
         return str(model_path), False
     from tools.lm_head_last import rewrite_lm_head_last
 
+    model = read_onnx(model_path)
     try:
-        model = onnx.load(str(model_path), load_external_data=False)
         if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
             log.info("lm_head_last: %s keeps its weights in external data; serving the graph as it is", model_path)
             return str(model_path), False

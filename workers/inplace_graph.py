@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -23,6 +24,7 @@ import onnx
 from protocol.errors import ModelLoadError
 from protocol.modelcard import ModelCard
 from protocol.settings import EngineSettings
+from store.files import read_onnx
 from workers.kv_dtype import graph_kv_dtype
 
 __all__ = ["KVChoice", "inplace_source"]
@@ -42,7 +44,7 @@ class KVChoice:
 
 
 def _load(source: str | bytes) -> onnx.ModelProto:
-    return onnx.load_from_string(source) if isinstance(source, bytes) else onnx.load(source, load_external_data=False)
+    return onnx.load_from_string(source) if isinstance(source, bytes) else read_onnx(Path(source))
 
 
 def inplace_source(source: str | bytes, engine: EngineSettings, card: ModelCard, providers: list[str]) -> KVChoice:

@@ -14,7 +14,7 @@ from producer.cli import main as fleet_main
 from protocol.keys import DEAD_LETTER_KEY, DELIVERIES_KEY
 from protocol.messages import InferenceResult
 from tests.integration.fleet_fixtures import Fleet
-from tests.queue_items import envelope, good_body, raw
+from tests.queue_items import EMBED, envelope, good_body, raw
 
 QUEUE = "fleet.demo-lm"
 REQUEST = {"model": "demo-lm", "input_ids": [5, 6, 7], "output": {"top_k": 2}}
@@ -108,7 +108,8 @@ def test_requeue_clears_the_guard_failure_before_the_message_is_back_on_its_queu
     fleet: Fleet, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A worker may take the requeued message at once and store its result, which is written once: the
-    dead-letter FAILURE must be gone before the message is back (the order of the commands Redis ran)."""
+    dead-letter FAILURE goes in the script that puts the message back, before it (the order of the commands
+    Redis ran)."""
     import threading
 
     cfg = fleet.config()
@@ -142,10 +143,43 @@ def test_requeue_clears_the_guard_failure_before_the_message_is_back_on_its_queu
     r.echo("monitor-end")
     thread.join(10)
     assert code == 0 and requeued["failure_cleared"] is True
+    script = next(i for i, c in enumerate(seen) if c.split()[0].upper() in ("EVAL", "EVALSHA") and DEAD_LETTER_KEY in c
+                  and QUEUE in c)  # fmt: skip
     forget = next(i for i, c in enumerate(seen) if "celery-task-meta-order-1" in c and c.split()[0].upper()
                   in ("DEL", "UNLINK"))  # fmt: skip
-    back = next(i for i, c in enumerate(seen) if c.split()[0].upper() in ("EVAL", "EVALSHA") and DEAD_LETTER_KEY in c
-                and QUEUE in c)  # fmt: skip
-    assert forget < back, seen[min(forget, back) : max(forget, back) + 1]
+    back = next(i for i, c in enumerate(seen) if c.split()[0].upper() == "LPUSH" and QUEUE in c and i > script)
+    assert script < forget < back, seen[script : back + 1]  # one script: no worker takes it in between
     result = fleet.client(cfg).result("order-1", wait=True, timeout_s=30)
     assert isinstance(result, InferenceResult)
+
+
+def test_a_dead_lettered_bulk_message_fails_each_of_its_requests_and_a_requeue_runs_them(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The requests of a bulk message wait on their own IDs: dead-lettered, the message stored a FAILURE under
+    its task ID only, and its requests read as queued for ever. Each now fails with it (a request that already
+    has an outcome keeps it), and a requeue clears those FAILUREs in the step that puts the message back."""
+    cfg = fleet.config()
+    fleet.worker(cfg)
+    client = fleet.client(cfg)
+    r = redis.Redis.from_url(fleet.redis_url)
+    done = client.submit("demo-lm", [5, 6], request_id="bulk-dl-done")
+    assert client.result(done, wait=True, timeout_s=60) is not None
+    before = r.get(f"celery-task-meta-{done}")
+    items = [{"request_id": rid, "model": "demo-lm", "input_ids": [5, 6, 7]}
+             for rid in ("bulk-dl-1", "bulk-dl-2", done)]  # fmt: skip
+    body = json.dumps([[{"requests": items}], {}, EMBED]).encode()
+    gave_up = envelope(QUEUE, body, task="fleet.infer_bulk", task_id="bulk-dl")
+    gave_up["headers"]["redelivered"] = True
+    r.set(DELIVERIES_KEY.format(id="bulk-dl"), 3)
+    r.lpush(QUEUE, raw(gave_up))
+    _wait_for_entries(r, 1)
+    for rid in ("bulk-dl-1", "bulk-dl-2"):
+        [failed] = client.wait([rid], 30)
+        assert isinstance(failed, Exception) and "dead-lettered (max_deliveries)" in str(failed), failed
+    assert r.get(f"celery-task-meta-{done}") == before  # its own outcome, kept
+    code, requeued = fleet_json(capsys, cfg, "requeue", "bulk-dl")
+    assert code == 0 and requeued["failures_cleared"] == 3  # the task's and its two requests'
+    for rid in ("bulk-dl-1", "bulk-dl-2"):
+        assert isinstance(client.wait([rid], 30)[0], InferenceResult)
+    assert r.get(f"celery-task-meta-{done}") == before

@@ -1,0 +1,118 @@
+"""The ``fleet`` CLI refuses bad flags and bad files before anything runs: exit 2 and one line that names the
+flag (or the setting, or the file) and the rule. No Redis: every case is refused before one is needed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from producer.cli import build_parser
+from producer.cli import main as fleet_main
+from protocol.errors import ModelLoadError
+from protocol.modelcard import load_card
+from protocol.settings import EngineSettings
+from tools.build_lm import build_causal_lm
+from workers.engine import serving_graph
+
+DOWN = "redis://127.0.0.1:1/0"
+"""A Redis nobody listens on: a case that reached Redis would fail with exit 1, not 2."""
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["api", "--port", "99999"], ["--port", "api.port", "<= 65535"]),
+    (["api", "--port", "0"], ["--port", "api.port", ">= 1"]),  # 0 fell back to 8000
+    (["flower", "--port", "0"], ["--port", "flower.port", ">= 1"]),
+    (["worker", "--concurrency", "0"], ["--concurrency", "worker.concurrency", ">= 1 and <= 4096"]),
+    (["demo", "--concurrency", "5000"], ["--concurrency", "worker.concurrency", "<= 4096"]),
+    (["models", "compare", "demo-lm", "--window-s", "0"], ["--window-s", "canary.window_s", "> 0"]),
+    (["redis", "--port", "99999"], ["--port", "from 0 to 65535"]),
+    (["redis", "--port", "-5"], ["--port", "from 0 to 65535"]),
+    (["store", "--port", "70000"], ["--port", "from 0 to 65535"]),
+    (["models", "compare", "demo-lm", "--shadow", "x"], ["--shadow", "from 0 to 10000"]),
+    (["dead-letter", "purge", "--older-than", "x"], ["--older-than", "seconds >= 0"]),
+])  # fmt: skip
+def test_a_flag_out_of_range_is_refused_naming_the_flag_and_the_range(
+    argv: list[str], says: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2, err
+    line = err.strip().splitlines()[-1]
+    assert all(word in line for word in says), line
+    assert "invalid _" not in line  # no internal function name
+
+
+def _one_line(capsys: pytest.CaptureFixture[str]) -> str:
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("fleet: "), lines
+    return lines[0]
+
+
+def test_stop_token_ids_that_are_not_integers_are_bad_input(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("FLEET_REDIS_URL", DOWN)
+    code = fleet_main(["submit", "--model", "demo-lm", "--tokens", "1,2", "--stop-token-ids", "a,b"])
+    assert code == 2 and "--stop-token-ids must be comma-separated integers" in _one_line(capsys)
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--heads", "7"], ["--heads=7", "--hidden=64 is not a multiple"]),
+    (["--vocab", "10"], ["--vocab=10 is too small", "259"]),
+    (["--layers", "0"], ["--layers", "must be >= 1"]),
+])  # fmt: skip
+def test_build_model_names_the_flag_and_the_rule(
+    flags: list[str], says: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = fleet_main(["build-model", "--kind", "lm", "--out-dir", str(tmp_path), *flags])
+    line = _one_line(capsys)
+    assert code == 2 and all(word in line for word in says), line
+    assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_a_redis_url_with_a_bad_port_is_a_settings_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for url in ("redis://127.0.0.1:notaport/0", "redis://127.0.0.1:99999/0", "redis://fleet:sekret/0"):
+        monkeypatch.setenv("FLEET_REDIS_URL", url)
+        code = fleet_main(["status"])
+        line = _one_line(capsys)
+        assert code == 2 and "redis_url (FLEET_REDIS_URL)" in line and "0 to 65535" in line, line
+        assert "sekret" not in line
+
+
+@pytest.fixture
+def lm(tmp_path: Path) -> Path:
+    """A demo-sized LM with its card (built in a fraction of a second)."""
+    return build_causal_lm(tmp_path / "models", name="tiny-lm", hidden_size=16, num_heads=2, num_layers=1)
+
+
+def test_a_corrupt_onnx_file_is_a_model_load_error_naming_it(lm: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lm.write_bytes(b"garbage\n")  # the card beside it is valid
+    with pytest.raises(ModelLoadError) as err:  # what a worker loads first (lm_head_last is on by default)
+        serving_graph(lm, EngineSettings(), load_card(lm))
+    assert str(err.value).startswith(f"{lm} is not a readable ONNX model: ") and err.value.field == "path"
+    code = fleet_main(["quantize", str(lm)])
+    assert code == 2 and f"{lm} is not a readable ONNX model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("card_text", "says"), [
+    ("{bad json", "Invalid JSON"),
+    (None, "vocab_size: Input should be greater than 0"),
+])  # fmt: skip
+def test_an_invalid_card_is_one_line_naming_the_file_and_the_first_problem(
+    card_text: str | None, says: str, lm: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    card = lm.with_suffix(".json")
+    zero_vocab = json.dumps({**json.loads(card.read_text()), "vocab_size": 0})
+    card.write_text(card_text if card_text is not None else zero_vocab)
+    config = tmp_path / "fleet.yaml"
+    config.write_text(json.dumps({"redis_url": DOWN, "models": {"tiny-lm": {"path": str(lm)}}}))
+    monkeypatch.delenv("FLEET_REDIS_URL", raising=False)
+    code = fleet_main(["submit", "--config", str(config), "--model", "tiny-lm", "--text", "hi"])
+    line = _one_line(capsys)
+    assert code == 2 and f"model card {card} is invalid: " in line and says in line, line
