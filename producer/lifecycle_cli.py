@@ -4,7 +4,8 @@ Registered by :mod:`producer.models_cli` under ``fleet models``. Every change is
 recorded in the model's history (:mod:`protocol.model_state`); workers follow it. Output is one JSON
 document on stdout. Exit codes follow ``fleet``'s: 0 ok; 1 refused (not published, no canary to
 promote or roll back; the message says why); 2 bad arguments or settings (unknown model, a weight
-outside 1..99).
+outside 1..99, a version whose card does not fit the model: IncompatibleVersion, see
+:mod:`protocol.version_fit`; checked by pin, canary and promote when a store is configured).
 
 ::
 
@@ -28,10 +29,12 @@ from typing import Any
 
 import redis
 
+from producer.cli_types import number_in, setting_type
 from protocol.canary_verdict import version_figures
 from protocol.model_state import (
     HistoryEntry,
     Published,
+    VersionCheck,
     history,
     pin,
     promote,
@@ -43,7 +46,7 @@ from protocol.model_state import (
     set_canary,
 )
 from protocol.redis_conn import sync_client
-from protocol.settings import FleetSettings, load_settings
+from protocol.settings import CanarySettings, FleetSettings, load_settings
 
 __all__ = ["default_by", "register"]
 
@@ -66,13 +69,16 @@ def _context(args: argparse.Namespace) -> tuple[FleetSettings, redis.Redis[bytes
     return settings, sync_client(settings), settings.model_key(args.model)
 
 
-def _published(settings: FleetSettings) -> Published | None:
-    """The store pins are checked against (None when no store is configured)."""
+def _published(settings: FleetSettings) -> tuple[Published | None, VersionCheck | None]:
+    """The store pins are checked against and the check that the version's card fits the model's
+    (both None when no store is configured)."""
     if settings.store.backend == "none":
-        return None
+        return None, None
+    from store.cards import version_check
     from store.model_store import open_store
 
-    return open_store(settings.store)
+    store = open_store(settings.store)
+    return store, version_check(settings, store)
 
 
 def _change_doc(r: redis.Redis[bytes], model: str, entry: HistoryEntry) -> dict[str, Any]:
@@ -97,21 +103,24 @@ def _with_served(settings: FleetSettings, r: redis.Redis[bytes], model: str, doc
 
 def cmd_pin(args: argparse.Namespace) -> int:
     settings, r, model = _context(args)
-    entry = pin(r, model, args.version, args.by, store=_published(settings))
+    store, check = _published(settings)
+    entry = pin(r, model, args.version, args.by, store=store, check=check)
     _print(_with_served(settings, r, model, _change_doc(r, model, entry), args.wait_s))
     return 0
 
 
 def cmd_canary(args: argparse.Namespace) -> int:
     settings, r, model = _context(args)
-    entry = set_canary(r, model, args.version, args.weight, args.by, store=_published(settings))
+    store, check = _published(settings)
+    entry = set_canary(r, model, args.version, args.weight, args.by, store=store, check=check)
     _print(_change_doc(r, model, entry))
     return 0
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
-    _, r, model = _context(args)
-    _print(_change_doc(r, model, promote(r, model, args.by)))
+    settings, r, model = _context(args)
+    _, check = _published(settings)
+    _print(_change_doc(r, model, promote(r, model, args.by, check=check)))
     return 0
 
 
@@ -172,21 +181,8 @@ def _shadow(settings: FleetSettings, model: str, state: Any, args: argparse.Name
         client.close()
 
 
-def _weight(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if not 1 <= value <= 99:
-        raise argparse.ArgumentTypeError(f"weight must be an integer from 1 to 99 (percent of traffic), got {raw!r}")
-    return value
-
-
-def _shadow_count(raw: str) -> int:
-    value = int(raw)
-    if not 0 <= value <= 10_000:
-        raise argparse.ArgumentTypeError(f"shadow must be from 0 to 10000 prompts, got {raw}")
-    return value
+_weight = number_in(int, 1, 99, "weight must be an integer from 1 to 99 (percent of traffic)")
+_shadow_count = number_in(int, 0, 10_000, "shadow must be an integer from 0 to 10000 prompts")
 
 
 def register(msub: Any) -> None:
@@ -229,7 +225,8 @@ def register(msub: Any) -> None:
 
     p = msub.add_parser("compare", help="per-version requests, error rate, p50/p99 (and LM agreement)")
     common(p, by=False)
-    p.add_argument("--window-s", type=float, default=None, help="default: models.<m>.canary.window_s")
+    p.add_argument("--window-s", type=setting_type(CanarySettings, "models.<m>.canary.window_s"), default=None,
+                   help="default: models.<m>.canary.window_s")
     p.add_argument("--shadow", type=_shadow_count, default=0,
                    help="LMs with a canary: send N recent prompts (topped up with generated ones) to both versions "
                    "and report top-1 agreement")

