@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from producer.client import RequestStatus
+from producer.client import MAX_DEADLINE_S, RequestStatus
 from protocol.messages import GenerationParams, RequestFloat
 
 __all__ = [
@@ -63,7 +63,7 @@ class SubmitBody(_Body):
         description="Caller-given ID; resubmitting a known ID is a no-op (idempotent).",
     )
     deadline_s: RequestFloat | None = Field(
-        default=None, gt=0, le=86_400, description="Drop the request if it has not run within this many s."
+        default=None, gt=0, le=MAX_DEADLINE_S, description="Drop the request if it has not run within this many s."
     )
     routing_key: StrictStr | None = Field(
         default=None,

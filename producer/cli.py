@@ -253,8 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show the traceback of a failure (also FLEET_DEBUG=1); without it, one line says "
                              "what failed and how to fix it")
     sub = parser.add_subparsers(dest="command", required=True)
-    from producer.cli_types import port_number, setting_type
+    from producer.cli_types import number_in, port_number, setting_type
     from protocol.settings import WorkerSettings
+
+    wait_seconds = number_in(float, 0, 86_400, "must be a number of seconds from 0 to 86400")
 
     p = sub.add_parser("submit", help="queue one request; prints its ID (or the result with --wait)")
     _add_common(p)
@@ -270,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--deadline-s", type=float, default=None, help="drop the request if not run within S seconds"
     )
     p.add_argument("--wait", action="store_true", help="wait for the result and print it")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait with --wait (default 60)")
+    p.add_argument("--timeout", type=wait_seconds, default=60.0, help="seconds to wait with --wait (default 60)")
     from producer.cli_generation import add_generation_args
 
     add_generation_args(p)
@@ -280,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
     p.add_argument("request_id")
     p.add_argument("--wait", action="store_true")
-    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--timeout", type=wait_seconds, default=60.0, help="seconds to wait with --wait (default 60)")
     p.set_defaults(func=cmd_result)
 
     p = sub.add_parser("cancel", help="cancel a request that has not run")

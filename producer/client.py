@@ -60,7 +60,7 @@ from protocol.settings import FleetSettings, load_settings
 from protocol.tokenization import Tokenizer, load_tokenizer
 from protocol.validation import check_input, resolve_output
 
-__all__ = ["FleetClient", "RequestStatus", "request_fingerprint"]
+__all__ = ["MAX_DEADLINE_S", "FleetClient", "RequestStatus", "request_fingerprint"]
 
 
 SPECIAL_TOKENS_ROOM = 8
@@ -89,6 +89,10 @@ def _as_text_error(exc: InvalidRequest) -> InvalidRequest:
     if exc.field != "input_ids":
         return exc
     return type(exc)(exc.message.replace("input_ids", "text", 1), "text", exc.limit)
+
+
+MAX_DEADLINE_S = 86_400.0
+"""Longest ``deadline_s`` a request may carry (s), on every face."""
 
 
 class _ModelInfo:
@@ -234,6 +238,11 @@ class FleetClient(ResultReader):
         """
         if (input_ids is None) == (text is None):
             raise InvalidRequest("give exactly one of input_ids or text", "input_ids", None)
+        if request_id is not None and not request_id:
+            raise InvalidRequest("request_id is empty: give an ID, or none to get a fresh one", "request_id", None)
+        if deadline_s is not None and not 0 < deadline_s <= MAX_DEADLINE_S:  # as POST /v1/requests refuses it
+            raise InvalidRequest(f"deadline_s = {deadline_s} must be > 0 and <= {MAX_DEADLINE_S:g} s (a request "
+                                 "already past its deadline is never run)", "deadline_s", MAX_DEADLINE_S)  # fmt: skip
         key, info = self._model(model)
         ids = list(input_ids) if input_ids is not None else self.tokenize(key, text or "")
         limits = self.settings.models[key].limits

@@ -32,6 +32,8 @@ DOWN = "redis://127.0.0.1:1/0"
     (["store", "--port", "70000"], ["--port", "from 0 to 65535"]),
     (["models", "compare", "demo-lm", "--shadow", "x"], ["--shadow", "from 0 to 10000"]),
     (["dead-letter", "purge", "--older-than", "x"], ["--older-than", "seconds >= 0"]),
+    (["submit", "--model", "demo-lm", "--tokens", "5", "--wait", "--timeout", "-1"], ["--timeout", "from 0 to 86400"]),
+    (["result", "r-1", "--wait", "--timeout", "-1"], ["--timeout", "from 0 to 86400"]),
 ])  # fmt: skip
 def test_a_flag_out_of_range_is_refused_naming_the_flag_and_the_range(
     argv: list[str], says: list[str], capsys: pytest.CaptureFixture[str]
@@ -116,3 +118,17 @@ def test_an_invalid_card_is_one_line_naming_the_file_and_the_first_problem(
     code = fleet_main(["submit", "--config", str(config), "--model", "tiny-lm", "--text", "hi"])
     line = _one_line(capsys)
     assert code == 2 and f"model card {card} is invalid: " in line and says in line, line
+
+
+@pytest.mark.parametrize(("flags", "field"), [
+    (["--deadline-s", "-5"], "deadline_s"),  # queued, then expired: refused as POST /v1/requests refuses it
+    (["--deadline-s", "0"], "deadline_s"),
+    (["--request-id", ""], "request_id"),  # replaced by a fresh ID without a word
+])  # fmt: skip
+def test_a_submit_the_gateway_would_refuse_is_refused_before_anything_is_queued(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], flags: list[str], field: str
+) -> None:
+    monkeypatch.setenv("FLEET_REDIS_URL", DOWN)
+    code = fleet_main(["submit", "--model", "demo-lm", "--tokens", "5", *flags])
+    assert code == 2
+    assert field in _one_line(capsys)
