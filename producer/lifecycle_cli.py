@@ -31,6 +31,7 @@ import redis
 
 from producer.cli_types import number_in, setting_type
 from protocol.canary_verdict import version_figures
+from protocol.errors import ConfigError, ModelLoadError
 from protocol.model_state import (
     HistoryEntry,
     Published,
@@ -45,6 +46,7 @@ from protocol.model_state import (
     rollback,
     set_canary,
 )
+from protocol.modelcard import load_card
 from protocol.redis_conn import sync_client
 from protocol.settings import CanarySettings, FleetSettings, load_settings
 
@@ -69,16 +71,38 @@ def _context(args: argparse.Namespace) -> tuple[FleetSettings, redis.Redis[bytes
     return settings, sync_client(settings), settings.model_key(args.model)
 
 
-def _published(settings: FleetSettings) -> tuple[Published | None, VersionCheck | None]:
+def _published(
+    settings: FleetSettings, model: str, version: str | None = None
+) -> tuple[Published | None, VersionCheck | None]:
     """The store pins are checked against and the check that the version's card fits the model's
-    (both None when no store is configured)."""
+    (both None when no store is configured).
+
+    Raises:
+        ConfigError: no store is configured and ``version`` is not the model's configured file's version,
+            which is the only one a worker without a store can load (it would refuse it: NOT SERVED).
+    """
     if settings.store.backend == "none":
+        configured = _configured_version(settings, model)
+        if version is not None and configured is not None and version != configured:
+            raise ConfigError(
+                f"{model} {version}: no model store is configured (store.backend: none), so a worker can serve only "
+                f"the configured version {configured}; configure a store (FLEET_STORE__BACKEND, see README "
+                f"'Versioned models') and publish {version} with `fleet models push`", "store.backend", "a model store")
         return None, None
     from store.cards import version_check
     from store.model_store import open_store
 
     store = open_store(settings.store)
     return store, version_check(settings, store)
+
+
+def _configured_version(settings: FleetSettings, model: str) -> str | None:
+    """The version of ``model``'s configured file, from its card (None when the card is not on this machine:
+    the workers then say whether they serve a version)."""
+    try:
+        return load_card(settings.models[model].path).version
+    except (ModelLoadError, OSError):
+        return None
 
 
 def _change_doc(r: redis.Redis[bytes], model: str, entry: HistoryEntry) -> dict[str, Any]:
@@ -103,7 +127,7 @@ def _with_served(settings: FleetSettings, r: redis.Redis[bytes], model: str, doc
 
 def cmd_pin(args: argparse.Namespace) -> int:
     settings, r, model = _context(args)
-    store, check = _published(settings)
+    store, check = _published(settings, model, args.version)
     entry = pin(r, model, args.version, args.by, store=store, check=check)
     _print(_with_served(settings, r, model, _change_doc(r, model, entry), args.wait_s))
     return 0
@@ -111,7 +135,7 @@ def cmd_pin(args: argparse.Namespace) -> int:
 
 def cmd_canary(args: argparse.Namespace) -> int:
     settings, r, model = _context(args)
-    store, check = _published(settings)
+    store, check = _published(settings, model, args.version)
     entry = set_canary(r, model, args.version, args.weight, args.by, store=store, check=check)
     _print(_change_doc(r, model, entry))
     return 0
@@ -119,7 +143,7 @@ def cmd_canary(args: argparse.Namespace) -> int:
 
 def cmd_promote(args: argparse.Namespace) -> int:
     settings, r, model = _context(args)
-    _, check = _published(settings)
+    _, check = _published(settings, model)
     _print(_change_doc(r, model, promote(r, model, args.by, check=check)))
     return 0
 

@@ -124,3 +124,17 @@ def test_push_warns_when_the_name_is_a_configured_model_of_another_kind(
     lm = str(model_dir / "demo-lm" / "demo-lm-1.0.0.onnx")
     assert fleet_json(capsys, cfg, "push", lm, "--name", MODEL, "--version", "2.1.0")[2] == ""  # fits: no warning
     assert fleet_json(capsys, cfg, "push", encoder, "--name", "encoder-2", "--version", "1.0.0")[2] == ""  # unknown
+
+
+def test_without_a_store_only_the_configured_version_can_be_pinned_or_canaried(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A worker without a model store can load only its configured file: a pin or a canary of another
+    version was recorded (exit 0) and then refused by every worker (NOT SERVED, on stderr only)."""
+    cfg = fleet.config()
+    for argv in (["pin", MODEL, "9.9.9"], ["canary", MODEL, "9.9.10", "--weight", "10"]):
+        code, _, err = fleet_json(capsys, cfg, *argv)
+        assert code == 2 and "no model store is configured" in err and "configured version 1.0.0" in err, err
+    assert read_state(redis.Redis.from_url(fleet.redis_url), MODEL) is None  # nothing was recorded
+    code, doc, _ = fleet_json(capsys, cfg, "pin", MODEL, "1.0.0", "--wait-s", "0")  # the configured one: allowed
+    assert code == 0 and doc["state"]["stable"] == "1.0.0", doc
