@@ -324,8 +324,8 @@ async def stream(request_id: RequestId, _: CallerDep, gw: GatewayDep) -> Respons
     kind = marker.get("kind") if marker else None
     if (kind not in (None, "generate")) or (has_result and not has_stream):
         what = (f"a {kind} request" if kind not in (None, "generate")
-                else "finished without a stream (it asked for stream: false, or ended before it ran: cancelled, "
-                "expired)")  # fmt: skip
+                else "finished and has no stream (it asked for stream: false, or ended before it ran: cancelled "
+                "or expired)")  # fmt: skip
         msg = f"request {request_id} is {what}: only generations stream; GET /v1/requests/{request_id} has its result"
         return _error(409, error_payload("conflict", "Conflict", msg, "request_id"))
     return EventStream(_native_frames(gw, request_id))

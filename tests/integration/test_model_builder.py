@@ -17,6 +17,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+from protocol.errors import ConfigError
 from protocol.modelcard import ModelCard, load_card
 from protocol.tokenization import load_tokenizer
 from tests.integration.decoder_harness import Decoder, left_pad, random_ids, right_pad, session
@@ -319,7 +320,7 @@ def test_cli_builds_the_demo_models(tmp_path: Path, capsys: pytest.CaptureFixtur
                                              "--version", "2.0.0", "--layers", "1", "--seed", "4"]))
     card = load_card(one[0])
     assert (card.name, card.version, card.num_layers, card.seed) == ("x", "2.0.0", 1, 4)
-    with pytest.raises(ValueError, match="--name needs a single --kind"):
+    with pytest.raises(ConfigError, match="--name needs a single --kind"):
         run_build_model(parser.parse_args(["--out-dir", str(tmp_path), "--name", "x"]))
     (llama,) = run_build_model(parser.parse_args(["--out-dir", str(tmp_path), "--kind", "llama", "--name", "y",
                                                   "--heads", "8", "--kv-heads", "1", "--layers", "1"]))
