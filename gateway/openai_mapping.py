@@ -67,6 +67,7 @@ __all__ = [
     "max_tokens_field",
     "prompt_field",
     "rename_field",
+    "stream_error",
     "wrong_kind",
 ]
 
@@ -174,6 +175,14 @@ def rename_field(exc: E, names: dict[str, str], prefix: str = "") -> E:
     head = re.match(r"[A-Za-z_]*", field).group()  # type: ignore[union-attr]  # always matches
     renamed = names.get(head, head) + field[len(head) :]
     return type(exc)(exc.message.replace(exc.field, renamed), renamed, exc.limit)
+
+
+def stream_error(event: StreamEvent) -> dict[str, Any]:
+    """A stream's ``error`` event as OpenAI's error object (``message``, ``type``, ``param``, and ``code`` the
+    fleet's error code, e.g. ``request_expired``; the event names the worker's error class)."""
+    err = error_from_payload(event.error or "FleetError", [event.message or "", event.field, event.limit])
+    error: dict[str, Any] = openai_error_of(err)["error"]
+    return error
 
 
 def wrong_kind(exc: E, model: str, task: str, instead: str) -> E | InvalidRequest:
@@ -397,8 +406,7 @@ class ChunkWriter:
             self.completion_tokens = max(self.completion_tokens, event.index + 1)  # index: 0-based token number
             return [self._chunk([self._choice(event.text, None)])] if event.text else []
         if event.type == "error":
-            err = error_from_payload(event.error or "FleetError", [event.message or "", event.field, event.limit])
-            return [openai_error_of(err)]
+            return [{"error": stream_error(event)}]
         if event.usage is not None:  # the worker's own count ends the stream
             self.prompt_tokens, self.completion_tokens = event.usage.prompt_tokens, event.usage.completion_tokens
         out = [self._chunk([self._choice(event.text, finish_reason(event.finish_reason))])]

@@ -34,7 +34,7 @@ from starlette.concurrency import run_in_threadpool
 
 from gateway.deps import CallerDep, Gateway, GatewayDep
 from gateway.errors import fleet_error_response, openai_error_of, relay_error
-from gateway.openai_mapping import finish_reason, rename_field
+from gateway.openai_mapping import finish_reason, rename_field, stream_error
 from gateway.openai_routes import (
     build_generation,
     cancel_requests,
@@ -184,7 +184,8 @@ async def _events(gw: Gateway, turn: _Turn, model: str, ended: list[bool]) -> As
                 yield _event("response.output_text.delta", seq, **where, delta=event.text, logprobs=[])
             if event.type == "error":
                 ended.append(True)
-                yield _event("error", seq, code=event.error, message=event.message, param=event.field)
+                err = stream_error(event)  # code: the fleet's (request_expired), not the worker's class name
+                yield _event("error", seq, code=err["code"], message=err["message"], param=err["param"])
                 return
             if event.type == "final":
                 ended.append(True)

@@ -25,6 +25,7 @@ from gateway.openai_mapping import (
     input_field,
     prompt_field,
     rename_field,
+    stream_error,
 )
 from gateway.openai_schema import ChatBody, CompletionBody, EmbeddingBody
 from protocol.errors import (
@@ -351,3 +352,13 @@ def test_an_openai_seed_is_any_int64_and_a_negative_one_is_taken_mod_2_63() -> N
     assert generation_params(completion(seed=7)).seed == 7
     with pytest.raises(ValidationError):
         completion(seed=2**63)
+
+
+def test_a_stream_error_event_is_openai_s_error_with_the_fleet_s_code() -> None:
+    """The Responses stream's error event used the worker's class name as its code (``RequestExpired``); both
+    faces now give the code the same error has everywhere else."""
+    event = StreamEvent(type="error", index=0, error="RequestExpired", message="past its deadline",
+                        field="deadline_unix_s", limit=None)  # fmt: skip
+    err = stream_error(event)
+    assert (err["code"], err["param"], err["message"]) == ("expired", "deadline_unix_s", "past its deadline")
+    assert err["type"] == "timeout_error"
