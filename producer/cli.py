@@ -166,9 +166,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         os.environ["FLEET_CONFIG"] = str(args.config)
     model = settings.model_key(settings.worker.model)
     hostname = args.hostname or _free_default_name(settings, model)
-    cmd = worker_command(
-        model, settings.worker.concurrency, hostname, settings.queue_for(model), args.loglevel
-    )
+    loglevel = args.loglevel or settings.worker.loglevel
+    cmd = worker_command(model, settings.worker.concurrency, hostname, settings.queue_for(model), loglevel)
     os.execvp(cmd[0], [*cmd, *args.celery_args])
     return 0  # pragma: no cover - execvp does not return
 
@@ -296,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", "-c", type=setting_type(WorkerSettings, "worker.concurrency"), default=None,
                    help="token bucket C, 1..4096 (>= max_batch_size; default: settings worker.concurrency)")
     p.add_argument("--hostname", "-n", default=None)
-    p.add_argument("--loglevel", "-l", default="INFO")
+    p.add_argument("--loglevel", "-l", default=None, type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="Celery's and the worker's log level (default: worker.loglevel, FLEET_WORKER__LOGLEVEL: INFO)")
     p.add_argument("celery_args", nargs=argparse.REMAINDER, help="passed through to `celery worker`")
     p.set_defaults(func=cmd_worker)
 

@@ -132,3 +132,27 @@ def test_a_submit_the_gateway_would_refuse_is_refused_before_anything_is_queued(
     code = fleet_main(["submit", "--model", "demo-lm", "--tokens", "5", *flags])
     assert code == 2
     assert field in _one_line(capsys)
+
+
+@pytest.mark.parametrize(("flag", "env", "level"), [([], "ERROR", "ERROR"), (["-l", "debug"], "ERROR", "DEBUG"),
+                                                    ([], None, "INFO")])  # fmt: skip
+def test_fleet_worker_runs_celery_at_the_configured_log_level(
+    monkeypatch: pytest.MonkeyPatch, flag: list[str], env: str | None, level: str
+) -> None:
+    """``fleet worker`` passed ``--loglevel INFO`` to Celery whatever ``worker.loglevel`` said."""
+    import producer.cli as cli
+
+    ran: list[list[str]] = []
+
+    def execvp(file: str, argv: list[str]) -> None:
+        ran.append(argv)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cli.os, "execvp", execvp)
+    monkeypatch.setenv("FLEET_WORKER__MODEL", "demo-lm")  # cmd_worker sets it: restored after the test
+    if env is not None:
+        monkeypatch.setenv("FLEET_WORKER__LOGLEVEL", env)
+    with pytest.raises(SystemExit):
+        cli.cmd_worker(build_parser().parse_args(["worker", "--model", "demo-lm", "--hostname", "w@h", *flag]))
+    argv = ran[0]
+    assert argv[argv.index("--loglevel") + 1] == level
