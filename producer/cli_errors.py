@@ -27,7 +27,8 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from protocol.errors import ConfigError, FleetError, InvalidRequest, ModelLoadError
 from protocol.redis_conn import mask_url, passwords_in, redact
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_OK", "RequestFailed", "debug_enabled", "redis_problem", "run_command"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_OK", "RequestFailed", "debug_enabled", "redis_exit_code",
+           "redis_problem", "run_command"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -72,14 +73,25 @@ def redis_problem(exc: BaseException, url: str) -> str:
                                      "authentication required")
     ):
         return f"Redis at {mask_url(url)} refused the credentials: {text}; {REDIS_CREDENTIALS_FIX}"
+    if "db index is out of range" in lowered:  # it answers: the URL names a database it does not have
+        return (f"Redis at {mask_url(url)} has no such database ({text}): the number after the last / in "
+                "FLEET_REDIS_URL must be below the server's `databases` (16 by default)")
     return f"cannot reach Redis at {mask_url(url)}: {text}; {REDIS_UNREACHABLE_FIX}"
+
+
+def redis_exit_code(exc: BaseException) -> int:
+    """The exit code of a Redis failure: 2 for a URL naming a database the server does not have (a setting),
+    else 1 (down, refused credentials)."""
+    return EXIT_BAD_INPUT if "db index is out of range" in str(exc).lower() else EXIT_FAILED
 
 
 def _is_redis_failure(exc: BaseException) -> bool:
     if isinstance(exc, redis.ConnectionError | redis.TimeoutError | redis.AuthenticationError | KombuOperationalError):
         return True
-    # a wrong password on a server without ACL users answers as a plain error reply
-    return isinstance(exc, redis.ResponseError) and any(w in str(exc) for w in ("WRONGPASS", "NOAUTH"))
+    # a wrong password on a server without ACL users, or a database it does not have, answer as plain error replies
+    return isinstance(exc, redis.ResponseError) and any(
+        w in str(exc) for w in ("WRONGPASS", "NOAUTH", "DB index is out of range")
+    )
 
 
 STORE_DOWN_FIX = ("; is the store running? start one with `fleet store` (it prints the FLEET_STORE__* exports), "
@@ -108,7 +120,7 @@ def _describe(exc: BaseException, args: argparse.Namespace) -> tuple[str, int, b
     if isinstance(exc, FleetError):
         return str(exc) + _store_fix(exc), EXIT_FAILED, True
     if _is_redis_failure(exc):
-        return redis_problem(exc, _redis_url(args)), EXIT_FAILED, False
+        return redis_problem(exc, _redis_url(args)), redis_exit_code(exc), False
     if isinstance(exc, PortInUse):
         return f"{exc}; choose another with --port N (0 = a free one), or stop what holds it", EXIT_FAILED, False
     if isinstance(exc, LoopbackDown):

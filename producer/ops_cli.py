@@ -202,7 +202,7 @@ def status_document(settings: FleetSettings, client: redis.Redis[bytes]) -> dict
 
 def cmd_status(args: argparse.Namespace) -> int:
     settings = _settings(args)
-    from producer.cli_errors import EXIT_FAILED, debug_enabled, redis_problem
+    from producer.cli_errors import debug_enabled, redis_exit_code, redis_problem
 
     client = _redis(settings)
     try:
@@ -220,7 +220,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         if debug_enabled(args):
             raise unreachable
         print(f"fleet: {redis_problem(unreachable, settings.redis_url)}", file=sys.stderr)
-        return EXIT_FAILED
+        return redis_exit_code(unreachable)
     print(json.dumps(doc) if args.json else format_status(doc))
     return 0
 

@@ -65,6 +65,15 @@ def test_redis_down(ops_fleet: OpsFleet) -> None:  # noqa: F811
     traceback_with_debug(fleet("status", config=config, debug=True))
 
 
+def test_a_database_the_server_does_not_have(ops_fleet: OpsFleet) -> None:  # noqa: F811
+    """Redis answers, so "cannot reach Redis … start one with fleet redis" was the wrong fix: the URL's database
+    number is a setting (exit 2)."""
+    config = ops_fleet.config(redis_url=ops_fleet.redis_url.rsplit("/", 1)[0] + "/99")
+    for args in (("status",), ("submit", "--model", "demo-lm", "--tokens", "5,6,7")):
+        line = one_line(fleet(*args, config=config), 2, "has no such database", "FLEET_REDIS_URL")
+        assert "fleet redis" not in line
+
+
 def test_a_wrong_password(ops_fleet: OpsFleet) -> None:  # noqa: F811
     with EmbeddedRedis(password="the-right-one") as server:
         config = ops_fleet.config(redis_url=f"redis://:not-the-password@127.0.0.1:{server.port}/0")
