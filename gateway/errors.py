@@ -40,6 +40,7 @@ from protocol.errors import (
     ResultTimeout,
     UnknownModel,
 )
+from protocol.messages import limit_of
 
 __all__ = [
     "ERROR_RESPONSES",
@@ -162,7 +163,8 @@ def _on_invalid(request: Request, exc: Exception) -> JSONResponse:
         err = InvalidRequest(_json_error_message(first, exc.body), "body", "JSON")
         return fleet_error_response(err, openai=is_openai_path(request.url.path))
     field, message = describe(errs)
-    return fleet_error_response(InvalidRequest(message, field), openai=is_openai_path(request.url.path))
+    limit = limit_of(first) if errs else None
+    return fleet_error_response(InvalidRequest(message, field, limit), openai=is_openai_path(request.url.path))
 
 
 def _json_error_message(error: Any, body: Any) -> str:

@@ -50,7 +50,8 @@ def _form_at(errors: list[tuple[tuple[Any, ...], Mapping[str, Any]]], loc: tuple
 
 def describe(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
     """The field (the caller's path; ``body`` for the body as a whole) and the message for the first of
-    ``errors`` (FastAPI's ``RequestValidationError.errors()``)."""
+    ``errors`` (FastAPI's ``RequestValidationError.errors()``); :func:`protocol.messages.limit_of` of the
+    first error gives the bound it broke."""
     located = [(_loc(e), e) for e in errors]
     if not located:
         return "body", "invalid field body: invalid request"

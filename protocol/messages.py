@@ -48,6 +48,7 @@ __all__ = [
     "as_invalid_request",
     "decode_request",
     "decode_result",
+    "limit_of",
 ]
 
 
@@ -249,7 +250,21 @@ def as_invalid_request(exc: ValidationError, prefix: str = "") -> InvalidRequest
     :class:`DecodeError` (:func:`decode_request`)."""
     field = _first_field(exc)
     field = f"{prefix}.{field}" if prefix and field != "request" else (prefix or field)
-    return InvalidRequest(_first_error(exc, prefix), field, None)
+    errs = exc.errors()
+    return InvalidRequest(_first_error(exc, prefix), field, limit_of(errs[0]) if errs else None)
+
+
+LIMIT_KEYS = ("ge", "gt", "le", "lt", "max_length", "min_length", "multiple_of")
+"""Where pydantic's error context holds the bound a value broke."""
+
+
+def limit_of(error: Any) -> Any:
+    """The bound a pydantic error names (``le`` 256 of ``max_new_tokens``…), or None: the ``limit`` every fleet
+    error carries beside its field."""
+    ctx = error.get("ctx") if isinstance(error, dict) else None
+    if not isinstance(ctx, dict):
+        return None
+    return next((ctx[key] for key in LIMIT_KEYS if key in ctx and isinstance(ctx[key], int | float | str)), None)
 
 
 def _first_field(exc: ValidationError) -> str:

@@ -61,3 +61,17 @@ def test_a_dict_key_is_a_field_not_a_form() -> None:
 def test_caller_path_writes_indexes_in_brackets() -> None:
     assert caller_path(("messages", 0, "content", 1, "text")) == "messages[0].content[1].text"
     assert caller_path((2,)) == "[2]" and caller_path(()) == ""
+
+
+def test_an_error_from_a_bound_carries_the_bound_as_its_limit() -> None:
+    """Every fleet error carries ``limit`` beside ``field``; a value past a pydantic bound gave ``"limit": null``."""
+    from protocol.messages import GenerationParams, as_invalid_request, limit_of
+
+    with pytest.raises(ValidationError) as info:
+        GenerationParams.model_validate({"max_new_tokens": 0})
+    err = as_invalid_request(info.value, prefix="output.generation")
+    assert (err.field, err.limit) == ("output.generation.max_new_tokens", 1)
+    with pytest.raises(ValidationError) as info:
+        CompletionBody.model_validate({"model": "m", "prompt": "x", "temperature": 3})
+    assert limit_of(info.value.errors()[0]) == 2
+    assert limit_of({"msg": "x"}) is None
