@@ -252,8 +252,8 @@ def _check_identity(headers: dict[str, Any]) -> str:
         raise _Bad(Reason.BAD_HEADERS, "headers.id",
                    f"headers.id must be a string of 1..{MAX_TASK_ID_CHARS} characters; got {got}",
                    f"1..{MAX_TASK_ID_CHARS} characters")
-    if not utf8_text(task_id) or not utf8_text(task):
-        field = "headers.id" if not utf8_text(task_id) else "headers.task"
+    field = "headers.id" if not utf8_text(task_id) else None if utf8_text(task) else "headers.task"
+    if field is not None:
         raise _Bad(Reason.BAD_HEADERS, field, f"{field} holds a lone surrogate (a \\uD800-\\uDFFF escape): not "
                    "UTF-8 text, so no result could be stored under it", "UTF-8 text")
     return task

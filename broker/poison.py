@@ -54,7 +54,7 @@ from broker.redis_refusals import (
     raise_write_refusals_as_connection_errors,
 )
 from broker.store_ack import StoreAckingQoS
-from protocol.deadletter import MAX_ENTRIES, Reason, encode_entry, make_entry
+from protocol.deadletter import DEAD_LETTERED, MAX_ENTRIES, Reason, encode_entry, make_entry
 from protocol.errors import DecodeError, FleetError
 from protocol.keys import DEAD_LETTER_KEY
 from protocol.redis_conn import sync_client
@@ -338,10 +338,12 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
                 pipe.execute()
         except Exception:  # the guard must never become the thing that kills the worker
             log.exception("could not write the dead letter")
-        if refused.task_id is not None and cfg is not None:
-            _store_failure(cfg, refused.task_id, refused.task, queue, _failure(refused))
-        if cfg is not None:  # a bulk message's requests each wait on their own ID: they fail with it
-            _fail_requests_of_bulk(cfg, item, _failure(refused))
+        if cfg is None:
+            return
+        error = _failure(refused)
+        if refused.task_id is not None:
+            _store_failure(cfg, refused.task_id, refused.task, queue, error)
+        _fail_requests_of_bulk(cfg, item, error)  # a bulk message's requests each wait on their own ID
 
     def _park(self, list_key: str, item: bytes) -> None:
         parked = _config.parked if _config is not None else None
@@ -381,7 +383,7 @@ class GuardedSentinelChannel(GuardedChannel, kombu_redis.SentinelChannel):
 def _failure(refused: Refused) -> FleetError:
     """The error stored for a dead-lettered message: DecodeError naming the field that broke; a plain
     FleetError (field ``deliveries``, limit ``max_deliveries``) for one that killed its workers."""
-    message = f"dead-lettered ({refused.reason.value}): {refused.detail}"
+    message = f"{DEAD_LETTERED} ({refused.reason.value}): {refused.detail}"
     if refused.reason is Reason.MAX_DELIVERIES:
         return FleetError(message, refused.field, int(refused.limit))
     return DecodeError(message, refused.field, refused.limit)

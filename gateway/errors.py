@@ -163,8 +163,8 @@ def _on_invalid(request: Request, exc: Exception) -> JSONResponse:
         err = InvalidRequest(_json_error_message(first, exc.body), "body", "JSON")
         return fleet_error_response(err, openai=is_openai_path(request.url.path))
     field, message = describe(errs)
-    limit = limit_of(first) if errs else None
-    return fleet_error_response(InvalidRequest(message, field, limit), openai=is_openai_path(request.url.path))
+    err = InvalidRequest(message, field, limit_of(first))
+    return fleet_error_response(err, openai=is_openai_path(request.url.path))
 
 
 def _json_error_message(error: Any, body: Any) -> str:

@@ -179,7 +179,7 @@ def rename_field(exc: E, names: dict[str, str], prefix: str = "") -> E:
 
 def stream_error(event: StreamEvent) -> dict[str, Any]:
     """A stream's ``error`` event as OpenAI's error object (``message``, ``type``, ``param``, and ``code`` the
-    fleet's error code, e.g. ``request_expired``; the event names the worker's error class)."""
+    fleet's error code, e.g. ``expired``; the event names the worker's error class)."""
     err = error_from_payload(event.error or "FleetError", [event.message or "", event.field, event.limit])
     error: dict[str, Any] = openai_error_of(err)["error"]
     return error

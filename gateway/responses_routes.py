@@ -184,7 +184,7 @@ async def _events(gw: Gateway, turn: _Turn, model: str, ended: list[bool]) -> As
                 yield _event("response.output_text.delta", seq, **where, delta=event.text, logprobs=[])
             if event.type == "error":
                 ended.append(True)
-                err = stream_error(event)  # code: the fleet's (request_expired), not the worker's class name
+                err = stream_error(event)  # code: the fleet's (expired), not the worker's class name
                 yield _event("error", seq, code=err["code"], message=err["message"], param=err["param"])
                 return
             if event.type == "final":

@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from broker import bulk_request_ids
-from protocol.deadletter import DeadLetter, read_entry, requeue_allowed
+from protocol.deadletter import DEAD_LETTERED, DeadLetter, read_entry, requeue_allowed
 from protocol.errors import InvalidRequest, RequestNotFound
 from protocol.keys import DEAD_LETTER_KEY, DELIVERIES_KEY, RESULT_KEY
 from protocol.settings import shared_queue_of
@@ -24,6 +24,8 @@ __all__ = ["DeadLetterStore", "fresh_delivery"]
 # The FAILURE the dead-lettering stored (under the task's ID, and each request's of a bulk message) goes
 # in the same step, before the message is back: a worker may take it at once and store its outcome, which
 # the result store never replaces. Any other stored outcome (a copy that ran meanwhile) is kept.
+# KEYS: the dead-letter list, the queue, the delivery count, then the result keys; ARGV: the entry, the
+# message, DEAD_LETTERED (how a guard's FAILURE message begins).
 _REQUEUE = """
 if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return {0, 0} end
 local cleared = 0
@@ -31,7 +33,7 @@ for i = 4, #KEYS do
   local ok, meta = pcall(cjson.decode, redis.call('GET', KEYS[i]) or '')
   local exc = ok and type(meta) == 'table' and meta['status'] == 'FAILURE' and meta['result']
   local why = type(exc) == 'table' and type(exc['exc_message']) == 'table' and exc['exc_message'][1]
-  if type(why) == 'string' and string.sub(why, 1, 13) == 'dead-lettered' then
+  if type(why) == 'string' and string.sub(why, 1, #ARGV[3]) == ARGV[3] then
     redis.call('DEL', KEYS[i])
     cleared = cleared + 1
   end
@@ -115,7 +117,8 @@ class DeadLetterStore:
         failed = [RESULT_KEY.format(id=rid) for rid in dict.fromkeys([*([entry.task_id] if entry.task_id else []),
                                                                      *bulk_request_ids(item)])]  # fmt: skip
         done, cleared = self.client.eval(
-            _REQUEUE, 3 + len(failed), DEAD_LETTER_KEY, target, deliveries_key, *failed, stored, fresh_delivery(item)
+            _REQUEUE, 3 + len(failed), DEAD_LETTER_KEY, target, deliveries_key, *failed, stored, fresh_delivery(item),
+            DEAD_LETTERED,
         )
         if not done:
             raise RequestNotFound(f"dead-letter entry {entry.id} was removed meanwhile", "id", None)

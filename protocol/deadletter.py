@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from protocol.errors import DecodeError
 
 __all__ = [
+    "DEAD_LETTERED",
     "MAX_ENTRIES",
     "DeadLetter",
     "Reason",
@@ -47,6 +48,9 @@ __all__ = [
     "requeue_allowed",
 ]
 
+DEAD_LETTERED = "dead-lettered"
+"""How the message of the FAILURE a dead-lettering stores begins (``dead-lettered (<reason>): …``): what
+``fleet dead-letter requeue`` clears, and no other FAILURE."""
 MAX_ENTRIES = 10_000
 """The dead-letter list keeps this many entries (the oldest go first)."""
 
