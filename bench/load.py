@@ -52,7 +52,7 @@ def run_threads(count: int, target: Callable[[], None], name: str) -> None:
         th.join()
 
 
-def _one(client: FleetClient, model: str, ids: Sequence[int], top_k: int) -> RequestRecord:
+def _one(client: FleetClient, model: str, ids: Sequence[int], top_k: int | None) -> RequestRecord:
     """Submit one request and wait for its result; never raises for a failed request."""
     start = time.perf_counter()
     try:
@@ -75,7 +75,7 @@ def closed_loop(
     duration_s: float | None = None,
     warmup_s: float = 0.0,
     max_requests: int | None = None,
-    top_k: int = 5,
+    top_k: int | None = None,
 ) -> ClosedLoopRun:
     """Run ``clients`` concurrent request loops.
 
@@ -119,7 +119,7 @@ def open_loop(
     duration_s: float,
     seed: int,
     waiters: int = 64,
-    top_k: int = 5,
+    top_k: int | None = None,
 ) -> list[RequestRecord]:
     """Submit at Poisson arrival times of ``rate_qps`` for ``duration_s``; returns every record.
 
@@ -198,7 +198,7 @@ def bulk_closed_loop(
     clients: int,
     chunk: int,
     duration_s: float,
-    top_k: int = 5,
+    top_k: int | None = None,
 ) -> ClosedLoopRun:
     """``clients`` threads, each sending ``chunk`` requests as one ``fleet.infer_bulk`` message and
     waiting for all of their results, for ``duration_s`` seconds.

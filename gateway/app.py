@@ -97,7 +97,7 @@ def _build(gw: Gateway, body: SubmitBody) -> InferenceRequest:
         body.input_ids,
         text=body.text,
         request_id=body.request_id,
-        top_k=body.output.top_k,
+        top_k=body.output.top_k if "top_k" in body.output.model_fields_set else None,  # a default is no choice
         normalize=body.output.normalize,
         kind=body.output.kind,
         deadline_s=body.deadline_s,

@@ -36,7 +36,8 @@ class OutputOptions(_Body):
         description="'next_token' or 'generate' (causal LM), 'embedding' (encoder); default by model "
         "('generate' when ``generation`` is given).",
     )
-    top_k: StrictInt = Field(default=5, ge=1, description="Next-token candidates (<= the model's max_top_k).")
+    top_k: StrictInt = Field(default=5, ge=1, description="Next-token candidates (<= the model's max_top_k); only for "
+                             "'next_token' output: given with another kind, it is refused.")
     normalize: StrictBool = Field(default=True, description="L2-normalise embeddings.")
     generation: GenerationParams | None = Field(
         default=None,

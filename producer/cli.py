@@ -147,7 +147,11 @@ def cmd_cancel(args: argparse.Namespace) -> int:
                               "its result expired (result_ttl_s); check the ID that `fleet submit` printed",
                               "request_id", None)
     ok = client.cancel(args.request_id)
-    _print({"request_id": args.request_id, "cancelled": ok, "status": client.status(args.request_id).value})
+    status = client.status(args.request_id).value
+    _print({"request_id": args.request_id, "cancelled": ok, "status": status})
+    if not ok:  # exit 1 says "not cancelled"; the line says why, as every other exit 1 does
+        why = "it is running and cannot be stopped mid-step" if status == "running" else f"it already ended ({status})"
+        print(f"fleet: request {args.request_id!r} was not cancelled: {why}", file=sys.stderr, flush=True)
     return 0 if ok else 1
 
 
@@ -263,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--tokens", help="comma-separated token ids, e.g. 5,6,7")
     src.add_argument("--text", help="text, tokenized here with the model's tokenizer")
-    p.add_argument("--top-k", type=int, default=5, help="next-token candidates (default 5)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="next-token candidates returned (default 5; next-token requests only)")
     p.add_argument("--request-id", default=None, help="caller-given ID (idempotent submit)")
     p.add_argument("--routing-key", default=None,
                    help="sticky key for a canary split (e.g. a session ID; default: the request ID)")

@@ -63,6 +63,8 @@ from protocol.validation import check_input, resolve_output
 __all__ = ["MAX_DEADLINE_S", "FleetClient", "RequestStatus", "request_fingerprint"]
 
 
+DEFAULT_TOP_K = 5
+"""Next-token candidates returned when a ``next_token`` request does not say how many."""
 SPECIAL_TOKENS_ROOM = 8
 """Tokens allowed for what a tokenizer adds (BOS, ``[CLS]``/``[SEP]``) when bounding a text by its length."""
 NORMALIZATION_ROOM = 2
@@ -219,7 +221,7 @@ class FleetClient(ResultReader):
         *,
         text: str | None = None,
         request_id: str | None = None,
-        top_k: int = 5,
+        top_k: int | None = None,
         normalize: bool = True,
         kind: str | None = None,
         deadline_s: float | None = None,
@@ -231,7 +233,8 @@ class FleetClient(ResultReader):
         ``generation`` (a :class:`GenerationParams` or its fields as a dict) makes it a ``generate`` job.
         Its fields left unset take the model's ``generation_config.json`` defaults, else
         ``generation_fallbacks`` (a face's own defaults, e.g. OpenAI's temperature 1), else the
-        fleet's (:mod:`producer.generation_defaults`).
+        fleet's (:mod:`producer.generation_defaults`). ``top_k`` (next-token candidates, default 5) is
+        only for ``next_token`` output: given with any other, it is refused, not ignored.
 
         Raises:
             InvalidRequest: (or a subclass) naming the field and the limit; never a pydantic error.
@@ -249,7 +252,8 @@ class FleetClient(ResultReader):
         if generation is not None or kind == "generate":
             generation = generation_fields(generation, model=self.settings.models[key], card=info.card,
                                            prompt_tokens=len(ids), fallbacks=generation_fallbacks)
-        spec = _output_spec(kind=kind, top_k=top_k, normalize=normalize, generation=generation)
+        spec = _output_spec(kind=kind, top_k=DEFAULT_TOP_K if top_k is None else top_k, normalize=normalize,
+                            generation=generation)  # fmt: skip
         truncated = False
         if info.card is not None:
             try:
@@ -258,6 +262,10 @@ class FleetClient(ResultReader):
                 raise _as_text_error(exc) if text is not None else exc from exc
             ids, truncated = checked.input_ids, checked.truncated
             spec = resolve_output(spec, model_kind=info.card.kind, limits=limits, vocab_size=info.card.vocab_size)
+            if top_k is not None and spec.kind != "next_token":
+                raise InvalidRequest(f"output.top_k is the count of next-token candidates returned; this request's "
+                                     f"output is {spec.kind!r} (model {model!r}), which has none: leave top_k out",
+                                     "output.top_k", None)  # fmt: skip
         now = time.time()
         try:
             return InferenceRequest(
@@ -280,7 +288,7 @@ class FleetClient(ResultReader):
         *,
         text: str | None = None,
         request_id: str | None = None,
-        top_k: int = 5,
+        top_k: int | None = None,
         normalize: bool = True,
         kind: str | None = None,
         deadline_s: float | None = None,

@@ -29,6 +29,7 @@ CLIENT_CASES = [
     ({"input_ids": [1, 2.5]}, InvalidRequest, "input_ids[1]", "not an integer"),
     ({"input_ids": [1], "top_k": 1000}, InvalidRequest, "output.top_k", "max_top_k=64"),
     ({"input_ids": [1], "kind": "embedding"}, InvalidRequest, "output.kind", "next_token"),
+    ({"input_ids": [1], "top_k": 3, "generation": {}}, InvalidRequest, "output.top_k", "leave top_k out"),
 ]
 
 

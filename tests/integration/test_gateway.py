@@ -195,6 +195,12 @@ def test_limits_are_named(served: Served) -> None:
     assert unknown.status_code == 422 and unknown.json()["type"] == "UnknownModel"
     top_k = http.post("/v1/requests", json={"model": "demo-lm", "input_ids": [1], "output": {"top_k": 999}})
     assert top_k.status_code == 422 and "max_top_k=64" in top_k.json()["message"]
+    # top_k counts next-token candidates: given for an output that has none, it is refused, not ignored
+    for body in ({"model": "demo-encoder", "input_ids": [1], "output": {"top_k": 3}},
+                 {"model": "demo-lm", "input_ids": [1], "output": {"top_k": 3, "generation": {}}}):
+        pointless = http.post("/v1/requests", json=body)
+        assert pointless.status_code == 422 and pointless.json()["field"] == "output.top_k", pointless.json()
+        assert "leave top_k out" in pointless.json()["message"]
     shape = http.post("/v1/requests", json={"model": "demo-lm", "input_ids": "abc"})
     assert shape.status_code == 422 and shape.json()["field"] == "input_ids"
     text = http.post("/v1/requests", json={"model": "demo-lm", "text": "a" * 65})

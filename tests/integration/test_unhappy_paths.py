@@ -110,6 +110,16 @@ def test_a_model_with_no_worker_is_accepted_and_said(ops_fleet: OpsFleet) -> Non
     assert "fleet: note: demo-lm has random weights" in generated.stderr, generated.stderr
     traceback_with_debug(fleet("submit", "--model", "demo-encoder", "--text", "x", "--wait", "--timeout", "1",
                                config=config, debug=True))
+    one_line(fleet("submit", "--model", "demo-encoder", "--text", "x", "--top-k", "3", config=config), 2,
+             "output.top_k", "'embedding'", "leave top_k out")  # before: queued, and --top-k silently ignored
+    ended = fleet("submit", "--model", "demo-lm", "--tokens", "5,6,7", "--request-id", "nw-done", "--wait",
+                  config=config)
+    assert ended.returncode == 0, ended.stderr
+    # too late to cancel: exit 1 and a line saying why (before: exit 1 and nothing on stderr)
+    one_line(fleet("cancel", "nw-done", config=config), 1, "'nw-done' was not cancelled", "already ended (succeeded)")
+    cancelled = fleet("cancel", "nw-1", config=config)  # still queued: cancelled, exit 0, nothing on stderr
+    assert cancelled.returncode == 0 and '"cancelled": true' in cancelled.stdout, cancelled.stdout + cancelled.stderr
+    assert not cancelled.stderr.strip(), cancelled.stderr
 
 
 def test_an_unknown_request_id_does_not_wait_out_the_timeout(ops_fleet: OpsFleet) -> None:  # noqa: F811
