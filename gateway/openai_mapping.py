@@ -359,7 +359,8 @@ class ChunkWriter:
 
     Chat streams open with a ``{"role": "assistant"}`` delta; each token with text adds a delta; the
     final event gives a chunk with ``finish_reason`` (and its held-back text), then — with
-    ``include_usage`` — a chunk with ``usage`` and no choices. With ``continuous_usage`` (vLLM's
+    ``include_usage`` — a chunk with ``usage`` and no choices (every chunk before it has ``"usage": null``,
+    as OpenAI's do). With ``continuous_usage`` (vLLM's
     ``continuous_usage_stats``) every chunk carries ``usage`` so far: ``prompt_tokens`` (the request's
     ``prompt_tokens`` input ids), the tokens generated up to that chunk, and their sum; the final
     chunk's is the worker's. An error event gives OpenAI's error object, which the SDKs raise as
@@ -386,6 +387,8 @@ class ChunkWriter:
             done = self.completion_tokens
             extra["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
                               "total_tokens": self.prompt_tokens + done}  # fmt: skip
+        elif self.include_usage and "usage" not in extra:  # as OpenAI: every chunk names usage, null until the last
+            extra["usage"] = None
         return {**head, "choices": choices, **extra}
 
     def _choice(self, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:

@@ -63,6 +63,7 @@ def test_chat_stream_tokens_arrive_before_the_request_completes(served: Served, 
     *body, finish, usage = chunks
     assert finish.choices[0].finish_reason == "length" and usage.choices == []
     assert usage.usage is not None and usage.usage.completion_tokens == 256
+    assert all("usage" in c.model_fields_set and c.usage is None for c in [*body, finish])  # null until the last
     text = "".join(c.choices[0].delta.content or "" for c in [*body, finish])
     assert len(body) > 10  # one chunk per token that completed a character, not one block at the end
     assert text == stored["result"]["generation"]["text"]
@@ -76,6 +77,7 @@ def test_completion_stream_matches_the_non_streamed_text(client: openai.OpenAI) 
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert not any("usage" in c.model_fields_set for c in chunks)  # no usage asked for: none named
 
 
 def test_disconnect_cancels_the_generation(served: Served) -> None:
