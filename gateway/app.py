@@ -68,6 +68,7 @@ from producer.client import FleetClient, RequestStatus
 from producer.idempotent_queue import one_body_per_id, request_fingerprint
 from producer.presence import no_worker_message
 from producer.registry import read_fleet_state, readiness_problems
+from producer.results import CANCEL_SETTLE_S
 from producer.submit_groups import SubmitItem
 from protocol.errors import (
     FleetError,
@@ -290,11 +291,14 @@ async def get_request(request_id: RequestId, _: CallerDep, gw: GatewayDep, wait_
     responses={409: {"model": ErrorBody, "description": "it finished, or it is a running one-step request"}},
 )
 def cancel(request_id: RequestId, _: CallerDep, gw: GatewayDep) -> RequestView | JSONResponse:
-    """Cancel a queued request or a running generation; 409 when it is finished or a running one-step request."""
+    """Cancel a queued request or a running generation; 409 when it is finished or a running one-step request.
+
+    A running generation is answered once it has stopped (within a decode step): its view is then
+    ``succeeded`` with ``finish_reason`` ``cancelled`` and the tokens made so far."""
     status = gw.fleet.status(request_id)
     if status is RequestStatus.NOT_FOUND:
         raise RequestNotFound(f"no request {request_id!r} is known", "request_id", None)
-    if status is not RequestStatus.CANCELLED and not gw.fleet.cancel(request_id):
+    if status is not RequestStatus.CANCELLED and not gw.fleet.cancel(request_id, settle_s=CANCEL_SETTLE_S):
         now = gw.fleet.status(request_id).value
         msg = f"request {request_id} is {now}: only a queued request or a running generation can be cancelled"
         return _error(409, error_payload("conflict", "Conflict", msg, "request_id"))

@@ -138,7 +138,7 @@ def cmd_result(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from producer.results import RequestStatus
+    from producer.results import CANCEL_SETTLE_S, RequestStatus
     from protocol.errors import RequestNotFound
 
     client = _client(args)
@@ -146,7 +146,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         raise RequestNotFound(f"no request {args.request_id!r} is known: never submitted through the fleet, or "
                               "its result expired (result_ttl_s); check the ID that `fleet submit` printed",
                               "request_id", None)
-    ok = client.cancel(args.request_id)
+    ok = client.cancel(args.request_id, settle_s=CANCEL_SETTLE_S)
     status = client.status(args.request_id).value
     _print({"request_id": args.request_id, "cancelled": ok, "status": status})
     if not ok:  # exit 1 says "not cancelled"; the line says why, as every other exit 1 does

@@ -31,7 +31,7 @@ from protocol.messages import InferenceResult, decode_result
 from protocol.settings import FleetSettings
 from protocol.streams import StreamEvent
 
-__all__ = ["RequestStatus", "ResultReader", "as_fleet_error", "status_from", "status_of_error"]
+__all__ = ["CANCEL_SETTLE_S", "RequestStatus", "ResultReader", "as_fleet_error", "status_from", "status_of_error"]
 
 
 class RequestStatus(StrEnum):
@@ -151,11 +151,13 @@ class ResultReader:
             return RequestCancelled(f"request {request_id} was cancelled", "request_id", None)
         return None
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, *, settle_s: float = 0.0) -> bool:
         """Cancel a request that has not run, or a generation that runs; False when that is too late.
 
         A running generation stops within one decode step and ends with ``finish_reason``
         ``cancelled`` (its tokens so far are its result); a running one-step request cannot be stopped.
+        ``settle_s`` > 0 returns only once such a generation has stored its result (or ``settle_s``
+        seconds passed), so that a status read next says how it ended, not ``running``.
 
         Raises:
             RequestNotFound: no request of that ID is known (never submitted through the fleet, or its
@@ -168,6 +170,8 @@ class ResultReader:
         state = self._async(request_id).state
         if state == "STARTED" and self._kind_of(request_id) == "generate":
             self._mark_cancelled(request_id)
+            if settle_s > 0:
+                self.wait([request_id], timeout_s=settle_s)  # its outcome, or a ResultTimeout: either way, said next
             return True
         if state in ("SUCCESS", "FAILURE", "STARTED", "REVOKED"):
             return bool(state == "REVOKED")
@@ -227,6 +231,11 @@ def status_of_error(err: FleetError) -> RequestStatus:
     if isinstance(err, RequestCancelled):
         return RequestStatus.CANCELLED
     return RequestStatus.FAILED
+
+
+CANCEL_SETTLE_S = 5.0
+"""How long ``fleet cancel`` and ``DELETE /v1/requests/{id}`` wait for a running generation to stop before
+they answer (s); it stops within one decode step."""
 
 
 def status_from(meta: Mapping[str, Any] | None, *, cancel_marked: bool, known: bool) -> RequestStatus:

@@ -18,7 +18,7 @@ import psutil
 import pytest
 import redis
 
-from producer.client import FleetClient
+from producer.client import FleetClient, RequestStatus
 from protocol.errors import InvalidRequest
 from protocol.keys import STREAM_KEY
 from protocol.messages import InferenceResult
@@ -176,7 +176,9 @@ def test_cancel_stops_a_running_generation_and_frees_its_slot(fleet: Fleet) -> N
         seen = event.index + 1
         if seen >= 5:
             break
-    assert client.cancel(running)
+    assert client.cancel(running, settle_s=60)
+    # answered once it stopped (as DELETE /v1/requests/{id} and `fleet cancel` are): not "running" any more
+    assert client.status(running) is RequestStatus.SUCCEEDED
     cancelled = _result(client, running)
     gen = cancelled.generation
     assert gen is not None and gen.finish_reason == "cancelled"
