@@ -125,11 +125,18 @@ def _describe(exc: BaseException, args: argparse.Namespace) -> tuple[str, int, b
         return f"{exc}; choose another with --port N (0 = a free one), or stop what holds it", EXIT_FAILED, False
     if isinstance(exc, LoopbackDown):
         return str(exc), EXIT_FAILED, False
-    if isinstance(exc, FileNotFoundError) and exc.filename:
-        return f"{exc.filename}: no such file (check the path, or build the models: `fleet build-model`)", \
-            EXIT_BAD_INPUT, False
+    if isinstance(exc, OSError) and exc.filename:  # a path the caller gave: missing, not a folder, not writable…
+        return _path_problem(exc), EXIT_BAD_INPUT, False
     return (f"unexpected {type(exc).__name__}: {redact(str(exc), *passwords_in(_redis_url(args)))} "
             "(run again with `fleet --debug ...` for the traceback)"), EXIT_FAILED, False
+
+
+def _path_problem(exc: OSError) -> str:
+    """``<path>: <what the system said>``, and where the path is a model that is not there, how to make one."""
+    line = f"{exc.filename}: {(exc.strerror or 'no such file').lower()}"
+    if isinstance(exc, FileNotFoundError) and str(exc.filename).endswith((".onnx", ".json")):
+        line += " (check the path, or build the models: `fleet build-model`)"
+    return line
 
 
 def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:

@@ -70,7 +70,8 @@ def load_card(model_path: Path) -> ModelCard:
     """Load the card of ``model_path``: the ``.json`` next to it, else the folder's ``config.json``.
 
     Raises:
-        ModelLoadError: neither a card nor a ``config.json`` is there, or the one found is not
+        ModelLoadError: ``model_path`` is not there (and no card names it); neither a card nor a
+            ``config.json`` is there; or the one found is not
             valid JSON or does not describe a usable model (one line: the file, the offending key and why).
     """
     card_file = card_path_for(model_path)
@@ -89,6 +90,9 @@ def load_card(model_path: Path) -> ModelCard:
         if not isinstance(cfg, dict):
             raise ModelLoadError(f"{config_file} is not a JSON object", "card", str(config_file))
         return _card_from_hf_config(model_path, cfg)
+    if not model_path.exists():  # the path is what is wrong, not a card beside a model that is there
+        raise ModelLoadError(f"{model_path}: no such model file (check the path, or build the models: "
+                             "`fleet build-model`)", "model", str(model_path))  # fmt: skip
     raise ModelLoadError(
         f"no model card {card_file.name} or config.json next to {model_path}", "card", str(card_file)
     )

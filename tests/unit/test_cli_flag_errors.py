@@ -156,3 +156,20 @@ def test_fleet_worker_runs_celery_at_the_configured_log_level(
         cli.cmd_worker(build_parser().parse_args(["worker", "--model", "demo-lm", "--hostname", "w@h", *flag]))
     argv = ran[0]
     assert argv[argv.index("--loglevel") + 1] == level
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    # a model file that is not there is named as such (was: "no model card nonexist.json … next to it")
+    (["quantize", "{tmp}/nonexist.onnx"], ["{tmp}/nonexist.onnx: no such model file", "fleet build-model"]),
+    # a folder that cannot be made is said as the system says it, without advice to build what it builds
+    (["build-model", "--out-dir", "/proc/nope"], ["/proc/nope: no such file or directory"]),
+    (["build-model", "--out-dir", "/dev/null/x"], ["/dev/null/x/demo-lm: not a directory"]),  # was "unexpected …"
+])  # fmt: skip
+def test_a_path_that_cannot_be_used_is_one_line_naming_it(
+    argv: list[str], says: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = fleet_main([arg.format(tmp=tmp_path) for arg in argv])
+    line = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in line, line
+    assert all(text.format(tmp=tmp_path) in line for text in says) and "unexpected" not in line, line
+    assert "build-model" not in line or argv[0] != "build-model", line
