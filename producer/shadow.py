@@ -16,7 +16,7 @@ from typing import Any
 
 from producer.client import FleetClient
 from protocol.errors import InvalidRequest
-from protocol.messages import InferenceResult
+from protocol.messages import InferenceRequest, InferenceResult
 from protocol.model_state import ModelState, Role
 
 __all__ = ["load_prompts", "shadow_agreement", "synthetic_prompts"]
@@ -45,7 +45,7 @@ def load_prompts(path: Path) -> list[str | list[int]]:
     except (OSError, ValueError) as exc:
         raise InvalidRequest(f"--prompts {path}: cannot read a JSON list: {exc}", "prompts", "JSON list") from exc
     ok = isinstance(doc, list) and doc and all(
-        isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) for t in p)) for p in doc
+        isinstance(p, str) or (isinstance(p, list) and all(type(t) is int for t in p)) for p in doc
     )
     if not ok:
         raise InvalidRequest(f"--prompts {path}: must be a non-empty JSON list of texts or token-id lists",
@@ -57,20 +57,26 @@ def _top1(result: InferenceResult) -> int | None:
     return result.top_k[0].token_id if result.top_k else None
 
 
+def _next_token_request(client: FleetClient, model: str, prompt: str | list[int], n: int) -> InferenceRequest:
+    """Prompt ``n`` of the file as a greedy top-1 request; an error names the prompt (``prompts[n]``)."""
+    try:
+        if isinstance(prompt, str):
+            return client.build_request(model, text=prompt, top_k=1, kind="next_token")
+        return client.build_request(model, prompt, top_k=1, kind="next_token")
+    except InvalidRequest as exc:
+        where = f"prompts[{n}]" + (f".{exc.field}" if exc.field else "")
+        raise type(exc)(f"--prompts item {n}: {exc.message}", where, exc.limit) from exc
+
+
 def shadow_agreement(
     client: FleetClient, model: str, state: ModelState, prompts: Sequence[str | list[int]]
 ) -> dict[str, Any]:
     """Send every prompt to both role queues and report how often the top-1 ids agree."""
-    sent: list[tuple[str, str]] = []
-    for prompt in prompts:
-        pair = []
-        for role in ROLES:
-            if isinstance(prompt, str):
-                request = client.build_request(model, text=prompt, top_k=1, kind="next_token")
-            else:
-                request = client.build_request(model, prompt, top_k=1, kind="next_token")
-            pair.append(client.send(request, role=role))
-        sent.append((pair[0], pair[1]))
+    pairs = [[_next_token_request(client, model, prompt, n) for _role in ROLES] for n, prompt in enumerate(prompts)]
+    sent: list[tuple[str, str]] = []  # every prompt was checked first: a bad one leaves nothing sent
+    for pair in pairs:
+        stable_id, canary_id = (client.send(request, role=role) for request, role in zip(pair, ROLES, strict=True))
+        sent.append((stable_id, canary_id))
     flat = [rid for pair in sent for rid in pair]
     results = dict(zip(flat, client.wait(flat, SHADOW_TIMEOUT_S), strict=True))
     compared = agreed = failed = 0

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from producer.cli import main as fleet_main
+from protocol.keys import REQUEST_KEY
 from protocol.messages import InferenceResult
 from protocol.model_state import pin, recent_prompts, record_refusal, samples_prompt, set_canary
 from store import ChecksumMismatch
@@ -102,6 +103,15 @@ def test_compare_reports_per_version_figures_and_shadow_agreement(
     assert shadow["prompts"] == 16 and shadow["compared"] == 16 and shadow["failed"] == 0
     assert shadow["agreement"] == 1.0  # the two versions are the same bytes
     assert shadow["recent_prompts"] == min(16, len(sampled))
+
+    # a prompt of the file that cannot be sent is named by its place in the file, and none of them is sent
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[5, 6], "fine", [7, 10**6]]))
+    markers = len(list(client.redis.scan_iter(REQUEST_KEY.format(id="*"), count=1000)))
+    code, _, err = fleet_json(capsys, cfg, "compare", MODEL, "--window-s", "600", "--shadow", "4", "--prompts",
+                              str(prompts))
+    assert code == 2 and "--prompts item 2: input_ids[1] = 1000000" in err, err
+    assert len(list(client.redis.scan_iter(REQUEST_KEY.format(id="*"), count=1000))) == markers  # nothing sent
 
 
 def test_status_shows_versions_changes_and_refusals(fleet: Fleet, capsys: pytest.CaptureFixture[str]) -> None:
