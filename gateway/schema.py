@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from producer.client import MAX_DEADLINE_S, RequestStatus
+from protocol.keys import REQUEST_ID_PATTERN
 from protocol.messages import GenerationParams, RequestFloat
 
 __all__ = [
@@ -20,8 +21,6 @@ __all__ = [
     "SubmitBody",
 ]
 
-REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
-"""Caller-given request IDs: 1–128 characters of letters, digits and ``._:-`` (they become Redis keys)."""
 
 
 class _Body(BaseModel):

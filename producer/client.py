@@ -13,6 +13,7 @@ a worker makes is made here first, so bad input is refused before anything is qu
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -45,7 +46,7 @@ from protocol.errors import (
     QueueFull,
     RateLimited,
 )
-from protocol.keys import CARD_KEY, REQUEST_KEY
+from protocol.keys import CARD_KEY, REQUEST_ID_PATTERN, REQUEST_ID_RULE, REQUEST_KEY
 from protocol.messages import (
     TASK_NAME,
     GenerationParams,
@@ -243,6 +244,10 @@ class FleetClient(ResultReader):
             raise InvalidRequest("give exactly one of input_ids or text", "input_ids", None)
         if request_id is not None and not request_id:
             raise InvalidRequest("request_id is empty: give an ID, or none to get a fresh one", "request_id", None)
+        if request_id is not None and not re.fullmatch(REQUEST_ID_PATTERN, request_id):  # as the gateway's
+            raise InvalidRequest(f"request_id {request_id[:40]!r}{'…' if len(request_id) > 40 else ''} must be "
+                                 f"{REQUEST_ID_RULE}: the ID names Redis keys and the URL GET /v1/requests/{{id}}",
+                                 "request_id", REQUEST_ID_PATTERN)  # fmt: skip
         if deadline_s is not None and not 0 < deadline_s <= MAX_DEADLINE_S:  # as POST /v1/requests refuses it
             raise InvalidRequest(f"deadline_s = {deadline_s} must be > 0 and <= {MAX_DEADLINE_S:g} s (a request "
                                  "already past its deadline is never run)", "deadline_s", MAX_DEADLINE_S)  # fmt: skip

@@ -13,6 +13,8 @@ __all__ = [
     "LIVE_WORKERS_KEY",
     "PREFIX_HOLDER_KEY",
     "RATE_KEY",
+    "REQUEST_ID_PATTERN",
+    "REQUEST_ID_RULE",
     "REQUEST_KEY",
     "RESPONSE_KEY",
     "RESULT_KEY",
@@ -21,6 +23,11 @@ __all__ = [
     "utf8_text",
 ]
 
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+"""Caller-given request IDs, on every face that takes one (client, CLI, gateway): they become Redis keys and
+URL path segments (``GET /v1/requests/{id}``). IDs the fleet makes (uuid4 hex) match it."""
+REQUEST_ID_RULE = "1 to 128 letters, digits and . _ : - (starting with a letter or digit)"
+""":data:`REQUEST_ID_PATTERN` in words, for error messages."""
 REQUEST_KEY = "fleet:req:{id}"
 """Written at submit (TTL = result_ttl_s): tells 'queued' from 'never heard of'."""
 CANCEL_KEY = "fleet:cancel:{id}"

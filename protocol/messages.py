@@ -254,7 +254,7 @@ def as_invalid_request(exc: ValidationError, prefix: str = "") -> InvalidRequest
     return InvalidRequest(_first_error(exc, prefix), field, limit_of(errs[0]) if errs else None)
 
 
-LIMIT_KEYS = ("ge", "gt", "le", "lt", "max_length", "min_length", "multiple_of")
+LIMIT_KEYS = ("ge", "gt", "le", "lt", "max_length", "min_length", "multiple_of", "pattern")
 """Where pydantic's error context holds the bound a value broke."""
 
 

@@ -30,6 +30,9 @@ CLIENT_CASES = [
     ({"input_ids": [1], "top_k": 1000}, InvalidRequest, "output.top_k", "max_top_k=64"),
     ({"input_ids": [1], "kind": "embedding"}, InvalidRequest, "output.kind", "next_token"),
     ({"input_ids": [1], "top_k": 3, "generation": {}}, InvalidRequest, "output.top_k", "leave top_k out"),
+    # an ID the gateway could not serve (GET /v1/requests/{id}) is refused as the gateway refuses it
+    ({"input_ids": [1], "request_id": "user 7/turn 2"}, InvalidRequest, "request_id", "1 to 128 letters"),
+    ({"input_ids": [1], "request_id": "x" * 129}, InvalidRequest, "request_id", "1 to 128 letters"),
 ]
 
 

@@ -26,6 +26,7 @@ from schemathesis.generation import GenerationMode
 # mismatch" (python/cpython#106905) while a finalizer was retrying a stopped Redis.
 from schemathesis.specs.openapi.schemas import OpenApiSchema  # noqa: F401
 
+from protocol.keys import REQUEST_ID_PATTERN
 from tests.integration.ops_fixtures import (
     API_KEY,
     ROOT,
@@ -195,6 +196,9 @@ def test_limits_are_named(served: Served) -> None:
     assert unknown.status_code == 422 and unknown.json()["type"] == "UnknownModel"
     top_k = http.post("/v1/requests", json={"model": "demo-lm", "input_ids": [1], "output": {"top_k": 999}})
     assert top_k.status_code == 422 and "max_top_k=64" in top_k.json()["message"]
+    odd_id = http.post("/v1/requests", json={"model": "demo-lm", "input_ids": [1], "request_id": "user 7/turn 2"})
+    assert odd_id.status_code == 422 and odd_id.json()["field"] == "request_id"
+    assert odd_id.json()["limit"] == REQUEST_ID_PATTERN  # the rule the client and the CLI refuse it by
     # top_k counts next-token candidates: given for an output that has none, it is refused, not ignored
     for body in ({"model": "demo-encoder", "input_ids": [1], "output": {"top_k": 3}},
                  {"model": "demo-lm", "input_ids": [1], "output": {"top_k": 3, "generation": {}}}):

@@ -124,6 +124,7 @@ def test_an_invalid_card_is_one_line_naming_the_file_and_the_first_problem(
     (["--deadline-s", "-5"], "deadline_s"),  # queued, then expired: refused as POST /v1/requests refuses it
     (["--deadline-s", "0"], "deadline_s"),
     (["--request-id", ""], "request_id"),  # replaced by a fresh ID without a word
+    (["--request-id", "user 7/turn 2"], "request_id"),  # queued, then out of the gateway's reach (its URL)
 ])  # fmt: skip
 def test_a_submit_the_gateway_would_refuse_is_refused_before_anything_is_queued(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], flags: list[str], field: str
