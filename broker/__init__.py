@@ -32,6 +32,8 @@ What it adapts, module by module:
 * :mod:`broker.priority_lists`: kombu's priority sibling lists (``sep``, ``priority_steps``): a queue's
   depth is four ``LLEN`` replies.
 * :mod:`broker.versions`: the pins and the worker's start-up check.
+* :mod:`broker.celery_app`: ``WorkController.options`` at ``worker_init`` (mingle and gossip off on every
+  worker, however it was started: :func:`quiet_worker`).
 
 Not here yet, and to check on an upgrade as well: ``producer/task_writer.py`` (writes Celery's task message
 and its task-sent event itself; kombu's ``_q_for_pri`` and ``_get_publish_topic``), ``workers/trace_guard.py``
@@ -60,7 +62,7 @@ Tests may import submodules: they check the internals one by one.
 from __future__ import annotations
 
 from broker.cancel_marks import MARKS as CANCEL_MARKS
-from broker.celery_app import make_celery
+from broker.celery_app import make_celery, quiet_worker
 from broker.event_buffer import install as install_event_buffer
 from broker.in_hand import IN_HAND as TAKEN_IN_HAND
 from broker.message_check import bulk_request_ids
@@ -82,5 +84,6 @@ __all__ = [
     "installed_versions",
     "make_celery",
     "queue_depth",
+    "quiet_worker",
     "untested",
 ]

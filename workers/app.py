@@ -23,6 +23,7 @@ from broker import (
     install_poison_guard,
     install_result_backend,
     make_celery,
+    quiet_worker,
 )
 from protocol.celeryconf import celery_config
 from protocol.errors import ConfigError, FleetError
@@ -91,6 +92,7 @@ def _load_model_before_consuming(sender: Any = None, **_: Any) -> None:
     from workers.result_repr import install as install_result_repr
     from workers.runtime import start_runtime
 
+    quiet_worker(sender)  # no mingle, no gossip, as `fleet worker` starts it (broker.celery_app)
     install_poison_guard(worker_settings=_runtime_settings)
     install_result_repr()  # the task-succeeded event's result text, without Celery's slow saferepr
 
