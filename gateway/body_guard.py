@@ -7,7 +7,7 @@ of them was refused. Two plain-ASGI middlewares stand in front of the routes:
 
 * :class:`RequestGuardMiddleware` (before the body is read): every ``/v1/*`` request needs an
   accepted API key (401), and a body sent to ``/v1/*`` must be declared JSON (415 names
-  ``Content-Type``; form and multipart bodies pass on to their route).
+  ``Content-Type``; no route reads forms, so curl's ``-d`` default, a form type, is refused too).
 * :class:`JsonShapeMiddleware` (after the body cap, before parsing): :func:`scan_json` walks the
   raw bytes without building anything and refuses (413, naming the top-level field and the limit)
   a body nested deeper than :data:`MAX_JSON_DEPTH` or holding more arrays/objects or strings than
@@ -53,7 +53,8 @@ BASE_ALLOWANCE = 256
 """Arrays/objects allowed on top of the per-item allowance (strings: four times this)."""
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _UNREAD = {"Connection": "close"}  # the body was not read: the connection cannot carry another request
-_PASS_THROUGH_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
+_CURL_DEFAULT = "application/x-www-form-urlencoded"
+"""What ``curl -d`` sends without ``-H 'Content-Type: …'``: the most common way to send JSON undeclared."""
 # a JSON string (escapes included), optionally followed by ':' (then it is a key), or a bracket
 _TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"\s*(:?)|[\[\]{}]')
 
@@ -212,9 +213,11 @@ class RequestGuardMiddleware:
             return
         if scope.get("method") in _BODY_METHODS and _has_body(scope):
             content_type = _header(scope, b"content-type")
-            if content_type is None or not (_is_json(content_type) or content_type.startswith(_PASS_THROUGH_TYPES)):
+            if content_type is None or not _is_json(content_type):
                 said = "is missing" if content_type is None else f"is {content_type!r}"
                 msg = f"Content-Type {said}: the body must be JSON, sent with header 'Content-Type: application/json'"
+                if content_type is not None and content_type.startswith(_CURL_DEFAULT):
+                    msg += " (curl -d sends a form type unless -H 'Content-Type: application/json' is given)"
                 payload = error_payload("unsupported_media_type", "UnsupportedMediaType", msg, "Content-Type",
                                         "application/json")  # fmt: skip
                 await send_error(scope, send, 415, payload, _UNREAD)
