@@ -87,7 +87,8 @@ def _published(
             raise ConfigError(
                 f"{model} {version}: no model store is configured (store.backend: none), so a worker can serve only "
                 f"the configured version {configured}; configure a store (FLEET_STORE__BACKEND, see README "
-                f"'Versioned models') and publish {version} with `fleet models push`", "store.backend", "a model store")
+                f"'Model versions (store)') and publish {version} with `fleet models push`", "store.backend",
+                "a model store")
         return None, None
     from store.cards import version_check
     from store.model_store import open_store
