@@ -464,14 +464,15 @@ def serve(
     """Run the gateway with uvicorn until interrupted (one process; run more for replicas).
 
     With ``log.format: json`` every line (uvicorn's, the fleet's, the access log) is one JSON object
-    on stderr (:mod:`protocol.log_format`), and the access log is the fleet's own (with request IDs).
+    on stderr (:mod:`protocol.log_format`), and the access log is the fleet's own (with request IDs). With
+    ``text`` uvicorn keeps its own lines and handlers, and the fleet's are text lines on stderr.
     """
     import uvicorn
 
     json_logs = settings.log.format == "json"
     logging_kwargs: dict[str, Any] = {}
+    configure_logging(settings.log.format, log_level.upper())  # the fleet's own lines (fleet.api…), in text too
     if json_logs:
-        configure_logging("json", log_level.upper())
         logging_kwargs["log_config"] = None  # uvicorn's loggers propagate to the JSON root handler
     uvicorn.run(
         create_app(settings, access_log=access_log and json_logs, freeze_gc=True),

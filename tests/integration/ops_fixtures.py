@@ -79,7 +79,7 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 class GatewayProcess:
     """``fleet api`` in a subprocess on a free port."""
 
-    def __init__(self, config: Path, log_path: Path) -> None:
+    def __init__(self, config: Path, log_path: Path, log_level: str = "warning") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log: IO[bytes] = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
@@ -97,7 +97,7 @@ class GatewayProcess:
             str(self.port),
             "--no-access-log",
             "--log-level",
-            "warning",
+            log_level,
         ]
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -183,16 +183,16 @@ class OpsFleet:
             proc.wait_ready(60)
         return proc
 
-    def gateway(self, config: Path) -> GatewayProcess:
+    def gateway(self, config: Path, log_level: str = "warning") -> GatewayProcess:
         """A real ``fleet api`` process, answering /healthz."""
-        return self.gateway_replicas(config, 1)[0]
+        return self.gateway_replicas(config, 1, log_level)[0]
 
-    def gateway_replicas(self, config: Path, n: int) -> list[GatewayProcess]:
+    def gateway_replicas(self, config: Path, n: int, log_level: str = "warning") -> list[GatewayProcess]:
         """``n`` real ``fleet api`` processes on one config, started together, all answering /healthz."""
         started = []
         for _ in range(n):
             self._n += 1
-            started.append(GatewayProcess(config, self.tmp_path / f"gateway-{self._n}.log"))
+            started.append(GatewayProcess(config, self.tmp_path / f"gateway-{self._n}.log", log_level))
         self.gateways.extend(started)
         return [gw.wait_ready() for gw in started]
 

@@ -92,3 +92,11 @@ def test_status_shows_workers_and_queues(ops_fleet: OpsFleet) -> None:
     encoder_row = next(line for line in text.splitlines() if line.startswith("demo-encoder"))
     assert encoder_row.split()[:4] == ["demo-encoder", "fleet.demo-encoder", "2", "10000"]
     assert "NOT READY: model 'demo-encoder' has no worker" in text
+
+
+def test_the_gateway_logs_its_own_lines_in_the_default_text_format(ops_fleet: OpsFleet) -> None:
+    """With ``log.format: text`` (the default) only uvicorn's lines were written: the fleet's own (``fleet.api``:
+    the start-up freeze, result notifications back after a Redis restart) had no handler."""
+    gateway = ops_fleet.gateway(ops_fleet.config(), log_level="info")
+    log = gateway.log_path.read_text()  # the freeze is logged before uvicorn starts listening (/healthz answered)
+    assert "gateway: " in log and "start-up objects frozen out of the garbage collector" in log, log[-2000:]
