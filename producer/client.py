@@ -59,7 +59,7 @@ from protocol.modelcard import ModelCard, load_card
 from protocol.redis_conn import sync_client
 from protocol.settings import FleetSettings, load_settings
 from protocol.tokenization import Tokenizer, load_tokenizer
-from protocol.validation import check_input, resolve_output
+from protocol.validation import check_generation_room, check_input, resolve_output
 
 __all__ = ["MAX_DEADLINE_S", "FleetClient", "RequestStatus", "request_fingerprint"]
 
@@ -267,6 +267,9 @@ class FleetClient(ResultReader):
                 raise _as_text_error(exc) if text is not None else exc from exc
             ids, truncated = checked.input_ids, checked.truncated
             spec = resolve_output(spec, model_kind=info.card.kind, limits=limits, vocab_size=info.card.vocab_size)
+            if spec.kind == "generate" and spec.generation is not None:  # as the worker checks it: refused here
+                check_generation_room(len(ids), spec.generation.max_new_tokens, max_positions=info.card.max_positions,
+                                      max_kv_tokens=self.settings.models[key].batching.max_kv_tokens)  # fmt: skip
             if top_k is not None and spec.kind != "next_token":
                 raise InvalidRequest(f"output.top_k is the count of next-token candidates returned; this request's "
                                      f"output is {spec.kind!r} (model {model!r}), which has none: leave top_k out",

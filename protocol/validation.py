@@ -12,7 +12,7 @@ from protocol.messages import GenerationParams, OutputKind, OutputSpec
 from protocol.modelcard import ModelKind
 from protocol.settings import LimitSettings
 
-__all__ = ["CheckedInput", "check_input", "resolve_output"]
+__all__ = ["CheckedInput", "check_generation_room", "check_input", "resolve_output"]
 
 
 @dataclass(frozen=True)
@@ -104,3 +104,27 @@ def resolve_output(
             limits.max_top_k,
         )
     return spec.model_copy(update={"kind": kind})
+
+
+def check_generation_room(prompt_tokens: int, max_new_tokens: int, *, max_positions: int, max_kv_tokens: int) -> None:
+    """A generation of ``max_new_tokens`` after a prompt of ``prompt_tokens`` fits the model's positions
+    (``max_positions``, the card's) and the worker's KV budget (``max_kv_tokens`` tokens).
+
+    Raises:
+        InvalidRequest: naming ``output.generation.max_new_tokens`` with the most that fits as its limit
+            (0: the prompt leaves no room for one generated token).
+    """
+    total = prompt_tokens + max_new_tokens
+    for bound, what in ((max_positions, "the model's max_positions"), (max_kv_tokens, "the worker's KV budget "
+                                                                                       "max_kv_tokens")):
+        if total > bound:
+            room = max(0, bound - prompt_tokens)
+            hint = (f"at most {room} fit" if room else
+                    f"the prompt leaves no room for one: it must be shorter than {bound} tokens")  # fmt: skip
+            raise InvalidRequest(
+                f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds {what}="
+                f"{bound}: {hint}",
+                "output.generation.max_new_tokens",
+                room,
+            )
+

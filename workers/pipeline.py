@@ -27,7 +27,7 @@ from protocol.messages import (
     Usage,
     decode_request,
 )
-from protocol.validation import CheckedInput, check_input, resolve_output
+from protocol.validation import CheckedInput, check_generation_room, check_input, resolve_output
 from workers.generation.sequence import GenOutcome, GenSequence
 from workers.runtime import WorkerRuntime
 from workers.scheduler import Arrival, Job, JobResult, Role
@@ -70,21 +70,8 @@ def _check_generation(runtime: WorkerRuntime, output: OutputSpec, prompt_tokens:
             "output.generation.stop",
             None,
         )
-    total = prompt_tokens + params.max_new_tokens
-    if total > runtime.card.max_positions:
-        raise InvalidRequest(
-            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} exceeds the "
-            f"model's max_positions={runtime.card.max_positions}",
-            "output.generation.max_new_tokens",
-            runtime.card.max_positions - prompt_tokens,
-        )
-    budget = runtime.model.batching.max_kv_tokens
-    if total > budget:
-        raise InvalidRequest(
-            f"prompt + max_new_tokens = {total} tokens exceeds the worker's KV budget max_kv_tokens={budget}",
-            "output.generation.max_new_tokens",
-            budget - prompt_tokens,
-        )
+    check_generation_room(prompt_tokens, params.max_new_tokens, max_positions=runtime.card.max_positions,
+                          max_kv_tokens=runtime.model.batching.max_kv_tokens)  # fmt: skip
     return params
 
 

@@ -47,6 +47,19 @@ def test_client_refuses_before_queueing(fleet: Fleet, kwargs: dict[str, object],
     assert redis.Redis.from_url(fleet.redis_url).llen("fleet.demo-lm") == 0
 
 
+def test_a_generation_that_cannot_fit_is_refused_by_the_client(fleet: Fleet) -> None:
+    """prompt + max_new_tokens beyond the worker's KV budget (or the model's positions) was queued, then failed in
+    the worker; the default max_new_tokens is cut to what fits, and a prompt that leaves no room is refused."""
+    client = fleet.client(fleet.config(models={"demo-lm": {"batching": {"max_kv_tokens": 64}}}))
+    for ids, generation, room in (([1] * 60, {"max_new_tokens": 10}, 4), ([1] * 64, {}, 0), ([1] * 100, {}, 0)):
+        with pytest.raises(InvalidRequest) as info:
+            client.submit("demo-lm", ids, generation=generation)
+        assert (info.value.field, info.value.limit) == ("output.generation.max_new_tokens", room), info.value
+        assert "max_kv_tokens=64" in str(info.value) and ("no room" in str(info.value)) == (room == 0)
+    assert redis.Redis.from_url(fleet.redis_url).llen("fleet.demo-lm") == 0
+    assert client.submit("demo-lm", [1] * 60, generation={})  # the default is cut to the 4 that fit
+
+
 def test_unknown_model_is_refused_by_the_client(fleet: Fleet) -> None:
     client = fleet.client(fleet.config())
     with pytest.raises(UnknownModel, match="configured models: demo-encoder, demo-llama, demo-lm"):
