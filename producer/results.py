@@ -80,12 +80,17 @@ class ResultReader:
             FleetError: the request failed (the worker's error, rebuilt: InputTooLong, RequestExpired, …).
             ResultTimeout: ``wait`` and no result within ``timeout_s`` (None: wait without limit).
             RequestNotFound: not waiting, and the ID was never submitted or its result expired.
+            RequestCancelled: it was cancelled before it ran (stored by the worker that dropped it, or only
+                marked: no worker took it yet), waiting or not.
         """
+        finished = self._finished([request_id])
+        if request_id in finished:
+            return self._raise_or_return(finished[request_id])
+        status = self.status(request_id)
+        if status is RequestStatus.CANCELLED:  # cancelled while queued: no worker may ever store why, nor wait
+            raise RequestCancelled(f"request {request_id} was cancelled before it ran", "request_id", None)
         if not wait:
-            finished = self._finished([request_id])
-            if request_id in finished:
-                return self._raise_or_return(finished[request_id])
-            if self.status(request_id) is RequestStatus.NOT_FOUND:
+            if status is RequestStatus.NOT_FOUND:
                 raise RequestNotFound(f"no request {request_id!r} is known", "request_id", None)
             return None
         backend = self.app.backend

@@ -436,7 +436,8 @@ class ApiSettings(_Section):
     )
     no_worker_wait_s: float = Field(
         default=30.0, ge=0, le=600, description="An OpenAI-route call for a model no live worker serves waits "
-        "this long for one to appear (scale from zero), then answers 503 no_worker; the request stays queued (s).",
+        "this long for one to appear (scale from zero), then answers 503 no_worker and cancels the request: no worker "
+        "runs it later, for a caller that has gone (s).",
     )
     responses_ttl_s: int = Field(
         default=30 * 24 * 3600, ge=60, le=365 * 24 * 3600, description="How long a stored /v1/responses response "

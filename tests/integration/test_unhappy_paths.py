@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from protocol.keys import CANCEL_KEY
 from tests.integration.ops_fixtures import OpsFleet, ops_fleet, ops_models, ops_redis  # noqa: F401
 from tools.redis_server import EmbeddedRedis, free_port
 
@@ -120,6 +121,14 @@ def test_a_model_with_no_worker_is_accepted_and_said(ops_fleet: OpsFleet) -> Non
     cancelled = fleet("cancel", "nw-1", config=config)  # still queued: cancelled, exit 0, nothing on stderr
     assert cancelled.returncode == 0 and '"cancelled": true' in cancelled.stdout, cancelled.stdout + cancelled.stderr
     assert not cancelled.stderr.strip(), cancelled.stderr
+    # cancelled while queued by a cancel mark alone (what the gateway writes when an OpenAI call finds no worker),
+    # no worker to store why: over at once, as a stored cancel is (exit 1); --timeout 600 with a 60 s cap on the
+    # run fails with TimeoutExpired if it is waited out (it was; and without --wait it exited 0)
+    marked = fleet("submit", "--model", "demo-encoder", "--text", "hi", "--request-id", "nw-marked", config=config)
+    assert marked.returncode == 0, marked.stderr
+    ops_fleet.redis.set(CANCEL_KEY.format(id="nw-marked"), "1")
+    for wait in ((), ("--wait", "--timeout", "600")):
+        one_line(fleet("result", "nw-marked", *wait, config=config), 1, "nw-marked was cancelled before it ran")
 
 
 def test_an_unknown_request_id_does_not_wait_out_the_timeout(ops_fleet: OpsFleet) -> None:  # noqa: F811
