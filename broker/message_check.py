@@ -48,7 +48,7 @@ from kombu.utils.json import loads as _kombu_loads
 
 from protocol.deadletter import Reason
 from protocol.keys import utf8_text
-from protocol.messages import BULK_TASK_NAME
+from protocol.messages import BULK_TASK_NAME, FLEET_TASK_PREFIX
 
 __all__ = ["BODY_LAYOUT", "FLEET_TASK_PREFIX", "MAX_TASK_ID_CHARS", "Accepted", "Envelope", "Refused",
            "bulk_request_ids", "check_message", "parse_envelope"]
@@ -60,7 +60,6 @@ JSON_CONTENT_TYPE = "application/json"
 PICKLE_CONTENT_TYPE = "application/x-python-serialize"
 _UTF8 = frozenset({"utf-8", "utf8"})
 _EMBED_KEYS = frozenset({"callbacks", "errbacks", "chain", "chord"})
-FLEET_TASK_PREFIX = "fleet."
 """The fleet's own task names start with this; every other registered task (Celery's built-ins) is refused."""
 _OPTIONAL_STR_HEADERS = (
     "lang", "shadow", "group", "root_id", "parent_id", "argsrepr", "kwargsrepr", "origin", "compression"

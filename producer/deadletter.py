@@ -104,7 +104,7 @@ class DeadLetterStore:
                 message); ``force`` pushes it anyway.
         """
         stored, entry = self.find(ident)
-        if not requeue_allowed(entry.reason) and not force:
+        if not requeue_allowed(entry.reason, entry.task) and not force:
             raise InvalidRequest(
                 f"entry {entry.id} was dead-lettered as {entry.reason.value} ({entry.detail}); a worker would "
                 "refuse it again. Use --force to requeue it anyway",

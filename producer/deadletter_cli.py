@@ -60,7 +60,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     _, entry = _store(_settings(args)).find(args.id)
     _print({**entry.model_dump(mode="json"), "dead_lettered_at": _when(entry),
-            "requeue_allowed": requeue_allowed(entry.reason)})
+            "requeue_allowed": requeue_allowed(entry.reason, entry.task)})
     return 0
 
 
@@ -68,7 +68,7 @@ def cmd_requeue(args: argparse.Namespace) -> int:
     settings = _settings(args)
     store = _store(settings)
     _stored, found = store.find(args.id)
-    if not requeue_allowed(found.reason) and not args.force:
+    if not requeue_allowed(found.reason, found.task) and not args.force:
         store.requeue(args.id)  # raises InvalidRequest (the reason and --force); nothing has changed
     entry, cleared = store.requeue(args.id, force=args.force)  # with the FAILUREs the guard stored
     _print({"id": entry.id, "requeued": True, "task_id": entry.task_id, "queue": entry.queue,

@@ -35,6 +35,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from protocol.errors import DecodeError
+from protocol.messages import FLEET_TASK_PREFIX
 
 __all__ = [
     "DEAD_LETTERED",
@@ -75,8 +76,12 @@ class Reason(StrEnum):
 _REQUEUE_SAFE = frozenset({Reason.MAX_DELIVERIES, Reason.UNKNOWN_TASK})
 
 
-def requeue_allowed(reason: Reason) -> bool:
-    """True when requeueing an entry of this reason can succeed as it is (no ``--force`` needed)."""
+def requeue_allowed(reason: Reason, task: str | None = None) -> bool:
+    """True when requeueing an entry of this reason (and, for ``unknown_task``, this task name) can succeed as it
+    is (no ``--force`` needed): an unknown ``fleet.*`` task may be known to a newer worker; any other name
+    (``celery.backend_cleanup``…) is refused again by every worker."""
+    if reason is Reason.UNKNOWN_TASK:
+        return task is not None and task.startswith(FLEET_TASK_PREFIX)
     return reason in _REQUEUE_SAFE
 
 

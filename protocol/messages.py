@@ -31,6 +31,7 @@ from protocol.errors import DecodeError, InvalidRequest
 
 __all__ = [
     "BULK_TASK_NAME",
+    "FLEET_TASK_PREFIX",
     "MAX_BULK_REQUESTS",
     "SCHEMA_VERSION",
     "TASK_NAME",
@@ -58,6 +59,8 @@ RequestFloat = Annotated[float, Strict(), AllowInfNan(False)]
 SCHEMA_VERSION = 1
 TASK_NAME = "fleet.infer"
 BULK_TASK_NAME = "fleet.infer_bulk"
+FLEET_TASK_PREFIX = "fleet."
+"""Only tasks named so run on the fleet's queues (a newer worker may know more of them than this one)."""
 MAX_BULK_REQUESTS = 4096
 """Most requests one ``fleet.infer_bulk`` message may carry."""
 

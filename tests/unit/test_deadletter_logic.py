@@ -55,7 +55,17 @@ def test_items_from_older_workers_read_as_legacy_entries() -> None:
      (Reason.WORKER_ERROR, False)],
 )
 def test_only_messages_a_worker_would_take_requeue_without_force(reason: Reason, allowed: bool) -> None:
-    assert requeue_allowed(reason) is allowed
+    assert requeue_allowed(reason, "fleet.infer_v2") is allowed
+
+
+@pytest.mark.parametrize(("task", "allowed"), [
+    ("fleet.infer_v2", True),  # a newer worker may know it
+    ("celery.backend_cleanup", False),  # every worker refuses it again: it came straight back (requeued without --force)
+    ("tasks.add", False),
+    (None, False),
+])  # fmt: skip
+def test_an_unknown_task_requeues_without_force_only_when_it_is_a_fleet_task(task: str | None, allowed: bool) -> None:
+    assert requeue_allowed(Reason.UNKNOWN_TASK, task) is allowed
 
 
 def test_a_requeued_message_loses_its_redelivered_marks() -> None:
