@@ -161,6 +161,8 @@ def format_status(doc: dict[str, Any]) -> str:
         lines.append("(no live worker)")
     lines += ["", "QUEUES"]
     lines += _table(["MODEL", "QUEUE", "DEPTH", "CAP", "IN-FLIGHT", "READY", "OLDEST WAITING", "DRAIN REQ/S"], queues)
+    lines += [f"{q['model']}: {q['direct_depth']} more waiting in workers' own queues ({q['queue']}.w.<hostname>)"
+              for q in doc["queues"] if q.get("direct_depth")]  # fmt: skip
     if doc.get("models"):
         from producer.model_status import format_model_states
 
@@ -184,6 +186,7 @@ def status_document(settings: FleetSettings, client: redis.Redis[bytes]) -> dict
             "model": m.name,
             "queue": m.queue,
             "depth": m.depth,
+            "direct_depth": m.direct_depth,
             "max_queue_depth": m.max_queue_depth,
             "in_flight": m.in_flight,
             "ready_workers": m.ready_workers,
@@ -229,7 +232,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 def probe(settings: FleetSettings, kind: str, *, worker: str | None, models: list[str] | None) -> list[str]:
     """Problems that fail the probe ([] = pass).
 
-    ``live``: Redis answers (with ``worker``: that worker's heartbeat has not expired).
+    ``live``: with ``worker``, that worker's heartbeat has not expired while Redis answers. A Redis that does not
+    answer fails no liveness: it is not the probed process's fault, and a liveness probe that failed on it
+    restarted every worker and gateway at once (into the same outage); readiness fails instead.
     ``ready``: Redis answers and each of ``models`` (default: all configured) has a ready worker
     (with ``worker``: that worker's heartbeat says ready).
     """
@@ -251,6 +256,10 @@ def probe(settings: FleetSettings, kind: str, *, worker: str | None, models: lis
         keys = [settings.model_key(m) for m in models] if models else None
         return readiness_problems(read_fleet_state(settings, client), keys)
     except redis.RedisError as exc:
+        if kind == "live" and isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+            print(f"fleet probe live: note: {describe_redis_error(exc, settings)}: a reason to be not ready, not to "
+                  "be restarted", file=sys.stderr)
+            return []
         return [describe_redis_error(exc, settings)]
     finally:
         client.close()

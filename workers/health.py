@@ -57,6 +57,8 @@ class Heartbeat:
         (:mod:`workers.namesakes`)."""
         self._ceded = False
         """The last beat found the name held by a live worker of another process (logged once per loss)."""
+        self.published_monotonic_s: float | None = None
+        """When the last beat reached Redis (``time.monotonic()``); None before the first."""
         self.on_beat: list[Callable[[float], None]] = []
         """Called after each published beat with the heartbeat's expiry (unix s), on the beating thread;
         whatever one raises is logged, and the next one still runs."""
@@ -108,8 +110,17 @@ class Heartbeat:
             except ValueError:
                 holder = {}
             return holder if isinstance(holder, dict) else {}
+        self.published_monotonic_s = time.monotonic()
         self._run_hooks(now + ttl_s)
         return None
+
+    @property
+    def live(self) -> bool:
+        """True while the last published beat has not expired in Redis (within :attr:`ttl_s`): what every reader
+        of the heartbeat (``fleet probe ready``, ``/readyz``, the router) sees of this worker. False when Redis
+        has not taken a beat for that long (down, unreachable, refusing writes) or this name is ceded."""
+        published = self.published_monotonic_s
+        return published is not None and not self._ceded and time.monotonic() - published < self.ttl_s
 
     def _script_keys(self, model: str | None) -> list[str]:
         """The KEYS of :data:`~workers.namesakes.BEAT_SCRIPT` and ``RELEASE_SCRIPT``: the heartbeat, and

@@ -67,7 +67,8 @@ from workers.runtime import WorkerRuntime
 from workers.scheduler import BatchStats, JobOutcome
 from workers.stream_metrics import StreamPublisherCollector
 
-__all__ = ["EngineNodesCollector", "WorkerMetrics", "install_metrics", "outcome_of", "queue_wait_ms_of"]
+__all__ = ["EngineNodesCollector", "WorkerMetrics", "install_metrics", "outcome_of", "queue_wait_ms_of",
+           "ready_as_published"]
 
 log = logging.getLogger("fleet.metrics")
 
@@ -93,6 +94,13 @@ def outcome_of(exc: BaseException | None) -> str:
     if isinstance(exc, InvalidRequest):
         return "invalid"
     return "failed"
+
+
+def ready_as_published(runtime: WorkerRuntime) -> bool:
+    """What the worker's heartbeat says of its readiness, as ``fleet probe ready`` reads it: it consumes, it is
+    not stalled (:mod:`workers.progress`, the last check), and its last beat reached Redis (it cannot take or
+    store anything while Redis is away; the gauge said 1 through an outage)."""
+    return runtime.ready and not runtime.progress.last.stalled and runtime.heartbeat.live
 
 
 class EngineNodesCollector:
@@ -175,9 +183,10 @@ class WorkerMetrics:
         Gauge("fleet_worker_in_flight", "Requests held.", m, registry=registry).labels(self.model).set_function(
             lambda: float(runtime.in_flight)
         )
-        Gauge("fleet_worker_ready", "1 once the worker consumes.", m, registry=registry).labels(
+        Gauge("fleet_worker_ready", "1 while the worker's heartbeat says ready: it consumes, it progresses what it "
+              "holds, and Redis took its last beat.", m, registry=registry).labels(
             self.model
-        ).set_function(lambda: 1.0 if runtime.ready else 0.0)
+        ).set_function(lambda: 1.0 if ready_as_published(runtime) else 0.0)
         for outcome in ("succeeded", "invalid", "expired", "cancelled", "failed"):
             self.requests.labels(self.model, outcome)  # export zeros, so rate() sees the series start
         registry.register(StreamPublisherCollector(self.model, runtime.streams))  # held/dropped stream events

@@ -28,7 +28,7 @@ def test_readyz_and_probe_follow_the_worker(ops_fleet: OpsFleet) -> None:
     assert before.status_code == 503 and before.json()["problems"] == ["model 'demo-lm' has no worker"]
     assert _probe(ops_fleet, config, "ready", full_cli=True) == 1  # `fleet probe ready`
     assert _probe(ops_fleet, config, "ready") == 1  # `python -m producer.ops_cli probe ready`
-    assert _probe(ops_fleet, config, "live") == 0  # Redis answers: the process may live on
+    assert _probe(ops_fleet, config, "live") == 0  # the process may live on
 
     worker = ops_fleet.worker(config, wait=False)
     heartbeat = worker.wait_ready(60)
@@ -44,11 +44,13 @@ def test_readyz_and_probe_follow_the_worker(ops_fleet: OpsFleet) -> None:
     assert httpx.get(gateway.url + "/readyz").status_code == 503
     assert _probe(ops_fleet, config, "ready") == 1
 
-    ops_fleet.server.kill()  # Redis gone: not ready, not alive
+    ops_fleet.server.kill()  # Redis gone: not ready; alive (restarting the probed process would not bring Redis back)
     try:
         down = httpx.get(gateway.url + "/readyz")
         assert down.status_code == 503 and "unreachable" in down.json()["problems"][0]
-        assert _probe(ops_fleet, config, "live") == 1
+        assert _probe(ops_fleet, config, "ready") == 1
+        assert _probe(ops_fleet, config, "live") == 0  # was 1: every worker's liveness failed with Redis
+        assert _probe(ops_fleet, config, "live", "--worker", "nobody@nowhere") == 0  # whose heartbeat it cannot read
         submit = httpx.post(
             gateway.url + "/v1/requests", headers={"X-API-Key": API_KEY}, json={"model": "demo-lm", "input_ids": [1]}
         )
