@@ -35,7 +35,7 @@ lint: $(STAMP)
 models: $(STAMP)
 	$(BIN)/fleet build-model
 
-## bench: the full benchmark table (about 14 minutes on 2 cores) -> docs/benchmarks.md
+## bench: the full benchmark table (about 18 minutes on 2 cores) -> docs/benchmarks.md
 bench: $(STAMP)
 	$(BIN)/fleet bench
 

@@ -1,6 +1,6 @@
 """CLI glue for ``fleet bench`` (see :mod:`bench.runner`); ``register(subparsers)`` adds it.
 
-``fleet bench`` runs the full table (~16 minutes on 2 cores, with generation, same weights, guidellm) and rewrites
+``fleet bench`` runs the full table (~18 minutes on 2 cores, with generation, same weights, guidellm) and rewrites
 ``docs/benchmarks.md``, ``docs/benchmarks.json`` and the plots in ``docs/img/``; ``fleet bench --only
 generation`` reruns the generation rows alone (~5 minutes) into the same files, ``fleet bench --only dispatch
 --label after`` the dispatch cost per path (~3 minutes); ``fleet bench --quick``

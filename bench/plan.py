@@ -1,4 +1,4 @@
-"""How long each phase of the bench runs: the full plan (~16 minutes on 2 cores) and ``--quick``.
+"""How long each phase of the bench runs: the full plan (~18 minutes on 2 cores) and ``--quick``.
 
 Durations are in seconds, request counts in requests. Workloads are the issue's two prompt
 shapes: ``long`` (128–256 tokens) and ``short`` (8–16 tokens), and the generation mix
@@ -97,7 +97,7 @@ class Plan:
 
 
 def full_plan(*, peer: bool = True) -> Plan:
-    """The documented run: the bench preset (~27.6 M weights), every row, ~16 minutes on 2 cores."""
+    """The documented run: the bench preset (~27.6 M weights), every row, ~18 minutes on 2 cores."""
     return Plan(quick=False, preset="bench", peer=peer)
 
 
