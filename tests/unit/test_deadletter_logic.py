@@ -60,7 +60,7 @@ def test_only_messages_a_worker_would_take_requeue_without_force(reason: Reason,
 
 @pytest.mark.parametrize(("task", "allowed"), [
     ("fleet.infer_v2", True),  # a newer worker may know it
-    ("celery.backend_cleanup", False),  # every worker refuses it again: it came straight back (requeued without --force)
+    ("celery.backend_cleanup", False),  # every worker refuses it again (requeued without --force, it came back)
     ("tasks.add", False),
     (None, False),
 ])  # fmt: skip
