@@ -4,11 +4,15 @@ Each worker publishes the token-prefix block digests its prefix cache holds
 (:data:`protocol.keys.PREFIX_HOLDER_KEY`, :mod:`workers.direct_queue`). At submit, for a generation of
 a model with ``routing.prefix_aware`` on, :class:`PrefixRouter` digests the prompt's blocks
 (:func:`protocol.prefix_digest.block_digests`, all but the last token: one is always computed), and
-in one pipelined round trip asks every live worker's set which of them it holds and how long that
-worker's own queue is. :func:`pick_holder` chooses the worker holding the most blocks whose queue is
-under ``routing.max_direct_queued``; the request goes to that worker's own queue. No holder, or every
-holder busy past the bound: the model's queue, where any worker takes it. With one live worker there
-is nothing to choose: no lookup is made and the model's queue reaches that worker.
+in one pipelined round trip asks the set of every live worker that consumes a queue of its own which of
+them it holds and how long that queue is. :func:`pick_holder` chooses the worker holding the most blocks
+whose queue is under ``routing.max_direct_queued``; the request goes to that worker's own queue. No holder,
+or every holder busy past the bound: the model's queue, where any worker takes it. With one live worker
+there is nothing to choose: no lookup is made and the model's queue reaches that worker.
+
+Only a worker registered in :data:`protocol.keys.DIRECT_QUEUES_KEY` past now is a candidate, whatever its
+set says: a worker that does not consume its own queue (routing off in its config, say after a restart
+under the name of a worker that did, whose set lingers for its TTL) never gets requests sent there.
 
 A hint, never a promise: a digest may be stale (evicted since), and a worker that dies leaves its
 queue to the others (:class:`workers.direct_queue.DirectQueue`). The live workers are read at most
@@ -27,7 +31,7 @@ from dataclasses import dataclass, replace
 import redis
 
 from protocol.celeryconf import routes_by_prefix
-from protocol.keys import LIVE_WORKERS_KEY, PREFIX_HOLDER_KEY
+from protocol.keys import DIRECT_QUEUES_KEY, LIVE_WORKERS_KEY, PREFIX_HOLDER_KEY
 from protocol.prefix_digest import block_digests
 from protocol.settings import FleetSettings
 
@@ -59,6 +63,10 @@ def pick_holder(holders: Sequence[Holder], max_queued: int) -> Holder | None:
     return min(usable, key=lambda h: (-h.blocks, h.queued, h.host))
 
 
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
 def held_blocks(flags: Sequence[int | bool]) -> int:
     """Blocks held from the digests' membership flags: the deepest flag set (digests chain, so holding
     block k's digest means holding its whole prefix)."""
@@ -79,7 +87,7 @@ class PrefixRouter:
         self.settings = settings
         self.cache_s = cache_s
         self.clock = clock
-        self._live: dict[str, tuple[float, list[str]]] = {}
+        self._live: dict[str, tuple[float, list[str], list[str]]] = {}
         self._lock = threading.Lock()
         self.disabled = False
         """Set when Redis refused the lookup (no SMISMEMBER): every request goes to the model's queue."""
@@ -92,29 +100,41 @@ class PrefixRouter:
 
     def live_hosts(self, model: str) -> list[str]:
         """The hostnames of ``model``'s live workers, at most ``cache_s`` old."""
+        return self._hosts(model)[0]
+
+    def _hosts(self, model: str) -> tuple[list[str], list[str]]:
+        """:meth:`live_hosts`, and those of them that consume a queue of their own (registered in
+        :data:`~protocol.keys.DIRECT_QUEUES_KEY` past now), read together."""
         now = self.clock()
         with self._lock:
             cached = self._live.get(model)
         if cached is not None and now - cached[0] < self.cache_s:
-            return cached[1]
-        raw = self.client.zrangebyscore(LIVE_WORKERS_KEY.format(model=model), time.time(), "+inf")
-        hosts = sorted(h.decode() if isinstance(h, bytes) else str(h) for h in raw)
+            return cached[1], cached[2]
+        wall_s = time.time()
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.zrangebyscore(LIVE_WORKERS_KEY.format(model=model), wall_s, "+inf")
+            pipe.zrangebyscore(DIRECT_QUEUES_KEY.format(model=model), wall_s, "+inf")
+            live_raw, direct_raw = pipe.execute()
+        hosts = sorted(_text(h) for h in live_raw)
+        consuming = {_text(h) for h in direct_raw}
+        direct = [h for h in hosts if h in consuming]
         with self._lock:
-            self._live[model] = (now, hosts)
-        return hosts
+            self._live[model] = (now, hosts, direct)
+        return hosts, direct
 
     def holders(self, model: str, prompts: Sequence[Sequence[int]]) -> list[list[Holder]]:
-        """What each live worker of ``model`` holds of each of ``prompts`` (one round trip for them all).
+        """What each live worker of ``model`` that consumes a queue of its own holds of each of ``prompts``
+        (one round trip for them all).
 
-        No round trip, and no holder, when no prompt has a whole block or fewer than two workers are
-        live: a lone worker takes from the model's queue as well as its own, so a lookup could only
-        choose the worker that serves the request anyway, and its own queue is where an idle worker
-        looks only every ``routing.direct_wait_ms``."""
+        No round trip, and no holder, when no prompt has a whole block, fewer than two workers are
+        live, or none consumes a queue of its own: a lone worker takes from the model's queue as well as its
+        own, so a lookup could only choose the worker that serves the request anyway, and its own queue is
+        where an idle worker looks only every ``routing.direct_wait_ms``."""
         model = self.settings.model_key(model)
         block = self.settings.models[model].batching.prefix_block_tokens
         digests = [block_digests(prompt[: max(0, len(prompt) - 1)], block) for prompt in prompts]
-        hosts = self.live_hosts(model) if any(digests) else []
-        if len(hosts) < 2:
+        live, hosts = self._hosts(model) if any(digests) else ([], [])
+        if len(live) < 2 or not hosts:
             return [[] for _ in prompts]
         looked_up = [d for d in digests if d]
         with self.client.pipeline(transaction=False) as pipe:

@@ -4,7 +4,8 @@ Read by ``GET /v1/models``, ``/readyz``, ``fleet status`` and ``fleet probe``. W
 ``fleet:worker:<hostname>`` (see :mod:`workers.health`; it expires after three heartbeat
 periods, so a dead worker drops out by itself). Queues are kombu's Redis lists: producers LPUSH,
 workers RPOP, so the oldest waiting message sits at the tail (index -1); its body carries the
-request's ``submitted_at_unix_s``.
+request's ``submitted_at_unix_s``. ``direct_depth`` counts what waits in the model's workers' own queues
+(prefix-aware routing, :mod:`workers.direct_queue`): the live workers' and those registered as consuming one.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import redis
 from broker import queue_depth
 from producer.admission import Admission
 from protocol.errors import ModelLoadError
-from protocol.keys import CARD_KEY, WORKER_KEY_PREFIX
+from protocol.keys import CARD_KEY, DIRECT_QUEUES_KEY, WORKER_KEY_PREFIX
 from protocol.modelcard import ModelCard, card_path_for, load_card
 from protocol.redis_conn import describe_redis_error
 from protocol.settings import FleetSettings
@@ -51,6 +52,8 @@ class ModelState:
     workers: list[dict[str, Any]]
     configured_version: str | None
     """``models.<name>.version``, else the version in the model card (None when neither is known)."""
+    direct_depth: int = 0
+    """Requests waiting in the own queues of this model's workers (not in ``depth``)."""
 
     @property
     def ready_workers(self) -> int:
@@ -135,11 +138,27 @@ def read_fleet_state(settings: FleetSettings, client: redis.Redis[bytes], now_s:
                     drain_rate_per_s=admission.drain_rate_per_s(name),
                     workers=[w for w in workers if w.get("model") == name],
                     configured_version=model.version or _card_version(client, name, model.path),
+                    direct_depth=_direct_depth(client, settings, name, workers),
                 )
             )
     except redis.RedisError as exc:
         return FleetState(redis_error=describe_redis_error(exc, settings))
     return FleetState(redis_error=None, models=models, workers=workers)
+
+
+def _direct_depth(client: redis.Redis[bytes], settings: FleetSettings, model: str,
+                  workers: list[dict[str, Any]]) -> int:  # fmt: skip
+    """Requests waiting in the own queues of ``model``'s live workers and of those registered as consuming one
+    (a dead one included while live workers still watch it), in one round trip after the registry's read."""
+    hosts = {str(w["hostname"]) for w in workers if w.get("model") == model and w.get("hostname")}
+    for raw in client.zrange(DIRECT_QUEUES_KEY.format(model=model), 0, -1):
+        hosts.add(raw.decode() if isinstance(raw, bytes) else str(raw))
+    if not hosts:
+        return 0
+    with client.pipeline(transaction=False) as pipe:
+        for host in sorted(hosts):
+            pipe.llen(settings.direct_queue_for(model, host))
+        return sum(int(n) for n in pipe.execute())
 
 
 def _card_version(client: redis.Redis[bytes], model: str, path: Path) -> str | None:

@@ -16,7 +16,18 @@ Two things keep routing honest:
   one script per queue (:data:`MOVE_SCRIPT`), oldest first at the head. A dead worker stays
   registered for ``visibility_timeout_s`` + one restore interval + a heartbeat TTL more, because its
   unacked requests come back (kombu's restore) into its own queue and must be moved too.
-  A worker that stops cleanly moves its own queue at once.
+  A worker that stops cleanly moves its own queue at once. Producers route only to a live worker
+  registered there (:mod:`producer.prefix_routing`).
+
+Every worker has a :class:`DirectQueue`, also one that does not consume its own queue (routing off in its
+config, a model that does not generate): its name may still receive requests. A predecessor under the same
+hostname, SIGKILLed while it consumed one, leaves its prefix-digest set (alive for its TTL, so producers
+still find it holding prefixes), its registration, and requests in the queue; restored unacked requests
+arrive there later too. So at start (:meth:`DirectQueue.start`, before the consumer runs) a worker deletes
+that set, moves what waits in its queue onto the model's queue and, when it does not consume the queue,
+withdraws the registration, in one step; and a worker that does not consume its queue moves whatever
+reaches it with every heartbeat, and rescues dead workers' queues like the others (it may be the last
+worker of its model).
 """
 
 from __future__ import annotations
@@ -53,47 +64,93 @@ head (the right end, where workers take), so the oldest is taken first; returns 
 
 
 class DirectQueue:
-    """This worker's own queue: registration, and the rescue of dead workers' queues."""
+    """This worker's own queue: registration (when consumed), the rescue of dead workers' queues, and, when
+    not consumed, keeping it empty."""
 
     def __init__(
-        self, client: redis.Redis[bytes], *, model: str, hostname: str, name: str, shared: str, linger_s: float
+        self, client: redis.Redis[bytes], *, model: str, hostname: str, name: str, shared: str, linger_s: float,
+        consumed: bool = True,
     ) -> None:
         """``name``: this worker's queue; ``shared``: the model's queue; ``linger_s``: how long a dead
-        worker stays registered past its heartbeat's expiry (s)."""
+        worker stays registered past its heartbeat's expiry (s); ``consumed``: this worker takes from
+        ``name`` (False: it never registers, and moves what reaches ``name`` every beat)."""
         self.client = client
         self.model = model
         self.hostname = hostname
         self.name = name
         self.shared = shared
         self.linger_s = linger_s
+        self.consumed = consumed
         self._registry = DIRECT_QUEUES_KEY.format(model=model)
+        self._holder_key = PREFIX_HOLDER_KEY.format(model=model, host=hostname)
         self._prefix = name[: -len(hostname)]  # "<model queue>.w."
         self._move = client.register_script(MOVE_SCRIPT)
         self.rescued = 0
         """Requests this worker moved from dead workers' queues onto the model's queue."""
+        self.swept = 0
+        """Requests this worker moved from its own queue onto the model's queue: left by a predecessor under
+        its hostname, or (not consumed) routed there since."""
+
+    def start(self) -> int:
+        """Take over from an earlier process of this hostname, before the consumer runs: delete the prefix-digest
+        set it published (this process holds nothing yet), withdraw its registration when this worker does not
+        consume the queue (one that does registers at its first beat), and move what waits in the queue onto
+        the model's queue, in one transaction. Returns the requests moved; a Redis error is logged (0): the
+        queue is consumed, or swept every beat, and the predecessor's registration and set expire.
+        """
+        try:
+            with self.client.pipeline(transaction=True) as pipe:
+                pipe.delete(self._holder_key)  # routers stop sending here before the queue is emptied
+                if not self.consumed:
+                    pipe.zadd(self._registry, {self.hostname: time.time()}, xx=True)
+                self._move(keys=[self.name, self.shared], client=pipe)
+                moved = int(pipe.execute()[-1])
+        except redis.RedisError as exc:
+            log.warning("could not take over this worker's own queue %s from an earlier process: %s", self.name, exc)
+            return 0
+        if moved:
+            self.swept += moved
+            log.warning("moved %d requests an earlier process of %s left in its own queue to %s", moved,
+                        self.hostname, self.shared)  # fmt: skip
+        return moved
 
     def beat(self, expires_unix_s: float) -> None:
-        """Register this worker until ``expires_unix_s``, then rescue dead workers' queues (heartbeat thread)."""
+        """Register this worker until ``expires_unix_s`` (when consumed), move what reached its queue (when not),
+        then rescue dead workers' queues (heartbeat thread)."""
         now = time.time()
         with self.client.pipeline(transaction=False) as pipe:
-            pipe.zadd(self._registry, {self.hostname: expires_unix_s})
-            # the registry outlives its last worker by as long as it watches a dead one, then goes
-            pipe.expire(self._registry, max(1, int(expires_unix_s - now + self.linger_s + 1)))
+            if self.consumed:
+                pipe.zadd(self._registry, {self.hostname: expires_unix_s})
+                # the registry outlives its last worker by as long as it watches a dead one, then goes
+                pipe.expire(self._registry, max(1, int(expires_unix_s - now + self.linger_s + 1)))
             pipe.zrangebyscore(self._registry, "-inf", now)
-            _, _, dead = pipe.execute()
+            dead = pipe.execute()[-1]
+        if not self.consumed:
+            self._sweep()
         for raw in dead:
             host = raw.decode() if isinstance(raw, bytes) else str(raw)
+            if host == self.hostname and not self.consumed:
+                continue  # swept above
             moved = int(self._move(keys=[self._prefix + host, self.shared]))
             if moved:
                 self.rescued += moved
                 log.warning("moved %d requests from the queue of dead worker %s to %s", moved, host, self.shared)
         self.client.zremrangebyscore(self._registry, "-inf", now - self.linger_s)
 
+    def _sweep(self) -> None:
+        """Move what reached the queue this worker does not consume onto the model's queue."""
+        moved = int(self._move(keys=[self.name, self.shared]))
+        if moved:
+            self.swept += moved
+            log.warning("moved %d requests from this worker's own queue, which it does not consume, to %s", moved,
+                        self.shared)  # fmt: skip
+
     def withdraw(self) -> None:
         """A clean stop: move what waits in this worker's queue onto the model's queue, and mark it expired
-        (it stays registered ``linger_s``, in case a request it held comes back)."""
+        (it stays registered ``linger_s``, in case a request it held comes back; a worker that did not consume
+        the queue is marked only where a predecessor left it registered)."""
         with contextlib.suppress(redis.RedisError):
-            self.client.zadd(self._registry, {self.hostname: time.time()})
+            self.client.zadd(self._registry, {self.hostname: time.time()}, xx=not self.consumed)
             moved = int(self._move(keys=[self.name, self.shared]))
             if moved:
                 log.info("moved %d requests from this worker's queue to %s", moved, self.shared)

@@ -127,23 +127,26 @@ class WorkerRuntime:
             work_done=self._work_done, queued=self._queued,
         )
         self.heartbeat = Heartbeat(self.redis, hostname, self.snapshot, settings.worker.heartbeat_s)
-        self.direct_queue: DirectQueue | None = None
-        self.prefix_holder: PrefixHolder | None = None
-        if consumes_direct_queue(settings, self.model_key):
-            self._route_by_prefix(settings, hostname)
-        self.scheduler.add_outcome_observer(
-            OutcomeWriter(self.redis, self.model_key, lambda: self.reconciler.canary_active)
-        )
-        self.reconciler.attach(self)
-
-    def _route_by_prefix(self, settings: FleetSettings, hostname: str) -> None:
-        """Consume a queue of our own and publish the stable prefix cache's digests (workers.direct_queue)."""
+        # every worker keeps its own queue's name clean, consumed or not (workers.direct_queue)
         ttl_s = self.heartbeat.ttl_s
         self.direct_queue = DirectQueue(
             self.redis, model=self.model_key, hostname=hostname,
             name=settings.direct_queue_for(self.model_key, hostname), shared=self.queue,
             linger_s=settings.visibility_timeout_s + restore_interval_s(settings.visibility_timeout_s) + 2 * ttl_s,
+            consumed=consumes_direct_queue(settings, self.model_key),
         )
+        self.prefix_holder: PrefixHolder | None = None
+        if self.direct_queue.consumed:
+            self._route_by_prefix(hostname)
+        self.heartbeat.on_beat.append(self._routing_beat)
+        self.scheduler.add_outcome_observer(
+            OutcomeWriter(self.redis, self.model_key, lambda: self.reconciler.canary_active)
+        )
+        self.reconciler.attach(self)
+
+    def _route_by_prefix(self, hostname: str) -> None:
+        """Publish the stable prefix cache's digests, for the queue of our own we consume (workers.direct_queue)."""
+        ttl_s = self.heartbeat.ttl_s
         # the set outlives a few late heartbeats (routers check liveness on their own): a starved heartbeat
         # thread must not drop what the worker holds
         self.prefix_holder = PrefixHolder(
@@ -151,7 +154,6 @@ class WorkerRuntime:
         )
         self._hold_prefixes(self.stable)
         self.streams.before_end = self.prefix_holder.sync  # a stream's last event, too, after the digests
-        self.heartbeat.on_beat.append(self._routing_beat)
 
     def _hold_prefixes(self, loaded: LoadedModel) -> None:
         """Publish ``loaded``'s prefix cache (the stable role's) from now on; what was published is void."""
@@ -160,8 +162,7 @@ class WorkerRuntime:
             cache.listener = self.prefix_holder
 
     def _routing_beat(self, expires_unix_s: float) -> None:
-        if self.direct_queue is not None:
-            self.direct_queue.beat(expires_unix_s)
+        self.direct_queue.beat(expires_unix_s)
         if self.prefix_holder is not None:
             self.prefix_holder.refresh()
 
@@ -241,6 +242,7 @@ class WorkerRuntime:
         TAKEN_IN_HAND.subscribe(self.scheduler.wake)  # a take that brought nothing ends a wait for company
         self.streams.start()
         on_traced(self.streams.stored)  # a generation's stream ends once its result is stored
+        self.direct_queue.start()  # what a SIGKILLed predecessor of this name left, before any take
         if self.prefix_holder is not None:
             self.prefix_holder.start()
         try:
@@ -283,8 +285,7 @@ class WorkerRuntime:
         self.heartbeat.stop()
         if self.prefix_holder is not None:
             self.prefix_holder.stop()
-        if self.direct_queue is not None:
-            self.direct_queue.withdraw()
+        self.direct_queue.withdraw()
 
     def token_taken(self) -> None:
         """A task thread took a request off the queue (one token of C is in use)."""
@@ -309,8 +310,8 @@ class WorkerRuntime:
         return self.scheduler.unseen(task_ids) + anonymous
 
     def _own_queues(self) -> list[str]:
-        """The queues this worker takes from: the model's queue, its canary queue and its own queue."""
-        return [self.queue, self.canary_queue] + ([self.direct_queue.name] if self.direct_queue is not None else [])
+        """The queues this worker takes from: the model's queue, its canary queue and its own queue (if consumed)."""
+        return [self.queue, self.canary_queue] + ([self.direct_queue.name] if self.direct_queue.consumed else [])
 
     def _waiting_in_redis(self) -> int:
         """Messages waiting on the lists this worker takes from (priority siblings included), for the
@@ -336,7 +337,7 @@ class WorkerRuntime:
             "last_refusal": self.reconciler.last_refusal,
             "queue": self.queue,
             "canary_queue": self.canary_queue,
-            "direct_queue": self.direct_queue.name if self.direct_queue is not None else None,
+            "direct_queue": self.direct_queue.name if self.direct_queue.consumed else None,
             "providers": self.engine.providers,
             "nodes": self.engine.placement,
             "kv_cache": kv_cache_doc(self.scheduler.generation),

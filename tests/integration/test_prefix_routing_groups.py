@@ -2,9 +2,9 @@
 choices as sent one by one, and ``routing.max_direct_queued`` bounding the group.
 
 Against a real redis-server with two workers' published state written the way workers write it (live
-set and prefix-digest sets; no worker process: the lookup is the producer's). Before, a grouped send
-(``FleetClient.send_batch``, the gateway's submit groups) looked up every generation in a round trip of
-its own, and a group routed every generation to a holder whose queue was below the bound, past it.
+set, own-queue registrations and prefix-digest sets; no worker process: the lookup is the producer's).
+Before, a grouped send (``FleetClient.send_batch``, the gateway's submit groups) looked up every generation
+in a round trip of its own, and a group routed every generation to a holder whose queue was below the bound, past it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import redis
 
 from bench.procs import redis_commandstats
 from producer.prefix_routing import PrefixRouter
-from protocol.keys import LIVE_WORKERS_KEY, PREFIX_HOLDER_KEY
+from protocol.keys import DIRECT_QUEUES_KEY, LIVE_WORKERS_KEY, PREFIX_HOLDER_KEY
 from protocol.prefix_digest import block_digests
 from protocol.settings import load_settings
 from tests.integration.fleet_fixtures import Fleet
@@ -32,6 +32,7 @@ def _router(fleet: Fleet, max_direct_queued: int,
     settings = load_settings(cfg)
     r: redis.Redis[bytes] = redis.Redis.from_url(fleet.redis_url)
     r.zadd(LIVE_WORKERS_KEY.format(model=MODEL), {h: time.time() + 600 for h in hosts})
+    r.zadd(DIRECT_QUEUES_KEY.format(model=MODEL), {h: time.time() + 600 for h in hosts})  # they consume their own
     return PrefixRouter(r, settings), r
 
 
@@ -86,3 +87,21 @@ def test_one_live_worker_is_not_looked_up_and_gets_its_requests_on_the_model_s_q
     router.cache_s = 0.0
     own = router.settings.direct_queue_for(MODEL, HOSTS[0])
     assert router.direct_queues(MODEL, [[*held, 7]]) == [own]
+
+
+def test_a_live_holder_that_does_not_consume_its_own_queue_is_never_routed_to(fleet: Fleet) -> None:
+    """Its set says it holds the prompt (a SIGKILLed predecessor under its name published it, and the set lives
+    for its TTL), but it is not registered as consuming its own queue, or its registration has expired: the
+    model's queue. Before, the set alone decided, and the request waited in a queue nobody took from."""
+    router, r = _router(fleet, max_direct_queued=64)
+    held = list(range(3, 12))
+    _hold(r, HOSTS[1], held)
+    registry = DIRECT_QUEUES_KEY.format(model=MODEL)
+    r.zrem(registry, HOSTS[1])  # live (its heartbeat), routing off in its config
+    assert router.direct_queues(MODEL, [[*held, 7]]) == [None]
+    r.zadd(registry, {HOSTS[1]: time.time() - 1})  # a predecessor's registration, expired
+    router.cache_s = 0.0
+    assert router.direct_queues(MODEL, [[*held, 7]]) == [None]
+    assert router.routed == 0 and router.passed_over == 0
+    r.zadd(registry, {HOSTS[1]: time.time() + 600})  # it consumes its own queue again
+    assert router.direct_queues(MODEL, [[*held, 7]]) == [router.settings.direct_queue_for(MODEL, HOSTS[1])]
