@@ -4,16 +4,18 @@ Requests are parsed leniently enough for the official SDKs (every field they sen
 strictly otherwise: an unknown field is a 400 naming it, and a field the fleet cannot honour
 (``n`` > 1, penalties, tools, logprobs, …) is refused by :mod:`gateway.openai_mapping` with a 400
 naming it too. Fleet extensions ride in the same body (``extra_body`` in the SDKs): ``top_k``,
-``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``.
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``. Every string, inside ``Any`` fields too, must
+encode as UTF-8 (:mod:`protocol.utf8`): a lone surrogate is a 400 naming where it is.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from protocol.messages import RequestFloat
+from protocol.utf8 import UTF8_STRINGS, Utf8Json, Utf8Str
 
 __all__ = [
     "ChatBody",
@@ -49,7 +51,7 @@ class StreamOptions(_Body):
 
 
 class _Sampling(_Body):
-    model: StrictStr = Field(min_length=1, max_length=200, examples=["demo-lm"])
+    model: Utf8Str = Field(min_length=1, max_length=200, examples=["demo-lm"])
     max_tokens: StrictInt | None = Field(default=None, ge=1, description="-> max_new_tokens.")
     temperature: RequestFloat | None = Field(
         default=None, ge=0, le=2,
@@ -59,15 +61,15 @@ class _Sampling(_Body):
     n: StrictInt | None = Field(default=None, description="Must be 1.")
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    stop: StrictStr | list[StrictStr] | None = Field(default=None, description="Up to 16 stop strings.")
+    stop: Utf8Str | list[Utf8Str] | None = Field(default=None, description="Up to 16 stop strings.")
     seed: StrictInt | None = Field(
         default=None, ge=-(2**63), lt=2**63,
         description="Sampling seed, any int64 as OpenAI's (a negative one is taken mod 2**63); default 0.",
     )  # fmt: skip
     frequency_penalty: RequestFloat | None = Field(default=None, description="Only 0 (use repetition_penalty).")
     presence_penalty: RequestFloat | None = Field(default=None, description="Only 0 (use repetition_penalty).")
-    logit_bias: dict[str, RequestFloat] | None = Field(default=None, description="Not supported (must be empty).")
-    user: StrictStr | None = Field(
+    logit_bias: dict[Utf8Str, RequestFloat] | None = Field(default=None, description="Not supported (must be empty).")
+    user: Utf8Str | None = Field(
         default=None, description="End-user ID: the sticky key of a canary split (default: the request ID)."
     )
     # fleet extensions (vLLM names)
@@ -80,13 +82,13 @@ class _Sampling(_Body):
 class CompletionBody(_Sampling):
     """``POST /v1/completions``: one prompt (text, or token ids), one choice."""
 
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]] = Field(
+    prompt: Utf8Str | list[Utf8Str] | list[StrictInt] | list[list[StrictInt]] = Field(
         examples=["Once upon a time"], description="Text, or token ids; a list of one of either is one prompt too."
     )
     echo: StrictBool | None = Field(default=None, description="Not supported (must be false).")
     logprobs: StrictInt | None = Field(default=None, description="Not supported (must be null).")
     best_of: StrictInt | None = Field(default=None, description="Must be 1.")
-    suffix: StrictStr | None = Field(default=None, description="Not supported (must be null).")
+    suffix: Utf8Str | None = Field(default=None, description="Not supported (must be null).")
 
 
 class ContentPart(BaseModel):
@@ -94,16 +96,16 @@ class ContentPart(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    type: StrictStr
-    text: StrictStr | None = None
+    type: Utf8Str
+    text: Utf8Str | None = None
 
 
 class ChatMessage(_Body):
     """One turn of the conversation."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[ContentPart] | None = None
-    name: StrictStr | None = None
+    content: Utf8Str | list[ContentPart] | None = None
+    name: Utf8Str | None = None
 
 
 class ChatBody(_Sampling):
@@ -113,24 +115,26 @@ class ChatBody(_Sampling):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1, description="-> max_new_tokens.")
     logprobs: StrictBool | None = Field(default=None, description="Not supported (must be false).")
     top_logprobs: StrictInt | None = Field(default=None, description="Not supported (must be null).")
-    tools: list[Any] | None = Field(default=None, description="Not supported.")
-    tool_choice: Any = Field(default=None, description="Not supported.")
+    tools: Annotated[list[Any] | None, UTF8_STRINGS] = Field(default=None, description="Not supported.")
+    tool_choice: Utf8Json = Field(default=None, description="Not supported.")
     parallel_tool_calls: StrictBool | None = Field(default=None, description="Accepted and ignored.")
-    response_format: dict[str, Any] | None = Field(default=None, description="Only {'type': 'text'}.")
+    response_format: Annotated[dict[str, Any] | None, UTF8_STRINGS] = Field(
+        default=None, description="Only {'type': 'text'}."
+    )
 
 
 class EmbeddingBody(_Body):
     """``POST /v1/embeddings`` (encoder models): one vector per input."""
 
-    model: StrictStr = Field(min_length=1, max_length=200, examples=["demo-encoder"])
-    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]] = Field(
+    model: Utf8Str = Field(min_length=1, max_length=200, examples=["demo-encoder"])
+    input: Utf8Str | list[Utf8Str] | list[StrictInt] | list[list[StrictInt]] = Field(
         description="A text, texts, token ids, or lists of token ids."
     )
     encoding_format: Literal["float", "base64"] = Field(
         default="float", description="'base64': little-endian float32 bytes (the SDKs ask for this)."
     )
     dimensions: StrictInt | None = Field(default=None, description="Not supported (must be null).")
-    user: StrictStr | None = Field(
+    user: Utf8Str | None = Field(
         default=None, description="End-user ID: the sticky key of a canary split (default: the request ID)."
     )
 

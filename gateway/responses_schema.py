@@ -6,17 +6,19 @@ this turn's only: OpenAI does not carry a previous response's instructions over)
 history of ``previous_response_id`` (every earlier turn's input and output messages), and this turn's
 ``input`` (a text = one user message, or a list of messages with ``input_text``/``output_text``
 parts). Fields the fleet cannot honour (``tools``, ``reasoning``, a non-text ``text.format``,
-``background``, non-text parts) are refused with a 400 naming them; an unknown field is a 400 too.
+``background``, non-text parts) are refused with a 400 naming them; an unknown field is a 400 too, and so
+is a string that cannot be encoded as UTF-8 (:mod:`protocol.utf8`), before anything runs or is stored.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from protocol.errors import InvalidRequest
 from protocol.messages import RequestFloat
+from protocol.utf8 import UTF8_STRINGS, Utf8Json, Utf8Str
 
 __all__ = [
     "InputMessage",
@@ -34,8 +36,8 @@ class TextPart(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    type: StrictStr
-    text: StrictStr | None = None
+    type: Utf8Str
+    text: Utf8Str | None = None
 
 
 class InputMessage(BaseModel):
@@ -45,7 +47,7 @@ class InputMessage(BaseModel):
 
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: StrictStr | list[TextPart]
+    content: Utf8Str | list[TextPart]
 
 
 class ResponseBody(BaseModel):
@@ -53,26 +55,26 @@ class ResponseBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: StrictStr = Field(min_length=1, max_length=200, examples=["demo-lm"])
-    input: StrictStr | list[InputMessage] = Field(description="A text (one user message) or a list of messages.")
-    instructions: StrictStr | None = Field(default=None, description="A system message for this turn only.")
-    previous_response_id: StrictStr | None = Field(default=None, max_length=200)
+    model: Utf8Str = Field(min_length=1, max_length=200, examples=["demo-lm"])
+    input: Utf8Str | list[InputMessage] = Field(description="A text (one user message) or a list of messages.")
+    instructions: Utf8Str | None = Field(default=None, description="A system message for this turn only.")
+    previous_response_id: Utf8Str | None = Field(default=None, max_length=200)
     store: StrictBool | None = Field(default=True, description="Keep the response (api.responses_ttl_s).")
     max_output_tokens: StrictInt | None = Field(default=None, ge=1, description="-> max_new_tokens.")
     temperature: RequestFloat | None = Field(default=None, ge=0, le=2, description="0 = greedy.")
     top_p: RequestFloat | None = Field(default=None, gt=0, le=1)
     stream: StrictBool | None = False
-    metadata: dict[str, StrictStr] | None = Field(default=None, description="Stored and returned as given.")
-    user: StrictStr | None = Field(default=None, description="End-user ID: the sticky key of a canary split.")
+    metadata: dict[Utf8Str, Utf8Str] | None = Field(default=None, description="Stored and returned as given.")
+    user: Utf8Str | None = Field(default=None, description="End-user ID: the sticky key of a canary split.")
     truncation: Literal["disabled"] | None = Field(default=None, description="Only 'disabled'.")
     parallel_tool_calls: StrictBool | None = Field(default=None, description="Accepted and ignored.")
     # refused unless empty (see check_supported)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    reasoning: dict[str, Any] | None = None
-    text: dict[str, Any] | None = None
+    tools: Annotated[list[Any] | None, UTF8_STRINGS] = None
+    tool_choice: Utf8Json = None
+    reasoning: Annotated[dict[str, Any] | None, UTF8_STRINGS] = None
+    text: Annotated[dict[str, Any] | None, UTF8_STRINGS] = None
     background: StrictBool | None = None
-    include: list[Any] | None = None
+    include: Annotated[list[Any] | None, UTF8_STRINGS] = None
 
 
 def _refuse(field: str, value: Any, why: str) -> InvalidRequest:

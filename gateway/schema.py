@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from producer.client import MAX_DEADLINE_S, RequestStatus
 from protocol.keys import REQUEST_ID_PATTERN
 from protocol.messages import GenerationParams, RequestFloat
+from protocol.utf8 import Utf8Str
 
 __all__ = [
     "REQUEST_ID_PATTERN",
@@ -49,15 +50,15 @@ class OutputOptions(_Body):
 class SubmitBody(_Body):
     """One request: exactly one of ``input_ids`` or ``text``."""
 
-    model: StrictStr = Field(min_length=1, max_length=200, examples=["demo-lm"])
+    model: Utf8Str = Field(min_length=1, max_length=200, examples=["demo-lm"])
     input_ids: list[StrictInt] | None = Field(
         default=None,
         description="Token ids, each in [0, vocab_size); at most the model's max_input_tokens.",
         examples=[[5, 6, 7]],
     )
-    text: StrictStr | None = Field(default=None, description="Text, tokenized by the gateway.")
+    text: Utf8Str | None = Field(default=None, description="Text, tokenized by the gateway.")
     output: OutputOptions = Field(default_factory=OutputOptions)
-    request_id: StrictStr | None = Field(
+    request_id: Utf8Str | None = Field(
         default=None,
         pattern=REQUEST_ID_PATTERN,
         description="Caller-given ID; resubmitting a known ID is a no-op (idempotent).",
@@ -65,7 +66,7 @@ class SubmitBody(_Body):
     deadline_s: RequestFloat | None = Field(
         default=None, gt=0, le=MAX_DEADLINE_S, description="Drop the request if it has not run within this many s."
     )
-    routing_key: StrictStr | None = Field(
+    routing_key: Utf8Str | None = Field(
         default=None,
         min_length=1,
         max_length=200,

@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from protocol.errors import DecodeError, InvalidRequest
+from protocol.utf8 import Utf8Str
 
 __all__ = [
     "BULK_TASK_NAME",
@@ -97,7 +98,7 @@ class GenerationParams(_Frozen):
     stop_token_ids: list[StrictInt] = Field(
         default_factory=list, max_length=MAX_STOP_TOKEN_IDS, description="Tokens that end the generation."
     )
-    stop: list[str] = Field(
+    stop: list[Utf8Str] = Field(
         default_factory=list,
         max_length=MAX_STOP_STRINGS,
         description="Strings that end the generation; the returned text stops before the first match.",

@@ -176,8 +176,11 @@ VersionCheck = Callable[[str, str], None]
 
 
 def routing_fraction(key: str) -> float:
-    """A fixed fraction in [0, 1) for ``key``: the first 8 bytes of its sha256 over 2**64."""
-    return int.from_bytes(sha256(key.encode()).digest()[:8], "big") / 2**64
+    """A fixed fraction in [0, 1) for ``key``: the first 8 bytes of its sha256 over 2**64.
+
+    Never raises: a key that is not valid UTF-8 text (a lone surrogate, which JSON can carry) is hashed as
+    its ``surrogatepass`` bytes, so it still routes the same way every time."""
+    return int.from_bytes(sha256(key.encode("utf-8", "surrogatepass")).digest()[:8], "big") / 2**64
 
 
 def route(state: ModelState | None, key: str) -> Role:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from protocol.errors import InvalidRequest, ModelLoadError
 from protocol.modelcard import ModelCard
+from protocol.utf8 import surrogate_message
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as _HFTokenizer
@@ -65,12 +66,7 @@ def utf8_text(text: str) -> bytes:
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise InvalidRequest(
-            f"text is not valid Unicode: lone surrogate U+{ord(text[exc.start]):04X} at character {exc.start} "
-            "(a \\uD800-\\uDFFF escape must be half of a surrogate pair)",
-            "text",
-            "UTF-8 encodable text",
-        ) from None
+        raise InvalidRequest(f"text is {surrogate_message(text, exc.start)}", "text", "UTF-8 encodable text") from None
 
 
 class ByteTokenizer:
