@@ -6,7 +6,8 @@ Exit codes (every ``fleet`` command, ``python -m producer.ops_cli`` too):
 * 0 ok;
 * 1 the request failed (a queued request's stored error, whatever its type: :class:`RequestFailed`), timed
   out or is unknown; Redis unreachable or refused the credentials; a local
-  server (``fleet redis``, ``fleet demo``) could not start (port taken, loopback down); not ready;
+  server (``fleet redis``, ``fleet demo``) could not start (port taken, loopback down); not ready; a
+  ``fleet models pin`` that no live worker serves after ``--wait-s`` (NOT SERVED; recorded all the same);
 * 2 bad input or settings (a YAML error, an invalid value, an unknown model, no model store, a model file or
   card that cannot be used): nothing done;
 * 3 a worker could not start;

@@ -3,14 +3,22 @@
 Registered by :mod:`producer.models_cli` under ``fleet models``. Every change is one transaction
 recorded in the model's history (:mod:`protocol.model_state`); workers follow it. Output is one JSON
 document on stdout. Exit codes follow ``fleet``'s: 0 ok; 1 refused (not published, no canary to
-promote or roll back; the message says why); 2 bad arguments or settings (unknown model, a weight
-outside 1..99, a version whose card does not fit the model: IncompatibleVersion, see
-:mod:`protocol.version_fit`; checked by pin, canary and promote when a store is configured).
+promote or roll back; the message says why), or ``pin`` waited (``--wait-s`` > 0) and no live
+worker serves the pinned version (each refused it or did not switch in time: the pin took effect
+nowhere; ``fleet: NOT SERVED: …`` on stderr; the pin stays recorded: undo it with ``rollback``); 2 bad
+arguments or settings (unknown model, a weight outside 1..99, a version whose card does not fit the
+model: IncompatibleVersion, see :mod:`protocol.version_fit`; checked by pin, canary and promote when a
+store is configured). A pin that some live workers serve and others do not (a worker without the
+store, a canary not loaded) exits 0 with the NOT SERVED line naming the others, as ``fleet status``
+does. ``pin --wait-s 0`` waits for nothing and judges nothing: exit 0 once recorded (``served`` /
+``not_served`` in the JSON are one read of the heartbeats at that instant). With no live worker of
+the model, ``pin`` exits 0 (a worker that starts reads the pin). ``canary``, ``promote`` and
+``rollback`` do not wait for the workers: exit 0 once recorded (``fleet status`` says what is served).
 
 ::
 
     fleet models pin M V                     # V serves all of M's traffic (the canary, if any, stays); waits
-                                             # up to --wait-s 10 s for the workers, says if V is NOT SERVED
+                                             # up to --wait-s 10 s for the workers; exit 1 if none serves V
     fleet models canary M V --weight 10      # 10 % of M's traffic to V, sticky by routing key
     fleet models promote M                   # the canary becomes stable
     fleet models rollback M [--reason TEXT]  # drop the canary (with none: undo the last pin or promote)
@@ -50,7 +58,7 @@ from protocol.modelcard import load_card
 from protocol.redis_conn import sync_client
 from protocol.settings import CanarySettings, FleetSettings, load_settings
 
-__all__ = ["default_by", "register"]
+__all__ = ["default_by", "pin_exit_code", "register"]
 
 
 def default_by() -> str:
@@ -98,10 +106,13 @@ def _published(
 
 
 def _configured_version(settings: FleetSettings, model: str) -> str | None:
-    """The version of ``model``'s configured file, from its card (None when the card is not on this machine:
-    the workers then say whether they serve a version)."""
+    """The version of ``model``'s configured file as its workers label it: ``models.<m>.version``, else its
+    card's (None when the card is not on this machine: the workers then say whether they serve a version)."""
+    configured = settings.models[model]
+    if configured.version is not None:
+        return configured.version
     try:
-        return load_card(settings.models[model].path).version
+        return load_card(configured.path).version
     except (ModelLoadError, OSError):
         return None
 
@@ -114,24 +125,34 @@ def _change_doc(r: redis.Redis[bytes], model: str, entry: HistoryEntry) -> dict[
 
 def _with_served(settings: FleetSettings, r: redis.Redis[bytes], model: str, doc: dict[str, Any],
                  wait_s: float) -> dict[str, Any]:
-    """``doc`` plus what the workers serve once they applied the change (``--wait-s``); a desired
-    version that is not served is also said on stderr."""
+    """``doc`` plus what the workers serve once they applied the change (``--wait-s``); when it waited, a
+    desired version that live workers do not serve is also said on stderr."""
     import sys
 
     from producer.model_status import await_served
 
-    served = await_served(settings, r, model, wait_s)
-    if served["not_served"]:
-        print(f"fleet: NOT SERVED: {served['not_served']}", file=sys.stderr)
-    return {**doc, **served}
+    out = {**doc, **await_served(settings, r, model, wait_s)}
+    if out["not_served"] and wait_s > 0:
+        yet = "" if out["served"] else " yet: a worker that starts serves the desired state"
+        print(f"fleet: {'NOT SERVED: ' if out['served'] else ''}{out['not_served']}{yet}", file=sys.stderr)
+    return out
+
+
+def pin_exit_code(doc: dict[str, Any], version: str, wait_s: float) -> int:
+    """``fleet models pin VERSION``'s exit code from its document (pure): 1 when it waited and live workers
+    of the model run, none of them serving ``version`` (the pin took effect nowhere), else 0 (not waited
+    for, served by some or all, or no live worker yet)."""
+    served = doc.get("served") or {}
+    return 1 if wait_s > 0 and served and version not in served else 0
 
 
 def cmd_pin(args: argparse.Namespace) -> int:
     settings, r, model = _context(args)
     store, check = _published(settings, model, args.version)
     entry = pin(r, model, args.version, args.by, store=store, check=check)
-    _print(_with_served(settings, r, model, _change_doc(r, model, entry), args.wait_s))
-    return 0
+    doc = _with_served(settings, r, model, _change_doc(r, model, entry), args.wait_s)
+    _print(doc)
+    return pin_exit_code(doc, args.version, args.wait_s)
 
 
 def cmd_canary(args: argparse.Namespace) -> int:
@@ -225,7 +246,8 @@ def register(msub: Any) -> None:
     p.add_argument("version")
     p.add_argument("--wait-s", type=float, default=10.0,
                    help="wait up to this long for the live workers to serve VERSION or refuse it, then print "
-                   "what they serve (\"served\", \"not_served\"); 0 = do not wait (default 10)")
+                   "what they serve (\"served\", \"not_served\"); exit 1 when none of them serves it; 0 = do not "
+                   "wait nor judge (exit 0 once recorded) (default 10)")
     p.set_defaults(func=cmd_pin)
 
     p = msub.add_parser("canary", help="send --weight percent of the model's traffic to VERSION")

@@ -76,11 +76,26 @@ def not_served(
                             f"{_refused_by(refused, stable, since)}")
     canary = state.canary if state is not None else None
     if canary is not None:
-        without = sorted(str(w.get("hostname")) for w in mine if w.get("canary_version") != canary)
+        without = [w for w in mine if w.get("canary_version") != canary]
         if without:
-            problems.append(f"canary {canary} is not loaded by {', '.join(without)} (their canary queue runs on "
-                            f"stable){_refused_by(refused, canary, since)}")
+            hosts = ", ".join(sorted(str(w.get("hostname")) for w in without))
+            problems.append(f"canary {canary} is not loaded by {hosts} ({_canary_queue_runs_on(without)})"
+                            f"{_refused_by(refused, canary, since)}")
     return "; ".join(problems) or None
+
+
+def _canary_queue_runs_on(workers: list[dict[str, Any]]) -> str:
+    """What the canary queue of ``workers`` (which lack the desired canary) runs on, from their heartbeats:
+    the canary each still holds, else its stable version."""
+    runs: dict[str, list[str]] = {}
+    for w in workers:
+        held = w.get("canary_version")
+        what = f"{held} (a canary the state no longer names)" if held else f"stable {w.get('version')}"
+        runs.setdefault(what, []).append(str(w.get("hostname")))
+    if len(runs) == 1:
+        return f"their canary queue runs on {next(iter(runs))}"
+    return "the canary queue runs on " + "; ".join(f"{what} at {', '.join(sorted(hosts))}"
+                                                    for what, hosts in sorted(runs.items()))
 
 
 def settled(state: ModelState | None, configured: str | None, workers: list[dict[str, Any]],

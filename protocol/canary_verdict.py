@@ -3,11 +3,19 @@
 No Redis, no clock: :func:`canary_verdict` takes the samples of one window and the bounds
 (``models.<m>.canary`` settings). :mod:`protocol.model_state` reads the window from Redis and acts
 on the verdict.
+
+Latency is judged at the highest percentile the sample supports (:func:`supported_percentile`): a
+nearest-rank p99 of fewer than 100 requests is their maximum, so one slow request (a GC pause) would
+decide the verdict. With fewer, the canary is judged at p95 (20 requests or more), p90 (10), p75 (4) or
+p50 (2): a percentile that is never the sample's maximum. The verdict's reason and figures
+(``latency_judged``) name the percentile used. Judging a lower percentile against ``max_p99_ms`` only
+errs towards keeping the canary (its p99 is at least its p90).
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -15,16 +23,22 @@ from typing import Any, Literal
 from protocol.settings import CanarySettings
 
 __all__ = [
+    "PERCENTILE_LADDER",
+    "JudgedLatency",
     "Outcome",
     "Verdict",
     "VersionFigures",
     "canary_verdict",
     "percentile",
+    "supported_percentile",
     "unserved_canary_verdict",
     "version_figures",
 ]
 
 Role = Literal["stable", "canary"]
+
+PERCENTILE_LADDER = (99, 95, 90, 75, 50)
+"""The latency percentiles the guard may judge, the highest first (see :func:`supported_percentile`)."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +46,8 @@ class Outcome:
     """One finished request: which version computed it, for which role, whether it succeeded.
 
     ``latency_ms`` is enqueue to result (ms); ``at_unix_s`` is when it finished (wall time, s).
+    ``asked``: the role its queue asked for (a canary-queue request runs on stable while no canary is
+    loaded: role stable, asked canary); None = ``role`` (entries written before the field).
     """
 
     version: str
@@ -39,6 +55,12 @@ class Outcome:
     ok: bool
     latency_ms: float
     at_unix_s: float
+    asked: Role | None = None
+
+    @property
+    def queue_role(self) -> Role:
+        """The role of the queue the request came from."""
+        return self.asked or self.role
 
 
 @dataclass(frozen=True)
@@ -65,29 +87,74 @@ class VersionFigures:
 
 
 @dataclass(frozen=True)
+class JudgedLatency:
+    """The latency percentile a verdict compared (see :func:`supported_percentile`) and its values (ms);
+    ``stable_ms`` None when the stable version was not compared (too few requests, or no ratio bound)."""
+
+    percentile: int
+    canary_ms: float
+    stable_ms: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form (latencies rounded to 0.01 ms)."""
+        return {"percentile": self.percentile, "canary_ms": round(self.canary_ms, 2),
+                "stable_ms": None if self.stable_ms is None else round(self.stable_ms, 2)}
+
+
+@dataclass(frozen=True)
 class Verdict:
-    """What the guard concluded: ``rollback`` with its ``reason``, and the figures it judged."""
+    """What the guard concluded: ``rollback`` with its ``reason``, and the figures it judged.
+
+    ``latency``: the percentile the latency bounds were checked at (None when they were not checked);
+    ``canary_queue``: per version, the canary-role requests, when versions other than the canary
+    computed them (a canary nobody loaded: :func:`unserved_canary_verdict`).
+    """
 
     rollback: bool
     reason: str | None
     canary: VersionFigures | None
     stable: VersionFigures | None
+    latency: JudgedLatency | None = None
+    canary_queue: tuple[VersionFigures, ...] = ()
 
     def figures(self) -> dict[str, Any]:
         """The measured figures, as recorded in the history entry of an automatic rollback."""
-        return {
+        doc: dict[str, Any] = {
             "canary": self.canary.to_dict() if self.canary else None,
             "stable": self.stable.to_dict() if self.stable else None,
         }
+        if self.latency is not None:
+            doc["latency_judged"] = self.latency.to_dict()
+        if self.canary_queue:
+            doc["canary_queue"] = [f.to_dict() for f in self.canary_queue]
+        return doc
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile ``q`` (0 < q <= 100) of ``values``; None for no values."""
+    """Nearest-rank percentile ``q`` (0 < q <= 100) of ``values``; None for no values.
+
+    With fewer than ``100 / (100 - q)`` values it is their maximum (p99 of 99 values or fewer): see
+    :func:`supported_percentile` before judging a tail with it."""
     if not values:
         return None
     ordered = sorted(values)
     rank = max(1, math.ceil(q / 100 * len(ordered)))
     return ordered[rank - 1]
+
+
+def supported_percentile(requests: int) -> int | None:
+    """The highest percentile of :data:`PERCENTILE_LADDER` that ``requests`` samples support, pure: ``q`` such
+    that ``requests >= 100 / (100 - q)`` (p99: 100, p95: 20, p90: 10, p75: 4, p50: 2), so that its nearest
+    rank is below the maximum and one outlier cannot be it. None for fewer than 2 samples."""
+    for q in PERCENTILE_LADDER:
+        if requests * (100 - q) >= 100:
+            return q
+    return None
+
+
+def _why_percentile(q: int, requests: int) -> str:
+    """The reason's note on a percentile lower than p99 (empty for p99)."""
+    return "" if q == 99 else f" (p{q}: the highest percentile {requests} requests support; p99 needs 100)"
 
 
 def version_figures(samples: Iterable[Outcome]) -> dict[str, VersionFigures]:
@@ -117,15 +184,20 @@ def canary_verdict(
 
     Figures are per version (a canary-queue request computed by the stable version, as happens just
     after a change, counts for the stable version); with ``stable`` None (no pin) the busiest other
-    version is the stable one. No rollback until the canary has
+    version that computed stable-role requests is the stable one. No rollback until the canary has
     ``bounds.min_requests`` samples; then it is rolled back when its error rate exceeds
-    ``max_error_rate``, its p99 exceeds ``max_p99_ms``, or (when the stable version also has
-    ``min_requests``) its p99 exceeds ``max_p99_ratio`` x the stable p99.
+    ``max_error_rate``, its latency exceeds ``max_p99_ms``, or (when the stable version also has
+    ``min_requests``) its latency exceeds ``max_p99_ratio`` x the stable one's. Latency is compared at
+    the highest percentile the samples support (:func:`supported_percentile`: p99 from 100 requests;
+    for the ratio, the percentile both versions' samples support), never at a sample's maximum.
     """
+    samples = list(samples)
     figures = version_figures(samples)
     can = figures.get(canary)
     if stable is None:  # no pin: the stable role serves the configured version, whatever its name
-        others = [f for v, f in figures.items() if v != canary]
+        stable_role = {s.version for s in samples if s.role == "stable"}
+        others = [f for v, f in figures.items() if v != canary and v in stable_role]
+        others = others or [f for v, f in figures.items() if v != canary]
         sta = max(others, key=lambda f: f.requests) if others else None
     else:
         sta = figures.get(stable) if stable != canary else None
@@ -137,23 +209,36 @@ def canary_verdict(
             f"max_error_rate {bounds.max_error_rate}"
         )
         return Verdict(True, reason, can, sta)
-    assert can.p99_ms is not None  # at least min_requests >= 1 samples
-    if bounds.max_p99_ms is not None and can.p99_ms > bounds.max_p99_ms:
-        reason = f"canary {canary} p99 {can.p99_ms:.1f} ms > max_p99_ms {bounds.max_p99_ms}"
-        return Verdict(True, reason, can, sta)
-    if (
-        bounds.max_p99_ratio is not None
-        and sta is not None
-        and sta.requests >= bounds.min_requests
-        and sta.p99_ms
-        and can.p99_ms > bounds.max_p99_ratio * sta.p99_ms
-    ):
-        reason = (
-            f"canary {canary} p99 {can.p99_ms:.1f} ms > max_p99_ratio {bounds.max_p99_ratio} x stable "
-            f"{sta.version} p99 {sta.p99_ms:.1f} ms"
-        )
-        return Verdict(True, reason, can, sta)
-    return Verdict(False, None, can, sta)
+    q = supported_percentile(can.requests)
+    if q is None:  # a single request: no latency percentile means anything
+        return Verdict(False, None, can, sta)
+    latencies = _latencies(samples)
+    can_q = percentile(latencies[canary], q)
+    assert can_q is not None  # at least 2 samples
+    judged = JudgedLatency(q, can_q)
+    if bounds.max_p99_ms is not None and can_q > bounds.max_p99_ms:
+        reason = (f"canary {canary} p{q} {can_q:.1f} ms > max_p99_ms {bounds.max_p99_ms}"
+                  f"{_why_percentile(q, can.requests)}")
+        return Verdict(True, reason, can, sta, judged)
+    q_both = supported_percentile(min(can.requests, sta.requests)) if sta is not None else None
+    if bounds.max_p99_ratio is not None and sta is not None and sta.requests >= bounds.min_requests and q_both:
+        can_r, sta_r = percentile(latencies[canary], q_both), percentile(latencies[sta.version], q_both)
+        assert can_r is not None and sta_r is not None
+        judged = JudgedLatency(q_both, can_r, sta_r)
+        if sta_r > 0 and can_r > bounds.max_p99_ratio * sta_r:
+            reason = (
+                f"canary {canary} p{q_both} {can_r:.1f} ms > max_p99_ratio {bounds.max_p99_ratio} x stable "
+                f"{sta.version} p{q_both} {sta_r:.1f} ms{_why_percentile(q_both, min(can.requests, sta.requests))}"
+            )
+            return Verdict(True, reason, can, sta, judged)
+    return Verdict(False, None, can, sta, judged)
+
+
+def _latencies(samples: Iterable[Outcome]) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    for sample in samples:
+        out.setdefault(sample.version, []).append(sample.latency_ms)
+    return out
 
 
 def unserved_canary_verdict(
@@ -166,15 +251,21 @@ def unserved_canary_verdict(
     serving nothing, and the error-rate bounds would never see it. Rolled back when at least one
     worker refused ``canary`` since it was set (``refused``: (worker, "ErrorType: message") pairs),
     at least ``min_requests`` canary-role requests finished in the window, and none of them was
-    computed by ``canary``.
+    computed by ``canary`` (canary-role requests: those of the canary queue, :attr:`Outcome.queue_role`,
+    whatever engine computed them). The reason names the versions that did compute them, and the verdict's
+    ``canary_queue`` holds their figures over those requests (the stable version, or a canary the
+    state replaced that a worker still held).
     """
     if verdict.rollback or not refused:
         return verdict
-    canary_role = [s for s in samples if s.role == "canary"]
+    canary_role = [s for s in samples if s.queue_role == "canary"]
     if len(canary_role) < min_requests or any(s.version == canary for s in canary_role):
         return verdict
     workers = sorted({worker for worker, _ in refused})
-    return replace(verdict, rollback=True, reason=(
+    stable = verdict.stable.version if verdict.stable is not None else None
+    served = ", ".join(f"{'stable ' if version == stable else ''}{version}: {n}"
+                       for version, n in Counter(s.version for s in canary_role).most_common())
+    return replace(verdict, rollback=True, canary_queue=tuple(version_figures(canary_role).values()), reason=(
         f"canary {canary} was refused by {len(workers)} worker(s) ({', '.join(workers[:5])}) and computed none of "
-        f"the {len(canary_role)} canary requests in the window (stable served them): {refused[-1][1][:300]}"
+        f"the {len(canary_role)} canary requests in the window (computed by {served}): {refused[-1][1][:300]}"
     ))

@@ -6,7 +6,8 @@ Keys (``model`` is the configured model key, :meth:`FleetSettings.model_key`)::
     fleet:model-history:{model}      list, RPUSH of JSON HistoryEntry (oldest first, last 1000 kept)
     fleet:model-refusals:{model}     list of JSON Refusal (last 50, expires 7 days after the last one)
     fleet:model-outcomes:{model}     stream of finished requests while a canary is set (MAXLEN ~ 20000):
-                                     version, role (stable|canary), ok (1|0), latency_ms, at (unix s)
+                                     version, role (stable|canary: the engine's), ok (1|0), latency_ms,
+                                     at (unix s), asked (stable|canary: the queue's role)
     fleet:model-auto-rollbacks:{model}  counter of automatic rollbacks
     fleet:model-recent-prompts:{model}  list of JSON token-id lists: 1 in 20 requests' prompts, sampled
                                      by producers while a canary is set (last 200, expires after a day)
@@ -430,17 +431,18 @@ def recent_prompts(r: redis.Redis[bytes], model: str, n: int) -> list[list[int]]
 # ---- outcomes (written by workers while a canary is set) ----
 
 
-def outcome_fields(version: str, role: Role, ok: bool, latency_ms: float, at_unix_s: float) -> dict[str, str]:
-    """The stream entry of one finished request."""
+def outcome_fields(version: str, role: Role, ok: bool, latency_ms: float, at_unix_s: float,
+                   asked: Role | None = None) -> dict[str, str]:
+    """The stream entry of one finished request (``asked``: its queue's role, None = ``role``)."""
     return {"version": version, "role": role, "ok": "1" if ok else "0", "latency_ms": f"{latency_ms:.3f}",
-            "at": f"{at_unix_s:.3f}"}
+            "at": f"{at_unix_s:.3f}", "asked": asked or role}
 
 
 def record_outcomes(pipe: Any, model: str, samples: Iterable[Outcome]) -> None:
     """Queue one XADD per sample on ``pipe`` (a redis pipeline: the caller executes it once per batch)."""
     key = OUTCOMES_KEY.format(model=model)
     for s in samples:
-        fields = outcome_fields(s.version, s.role, s.ok, s.latency_ms, s.at_unix_s)
+        fields = outcome_fields(s.version, s.role, s.ok, s.latency_ms, s.at_unix_s, s.asked)
         pipe.xadd(key, fields, maxlen=OUTCOMES_MAXLEN, approximate=True)
 
 
@@ -455,7 +457,8 @@ def read_outcomes(r: redis.Redis[bytes], model: str, window_s: float, *, since_u
         at = float(f["at"])
         if at >= floor - AT_PRECISION_S:
             role: Role = "canary" if f["role"] == "canary" else "stable"
-            out.append(Outcome(f["version"], role, f["ok"] == "1", float(f["latency_ms"]), at))
+            asked: Role = "canary" if f.get("asked", f["role"]) == "canary" else "stable"
+            out.append(Outcome(f["version"], role, f["ok"] == "1", float(f["latency_ms"]), at, asked))
     return out
 
 

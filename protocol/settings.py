@@ -222,6 +222,10 @@ class CanarySettings(_Section):
 
     The canary is judged over the last ``window_s`` seconds of finished requests (only those since
     the last change of the model's state), and only once it has ``min_requests`` of them there.
+    The "p99" bounds are judged at the highest percentile the window's requests support
+    (:func:`protocol.canary_verdict.supported_percentile`): p99 from 100 requests, else p95 (20), p90
+    (10), p75 (4), p50 (2); a nearest-rank p99 of fewer than 100 requests is their maximum, which one slow
+    request would decide. The verdict's reason and figures name the percentile used.
     """
 
     window_s: float = Field(default=60.0, gt=0, le=86_400, description="Window of outcomes judged (s).")
@@ -232,13 +236,16 @@ class CanarySettings(_Section):
         default=0.05, ge=0, le=1, description="Largest canary error rate (failed / finished) tolerated."
     )
     max_p99_ms: float | None = Field(
-        default=None, gt=0, description="Largest canary p99 latency, enqueue to result (ms); None = off."
+        default=None, gt=0, description="Largest canary p99 latency, enqueue to result (ms); None = off. With fewer "
+        "than 100 canary requests in the window, their highest supported percentile (p95 from 20, p90 from 10, …) "
+        "is compared instead, never their maximum.",
     )
     max_p99_ratio: float | None = Field(
         default=3.0,
         gt=0,
         description="Largest canary p99 / stable p99 (both over the window; checked when the stable version "
-        "also has min_requests there); None = off.",
+        "also has min_requests there); None = off. Both at the highest percentile both versions' requests "
+        "support (p99 from 100 each, else p95 from 20, p90 from 10, …).",
     )
     check_interval_s: float = Field(
         default=2.0, gt=0, le=3600, description="How often each worker's reconciler runs the guard (s)."

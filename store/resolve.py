@@ -3,17 +3,21 @@
 :func:`resolve_model` is called for every version a worker loads (:func:`workers.engines.load_version`:
 the configured or pinned stable version at start, then each pinned or canary version the reconciler
 switches to), before the card, the engine and the tokenizer: a store version is fetched and verified
-into the local cache, and the settings the worker then uses point at the cached file.
+into the local cache, and the settings the worker then uses point at the cached file. Without a store, the
+one version a worker can load by name is its configured file's (:func:`configured_file_version`): a pin or
+canary of that version is the configured file (``fleet models pin`` allows exactly that one).
 """
 
 from __future__ import annotations
 
 import logging
 
+from protocol.errors import ModelLoadError
+from protocol.modelcard import load_card
 from protocol.settings import FleetSettings, ModelSettings
 from store.model_store import open_store
 
-__all__ = ["resolve_model"]
+__all__ = ["configured_file_version", "resolve_model"]
 
 log = logging.getLogger("fleet.store")
 
@@ -28,18 +32,34 @@ def resolve_model(settings: FleetSettings, key: str, *, version: str | None = No
     exactly one set of bytes, so ``models.<key>.version`` does not override it).
 
     ``version`` overrides the configured ``store_version``: the seam for a version pinned in Redis.
+    Without a store, ``version`` equal to :func:`configured_file_version` is the configured file (unchanged).
 
     Raises:
-        ConfigError: a version is asked for but no store is configured.
+        ConfigError: another version is asked for but no store is configured.
         ChecksumMismatch (a ModelLoadError): a file is not what the manifest says; nothing is loaded.
         VersionNotFound / StoreError: not published, or the store cannot be reached (and the version
             is not cached).
     """
     model = settings.models[key]
     wanted = version or model.store_version
-    if wanted is None:
+    if wanted is None or (settings.store.backend == "none" and wanted == configured_file_version(settings, key)):
         return model
     store = open_store(settings.store)
     path = store.fetch(key, wanted)
     log.info("model %s version %s from the store %s: verified copy %s", key, wanted, store.location, path)
     return model.model_copy(update={"path": path, "version": wanted})
+
+
+def configured_file_version(settings: FleetSettings, key: str) -> str | None:
+    """The version label of ``models.<key>``'s configured file (``models.<key>.version``, else its card's) when
+    no store is configured: the only version a worker without a store can load by name. None with a store
+    (versions come from it), or when the card cannot be read (the load then says why)."""
+    model = settings.models[key]
+    if settings.store.backend != "none" or model.store_version is not None:
+        return None
+    if model.version is not None:
+        return model.version
+    try:
+        return load_card(model.path).version
+    except (ModelLoadError, OSError):
+        return None

@@ -1,8 +1,9 @@
 """Per-request outcomes for the canary guard and ``fleet models compare``.
 
 A scheduler outcome observer: after every batch it writes one entry per request (version, role,
-ok, enqueue→result latency in ms) to the model's outcomes stream, all in ONE Redis pipeline per
-batch, and only while the model's state has a canary (otherwise it returns at once: zero Redis cost).
+ok, enqueue→result latency in ms, the role its queue asked for) to the model's outcomes stream, all
+in ONE Redis pipeline per batch, and only while the model's state has a canary (otherwise it returns
+at once: zero Redis cost).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class OutcomeWriter:
         now = time.time()
         samples = [
             Outcome(o.version, o.role, o.ok, max(0.0, (now - o.submitted_unix_s) * 1000) if o.submitted_unix_s else 0.0,
-                    now)
+                    now, o.asked)
             for o in outcomes
         ]
         try:

@@ -16,6 +16,11 @@ every file's sha256 against the manifest), open the session, warm it up, then sw
 (:meth:`workers.runtime.WorkerRuntime.swap`). A version that cannot be loaded (ChecksumMismatch,
 VersionNotFound, a load error) is recorded with :func:`protocol.model_state.record_refusal` and the
 old version keeps serving; it is not retried until the state changes (its ``generation`` grows).
+A worker without a model store can load one version by name, its configured file's
+(:func:`store.resolve.configured_file_version`): a pin or canary of that version is served, any
+other is refused (ConfigError). A canary the state no longer names (rolled back, or replaced by
+another) leaves the canary slot at once, even when its successor is then refused
+(:func:`workers.reconcile_plan.plan`).
 
 While the model has a canary the reconciler wakes every ``models.<m>.canary.check_interval_s``
 and runs :func:`protocol.model_state.guard_canary`, which rolls a failing canary back.
@@ -35,6 +40,7 @@ from protocol.model_served import last_served, read_served, record_served
 from protocol.model_state import CHANGES_CHANNEL, ModelState, guard_canary, read_state, record_refusal
 from protocol.redis_conn import await_subscription, sync_client
 from protocol.settings import FleetSettings
+from store.resolve import configured_file_version
 from workers.engines import LoadedModel, load_version
 from workers.reconcile_plan import Held, plan, wanted_stable
 from workers.scheduler import Role
@@ -60,6 +66,8 @@ class Reconciler:
         self.hostname = hostname
         self.runtime: WorkerRuntime | None = None
         self._configured = settings.models[model].store_version
+        self._file_version = configured_file_version(settings, model)
+        """Without a store: the configured file's version label (a pin of it is the configured file)."""
         self.applied_stable: str | None = None
         """The stable version asked for and loaded; None = the configured one."""
         self._initial: tuple[str, int] | None = None
@@ -93,7 +101,7 @@ class Reconciler:
         generation = state.generation if state is not None else 0
         wanted = wanted_stable(state, self._configured)
         loaded: LoadedModel | None = None
-        if wanted != self._configured:
+        if wanted != self._configured and not (wanted is not None and wanted == self._file_version):
             try:
                 loaded = load_version(self.settings, self.model, wanted)
                 self.applied_stable = wanted
@@ -162,15 +170,18 @@ class Reconciler:
             return None
         self.canary_active = state is not None and state.canary is not None
         held = Held(self.applied_stable, runtime.canary.version if runtime.canary is not None else None)
-        steps = plan(state, self._configured, held, self._refused)
+        steps = plan(state, self._configured, held, self._refused, file_version=self._file_version)
         if steps.promote_canary and runtime.canary is not None:
             # its engine becomes stable, no reload
             self._swap("stable", runtime.canary, runtime.canary.version, state)
         elif steps.load_stable:
             self._load("stable", steps.stable, state)
-        if steps.drop_canary:
+        if steps.drop_canary and runtime.canary is not None:
+            dropped = runtime.canary.version
             runtime.swap("canary", None)
-            log.info("worker %s dropped its canary: canary-queue requests now run on stable", self.hostname)
+            wanted = (state.canary if state is not None else None) or "none"
+            log.info("worker %s emptied its canary slot (held %s; the state's canary: %s): canary-queue requests "
+                     "now run on stable", self.hostname, dropped, wanted)
         if steps.load_canary is not None:
             self._load("canary", steps.load_canary, state)
         return state

@@ -85,6 +85,9 @@ class JobOutcome:
     ok: bool
     submitted_unix_s: float | None
     """The producer's submit time (wall clock, s); None when the request did not carry it."""
+    asked: Role = "stable"
+    """The role the request asked for (its queue's): ``canary`` with ``role`` stable is a canary-queue
+    request computed by stable, no canary being loaded (what the guard's unserved-canary check counts)."""
 
 
 @dataclass
@@ -519,7 +522,8 @@ class Scheduler:
             return
         self._gen_live = [q for q in self._gen_live if not q.future.done()]
         outcomes = [
-            JobOutcome(q.served_version, q.served_role, q.future.exception() is None, q.submitted_unix_s) for q in ended
+            JobOutcome(q.served_version, q.served_role, q.future.exception() is None, q.submitted_unix_s, q.role)
+            for q in ended
         ]
         for observer in self._outcome_observers:
             try:
@@ -531,7 +535,7 @@ class Scheduler:
         if not self._outcome_observers:
             return
         outcomes = [
-            JobOutcome(served.version, served.role, job.future.exception() is None, job.submitted_unix_s)
+            JobOutcome(served.version, served.role, job.future.exception() is None, job.submitted_unix_s, job.role)
             for job in jobs
         ]
         for observer in self._outcome_observers:

@@ -55,7 +55,7 @@ def test_a_worker_restarted_under_a_refused_pin_serves_the_last_served_version(
 
     # the corrupted pin, through the CLI: it waits for the workers' verdicts and says the pin is not served
     capsys.readouterr()
-    assert fleet_main(["models", "pin", MODEL, bad.version, "--config", str(cfg), "--wait-s", "60"]) == 0
+    assert fleet_main(["models", "pin", MODEL, bad.version, "--config", str(cfg), "--wait-s", "60"]) == 1  # NOT SERVED
     out = capsys.readouterr()
     doc = json.loads(out.out.strip().splitlines()[-1])
     _show(capsys, f"\npin output: served {doc['served']}; not_served: {doc['not_served']}\nstderr: {out.err.strip()}")

@@ -26,11 +26,17 @@ def state(stable: str | None = None, canary: str | None = None, generation: int 
         # a canary: load it; dropped (rollback): drop it; replaced: load the new one
         (state(None, "v2"), "v1", Held("v1", None), {}, Steps(load_canary="v2")),
         (state(None), "v1", Held("v1", "v2"), {}, Steps(drop_canary=True)),
-        (state(None, "v3"), "v1", Held("v1", "v2"), {}, Steps(load_canary="v3")),
+        # replaced: the old canary leaves the slot at once, then the new one is loaded
+        (state(None, "v3"), "v1", Held("v1", "v2"), {}, Steps(drop_canary=True, load_canary="v3")),
+        # replaced by a canary this worker refused: the old one must not keep serving the canary queue
+        (state(None, "bad", generation=4), "v1", Held("v1", "v2"), {"bad": 4}, Steps(drop_canary=True)),
+        (state("v1", "bad", generation=4), "v0", Held("v1", "v2"), {"bad": 4}, Steps(drop_canary=True)),
+        # the same canary: kept
+        (state(None, "v2"), "v1", Held("v1", "v2"), {}, Steps()),
         # a promotion reuses the canary's engine (and empties the canary slot)
         (state("v2"), "v1", Held("v1", "v2"), {}, Steps(promote_canary=True, drop_canary=True)),
         # promoted, then a new canary at once
-        (state("v2", "v3"), "v1", Held("v1", "v2"), {}, Steps(promote_canary=True, load_canary="v3")),
+        (state("v2", "v3"), "v1", Held("v1", "v2"), {}, Steps(promote_canary=True, drop_canary=True, load_canary="v3")),
         # a version refused at this generation is not tried again; at a later one it is
         (state("bad", generation=4), "v1", Held("v1", None), {"bad": 4}, Steps()),
         (state("bad", generation=5), "v1", Held("v1", None), {"bad": 4}, Steps(load_stable=True, stable="bad")),
@@ -43,3 +49,19 @@ def test_plan(
     steps = plan(desired, configured, held, refused)
     assert steps == expected
     assert steps.nothing == (expected == Steps())
+
+
+@pytest.mark.parametrize(
+    ("desired", "held", "expected"),
+    [
+        # a worker without a store holds its configured file (stable None), whose version is 1.0.0
+        (state("1.0.0"), Held(None, None), Steps()),  # a pin of that version: nothing to load
+        (state("2.0.0"), Held(None, None), Steps(load_stable=True, stable="2.0.0")),  # another: tried (refused)
+        (state(None), Held("1.0.0", None), Steps()),  # unpinned after serving the pin: the same file
+        (state(None, "1.0.0"), Held(None, None), Steps(load_canary="1.0.0")),  # a canary of it: loaded
+    ],
+)
+def test_plan_without_a_store_treats_the_configured_files_version_as_the_configured_file(
+    desired: ModelState, held: Held, expected: Steps
+) -> None:
+    assert plan(desired, None, held, {}, file_version="1.0.0") == expected

@@ -78,6 +78,9 @@ def test_a_batch_never_mixes_engines_and_canary_jobs_fall_back_to_stable() -> No
     sched.stop()
     assert [(o.version, o.role, o.ok) for o in outcomes].count(("v2", "canary", True)) == 4
     assert len(outcomes) == 9
+    # the late canary-queue job ran on stable: its outcome says so, and that its queue was the canary's
+    assert sorted((o.version, o.role, o.asked) for o in outcomes) == sorted(
+        [("v2", "canary", "canary")] * 4 + [("v1", "stable", "stable")] * 4 + [("v1", "stable", "canary")])
 
 
 def test_a_swap_takes_effect_at_the_next_batch_and_the_old_engine_is_freed_after_its_last_batch() -> None:

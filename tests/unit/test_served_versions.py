@@ -69,7 +69,14 @@ def test_served_by_groups_the_models_workers_by_stable_version() -> None:
         (state("v3"), "v1", [beat("w1", "v2")], [refusal("w1", "v3", at=CHANGED_AT - 5)],
          "desired stable v3 is not served by any worker: w1 serves v2"),
         (state("v2", "v4"), "v1", [beat("w1", "v2", "v4"), beat("w2", "v2")], [refusal("w2", "v4")],
-         "canary v4 is not loaded by w2 (their canary queue runs on stable); refused by w2 (ChecksumMismatch)"),
+         "canary v4 is not loaded by w2 (their canary queue runs on stable v2); refused by w2 (ChecksumMismatch)"),
+        # a replaced canary a worker still holds is named, not "stable"
+        (state("v2", "v5"), "v1", [beat("w1", "v2", "v4"), beat("w2", "v2", "v4")], [refusal("w1", "v5")],
+         "canary v5 is not loaded by w1, w2 (their canary queue runs on v4 (a canary the state no longer names)); "
+         "refused by w1 (ChecksumMismatch)"),
+        (state("v2", "v5"), "v1", [beat("w1", "v2", "v4"), beat("w2", "v2")], [],
+         "canary v5 is not loaded by w1, w2 (the canary queue runs on stable v2 at w2; v4 (a canary the state "
+         "no longer names) at w1)"),
     ],
 )
 def test_not_served_says_who_serves_what_instead(
@@ -110,3 +117,21 @@ def test_a_refusal_is_superseded_once_the_state_or_its_worker_moved_on(
     desired: ModelState, workers: list[dict[str, Any]], expected: str | None
 ) -> None:
     assert superseded_by(refusal("w1", "v3"), desired, "v1", workers) == expected
+
+
+@pytest.mark.parametrize(
+    ("served", "wait_s", "expected"),
+    [
+        ({"v2": ["w1", "w2"]}, 10.0, 0),  # served
+        ({"v2": ["w1"], "v1": ["w2"]}, 10.0, 0),  # served by some (NOT SERVED names the others on stderr)
+        ({"v1": ["w1", "w2"]}, 10.0, 1),  # by none: refused everywhere, or not switched within --wait-s
+        ({"v1": ["w1"]}, 0.0, 0),  # not waited for
+        ({}, 10.0, 0),  # no live worker: one that starts reads the pin
+    ],
+)
+def test_pin_exits_1_when_it_waited_and_no_live_worker_serves_the_version(
+    served: dict[str, list[str]], wait_s: float, expected: int
+) -> None:
+    from producer.lifecycle_cli import pin_exit_code
+
+    assert pin_exit_code({"served": served, "not_served": None if expected == 0 else "…"}, "v2", wait_s) == expected
