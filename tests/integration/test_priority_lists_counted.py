@@ -41,7 +41,7 @@ def _counts(fleet: Fleet, config: Path) -> tuple[int, int, int]:
     settings = fleet.settings(config)
     r: redis.Redis[bytes] = redis.Redis.from_url(fleet.redis_url)
     runtime = SimpleNamespace(redis=r, queue=settings.queue_for(MODEL), canary_queue=settings.canary_queue_for(MODEL),
-                              direct_queue=None)  # fmt: skip
+                              direct_queue=SimpleNamespace(consumed=False))  # fmt: skip
     runtime._own_queues = lambda: WorkerRuntime._own_queues(runtime)  # type: ignore[arg-type]
     queued = WorkerRuntime._queued(runtime)  # type: ignore[arg-type]
     return queued, int(r.llen(settings.queue_for(MODEL))), int(r.llen(settings.canary_queue_for(MODEL)))
