@@ -12,9 +12,10 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from producer.arguments import checked_inputs, integer, labelled
 from producer.idempotent_queue import one_body_per_id, quiet_backend, request_fingerprint
 from producer.task_writer import TaskMessage
-from protocol.errors import InvalidRequest
+from protocol.errors import AdmissionRefused, InvalidRequest
 from protocol.messages import BULK_TASK_NAME, MAX_BULK_REQUESTS, InferenceRequest
 
 if TYPE_CHECKING:
@@ -25,12 +26,29 @@ __all__ = ["queue_bulk_chunk", "submit_bulk", "submit_many"]
 
 def _build_all(client: FleetClient, model: str, inputs: Iterable[Sequence[int] | str],
                options: dict[str, Any]) -> list[InferenceRequest]:  # fmt: skip
-    return [
-        client.build_request(model, text=item, **options)
-        if isinstance(item, str)
-        else client.build_request(model, item, **options)
-        for item in inputs
-    ]
+    """Every input built (validated, tokenized); an error names its input: ``inputs[i].<field>``, and its message
+    starts ``inputs[i]: `` (same class as ``build_request`` raised).
+
+    Raises:
+        InvalidRequest: ``inputs`` itself is a string, bytes or not iterable (named ``inputs``); a bad input.
+        UnknownModel: ``model`` is not configured (named ``model``, not an input).
+    """
+    checked_inputs(inputs)
+    client.settings.model_key(model)  # an unknown model is no input's fault
+
+    def build(item: Sequence[int] | str) -> InferenceRequest:
+        if isinstance(item, str):
+            return client.build_request(model, text=item, **options)
+        return client.build_request(model, item, **options)
+
+    return labelled(inputs, build, lambda i: f"inputs[{i}]")
+
+
+def _refused_after(exc: AdmissionRefused, requests: Sequence[InferenceRequest], queued: set[int]) -> AdmissionRefused:
+    """``exc`` with ``queued_ids`` set: the IDs (in input order, a repeated one once) of the requests queued
+    (or known already) before admission refused the rest."""
+    exc.queued_ids = list(dict.fromkeys(str(requests[i].request_id) for i in sorted(queued)))
+    return exc
 
 
 def _firsts(requests: Sequence[InferenceRequest]) -> list[int]:
@@ -56,28 +74,36 @@ def submit_many(
     ``request_id`` in ``options`` names every input: the same body is one request, queued once).
 
     Raises:
-        InvalidRequest: a bad input; IdempotencyConflict: ``inputs[i]`` under a known or repeated ID
-            with another body; QueueFull / RateLimited from admission (the requests before it stay queued).
+        InvalidRequest: a bad input (named ``inputs[i].<field>``), or ``inputs`` is a string or bytes (named
+            ``inputs``); IdempotencyConflict: ``inputs[i]`` under a known or repeated ID with another body.
+        QueueFull / RateLimited: from admission; the requests before it stay queued, and the exception's
+            ``queued_ids`` lists their IDs (in input order).
     """
     from concurrent.futures import ThreadPoolExecutor
 
     from tqdm import tqdm
 
+    threads = integer(threads, "threads")
     requests = _build_all(client, model, inputs, options)
     firsts = _firsts(requests)
-    unique = [r for i, r in enumerate(requests) if firsts[i] == i]
+    unique = [i for i, j in enumerate(firsts) if i == j]
+    queued: set[int] = set()
     with tqdm(total=len(requests), desc=f"submit {model}", unit="req", disable=not progress) as bar:
 
-        def send_one(request: InferenceRequest) -> str:
-            rid = client.send(request)
+        def send_one(i: int) -> str:
+            rid = client.send(requests[i])
+            queued.add(i)
             bar.update(1)
             return rid
 
-        if threads <= 1:
-            sent = [send_one(r) for r in unique]
-        else:
-            with ThreadPoolExecutor(threads) as pool:
-                sent = list(pool.map(send_one, unique))
+        try:
+            if threads <= 1:
+                sent = [send_one(i) for i in unique]
+            else:
+                with ThreadPoolExecutor(threads) as pool:
+                    sent = list(pool.map(send_one, unique))
+        except AdmissionRefused as exc:
+            raise _refused_after(exc, requests, queued) from None
         bar.update(len(requests) - len(unique))
     by_first = dict(zip((i for i, j in enumerate(firsts) if i == j), sent, strict=True))
     return [by_first[j] for j in firsts]
@@ -108,12 +134,18 @@ def submit_bulk(
     queued again. A chunk's markers and messages are written in one Redis step, all or none.
 
     Raises:
-        InvalidRequest: a bad request (nothing is queued); QueueFull / RateLimited from admission.
+        InvalidRequest: a bad request (named ``inputs[i].<field>``; nothing is queued); ``inputs`` is a string
+            or bytes (named ``inputs``); a chunk larger than the model's ``max_queue_depth`` (named
+            ``chunk_size``, the cap as its limit: such a chunk could never be admitted, so it is not
+            QueueFull, which says to retry).
+        QueueFull / RateLimited: from admission; the chunks before stay queued, and the exception's
+            ``queued_ids`` lists their requests' IDs (in input order).
         IdempotencyConflict: ``inputs[i]`` under a known or repeated ID with another body (nothing
             of its chunk, nor of the chunks after it, is queued).
     """
     from tqdm import tqdm
 
+    chunk_size = integer(chunk_size, "chunk_size")
     if not 1 <= chunk_size <= MAX_BULK_REQUESTS:
         raise InvalidRequest(f"chunk_size must be in [1, {MAX_BULK_REQUESTS}]", "chunk_size", MAX_BULK_REQUESTS)
     requests = _build_all(client, model, inputs, options)
@@ -124,11 +156,22 @@ def submit_bulk(
                              len(requests))  # fmt: skip
     firsts = _firsts(requests)
     unique = [i for i, j in enumerate(firsts) if i == j]  # a repeated ID (same body) is queued once
+    cap = client.settings.models[key].max_queue_depth
+    if min(chunk_size, len(unique)) > cap:
+        size = min(chunk_size, len(unique))
+        raise InvalidRequest(f"chunk_size={chunk_size} puts {size} requests in one chunk, more than "
+                             f"models.{key}.max_queue_depth={cap} lets wait: such a chunk is never admitted, even "
+                             f"on an empty queue; use chunk_size <= {cap}", "chunk_size", cap)  # fmt: skip
+    queued: set[int] = set()
     with tqdm(total=len(requests), desc=f"bulk {key}", unit="req", disable=not progress) as bar:
         for start in range(0, len(unique), chunk_size):
             positions = unique[start : start + chunk_size]
-            client.admission.admit(key, count=len(positions), rate_key=rate_key)
+            try:
+                client.admission.admit(key, count=len(positions), rate_key=rate_key)
+            except AdmissionRefused as exc:
+                raise _refused_after(exc, requests, queued) from None
             queue_bulk_chunk(client, key, requests, keys, positions)
+            queued.update(positions)
             bar.update(len(positions))
         bar.update(len(requests) - len(unique))
     return [str(r.request_id) for r in requests]

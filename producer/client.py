@@ -13,6 +13,7 @@ a worker makes is made here first, so bad input is refused before anything is qu
 from __future__ import annotations
 
 import json
+import numbers
 import re
 import time
 import uuid
@@ -26,6 +27,7 @@ from pydantic import ValidationError
 from broker import make_celery
 from producer import bulk_submit
 from producer.admission import Admission
+from producer.arguments import checked_str, integer, plain_numbers, token_ids
 from producer.generation_defaults import generation_fields
 from producer.idempotent_queue import (
     IdempotentQueue,
@@ -61,7 +63,7 @@ from protocol.settings import FleetSettings, load_settings
 from protocol.tokenization import Tokenizer, load_tokenizer
 from protocol.validation import check_generation_room, check_input, resolve_output
 
-__all__ = ["MAX_DEADLINE_S", "FleetClient", "RequestStatus", "request_fingerprint"]
+__all__ = ["CARD_MISS_TTL_S", "MAX_DEADLINE_S", "FleetClient", "RequestStatus", "request_fingerprint"]
 
 
 DEFAULT_TOP_K = 5
@@ -87,6 +89,30 @@ def _output_spec(
         raise as_invalid_request(exc, prefix="output") from exc
 
 
+def _typed_arguments(
+    model: Any, text: Any, request_id: Any, top_k: Any, deadline_s: Any, generation: Any
+) -> tuple[int | None, GenerationParams | Mapping[str, Any] | None]:
+    """``build_request``'s arguments of the wrong type refused as InvalidRequest naming them; returns ``top_k``
+    and ``generation`` with numpy numbers made Python's.
+
+    Raises:
+        InvalidRequest: ``model``, ``text`` or ``request_id`` not a string, ``top_k`` not an integer,
+            ``deadline_s`` not a number, ``generation`` neither a GenerationParams nor a dict.
+    """
+    checked_str(model, "model", optional=False)
+    checked_str(text, "text")
+    checked_str(request_id, "request_id")
+    if deadline_s is not None and (isinstance(deadline_s, bool) or not isinstance(deadline_s, numbers.Real)):
+        raise InvalidRequest(f"deadline_s must be a number of seconds, not {type(deadline_s).__name__} "
+                             f"{deadline_s!r}"[:120], "deadline_s", MAX_DEADLINE_S)  # fmt: skip
+    if isinstance(generation, Mapping):
+        generation = plain_numbers(generation)  # numpy numbers (max_new_tokens, stop_token_ids) as Python's
+    elif generation is not None and not isinstance(generation, GenerationParams):
+        raise InvalidRequest(f"output.generation must be a GenerationParams or a dict of its fields, not "
+                             f"{type(generation).__name__}", "output.generation", None)  # fmt: skip
+    return (None if top_k is None else integer(top_k, "output.top_k")), generation
+
+
 def _as_text_error(exc: InvalidRequest) -> InvalidRequest:
     """An error about the ids tokenized from a request's text, named ``text`` as the caller sent it."""
     if exc.field != "input_ids":
@@ -98,10 +124,22 @@ MAX_DEADLINE_S = 86_400.0
 """Longest ``deadline_s`` a request may carry (s), on every face."""
 
 
+CARD_MISS_TTL_S = 5.0
+"""How long a client goes on without a model's card it found neither in the model's file nor in Redis before it
+reads Redis again (s): a service started before the model's workers learns the card they publish this much
+later at most, and meanwhile costs no Redis read per request. A card that was found is kept."""
+
+
 class _ModelInfo:
-    def __init__(self, card: ModelCard | None, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, card: ModelCard | None, tokenizer: Tokenizer | None, read_s: float) -> None:
         self.card = card
         self.tokenizer = tokenizer
+        self.read_s = read_s
+        """When the card was looked for (``time.monotonic()`` s)."""
+
+    def fresh(self, now_s: float) -> bool:
+        """Whether to use this as it is: a card was found, or the miss is younger than :data:`CARD_MISS_TTL_S`."""
+        return self.card is not None or now_s - self.read_s < CARD_MISS_TTL_S
 
 
 class FleetClient(ResultReader):
@@ -121,10 +159,17 @@ class FleetClient(ResultReader):
         self.queuer = IdempotentQueue(self.redis, self.app, self.writer, settings.result_ttl_s)
         self.waiter = ResultWaiter(self.redis, lambda raw: dict(self.app.backend.decode_result(raw)))
         self._models: dict[str, _ModelInfo] = {}
+        self.monotonic: Callable[[], float] = time.monotonic
+        """The clock that ages a missing card (s); tests replace it."""
 
     @classmethod
     def from_settings(cls, config_path: str | Path | None = None, **overrides: Any) -> FleetClient:
-        """A client from ``FLEET_*`` env and the YAML config (see :func:`protocol.settings.load_settings`)."""
+        """A client from ``FLEET_*`` env and the YAML config, ``overrides`` (top-level settings) beating both
+        (see :func:`protocol.settings.load_settings`).
+
+        Raises:
+            ConfigError: a setting, or an override, broke a rule.
+        """
         return cls(load_settings(config_path, **overrides))
 
     def close(self) -> None:
@@ -138,8 +183,12 @@ class FleetClient(ResultReader):
 
     # -- model knowledge -------------------------------------------------------------------------
     def _model(self, model: str) -> tuple[str, _ModelInfo]:
+        """``model``'s key and what this client knows of it: the card and tokenizer of its file, else the card its
+        workers published in Redis; a miss is looked for again after :data:`CARD_MISS_TTL_S`."""
         key = self.settings.model_key(model)
-        if key not in self._models:
+        info = self._models.get(key)
+        now_s = self.monotonic()
+        if info is None or not info.fresh(now_s):
             card: ModelCard | None = None
             tokenizer: Tokenizer | None = None
             path = self.settings.models[key].path
@@ -152,8 +201,8 @@ class FleetClient(ResultReader):
                     card = ModelCard.model_validate_json(raw)
                     if card.tokenizer == "byte":
                         tokenizer = load_tokenizer(card, path.parent)
-            self._models[key] = _ModelInfo(card, tokenizer)
-        return key, self._models[key]
+            info = self._models[key] = _ModelInfo(card, tokenizer, now_s)
+        return key, info
 
     def model_loaded(self, model: str) -> bool:
         """True when ``model``'s card and tokenizer are already in memory (building a request for it then
@@ -162,11 +211,12 @@ class FleetClient(ResultReader):
         Raises:
             UnknownModel: ``model`` is not configured.
         """
-        return self.settings.model_key(model) in self._models
+        info = self._models.get(self.settings.model_key(model))
+        return info is not None and info.fresh(self.monotonic())
 
     def model_card(self, model: str) -> ModelCard | None:
         """``model``'s card as this client knows it (its file's, else the one its workers published in
-        Redis); None when neither is available here."""
+        Redis); None when neither is available here (Redis is read again :data:`CARD_MISS_TTL_S` later)."""
         return self._model(model)[1].card
 
     def tokenize(self, model: str, text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -237,11 +287,16 @@ class FleetClient(ResultReader):
         fleet's (:mod:`producer.generation_defaults`). ``top_k`` (next-token candidates, default 5) is
         only for ``next_token`` output: given with any other, it is refused, not ignored.
 
+        ``input_ids`` may hold any integral numbers (numpy's too: they are sent as ``int``); text goes in
+        ``text``, never as bytes or a str in ``input_ids``.
+
         Raises:
-            InvalidRequest: (or a subclass) naming the field and the limit; never a pydantic error.
+            InvalidRequest: (or a subclass) naming the field and the limit; never a pydantic error, nor a
+                TypeError for an argument of the wrong type.
         """
         if (input_ids is None) == (text is None):
             raise InvalidRequest("give exactly one of input_ids or text", "input_ids", None)
+        top_k, generation = _typed_arguments(model, text, request_id, top_k, deadline_s, generation)
         if request_id is not None and not request_id:
             raise InvalidRequest("request_id is empty: give an ID, or none to get a fresh one", "request_id", None)
         if request_id is not None and not re.fullmatch(REQUEST_ID_PATTERN, request_id):  # as the gateway's
@@ -252,7 +307,7 @@ class FleetClient(ResultReader):
             raise InvalidRequest(f"deadline_s = {deadline_s} must be > 0 and <= {MAX_DEADLINE_S:g} s (a request "
                                  "already past its deadline is never run)", "deadline_s", MAX_DEADLINE_S)  # fmt: skip
         key, info = self._model(model)
-        ids = list(input_ids) if input_ids is not None else self.tokenize(key, text or "")
+        ids = token_ids(input_ids) if input_ids is not None else self.tokenize(key, text or "")
         limits = self.settings.models[key].limits
         if generation is not None or kind == "generate":
             generation = generation_fields(generation, model=self.settings.models[key], card=info.card,

@@ -37,7 +37,7 @@ import redis.client
 
 from protocol.redis_conn import await_subscription
 
-__all__ = ["READY_STATES", "RECHECK_S", "ResultWaiter"]
+__all__ = ["CANCELLED_BEFORE_RUN", "READY_STATES", "RECHECK_S", "ResultWaiter"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,8 @@ READY_STATES = frozenset({"SUCCESS", "FAILURE", "REVOKED"})
 """Celery states after which a result no longer changes."""
 MAX_IDLE_PUBSUBS = 64
 """Most idle pub/sub connections a waiter keeps for the next waits."""
+CANCELLED_BEFORE_RUN: dict[str, Any] = {"status": "REVOKED", "result": None, "cancelled_before_run": True}
+"""What :meth:`ResultWaiter.wait` returns for a request cancelled while queued (a REVOKED meta no worker stored)."""
 RECHECK_S = 5.0
 """Seconds without a message after which the key is read again (a safety net, not the way results come)."""
 _RECONNECT_PAUSE_S = 0.1
@@ -106,9 +108,16 @@ class ResultWaiter:
         meta = self.decode(raw)
         return meta if meta.get("status") in READY_STATES else None
 
-    def wait(self, key: str | bytes, timeout_s: float | None) -> dict[str, Any] | None:
+    def wait(
+        self, key: str | bytes, timeout_s: float | None, *, cancel_mark: str | None = None
+    ) -> dict[str, Any] | None:
         """The meta stored under ``key`` once it is in a ready state; None after ``timeout_s`` seconds
         (None: no limit).
+
+        With ``cancel_mark`` (the request's cancel-mark key), a read that finds nothing stored under ``key``
+        (not even STARTED) while the mark is set ends the wait with :data:`CANCELLED_BEFORE_RUN`: the
+        request was cancelled while it was queued, and no worker may ever store why. The mark is read in
+        the same round trip as the key, so the wait costs no more than before.
 
         Raises:
             redis.RedisError: only what a plain ``GET`` of the key raises after a reconnect.
@@ -120,7 +129,7 @@ class ResultWaiter:
             try:
                 pubsub.subscribe(key)
                 try:
-                    meta = self._wait_subscribed(pubsub, key, channel, deadline)
+                    meta = self._wait_subscribed(pubsub, key, channel, deadline, cancel_mark)
                 finally:
                     pubsub.unsubscribe(key)
             except redis.ConnectionError as exc:  # the pub/sub connection went: a new one, the key read again
@@ -136,20 +145,30 @@ class ResultWaiter:
             self._give_back(pubsub)
             return meta
 
+    def _read(self, key: str | bytes, cancel_mark: str | None) -> dict[str, Any] | None:
+        """The ready meta under ``key``, :data:`CANCELLED_BEFORE_RUN` (see :meth:`wait`), or None."""
+        if cancel_mark is None:
+            return self._ready(self.client.get(key))
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.get(key)
+            pipe.exists(cancel_mark)
+            raw, marked = pipe.execute()
+        return CANCELLED_BEFORE_RUN if raw is None and marked else self._ready(raw)
+
     def _wait_subscribed(
-        self, pubsub: Any, key: str | bytes, channel: bytes, deadline: float | None
+        self, pubsub: Any, key: str | bytes, channel: bytes, deadline: float | None, cancel_mark: str | None = None
     ) -> dict[str, Any] | None:
         pubsub.reconnected = False
         recheck_at = time.monotonic() + RECHECK_S
         await_subscription(pubsub, channel, recheck_at if deadline is None else min(deadline, recheck_at))
-        meta = self._ready(self.client.get(key))
+        meta = self._read(key, cancel_mark)
         while meta is None:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 return None
             if now >= recheck_at or pubsub.reconnected:
                 pubsub.reconnected = False
-                meta = self._ready(self.client.get(key))
+                meta = self._read(key, cancel_mark)
                 recheck_at = now + RECHECK_S
                 continue
             until = recheck_at if deadline is None else min(deadline, recheck_at)

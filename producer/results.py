@@ -7,17 +7,18 @@ anything; it needs only the client's Celery app, Redis connection and settings.
 from __future__ import annotations
 
 import json
+import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from enum import StrEnum
 from typing import Any
 
 import redis
 from celery import Celery
-from celery.result import AsyncResult
 
-from producer.result_waiter import ResultWaiter
-from producer.streams import iter_events
+from producer.arguments import checked_request_id, checked_request_ids, poll_interval_s, seconds_limit
+from producer.result_waiter import CANCELLED_BEFORE_RUN, ResultWaiter
+from producer.streams import MAX_OUTAGE_S, RETRIED, Reconnect, iter_events
 from protocol.errors import (
     FleetError,
     RequestCancelled,
@@ -55,18 +56,26 @@ class ResultReader:
     waiter: ResultWaiter
 
     # -- status and results ----------------------------------------------------------------------
-    def _async(self, request_id: str) -> AsyncResult:
-        return AsyncResult(request_id, app=self.app)
-
     def status(self, request_id: str) -> RequestStatus:
-        """Where ``request_id`` stands now (one Redis round trip: see :func:`status_from`)."""
+        """Where ``request_id`` stands now (one Redis round trip: see :func:`status_from`).
+
+        Raises:
+            InvalidRequest: ``request_id`` is not a non-empty string.
+        """
+        return self._stored(request_id)[1]
+
+    def _stored(self, request_id: str) -> tuple[dict[str, Any] | None, RequestStatus]:
+        """``request_id``'s stored Celery meta (None when none) and its status, in one round trip on
+        :attr:`redis` (never on Celery's backend, whose client is one per thread: a connection each
+        that :meth:`close` cannot reach)."""
+        request_id = checked_request_id(request_id)
         with self.redis.pipeline(transaction=False) as pipe:
             pipe.get(self.app.backend.get_key_for_task(request_id))
             pipe.exists(CANCEL_KEY.format(id=request_id))
             pipe.exists(REQUEST_KEY.format(id=request_id))
             raw, cancel_marked, known = pipe.execute()
         meta = self.app.backend.decode_result(raw) if raw is not None else None
-        return status_from(meta, cancel_marked=bool(cancel_marked), known=bool(known))
+        return meta, status_from(meta, cancel_marked=bool(cancel_marked), known=bool(known))
 
     def result(self, request_id: str, *, wait: bool = False, timeout_s: float | None = None) -> InferenceResult | None:
         """The result of ``request_id``; None if not ready and ``wait`` is False.
@@ -78,23 +87,30 @@ class ResultReader:
 
         Raises:
             FleetError: the request failed (the worker's error, rebuilt: InputTooLong, RequestExpired, …).
-            ResultTimeout: ``wait`` and no result within ``timeout_s`` (None: wait without limit).
+            ResultTimeout: ``wait`` and no result within ``timeout_s`` (None or ``inf``: wait without limit).
             RequestNotFound: not waiting, and the ID was never submitted or its result expired.
             RequestCancelled: it was cancelled before it ran (stored by the worker that dropped it, or only
                 marked: no worker took it yet), waiting or not.
+            InvalidRequest: ``request_id`` is not a non-empty string, or ``timeout_s`` is not a number of
+                seconds >= 0 (NaN, negative).
         """
-        finished = self._finished([request_id])
-        if request_id in finished:
-            return self._raise_or_return(finished[request_id])
-        status = self.status(request_id)
-        if status is RequestStatus.CANCELLED:  # cancelled while queued: no worker may ever store why, nor wait
-            raise RequestCancelled(f"request {request_id} was cancelled before it ran", "request_id", None)
+        request_id = checked_request_id(request_id)
+        limit_s = seconds_limit(timeout_s, "timeout_s")
         if not wait:
+            finished = self._finished([request_id])
+            if request_id in finished:
+                return self._raise_or_return(finished[request_id])
+            status = self.status(request_id)
+            if status is RequestStatus.CANCELLED:  # cancelled while queued: no worker may ever store why
+                raise RequestCancelled(f"request {request_id} was cancelled before it ran", "request_id", None)
             if status is RequestStatus.NOT_FOUND:
                 raise RequestNotFound(f"no request {request_id!r} is known", "request_id", None)
             return None
-        backend = self.app.backend
-        meta = self.waiter.wait(backend.get_key_for_task(request_id), timeout_s)
+        backend = self.app.backend  # the waiter reads the cancel mark with the key, in the same round trip:
+        meta = self.waiter.wait(backend.get_key_for_task(request_id), limit_s,  # a request cancelled while
+                                cancel_mark=CANCEL_KEY.format(id=request_id))  # queued ends the wait at once
+        if meta is CANCELLED_BEFORE_RUN:
+            raise RequestCancelled(f"request {request_id} was cancelled before it ran", "request_id", None)
         if meta is None:
             raise ResultTimeout(f"no result for {request_id} within {timeout_s} s", "timeout_s", timeout_s)
         outcome = self.outcome_of(request_id, meta)
@@ -109,27 +125,48 @@ class ResultReader:
         return outcome
 
     def wait(
-        self, request_ids: Sequence[str], timeout_s: float = 60.0, *, poll_s: float = 0.005
+        self, request_ids: Iterable[str], timeout_s: float | None = 60.0, *, poll_s: float = 0.005
     ) -> list[InferenceResult | FleetError]:
-        """Results (or errors) of many requests, in order, waiting up to ``timeout_s`` overall.
+        """Results (or errors) of many requests, in order, waiting up to ``timeout_s`` overall (None or
+        ``inf``: without limit, as :meth:`result`).
 
         Polls the result keys with MGET (one round trip per poll for up to 1,000 IDs), backing off
-        from ``poll_s`` to 100 ms; a request still unfinished at the deadline gets ``ResultTimeout``.
+        from ``poll_s`` (s, > 0) to 100 ms; a request still unfinished at the deadline gets ``ResultTimeout``.
+        ``request_ids`` is read once (a generator is fine). While Redis does not answer (a restart, a blip),
+        the MGET is tried again as :func:`producer.streams.iter_events` reads (:data:`producer.streams.RETRIED`,
+        waits from 50 ms doubling to 1 s) until the deadline, or for :data:`producer.streams.MAX_OUTAGE_S`
+        when there is none.
+
+        Raises:
+            InvalidRequest: an ID is not a non-empty string (named ``request_ids[i]``), ``timeout_s`` is NaN,
+                negative or not a number, or ``poll_s`` is not a finite number > 0.
+            redis.ConnectionError, redis.TimeoutError: Redis still did not answer at the deadline (or for
+                ``MAX_OUTAGE_S`` without one).
         """
-        deadline = time.monotonic() + timeout_s
+        ids = checked_request_ids(request_ids)
+        limit_s = seconds_limit(timeout_s, "timeout_s")
+        pause_s = poll_interval_s(poll_s)
+        deadline = None if limit_s is None else time.monotonic() + limit_s
+        retry = Reconnect(MAX_OUTAGE_S if limit_s is None else limit_s)
         done: dict[str, InferenceResult | FleetError] = {}
-        remaining = list(dict.fromkeys(request_ids))
+        remaining = list(dict.fromkeys(ids))
         while remaining:
-            done.update(self._finished(remaining))
+            try:
+                done.update(self._finished(remaining))
+                retry.answered()
+            except RETRIED as exc:
+                time.sleep(_outage_wait_s(retry, exc, deadline))
+                continue
             remaining = [rid for rid in remaining if rid not in done]
-            if remaining and time.monotonic() >= deadline:
+            now = time.monotonic()
+            if remaining and deadline is not None and now >= deadline:
                 for rid in remaining:
                     done[rid] = ResultTimeout(f"no result for {rid} within {timeout_s} s", "timeout_s", timeout_s)
                 break
             if remaining:
-                time.sleep(poll_s)
-                poll_s = min(0.1, poll_s * 1.5)
-        return [done[rid] for rid in request_ids]
+                time.sleep(pause_s if deadline is None else min(pause_s, deadline - now))
+                pause_s = min(0.1, pause_s * 1.5)
+        return [done[rid] for rid in ids]
 
     def _finished(self, request_ids: Sequence[str]) -> dict[str, InferenceResult | FleetError]:
         """The finished ones among ``request_ids``: one MGET of their stored results per 1,000 IDs."""
@@ -164,15 +201,24 @@ class ResultReader:
         ``settle_s`` > 0 returns only once such a generation has stored its result (or ``settle_s``
         seconds passed), so that a status read next says how it ended, not ``running``.
 
+        The cancel is a mark in Redis (``fleet:cancel:<id>``, announced on ``fleet:cancels``) that the
+        worker taking the request reads; no Celery revoke is broadcast, so cancels from many threads
+        at once each cost two Redis round trips and hold no broker connection. With
+        ``celery.track_started`` off, a one-step request a worker took just before (waiting in its
+        batch window) is not seen running: the answer is True, and its result, stored next, wins.
+
         Raises:
             RequestNotFound: no request of that ID is known (never submitted through the fleet, or its
                 result expired), as ``DELETE /v1/requests/{id}`` answers 404 and ``fleet cancel`` exits 1;
                 before, the cancel mark it set refused a request later sent under that ID, for an hour.
+            InvalidRequest: ``request_id`` is not a non-empty string.
         """
-        if self.status(request_id) is RequestStatus.NOT_FOUND:
+        request_id = checked_request_id(request_id)
+        meta, status = self._stored(request_id)
+        if status is RequestStatus.NOT_FOUND:
             raise RequestNotFound(f"no request {request_id!r} is known: never submitted through the fleet, or its "
                                   "result expired (result_ttl_s)", "request_id", None)  # fmt: skip
-        state = self._async(request_id).state
+        state = meta.get("status") if meta else None
         if state == "STARTED" and self._kind_of(request_id) == "generate":
             self._mark_cancelled(request_id)
             if settle_s > 0:
@@ -180,8 +226,12 @@ class ResultReader:
             return True
         if state in ("SUCCESS", "FAILURE", "STARTED", "REVOKED"):
             return bool(state == "REVOKED")
+        # The mark is the cancel: a worker reads it in the round trip that takes the message
+        # (broker.cancel_marks) and refuses the request. No Celery revoke is sent: a taken request starts
+        # at once (prefetch 1, threads pool), so a revoke never finds one waiting in a worker, it does not
+        # stop a running one (no terminate on threads), a bulk message carries other IDs, and its broadcast
+        # takes two connections of the app's pool per call: 10 concurrent cancels deadlocked on it.
         self._mark_cancelled(request_id)
-        self.app.control.revoke(request_id)
         return True
 
     def _mark_cancelled(self, request_id: str) -> None:
@@ -200,7 +250,7 @@ class ResultReader:
             return None
         return str(kind) if kind else None
 
-    def stream(self, request_id: str, *, timeout_s: float = 60.0) -> Iterator[StreamEvent]:
+    def stream(self, request_id: str, *, timeout_s: float | None = 60.0) -> Iterator[StreamEvent]:
         """The token events of generation ``request_id`` as they are produced (see :mod:`producer.streams`).
 
         Each token index comes once, even across a redelivery; the last event is ``final`` (finish
@@ -210,12 +260,27 @@ class ResultReader:
         While Redis does not answer, the reader tries again for up to 30 s.
 
         Raises:
-            ResultTimeout: no event for ``timeout_s`` seconds.
+            ResultTimeout: no event for ``timeout_s`` seconds (None or ``inf``: no limit).
             redis.ConnectionError: Redis did not answer for 30 s.
+            InvalidRequest: ``request_id`` is not a non-empty string, or ``timeout_s`` is NaN, not > 0 or not
+                a number (raised here, before the first event is asked for).
         """
+        request_id = checked_request_id(request_id)
+        limit_s = seconds_limit(timeout_s, "timeout_s", positive=True)
         return iter_events(
-            self.redis, request_id, timeout_s=timeout_s, outcome=lambda: self._finished([request_id]).get(request_id)
-        )
+            self.redis, request_id, timeout_s=math.inf if limit_s is None else limit_s,
+            outcome=lambda: self._finished([request_id]).get(request_id),
+        )  # fmt: skip
+
+
+def _outage_wait_s(retry: Reconnect, exc: Exception, deadline: float | None) -> float:
+    """How long to wait before asking Redis again after ``exc``; raises ``exc`` once the deadline (or the
+    outage bound of ``retry``) has passed."""
+    now = time.monotonic()
+    wait_s = retry.failed(now)
+    if wait_s is None or (deadline is not None and now >= deadline):
+        raise exc
+    return wait_s if deadline is None else min(wait_s, deadline - now)
 
 
 def as_fleet_error(value: Any) -> FleetError:

@@ -80,12 +80,12 @@ StreamRead = Callable[[str, "str | bytes", int], Awaitable[list[Entry]]]
 
 class StreamCursor:
     """Where a reader stands in one stream: the entry id read up to, the highest token index handed on
-    (and the text they showed), whether events were missed, and when its silence runs out. Pure: times
-    come in as arguments (``time.monotonic()`` seconds)."""
+    (and the text they showed), whether events were missed, and when its silence runs out (``timeout_s``
+    ``inf``: never). Pure: times come in as arguments (``time.monotonic()`` seconds)."""
 
     def __init__(self, request_id: str, *, now_s: float, timeout_s: float, block_ms: int = 1000) -> None:
-        if timeout_s <= 0 or block_ms < 1:
-            raise ValueError(f"timeout_s ({timeout_s}) must be > 0 and block_ms ({block_ms}) >= 1")
+        if not timeout_s > 0 or block_ms < 1:  # NaN too
+            raise ValueError(f"timeout_s ({timeout_s}) must be > 0 (inf: no limit) and block_ms ({block_ms}) >= 1")
         self.key = STREAM_KEY.format(id=request_id)
         self.request_id = request_id
         self.timeout_s = timeout_s
@@ -173,7 +173,8 @@ class StreamCursor:
 
     def block_for_ms(self, now_s: float) -> int:
         """How long the next ``XREAD BLOCK`` may wait (ms; never 0, which would mean forever)."""
-        return max(1, min(self.block_ms, round((self.deadline_s - now_s) * 1000)))
+        left_ms = (self.deadline_s - now_s) * 1000
+        return self.block_ms if left_ms >= self.block_ms else max(1, round(left_ms))  # inf (no limit): block_ms
 
     def timed_out(self, now_s: float) -> bool:
         """True when nothing arrived for ``timeout_s``."""

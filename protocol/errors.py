@@ -156,6 +156,9 @@ class AdmissionRefused(FleetError):
         super().__init__(message, field, limit)
         self.args = (message, field, limit, retry_after_s)
         self.retry_after_s = retry_after_s
+        self.queued_ids: list[str] = []
+        """IDs of the requests a batch call (``submit_many``, ``submit_bulk``) queued, or found known, before
+        this refusal stopped it, in input order; empty for a single request (nothing of it was queued)."""
 
 
 class QueueFull(AdmissionRefused):

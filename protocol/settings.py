@@ -2,6 +2,7 @@
 
 Sources, highest priority first:
 
+0. the keyword overrides of :func:`load_settings` (``FleetClient.from_settings(**overrides)``, CLI flags);
 1. environment variables ``FLEET_*`` with ``__`` for nesting, e.g.
    ``FLEET_REDIS_URL=redis://host:6379/0``, ``FLEET_WORKER__CONCURRENCY=16``,
    ``FLEET_MODELS__DEMO_LM__BATCHING__MAX_WAIT_MS=5`` (model names match case-insensitively,
@@ -14,6 +15,7 @@ An invalid value raises :class:`protocol.errors.ConfigError` naming the setting 
 
 from __future__ import annotations
 
+import contextvars
 import difflib
 import logging
 import os
@@ -612,7 +614,10 @@ class FleetSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # The YAML file arrives as init kwargs; environment variables must beat it.
+        # The YAML file arrives as init kwargs; environment variables must beat it. load_settings' overrides
+        # are applied to settings already built from both: then the init kwargs are the only source.
+        if _OVERRIDING.get():
+            return (init_settings,)
         return (env_settings, init_settings)
 
     @model_validator(mode="before")
@@ -730,10 +735,12 @@ def load_settings(config_path: Path | str | None = None, **overrides: Any) -> Fl
     Args:
         config_path: YAML file; defaults to ``$FLEET_CONFIG`` or ``configs/fleet.yaml`` (missing
             default file = built-in defaults only).
-        overrides: top-level fields that beat every other source (used by CLI flags).
+        overrides: top-level fields that beat every other source, ``FLEET_*`` variables included
+            (used by CLI flags); a section given as a dict is merged into the section field by field.
 
     Raises:
-        ConfigError: a value broke a rule; the message names the setting (dotted path) and the rule.
+        ConfigError: a value broke a rule; the message names the setting (dotted path) and the rule (and
+            starts ``override refused:`` when an override broke it).
     """
     path = Path(config_path or os.environ.get("FLEET_CONFIG") or DEFAULT_CONFIG_PATH)
     data: dict[str, Any] = {"models": {}}
@@ -752,12 +759,19 @@ def load_settings(config_path: Path | str | None = None, **overrides: Any) -> Fl
     except ValidationError as exc:
         raise ConfigError(_describe(exc), _first_loc(exc), None) from exc
     if overrides:
+        merged = deep_merge(settings.model_dump(), overrides)
+        token = _OVERRIDING.set(True)  # env and YAML are in ``merged`` already: the environment must not win again
         try:
-            merged = deep_merge(settings.model_dump(), overrides)
-            settings = FleetSettings.model_validate(merged)
+            settings = FleetSettings(**merged)
         except ValidationError as exc:
-            raise ConfigError(_describe(exc), _first_loc(exc), None) from exc
+            raise ConfigError(f"override refused: {_describe(exc)}", _first_loc(exc), None) from exc
+        finally:
+            _OVERRIDING.reset(token)
     return settings
+
+
+_OVERRIDING: contextvars.ContextVar[bool] = contextvars.ContextVar("fleet_settings_overriding", default=False)
+"""True while :func:`load_settings` applies its overrides: :class:`FleetSettings` then reads no environment."""
 
 
 NOT_SETTINGS_ENV = frozenset({"FLEET_CONFIG", "FLEET_DEBUG", "FLEET_ORT", "FLEET_GIT_COMMIT", "FLEET_BENCH_PROVIDER",

@@ -8,7 +8,7 @@ import pytest
 import redis
 from celery import Celery
 
-from protocol.errors import InvalidRequest, TokenOutOfRange
+from protocol.errors import InvalidRequest, QueueFull, TokenOutOfRange
 from protocol.keys import DRAIN_KEY
 from protocol.messages import InferenceResult
 from tests.integration.fleet_fixtures import Fleet
@@ -102,3 +102,29 @@ def test_a_bulk_message_never_replaces_a_stored_result_and_an_unnamed_item_fails
     fresh = client.result("bulk-fresh", wait=True, timeout_s=10)
     assert isinstance(fresh, InferenceResult)
     assert summary["count"] == 5 and summary["failed"] == 2, summary
+
+
+@pytest.mark.parametrize("call", ["submit_bulk", "submit_many"])
+def test_queue_full_midway_says_which_requests_were_queued(fleet: Fleet, call: str) -> None:
+    """A batch call refused by the queue's cap after it queued earlier chunks raises QueueFull with their IDs in
+    ``queued_ids``, in input order (before, the caller never learnt the IDs of what stayed queued); a chunk larger
+    than the cap is refused up front as InvalidRequest naming chunk_size (it never passes, even on an empty queue)."""
+    cfg = fleet.config(models={"demo-encoder": {"max_queue_depth": 10}}, admission={"queue_depth_cache_ms": 0})
+    client = fleet.client(cfg)  # no encoder worker: what is queued stays
+    inputs = [[i + 1, 2] for i in range(25)]
+    if call == "submit_bulk":
+        with pytest.raises(InvalidRequest) as too_big:
+            client.submit_bulk("demo-encoder", inputs[:11], chunk_size=100)
+        assert too_big.value.field == "chunk_size" and too_big.value.limit == 10
+        assert redis.Redis.from_url(fleet.redis_url).llen("fleet.demo-encoder") == 0
+    if call == "submit_bulk":
+        client.submit_many("demo-encoder", [[100 + i] for i in range(7)], progress=False)  # 7 messages wait
+    with pytest.raises(QueueFull) as info:
+        if call == "submit_bulk":  # the cap counts messages: 7 + 3 fits, then 8 + 3 does not
+            client.submit_bulk("demo-encoder", inputs, chunk_size=3)
+        else:
+            client.submit_many("demo-encoder", inputs, progress=False)
+    queued = info.value.queued_ids
+    assert len(queued) == (3 if call == "submit_bulk" else 10)
+    assert all(client.status(rid).value == "queued" for rid in queued)
+    assert redis.Redis.from_url(fleet.redis_url).llen("fleet.demo-encoder") == (8 if call == "submit_bulk" else 10)

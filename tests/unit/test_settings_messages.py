@@ -50,6 +50,35 @@ def test_yaml_then_env_then_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert load_settings(cfg).redis_url == "redis://env:6379/1"
 
 
+def test_overrides_beat_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """load_settings' (and FleetClient.from_settings') overrides beat FLEET_* variables, as documented; the
+    environment still beats the YAML file for what they leave alone. Before, the merged settings were validated
+    again with the environment as their first source: FLEET_REDIS_URL silently replaced the redis_url asked for."""
+    cfg = write(tmp_path, {"redis_url": "redis://yaml:6379/0", "models": MODEL})
+    monkeypatch.setenv("FLEET_REDIS_URL", "redis://env:6379/0")
+    monkeypatch.setenv("FLEET_RESULT_TTL_S", "5")
+    monkeypatch.setenv("FLEET_VISIBILITY_TIMEOUT_S", "99")
+    monkeypatch.setenv("FLEET_MODELS__DEMO_LM__BATCHING__MAX_WAIT_MS", "9")
+    s = load_settings(cfg, redis_url="redis://asked:6555/3", result_ttl_s=7200,
+                      models={"demo-lm": {"batching": {"max_batch_size": 4}}})  # fmt: skip
+    assert (s.redis_url, s.result_ttl_s, s.visibility_timeout_s) == ("redis://asked:6555/3", 7200, 99)
+    assert (s.model("demo-lm").batching.max_batch_size, s.model("demo-lm").batching.max_wait_ms) == (4, 9)
+    monkeypatch.setenv("FLEET_MODELS__DEMO_LM__BATCHING__MAX_BATCH_SIZE", "2")
+    assert load_settings(cfg, models={"demo-lm": {"batching": {"max_batch_size": 6}}}).model(
+        "demo-lm").batching.max_batch_size == 6
+    assert load_settings(cfg).model("demo-lm").batching.max_batch_size == 2  # no override: the environment's
+
+
+@pytest.mark.parametrize("override", [{"result_ttl_s": 0}, {"redis_url": "http://x"}, {"worker": {"bogus": 1}}])
+def test_an_invalid_override_is_refused_even_where_the_environment_is_valid(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, override: dict[str, object]
+) -> None:
+    monkeypatch.setenv("FLEET_RESULT_TTL_S", "5")
+    monkeypatch.setenv("FLEET_REDIS_URL", "redis://env:6379/0")
+    with pytest.raises(ConfigError, match=r"^override refused: invalid setting " + next(iter(override))):
+        load_settings(write(tmp_path, {"models": MODEL}), **override)
+
+
 @pytest.mark.parametrize(
     ("doc", "env", "says"),
     [
