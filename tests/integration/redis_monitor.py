@@ -12,7 +12,7 @@ import redis
 
 from tools.processes import poll_until
 
-__all__ = ["Monitor", "parse_monitor_line"]
+__all__ = ["Monitor", "parse_monitor_line", "worker_mark_reads"]
 
 _LINE = re.compile(r"\[(\d+) (.*?)\] (.*)")
 _ARGUMENT = re.compile(r'"((?:[^"\\]|\\.)*)"')
@@ -82,3 +82,23 @@ class Monitor:
     def close(self) -> None:
         self._client.close()
         self._marker.close()
+
+
+def _sender(command: dict[str, Any]) -> str:
+    return f"{command.get('client_address')}:{command.get('client_port')}"
+
+
+def worker_mark_reads(commands: list[dict[str, Any]], request_id: str) -> list[int]:
+    """Indexes of the reads of ``request_id``'s cancel mark that are not a waiting client's: a client waiting
+    for a result reads the mark in the round trip that reads the result key (``GET celery-task-meta-…`` then
+    ``EXISTS fleet:cancel:…`` on its connection), a worker in the pipeline that takes the request."""
+    wanted = f"EXISTS fleet:cancel:{request_id}"
+    found = []
+    for at, command in enumerate(commands):
+        if command["command"] != wanted:
+            continue
+        before = next((c for c in reversed(commands[:at]) if _sender(c) == _sender(command)), None)
+        if before is None or not str(before["command"]).startswith("GET celery-task-meta-"):
+            found.append(at)
+    return found
+

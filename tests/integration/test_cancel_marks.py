@@ -14,17 +14,11 @@ import pytest
 from broker.cancel_marks import CancelMarks
 from protocol.errors import RequestCancelled, RequestNotFound
 from tests.integration.fleet_fixtures import Fleet
-from tests.integration.redis_monitor import Monitor, parse_monitor_line
+from tests.integration.redis_monitor import Monitor, parse_monitor_line, worker_mark_reads
 
 
 def _sender(command: dict[str, Any]) -> str:
     return f"{command.get('client_address')}:{command.get('client_port')}"
-
-
-def _after_get_of_result(commands: list[dict[str, str]], at: int) -> bool:
-    """Command ``at`` follows, on its connection, a GET of a result key (a client's wait reads the two together)."""
-    before = next((c for c in reversed(commands[:at]) if _sender(c) == _sender(commands[at])), None)
-    return before is not None and before["command"].startswith("GET celery-task-meta-")
 
 
 def test_the_cancel_mark_rides_in_the_take_pipeline(fleet: Fleet) -> None:
@@ -39,9 +33,7 @@ def test_the_cancel_mark_rides_in_the_take_pipeline(fleet: Fleet) -> None:
     commands = monitor.up_to_now()
     monitor.close()
     for rid in ids:
-        # the worker's reads of the mark (the waiting client reads it too, with the result key: not counted)
-        exists = [i for i, c in enumerate(commands) if c["command"] == f"EXISTS fleet:cancel:{rid}"
-                  and not _after_get_of_result(commands, i)]  # fmt: skip
+        exists = worker_mark_reads(commands, rid)  # the waiting client reads it too, with the result key
         assert len(exists) == 1, [c["command"][:80] for c in commands]
         at = exists[0]
         hset = next(i for i in range(at - 1, -1, -1) if _sender(commands[i]) == _sender(commands[at]))
