@@ -20,10 +20,22 @@ from tests.integration.fleet_fixtures import Fleet
 pytestmark = pytest.mark.slow
 
 
+ATTEMPTS = 2
+"""Independent runs, each with a fresh worker: the first that agrees decides. A run measures a 2-core machine
+shared with the rest of the suite, and another test's burst can land inside its 8 s trace: in one CI run at
+375e35b the model predicted 87 ms at p50 against 279 ms measured (the band: 93-837 ms), where runs alone and
+beside ``stress-ng --cpu 2`` agreed within 1.1x. A model that is wrong disagrees in every run."""
+
+
 def test_simulated_queue_wait_agrees_with_a_real_run(fleet: Fleet, tmp_path: Path) -> None:
     config = fleet.config(models={MODEL: model_config(build_model(tmp_path / "models"))})
-    result = check(fleet.client(config), lambda: fleet.worker(config, MODEL, concurrency=8))
-    print(result.to_json())
+    client = fleet.client(config)
+    for _attempt in range(ATTEMPTS):
+        result = check(client, lambda: fleet.worker(config, MODEL, concurrency=8))
+        fleet.workers[-1].stop(timeout_s=20)  # the next attempt starts its own worker on an empty queue
+        print(result.to_json())
+        if all(check_at.ok for check_at in result.agreements()):
+            break
     for check_at in result.agreements():
         assert check_at.ok, check_at
     # a fleet of the wrong size is far outside (15 vs 511 ms at p50 in one run): the check can fail
