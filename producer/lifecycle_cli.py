@@ -39,7 +39,7 @@ import redis
 
 from producer.cli_types import number_in, setting_type
 from protocol.canary_verdict import version_figures
-from protocol.errors import ConfigError, ModelLoadError
+from protocol.errors import ConfigError
 from protocol.model_state import (
     HistoryEntry,
     Published,
@@ -54,7 +54,6 @@ from protocol.model_state import (
     rollback,
     set_canary,
 )
-from protocol.modelcard import load_card
 from protocol.redis_conn import sync_client
 from protocol.settings import CanarySettings, FleetSettings, load_settings
 
@@ -90,7 +89,9 @@ def _published(
             which is the only one a worker without a store can load (it would refuse it: NOT SERVED).
     """
     if settings.store.backend == "none":
-        configured = _configured_version(settings, model)
+        from store.resolve import configured_file_version  # the label a store-less worker serves the file under
+
+        configured = configured_file_version(settings, model)
         if version is not None and configured is not None and version != configured:
             raise ConfigError(
                 f"{model} {version}: no model store is configured (store.backend: none), so a worker can serve only "
@@ -103,18 +104,6 @@ def _published(
 
     store = open_store(settings.store)
     return store, version_check(settings, store)
-
-
-def _configured_version(settings: FleetSettings, model: str) -> str | None:
-    """The version of ``model``'s configured file as its workers label it: ``models.<m>.version``, else its
-    card's (None when the card is not on this machine: the workers then say whether they serve a version)."""
-    configured = settings.models[model]
-    if configured.version is not None:
-        return configured.version
-    try:
-        return load_card(configured.path).version
-    except (ModelLoadError, OSError):
-        return None
 
 
 def _change_doc(r: redis.Redis[bytes], model: str, entry: HistoryEntry) -> dict[str, Any]:
