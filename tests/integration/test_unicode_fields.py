@@ -14,11 +14,10 @@ import pytest
 from protocol.model_state import STATE_KEY, ModelState
 from tests.integration.openai_fixtures import Served, ops_models, ops_redis, served
 from tests.integration.ops_fixtures import API_KEY
+from tests.unit.test_utf8_fields import M, put_text  # M: where a case's body gets the lone surrogate
 
 __all__ = ["ops_models", "ops_redis", "served"]
 
-M = "\x00mark\x00"
-"""Where a case's body gets the lone surrogate (a value, or a dict key)."""
 CHAT = {"model": "demo-lm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"model": "demo-lm", "prompt": "hi", "max_tokens": 2}
 RESP = {"model": "demo-lm", "input": "hi", "max_output_tokens": 4}
@@ -57,16 +56,6 @@ NATIVE_CASES: list[tuple[str, dict[str, Any], str]] = [
 ]
 
 
-def _put(body: Any, text: str) -> Any:
-    if body == M:
-        return text
-    if isinstance(body, dict):
-        return {(text if k == M else k): _put(v, text) for k, v in body.items()}
-    if isinstance(body, list):
-        return [_put(item, text) for item in body]
-    return body
-
-
 def _post(served: Served, path: str, body: Any) -> Any:
     """``body`` as raw JSON: ``json.dumps`` writes a lone surrogate as the ``\\ud800`` escape a client sends."""
     return served.http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
@@ -80,7 +69,7 @@ def _kept(served: Served) -> set[bytes]:
 def _refused(served: Served, path: str, body: dict[str, Any], lone: str, at: int) -> dict[str, Any]:
     """Post ``body`` with ``lone`` at the mark (``at`` characters in); assert nothing was kept; the error."""
     before = _kept(served)
-    answer = _post(served, path, _put(body, "ab"[:at] + lone))
+    answer = _post(served, path, put_text(body, "ab"[:at] + lone))
     assert _kept(served) == before  # nothing queued, nothing stored
     native = path.startswith("/v1/requests")
     assert answer.status_code == (422 if native else 400), answer.text

@@ -119,14 +119,14 @@ CASES: list[tuple[type[BaseModel], dict[str, Any], str]] = [
 ]
 
 
-def _put(body: Any, text: str) -> Any:
+def put_text(body: Any, text: str) -> Any:
     """``body`` with :data:`M` (as a value or a key) replaced by ``text``."""
     if body == M:
         return text
     if isinstance(body, dict):
-        return {(text if k == M else k): _put(v, text) for k, v in body.items()}
+        return {(text if k == M else k): put_text(v, text) for k, v in body.items()}
     if isinstance(body, list):
-        return [_put(item, text) for item in body]
+        return [put_text(item, text) for item in body]
     return copy.deepcopy(body)
 
 
@@ -143,8 +143,8 @@ def _refusal(model: type[BaseModel], body: dict[str, Any]) -> tuple[str, str, se
 def test_a_lone_surrogate_is_refused_naming_the_field_as_sent(
     model: type[BaseModel], body: dict[str, Any], field: str
 ) -> None:
-    model.model_validate(_put(body, "ok1"))  # the same body with valid text passes
-    named, message, kinds = _refusal(model, _put(body, "ab\ud800"))
+    model.model_validate(put_text(body, "ok1"))  # the same body with valid text passes
+    named, message, kinds = _refusal(model, put_text(body, "ab\ud800"))
     assert named == field and ERROR_TYPE in kinds, message
     assert "not valid Unicode: lone surrogate U+D800 at character 2" in message and "\ud800" not in message
 
@@ -158,7 +158,7 @@ def test_any_lone_surrogate_anywhere_is_located(
     case: tuple[type[BaseModel], dict[str, Any], str], before: str, lone: str, after: str
 ) -> None:
     model, body, field = case
-    named, message, _ = _refusal(model, _put(body, before + lone + after))
+    named, message, _ = _refusal(model, put_text(body, before + lone + after))
     assert named == field, message
     assert f"not valid Unicode: lone surrogate U+{ord(lone):04X} at character {len(before)}" in message
 
