@@ -13,7 +13,7 @@ Two things keep routing honest:
 * :class:`DirectQueue` makes sure nothing is stranded in the queue of a worker that died: every
   heartbeat registers this worker in :data:`protocol.keys.DIRECT_QUEUES_KEY` (scored by its heartbeat's
   expiry) and moves the queue of every registered worker past its expiry onto the model's queue, in
-  one script per queue (:data:`MOVE_SCRIPT`), oldest first at the head. A dead worker stays
+  one script per queue (:data:`MOVE_SCRIPT`, priority siblings too), oldest first at the head. A dead worker stays
   registered for ``visibility_timeout_s`` + one restore interval + a heartbeat TTL more, because its
   unacked requests come back (kombu's restore) into its own queue and must be moved too.
   A worker that stops cleanly moves its own queue at once. Producers route only to a live worker
@@ -40,9 +40,10 @@ import time
 
 import redis
 
+from broker.priority_lists import KOMBU_PRIORITY_SEP, KOMBU_PRIORITY_STEPS
 from protocol.keys import DIRECT_QUEUES_KEY, PREFIX_HOLDER_KEY
 
-__all__ = ["MOVE_SCRIPT", "PUBLISH_WAIT_S", "DirectQueue", "PrefixHolder"]
+__all__ = ["MOVE_SCRIPT", "PUBLISH_WAIT_S", "DirectQueue", "PrefixHolder", "move_keys"]
 
 PUBLISH_WAIT_S = 1.0
 """Longest wait of :meth:`PrefixHolder.sync` (s): a Redis that does not take the digests delays a result by
@@ -52,15 +53,27 @@ log = logging.getLogger("fleet.routing")
 
 MOVE_SCRIPT = """
 local moved = 0
-while true do
-  local item = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
-  if not item then break end
-  moved = moved + 1
+for i = 1, #KEYS, 2 do
+  while true do
+    local item = redis.call('LMOVE', KEYS[i], KEYS[i + 1], 'LEFT', 'RIGHT')
+    if not item then break end
+    moved = moved + 1
+  end
 end
 return moved
 """
-"""KEYS[1] = a dead worker's queue, KEYS[2] = the model's queue. Moves every item, newest first onto the
-head (the right end, where workers take), so the oldest is taken first; returns the count."""
+"""KEYS: pairs of (a queue's list, where it goes): a dead worker's queue and each of kombu's priority sibling
+lists, each onto the model queue's list of the same priority (:func:`move_keys`). Moves every item, newest
+first onto the head (the right end, where workers take), so the oldest is taken first; returns the count."""
+
+
+def move_keys(source: str, target: str) -> list[str]:
+    """:data:`MOVE_SCRIPT`'s keys for moving Celery queue ``source`` onto ``target``: its own list and kombu's
+    priority siblings (a message sent with a priority, or restored with one, waits in a sibling)."""
+    keys = [source, target]
+    for step in KOMBU_PRIORITY_STEPS:
+        keys += [f"{source}{KOMBU_PRIORITY_SEP}{step}", f"{target}{KOMBU_PRIORITY_SEP}{step}"]
+    return keys
 
 
 class DirectQueue:
@@ -103,7 +116,7 @@ class DirectQueue:
                 pipe.delete(self._holder_key)  # routers stop sending here before the queue is emptied
                 if not self.consumed:
                     pipe.zadd(self._registry, {self.hostname: time.time()}, xx=True)
-                self._move(keys=[self.name, self.shared], client=pipe)
+                self._move(keys=move_keys(self.name, self.shared), client=pipe)
                 moved = int(pipe.execute()[-1])
         except redis.RedisError as exc:
             log.warning("could not take over this worker's own queue %s from an earlier process: %s", self.name, exc)
@@ -131,7 +144,7 @@ class DirectQueue:
             host = raw.decode() if isinstance(raw, bytes) else str(raw)
             if host == self.hostname and not self.consumed:
                 continue  # swept above
-            moved = int(self._move(keys=[self._prefix + host, self.shared]))
+            moved = int(self._move(keys=move_keys(self._prefix + host, self.shared)))
             if moved:
                 self.rescued += moved
                 log.warning("moved %d requests from the queue of dead worker %s to %s", moved, host, self.shared)
@@ -139,7 +152,7 @@ class DirectQueue:
 
     def _sweep(self) -> None:
         """Move what reached the queue this worker does not consume onto the model's queue."""
-        moved = int(self._move(keys=[self.name, self.shared]))
+        moved = int(self._move(keys=move_keys(self.name, self.shared)))
         if moved:
             self.swept += moved
             log.warning("moved %d requests from this worker's own queue, which it does not consume, to %s", moved,
@@ -151,7 +164,7 @@ class DirectQueue:
         the queue is marked only where a predecessor left it registered)."""
         with contextlib.suppress(redis.RedisError):
             self.client.zadd(self._registry, {self.hostname: time.time()}, xx=not self.consumed)
-            moved = int(self._move(keys=[self.name, self.shared]))
+            moved = int(self._move(keys=move_keys(self.name, self.shared)))
             if moved:
                 log.info("moved %d requests from this worker's queue to %s", moved, self.shared)
 
