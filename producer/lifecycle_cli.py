@@ -2,28 +2,34 @@
 
 Registered by :mod:`producer.models_cli` under ``fleet models``. Every change is one transaction
 recorded in the model's history (:mod:`protocol.model_state`); workers follow it. Output is one JSON
-document on stdout. Exit codes follow ``fleet``'s: 0 ok; 1 refused (not published, no canary to
-promote or roll back; the message says why), or ``pin`` waited (``--wait-s`` > 0) and no live
-worker serves the pinned version (each refused it or did not switch in time: the pin took effect
-nowhere; ``fleet: NOT SERVED: …`` on stderr; the pin stays recorded: undo it with ``rollback``); 2 bad
+document on stdout. ``pin`` and ``canary`` then wait up to ``--wait-s`` (10 s) for the live workers to
+serve the version or refuse it, and add what they serve: ``served`` (stable version -> hosts),
+``canary_served`` (loaded canary version -> hosts) and ``not_served`` (a sentence, also on stderr as
+``fleet: NOT SERVED: …``). Exit codes follow ``fleet``'s: 0 ok; 1 refused (not published, no canary to
+promote or roll back; the message says why), or ``pin``/``canary`` waited (``--wait-s`` > 0) and no
+live worker serves the version in that role (each refused it, e.g. a checksum mismatch, or did not
+switch in time: the change took effect nowhere; it stays recorded: undo it with ``rollback``); 2 bad
 arguments or settings (unknown model, a weight outside 1..99, a version whose card does not fit the
 model: IncompatibleVersion, see :mod:`protocol.version_fit`; checked by pin, canary and promote when a
-store is configured). A pin that some live workers serve and others do not (a worker without the
+store is configured). A version that some live workers serve and others do not (a worker without the
 store, a canary not loaded) exits 0 with the NOT SERVED line naming the others, as ``fleet status``
-does. ``pin --wait-s 0`` waits for nothing and judges nothing: exit 0 once recorded (``served`` /
-``not_served`` in the JSON are one read of the heartbeats at that instant). With no live worker of
-the model, ``pin`` exits 0 (a worker that starts reads the pin). ``canary``, ``promote`` and
-``rollback`` do not wait for the workers: exit 0 once recorded (``fleet status`` says what is served).
+does. ``--wait-s 0`` waits for nothing and judges nothing: exit 0 once recorded (``served`` /
+``canary_served`` / ``not_served`` in the JSON are one read of the heartbeats at that instant). With no
+live worker of the model, ``pin`` and ``canary`` exit 0 (a worker that starts reads the state).
+``promote`` and ``rollback`` do not wait for the workers: exit 0 once recorded (``fleet status`` says
+what is served).
 
 ::
 
     fleet models pin M V                     # V serves all of M's traffic (the canary, if any, stays); waits
                                              # up to --wait-s 10 s for the workers; exit 1 if none serves V
-    fleet models canary M V --weight 10      # 10 % of M's traffic to V, sticky by routing key
+    fleet models canary M V --weight 10      # 10 % of M's traffic to V, sticky by routing key; waits up to
+                                             # --wait-s 10 s for the workers; exit 1 if none loaded V
     fleet models promote M                   # the canary becomes stable
     fleet models rollback M [--reason TEXT]  # drop the canary (with none: undo the last pin or promote)
     fleet models history M [--last N]        # who changed what, when, why
-    fleet models compare M [--window-s S] [--shadow N | --prompts FILE]   # per-version figures
+    fleet models compare M [--window-s S] [--shadow N | --prompts FILE]   # per-version figures; p99_ms null
+                                             # below 100 requests, "tail": "p95 (n=40)" names what they support
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import getpass
 import json
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import redis
 
@@ -57,7 +63,12 @@ from protocol.model_state import (
 from protocol.redis_conn import sync_client
 from protocol.settings import CanarySettings, FleetSettings, load_settings
 
-__all__ = ["default_by", "pin_exit_code", "register"]
+__all__ = ["canary_exit_code", "default_by", "pin_exit_code", "register", "served_exit_code"]
+
+Role = Literal["stable", "canary"]
+
+DEFAULT_WAIT_S = 10.0
+"""How long ``pin`` and ``canary`` wait for the live workers by default (``--wait-s``, s)."""
 
 
 def default_by() -> str:
@@ -127,29 +138,48 @@ def _with_served(settings: FleetSettings, r: redis.Redis[bytes], model: str, doc
     return out
 
 
+def served_exit_code(doc: dict[str, Any], version: str, wait_s: float, role: Role) -> int:
+    """The exit code of a change that asks the live workers to serve ``version`` as ``role``, from its
+    document (pure): 1 when it waited (``wait_s`` > 0) and live workers of the model run (``served`` is not
+    empty: each serves some stable version), none of them serving ``version`` in that role (``served`` for
+    stable, ``canary_served`` for canary): the change took effect nowhere. Else 0 (not waited for, served
+    by some or all, or no live worker yet)."""
+    live = doc.get("served") or {}
+    serving = live if role == "stable" else doc.get("canary_served") or {}
+    return 1 if wait_s > 0 and live and version not in serving else 0
+
+
 def pin_exit_code(doc: dict[str, Any], version: str, wait_s: float) -> int:
-    """``fleet models pin VERSION``'s exit code from its document (pure): 1 when it waited and live workers
-    of the model run, none of them serving ``version`` (the pin took effect nowhere), else 0 (not waited
-    for, served by some or all, or no live worker yet)."""
-    served = doc.get("served") or {}
-    return 1 if wait_s > 0 and served and version not in served else 0
+    """``fleet models pin VERSION``'s exit code (pure): :func:`served_exit_code` for the stable role."""
+    return served_exit_code(doc, version, wait_s, "stable")
+
+
+def canary_exit_code(doc: dict[str, Any], version: str, wait_s: float) -> int:
+    """``fleet models canary VERSION``'s exit code (pure): :func:`served_exit_code` for the canary role."""
+    return served_exit_code(doc, version, wait_s, "canary")
+
+
+def _recorded_and_served(settings: FleetSettings, r: redis.Redis[bytes], model: str, entry: HistoryEntry,
+                         args: argparse.Namespace, role: Role) -> int:
+    """Print the change ``entry`` with what the workers serve once they applied it (``--wait-s``); returns
+    the exit code (:func:`served_exit_code` for ``args.version`` as ``role``)."""
+    doc = _with_served(settings, r, model, _change_doc(r, model, entry), args.wait_s)
+    _print(doc)
+    return served_exit_code(doc, args.version, args.wait_s, role)
 
 
 def cmd_pin(args: argparse.Namespace) -> int:
     settings, r, model = _context(args)
     store, check = _published(settings, model, args.version)
     entry = pin(r, model, args.version, args.by, store=store, check=check)
-    doc = _with_served(settings, r, model, _change_doc(r, model, entry), args.wait_s)
-    _print(doc)
-    return pin_exit_code(doc, args.version, args.wait_s)
+    return _recorded_and_served(settings, r, model, entry, args, "stable")
 
 
 def cmd_canary(args: argparse.Namespace) -> int:
     settings, r, model = _context(args)
     store, check = _published(settings, model, args.version)
     entry = set_canary(r, model, args.version, args.weight, args.by, store=store, check=check)
-    _print(_change_doc(r, model, entry))
-    return 0
+    return _recorded_and_served(settings, r, model, entry, args, "canary")
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
@@ -230,19 +260,23 @@ def register(msub: Any) -> None:
         if by:
             p.add_argument("--by", default=default_by(), help="who the change is recorded as (default $USER@host)")
 
+    def wait_s(p: argparse.ArgumentParser, serve: str) -> None:
+        p.add_argument("--wait-s", type=float, default=DEFAULT_WAIT_S,
+                       help=f"wait up to this long for the live workers to {serve} or refuse it, then print what "
+                       "they serve (\"served\", \"canary_served\", \"not_served\"); exit 1 when none of them "
+                       f"does; 0 = do not wait nor judge (exit 0 once recorded) (default {DEFAULT_WAIT_S:g})")
+
     p = msub.add_parser("pin", help="serve VERSION for all of the model's (stable) traffic")
     common(p)
     p.add_argument("version")
-    p.add_argument("--wait-s", type=float, default=10.0,
-                   help="wait up to this long for the live workers to serve VERSION or refuse it, then print "
-                   "what they serve (\"served\", \"not_served\"); exit 1 when none of them serves it; 0 = do not "
-                   "wait nor judge (exit 0 once recorded) (default 10)")
+    wait_s(p, "serve VERSION")
     p.set_defaults(func=cmd_pin)
 
     p = msub.add_parser("canary", help="send --weight percent of the model's traffic to VERSION")
     common(p)
     p.add_argument("version")
     p.add_argument("--weight", type=_weight, required=True, help="percent of traffic to the canary, 1..99")
+    wait_s(p, "load VERSION as the canary")
     p.set_defaults(func=cmd_canary)
 
     p = msub.add_parser("promote", help="make the canary the stable version")
@@ -259,7 +293,8 @@ def register(msub: Any) -> None:
     p.add_argument("--last", type=int, default=None, help="only the last N entries")
     p.set_defaults(func=cmd_history)
 
-    p = msub.add_parser("compare", help="per-version requests, error rate, p50/p99 (and LM agreement)")
+    p = msub.add_parser("compare", help="per-version requests, error rate, p50, p99 (from 100 requests; below: the "
+                        "highest percentile they support, named) (and LM agreement)")
     common(p, by=False)
     p.add_argument("--window-s", type=setting_type(CanarySettings, "models.<m>.canary.window_s"), default=None,
                    help="default: models.<m>.canary.window_s")

@@ -2,7 +2,8 @@
 queue, the last changes and the workers' last refusals (:mod:`protocol.model_state`), and whether
 the live workers serve the desired versions: ``not_served`` says plainly when they do not (a
 refused pin, a worker not yet switched), and a refusal the state has moved past is marked
-``superseded``. ``fleet models pin`` prints the same served / not-served verdict."""
+``superseded``. ``fleet models pin`` and ``fleet models canary`` wait for it (:func:`await_served`) and
+print the same served / not-served verdict."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from protocol.settings import FleetSettings
 __all__ = [
     "LAST_ENTRIES",
     "await_served",
+    "canary_served_by",
     "format_model_states",
     "model_states",
     "not_served",
@@ -33,13 +35,25 @@ LAST_ENTRIES = 3
 """History entries and refusals shown per model."""
 
 
-def served_by(workers: list[dict[str, Any]], model: str) -> dict[str, list[str]]:
-    """Stable version -> the hostnames of ``model``'s live workers serving it (from heartbeats), pure."""
+def _hosts_by(workers: list[dict[str, Any]], model: str, field: str) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for w in workers:
-        if w.get("model") == model and w.get("version"):
-            out.setdefault(str(w["version"]), []).append(str(w.get("hostname")))
+        if w.get("model") == model and w.get(field):
+            out.setdefault(str(w[field]), []).append(str(w.get("hostname")))
     return {v: sorted(hosts) for v, hosts in sorted(out.items())}
+
+
+def served_by(workers: list[dict[str, Any]], model: str) -> dict[str, list[str]]:
+    """Stable version -> the hostnames of ``model``'s live workers serving it (from heartbeats), pure.
+    Every live worker serves some stable version, so it is empty exactly when none of them runs."""
+    return _hosts_by(workers, model, "version")
+
+
+def canary_served_by(workers: list[dict[str, Any]], model: str) -> dict[str, list[str]]:
+    """Canary version -> the hostnames of ``model``'s live workers that have it loaded (the heartbeats'
+    ``canary_version``), pure. A worker with no canary loaded is not listed: its canary queue runs on its
+    stable version (:func:`not_served` says so)."""
+    return _hosts_by(workers, model, "canary_version")
 
 
 def _refused_by(refused: list[Refusal], version: str, since_unix_s: float) -> str:
@@ -119,8 +133,9 @@ def settled(state: ModelState | None, configured: str | None, workers: list[dict
 
 
 def await_served(settings: FleetSettings, client: redis.Redis[bytes], model: str, wait_s: float) -> dict[str, Any]:
-    """Wait up to ``wait_s`` seconds for ``model``'s live workers to apply its state (serve it, or refuse
-    it), then say what they serve: ``{"served": {version: [hosts]}, "not_served": sentence | None}``."""
+    """Wait up to ``wait_s`` seconds (monotonic; 0 = one read) for ``model``'s live workers to apply its state
+    (serve it, or refuse it: :func:`settled`), then say what they serve: ``{"served": {stable version: [hosts]},
+    "canary_served": {canary version: [hosts]}, "not_served": sentence | None}``."""
     from producer.registry import list_workers
 
     configured = settings.models[model].store_version
@@ -130,7 +145,8 @@ def await_served(settings: FleetSettings, client: redis.Redis[bytes], model: str
         if settled(state, configured, workers, refused) or time.monotonic() >= deadline:
             break
         time.sleep(POLL_S)  # polling heartbeats under a deadline: a CLI waiting for other processes
-    return {"served": served_by(workers, model), "not_served": not_served(model, state, configured, workers, refused)}
+    return {"served": served_by(workers, model), "canary_served": canary_served_by(workers, model),
+            "not_served": not_served(model, state, configured, workers, refused)}
 
 
 def superseded_by(refusal: Refusal, state: ModelState | None, configured: str | None,

@@ -9,7 +9,9 @@ nearest-rank p99 of fewer than 100 requests is their maximum, so one slow reques
 decide the verdict. With fewer, the canary is judged at p95 (20 requests or more), p90 (10), p75 (4) or
 p50 (2): a percentile that is never the sample's maximum. The verdict's reason and figures
 (``latency_judged``) name the percentile used. Judging a lower percentile against ``max_p99_ms`` only
-errs towards keeping the canary (its p99 is at least its p90).
+errs towards keeping the canary (its p99 is at least its p90). Per-version figures
+(:class:`VersionFigures`, ``fleet models compare``) follow the same rule: no p99 below 100 requests,
+and the tail at the percentile the requests support, named.
 """
 
 from __future__ import annotations
@@ -65,7 +67,13 @@ class Outcome:
 
 @dataclass(frozen=True)
 class VersionFigures:
-    """One version's figures over a window: requests, failures, error rate, latency p50/p99 (ms)."""
+    """One version's figures over a window: requests, failures, error rate, latency (ms, enqueue to result).
+
+    ``p99_ms`` is None below 100 requests (a nearest-rank p99 of fewer is their maximum, see
+    :func:`supported_percentile`); ``tail_percentile`` / ``tail_ms`` are the highest percentile the requests
+    support and its value (p99 from 100, p95 from 20, … p50 from 2; None below 2), the one the canary guard
+    judges; ``max_ms`` is the slowest request, named as such. ``p50_ms`` of one request is that request.
+    """
 
     version: str
     requests: int
@@ -73,17 +81,41 @@ class VersionFigures:
     error_rate: float
     p50_ms: float | None
     p99_ms: float | None
+    tail_ms: float | None = None
+    max_ms: float | None = None
+
+    @property
+    def tail_percentile(self) -> int | None:
+        """The highest percentile ``requests`` support (:func:`supported_percentile`); None below 2."""
+        return supported_percentile(self.requests)
+
+    @property
+    def tail_label(self) -> str:
+        """The tail in words, e.g. ``p95 (n=40)``, or ``n/a (n=1; needs 2)``."""
+        if self.tail_percentile is None:
+            return f"n/a (n={self.requests}; needs 2)"
+        return f"p{self.tail_percentile} (n={self.requests})"
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-friendly form (latencies rounded to 0.01 ms, error rate to 4 decimals)."""
+        """JSON-friendly form (latencies rounded to 0.01 ms, error rate to 4 decimals). The keys up to
+        ``p99_ms`` are the original ones (``p99_ms`` null below 100 requests); ``tail_*`` and ``max_ms`` were
+        added beside them."""
         return {
             "version": self.version,
             "requests": self.requests,
             "errors": self.errors,
             "error_rate": round(self.error_rate, 4),
-            "p50_ms": None if self.p50_ms is None else round(self.p50_ms, 2),
-            "p99_ms": None if self.p99_ms is None else round(self.p99_ms, 2),
+            "p50_ms": _ms(self.p50_ms),
+            "p99_ms": _ms(self.p99_ms),
+            "tail": self.tail_label,
+            "tail_percentile": self.tail_percentile,
+            "tail_ms": _ms(self.tail_ms),
+            "max_ms": _ms(self.max_ms),
         }
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
 
 
 @dataclass(frozen=True)
@@ -158,23 +190,29 @@ def _why_percentile(q: int, requests: int) -> str:
 
 
 def version_figures(samples: Iterable[Outcome]) -> dict[str, VersionFigures]:
-    """Figures per version (whatever role each request had), in the order versions first appear."""
+    """Figures per version (whatever role each request had), in the order versions first appear; latency
+    percentiles by nearest rank, the tail at the percentile each version's requests support."""
     latencies: dict[str, list[float]] = {}
     errors: dict[str, int] = {}
     for sample in samples:
         latencies.setdefault(sample.version, []).append(sample.latency_ms)
         errors[sample.version] = errors.get(sample.version, 0) + (0 if sample.ok else 1)
-    return {
-        version: VersionFigures(
-            version=version,
-            requests=len(values),
-            errors=errors[version],
-            error_rate=errors[version] / len(values),
-            p50_ms=percentile(values, 50),
-            p99_ms=percentile(values, 99),
-        )
-        for version, values in latencies.items()
-    }
+    return {version: _figures(version, values, errors[version]) for version, values in latencies.items()}
+
+
+def _figures(version: str, latencies_ms: Sequence[float], errors: int) -> VersionFigures:
+    n = len(latencies_ms)
+    tail = supported_percentile(n)
+    return VersionFigures(
+        version=version,
+        requests=n,
+        errors=errors,
+        error_rate=errors / n,
+        p50_ms=percentile(latencies_ms, 50),
+        p99_ms=percentile(latencies_ms, 99) if tail == 99 else None,
+        tail_ms=percentile(latencies_ms, tail) if tail is not None else None,
+        max_ms=max(latencies_ms),
+    )
 
 
 def canary_verdict(
