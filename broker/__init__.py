@@ -29,7 +29,7 @@ What it adapts, module by module:
   ``[args, kwargs, embed]`` body, kombu's JSON envelope, the ``redelivered`` mark).
 * :mod:`broker.redis_refusals`: redis-py's ``BaseParser.EXCEPTION_CLASSES`` (write refusals raised as
   connection errors in a worker process).
-* :mod:`broker.priority_lists`: kombu's priority sibling lists (``sep``, ``priority_steps``): a queue's
+* :mod:`broker.priority_lists`: kombu's priority sibling lists (``sep``, ``priority_steps``): a queue's lists, and its
   depth is four ``LLEN`` replies.
 * :mod:`broker.versions`: the pins and the worker's start-up check.
 * :mod:`broker.celery_app`: ``WorkController.options`` at ``worker_init`` (mingle and gossip off on every
@@ -67,7 +67,7 @@ from broker.event_buffer import install as install_event_buffer
 from broker.in_hand import IN_HAND as TAKEN_IN_HAND
 from broker.message_check import bulk_request_ids
 from broker.poison import install as install_poison_guard
-from broker.priority_lists import queue_depth
+from broker.priority_lists import queue_depth, queue_lists
 from broker.result_backend import install as install_result_backend
 from broker.versions import OVERRIDE_ENV, TESTED, check_broker_versions, installed_versions, untested
 
@@ -84,6 +84,7 @@ __all__ = [
     "installed_versions",
     "make_celery",
     "queue_depth",
+    "queue_lists",
     "quiet_worker",
     "untested",
 ]

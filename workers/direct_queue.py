@@ -40,7 +40,7 @@ import time
 
 import redis
 
-from broker.priority_lists import KOMBU_PRIORITY_SEP, KOMBU_PRIORITY_STEPS
+from broker import queue_lists
 from protocol.keys import DIRECT_QUEUES_KEY, PREFIX_HOLDER_KEY
 
 __all__ = ["MOVE_SCRIPT", "PUBLISH_WAIT_S", "DirectQueue", "PrefixHolder", "move_keys"]
@@ -70,10 +70,7 @@ first onto the head (the right end, where workers take), so the oldest is taken 
 def move_keys(source: str, target: str) -> list[str]:
     """:data:`MOVE_SCRIPT`'s keys for moving Celery queue ``source`` onto ``target``: its own list and kombu's
     priority siblings (a message sent with a priority, or restored with one, waits in a sibling)."""
-    keys = [source, target]
-    for step in KOMBU_PRIORITY_STEPS:
-        keys += [f"{source}{KOMBU_PRIORITY_SEP}{step}", f"{target}{KOMBU_PRIORITY_SEP}{step}"]
-    return keys
+    return [key for pair in zip(queue_lists(source), queue_lists(target), strict=True) for key in pair]
 
 
 class DirectQueue:
