@@ -24,8 +24,6 @@ check is still whole and atomic, the queueing is not.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,13 +34,13 @@ from producer.task_writer import TaskMessage, TaskWriter
 from protocol.errors import IdempotencyConflict
 from protocol.keys import REQUEST_KEY
 from protocol.messages import InferenceRequest
+from protocol.request_marker import request_fingerprint, request_marker
 
 __all__ = [
     "CLAIM_AND_QUEUE_LUA",
     "MAX_CLAIM_ATTEMPTS",
     "IdempotentQueue",
     "conflict",
-    "marker_of",
     "one_body_per_id",
     "quiet_backend",
     "request_fingerprint",
@@ -94,24 +92,6 @@ for j = 1, m do
 end
 return {'ok', table.concat(states)}
 """
-
-
-def request_fingerprint(request: InferenceRequest) -> str:
-    """sha256 of what makes a request the same request (model, ids, output); not its ID or timestamps."""
-    body = request.model_dump(mode="json", include={"model", "input_ids", "output", "truncated"})
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def marker_of(request: InferenceRequest, fingerprint: str) -> str:
-    """The JSON kept under ``fleet:req:<id>`` while the request is known (read by status and streams)."""
-    return json.dumps(
-        {
-            "model": request.model,
-            "submitted_at_unix_s": request.submitted_at_unix_s,
-            "kind": request.output.kind,
-            "fingerprint": fingerprint,
-        }
-    )
 
 
 def conflict(request_id: str, label: str = "") -> IdempotencyConflict:
@@ -201,7 +181,7 @@ class IdempotentQueue:
         fingerprints = [request_fingerprint(r) for r in requests]
         firsts = one_body_per_id(ids, fingerprints, label)
         unique = [i for i, j in enumerate(firsts) if i == j]
-        markers = [marker_of(requests[i], fingerprints[i]) for i in unique]
+        markers = [request_marker(requests[i], fingerprints[i]) for i in unique]
         if not self.writer.usable():
             _, states = self._run(ids, unique, fingerprints, markers, [EITHER] * len(unique), [], label)
             new = [i for i, s in zip(unique, states, strict=True) if s == NEW]

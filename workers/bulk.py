@@ -86,6 +86,7 @@ def handle_bulk(
             prepared.append(exc)
     for _ in ids:
         runtime.token_taken()
+    held = _hold(runtime, ids, prepared)
     try:
         runtime.scheduler.submit_many(collector.jobs)
         outcomes: list[tuple[str | None, str, Any]] = []
@@ -100,9 +101,22 @@ def handle_bulk(
                 outcomes.append((rid, "FAILURE", exc))
         _store_all(backend, outcomes)
     finally:
+        for rid in held:
+            runtime.held.release(rid)
         for _ in ids:
             runtime.token_returned()
     return summarize(outcomes)
+
+
+def _hold(runtime: WorkerRuntime, ids: list[str | DecodeError], prepared: list[Prepared | FleetError]) -> list[str]:
+    """Count the prepared requests as held (their markers are written back where Redis loses them:
+    :mod:`workers.held_requests`); returns their IDs."""
+    held: list[str] = []
+    for rid, prep in zip(ids, prepared, strict=True):
+        if isinstance(rid, str) and isinstance(prep, Prepared):
+            runtime.held.hold(rid, prep.request, started_by=None)
+            held.append(rid)
+    return held
 
 
 def summarize(outcomes: list[tuple[str | None, str, Any]]) -> dict[str, Any]:

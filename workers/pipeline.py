@@ -237,12 +237,15 @@ def finish(runtime: WorkerRuntime, prepared: Prepared, *, request_id: str, worke
 
 
 def handle_request(
-    runtime: WorkerRuntime, payload: Any, *, request_id: str, worker: str, role: Role = "stable"
+    runtime: WorkerRuntime, payload: Any, *, request_id: str, worker: str, role: Role = "stable",
+    started: bool = False,
 ) -> dict[str, Any]:
     """Serve one request end to end on this worker; returns the JSON result.
 
     A generation holds its token of the bucket until its last token. A failure of a request that
-    asked to generate ends its stream with an error event, so stream readers never hang.
+    asked to generate ends its stream with an error event, so stream readers never hang. ``started``:
+    its STARTED state was stored (by ``worker``); while it runs, the heartbeat writes that and its submit
+    marker back where Redis lost them (:mod:`workers.held_requests`).
 
     Raises:
         FleetError: the request is invalid, expired, cancelled, or meant for another model.
@@ -254,10 +257,12 @@ def handle_request(
             if cancelled is None:
                 cancelled = bool(runtime.redis.exists(CANCEL_KEY.format(id=request_id)))
             prepared = prepare(runtime, payload, arrival, request_id=request_id, cancelled=cancelled, role=role)
+        runtime.held.hold(request_id, prepared.request, started_by=worker if started else None)
         return finish(runtime, prepared, request_id=request_id, worker=worker)
     except Exception as exc:
         runtime.streams.fail_if_generating(request_id, payload, exc)
         raise
     finally:
+        runtime.held.release(request_id)
         runtime.streams.unwatch(request_id)
         runtime.token_returned()

@@ -34,6 +34,7 @@ from workers.engine import Engine
 from workers.engines import LoadedModel
 from workers.generation.loop import GenerationLoop
 from workers.health import Heartbeat
+from workers.held_requests import HeldRequests
 from workers.namesakes import live_namesake, namesake_message
 from workers.outcomes import OutcomeWriter
 from workers.policy import BatchPolicy
@@ -139,6 +140,9 @@ class WorkerRuntime:
         if self.direct_queue.consumed:
             self._route_by_prefix(hostname)
         self.heartbeat.on_beat.append(self._routing_beat)
+        self.held = HeldRequests(self.redis, ttl_s=settings.result_ttl_s)
+        """The requests this worker holds: each beat writes back what Redis lost of their bookkeeping."""
+        self.heartbeat.on_beat.append(self.held.restore)
         self.scheduler.add_outcome_observer(
             OutcomeWriter(self.redis, self.model_key, lambda: self.reconciler.canary_active)
         )

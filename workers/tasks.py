@@ -73,13 +73,15 @@ def register_tasks(app: Celery) -> None:
                 "args",
                 1,
             )
+        started = bool(self.app.conf.task_track_started)
         if asks_to_generate(payload):
             runtime.streams.hold_end(str(self.request.id))  # its stream ends once its result is stored
-            if not self.app.conf.task_track_started:
+            if not started:
                 self.update_state(state="STARTED", meta={"pid": os.getpid(), "hostname": self.request.hostname})
+                started = True
         return handle_request(
             runtime, payload, request_id=str(self.request.id), worker=str(self.request.hostname or runtime.hostname),
-            role=role_of(self),
+            role=role_of(self), started=started,
         )
 
     @app.task(  # type: ignore[untyped-decorator]
