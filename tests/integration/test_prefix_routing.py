@@ -25,22 +25,34 @@ from protocol.prefix_digest import block_digests
 from protocol.settings import load_settings
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.ops_fixtures import API_KEY, OpsFleet, ops_fleet, ops_models, ops_redis  # noqa: F401
+from tools.build_llama import build_llama
 from tools.ledger import Ledger
-from tools.processes import poll_until
 
 MODEL = "demo-llama"
 BLOCK = 4
+LONG_TURN_TOKENS = 1000
+"""New tokens of the turn a worker is killed in the middle of."""
 pytestmark = pytest.mark.slow
 
 
-def _config(fleet: Fleet, *, heartbeat_s: float = 0.5, max_direct_queued: int = 4, **extra: Any) -> Path:
-    return fleet.config(
-        worker={"model": MODEL, "heartbeat_s": heartbeat_s},
-        models={MODEL: {"batching": {"prefix_block_tokens": BLOCK},
-                        "limits": {"max_input_tokens": 256, "max_new_tokens": 256},
-                        "routing": {"max_direct_queued": max_direct_queued}}},
-        **extra,
-    )
+def _config(fleet: Fleet, *, heartbeat_s: float = 0.5, max_direct_queued: int = 4, path: Path | None = None,
+            **extra: Any) -> Path:
+    """The demo decoder with 4-token prefix blocks and routing on (``path``: another build of it)."""
+    model: dict[str, Any] = {"batching": {"prefix_block_tokens": BLOCK},
+                             "limits": {"max_input_tokens": 256, "max_new_tokens": LONG_TURN_TOKENS},
+                             "routing": {"max_direct_queued": max_direct_queued}}  # fmt: skip
+    if path is not None:  # the slow build: a conversation past the long turn fits it
+        model["path"] = str(path)
+        model["limits"]["max_input_tokens"] = LONG_TURN_TOKENS + 64
+    return fleet.config(worker={"model": MODEL, "heartbeat_s": heartbeat_s}, models={MODEL: model}, **extra)
+
+
+@pytest.fixture(scope="module")
+def slow_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A deeper, wider demo decoder with room for a turn of :data:`LONG_TURN_TOKENS`: seconds of decoding on any
+    machine, so a worker killed once the turn's first tokens are out is killed mid-turn."""
+    return build_llama(tmp_path_factory.mktemp("slow-llama"), hidden_size=256, num_layers=6,
+                       max_positions=LONG_TURN_TOKENS + 256)  # fmt: skip
 
 
 def _generate(client: FleetClient, prompt: list[int], new: int = 6) -> str:
@@ -118,12 +130,12 @@ def test_a_burst_split_between_the_worker_s_own_queue_and_the_model_s_starts_tog
     assert [size for size, _ in detail] == [16] * 16, detail
 
 
-def test_a_turn_routed_to_a_worker_that_dies_is_served_by_another(fleet: Fleet) -> None:
+def test_a_turn_routed_to_a_worker_that_dies_is_served_by_another(fleet: Fleet, slow_llama: Path) -> None:
     """Two cases on the conversation's holder: SIGKILLed while it runs the turn (the turn comes back after
     the visibility timeout, into the dead worker's queue, and is moved), and SIGKILLed with the turn still
     waiting in its queue (moved once its heartbeat expires). Each turn: one result, from the other worker;
     nothing left queued or unacked."""
-    cfg = _config(fleet, visibility_timeout_s=6)
+    cfg = _config(fleet, visibility_timeout_s=6, path=slow_llama)
     first, second = fleet.worker(cfg, MODEL), fleet.worker(cfg, MODEL)
     client = fleet.client(cfg)
     r = client.redis
@@ -139,9 +151,11 @@ def test_a_turn_routed_to_a_worker_that_dies_is_served_by_another(fleet: Fleet) 
     history = prompt + turn1.generation.token_ids
     assert _held_by(r, holder.hostname, history)  # held by the time the reply is stored
 
-    long_turn = _generate(client, [*history, 20, 21, 22], new=200)  # long enough to be killed mid-turn
+    long_turn = _generate(client, [*history, 20, 21, 22], new=LONG_TURN_TOKENS)  # killed mid-turn
     ledger.accepted(long_turn)
-    poll_until(lambda: client.status(long_turn).value == "running", 30, "the holder to start the turn")
+    for event in client.stream(long_turn, timeout_s=60):  # its first tokens are out: the holder runs it
+        if event.index >= 1:
+            break
     killed_at = time.monotonic()
     holder.kill()
     done = client.wait([long_turn], timeout_s=90)[0]
