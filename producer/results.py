@@ -204,8 +204,12 @@ class ResultReader:
         The cancel is a mark in Redis (``fleet:cancel:<id>``, announced on ``fleet:cancels``) that the
         worker taking the request reads; no Celery revoke is broadcast, so cancels from many threads
         at once each cost two Redis round trips and hold no broker connection. With
-        ``celery.track_started`` off, a one-step request a worker took just before (waiting in its
-        batch window) is not seen running: the answer is True, and its result, stored next, wins.
+        ``celery.track_started`` off (the default), a one-step request a worker already took is not seen
+        running and the answer is True: while it waits in the worker's batch window, the worker hears the
+        announcement and takes it out unrun, and it ends cancelled (``RequestCancelled``, as one cancelled
+        in the queue) while the requests beside it run; once its batch has started, its result, stored
+        next, wins (an engine step is not stopped part way). With ``track_started`` on it reads running,
+        and the answer is False.
 
         Raises:
             RequestNotFound: no request of that ID is known (never submitted through the fleet, or its
@@ -227,10 +231,12 @@ class ResultReader:
         if state in ("SUCCESS", "FAILURE", "STARTED", "REVOKED"):
             return bool(state == "REVOKED")
         # The mark is the cancel: a worker reads it in the round trip that takes the message
-        # (broker.cancel_marks) and refuses the request. No Celery revoke is sent: a taken request starts
-        # at once (prefetch 1, threads pool), so a revoke never finds one waiting in a worker, it does not
-        # stop a running one (no terminate on threads), a bulk message carries other IDs, and its broadcast
-        # takes two connections of the app's pool per call: 10 concurrent cancels deadlocked on it.
+        # (broker.cancel_marks) and refuses the request; a worker that took it before hears the announcement
+        # and drops it if it still waits for its batch (workers.cancel_watch). No Celery revoke is sent: a
+        # taken request starts at once (prefetch 1, threads pool), so a revoke never finds one waiting in a
+        # worker, it does not stop a running one (no terminate on threads), a bulk message carries other IDs,
+        # and its broadcast takes two connections of the app's pool per call: 10 concurrent cancels
+        # deadlocked on it.
         self._mark_cancelled(request_id)
         return True
 

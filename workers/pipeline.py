@@ -2,7 +2,9 @@
 
 decode → check it is for this worker's model → deadline → validate against the model's limits →
 hand to the scheduler (a one-step :class:`~workers.scheduler.Job` or a
-:class:`~workers.generation.sequence.GenSequence`) → wait → encode the JSON result. Any
+:class:`~workers.generation.sequence.GenSequence`) → wait → encode the JSON result. A cancel read at take
+refuses the request; one heard later ends a one-step job still waiting for its batch
+(:mod:`workers.cancel_watch`) and a generation at its next step. Any
 :class:`~protocol.errors.FleetError` becomes the request's FAILURE result; the worker goes on.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 from broker import CANCEL_MARKS
@@ -135,8 +138,12 @@ def prepare(
             submit_gen(seq) if submit_gen is not None else runtime.scheduler.submit_generation(seq)
         )
         return Prepared(request, checked, kind, future, seq)
-    job = Job(checked.input_ids, output, deadline_mono, role=role, submitted_unix_s=request.submitted_at_unix_s)
-    return Prepared(request, checked, kind, arrival.submit(job))
+    job = Job(checked.input_ids, output, deadline_mono, role=role, submitted_unix_s=request.submitted_at_unix_s,
+              request_id=request_id)
+    job_future = arrival.submit(job)
+    # a cancel heard while it waits for its batch ends it unrun (workers.cancel_watch); no Redis command
+    runtime.streams.waiting.watch(request_id, job_future, partial(runtime.scheduler.cancel, job))
+    return Prepared(request, checked, kind, job_future)
 
 
 def _queue_wait_ms(request: InferenceRequest, batch_started_unix_s: float, fallback_ms: float) -> float:

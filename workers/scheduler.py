@@ -12,6 +12,8 @@ embeddings) are :class:`Job` s batched by the policy. Generations are
 batches the loop runs one :class:`~workers.generation.loop.GenerationLoop` step (admit joiners,
 prefill them, one decode step for everyone running), so new sequences join between decode steps.
 Observers (metrics) subscribe with :meth:`Scheduler.add_observer`; the loop itself knows nothing of them.
+A one-step job cancelled while it waits for its batch (:meth:`Scheduler.cancel`, from the worker's cancel
+listener: :mod:`workers.cancel_watch`) leaves the window unrun; once its batch has formed, its result wins.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from protocol.errors import FleetError, RequestExpired
+from protocol.errors import FleetError, RequestCancelled, RequestExpired
 from protocol.messages import OutputSpec
 from workers.count_or_zero import CountOrZero
 from workers.engine import Engine
@@ -103,6 +105,17 @@ class Job:
     role: Role = "stable"
     """Which engine the request asked for (its queue's role); canary falls back to stable."""
     submitted_unix_s: float | None = None
+    request_id: str = ""
+    """The request it serves (its Celery task ID), named in a cancel's error; '' for unnamed jobs."""
+    handed_over: bool = field(default=False, init=False, repr=False)
+    """Set (under the scheduler's lock) once the scheduler has it: pending, then in a batch."""
+    cancelled: bool = field(default=False, init=False, repr=False)
+    """Cancelled before it was handed over (:meth:`Scheduler.cancel`): refused when it is."""
+
+
+def _cancelled(job: Job) -> RequestCancelled:
+    """The error of a job cancelled before it ran: the one a request cancelled at take gets."""
+    return RequestCancelled(f"request {job.request_id} was cancelled before it ran", "request_id", None)
 
 
 @dataclass(frozen=True)
@@ -368,17 +381,45 @@ class Scheduler:
                 if self._stopping:
                     job.future.set_exception(FleetError("worker is shutting down", "worker", None))
                     continue
+                job.handed_over = True
+                if job.cancelled:
+                    job.future.set_exception(_cancelled(job))
+                    continue
                 job.arrived_s = now
                 self._pending.append(job)
             self._cond.notify_all()
+
+    def cancel(self, job: Job) -> bool:
+        """End ``job`` with :class:`~protocol.errors.RequestCancelled` unless its batch has formed.
+
+        A job waiting for its batch leaves the window now, without running; the jobs around it are
+        untouched (the policy decides again without it). A job not handed over yet (a bulk message's,
+        before :meth:`submit_many`) is refused when it is. Returns False, and changes nothing, once the job
+        is in a batch (running or done): an engine step cannot be stopped part way, its result wins.
+        """
+        with self._cond:
+            if not job.handed_over:
+                job.cancelled = True
+                return True
+            at = next((i for i, pending in enumerate(self._pending) if pending is job), None)
+            if at is None:
+                return False
+            del self._pending[at]
+            self._cond.notify_all()
+        job.future.set_exception(_cancelled(job))
+        return True
 
     def _enqueue(self, job: Job, *, was_arriving: bool) -> Future[JobResult]:
         with self._cond:
             if self._stopping:
                 job.future.set_exception(FleetError("worker is shutting down", "worker", None))
                 return job.future
-            job.arrived_s = self.clock()
-            self._pending.append(job)
+            job.handed_over = True
+            if job.cancelled:
+                job.future.set_exception(_cancelled(job))
+            else:
+                job.arrived_s = self.clock()
+                self._pending.append(job)
             if was_arriving:
                 self._arriving -= 1
             self._cond.notify_all()

@@ -19,7 +19,10 @@ reader that saw a stream end finds its result. In the same loop it reads the can
 generations this worker runs, one ``MGET`` per ``cancel_poll_s``, and flags the cancelled ones; the
 scheduler ends them at its next step. A second thread listens on the ``fleet:cancels`` channel, where
 cancels are also published, so a cancel usually lands within one decode step; the poll catches any it
-missed.
+missed. The same listener hands every ID it hears to :attr:`StreamPublisher.waiting`
+(:mod:`workers.cancel_watch`), which ends a one-step request still waiting for its batch; once subscribed
+(at start, after a reconnect) it reads back the marks of those waiting, with one ``MGET``, for cancels
+published while it was not.
 
 While Redis does not answer (a restart, a cut), events are held in order
 (:class:`workers.stream_buffer.PendingEvents`, bounded by events and bytes) and written when it
@@ -48,6 +51,7 @@ from redis.retry import Retry
 from protocol.errors import FleetError
 from protocol.keys import CANCEL_CHANNEL, CANCEL_KEY, STREAM_KEY
 from protocol.streams import EVENT_FIELD, REST_FIELD, StreamEvent, encode_events, encode_token
+from workers.cancel_watch import CancelWatch
 from workers.generation.sequence import GenSequence
 from workers.stream_buffer import DEFAULT_MAX_BYTES, DEFAULT_MAX_EVENTS, HeldEvent, PendingEvents
 from workers.stream_ends import EndsAfterStore
@@ -161,6 +165,8 @@ class StreamPublisher:
         self._stop_deadline_s = float("inf")
         self._queue: queue.SimpleQueue[tuple[str, StreamEvent | TokenOut | None]] = queue.SimpleQueue()
         self._watched: dict[str, GenSequence] = {}
+        self.waiting = CancelWatch()
+        """One-step requests waiting for their batch, ended by a cancel the listener hears."""
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="fleet-streams", daemon=True)
         self._listener = threading.Thread(target=self._listen, name="fleet-cancels", daemon=True)
@@ -221,19 +227,25 @@ class StreamPublisher:
             seq = self._watched.get(request_id)
         if seq is not None:
             seq.cancel_requested = True
+        self.waiting.heard(request_id)
 
     def _listen(self) -> None:
-        """Flag watched sequences whose ID arrives on the cancel channel (reconnects on errors)."""
+        """Flag watched sequences and end waiting one-step requests whose ID arrives on the cancel channel
+        (reconnects on errors)."""
         while not self._stopping.is_set():
             try:
-                pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+                pubsub = self.redis.pubsub()
                 pubsub.subscribe(CANCEL_CHANNEL)
                 try:
                     while not self._stopping.is_set():
                         message = pubsub.get_message(timeout=0.2)
-                        if message and message.get("type") == "message":
+                        if not message:
+                            continue
+                        if message.get("type") == "message":
                             data = message["data"]
                             self._flag(data.decode() if isinstance(data, bytes) else str(data))
+                        elif message.get("type") == "subscribe":  # every cancel is heard from now on: read
+                            self._catch_up()  # back those published before
                 finally:
                     pubsub.close()
             except redis.RedisError as exc:
@@ -495,6 +507,17 @@ class StreamPublisher:
             key for key, events in by_key.items()
             if events[-1].last or now - self._expired_at.get(key, -1e18) >= self.ttl_s / 4
         ]
+
+    def _catch_up(self) -> None:
+        """End the waiting one-step requests whose cancel was published while the listener was not subscribed
+        (the marks are set before they are announced). Nothing waits at start; after a reconnect, one ``MGET``."""
+        ids = self.waiting.ids()
+        if not ids:
+            return
+        marks = self.redis.mget([CANCEL_KEY.format(id=rid) for rid in ids])
+        for rid, mark in zip(ids, marks, strict=True):
+            if mark is not None:
+                self._flag(rid)
 
     def _poll_cancels(self) -> None:
         with self._lock:
