@@ -165,8 +165,9 @@ class StreamPublisher:
         self._stop_deadline_s = float("inf")
         self._queue: queue.SimpleQueue[tuple[str, StreamEvent | TokenOut | None]] = queue.SimpleQueue()
         self._watched: dict[str, GenSequence] = {}
-        self.waiting = CancelWatch()
-        """One-step requests waiting for their batch, ended by a cancel the listener hears."""
+        self.waiting = CancelWatch(forget_after_s=ttl_s)
+        """One-step requests waiting for their batch, ended by a cancel the listener hears (an ID heard is
+        remembered ``ttl_s``, as long as its cancel mark lives)."""
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="fleet-streams", daemon=True)
         self._listener = threading.Thread(target=self._listen, name="fleet-cancels", daemon=True)

@@ -77,6 +77,51 @@ def test_remember_must_be_positive() -> None:
         CancelWatch(remember=0)
 
 
+@pytest.mark.parametrize(("heard_ago_s", "cancelled"), [(30.0, True), (60.0, True), (61.0, False)],
+                         ids=["mark-lives", "mark-ends-now", "mark-expired"])
+def test_an_id_heard_cancelled_is_remembered_as_long_as_its_mark_lives(heard_ago_s: float, cancelled: bool) -> None:
+    """A cancel heard stands for its mark (``fleet:cancel:<id>``, TTL ``result_ttl_s``). Past that life the ID may
+    name a new request (an idempotency key sent again once its result and marker expired), which no cancel
+    names: it runs. Before, an ID stayed remembered until 4,096 later cancels pushed it out (days on a fleet
+    that cancels little), and the new request ended RequestCancelled, unrun."""
+    now = [1000.0]
+    watch = CancelWatch(forget_after_s=60, clock=lambda: now[0])
+    sched, engine = make(BatchPolicy(1, 10_000, 1000))
+    watch.heard("key-1")  # the first request sent under this key was cancelled
+    now[0] += heard_ago_s
+    job = _job(4, "key-1")  # the key sent again: taken (no mark in Redis by then), waiting in the window
+    future = sched.submit(job)
+    watch.watch("key-1", future, partial(sched.cancel, job))  # as workers.pipeline.prepare watches it
+    sched.start()
+    try:
+        if cancelled:
+            assert isinstance(future.exception(timeout=10), RequestCancelled) and engine.batches == []
+        else:
+            assert future.result(timeout=10).top_ids == [5] and engine.batches == [[1]]
+    finally:
+        sched.stop()
+
+
+def test_an_id_heard_again_is_remembered_from_its_last_hearing_and_others_are_forgotten_in_turn() -> None:
+    now = [0.0]
+    watch = CancelWatch(forget_after_s=60, clock=lambda: now[0])
+    watch.heard("a")
+    now[0] = 10.0
+    watch.heard("b")
+    now[0] = 50.0
+    watch.heard("a")  # heard again (a second cancel of it): remembered from now
+    now[0] = 75.0  # a's first hearing and b's are past 60 s, a's second is not
+    called: list[str] = []
+    for rid in ("a", "b"):
+        watch.watch(rid, Future(), partial(called.append, rid))
+    assert called == ["a"] and watch.ids() == ["b"]
+
+
+def test_the_publisher_remembers_a_heard_cancel_as_long_as_the_marks_live() -> None:
+    publisher = StreamPublisher(_Marks(set()), ttl_s=120)  # type: ignore[arg-type]  # its threads are not started
+    assert publisher.waiting.forget_after_s == 120
+
+
 # -- Scheduler.cancel -------------------------------------------------------------------------------
 
 
