@@ -22,9 +22,10 @@ demo: $(STAMP)
 	$(BIN)/fleet demo
 
 ## test: unit + integration tests (real redis-server, real celery workers, real ONNX Runtime), in two
-## processes, each test file whole in one of them (much of the suite waits on subprocesses and events)
+## processes, each test file whole in one of them (much of the suite waits on subprocesses and events),
+## longest file first (tests/file_seconds.json: tools/test_order.py)
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 ## lint: ruff + mypy --strict over the packages
 lint: $(STAMP)

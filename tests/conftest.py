@@ -3,6 +3,7 @@ port, real models, real worker processes. Unit tests use none of them."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 import redis
 
 from tests.integration.fleet_fixtures import Fleet
+from tools import test_order
 from tools.build_encoder import build_encoder
 from tools.build_llama import build_llama
 from tools.build_lm import build_causal_lm
@@ -45,3 +47,18 @@ def fleet(tmp_path: Path, model_dir: Path, redis_server: EmbeddedRedis) -> Itera
         yield f
     finally:
         f.close()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run test files longest first (:mod:`tools.test_order`): with ``make test``'s ``--dist loadfile
+    --no-loadscope-reorder`` the two processes take files in this order, so a long file is not left for last.
+    Within a file the order is unchanged."""
+    by_file: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    try:
+        seconds = json.loads(test_order.FILE_SECONDS.read_text())
+    except (OSError, ValueError):
+        seconds = {}
+    order = test_order.longest_first(list(by_file), {f: len(v) for f, v in by_file.items()}, seconds)
+    items[:] = [item for f in order for item in by_file[f]]
