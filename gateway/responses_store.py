@@ -24,6 +24,7 @@ import redis.asyncio
 
 from protocol.errors import RequestNotFound
 from protocol.keys import RESPONSE_KEY
+from protocol.utf8 import mend_surrogates
 
 __all__ = ["StoredResponse", "delete_response", "load_response", "not_found", "save_response"]
 
@@ -64,7 +65,7 @@ async def load_response(aredis: redis.asyncio.Redis[bytes], response_id: str) ->
     raw = await aredis.get(RESPONSE_KEY.format(id=response_id))
     if raw is None:
         return None
-    doc: StoredResponse = json.loads(raw)
+    doc: StoredResponse = mend_surrogates(json.loads(raw))  # stored before the edge refused lone surrogates
     return doc
 
 

@@ -12,6 +12,7 @@ read). Every caller string a face stores, echoes, hashes or logs is therefore re
   check on a type of its own, e.g. ``dict[str, Any]``).
 
 Both raise pydantic's ``string_unicode`` error (:data:`ERROR_TYPE`) with :func:`surrogate_message`.
+What was stored before these checks existed is read back through :func:`mend_surrogates`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, StrictStr, ValidationInfo
 from pydantic_core import PydanticCustomError
 
-__all__ = ["ERROR_TYPE", "UTF8_STRINGS", "Utf8Json", "Utf8Str", "first_surrogate", "surrogate_message"]
+__all__ = ["ERROR_TYPE", "UTF8_STRINGS", "Utf8Json", "Utf8Str", "first_surrogate", "mend_surrogates",
+           "surrogate_message"]
 
 ERROR_TYPE = "string_unicode"
 """The pydantic error type of a string that is not valid Unicode."""
@@ -43,6 +45,21 @@ def surrogate_message(text: str, at: int) -> str:
         f"not valid Unicode: lone surrogate U+{ord(text[at]):04X} at character {at} "
         "(a \\uD800-\\uDFFF escape must be half of a surrogate pair)"
     )
+
+
+def mend_surrogates(value: Any) -> Any:
+    """A JSON value with every lone surrogate in its strings (keys included) replaced by U+FFFD; ``value``
+    itself when it has none. For documents stored before the edge refused them: served back as they are,
+    they could not be encoded (HTTP 500 on every read until they expired)."""
+    if isinstance(value, str):
+        if first_surrogate(value) is None:
+            return value
+        return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    if isinstance(value, dict):
+        return {mend_surrogates(k): mend_surrogates(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [mend_surrogates(item) for item in value]
+    return value
 
 
 def _utf8(value: Any) -> Any:

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from protocol.keys import RESPONSE_KEY
 from protocol.model_state import STATE_KEY, ModelState
 from tests.integration.openai_fixtures import Served, ops_models, ops_redis, served
 from tests.integration.ops_fixtures import API_KEY
@@ -107,6 +108,26 @@ def test_a_surrogate_pair_is_stored_and_served_back(served: Served) -> None:
     stored = served.http.get(f"/v1/responses/{answer.json()['id']}")
     assert stored.status_code == 200, stored.text
     assert (stored.json()["user"], stored.json()["metadata"]) == ("\U0001f642", {"\U0001f642": "\U0001f642"})
+
+
+def test_a_response_stored_with_a_lone_surrogate_before_the_check_is_served_mended(served: Served) -> None:
+    """A response stored before the edge refused lone surrogates (``user`` and an input item holding one,
+    written as ``json.dumps`` wrote them then) is served with U+FFFD in their place; before, every GET
+    answered 500 until the response expired."""
+    answer = _post(served, "/v1/responses", {**RESP, "user": "u"})
+    assert answer.status_code == 200, answer.text
+    key = RESPONSE_KEY.format(id=answer.json()["id"])
+    doc = json.loads(served.redis.get(key) or b"{}")
+    doc["response"]["user"] = "u\ud800"
+    doc["input_items"][0]["content"][0]["text"] = "h\udfffi"
+    served.redis.set(key, json.dumps(doc), keepttl=True)  # ensure_ascii: the escapes, as stored then
+
+    stored = served.http.get(f"/v1/responses/{answer.json()['id']}")
+    assert stored.status_code == 200, stored.text
+    assert stored.json()["user"] == "u\ufffd"
+    items = served.http.get(f"/v1/responses/{answer.json()['id']}/input_items")
+    assert items.status_code == 200, items.text
+    assert items.json()["data"][0]["content"][0]["text"] == "h\ufffdi"
 
 
 def test_a_canary_split_never_hashes_a_lone_surrogate(served: Served) -> None:

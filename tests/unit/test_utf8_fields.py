@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from gateway.responses_schema import ResponseBody
 from gateway.schema import BatchSubmitBody, SubmitBody
 from protocol.messages import GenerationParams
 from protocol.model_state import routing_fraction
-from protocol.utf8 import ERROR_TYPE, Utf8Json, Utf8Str, first_surrogate
+from protocol.utf8 import ERROR_TYPE, Utf8Json, Utf8Str, first_surrogate, mend_surrogates
 
 BODIES: list[type[BaseModel]] = [
     ChatBody, CompletionBody, EmbeddingBody, ResponseBody, SubmitBody, BatchSubmitBody, GenerationParams,
@@ -197,3 +198,11 @@ def test_routing_fraction_never_raises(key: str) -> None:
 def test_routing_fraction_of_utf8_keys_is_unchanged() -> None:
     """Keys that were valid UTF-8 keep their canary side (the split stays sticky across the fix)."""
     assert routing_fraction("session-42") == pytest.approx(0.5738437443919897, abs=0)
+
+
+def test_mend_surrogates_replaces_each_lone_half_and_keeps_pairs_keys_and_clean_values() -> None:
+    stored = json.loads('{"a\\ud800": ["x\\udfff y", 3, "\\ud83d\\ude42 ok", null, 1.5], "b": {"c": "\\udbff"}}')
+    assert mend_surrogates(stored) == {"a\ufffd": ["x\ufffd y", 3, "\U0001f642 ok", None, 1.5], "b": {"c": "\ufffd"}}
+    json.dumps(mend_surrogates(stored), ensure_ascii=False).encode()  # now encodes as UTF-8
+    clean = {"k": ["v", "\U0001f642"]}
+    assert mend_surrogates(clean) == clean and mend_surrogates("v") == "v"
