@@ -26,7 +26,9 @@ What it adapts, module by module:
 * :mod:`broker.event_buffer`: Celery's consumer ``Events`` bootstep and the ``EventDispatcher``'s
   ``_group_buffer``/``_outbound_buffer``/``on_send_buffered``: task events as ``task.multi`` messages.
 * :mod:`broker.message_check`, :mod:`broker.deliveries`: Celery's task message protocol 2 (headers,
-  ``[args, kwargs, embed]`` body, kombu's JSON envelope, the ``redelivered`` mark).
+  ``[args, kwargs, embed]`` body, kombu's JSON envelope, the ``redelivered`` mark);
+  :mod:`broker.eta_window`: how far ahead an ``eta`` may be, given kombu's ``visibility_timeout`` (the
+  channel's, read at take) and its unacked restore (Celery's ETA caveat for Redis).
 * :mod:`broker.redis_refusals`: redis-py's ``BaseParser.EXCEPTION_CLASSES`` (write refusals raised as
   connection errors in a worker process).
 * :mod:`broker.priority_lists`: kombu's priority sibling lists (``sep``, ``priority_steps``): a queue's lists, and its
@@ -63,6 +65,7 @@ from __future__ import annotations
 
 from broker.cancel_marks import MARKS as CANCEL_MARKS
 from broker.celery_app import make_celery, quiet_worker
+from broker.eta_window import item_eta_too_far, max_eta_ahead_s
 from broker.event_buffer import install as install_event_buffer
 from broker.in_hand import IN_HAND as TAKEN_IN_HAND
 from broker.message_check import bulk_request_ids
@@ -82,7 +85,9 @@ __all__ = [
     "install_poison_guard",
     "install_result_backend",
     "installed_versions",
+    "item_eta_too_far",
     "make_celery",
+    "max_eta_ahead_s",
     "queue_depth",
     "queue_lists",
     "quiet_worker",

@@ -28,7 +28,10 @@ first, with the same decoders, and says either "deliver it" or why not:
      them null; a request's outcome is its own result, so canvas links are refused;
    * the task is one of the fleet's own (registered, named ``fleet.*``): Celery's built-in tasks
      (``celery.chunks``, ``celery.backend_cleanup``, ``celery.chord_unlock``, …) are registered in
-     every worker but are not the fleet's to run.
+     every worker but are not the fleet's to run;
+   * last, given the time and the visibility timeout, an ``eta`` at most
+     :func:`broker.eta_window.max_eta_ahead_s` ahead: a message held for its ETA longer than the
+     visibility timeout is handed to another worker by the Redis broker and runs twice.
 
 Each refusal carries a :class:`protocol.deadletter.Reason`, the field that broke (``headers.id``,
 ``body[1]``, ``content-type``) and the rule, so the message's sender gets a FAILURE naming it.
@@ -46,6 +49,7 @@ from typing import Any
 from celery.utils.time import maybe_iso8601, maybe_make_aware
 from kombu.utils.json import loads as _kombu_loads
 
+from broker.eta_window import ETA_FIELD, eta_too_far
 from protocol.deadletter import Reason
 from protocol.keys import utf8_text
 from protocol.messages import BULK_TASK_NAME, FLEET_TASK_PREFIX
@@ -207,16 +211,26 @@ def _envelope(doc: Any) -> Envelope:
     return Envelope(doc, task_id, task, redelivered)
 
 
-def check_message(envelope: Envelope, tasks: Container[str] | None) -> Refused | Accepted:
-    """Step 2: headers, content type and encodings, body layout.
+def check_message(envelope: Envelope, tasks: Container[str] | None, *, now_unix_s: float | None = None,
+                  visibility_timeout_s: float | None = None) -> Refused | Accepted:
+    """Step 2: headers, content type and encodings, body layout, then how far ahead its ETA is.
 
     Args:
         envelope: what :func:`parse_envelope` accepted.
         tasks: the registered task names (``app.tasks``); None skips the name check.
+        now_unix_s: the time (wall clock, Unix s), and
+        visibility_timeout_s: the broker's visibility timeout (s): with both, an ``eta`` further ahead than
+            :func:`~broker.eta_window.max_eta_ahead_s` is refused; either None skips that check.
     """
     try:
-        _check_headers(envelope.payload["headers"], tasks)
-        return Accepted(_check_body(_body_bytes(envelope.payload)))
+        headers = envelope.payload["headers"]
+        _check_headers(headers, tasks)
+        body = _check_body(_body_bytes(envelope.payload))
+        if now_unix_s is not None and visibility_timeout_s is not None:
+            too_far = eta_too_far(headers.get("eta"), now_unix_s=now_unix_s, visibility_timeout_s=visibility_timeout_s)
+            if too_far is not None:  # refused last: a malformed message is named for what makes it so
+                raise _Bad(Reason.ETA_BEYOND_VISIBILITY, ETA_FIELD, too_far.detail(), f"{too_far.limit_s:g}")
+        return Accepted(body)
     except _Bad as bad:
         return Refused(bad.reason, bad.field, bad.detail, bad.limit, envelope.task_id, envelope.task)
 

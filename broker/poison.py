@@ -10,8 +10,9 @@ any of that, and for each item:
 1. checks the envelope (:func:`broker.message_check.parse_envelope`);
 2. counts the delivery when kombu marked it redelivered (:mod:`broker.deliveries`) and gives up
    on a message past ``worker.max_deliveries`` (its processing killed the worker each time);
-3. checks headers, content type, encodings and body layout
-   (:func:`broker.message_check.check_message`);
+3. checks headers, content type, encodings and body layout, then that its ``eta`` is not further
+   ahead than the visibility timeout allows (:func:`broker.message_check.check_message`,
+   :mod:`broker.eta_window`: held longer, the message would be restored to another worker and run twice);
 4. hands it to kombu and Celery only when every check passed.
 
 A refused item is pushed to the dead-letter list with why, where and when
@@ -55,7 +56,7 @@ from broker.redis_refusals import (
 )
 from broker.store_ack import StoreAckingQoS
 from protocol.deadletter import DEAD_LETTERED, MAX_ENTRIES, Reason, encode_entry, make_entry
-from protocol.errors import DecodeError, FleetError
+from protocol.errors import DecodeError, FleetError, InvalidRequest
 from protocol.keys import DEAD_LETTER_KEY
 from protocol.redis_conn import sync_client
 from protocol.settings import FleetSettings
@@ -311,7 +312,9 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
                     f"the visibility timeout); max_deliveries={cfg.max_deliveries}",
                     str(cfg.max_deliveries), envelope.task_id, envelope.task, deliveries,
                 )
-        checked = check_message(envelope, cfg.app.tasks if cfg is not None else None)
+        # the ETA against kombu's own visibility timeout (what this channel restores by); wall time, as an ETA is
+        checked = check_message(envelope, cfg.app.tasks if cfg is not None else None, now_unix_s=time.time(),
+                                visibility_timeout_s=float(self.visibility_timeout))
         return checked if isinstance(checked, Refused) else (envelope, checked)
 
     def _count(self, cfg: GuardConfig, task_id: str) -> int | None:
@@ -382,10 +385,13 @@ class GuardedSentinelChannel(GuardedChannel, kombu_redis.SentinelChannel):
 
 def _failure(refused: Refused) -> FleetError:
     """The error stored for a dead-lettered message: DecodeError naming the field that broke; a plain
-    FleetError (field ``deliveries``, limit ``max_deliveries``) for one that killed its workers."""
+    FleetError (field ``deliveries``, limit ``max_deliveries``) for one that killed its workers; InvalidRequest
+    (field ``headers.eta``, limit the seconds ahead allowed) for an ETA too far ahead."""
     message = f"{DEAD_LETTERED} ({refused.reason.value}): {refused.detail}"
     if refused.reason is Reason.MAX_DELIVERIES:
         return FleetError(message, refused.field, int(refused.limit))
+    if refused.reason is Reason.ETA_BEYOND_VISIBILITY:  # a well-formed request that broke a limit
+        return InvalidRequest(message, refused.field, float(refused.limit))
     return DecodeError(message, refused.field, refused.limit)
 
 

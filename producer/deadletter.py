@@ -9,15 +9,17 @@ meanwhile never disturbs an operation.
 from __future__ import annotations
 
 import json
+import time
+from datetime import UTC, datetime
 from typing import Any
 
-from broker import bulk_request_ids
-from protocol.deadletter import DEAD_LETTERED, DeadLetter, read_entry, requeue_allowed
+from broker import bulk_request_ids, item_eta_too_far
+from protocol.deadletter import DEAD_LETTERED, DeadLetter, Reason, read_entry, requeue_allowed
 from protocol.errors import InvalidRequest, RequestNotFound
 from protocol.keys import DEAD_LETTER_KEY, DELIVERIES_KEY, RESULT_KEY
 from protocol.settings import shared_queue_of
 
-__all__ = ["DeadLetterStore", "fresh_delivery"]
+__all__ = ["DeadLetterStore", "fresh_delivery", "requeue_refusal"]
 
 # Take the entry off the dead-letter list and put its item back on its queue in one step: two
 # operators requeueing the same entry push it once, and a crash in between loses nothing.
@@ -64,11 +66,41 @@ def fresh_delivery(item: bytes) -> bytes:
     return json.dumps(doc).encode("utf-8") if changed else item
 
 
-class DeadLetterStore:
-    """Operations on the dead-letter list of one Redis (a redis-py client returning bytes)."""
+def requeue_refusal(entry: DeadLetter, *, now_unix_s: float, visibility_timeout_s: float | None) -> str | None:
+    """Why a worker would refuse ``entry``'s message again were it requeued at ``now_unix_s`` (Unix s), in words;
+    None when it would take it.
 
-    def __init__(self, client: Any) -> None:
+    An ``eta_beyond_visibility`` entry is refused again while its ETA is still further ahead than
+    ``visibility_timeout_s`` allows (:func:`broker.max_eta_ahead_s`), and taken (run at its ETA, or at once
+    when that has passed) from then on; without ``visibility_timeout_s`` it counts as refused. Other reasons:
+    :func:`protocol.deadletter.requeue_allowed`.
+    """
+    why = f"entry {entry.id} was dead-lettered as {entry.reason.value} ({entry.detail})"
+    if entry.reason is Reason.ETA_BEYOND_VISIBILITY and visibility_timeout_s is not None:
+        too_far = item_eta_too_far(entry.raw_bytes(), now_unix_s=now_unix_s, visibility_timeout_s=visibility_timeout_s)
+        if too_far is None:
+            return None
+        in_reach = datetime.fromtimestamp(too_far.in_reach_at_unix_s, UTC).isoformat(timespec="seconds")
+        return (f"entry {entry.id} was dead-lettered as {entry.reason.value}, and its {too_far.summary()} still: a "
+                f"worker would refuse it again until {in_reach}, and take it from then on (to run at its ETA)")
+    return None if requeue_allowed(entry.reason, entry.task) else f"{why}; a worker would refuse it again"
+
+
+class DeadLetterStore:
+    """Operations on the dead-letter list of one Redis (a redis-py client returning bytes).
+
+    ``visibility_timeout_s`` is the fleet's (:class:`protocol.settings.FleetSettings`): with it, an
+    ``eta_beyond_visibility`` entry whose ETA has come within reach requeues without ``force``.
+    """
+
+    def __init__(self, client: Any, visibility_timeout_s: float | None = None) -> None:
         self.client = client
+        self.visibility_timeout_s = visibility_timeout_s
+
+    def refusal(self, entry: DeadLetter, now_unix_s: float | None = None) -> str | None:
+        """:func:`requeue_refusal` for ``entry`` now (or at ``now_unix_s``), with this store's visibility timeout."""
+        now = time.time() if now_unix_s is None else now_unix_s  # wall clock: an ETA is a wall-clock time
+        return requeue_refusal(entry, now_unix_s=now, visibility_timeout_s=self.visibility_timeout_s)
 
     def entries(self) -> list[tuple[bytes, DeadLetter]]:
         """Every entry, newest first, with the list item it was read from."""
@@ -100,17 +132,13 @@ class DeadLetterStore:
 
         Raises:
             RequestNotFound: no such entry (or another operator took it first).
-            InvalidRequest: the entry's reason means a worker would refuse it again (a malformed
-                message); ``force`` pushes it anyway.
+            InvalidRequest: a worker would refuse it again (:meth:`refusal`: a malformed message, or an ETA
+                still too far ahead); ``force`` pushes it anyway.
         """
         stored, entry = self.find(ident)
-        if not requeue_allowed(entry.reason, entry.task) and not force:
-            raise InvalidRequest(
-                f"entry {entry.id} was dead-lettered as {entry.reason.value} ({entry.detail}); a worker would "
-                "refuse it again. Use --force to requeue it anyway",
-                "force",
-                entry.reason.value,
-            )
+        refusal = None if force else self.refusal(entry)
+        if refusal is not None:
+            raise InvalidRequest(f"{refusal}. Use --force to requeue it anyway", "force", entry.reason.value)
         deliveries_key = DELIVERIES_KEY.format(id=entry.task_id or "")
         target = shared_queue_of(entry.list_key)  # a worker's own queue: onto the model's (that worker may be gone)
         item = entry.raw_bytes()

@@ -9,6 +9,7 @@ without ``--force``, bad arguments or settings).
     fleet dead-letter list [--limit N]          # newest first: id, reason, field, queue, task id, when
     fleet dead-letter show ID                   # the full entry, raw message included (ID or task ID)
     fleet dead-letter requeue ID [--force]      # the message back onto its queue, deliveries counted anew
+                                                # (refused, unless forced, when a worker would refuse it again)
     fleet dead-letter purge --older-than S | --all
 """
 
@@ -23,7 +24,7 @@ from typing import Any
 
 from producer.cli_types import number_in
 from producer.deadletter import DeadLetterStore
-from protocol.deadletter import DeadLetter, requeue_allowed
+from protocol.deadletter import DeadLetter
 from protocol.redis_conn import sync_client
 from protocol.settings import FleetSettings, load_settings
 
@@ -39,7 +40,7 @@ def _settings(args: argparse.Namespace) -> FleetSettings:
 
 
 def _store(settings: FleetSettings) -> DeadLetterStore:
-    return DeadLetterStore(sync_client(settings, socket_timeout=10))
+    return DeadLetterStore(sync_client(settings, socket_timeout=10), visibility_timeout_s=settings.visibility_timeout_s)
 
 
 def _when(entry: DeadLetter) -> str:
@@ -58,18 +59,16 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    _, entry = _store(_settings(args)).find(args.id)
+    store = _store(_settings(args))
+    _, entry = store.find(args.id)
     _print({**entry.model_dump(mode="json"), "dead_lettered_at": _when(entry),
-            "requeue_allowed": requeue_allowed(entry.reason, entry.task)})
+            "requeue_allowed": store.refusal(entry) is None})
     return 0
 
 
 def cmd_requeue(args: argparse.Namespace) -> int:
-    settings = _settings(args)
-    store = _store(settings)
-    _stored, found = store.find(args.id)
-    if not requeue_allowed(found.reason, found.task) and not args.force:
-        store.requeue(args.id)  # raises InvalidRequest (the reason and --force); nothing has changed
+    store = _store(_settings(args))
+    # refused (InvalidRequest naming why and --force) when a worker would refuse it again: nothing changes
     entry, cleared = store.requeue(args.id, force=args.force)  # with the FAILUREs the guard stored
     _print({"id": entry.id, "requeued": True, "task_id": entry.task_id, "queue": entry.queue,
             "list_key": entry.list_key, "reason": entry.reason.value, "forced": bool(args.force),
@@ -109,7 +108,8 @@ def register(sub: Any) -> None:
     common(q)
     q.add_argument("id", help="the entry's ID, or the task ID it carries")
     q.add_argument("--force", action="store_true",
-                   help="requeue even a malformed message (a worker will dead-letter it again)")
+                   help="requeue even a message a worker will dead-letter again (malformed, or its ETA still "
+                   "further ahead than the visibility timeout allows)")
     q.set_defaults(func=cmd_requeue)
 
     q = dl.add_parser("purge", help="remove entries: those older than S seconds, or all")

@@ -17,10 +17,15 @@ Reasons (:class:`Reason`), in the order a worker checks them:
   ``bad_encoding``: ``body_encoding``, ``content-encoding`` or compression the fleet does not read;
 * ``body_not_json``: the body does not parse as JSON; ``bad_body``: it does, but is not
   ``[args (list), kwargs (object), embed (object)]``;
+* ``eta_beyond_visibility``: a well-formed message whose ``eta`` (a Celery client's ``countdown``/``eta``)
+  is further ahead than a worker may hold it: past ``visibility_timeout_s`` the Redis broker hands a held
+  message to another worker and it would run twice (the limit: :func:`broker.eta_window.max_eta_ahead_s`);
 * ``worker_error``: it passed every check and Celery still raised on it (a guard of last resort).
 
 Only ``unknown_task`` and ``max_deliveries`` entries can be requeued as they are
-(:func:`requeue_allowed`): the others would be refused again.
+(:func:`requeue_allowed`): the others would be refused again. An ``eta_beyond_visibility`` entry is
+refused again only until its ETA comes within the limit; from then on it can be requeued as it is
+(``fleet dead-letter requeue`` checks its ETA against the time and the visibility timeout).
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ class Reason(StrEnum):
     BAD_ENCODING = "bad_encoding"
     BODY_NOT_JSON = "body_not_json"
     BAD_BODY = "bad_body"
+    ETA_BEYOND_VISIBILITY = "eta_beyond_visibility"
     WORKER_ERROR = "worker_error"
     LEGACY = "legacy"
 
@@ -79,7 +85,8 @@ _REQUEUE_SAFE = frozenset({Reason.MAX_DELIVERIES, Reason.UNKNOWN_TASK})
 def requeue_allowed(reason: Reason, task: str | None = None) -> bool:
     """True when requeueing an entry of this reason (and, for ``unknown_task``, this task name) can succeed as it
     is (no ``--force`` needed): an unknown ``fleet.*`` task may be known to a newer worker; any other name
-    (``celery.backend_cleanup``…) is refused again by every worker."""
+    (``celery.backend_cleanup``…) is refused again by every worker. False for ``eta_beyond_visibility``, which
+    depends on the time as well: ``producer.deadletter.requeue_refusal`` decides it."""
     if reason is Reason.UNKNOWN_TASK:
         return task is not None and task.startswith(FLEET_TASK_PREFIX)
     return reason in _REQUEUE_SAFE

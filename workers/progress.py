@@ -148,7 +148,10 @@ def copied(items: Iterable[T], tries: int = 5) -> list[T]:
 def held_requests() -> list[Held]:
     """The requests Celery holds for this worker (received, not finished), read from another thread.
 
-    A request with an ETA that has not started is left out: it waits by design, in Celery's timer.
+    A request with an ETA that has not started is left out: it waits by design, in Celery's timer, for at
+    most half the visibility timeout (the poison guard refuses an ETA further ahead:
+    :func:`broker.max_eta_ahead_s`), so it is due, and runs, with half the timeout left before kombu could
+    hand its message to another worker.
     """
     requests = copied(worker_state.reserved_requests)
     running = {id(r) for r in copied(worker_state.active_requests)}

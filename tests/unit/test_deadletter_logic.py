@@ -52,7 +52,7 @@ def test_items_from_older_workers_read_as_legacy_entries() -> None:
     ("reason", "allowed"),
     [(Reason.MAX_DELIVERIES, True), (Reason.UNKNOWN_TASK, True), (Reason.BAD_BODY, False), (Reason.PICKLE, False),
      (Reason.NOT_JSON, False), (Reason.BODY_NOT_JSON, False), (Reason.BAD_HEADERS, False), (Reason.LEGACY, False),
-     (Reason.WORKER_ERROR, False)],
+     (Reason.WORKER_ERROR, False), (Reason.ETA_BEYOND_VISIBILITY, False)],  # an ETA's: see test_eta_window
 )
 def test_only_messages_a_worker_would_take_requeue_without_force(reason: Reason, allowed: bool) -> None:
     assert requeue_allowed(reason, "fleet.infer_v2") is allowed
