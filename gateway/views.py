@@ -53,7 +53,7 @@ def view_from(fleet: FleetClient, request_id: str, raw_meta: bytes | None, cance
         return view.model_copy(update={"result": decode_result(value).model_dump(mode="json")}), model
     err: FleetError
     if status is RequestStatus.CANCELLED and not isinstance(value, FleetError):  # revoked, or cancel-marked
-        err = RequestCancelled(f"request {request_id} was cancelled before it ran", "request_id", None)
+        err = RequestCancelled.before_run(request_id)
     else:
         err = as_fleet_error(value)
     return view.model_copy(update={"error": ErrorBody(**err.to_payload())}), model

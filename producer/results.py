@@ -102,7 +102,7 @@ class ResultReader:
                 return self._raise_or_return(finished[request_id])
             status = self.status(request_id)
             if status is RequestStatus.CANCELLED:  # cancelled while queued: no worker may ever store why
-                raise RequestCancelled(f"request {request_id} was cancelled before it ran", "request_id", None)
+                raise RequestCancelled.before_run(request_id)
             if status is RequestStatus.NOT_FOUND:
                 raise RequestNotFound(f"no request {request_id!r} is known", "request_id", None)
             return None
@@ -110,7 +110,7 @@ class ResultReader:
         meta = self.waiter.wait(backend.get_key_for_task(request_id), limit_s,  # a request cancelled while
                                 cancel_mark=CANCEL_KEY.format(id=request_id))  # queued ends the wait at once
         if meta is CANCELLED_BEFORE_RUN:
-            raise RequestCancelled(f"request {request_id} was cancelled before it ran", "request_id", None)
+            raise RequestCancelled.before_run(request_id)
         if meta is None:
             raise ResultTimeout(f"no result for {request_id} within {timeout_s} s", "timeout_s", timeout_s)
         outcome = self.outcome_of(request_id, meta)

@@ -184,6 +184,13 @@ class RequestCancelled(FleetError):
 
     code = "cancelled"
 
+    @classmethod
+    def before_run(cls, request_id: str) -> RequestCancelled:
+        """The error of request ``request_id`` cancelled before it ran, as every face reports it (the worker
+        that dropped it at take, in its batch window or before its prefill; a client or the gateway reading
+        only its cancel mark)."""
+        return cls(f"request {request_id} was cancelled before it ran", "request_id", None)
+
 
 class ResultTimeout(FleetError):
     """No result arrived within the time the caller was willing to wait."""

@@ -96,7 +96,7 @@ def prepare(
         FleetError: invalid, expired, cancelled, or meant for another model.
     """
     if cancelled:
-        raise RequestCancelled(f"request {request_id} was cancelled before it ran", "request_id", None)
+        raise RequestCancelled.before_run(request_id)
     request = decode_request(payload)
     if runtime.settings.model_key(request.model) != runtime.model_key:
         raise UnknownModel(

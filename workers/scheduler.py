@@ -113,11 +113,6 @@ class Job:
     """Cancelled before it was handed over (:meth:`Scheduler.cancel`): refused when it is."""
 
 
-def _cancelled(job: Job) -> RequestCancelled:
-    """The error of a job cancelled before it ran: the one a request cancelled at take gets."""
-    return RequestCancelled(f"request {job.request_id} was cancelled before it ran", "request_id", None)
-
-
 @dataclass(frozen=True)
 class BatchStats:
     """What observers learn about each batch."""
@@ -381,12 +376,7 @@ class Scheduler:
                 if self._stopping:
                     job.future.set_exception(FleetError("worker is shutting down", "worker", None))
                     continue
-                job.handed_over = True
-                if job.cancelled:
-                    job.future.set_exception(_cancelled(job))
-                    continue
-                job.arrived_s = now
-                self._pending.append(job)
+                self._take_over(job, now)
             self._cond.notify_all()
 
     def cancel(self, job: Job) -> bool:
@@ -406,20 +396,25 @@ class Scheduler:
                 return False
             del self._pending[at]
             self._cond.notify_all()
-        job.future.set_exception(_cancelled(job))
+        job.future.set_exception(RequestCancelled.before_run(job.request_id))
         return True
+
+    def _take_over(self, job: Job, now: float) -> None:
+        """Hand ``job`` to the scheduler (the caller holds the lock): pending from ``now`` (clock s), or refused
+        at once when it was cancelled before (:meth:`cancel`)."""
+        job.handed_over = True
+        if job.cancelled:
+            job.future.set_exception(RequestCancelled.before_run(job.request_id))
+            return
+        job.arrived_s = now
+        self._pending.append(job)
 
     def _enqueue(self, job: Job, *, was_arriving: bool) -> Future[JobResult]:
         with self._cond:
             if self._stopping:
                 job.future.set_exception(FleetError("worker is shutting down", "worker", None))
                 return job.future
-            job.handed_over = True
-            if job.cancelled:
-                job.future.set_exception(_cancelled(job))
-            else:
-                job.arrived_s = self.clock()
-                self._pending.append(job)
+            self._take_over(job, self.clock())
             if was_arriving:
                 self._arriving -= 1
             self._cond.notify_all()

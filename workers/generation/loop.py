@@ -279,9 +279,7 @@ class GenerationLoop:
     def _refuse_before_start(seq: GenSequence, now: float) -> bool:
         """Cancelled or expired before its prefill: fails like a one-step request would."""
         if seq.cancel_requested:
-            seq.future.set_exception(
-                RequestCancelled(f"request {seq.request_id} was cancelled before it ran", "request_id", None)
-            )
+            seq.future.set_exception(RequestCancelled.before_run(seq.request_id))
             return True
         if seq.deadline_s is not None and now > seq.deadline_s:
             seq.future.set_exception(
