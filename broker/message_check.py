@@ -43,13 +43,11 @@ import base64
 import binascii
 from collections.abc import Container
 from dataclasses import dataclass
-from datetime import UTC
 from typing import Any
 
-from celery.utils.time import maybe_iso8601, maybe_make_aware
 from kombu.utils.json import loads as _kombu_loads
 
-from broker.eta_window import ETA_FIELD, eta_too_far
+from broker.eta_window import ETA_FIELD, eta_too_far, eta_unix_s
 from protocol.deadletter import Reason
 from protocol.keys import utf8_text
 from protocol.messages import BULK_TASK_NAME, FLEET_TASK_PREFIX
@@ -309,14 +307,11 @@ def _check_time(headers: dict[str, Any], key: str) -> None:
         raise _Bad(Reason.BAD_HEADERS, f"headers.{key}",
                    f"headers.{key} must be an ISO 8601 string or null; got {_kind(value)}", "ISO 8601")
     try:
-        parsed = maybe_iso8601(value)
-        if parsed is None:  # '' parses to None, on which Request.__init__ raised AttributeError (no tzinfo)
-            raise ValueError("an empty string")
-        maybe_make_aware(parsed).astimezone(UTC)  # as Request.__init__ does, then to UTC as the ETA timer does
-    except Exception as exc:  # dateutil raises ValueError, OverflowError, … on odd strings
+        eta_unix_s(value)  # read as Request.__init__ reads it ('' too: it parses to None there, then fails)
+    except ValueError as exc:  # dateutil's OverflowError, … come wrapped: named by their own class
+        why = type(exc.__cause__ or exc).__name__
         raise _Bad(Reason.BAD_HEADERS, f"headers.{key}",
-                   f"headers.{key} is not an ISO 8601 time: {value!r}"[:300] + f" ({type(exc).__name__})",
-                   "ISO 8601") from exc
+                   f"headers.{key} is not an ISO 8601 time: {value!r}"[:300] + f" ({why})", "ISO 8601") from exc
 
 
 def _check_timelimit(value: Any) -> None:

@@ -129,7 +129,7 @@ def checked_request_id(request_id: Any, field: str = "request_id") -> str:
         InvalidRequest: naming ``field``.
     """
     if not isinstance(request_id, str) or not request_id:
-        what = "empty" if request_id == "" else f"{type(request_id).__name__} {request_id!r}"[:80]
+        what = "empty" if request_id == "" else _shown(request_id)
         raise InvalidRequest(f"{field} must be a request ID (a non-empty string), not {what}", field, None)
     return request_id
 

@@ -105,7 +105,7 @@ def submit_many(
         except AdmissionRefused as exc:
             raise _refused_after(exc, requests, queued) from None
         bar.update(len(requests) - len(unique))
-    by_first = dict(zip((i for i, j in enumerate(firsts) if i == j), sent, strict=True))
+    by_first = dict(zip(unique, sent, strict=True))
     return [by_first[j] for j in firsts]
 
 
