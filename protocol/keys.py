@@ -18,6 +18,7 @@ __all__ = [
     "REQUEST_KEY",
     "RESPONSE_KEY",
     "RESULT_KEY",
+    "RUN_KEY",
     "STREAM_KEY",
     "WORKER_KEY_PREFIX",
     "utf8_text",
@@ -75,6 +76,10 @@ to that long past the beat, so it goes once no worker beats."""
 
 RESULT_KEY = "celery-task-meta-{id}"
 """Celery's Redis result key of a request (its task ID; the fleet sets no key prefix)."""
+RUN_KEY = "fleet:run:{id}"
+"""The worker process running the generation ``id`` (``"<instance> <hostname>"``), set when a delivery of
+it starts and kept alive by that worker's heartbeat (TTL = three heartbeat periods): a second delivery of
+the same ID waits instead of generating into the same stream (:mod:`workers.run_claims`)."""
 
 def utf8_text(text: str) -> bool:
     """Whether ``text`` can be written as UTF-8, so as part of a Redis key (a request ID): JSON's

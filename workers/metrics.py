@@ -26,6 +26,10 @@ Series (label ``model`` on each; times in seconds, as Prometheus expects):
                                                         canary) and ``outcome`` (ok | failed)
 ``fleet_worker_latency_seconds``            histogram   producer submit → end of its batch, by
                                                         ``version`` and ``role``
+``fleet_worker_generation_copies_total``    counter     deliveries of a generation ID that found it
+                                                        stored (``outcome`` skipped), running elsewhere
+                                                        (waited) or orphaned (took_over):
+                                                        :mod:`workers.run_claims`
 ``fleet_engine_nodes``                      gauge       nodes of the served graph per execution
                                                         ``provider``, by ``version`` (stable and
                                                         canary engines; counted at load:
@@ -63,6 +67,7 @@ from protocol.errors import InvalidRequest, RequestCancelled, RequestExpired
 from protocol.messages import BULK_TASK_NAME, TASK_NAME
 from workers.drain_meter import DrainMeter
 from workers.generation_metrics import TIME_BUCKETS, GenerationMetrics
+from workers.run_claims import RunClaimsCollector
 from workers.runtime import WorkerRuntime
 from workers.scheduler import BatchStats, JobOutcome
 from workers.stream_metrics import StreamPublisherCollector
@@ -191,6 +196,7 @@ class WorkerMetrics:
             self.requests.labels(self.model, outcome)  # export zeros, so rate() sees the series start
         registry.register(StreamPublisherCollector(self.model, runtime.streams))  # held/dropped stream events
         registry.register(EngineNodesCollector(runtime))
+        registry.register(RunClaimsCollector(self.model, runtime.run_claims))  # copies of a generation's ID
         loop = runtime.scheduler.generation
         scheduler = runtime.scheduler
         self.generation = (

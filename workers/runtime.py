@@ -38,8 +38,9 @@ from workers.held_requests import HeldRequests
 from workers.namesakes import live_namesake, namesake_message
 from workers.outcomes import OutcomeWriter
 from workers.policy import BatchPolicy
-from workers.progress import ProgressWatch, WorkerProgress, copied
+from workers.progress import Held, ProgressWatch, WorkerProgress, copied, held_requests
 from workers.reconcile import Reconciler
+from workers.run_claims import RunClaims, owner_of
 from workers.scheduler import Role, Scheduler
 from workers.stream_publisher import StreamPublisher
 from workers.trace_guard import off_traced, on_traced
@@ -122,12 +123,15 @@ class WorkerRuntime:
             max_held_bytes=settings.worker.stream_hold_bytes,
             window_ms=settings.worker.stream_window_ms,
         )
+        # two deliveries of one generation ID never run at once (workers.run_claims); a claim lives three beats
+        self.run_claims = RunClaims(self.redis, owner=owner_of(hostname), ttl_s=3 * settings.worker.heartbeat_s)
         # readiness sees a worker that holds work it does not progress (workers.progress)
         self.progress = WorkerProgress(
             ProgressWatch(settings.worker.stall_after_s, settings.worker.slot_grace_s, settings.visibility_timeout_s),
-            work_done=self._work_done, queued=self._queued,
+            work_done=self._work_done, queued=self._queued, held=self._held_for_progress,
         )
         self.heartbeat = Heartbeat(self.redis, hostname, self.snapshot, settings.worker.heartbeat_s)
+        self.heartbeat.on_beat.append(self.run_claims.renew)
         # every worker keeps its own queue's name clean, consumed or not (workers.direct_queue)
         ttl_s = self.heartbeat.ttl_s
         self.direct_queue = DirectQueue(
@@ -246,6 +250,7 @@ class WorkerRuntime:
         TAKEN_IN_HAND.subscribe(self.scheduler.wake)  # a take that brought nothing ends a wait for company
         self.streams.start()
         on_traced(self.streams.stored)  # a generation's stream ends once its result is stored
+        on_traced(self.run_claims.release)
         self.direct_queue.start()  # what a SIGKILLed predecessor of this name left, before any take
         if self.prefix_holder is not None:
             self.prefix_holder.start()
@@ -285,6 +290,7 @@ class WorkerRuntime:
         TAKEN_IN_HAND.unsubscribe(self.scheduler.wake)
         self.scheduler.stop()
         off_traced(self.streams.stored)
+        off_traced(self.run_claims.release)
         self.streams.stop()
         self.heartbeat.stop()
         if self.prefix_holder is not None:
@@ -305,6 +311,13 @@ class WorkerRuntime:
         """Engine steps run so far: batches and the stable generation loop's steps (progress, for readiness)."""
         loop = self.scheduler.generation
         return self.scheduler.batches_run + (loop.steps_run if loop is not None else 0)
+
+    def _held_for_progress(self) -> list[Held]:
+        """The requests Celery holds for this worker, less the deliveries waiting for another delivery of
+        their generation to end (:mod:`workers.run_claims`): that work is progressed elsewhere."""
+        waiting = self.run_claims.waiting
+        held = held_requests()
+        return [h for h in held if h.task_id not in waiting] if waiting else held
 
     def _on_their_way(self) -> int:
         """Requests this worker process took from Redis whose threads have not reached its code yet: in

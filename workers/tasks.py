@@ -15,9 +15,11 @@ message is acked (or rejected) and its slot given back.
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Any
 
 from celery import Celery, Task, signals
+from celery.exceptions import Ignore
 
 from protocol.celeryconf import consumes_direct_queue
 from protocol.errors import (
@@ -75,7 +77,11 @@ def register_tasks(app: Celery) -> None:
             )
         started = bool(self.app.conf.task_track_started)
         if asks_to_generate(payload):
-            runtime.streams.hold_end(str(self.request.id))  # its stream ends once its result is stored
+            request_id = str(self.request.id)
+            # waits while another delivery runs it; a waiting copy is not on its way to a batch (Scheduler.seen)
+            if not runtime.run_claims.acquire(request_id, on_wait=partial(runtime.scheduler.seen, request_id)):
+                raise Ignore()  # its outcome is stored: acked; nothing run, stored or streamed (workers.run_claims)
+            runtime.streams.hold_end(request_id)  # its stream ends once its result is stored
             if not started:
                 self.update_state(state="STARTED", meta={"pid": os.getpid(), "hostname": self.request.hostname})
                 started = True

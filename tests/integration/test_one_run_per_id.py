@@ -1,0 +1,166 @@
+"""Two deliveries of one generation's ID never generate at once, and one whose outcome is stored never runs.
+
+Real redis-server and ``celery worker`` subprocesses; the copies are queued as a plain Celery client would
+send them (the fleet's own producer refuses a second body under one ID, but nothing stops another sender).
+On the old code both copies of a generation ran into one stream: its reader saw one generation's tokens
+while the stored result was the other's; a copy sent after the outcome was stored ran again.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from producer.client import FleetClient
+from protocol.keys import RESULT_KEY, RUN_KEY, STREAM_KEY
+from protocol.messages import InferenceResult
+from protocol.streams import StreamEvent, decode_events
+from tests.integration.fleet_fixtures import Fleet
+from tests.integration.ops_fixtures import scrape
+from tests.queue_items import envelope, good_body, raw
+from tools.build_llama import build_llama
+from tools.redis_server import free_port
+
+QUEUE = "fleet.demo-lm"
+TOKENS = 300
+LONG_TOKENS = 1000
+
+
+def _generation(seed: int, new: int = TOKENS) -> dict[str, Any]:
+    """A sampled generation: two seeds give two different token sequences."""
+    return {"model": "demo-lm", "input_ids": [5, 6, 7],
+            "output": {"kind": "generate", "generation": {"max_new_tokens": new, "ignore_eos": True,
+                                                          "temperature": 1.0, "seed": seed}}}  # fmt: skip
+
+
+def _send(r: redis.Redis[bytes], request_id: str, request: dict[str, Any]) -> None:
+    """Queue ``request`` under task ID ``request_id`` as a plain Celery client's ``fleet.infer`` message."""
+    r.lpush(QUEUE, raw(envelope(QUEUE, good_body(request), task_id=request_id)))
+
+
+def _count(log: Path | None, pattern: str) -> int:
+    return len(re.findall(pattern, log.read_text(errors="replace") if log is not None and log.exists() else ""))
+
+
+def _wait(what: str, ok: Callable[[], bool], tail: Callable[[], str], timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s; worker log: {tail()}"
+        time.sleep(0.05)
+
+
+def _streamed(client: FleetClient, request_id: str) -> tuple[list[int], StreamEvent]:
+    """The token IDs a reader of ``request_id``'s stream sees, and the event that ended it."""
+    events = list(client.stream(request_id, timeout_s=120))
+    return [e.token_id for e in events if e.type == "token" and e.token_id is not None], events[-1]
+
+
+def _indexes_written(r: redis.Redis[bytes], request_id: str) -> list[int]:
+    """The index of every token event in the stream key, in the order written (one generation: 0, 1, 2 …)."""
+    return [event.index for _, fields in r.xrange(STREAM_KEY.format(id=request_id))
+            for event in decode_events(fields) if event.type == "token"]  # fmt: skip
+
+
+def test_two_copies_sent_at_once_generate_once_and_the_stream_is_the_stored_result(fleet: Fleet) -> None:
+    cfg = fleet.config(models={"demo-lm": {"limits": {"max_new_tokens": 480}}}, worker={"heartbeat_s": 0.2})
+    worker = fleet.worker(cfg)
+    client = fleet.client(cfg)
+    r = redis.Redis.from_url(fleet.redis_url)
+    _send(r, "twice-1", _generation(seed=1))
+    _send(r, "twice-1", _generation(seed=2))  # another body under the same ID
+
+    tokens, end = _streamed(client, "twice-1")
+    result = client.result("twice-1", wait=True, timeout_s=60)
+    assert isinstance(result, InferenceResult) and result.generation is not None
+    assert end.type == "final" and tokens == result.generation.token_ids  # a reader saw what was stored
+    _wait("both copies acked", lambda: r.hlen("unacked") == 0 and r.llen(QUEUE) == 0, worker.log_tail)
+    assert _indexes_written(r, "twice-1") == list(range(TOKENS))  # one generation wrote the stream, once
+    assert _count(worker.log_path, r"Task fleet\.infer\[twice-1\] received") == 2
+    assert _count(worker.log_path, r"Task fleet\.infer\[twice-1\] succeeded") == 1, worker.log_tail()
+    assert _count(worker.log_path, r"generation twice-1 is already running") == 1, worker.log_tail()
+    assert r.exists(RUN_KEY.format(id="twice-1"))
+    assert worker.proc is not None and worker.proc.poll() is None
+
+
+def test_a_copy_of_a_stored_generation_runs_nothing_and_changes_nothing(fleet: Fleet) -> None:
+    port = free_port()
+    cfg = fleet.config(models={"demo-lm": {"limits": {"max_new_tokens": 480}}}, worker={"metrics_port": port})
+    worker = fleet.worker(cfg)
+    client = fleet.client(cfg)
+    r = redis.Redis.from_url(fleet.redis_url)
+    _send(r, "again-1", _generation(seed=1))
+    tokens, end = _streamed(client, "again-1")
+    stored = r.get(RESULT_KEY.format(id="again-1"))
+    stream_before = r.xrange(STREAM_KEY.format(id="again-1"))
+    assert end.type == "final" and len(tokens) == TOKENS
+
+    for seed in (1, 2):  # the same body (a redelivery), then another (a sender reusing the ID)
+        _send(r, "again-1", _generation(seed=seed))
+    _wait("both copies skipped", lambda: _count(worker.log_path, r"generation again-1 already has its outcome "
+                                                                 r"stored \(SUCCESS\)") == 2, worker.log_tail)
+    _wait("both copies acked", lambda: r.hlen("unacked") == 0 and r.llen(QUEUE) == 0, worker.log_tail)
+    assert r.get(RESULT_KEY.format(id="again-1")) == stored
+    assert r.xrange(STREAM_KEY.format(id="again-1")) == stream_before  # nothing written after the end
+    assert _count(worker.log_path, r"Task fleet\.infer\[again-1\] succeeded") == 1
+    copies = scrape(f"http://127.0.0.1:{port}/metrics")
+    assert {outcome: copies[("fleet_worker_generation_copies_total", (("model", "demo-lm"), ("outcome", outcome)))]
+            for outcome in ("skipped", "waited", "took_over")} == {"skipped": 2, "waited": 0, "took_over": 0}
+    assert copies[("fleet_worker_requests_total", (("model", "demo-lm"), ("outcome", "succeeded")))] == 1
+
+
+@pytest.fixture(scope="module")
+def slow_decoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A deeper, wider decoder: :data:`LONG_TOKENS` take seconds on any machine, so a kill lands mid-generation."""
+    return build_llama(tmp_path_factory.mktemp("slow-decoder"), hidden_size=256, num_layers=6,
+                       max_positions=LONG_TOKENS + 64)  # fmt: skip
+
+
+def test_a_waiting_copy_runs_the_generation_once_its_holder_dies_without_an_outcome(
+    fleet: Fleet, slow_decoder: Path
+) -> None:
+    """Two workers of one token each: the holder generates, is stopped (SIGSTOP) after its first tokens, and the
+    other takes the copy and waits on the holder's claim; the holder is SIGKILLed, its claim lapses (three
+    heartbeats of 1 s) and the waiting copy runs the generation: one result, from the other worker. The holder's
+    own message, restored after the visibility timeout, finds it stored and runs nothing."""
+    cfg = fleet.config(visibility_timeout_s=4, worker={"heartbeat_s": 1.0},
+                       models={"demo-lm": {"path": str(slow_decoder), "batching": {"max_batch_size": 1},
+                                          "limits": {"max_new_tokens": LONG_TOKENS}}})
+    workers = [fleet.worker(cfg, concurrency=1), fleet.worker(cfg, concurrency=1)]
+    client = fleet.client(cfg)
+    r = redis.Redis.from_url(fleet.redis_url)
+    request = _generation(seed=3, new=LONG_TOKENS)
+    _send(r, "orphan-1", request)
+    for event in client.stream("orphan-1", timeout_s=60):  # its first tokens are out: one worker runs it
+        if event.index >= 1:
+            break
+    holder_name = (r.get(RUN_KEY.format(id="orphan-1")) or b"").decode().partition(" ")[2]
+    holder = next(w for w in workers if w.hostname == holder_name)
+    other = next(w for w in workers if w is not holder)
+    assert holder.proc is not None
+    os.killpg(holder.proc.pid, signal.SIGSTOP)  # mid-generation, for good: its claim is renewed no more
+    _send(r, "orphan-1", request)  # the holder's one token is taken: the other worker takes this copy
+    _wait("the copy waiting", lambda: _count(other.log_path, r"generation orphan-1 is already running") == 1,
+          other.log_tail)
+    holder.kill()
+
+    result = client.result("orphan-1", wait=True, timeout_s=120)
+    assert isinstance(result, InferenceResult) and result.generation is not None
+    assert result.timings.worker == other.hostname and len(result.generation.token_ids) == LONG_TOKENS
+    assert _count(other.log_path, r"generation orphan-1: the claim of .* lapsed without an outcome") == 1
+    tokens, end = _streamed(client, "orphan-1")
+    assert end.type == "final" and tokens == result.generation.token_ids
+    stored = r.get(RESULT_KEY.format(id="orphan-1"))
+    # the dead holder's message comes back after the visibility timeout: it finds the outcome and runs nothing
+    _wait("the holder's message restored and acked", lambda: _count(
+        other.log_path, r"generation orphan-1 already has its outcome stored") == 1, other.log_tail)
+    _wait("nothing left", lambda: r.hlen("unacked") == 0 and r.llen(QUEUE) == 0, other.log_tail)
+    assert r.get(RESULT_KEY.format(id="orphan-1")) == stored
+    assert _count(other.log_path, r"Task fleet\.infer\[orphan-1\] succeeded") == 1

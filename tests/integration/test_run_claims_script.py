@@ -1,0 +1,133 @@
+"""workers.run_claims against a real redis-server: who runs a generation's ID, who waits, who runs nothing.
+
+The waits are driven by the ``sleep`` hook (each call is one poll), so no test depends on timing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+
+import pytest
+import redis
+
+from protocol.keys import RESULT_KEY, RUN_KEY
+from tools.redis_server import EmbeddedRedis
+from workers.run_claims import RunClaims
+
+RID = "gen-1"
+
+
+@pytest.fixture
+def r(redis_server: EmbeddedRedis) -> redis.Redis[bytes]:
+    return redis.Redis(port=redis_server.port)
+
+
+def _claims(r: redis.Redis[bytes], owner: str, sleep: Callable[[float], None] = lambda _s: None,
+            ttl_s: float = 30) -> RunClaims:  # fmt: skip
+    return RunClaims(r, owner=f"{owner}-instance {owner}@host", ttl_s=ttl_s, sleep=sleep)
+
+
+def _store(r: redis.Redis[bytes], status: str) -> None:
+    r.set(RESULT_KEY.format(id=RID), json.dumps({"status": status, "result": None, "task_id": RID}))
+
+
+def test_the_first_delivery_claims_and_a_started_state_does_not_count_as_an_outcome(r: redis.Redis[bytes]) -> None:
+    _store(r, "STARTED")  # a generation's own STARTED state, stored before it runs
+    a = _claims(r, "a")
+    assert a.acquire(RID) is True
+    assert r.get(RUN_KEY.format(id=RID)) == a.owner.encode() and 0 < r.pttl(RUN_KEY.format(id=RID)) <= 30_000
+    assert a.held() == [RID] and (a.waited, a.skipped_stored) == (0, 0)
+
+
+@pytest.mark.parametrize("status", ["SUCCESS", "FAILURE", "REVOKED"])
+def test_a_stored_outcome_means_run_nothing_and_claim_nothing(r: redis.Redis[bytes], status: str) -> None:
+    _store(r, status)
+    a = _claims(r, "a")
+    assert a.acquire(RID) is False
+    assert not r.exists(RUN_KEY.format(id=RID)) and a.held() == [] and a.skipped_stored == 1
+
+
+def test_a_second_delivery_waits_until_the_outcome_is_stored_then_runs_nothing(r: redis.Redis[bytes]) -> None:
+    a = _claims(r, "a")
+    assert a.acquire(RID)
+    polls: list[frozenset[str]] = []
+
+    def poll(_s: float) -> None:
+        polls.append(b.waiting)
+        if len(polls) == 3:
+            _store(r, "SUCCESS")  # the holder's result lands while the copy waits
+
+    b = _claims(r, "b", poll)
+    assert b.acquire(RID) is False
+    assert polls == [frozenset({RID})] * 3  # waiting the whole time: readiness leaves it out
+    assert b.waiting == frozenset() and b.held() == [] and (b.waited, b.skipped_stored, b.taken_over) == (1, 1, 0)
+    assert r.get(RUN_KEY.format(id=RID)) == a.owner.encode()  # the holder's claim is untouched
+
+
+def test_a_waiting_delivery_takes_over_a_claim_that_lapses_without_an_outcome(r: redis.Redis[bytes],
+                                                                              caplog: pytest.LogCaptureFixture) -> None:
+    a = _claims(r, "a")
+    assert a.acquire(RID)
+    polls = 0
+
+    def poll(_s: float) -> None:
+        nonlocal polls
+        polls += 1
+        if polls == 2:
+            r.delete(RUN_KEY.format(id=RID))  # its holder died: the claim lapses, no outcome stored
+
+    b = _claims(r, "b", poll)
+    with caplog.at_level(logging.INFO, logger="fleet.worker"):
+        assert b.acquire(RID) is True
+    assert r.get(RUN_KEY.format(id=RID)) == b.owner.encode() and b.held() == [RID] and b.taken_over == 1
+    assert "the claim of a@host lapsed without an outcome" in caplog.text, caplog.text
+    assert "is already running (claimed by a@host)" in caplog.text
+
+
+def test_the_same_process_s_second_delivery_waits_too(r: redis.Redis[bytes]) -> None:
+    stored = False
+
+    def poll(_s: float) -> None:
+        nonlocal stored
+        stored = True
+        _store(r, "FAILURE")
+
+    a = _claims(r, "a", poll)
+    assert a.acquire(RID) is True
+    assert a.acquire(RID) is False and stored  # the second copy waited for the first's outcome
+
+
+def test_renew_extends_writes_back_a_lost_claim_and_lets_go_of_one_taken(r: redis.Redis[bytes],
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    a = _claims(r, "a", ttl_s=5)
+    for rid in ("g1", "g2", "g3"):
+        assert a.acquire(rid)
+    r.pexpire(RUN_KEY.format(id="g1"), 100)
+    r.delete(RUN_KEY.format(id="g2"))  # Redis lost it (a restart without persistence)
+    r.set(RUN_KEY.format(id="g3"), "other-instance b@host")  # its claim lapsed and another delivery took it
+    with caplog.at_level(logging.WARNING, logger="fleet.worker"):
+        a.renew()
+    assert r.pttl(RUN_KEY.format(id="g1")) > 1000
+    assert r.get(RUN_KEY.format(id="g2")) == a.owner.encode() and r.pttl(RUN_KEY.format(id="g2")) > 1000
+    assert r.get(RUN_KEY.format(id="g3")) == b"other-instance b@host"  # never taken back
+    assert a.held() == ["g1", "g2"]
+    assert "generation g3: its claim lapsed" in caplog.text and "both run" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fleet.worker"):
+        a.renew()
+    assert "g3" not in caplog.text  # logged once
+    a.release("g1")
+    a.release("g2")
+    assert a.held() == []
+
+
+def test_a_result_key_of_another_type_lets_the_delivery_run_unclaimed(r: redis.Redis[bytes],
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    r.rpush(RESULT_KEY.format(id=RID), "not a result")  # GET answers WRONGTYPE: no claim can be decided
+    a = _claims(r, "a")
+    with caplog.at_level(logging.WARNING, logger="fleet.worker"):
+        assert a.acquire(RID) is True
+        assert a.acquire(RID) is True
+    assert caplog.text.count("Redis refused the run-claim script") == 1

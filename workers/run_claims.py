@@ -1,0 +1,238 @@
+"""One delivery of a generation runs at a time, and none runs once the request's outcome is stored.
+
+A generation writes its tokens to one stream per request ID (``fleet:stream:<id>``). Two deliveries of one
+ID running at once (a plain Celery client that sent a task ID twice, with the same body or not) generated
+into that one stream: readers take each index once, so they saw parts of either generation, while the
+stored result (the first stored wins, :mod:`broker.result_backend`) was one of them. A delivery of a
+generation whose outcome was already stored (a message restored after its result was written, a
+client's resend) generated it all again, and wrote tokens after its stream's end.
+
+So before a generation starts, ``fleet.infer`` claims its ID (:meth:`RunClaims.acquire`, one run of
+:data:`CLAIM_SCRIPT`):
+
+* its outcome is stored (SUCCESS, FAILURE, REVOKED): the delivery is acked without running; nothing is
+  stored (the stored outcome stays) and nothing is streamed;
+* nobody holds the ID: ``SET fleet:run:<id> NX`` with this worker process's owner string, for
+  ``ttl_s`` (three heartbeat periods); the delivery runs, and each heartbeat renews the claims of the
+  generations this process runs (:meth:`RunClaims.renew`, one round trip for all; a claim Redis lost
+  is written back);
+* another delivery holds it (on any worker, this one included): this delivery waits, claiming again
+  every ``poll_s``, until the outcome is stored (then it is acked as above) or the claim lapses, its
+  holder gone without an outcome (then this delivery runs the generation). A waiting delivery holds
+  one of the worker's C tokens but is not work this worker progresses: readiness and the overdue-slot
+  report leave it out (:attr:`RunClaims.waiting`).
+
+A claim is not deleted when its generation ends: later copies read the stored outcome first, and a
+claim whose delivery stored nothing lapses within ``ttl_s``. A holder whose heartbeat is late by more
+than ``ttl_s`` can lose its claim to a waiting copy; the next beat logs that both run. One-step
+requests are not claimed (one round trip per request, and two copies of one share no stream: the
+first result stored is kept).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import redis
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from protocol.keys import RESULT_KEY, RUN_KEY
+
+__all__ = ["CLAIM_SCRIPT", "RENEW_SCRIPT", "RunClaims", "RunClaimsCollector", "owner_of"]
+
+log = logging.getLogger("fleet.worker")
+
+CLAIM_SCRIPT = """
+local meta = redis.call('GET', KEYS[1])
+if meta then
+  local ok, current = pcall(cjson.decode, meta)
+  local status = ok and type(current) == 'table' and current['status']
+  if status == 'SUCCESS' or status == 'FAILURE' or status == 'REVOKED' then
+    return {'stored', status}
+  end
+end
+if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return {'claimed', ARGV[1]}
+end
+return {'held', redis.call('GET', KEYS[2]) or ''}
+"""
+"""Claim a generation's ID for one delivery. KEYS: its result key, its run key; ARGV: the owner string,
+the claim's life (ms). Returns ``['stored', status]`` (a terminal outcome is stored: run nothing),
+``['claimed', owner]`` or ``['held', holder]`` (another delivery runs it; '' when its claim lapsed
+between the two commands: claim again)."""
+
+RENEW_SCRIPT = """
+local lost = {}
+for i, key in ipairs(KEYS) do
+  local holder = redis.call('GET', key)
+  if holder == ARGV[1] then
+    redis.call('PEXPIRE', key, ARGV[2])
+  elseif not holder then
+    redis.call('SET', key, ARGV[1], 'PX', ARGV[2])
+  else
+    table.insert(lost, i)
+  end
+end
+return lost
+"""
+"""Renew this process's claims. KEYS: their run keys; ARGV: the owner string, the life (ms). A claim
+Redis lost is written again; returns the (1-based) positions of those another owner holds now."""
+
+
+def owner_of(hostname: str) -> str:
+    """The owner string of this worker process's claims: a fresh instance ID, then the node name (for logs)."""
+    return f"{uuid.uuid4().hex} {hostname}"
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _node(holder: str) -> str:
+    """The node name in an owner string (the whole string when it has none)."""
+    return holder.partition(" ")[2] or holder
+
+
+class RunClaims:
+    """The generation IDs this worker process claimed, and the deliveries waiting on another's claim (thread-safe)."""
+
+    def __init__(self, client: redis.Redis[bytes], *, owner: str, ttl_s: float, poll_s: float | None = None,
+                 sleep: Callable[[float], None] = time.sleep) -> None:  # fmt: skip
+        """``owner``: this process's owner string (:func:`owner_of`); ``ttl_s``: a claim's life without a
+        renewal (s); ``poll_s``: how often a waiting delivery claims again (s; default a sixth of ``ttl_s``,
+        0.05 to 0.5)."""
+        self._claim_script: Any = client.register_script(CLAIM_SCRIPT)
+        self._renew_script: Any = client.register_script(RENEW_SCRIPT)
+        self.owner = owner
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.poll_s = poll_s if poll_s is not None else min(0.5, max(0.05, ttl_s / 6))
+        self._sleep = sleep
+        self._held: set[str] = set()
+        self._waiting: set[str] = set()
+        self._lock = threading.Lock()
+        self.skipped_stored = 0
+        """Deliveries acked without running because the outcome was stored (at once or after a wait)."""
+        self.waited = 0
+        """Deliveries that found another delivery running the same ID and waited."""
+        self.taken_over = 0
+        """Waiting deliveries that ran the generation after the holder's claim lapsed without an outcome."""
+        self._refused_logged = False
+
+    @property
+    def waiting(self) -> frozenset[str]:
+        """The request IDs of deliveries waiting on another's claim now."""
+        with self._lock:
+            return frozenset(self._waiting)
+
+    def held(self) -> list[str]:
+        """The request IDs this process holds claims for."""
+        with self._lock:
+            return sorted(self._held)
+
+    def acquire(self, request_id: str, on_wait: Callable[[], None] | None = None) -> bool:
+        """Claim ``request_id`` for this delivery, waiting while another delivery holds it (``on_wait`` is
+        called once when the wait starts).
+
+        Returns True when this delivery is to run the generation (its claim renewed until :meth:`release`),
+        False when the request's outcome is stored (run, store and stream nothing). Redis not answering is
+        waited out (nothing can be stored meanwhile either); a Redis that refuses the script (an ACL) lets the
+        delivery run unclaimed, as before claims existed (logged once)."""
+        keys = [RESULT_KEY.format(id=request_id), RUN_KEY.format(id=request_id)]
+        holder: str | None = None
+        try:
+            while True:
+                try:
+                    verdict, detail = (_text(v) for v in self._claim_script(keys=keys, args=[self.owner, self.ttl_ms]))
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    log.warning("claiming generation %s: Redis does not answer (%s); trying again", request_id, exc)
+                    self._sleep(self.poll_s)
+                    continue
+                if verdict == "claimed":
+                    return self._claimed(request_id, holder)
+                if verdict == "stored":
+                    self._skip(request_id, detail, holder)
+                    return False
+                if holder is None:
+                    self._start_waiting(request_id, detail)
+                    if on_wait is not None:
+                        on_wait()
+                holder = detail or holder or ""
+                self._sleep(self.poll_s)
+        except redis.ResponseError as exc:
+            if not self._refused_logged:
+                self._refused_logged = True
+                log.warning("Redis refused the run-claim script (%s): generations run without a claim, so two "
+                            "deliveries of one ID can run at once", exc)  # fmt: skip
+            return True
+        finally:
+            with self._lock:
+                self._waiting.discard(request_id)
+
+    def _claimed(self, request_id: str, waited_for: str | None) -> bool:
+        with self._lock:
+            self._held.add(request_id)
+        if waited_for is not None:
+            self.taken_over += 1
+            log.warning("generation %s: the claim of %s lapsed without an outcome (its worker is gone): this "
+                        "delivery runs it", request_id, _node(waited_for) or "another delivery")  # fmt: skip
+        return True
+
+    def _skip(self, request_id: str, status: str, waited_for: str | None) -> None:
+        self.skipped_stored += 1
+        after = f" after waiting for {_node(waited_for) or 'another delivery'}" if waited_for is not None else ""
+        log.info("generation %s already has its outcome stored (%s)%s: this delivery is acked without running",
+                 request_id, status, after)  # fmt: skip
+
+    def _start_waiting(self, request_id: str, holder: str) -> None:
+        self.waited += 1
+        with self._lock:
+            self._waiting.add(request_id)
+        log.warning("generation %s is already running (claimed by %s): this delivery waits for its outcome instead "
+                    "of generating into the same stream", request_id, _node(holder) or "another delivery")  # fmt: skip
+
+    def release(self, request_id: str) -> None:
+        """``request_id``'s delivery is done here (its outcome stored, or not to be): stop renewing its claim,
+        which lapses within its life; a trace hook (:func:`workers.trace_guard.on_traced`), so no Redis."""
+        with self._lock:
+            self._held.discard(request_id)
+
+    def renew(self, _expires_unix_s: float = 0.0) -> None:
+        """Renew every claim this process holds, in one round trip (a heartbeat hook: the argument is not
+        used); logs a claim that another owner holds now (both deliveries then run).
+
+        Raises:
+            redis.RedisError: Redis did not answer, or refused (the heartbeat logs it; the next beat tries again).
+        """
+        held = self.held()
+        if not held:
+            return
+        lost = self._renew_script(keys=[RUN_KEY.format(id=rid) for rid in held], args=[self.owner, self.ttl_ms])
+        for position in lost or []:
+            self.release(held[int(position) - 1])  # logged once: not renewed from here on
+            log.warning("generation %s: its claim lapsed (this worker's heartbeat was late by more than %.1f s) and "
+                        "another delivery took it: both run", held[int(position) - 1], self.ttl_ms / 1000)  # fmt: skip
+
+
+class RunClaimsCollector(Collector):
+    """``fleet_worker_generation_copies_total{model,outcome}``: deliveries of a generation's ID that found its
+    outcome stored (``skipped``: acked without running), found another delivery running it (``waited``), or
+    ran it after that delivery's claim lapsed without an outcome (``took_over``)."""
+
+    def __init__(self, model: str, claims: RunClaims) -> None:
+        self.model = model
+        self.claims = claims
+
+    def collect(self) -> Iterable[Any]:
+        family = CounterMetricFamily("fleet_worker_generation_copies",
+                                     "Deliveries of a generation ID that another delivery held or finished.",
+                                     labels=["model", "outcome"])  # fmt: skip
+        for outcome, count in (("skipped", self.claims.skipped_stored), ("waited", self.claims.waited),
+                               ("took_over", self.claims.taken_over)):  # fmt: skip
+            family.add_metric([self.model, outcome], count)
+        yield family
