@@ -145,12 +145,16 @@ class RunClaims:
         delivery run unclaimed, as before claims existed (logged once)."""
         keys = [RESULT_KEY.format(id=request_id), RUN_KEY.format(id=request_id)]
         holder: str | None = None
+        unanswered = 0
         try:
             while True:
                 try:
                     verdict, detail = (_text(v) for v in self._claim_script(keys=keys, args=[self.owner, self.ttl_ms]))
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
-                    log.warning("claiming generation %s: Redis does not answer (%s); trying again", request_id, exc)
+                    if not unanswered:  # once per delivery: the heartbeat reports the outage itself
+                        log.warning("claiming generation %s: Redis does not answer (%s); trying again every %.2f s",
+                                    request_id, exc, self.poll_s)  # fmt: skip
+                    unanswered += 1
                     self._sleep(self.poll_s)
                     continue
                 if verdict == "claimed":

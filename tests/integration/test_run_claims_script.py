@@ -131,3 +131,22 @@ def test_a_result_key_of_another_type_lets_the_delivery_run_unclaimed(r: redis.R
         assert a.acquire(RID) is True
         assert a.acquire(RID) is True
     assert caplog.text.count("Redis refused the run-claim script") == 1
+
+
+def test_redis_not_answering_is_waited_out_and_logged_once(redis_server: EmbeddedRedis,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    client = redis.Redis(port=redis_server.port, socket_connect_timeout=2, socket_timeout=2)
+    polls = 0
+
+    def poll(_s: float) -> None:
+        nonlocal polls
+        polls += 1
+        if polls == 3:
+            redis_server.start()  # back on the same port, empty
+
+    a = _claims(client, "a", poll)
+    redis_server.kill()
+    with caplog.at_level(logging.WARNING, logger="fleet.worker"):
+        assert a.acquire(RID) is True
+    assert polls == 3 and client.get(RUN_KEY.format(id=RID)) == a.owner.encode()
+    assert caplog.text.count("Redis does not answer") == 1, caplog.text
