@@ -25,8 +25,9 @@ What it adapts, module by module:
   ``_get_result_meta``, ``ensure``, ``exception_safe_to_retry``): one script per stored state.
 * :mod:`broker.event_buffer`: Celery's consumer ``Events`` bootstep and the ``EventDispatcher``'s
   ``_group_buffer``/``_outbound_buffer``/``on_send_buffered``: task events as ``task.multi`` messages.
-* :mod:`broker.message_check`, :mod:`broker.deliveries`: Celery's task message protocol 2 (headers,
-  ``[args, kwargs, embed]`` body, kombu's JSON envelope, the ``redelivered`` mark);
+* :mod:`broker.message_check` (its field rules: :mod:`broker.message_fields`), :mod:`broker.deliveries`:
+  Celery's task message protocol 2 (headers, ``[args, kwargs, embed]`` body, kombu's JSON envelope, the
+  ``redelivered`` mark);
   :mod:`broker.eta_window`: how far ahead an ``eta`` may be, given kombu's ``visibility_timeout`` (the
   channel's, read at take) and its unacked restore (Celery's ETA caveat for Redis).
 * :mod:`broker.redis_refusals`: redis-py's ``BaseParser.EXCEPTION_CLASSES`` (write refusals raised as
