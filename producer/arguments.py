@@ -171,7 +171,7 @@ def poll_interval_s(value: Any) -> float:
     Raises:
         InvalidRequest: naming ``poll_s``.
     """
-    seconds = seconds_limit(value, "poll_s", positive=True)
-    if seconds is None:
-        raise InvalidRequest(f"poll_s = {value!r} must be a finite number of seconds > 0", "poll_s", 0)
-    return seconds
+    # not seconds_limit: its message offers None and inf ("no limit"), which a poll interval cannot be
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) < math.inf:
+        raise InvalidRequest(f"poll_s must be a finite number of seconds > 0, not {_shown(value)}", "poll_s", 0)
+    return float(value)

@@ -289,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=wait_seconds, default=60.0, help="seconds to wait with --wait (default 60)")
     p.set_defaults(func=cmd_result)
 
-    p = sub.add_parser("cancel", help="cancel a request that has not run")
+    p = sub.add_parser("cancel", help="cancel a queued request, or stop a running generation within a step "
+                      "(exit 1: it already ended, or is a one-step request already running)")
     _add_common(p)
     p.add_argument("request_id")
     p.set_defaults(func=cmd_cancel)
