@@ -183,6 +183,11 @@ def _json_error_message(error: Any, body: Any) -> str:
 
 def _on_http(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
+    cause = exc.__cause__
+    if exc.status_code == 400 and isinstance(cause, UnicodeDecodeError):  # FastAPI's "error parsing the body"
+        why = f"not UTF-8: byte 0x{cause.object[cause.start]:02X} at byte {cause.start} ({cause.reason})"
+        err = InvalidRequest(f"body is not valid JSON: {why}", "body", "JSON")
+        return fleet_error_response(err, openai=is_openai_path(request.url.path))
     code = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http")
     payload = error_payload(code, "HTTPError", str(exc.detail))
     return _respond(request, exc.status_code, payload, dict(exc.headers or {}))

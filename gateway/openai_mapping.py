@@ -11,7 +11,9 @@ Requests
     ``stop_token_ids``. Refused with a 400 naming the field: ``n``/``best_of`` other than 1,
     non-zero ``frequency_penalty``/``presence_penalty`` (the fleet has ``repetition_penalty``
     instead), ``logit_bias``, ``logprobs``/``top_logprobs``, ``echo``, ``suffix``, ``tools``,
-    ``tool_choice`` other than "none", ``response_format`` other than text, embedding ``dimensions``.
+    ``tool_choice`` other than "none", ``response_format`` other than text, embedding ``dimensions``,
+    a message's ``tool_calls``/``function_call``/``audio``/``refusal`` unless null (the SDKs send them
+    null when a returned message is sent back); each refusal says why (:data:`_WHY_REFUSED`).
 
 Results
     ``finish_reason``: the fleet's ``stop`` → "stop", ``length`` → "length", ``deadline`` →
@@ -34,6 +36,7 @@ from gateway.openai_schema import (
     ChatBody,
     ChatChoice,
     ChatCompletion,
+    ChatMessage,
     ChatResponseMessage,
     CompletionBody,
     CompletionChoice,
@@ -116,7 +119,20 @@ def check_supported(body: CompletionBody | ChatBody | EmbeddingBody) -> None:
         checks |= {"response_format": fmt != "text"}
     for name, refused in checks.items():
         if refused:
-            raise _refuse(name, getattr(body, name), "the fleet returns plain text without log-probabilities")
+            raise _refuse(name, getattr(body, name), _WHY_REFUSED[name])
+
+
+_WHY_REFUSED = {
+    "best_of": "one generation per request (best_of=1); send separate requests",
+    "echo": "the answer holds the generated text only, not the prompt",
+    "logprobs": "the fleet returns plain text without log-probabilities",
+    "top_logprobs": "the fleet returns plain text without log-probabilities",
+    "suffix": "no insertion (fill-in-the-middle); the prompt is a prefix",
+    "tools": "the fleet has no tool or function calling; the model answers in plain text",
+    "tool_choice": "the fleet has no tool or function calling; only 'none'",
+    "response_format": "the fleet has no constrained (JSON) decoding; only {'type': 'text'}",
+}
+"""Why each field :func:`check_supported` refuses cannot be honoured, as the 400 says it."""
 
 
 def max_tokens_field(body: CompletionBody | ChatBody) -> str:
@@ -237,31 +253,54 @@ def _text_of(content: Any, where: str) -> str:
         return content or ""
     parts = []
     for j, part in enumerate(content):
-        if part.type != "text" or part.text is None:
+        if part.type != "text":
             raise InvalidRequest(
                 f"{where}.content[{j}].type = {part.type!r}: only text parts are supported",
                 f"{where}.content[{j}].type",
                 "text",
             )
+        if part.text is None:
+            raise InvalidRequest(f"{where}.content[{j}].text is required in a text part",
+                                 f"{where}.content[{j}].text", "a string")  # fmt: skip
         parts.append(part.text)
     return "".join(parts)
+
+
+_NOT_RENDERED = {
+    "tool_calls": "the fleet has no tool calling, so a conversation cannot hold a tool call",
+    "function_call": "the fleet has no function calling, so a conversation cannot hold a function call",
+    "audio": "the fleet answers in text; an earlier audio answer cannot be sent back",
+    "refusal": "the chat template renders content only; send the refusal's text as content",
+}
+"""A message's fields the SDKs give back (null as a rule) that the fleet cannot render when they hold something."""
+
+
+def _refuse_unrendered(message: ChatMessage, where: str) -> None:
+    for name, why in _NOT_RENDERED.items():
+        value = getattr(message, name)
+        if value not in (None, []):
+            raise InvalidRequest(f"{where}.{name} = {value!r} is not supported: {why}", f"{where}.{name}", None)
 
 
 def chat_messages(body: ChatBody) -> list[dict[str, Any]]:
     """The conversation as a chat template sees it: ``{"role", "content"}`` (+ ``name``), content text.
 
     Raises:
-        InvalidRequest: a content part that is not text (image, audio, …), or no content where OpenAI
-            requires it (every role but ``assistant``), naming it.
+        InvalidRequest: a content part that is not text (image, audio, …), a text part without text, no
+            content where OpenAI requires it (every role but ``assistant``), or a tool call, function call,
+            audio or refusal in a message (:data:`_NOT_RENDERED`), naming it.
     """
     out = []
     for i, message in enumerate(body.messages):
+        where = f"messages[{i}]"
         if message.content is None and message.role != "assistant":  # as OpenAI: only an assistant turn may omit it
-            raise InvalidRequest(f"messages[{i}].content is required for a {message.role!r} message",
-                                 f"messages[{i}].content", "a string or text parts")  # fmt: skip
-        item = {"role": message.role, "content": _text_of(message.content, f"messages[{i}]")}
-        if message.name is not None:
-            item["name"] = message.name
+            raise InvalidRequest(f"{where}.content is required for a {message.role!r} message",
+                                 f"{where}.content", "a string or text parts")  # fmt: skip
+        _refuse_unrendered(message, where)
+        item = {"role": message.role, "content": _text_of(message.content, where)}
+        for name in ("name", "tool_call_id"):
+            if getattr(message, name) is not None:
+                item[name] = getattr(message, name)
         out.append(item)
     return out
 

@@ -206,7 +206,7 @@ async def _generate(
     created = int(time.time())
     if body.stream:
         options = body.stream_options
-        writer = ChunkWriter(face, rid, body.model, created, include_usage=bool(options and options.include_usage),
+        writer = ChunkWriter(face, rid, request.model, created, include_usage=bool(options and options.include_usage),
                              continuous_usage=bool(options and options.continuous_usage_stats),
                              prompt_tokens=len(request.input_ids))  # fmt: skip
         ended: list[bool] = []
@@ -222,7 +222,7 @@ async def _generate(
         return outcome
     make = completion_response if face == "completion" else chat_response
     try:
-        answer = make(rid, body.model, created, outcome)
+        answer = make(rid, request.model, created, outcome)  # the configured name, as /v1/models lists it
     except FleetError as exc:  # ids without text: say so, never answer ""
         return fleet_error_response(exc, openai=True, headers=headers)
     return JSONResponse(answer.model_dump(mode="json"), headers=headers)
@@ -302,8 +302,9 @@ async def embeddings(body: EmbeddingBody, rate_key: CallerDep, gw: GatewayDep, h
     check_supported(body)
     ids = await _queue_embeddings(gw, body, rate_key)
     headers = {"X-Request-ID": ",".join(ids)}
+    model = gw.settings.model_key(body.model)  # the configured name, as /v1/models lists it
     try:
-        waiting = await_outcomes(gw.fleet, gw.aredis, ids, timeout_s=WAIT_S, model=gw.settings.model_key(body.model),
+        waiting = await_outcomes(gw.fleet, gw.aredis, ids, timeout_s=WAIT_S, model=model,
                                  no_worker_after_s=gw.settings.api.no_worker_wait_s, presence=gw.apresence,
                                  notifier=gw.results)
         outcomes = await unless_client_leaves(http, waiting, partial(cancel_requests, gw, ids))
@@ -320,7 +321,7 @@ async def embeddings(body: EmbeddingBody, rate_key: CallerDep, gw: GatewayDep, h
             named = rename_field(outcome, {"input_ids": input_field(body, i)})
             return fleet_error_response(named, openai=True, headers=headers)
         results.append(outcome)
-    vectors = embedding_list(body.model, results, body.encoding_format)
+    vectors = embedding_list(model, results, body.encoding_format)
     return JSONResponse(vectors.model_dump(mode="json"), headers=headers)
 
 

@@ -101,11 +101,22 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(_Body):
-    """One turn of the conversation."""
+    """One turn of the conversation. The other fields OpenAI defines on a message are declared, so a message
+    the SDKs give back (``message.model_dump()``: ``refusal``, ``tool_calls``, … as null) can be sent again;
+    :func:`gateway.openai_mapping.chat_messages` refuses those that would carry something the fleet
+    cannot render (a tool call, audio, a refusal)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Utf8Str | list[ContentPart] | None = None
     name: Utf8Str | None = None
+    tool_call_id: Utf8Str | None = Field(default=None, description="A tool message's call; passed to the template.")
+    refusal: Utf8Str | None = Field(default=None, description="Must be null.")
+    tool_calls: Annotated[list[Any] | None, UTF8_STRINGS] = Field(default=None, description="Must be null or empty.")
+    function_call: Utf8Json = Field(default=None, description="Must be null.")
+    audio: Utf8Json = Field(default=None, description="Must be null.")
+    annotations: Annotated[list[Any] | None, UTF8_STRINGS] = Field(
+        default=None, description="An earlier answer's citations: accepted and ignored (they are not prompt text)."
+    )
 
 
 class ChatBody(_Sampling):

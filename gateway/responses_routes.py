@@ -63,9 +63,12 @@ FIELD_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens"
 class _Turn:
     """One create call: what it asked, the conversation it renders, and how its answer is stored."""
 
-    def __init__(self, body: ResponseBody, rid: str, history: list[dict[str, str]], new: list[dict[str, str]]) -> None:
+    def __init__(
+        self, body: ResponseBody, rid: str, model: str, history: list[dict[str, str]], new: list[dict[str, str]]
+    ) -> None:
         self.body = body
         self.rid = rid
+        self.model = model  # the configured name, as /v1/models lists it (the body may spell it otherwise)
         self.id = f"resp_{rid}"
         self.created = int(time.time())
         self.before = history + new  # the conversation without instructions: what the next turn continues
@@ -80,7 +83,7 @@ class _Turn:
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
             "completed_at": int(time.time()) if status != "in_progress" else None, "error": None,
             "incomplete_details": incomplete, "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
-            "model": b.model, "output": output, "parallel_tool_calls": False,
+            "model": self.model, "output": output, "parallel_tool_calls": False,
             "previous_response_id": b.previous_response_id, "reasoning": {"effort": None, "summary": None},
             "store": b.store is not False, "temperature": b.temperature, "text": {"format": {"type": "text"}},
             "tool_choice": "none", "tools": [], "top_p": b.top_p, "truncation": "disabled", "user": b.user,
@@ -137,7 +140,7 @@ async def create_response(body: ResponseBody, rate_key: CallerDep, gw: GatewayDe
     chat = _as_chat(body, system + history + new)
     request = await run_in_threadpool(_build_turn, gw, chat)
     rid = await run_in_threadpool(partial(gw.fleet.send, request, rate_key=rate_key, routing_key=body.user))
-    turn = _Turn(body, rid, history, new)
+    turn = _Turn(body, rid, request.model, history, new)
     headers = {"X-Request-ID": rid}
     if body.stream:
         ended: list[bool] = []

@@ -100,7 +100,18 @@ def check_supported(body: ResponseBody) -> None:
     for name, refused in checks.items():
         if refused:
             value = fmt if name == "text.format" else getattr(body, name)
-            raise _refuse(name, value, "the fleet answers in plain text, without tools or reasoning")
+            raise _refuse(name, value, _WHY_REFUSED[name])
+
+
+_WHY_REFUSED = {
+    "tools": "the fleet has no tools or function calling; the model answers in plain text",
+    "tool_choice": "the fleet has no tools or function calling; only 'none' or 'auto'",
+    "reasoning": "the fleet's models have no reasoning settings",
+    "text.format": "the fleet has no constrained (JSON) decoding; only {'type': 'text'}",
+    "background": "a response is answered while the call waits; poll GET /v1/requests/{id} for a long one",
+    "include": "the fleet's responses carry no extra output data to include",
+}
+"""Why each field :func:`check_supported` refuses cannot be honoured, as the 400 says it."""
 
 
 def _text_of(content: str | list[TextPart], where: str) -> str:
@@ -108,12 +119,15 @@ def _text_of(content: str | list[TextPart], where: str) -> str:
         return content
     parts = []
     for j, part in enumerate(content):
-        if part.type not in ("input_text", "output_text", "text") or part.text is None:
+        if part.type not in ("input_text", "output_text", "text"):
             raise InvalidRequest(
                 f"{where}.content[{j}].type = {part.type!r}: only text parts are supported",
                 f"{where}.content[{j}].type",
                 "input_text",
             )
+        if part.text is None:
+            raise InvalidRequest(f"{where}.content[{j}].text is required in a text part",
+                                 f"{where}.content[{j}].text", "a string")  # fmt: skip
         parts.append(part.text)
     return "".join(parts)
 

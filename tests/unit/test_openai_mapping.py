@@ -219,6 +219,60 @@ def test_chat_messages_join_text_parts_and_refuse_others() -> None:
     assert info.value.field == "messages[0].content[0].type"
 
 
+@pytest.mark.parametrize(
+    ("body", "field", "why"),
+    [
+        (completion(best_of=3), "best_of", "one generation per request"),
+        (completion(echo=True), "echo", "not the prompt"),
+        (completion(suffix="!"), "suffix", "fill-in-the-middle"),
+        (completion(logprobs=1), "logprobs", "log-probabilities"),
+        (chat(top_logprobs=2), "top_logprobs", "log-probabilities"),
+        (chat(tools=[{"type": "function"}]), "tools", "no tool or function calling"),
+        (chat(tool_choice="required"), "tool_choice", "no tool or function calling"),
+        (chat(response_format={"type": "json_object"}), "response_format", "no constrained (JSON) decoding"),
+    ],
+)
+def test_each_refusal_says_why_that_field_cannot_be_honoured(body: Any, field: str, why: str) -> None:
+    """Before, every one of these said "the fleet returns plain text without log-probabilities"."""
+    with pytest.raises(InvalidRequest) as info:
+        check_supported(body)
+    assert info.value.field == field and why in info.value.message
+
+
+def test_a_message_the_sdk_gives_back_can_be_sent_again() -> None:
+    """``ChatCompletionMessage.model_dump()`` names every field OpenAI defines, null: before, each was an
+    unknown field (400 "Extra inputs are not permitted")."""
+    echoed = {"role": "assistant", "content": "Hello", "refusal": None, "annotations": None, "audio": None,
+              "function_call": None, "tool_calls": None}  # fmt: skip
+    tool = {"role": "tool", "content": "42", "tool_call_id": "call_1"}
+    assert chat_messages(chat(messages=[*HI, echoed, tool])) == [
+        *HI, {"role": "assistant", "content": "Hello"}, {"role": "tool", "content": "42", "tool_call_id": "call_1"}
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("tool_calls", [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]),
+        ("function_call", {"name": "f", "arguments": "{}"}),
+        ("audio", {"id": "a1"}),
+        ("refusal", "I can't"),
+    ],
+)
+def test_a_message_holding_what_the_fleet_cannot_render_is_refused_by_name(field: str, value: Any) -> None:
+    message = {"role": "assistant", "content": None, field: value}
+    with pytest.raises(InvalidRequest) as info:
+        chat_messages(chat(messages=[*HI, message]))
+    assert info.value.field == f"messages[1].{field}" and "not supported" in info.value.message
+
+
+def test_a_text_part_without_text_is_named_by_its_text() -> None:
+    """Before: ``messages[0].content[0].type = 'text': only text parts are supported``."""
+    with pytest.raises(InvalidRequest) as info:
+        chat_messages(chat(messages=[{"role": "user", "content": [{"type": "text"}]}]))
+    assert info.value.field == "messages[0].content[0].text" and "required" in info.value.message
+
+
 def test_chat_template_renders_as_transformers_does() -> None:
     template = ChatTemplate(CHAT_TEMPLATE)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]

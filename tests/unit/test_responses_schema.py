@@ -45,6 +45,13 @@ def test_non_text_parts_and_empty_input_are_refused_by_name() -> None:
     assert empty.value.field == "input"
 
 
+def test_a_text_part_without_text_is_named_by_its_text() -> None:
+    """Before: ``input[0].content[0].type = 'input_text': only text parts are supported``."""
+    with pytest.raises(InvalidRequest) as info:
+        input_messages(body(input=[{"role": "user", "content": [{"type": "input_text"}]}]))
+    assert info.value.field == "input[0].content[0].text" and "required" in info.value.message
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
@@ -61,6 +68,8 @@ def test_unsupported_fields_are_refused_by_name(fields: dict[str, Any], param: s
     with pytest.raises(InvalidRequest) as info:
         check_supported(body(input="Hi", **fields))
     assert info.value.field == param
+    if param not in ("tools", "tool_choice"):  # before, every refusal said "without tools or reasoning"
+        assert "tools or reasoning" not in info.value.message
 
 
 def test_supported_fields_pass_and_unknown_ones_do_not() -> None:
