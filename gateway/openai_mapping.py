@@ -12,6 +12,8 @@ Requests
     non-zero ``frequency_penalty``/``presence_penalty`` (the fleet has ``repetition_penalty``
     instead), ``logit_bias``, ``logprobs``/``top_logprobs``, ``echo``, ``suffix``, ``tools``,
     ``tool_choice`` other than "none", ``response_format`` other than text, embedding ``dimensions``,
+    chat's ``store`` true, ``modalities`` other than text, ``reasoning_effort``, ``verbosity``,
+    ``prediction``, ``audio``, ``web_search_options``, ``functions``, ``function_call`` other than "none",
     a message's ``tool_calls``/``function_call``/``audio``/``refusal`` unless null (the SDKs send them
     null when a returned message is sent back); each refusal says why (:data:`_WHY_REFUSED`).
 
@@ -116,7 +118,10 @@ def check_supported(body: CompletionBody | ChatBody | EmbeddingBody) -> None:
         fmt = (body.response_format or {}).get("type", "text")
         checks = {"logprobs": bool(body.logprobs), "top_logprobs": body.top_logprobs is not None}
         checks |= {"tools": bool(body.tools), "tool_choice": body.tool_choice not in (None, "none")}
-        checks |= {"response_format": fmt != "text"}
+        checks |= {"response_format": fmt != "text", "store": bool(body.store)}
+        checks |= {"modalities": body.modalities not in (None, ["text"])}
+        checks |= {name: getattr(body, name) is not None for name in _NULL_ONLY}
+        checks |= {"functions": bool(body.functions), "function_call": body.function_call not in (None, "none")}
     for name, refused in checks.items():
         if refused:
             raise _refuse(name, getattr(body, name), _WHY_REFUSED[name])
@@ -131,7 +136,18 @@ _WHY_REFUSED = {
     "tools": "the fleet has no tool or function calling; the model answers in plain text",
     "tool_choice": "the fleet has no tool or function calling; only 'none'",
     "response_format": "the fleet has no constrained (JSON) decoding; only {'type': 'text'}",
+    "store": "no chat completion is kept to be read back; /v1/responses stores its answers",
+    "modalities": "the fleet answers in text only; only ['text']",
+    "reasoning_effort": "the fleet's models do not reason before answering",
+    "verbosity": "the answer's length is max_tokens (or max_completion_tokens), not a verbosity level",
+    "prediction": "no predicted outputs",
+    "audio": "the fleet answers in text only",
+    "web_search_options": "the fleet has no web search",
+    "functions": "the fleet has no tool or function calling; the model answers in plain text",
+    "function_call": "the fleet has no tool or function calling; only 'none'",
 }
+_NULL_ONLY = ("reasoning_effort", "verbosity", "prediction", "audio", "web_search_options")
+"""Chat fields refused whenever they are sent with a value."""
 """Why each field :func:`check_supported` refuses cannot be honoured, as the 400 says it."""
 
 

@@ -132,6 +132,25 @@ class ChatBody(_Sampling):
     response_format: Annotated[dict[str, Any] | None, UTF8_STRINGS] = Field(
         default=None, description="Only {'type': 'text'}."
     )
+    # the rest of OpenAI's chat fields: those that change nothing here are accepted and ignored, the others
+    # are refused unless empty (gateway.openai_mapping.check_supported), so SDK code that sets them gets an answer
+    store: StrictBool | None = Field(default=None, description="Only false: no chat completion is kept to read back.")
+    metadata: dict[Utf8Str, Utf8Str] | None = Field(
+        default=None, max_length=16, description="Accepted and ignored (tags of a stored completion; none is stored)."
+    )
+    service_tier: Utf8Str | None = Field(default=None, description="Accepted and ignored: one tier.")
+    prompt_cache_key: Utf8Str | None = Field(
+        default=None, description="Accepted and ignored: prefix reuse is automatic (prefix-aware routing)."
+    )
+    safety_identifier: Utf8Str | None = Field(default=None, description="Accepted and ignored.")
+    modalities: list[Utf8Str] | None = Field(default=None, description="Only ['text'].")
+    reasoning_effort: Utf8Str | None = Field(default=None, description="Not supported (must be null).")
+    verbosity: Utf8Str | None = Field(default=None, description="Not supported (must be null).")
+    prediction: Utf8Json = Field(default=None, description="Not supported (must be null).")
+    audio: Utf8Json = Field(default=None, description="Not supported (must be null).")
+    web_search_options: Utf8Json = Field(default=None, description="Not supported (must be null).")
+    functions: Annotated[list[Any] | None, UTF8_STRINGS] = Field(default=None, description="Not supported.")
+    function_call: Utf8Json = Field(default=None, description="Only 'none'.")
 
 
 class EmbeddingBody(_Body):

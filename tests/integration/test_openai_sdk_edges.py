@@ -98,3 +98,22 @@ def test_responses_refusals_say_why(served: Served) -> None:
                       json={"model": "demo-lm", "input": "Hi", "background": True})  # fmt: skip
     error = resp.json()["error"]
     assert resp.status_code == 400 and error["param"] == "background" and "tools or reasoning" not in error["message"]
+
+
+def test_the_rest_of_openai_s_chat_fields_are_answered_not_refused_as_unknown(client: openai.OpenAI) -> None:
+    """SDK code that sets ``store=False``, ``metadata``, ``service_tier``, ``prompt_cache_key`` or
+    ``safety_identifier`` gets its answer (they change nothing the fleet does); one that asks for reasoning,
+    audio or web search gets a 400 naming the field and why. Before, each was a 400 "Extra inputs are not
+    permitted", as for a field OpenAI does not define."""
+    done = client.chat.completions.create(
+        model="demo-lm", messages=HI, max_tokens=2, store=False, metadata={"team": "search"},  # type: ignore[arg-type]
+        service_tier="auto", prompt_cache_key="conversation-7", safety_identifier="user-hash", modalities=["text"],
+    )
+    assert done.choices[0].finish_reason in ("length", "stop")
+    for extra, param, why in [({"reasoning_effort": "low"}, "reasoning_effort", "do not reason"),
+                              ({"web_search_options": {}}, "web_search_options", "no web search"),
+                              ({"store": True}, "store", "/v1/responses stores")]:  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="demo-lm", messages=HI, max_tokens=2, **extra)  # type: ignore[arg-type]
+        body: dict[str, Any] = info.value.body  # type: ignore[assignment]
+        assert body["param"] == param and why in body["message"], body

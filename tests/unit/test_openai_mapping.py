@@ -88,6 +88,9 @@ def test_unsupported_fields_are_refused_by_name(body: Any, field: str) -> None:
         completion(n=1, best_of=1, frequency_penalty=0, presence_penalty=0.0, logit_bias={}, echo=False, user="u"),
         chat(n=1, logprobs=False, tool_choice="none", tools=[], response_format={"type": "text"}),
         chat(stream=True, parallel_tool_calls=True, stream_options={"include_usage": True}),
+        # the rest of OpenAI's chat fields, as SDK code sets them when it changes nothing the fleet does
+        chat(store=False, metadata={"team": "search"}, service_tier="auto", prompt_cache_key="conv-1",
+             safety_identifier="user-hash", modalities=["text"], functions=[], function_call="none"),
         EmbeddingBody(model="e", input=["a"], encoding_format="base64", user="u"),
     ],
 )
@@ -230,6 +233,15 @@ def test_chat_messages_join_text_parts_and_refuse_others() -> None:
         (chat(tools=[{"type": "function"}]), "tools", "no tool or function calling"),
         (chat(tool_choice="required"), "tool_choice", "no tool or function calling"),
         (chat(response_format={"type": "json_object"}), "response_format", "no constrained (JSON) decoding"),
+        (chat(store=True), "store", "/v1/responses stores"),
+        (chat(modalities=["text", "audio"]), "modalities", "text only"),
+        (chat(reasoning_effort="low"), "reasoning_effort", "do not reason"),
+        (chat(verbosity="low"), "verbosity", "max_tokens"),
+        (chat(prediction={"type": "content", "content": "x"}), "prediction", "no predicted outputs"),
+        (chat(audio={"voice": "alloy", "format": "wav"}), "audio", "text only"),
+        (chat(web_search_options={}), "web_search_options", "no web search"),
+        (chat(functions=[{"name": "f"}]), "functions", "no tool or function calling"),
+        (chat(function_call="auto"), "function_call", "only 'none'"),
     ],
 )
 def test_each_refusal_says_why_that_field_cannot_be_honoured(body: Any, field: str, why: str) -> None:
