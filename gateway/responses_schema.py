@@ -6,7 +6,9 @@ this turn's only: OpenAI does not carry a previous response's instructions over)
 history of ``previous_response_id`` (every earlier turn's input and output messages), and this turn's
 ``input`` (a text = one user message, or a list of messages with ``input_text``/``output_text``
 parts). Fields the fleet cannot honour (``tools``, ``reasoning``, a non-text ``text.format``,
-``background``, non-text parts) are refused with a 400 naming them; an unknown field is a 400 too, and so
+``text.verbosity``, ``background``, ``include``, ``top_logprobs``, ``conversation``, ``prompt``, non-text
+parts) are refused with a 400 naming them; those that change nothing here (``service_tier``,
+``prompt_cache_key``, ``safety_identifier``, ``max_tool_calls``, ``stream_options``) are accepted and ignored; an unknown field is a 400 too, and so
 is a string that cannot be encoded as UTF-8 (:mod:`protocol.utf8`), before anything runs or is stored.
 """
 
@@ -68,7 +70,19 @@ class ResponseBody(BaseModel):
     user: Utf8Str | None = Field(default=None, description="End-user ID: the sticky key of a canary split.")
     truncation: Literal["disabled"] | None = Field(default=None, description="Only 'disabled'.")
     parallel_tool_calls: StrictBool | None = Field(default=None, description="Accepted and ignored.")
+    max_tool_calls: StrictInt | None = Field(default=None, ge=0, description="Accepted and ignored: no tools run.")
+    service_tier: Utf8Str | None = Field(default=None, description="Accepted and ignored: one tier.")
+    prompt_cache_key: Utf8Str | None = Field(
+        default=None, description="Accepted and ignored: prefix reuse is automatic (prefix-aware routing)."
+    )
+    safety_identifier: Utf8Str | None = Field(default=None, description="Accepted and ignored.")
+    stream_options: Annotated[dict[str, Any] | None, UTF8_STRINGS] = Field(
+        default=None, description="Accepted and ignored (include_obfuscation: the fleet adds no padding)."
+    )
     # refused unless empty (see check_supported)
+    top_logprobs: StrictInt | None = None
+    conversation: Utf8Json = None
+    prompt: Utf8Json = None
     tools: Annotated[list[Any] | None, UTF8_STRINGS] = None
     tool_choice: Utf8Json = None
     reasoning: Annotated[dict[str, Any] | None, UTF8_STRINGS] = None
@@ -96,10 +110,15 @@ def check_supported(body: ResponseBody) -> None:
         "text.format": fmt != "text",
         "background": bool(body.background),
         "include": bool(body.include),
+        "text.verbosity": (body.text or {}).get("verbosity") not in (None, "medium"),
+        "top_logprobs": body.top_logprobs not in (None, 0),
+        "conversation": body.conversation is not None,
+        "prompt": body.prompt is not None,
     }
     for name, refused in checks.items():
         if refused:
-            value = fmt if name == "text.format" else getattr(body, name)
+            value = {"text.format": fmt, "text.verbosity": (body.text or {}).get("verbosity")}.get(name) \
+                if name.startswith("text.") else getattr(body, name)
             raise _refuse(name, value, _WHY_REFUSED[name])
 
 
@@ -110,6 +129,10 @@ _WHY_REFUSED = {
     "text.format": "the fleet has no constrained (JSON) decoding; only {'type': 'text'}",
     "background": "a response is answered while the call waits; poll GET /v1/requests/{id} for a long one",
     "include": "the fleet's responses carry no extra output data to include",
+    "text.verbosity": "the answer's length is max_output_tokens, not a verbosity level; only 'medium'",
+    "top_logprobs": "the fleet returns plain text without log-probabilities",
+    "conversation": "no Conversations API; continue a conversation with previous_response_id",
+    "prompt": "no stored prompt templates; send the input",
 }
 """Why each field :func:`check_supported` refuses cannot be honoured, as the 400 says it."""
 

@@ -117,3 +117,17 @@ def test_the_rest_of_openai_s_chat_fields_are_answered_not_refused_as_unknown(cl
             client.chat.completions.create(model="demo-lm", messages=HI, max_tokens=2, **extra)  # type: ignore[arg-type]
         body: dict[str, Any] = info.value.body  # type: ignore[assignment]
         assert body["param"] == param and why in body["message"], body
+
+
+def test_the_rest_of_openai_s_responses_fields_are_answered_not_refused_as_unknown(client: openai.OpenAI) -> None:
+    """The same for ``/v1/responses``: ``service_tier``, ``prompt_cache_key``, ``safety_identifier`` and
+    ``max_tool_calls`` are answered, ``conversation`` and ``top_logprobs`` refused naming the field and why."""
+    done = client.responses.create(model="demo-lm", input="Hi", max_output_tokens=2, service_tier="auto",
+                                   prompt_cache_key="conversation-7", safety_identifier="user-hash", max_tool_calls=1)
+    assert done.status in ("completed", "incomplete") and done.model == "demo-lm"
+    for extra, param, why in [({"conversation": "conv_1"}, "conversation", "previous_response_id"),
+                              ({"top_logprobs": 2}, "top_logprobs", "log-probabilities")]:  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as info:
+            client.responses.create(model="demo-lm", input="Hi", max_output_tokens=2, **extra)  # type: ignore[arg-type]
+        body: dict[str, Any] = info.value.body  # type: ignore[assignment]
+        assert body["param"] == param and why in body["message"], body

@@ -62,6 +62,10 @@ def test_a_text_part_without_text_is_named_by_its_text() -> None:
         ({"text": {"format": 5}}, "text.format"),
         ({"background": True}, "background"),
         ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"text": {"verbosity": "low"}}, "text.verbosity"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"conversation": "conv_123"}, "conversation"),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ],
 )
 def test_unsupported_fields_are_refused_by_name(fields: dict[str, Any], param: str) -> None:
@@ -74,6 +78,10 @@ def test_unsupported_fields_are_refused_by_name(fields: dict[str, Any], param: s
 
 def test_supported_fields_pass_and_unknown_ones_do_not() -> None:
     check_supported(body(input="Hi", tool_choice="auto", text={"format": {"type": "text"}}, tools=[]))
+    # the rest of OpenAI's Responses fields, as SDK code sets them when they change nothing the fleet does
+    check_supported(body(input="Hi", service_tier="auto", prompt_cache_key="c-1", safety_identifier="u",
+                         max_tool_calls=0, stream_options={"include_obfuscation": False}, top_logprobs=0,
+                         text={"verbosity": "medium"}))
     with pytest.raises(ValidationError):
         body(input="Hi", frobnicate=1)
     with pytest.raises(ValidationError):
