@@ -8,8 +8,9 @@ history of ``previous_response_id`` (every earlier turn's input and output messa
 parts). Fields the fleet cannot honour (``tools``, ``reasoning``, a non-text ``text.format``,
 ``text.verbosity``, ``background``, ``include``, ``top_logprobs``, ``conversation``, ``prompt``, non-text
 parts) are refused with a 400 naming them; those that change nothing here (``service_tier``,
-``prompt_cache_key``, ``safety_identifier``, ``max_tool_calls``, ``stream_options``) are accepted and ignored; an unknown field is a 400 too, and so
-is a string that cannot be encoded as UTF-8 (:mod:`protocol.utf8`), before anything runs or is stored.
+``prompt_cache_key``, ``safety_identifier``, ``max_tool_calls``, ``stream_options``) are accepted and
+ignored; an unknown field is a 400 too, and so is a string that cannot be encoded as UTF-8
+(:mod:`protocol.utf8`), before anything runs or is stored.
 """
 
 from __future__ import annotations
