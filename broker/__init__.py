@@ -14,7 +14,10 @@ What it adapts, module by module:
   plain pipelines for the unacked bookkeeping); installed on ``Transport.Channel`` process wide.
 * :mod:`broker.poison`: the worker's channel (``_brpop_start``, ``_brpop_read``, ``_connparams``,
   ``_queue_cycle``, ``_in_poll``, ``connection._deliver``, ``virtual.Message._decoded_cache``,
-  ``qos._delivered``): every item checked before kombu/Celery decode it, refused ones dead-lettered.
+  ``qos._delivered``): every item checked before kombu/Celery decode it, refused ones dead-lettered
+  (:mod:`broker.dead_letter_writer`: their FAILURE results through the backend's ``mark_as_failure``, with
+  a stand-in for Celery's task ``Request``, and ``store_many``); bound to the worker's app and settings at
+  ``celeryd_after_setup`` (:mod:`broker.guard_config`).
 * :mod:`broker.atomic_take`, :mod:`broker.batch_take`: the take (a ``BLMOVE`` wait, one Lua script
   writing kombu's unacked hash/index entries in kombu's own format; ``RPOP`` with a count as fallback),
   which depends on kombu's key names (``unacked_key``, ``unacked_index_key``), ``_q_for_pri``,

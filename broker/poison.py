@@ -18,11 +18,12 @@ any of that, and for each item:
 A refused item is pushed to the dead-letter list with why, where and when
 (:mod:`protocol.deadletter`), gets a FAILURE result under its task ID when it has one (stored
 through the app's result backend, as Celery stores a task's failure, with a
-:class:`~protocol.errors.DecodeError` naming the field), and is gone from the queue: it was taken,
-and its unacked entry (the atomic take records one for an item with a delivery tag) is removed once
-the dead letter is written, which is what an ack would do.
+:class:`~protocol.errors.DecodeError` naming the field): :mod:`broker.dead_letter_writer`. It is gone
+from the queue: it was taken, and its unacked entry (the atomic take records one for an item with a
+delivery tag) is removed once the dead letter is written, which is what an ack would do.
 
-:func:`install` runs in the worker process only (producers never decode queue items).
+:func:`install` runs in the worker process only (producers never decode queue items); the worker's app,
+hostname and limits reach the guard through :mod:`broker.guard_config`.
 """
 
 from __future__ import annotations
@@ -30,12 +31,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import redis
-from celery import Celery, signals
+from celery import Celery
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
@@ -43,43 +42,27 @@ from kombu.utils.encoding import bytes_to_str
 from broker.atomic_take import OTHER_LISTS_WAIT_S, start_peek, take_after_peek
 from broker.batch_take import Taken, TakeNotRecorded, add_take, room_for_more, unacked_entry_of
 from broker.cancel_marks import CancelReadingQoS
-from broker.deliveries import count_delivery, count_ttl_s, over_limit
+from broker.dead_letter_writer import write_dead_letter
+from broker.deliveries import count_delivery, over_limit
+from broker.guard_config import GuardConfig, configure, configure_at_worker_setup, current
 from broker.in_hand import IN_HAND
 from broker.kombu_channel import ReusesSyncClient
-from broker.message_check import Accepted, Envelope, Refused, bulk_request_ids, check_message, parse_envelope
+from broker.message_check import Accepted, Envelope, Refused, check_message, parse_envelope
 from broker.redis_refusals import (
     BrokerChannelClosed,
-    ParkedItems,
     RedisRefusingWrites,
     is_write_refusal,
     raise_write_refusals_as_connection_errors,
 )
 from broker.store_ack import StoreAckingQoS
-from protocol.deadletter import DEAD_LETTERED, MAX_ENTRIES, Reason, encode_entry, make_entry
-from protocol.errors import DecodeError, FleetError, InvalidRequest
+from protocol.deadletter import Reason
 from protocol.keys import DEAD_LETTER_KEY
-from protocol.redis_conn import sync_client
 from protocol.settings import FleetSettings
 
 __all__ = ["DEAD_LETTER_KEY", "CheckedMessage", "GuardConfig", "GuardedChannel", "GuardedSentinelChannel", "configure",
            "install"]
 
 log = logging.getLogger("fleet.poison")
-
-
-@dataclass(frozen=True)
-class GuardConfig:
-    """What the guard needs from the worker: its app (task names, result backend) and limits."""
-
-    app: Celery
-    hostname: str
-    max_deliveries: int
-    count_ttl_s: int
-    parked: ParkedItems | None = None
-    """Messages popped just before Redis began refusing writes, held until they can go back."""
-
-
-_config: GuardConfig | None = None
 
 
 class CheckedMessage(virtual.Message):
@@ -299,7 +282,7 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
 
     def _verdict(self, item: bytes) -> Refused | tuple[Envelope, Accepted]:
         """Envelope, delivery count, then the rest (:mod:`broker.message_check`)."""
-        cfg = _config
+        cfg = current()
         envelope = parse_envelope(item)
         if isinstance(envelope, Refused):
             return envelope
@@ -326,30 +309,13 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
             return None
 
     def _dead_letter(self, queue: str, list_key: str, item: bytes, refused: Refused) -> None:
-        """Push the entry, then store the FAILURE result of the message's task ID (when it has one)."""
-        cfg = _config
-        log.error("queue %s: dead-lettered %s (%d bytes, task id %s): %s: %s", queue, refused.reason.value,
-                  len(item), refused.task_id, refused.field, refused.detail)
-        entry = make_entry(item, reason=refused.reason, detail=refused.detail, field=refused.field, queue=queue,
-                           list_key=list_key, now_unix_s=time.time(), task_id=refused.task_id, task=refused.task,
-                           worker=cfg.hostname if cfg else None, deliveries=refused.deliveries)
-        try:
-            with self.conn_or_acquire() as client:
-                pipe = client.pipeline(transaction=True)
-                pipe.lpush(DEAD_LETTER_KEY, encode_entry(entry))
-                pipe.ltrim(DEAD_LETTER_KEY, 0, MAX_ENTRIES - 1)
-                pipe.execute()
-        except Exception:  # the guard must never become the thing that kills the worker
-            log.exception("could not write the dead letter")
-        if cfg is None:
-            return
-        error = _failure(refused)
-        if refused.task_id is not None:
-            _store_failure(cfg, refused.task_id, refused.task, queue, error)
-        _fail_requests_of_bulk(cfg, item, error)  # a bulk message's requests each wait on their own ID
+        """Push the entry, then store the FAILURE result of the message's task ID (when it has one)
+        (:func:`broker.dead_letter_writer.write_dead_letter`)."""
+        write_dead_letter(self.conn_or_acquire, current(), queue, list_key, item, refused)
 
     def _park(self, list_key: str, item: bytes) -> None:
-        parked = _config.parked if _config is not None else None
+        cfg = current()
+        parked = cfg.parked if cfg is not None else None
         if parked is None:
             log.error("Redis refused to record a message taken from %s and no store for it is configured: "
                       "it is lost (%d bytes)", list_key, len(item))
@@ -383,76 +349,6 @@ class GuardedSentinelChannel(GuardedChannel, kombu_redis.SentinelChannel):
     )
 
 
-def _failure(refused: Refused) -> FleetError:
-    """The error stored for a dead-lettered message: DecodeError naming the field that broke; a plain
-    FleetError (field ``deliveries``, limit ``max_deliveries``) for one that killed its workers; InvalidRequest
-    (field ``headers.eta``, limit the seconds ahead allowed) for an ETA too far ahead."""
-    message = f"{DEAD_LETTERED} ({refused.reason.value}): {refused.detail}"
-    if refused.reason is Reason.MAX_DELIVERIES:
-        return FleetError(message, refused.field, int(refused.limit))
-    if refused.reason is Reason.ETA_BEYOND_VISIBILITY:  # a well-formed request that broke a limit
-        return InvalidRequest(message, refused.field, float(refused.limit))
-    return DecodeError(message, refused.field, refused.limit)
-
-
-def _store_failure(cfg: GuardConfig, task_id: str, task: str | None, queue: str, error: FleetError) -> None:
-    """FAILURE for ``task_id`` through the app's result backend, as Celery stores a failed task's.
-
-    The backend never overwrites a SUCCESS (a stray copy of a finished request fails nothing).
-    """
-    request = SimpleNamespace(
-        id=task_id, task=task, args=None, kwargs=None, hostname=cfg.hostname, retries=0,
-        delivery_info={"routing_key": queue}, chord=None, chain=None, errbacks=None, group=None,
-        parent_id=None, children=[], stamps=None, ignore_result=False,
-    )
-    try:
-        cfg.app.backend.mark_as_failure(task_id, error, request=request, call_errbacks=False)
-    except Exception:
-        log.exception("could not store the FAILURE result of %s", task_id)
-
-
-def _fail_requests_of_bulk(cfg: GuardConfig, item: bytes, error: FleetError) -> None:
-    """FAILURE for each request ID a dead-lettered ``fleet.infer_bulk`` item carries (kept where an outcome
-    is stored already)."""
-    request_ids = bulk_request_ids(item)
-    if not request_ids:
-        return
-    try:
-        cfg.app.backend.store_many([(rid, "FAILURE", error) for rid in request_ids])
-    except Exception:
-        log.exception("could not store the FAILURE results of the %d requests of a bulk message", len(request_ids))
-
-
-def configure(app: Celery, settings: FleetSettings, hostname: str) -> GuardConfig:
-    """Bind the guard to this worker's app and settings (task names, result backend, max_deliveries)."""
-    global _config
-    _config = GuardConfig(
-        app=app,
-        hostname=hostname,
-        max_deliveries=settings.worker.max_deliveries,
-        count_ttl_s=count_ttl_s(
-            visibility_timeout_s=settings.visibility_timeout_s,
-            result_ttl_s=settings.result_ttl_s,
-            max_deliveries=settings.worker.max_deliveries,
-        ),
-        parked=ParkedItems(lambda: sync_client(settings, socket_timeout=5)),
-    )
-    return _config
-
-
-_worker_settings: Callable[[], FleetSettings | None] | None = None
-"""Where the guard reads the worker's settings at ``celeryd_after_setup`` (given to :func:`install`)."""
-
-
-def _configure_from_worker(sender: Any = None, instance: Any = None, **_: Any) -> None:
-    """``celeryd_after_setup``: the worker's app and hostname are known, its settings are built."""
-    settings = _worker_settings() if _worker_settings is not None else None
-    if instance is None or settings is None:
-        log.warning("poison guard: no worker runtime; task names, delivery counts and FAILURE results are off")
-        return
-    configure(instance.app, settings, str(instance.hostname))
-
-
 def install(
     app: Celery | None = None,
     settings: FleetSettings | None = None,
@@ -468,12 +364,10 @@ def install(
     the settings ``worker_settings()`` returns then (the worker's runtime, built by then, before the
     consumer starts; None, or no ``worker_settings``: the guard runs unconfigured, with a warning).
     """
-    global _worker_settings
     kombu_redis.Transport.Channel = GuardedChannel
     kombu_redis.SentinelTransport.Channel = GuardedSentinelChannel
     raise_write_refusals_as_connection_errors()
     if app is not None and settings is not None:
         configure(app, settings, hostname or "unknown")
     else:
-        _worker_settings = worker_settings
-        signals.celeryd_after_setup.connect(_configure_from_worker, weak=False)
+        configure_at_worker_setup(worker_settings)

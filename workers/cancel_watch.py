@@ -4,7 +4,7 @@ A worker reads a request's cancel mark as it takes the message (:mod:`broker.can
 request (next-token, embedding) taken before its cancel then waits in the scheduler's batch window, up to
 ``max_wait_ms``; a cancel that arrives then must still stop it. Reading the marks again before each batch
 would cost a Redis round trip per batch (per request when requests come one at a time), on the scheduler's
-thread, which never waits on Redis. Instead the worker's cancel listener (:mod:`workers.stream_publisher`:
+thread, which never waits on Redis. Instead the worker's cancel listener (:mod:`workers.cancel_listener`:
 one ``SUBSCRIBE`` per worker, there for generations already) hands every ID it hears to
 :meth:`CancelWatch.heard`, which ends the matching waiting request (:meth:`workers.scheduler.Scheduler.cancel`).
 What a request pays when nobody cancels is a dict entry and a future callback, no Redis command.

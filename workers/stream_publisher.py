@@ -4,39 +4,39 @@ The scheduler thread must never wait on Redis, so sequences hand their events to
 :meth:`StreamPublisher.publish_token` (a token: a tuple into a queue, encoded later by
 :func:`protocol.streams.encode_token`) and :meth:`StreamPublisher.publish` (a final or error event),
 which only queue them. One publisher thread drains the queue and writes every pending event in one run
-of :data:`WRITE_SCRIPT`: **one ``XADD … MAXLEN ~`` per stream** holding all of that stream's pending
-events (up to :data:`MAX_EVENTS_PER_ENTRY`, :func:`protocol.streams.encode_events`), plus an ``EXPIRE``
-for a stream's first write, for its last event (the key expires ``ttl_s`` after it) and otherwise at
-most once per quarter of ``ttl_s`` (a stream cut before its end expires between three quarters of
-``ttl_s`` and ``ttl_s`` after its last write). A decode step emits one token per stream, so a stream's
-tokens share an entry when they waited for the same write: ``window_ms`` (``worker.stream_window_ms``)
-is how long the publisher lets events gather before it writes, which coalesces the tokens of several
-decode steps on purpose. A later token does not wake the publisher: while any stream is open it
-collects once per window. A stream's first token and its last event wake it and are written at once
-(with whatever is pending), so the window never delays the first token; the last event of a
-generation ``fleet.infer`` runs is queued once its result is stored (:mod:`workers.stream_ends`), so a
-reader that saw a stream end finds its result. In the same loop it reads the cancel marks (``fleet:cancel:<id>``) of the
-generations this worker runs, one ``MGET`` per ``cancel_poll_s``, and flags the cancelled ones; the
-scheduler ends them at its next step. A second thread listens on the ``fleet:cancels`` channel, where
-cancels are also published, so a cancel usually lands within one decode step; the poll catches any it
-missed. The same listener hands every ID it hears to :attr:`StreamPublisher.waiting`
-(:mod:`workers.cancel_watch`), which ends a one-step request still waiting for its batch; once subscribed
-(at start, after a reconnect) it reads back the marks of those waiting, with one ``MGET``, for cancels
-published while it was not.
+of :data:`workers.stream_write_script.WRITE_SCRIPT`: **one ``XADD … MAXLEN ~`` per stream** holding all
+of that stream's pending events (up to :data:`MAX_EVENTS_PER_ENTRY`, :func:`protocol.streams.encode_events`),
+plus an ``EXPIRE`` for a stream's first write, for its last event (the key expires ``ttl_s`` after it)
+and otherwise at most once per quarter of ``ttl_s`` (a stream cut before its end expires between three
+quarters of ``ttl_s`` and ``ttl_s`` after its last write). A decode step emits one token per stream, so a
+stream's tokens share an entry when they waited for the same write: ``window_ms``
+(``worker.stream_window_ms``) is how long the publisher lets events gather before it writes, which
+coalesces the tokens of several decode steps on purpose. A later token does not wake the publisher: while
+any stream is open it collects once per window. A stream's first token and its last event wake it and are
+written at once (with whatever is pending), so the window never delays the first token; the last event of
+a generation ``fleet.infer`` runs is queued once its result is stored (:mod:`workers.stream_ends`), so a
+reader that saw a stream end finds its result.
+
+In the same loop it reads the cancel marks (``fleet:cancel:<id>``) of the generations this worker runs,
+one ``MGET`` per ``cancel_poll_s`` (s), and flags the cancelled ones; the scheduler ends them at its next
+step. A second thread listens on the ``fleet:cancels`` channel, where cancels are also published, so a
+cancel usually lands within one decode step; the poll catches any it missed. Both are
+:class:`workers.cancel_listener.CancelListener`'s (:attr:`StreamPublisher.cancels`); the listener also
+ends the one-step requests still waiting for their batch (:attr:`StreamPublisher.waiting`).
 
 While Redis does not answer (a restart, a cut), events are held in order
 (:class:`workers.stream_buffer.PendingEvents`, bounded by events and bytes) and written when it
-answers again, tried :data:`FIRST_RETRY_S` doubling to :data:`MAX_RETRY_S` apart; the start and end
-of such an outage are logged with the events held, written and refused. What overflows is counted
-(:attr:`StreamPublisher.dropped`, ``fleet_worker_stream_events_dropped_total``) and logged; readers
-finish such a stream from the stored result (:mod:`producer.streams`). A command Redis refuses for
-good (not an outage: a key of another type, say) drops that event, logged and counted the same way.
+answers again, tried :data:`FIRST_RETRY_S` doubling to :data:`MAX_RETRY_S` apart
+(:mod:`workers.stream_outage`); the start and end of such an outage are logged with the events held,
+written and refused. What overflows is counted (:attr:`StreamPublisher.dropped`,
+``fleet_worker_stream_events_dropped_total``) and logged; readers finish such a stream from the stored
+result (:mod:`producer.streams`). A command Redis refuses for good (not an outage: a key of another type,
+say) drops that event, logged and counted the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import queue
 import threading
@@ -49,12 +49,14 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from protocol.errors import FleetError
-from protocol.keys import CANCEL_CHANNEL, CANCEL_KEY, STREAM_KEY
-from protocol.streams import EVENT_FIELD, REST_FIELD, StreamEvent, encode_events, encode_token
-from workers.cancel_watch import CancelWatch
+from protocol.keys import STREAM_KEY
+from protocol.streams import StreamEvent, encode_token
+from workers.cancel_listener import CancelListener
 from workers.generation.sequence import GenSequence
 from workers.stream_buffer import DEFAULT_MAX_BYTES, DEFAULT_MAX_EVENTS, HeldEvent, PendingEvents
 from workers.stream_ends import EndsAfterStore
+from workers.stream_outage import FIRST_RETRY_S, MAX_RETRY_S, Outage
+from workers.stream_write_script import ScriptConnection, refusals, script_arguments
 
 __all__ = ["FIRST_RETRY_S", "MAX_EVENTS_PER_ENTRY", "MAX_RETRY_S", "WRITE_CHUNK", "StreamPublisher", "asks_to_generate"]
 
@@ -63,10 +65,6 @@ log = logging.getLogger("fleet.streams")
 _STOP = ("", None)
 TokenOut = tuple[int, int, str]
 """A token as :meth:`StreamPublisher.publish_token` queues it: index, token id, text."""
-FIRST_RETRY_S = 0.05
-"""First wait before writing again after Redis did not answer (s); doubles up to :data:`MAX_RETRY_S`."""
-MAX_RETRY_S = 1.0
-"""Longest wait between two writes while Redis does not answer (s)."""
 WRITE_CHUNK = 1024
 """Most events one pipeline writes (a long outage's backlog goes out in order, chunk by chunk)."""
 MAX_EVENTS_PER_ENTRY = 64
@@ -77,42 +75,6 @@ _MAX_OPEN_STREAMS = 100_000
 """Most open streams remembered."""
 _MAX_EXPIRE_MARKS = 100_000
 """Most streams whose last ``EXPIRE`` time is remembered."""
-_OUTAGE_PREFIXES = ("OOM", "MASTERDOWN", "TRYAGAIN", "BUSY", "LOADING")
-"""Replies that say Redis cannot write *now*: the events are kept and written later."""
-_OUTAGE_REPLIES = (*_OUTAGE_PREFIXES, "READONLY", "NOREPLICAS", "MISCONF")
-"""The same, as :data:`WRITE_SCRIPT` hands back a command's error (a replica after a failover, too few
-replicas, a failing snapshot are passing states as well)."""
-WRITE_SCRIPT = """
-local maxlen, ttl, payload = ARGV[1], ARGV[2], ARGV[3]
-local out = {}
-local at = 1
-for i = 1, #KEYS do
-  local stop = string.find(payload, '\\30', at, true) or (#payload + 1)
-  local cut = string.find(payload, '\\n', at + 1, true)
-  local reply
-  if cut and cut < stop then
-    reply = redis.pcall('XADD', KEYS[i], 'MAXLEN', '~', maxlen, '*', 'e', string.sub(payload, at + 1, cut - 1),
-                        'r', string.sub(payload, cut + 1, stop - 1))
-  else
-    reply = redis.pcall('XADD', KEYS[i], 'MAXLEN', '~', maxlen, '*', 'e', string.sub(payload, at + 1, stop - 1))
-  end
-  if type(reply) == 'table' and reply.err then
-    out[i] = reply.err
-  else
-    out[i] = 1
-    if string.byte(payload, at) == 49 then redis.pcall('EXPIRE', KEYS[i], ttl) end
-  end
-  at = stop + 1
-end
-return out
-"""
-"""One write of the publisher: KEYS are the entries' streams (a stream twice for two entries), ARGV the
-``MAXLEN ~`` cap, the TTL (s) and the entries, each as ``1`` when its stream's ``EXPIRE`` is due after it
-(else ``0``), its ``e`` field and, when it has one, a newline and its ``r`` field, separated by ``\\x1e``
-(JSON never holds a raw control character). Returns per entry 1, or the error Redis gave its ``XADD``.
-One command with three arguments besides the keys, not a pipeline of an ``XADD`` per entry: redis-py packs
-each argument and parses each reply in Python, which was most of the publisher's CPU
-(``fleet bench --only streaming``)."""
 
 
 def asks_to_generate(payload: Any) -> bool:
@@ -121,11 +83,6 @@ def asks_to_generate(payload: Any) -> bool:
     enough for ``running`` to matter and ``cancel`` reads it."""
     output = payload.get("output") if isinstance(payload, dict) else None
     return isinstance(output, dict) and (output.get("kind") == "generate" or output.get("generation") is not None)
-
-
-def bytes_to_text(reply: bytes | str | int) -> str:
-    """A script reply element as text."""
-    return reply.decode(errors="replace") if isinstance(reply, bytes) else str(reply)
 
 
 class StreamPublisher:
@@ -153,9 +110,8 @@ class StreamPublisher:
         """
         client.set_retry(Retry(NoBackoff(), 0))  # type: ignore[attr-defined]  # types-redis predates set_retry
         self.redis = client
-        self._script_sha = hashlib.sha1(WRITE_SCRIPT.encode()).hexdigest()
-        self._conn: Any = None
-        """The connection of the writes, taken from ``client``'s pool once and kept (:meth:`_run_write`)."""
+        self._script = ScriptConnection(client)
+        """Runs the writes, on a connection taken from ``client``'s pool once and kept."""
         self.ttl_s = ttl_s
         self.max_len = max_len
         self.cancel_poll_s = cancel_poll_s
@@ -164,14 +120,12 @@ class StreamPublisher:
         """Events Redis refused for good (counted in :attr:`dropped` too)."""
         self._stop_deadline_s = float("inf")
         self._queue: queue.SimpleQueue[tuple[str, StreamEvent | TokenOut | None]] = queue.SimpleQueue()
-        self._watched: dict[str, GenSequence] = {}
-        self.waiting = CancelWatch(forget_after_s=ttl_s)
+        self.cancels = CancelListener(client, ttl_s=ttl_s)
+        """The cancel listener thread, and the poll of the watched generations' marks (:meth:`_loop`)."""
+        self.waiting = self.cancels.waiting
         """One-step requests waiting for their batch, ended by a cancel the listener hears (an ID heard is
         remembered ``ttl_s``, as long as its cancel mark lives)."""
-        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="fleet-streams", daemon=True)
-        self._listener = threading.Thread(target=self._listen, name="fleet-cancels", daemon=True)
-        self._stopping = threading.Event()
         self.published = 0
         """Events written."""
         self.entries = 0
@@ -205,7 +159,7 @@ class StreamPublisher:
     def start(self) -> None:
         """Start the publisher and cancel-listener threads."""
         self._thread.start()
-        self._listener.start()
+        self.cancels.start()
 
     @property
     def dropped(self) -> int:
@@ -217,41 +171,11 @@ class StreamPublisher:
         self._stop_deadline_s = time.monotonic() + max(0.0, timeout_s - 0.5)
         for request_id, events in self.ends.release_all():  # every stream this worker ends, ends
             self._queue_ends(request_id, events)
-        self._stopping.set()
+        self.cancels.stop()
         self._queue.put(_STOP)
         self._wake.set()
         self._thread.join(timeout_s)
-        self._listener.join(timeout_s)
-
-    def _flag(self, request_id: str) -> None:
-        with self._lock:
-            seq = self._watched.get(request_id)
-        if seq is not None:
-            seq.cancel_requested = True
-        self.waiting.heard(request_id)
-
-    def _listen(self) -> None:
-        """Flag watched sequences and end waiting one-step requests whose ID arrives on the cancel channel
-        (reconnects on errors)."""
-        while not self._stopping.is_set():
-            try:
-                pubsub = self.redis.pubsub()
-                pubsub.subscribe(CANCEL_CHANNEL)
-                try:
-                    while not self._stopping.is_set():
-                        message = pubsub.get_message(timeout=0.2)
-                        if not message:
-                            continue
-                        if message.get("type") == "message":
-                            data = message["data"]
-                            self._flag(data.decode() if isinstance(data, bytes) else str(data))
-                        elif message.get("type") == "subscribe":  # every cancel is heard from now on: read
-                            self._catch_up()  # back those published before
-                finally:
-                    pubsub.close()
-            except redis.RedisError as exc:
-                log.warning("cancel listener: %s; retrying", exc)
-                self._stopping.wait(1.0)
+        self.cancels.join(timeout_s)
 
     def publish(self, request_id: str, event: StreamEvent) -> None:
         """Queue ``event`` for the stream of ``request_id`` (never blocks); a stream's first token or end
@@ -289,14 +213,12 @@ class StreamPublisher:
 
     def watch(self, seq: GenSequence) -> None:
         """Check ``seq``'s cancel mark until :meth:`unwatch`."""
-        with self._lock:
-            self._watched[seq.request_id] = seq
+        self.cancels.watch(seq)
         self._wake.set()  # an idle publisher starts polling the cancel marks
 
     def unwatch(self, request_id: str) -> None:
         """Stop checking ``request_id``'s cancel mark."""
-        with self._lock:
-            self._watched.pop(request_id, None)
+        self.cancels.unwatch(request_id)
 
     def fail_if_generating(self, request_id: str, payload: Any, exc: BaseException) -> None:
         """End the stream of a failed request that asked to generate with an error event."""
@@ -313,7 +235,7 @@ class StreamPublisher:
     def _loop(self) -> None:
         next_poll = time.monotonic()
         stopping = False
-        outage = _Outage()
+        outage = Outage()
         cpu_mark = time.thread_time()
         while True:
             self._sleep(next_poll, outage, stopping=stopping)
@@ -330,7 +252,7 @@ class StreamPublisher:
                     outage.failed(self, exc, now)
             if not stopping and now >= next_poll:
                 with contextlib.suppress(redis.RedisError):  # the write path logs an outage; the poll waits
-                    self._poll_cancels()
+                    self.cancels.poll()
                 next_poll = now + self.cancel_poll_s
             cpu_now = time.thread_time()
             self.cpu_s += cpu_now - cpu_mark
@@ -340,11 +262,9 @@ class StreamPublisher:
         if len(self.pending):
             log.warning("stream publisher stopped with %d events unwritten (Redis did not answer); "
                         "their readers finish from the stored results", len(self.pending))
-        if self._conn is not None:
-            self.redis.connection_pool.release(self._conn)
-            self._conn = None
+        self._script.release()
 
-    def _sleep(self, next_poll_s: float, outage: _Outage, *, stopping: bool) -> None:
+    def _sleep(self, next_poll_s: float, outage: Outage, *, stopping: bool) -> None:
         """Wait until there is something to do: held events due (at once when urgent or without a window,
         else when the window of the oldest closes; after an outage, when the retry is due), the events of
         open streams to collect (every window: tokens do not wake this thread), the next cancel poll while
@@ -361,7 +281,7 @@ class StreamPublisher:
             until.append(self._drained_s + self.window_s)
         elif stopping:
             return
-        if self._watched:  # read without the lock: a stale answer costs one early or late poll
+        if self.cancels.watching:
             until.append(next_poll_s)
         timeout = min(until) - now if until else IDLE_WAIT_S
         if timeout > 0:
@@ -427,8 +347,8 @@ class StreamPublisher:
             self.pending.pop(len(chunk))
 
     def _write(self, chunk: list[HeldEvent]) -> None:
-        """One run of :data:`WRITE_SCRIPT`: each stream's events of ``chunk`` as entries of up to
-        ``max_events_per_entry`` (in order), and ``EXPIRE`` on the streams due for one."""
+        """One run of :data:`~workers.stream_write_script.WRITE_SCRIPT`: each stream's events of ``chunk`` as
+        entries of up to ``max_events_per_entry`` (in order), and ``EXPIRE`` on the streams due for one."""
         if self.before_end is not None and any(held.last for held in chunk):
             self.before_end()
         by_id: dict[str, list[HeldEvent]] = {}
@@ -440,28 +360,13 @@ class StreamPublisher:
                 group.append(held)
         by_key = {STREAM_KEY.format(id=request_id): events for request_id, events in by_id.items()}
         expiring = set(self._due_for_expire(by_key))
-        keys: list[str] = []
-        entries: list[str] = []
-        sizes: list[int] = []
-        for key, events in by_key.items():
-            for i in range(0, len(events), self.max_events_per_entry):
-                entry = events[i : i + self.max_events_per_entry]
-                fields = encode_events([held.event for held in entry])
-                rest = f"\n{fields[REST_FIELD]}" if REST_FIELD in fields else ""
-                last_entry = i + self.max_events_per_entry >= len(events)
-                keys.append(key)
-                entries.append(f"{int(last_entry and key in expiring)}{fields[EVENT_FIELD]}{rest}")
-                sizes.append(len(entry))
-        replies = self._run_write(keys, [self.max_len, self.ttl_s, "\x1e".join(entries)])
-        errors = [bytes_to_text(r) for r in replies if r != 1]
-        passing = next((e for e in errors if e.startswith(_OUTAGE_REPLIES)), None)
-        if passing is not None:  # the whole chunk again: a reader drops the entries it already has (by index)
-            raise redis.ResponseError(passing)
-        refused = sum(n for n, r in zip(sizes, replies, strict=True) if r != 1)
+        keys, payload, sizes = script_arguments(by_key, expiring, self.max_events_per_entry)
+        replies = self._script.run(keys, [self.max_len, self.ttl_s, payload])
+        refused, error = refusals(replies, sizes)  # raises when Redis cannot write now: the whole chunk again
         if refused:
             self.refused += refused
             log.warning("stream publisher: Redis refused %d events (%s); their readers finish from the "
-                        "stored results", refused, errors[0])
+                        "stored results", refused, error)
         self.published += len(chunk) - refused
         self.entries += len(keys)
         now = time.monotonic()
@@ -470,33 +375,6 @@ class StreamPublisher:
                 self._expired_at.pop(key, None)
             else:
                 self._expired_at[key] = now
-
-    def _run_write(self, keys: list[str], args: list[str | int]) -> list[Any]:
-        """One ``EVALSHA`` of :data:`WRITE_SCRIPT` on the publisher's own connection (``SCRIPT LOAD`` first
-        when Redis does not know it: a first write, a restarted Redis).
-
-        The connection is taken from the client's pool once and kept: a write is then a send and a read,
-        with none of the client's per-command pool, lock and retry steps, which were a quarter of a
-        write's CPU. Redis not answering raises as any command does (the connection reconnects at the
-        next write).
-
-        Raises:
-            redis.RedisError: the write did not run.
-        """
-        if self._conn is None:
-            self._conn = self.redis.connection_pool.get_connection()
-        conn = self._conn
-        command = ("EVALSHA", self._script_sha, len(keys), *keys, *args)
-        conn.send_command(*command)
-        try:
-            reply: list[Any] = conn.read_response()
-            return reply
-        except redis.exceptions.NoScriptError:
-            conn.send_command("SCRIPT", "LOAD", WRITE_SCRIPT)
-            conn.read_response()
-        conn.send_command(*command)
-        reply = conn.read_response()
-        return reply
 
     def _due_for_expire(self, by_key: dict[str, list[HeldEvent]]) -> list[str]:
         """Streams of this write whose ``EXPIRE`` is due: the first write of a stream, its last event (so
@@ -508,54 +386,3 @@ class StreamPublisher:
             key for key, events in by_key.items()
             if events[-1].last or now - self._expired_at.get(key, -1e18) >= self.ttl_s / 4
         ]
-
-    def _catch_up(self) -> None:
-        """End the waiting one-step requests whose cancel was published while the listener was not subscribed
-        (the marks are set before they are announced). Nothing waits at start; after a reconnect, one ``MGET``."""
-        ids = self.waiting.ids()
-        if not ids:
-            return
-        marks = self.redis.mget([CANCEL_KEY.format(id=rid) for rid in ids])
-        for rid, mark in zip(ids, marks, strict=True):
-            if mark is not None:
-                self._flag(rid)
-
-    def _poll_cancels(self) -> None:
-        with self._lock:
-            watched = list(self._watched.values())
-        live = [s for s in watched if not s.cancel_requested and not s.future.done()]
-        if not live:
-            return
-        marks = self.redis.mget([CANCEL_KEY.format(id=s.request_id) for s in live])
-        for seq, mark in zip(live, marks, strict=True):
-            if mark is not None:
-                seq.cancel_requested = True
-
-
-class _Outage:
-    """When to write again while Redis does not answer, and what to log at its start and end."""
-
-    def __init__(self) -> None:
-        self.down_since_s: float | None = None
-        self.retry_at_s = 0.0
-        self.delay_s = FIRST_RETRY_S
-        self.published_before = 0
-        self.dropped_before = 0
-
-    def failed(self, publisher: StreamPublisher, exc: BaseException, now_s: float) -> None:
-        if self.down_since_s is None:
-            self.down_since_s, self.delay_s = now_s, FIRST_RETRY_S
-            self.published_before, self.dropped_before = publisher.published, publisher.dropped
-            log.warning("stream publisher: Redis does not answer (%s); holding %d events until it does",
-                        exc, len(publisher.pending))
-        else:
-            self.delay_s = min(MAX_RETRY_S, self.delay_s * 2)
-        self.retry_at_s = now_s + self.delay_s
-
-    def ended(self, publisher: StreamPublisher) -> None:
-        if self.down_since_s is None:
-            return
-        log.warning("stream publisher: Redis answers again after %.1f s; wrote %d held events, %d dropped",
-                    time.monotonic() - self.down_since_s, publisher.published - self.published_before,
-                    publisher.dropped - self.dropped_before)
-        self.down_since_s, self.retry_at_s = None, 0.0

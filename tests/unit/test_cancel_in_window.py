@@ -218,11 +218,11 @@ def test_once_subscribed_the_listener_reads_back_the_marks_of_the_waiting_reques
     the requests waiting then are read once, and the marked ones end."""
     marks = _Marks({"r-2"})
     publisher = StreamPublisher(marks, ttl_s=60)  # type: ignore[arg-type]  # its threads are not started
-    publisher._catch_up()
+    publisher.cancels._catch_up()
     assert marks.mgets == []  # nothing waits: no command
     called: list[str] = []
     for rid in ("r-1", "r-2"):
         publisher.waiting.watch(rid, Future(), partial(called.append, rid))
-    publisher._catch_up()
+    publisher.cancels._catch_up()
     assert marks.mgets == [["fleet:cancel:r-1", "fleet:cancel:r-2"]] and called == ["r-2"]
     assert publisher.waiting.ids() == ["r-1"]

@@ -12,9 +12,9 @@ import pytest
 from celery import Celery
 from celery.utils.time import maybe_iso8601, maybe_make_aware
 
+from broker.dead_letter_writer import failure_of
 from broker.eta_window import ETA_MARGIN_FRACTION, EtaTooFar, eta_too_far, eta_unix_s, item_eta_too_far, max_eta_ahead_s
 from broker.message_check import Accepted, Envelope, Refused, check_message, parse_envelope
-from broker.poison import _failure
 from producer.deadletter import requeue_refusal
 from protocol.deadletter import DEAD_LETTERED, Reason, make_entry, requeue_allowed
 from protocol.errors import InvalidRequest
@@ -117,7 +117,7 @@ def test_the_guard_refuses_an_eta_beyond_the_limit_and_names_it() -> None:
     assert (got.reason, got.field, got.limit, got.task_id) == (Reason.ETA_BEYOND_VISIBILITY, "headers.eta", "1800",
                                                                 "t-1")
     assert aware(1801) in got.detail and "visibility_timeout_s=3600 s" in got.detail
-    error = _failure(got)  # what the request's FAILURE carries
+    error = failure_of(got)  # what the request's FAILURE carries
     assert isinstance(error, InvalidRequest) and (error.field, error.limit) == ("headers.eta", 1800.0)
     assert str(error).startswith(f"{DEAD_LETTERED} (eta_beyond_visibility): headers.eta ")
 
