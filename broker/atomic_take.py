@@ -51,7 +51,7 @@ import redis
 from kombu.transport import redis as kombu_redis
 from kombu.utils.encoding import bytes_to_str
 
-from broker.batch_take import Taken, room_for_more
+from broker.batch_take import RETAG, Taken, room_for_more
 from broker.cancel_marks import CancelReadingQoS
 from broker.in_hand import IN_HAND, Take
 from broker.redis_refusals import RedisRefusingWrites, is_write_refusal
@@ -62,9 +62,6 @@ __all__ = ["OTHER_LISTS_WAIT_S", "RETAG", "TAKE_SCRIPT", "sections", "start_peek
 
 log = logging.getLogger("fleet.poison")
 
-RETAG = "~retag~"
-"""Between a message's own delivery tag and the suffix the take script gives it when another unacked message
-holds that tag already (a sender that reuses tags): each delivery keeps an unacked entry of its own."""
 OTHER_LISTS_WAIT_S = 0.25
 """Longest blocking wait, in seconds, when the worker consumes more than one list: a message on a list
 other than the one waited on is seen at the wait's end, so at most this late on an idle worker."""

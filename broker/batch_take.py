@@ -35,6 +35,8 @@ channel, and the worker takes one message per turn as kombu does.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +45,13 @@ from kombu.utils.json import dumps
 
 from protocol.keys import CANCEL_KEY
 
-__all__ = ["TakeNotRecorded", "Taken", "add_take", "room_for_more", "unacked_entry_of"]
+RETAG = "~retag~"
+"""Between a message's own delivery tag and the suffix a take gives it when another unacked message holds that
+tag already (a sender that reuses tags): each delivery keeps an unacked entry of its own."""
+
+log = logging.getLogger("fleet.poison")
+
+__all__ = ["TakeNotRecorded", "Taken", "add_take", "record_batch", "room_for_more", "unacked_entry_of"]
 
 
 class TakeNotRecorded(redis.exceptions.ConnectionError):
@@ -91,13 +99,19 @@ def unacked_entry_of(raw: bytes, queue: str) -> bytes:
     return b"[" + raw + b"," + tail[1:].encode()
 
 
-def add_take(pipe: Any, qos: Any, tag: str, entry: bytes | str, task_id: str | None, now_s: float) -> int:
+def add_take(pipe: Any, qos: Any, tag: str, entry: bytes | str, task_id: str | None, now_s: float, *,
+             exclusive: bool = False) -> int:  # fmt: skip
     """Queue one delivery's bookkeeping on ``pipe``: ``ZADD`` of its tag to kombu's unacked index at
-    ``now_s`` (Unix s), ``HSET`` of its entry, and ``EXISTS`` of its cancel mark when it has a task ID.
+    ``now_s`` (Unix s), ``HSET`` of its entry (``HSETNX`` when ``exclusive``: its reply, 0, says another
+    delivery holds the tag, whose entry is left as it was), and ``EXISTS`` of its cancel mark when it has a
+    task ID.
 
     Returns the number of commands queued (their replies come in that order)."""
     pipe.zadd(qos.unacked_index_key, {tag: now_s})
-    pipe.hset(qos.unacked_key, tag, entry)
+    if exclusive:
+        pipe.hsetnx(qos.unacked_key, tag, entry)
+    else:
+        pipe.hset(qos.unacked_key, tag, entry)
     if task_id is None:
         return 2
     pipe.exists(CANCEL_KEY.format(id=task_id))
@@ -108,3 +122,48 @@ def room_for_more(qos: Any) -> int:
     """How many more messages the worker may hold beside the one just popped (0 without a prefetch limit)."""
     estimate = qos.can_consume_max_estimate()
     return max(0, int(estimate) - 1) if estimate else 0
+
+
+def record_batch(client: Any, qos: Any, batch: list[Taken], queue: str, list_key: str,
+                 pop: int) -> tuple[list[int], list[Any]]:  # fmt: skip
+    """Record ``batch`` (taken from ``queue``'s list ``list_key``) as unacked deliveries, each with its cancel
+    mark's ``EXISTS``, and ``RPOP`` up to ``pop`` more items of the list, in one pipeline. Returns how many
+    commands each delivery queued (:func:`add_take`) and the pipeline's replies (the ``RPOP``'s last).
+
+    A delivery whose tag another unacked delivery holds (a sender that reuses tags, or two of ``batch``)
+    keeps that entry untouched (``HSETNX``) and is recorded under a tag of its own in one more round trip:
+    the sender's tag, :data:`RETAG`, the time in ns and its position, the atomic take's form. Its retagged
+    self (:meth:`Taken.retagged`) replaces it in ``batch``, so kombu's message and the acks use that tag.
+
+    Raises:
+        Exception: the first command Redis refused, or the pipeline's own failure.
+    """
+    pipe = client.pipeline(transaction=False)
+    now = time.time()
+    entries = [unacked_entry_of(taken.raw, queue) for taken in batch]
+    counts = [add_take(pipe, qos, taken.tag, entry, taken.task_id, now, exclusive=True)
+              for taken, entry in zip(batch, entries, strict=True)]  # fmt: skip
+    if pop > 0:
+        pipe.rpop(list_key, pop)
+    replies = list(pipe.execute(raise_on_error=False))
+    _raise_first_refusal(replies[: sum(counts)])
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    held = [i for i, start in enumerate(starts) if not replies[start + 1]]  # HSETNX answered 0
+    if held:
+        retag = client.pipeline(transaction=False)
+        stamp = time.time_ns()
+        for i in held:
+            tag = f"{batch[i].tag}{RETAG}{stamp}.{i}"
+            retag.zadd(qos.unacked_index_key, {tag: now})
+            retag.hset(qos.unacked_key, tag, entries[i])
+            batch[i] = batch[i].retagged(tag)
+        _raise_first_refusal(retag.execute(raise_on_error=False))
+        log.warning("%d of %d messages taken from %s carried a delivery tag another unacked delivery holds (a "
+                    "sender reusing tags): recorded under tags of their own", len(held), len(batch), queue)  # fmt: skip
+    return counts, replies
+
+
+def _raise_first_refusal(replies: list[Any]) -> None:
+    failed = next((r for r in replies if isinstance(r, Exception)), None)
+    if failed is not None:
+        raise failed

@@ -40,7 +40,7 @@ from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 
 from broker.atomic_take import OTHER_LISTS_WAIT_S, start_peek, take_after_peek
-from broker.batch_take import Taken, TakeNotRecorded, add_take, room_for_more, unacked_entry_of
+from broker.batch_take import Taken, TakeNotRecorded, record_batch, room_for_more
 from broker.cancel_marks import CancelReadingQoS
 from broker.dead_letter_writer import write_dead_letter
 from broker.deliveries import count_delivery, over_limit
@@ -161,6 +161,7 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
                     take.took(len(popped))
             else:
                 popped = self._record(list_key, recorded, pop=0)
+            first = recorded[0] if recorded else None  # retagged where another delivery held its tag
             if first is not None:
                 first_in_hand = 0
             self._deliver_taken(queue, list_key, first, popped)
@@ -198,27 +199,20 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
         """Record ``batch`` as unacked deliveries (noting each cancel mark in ``pre_taken``) and, with
         ``pop`` > 0, ``RPOP`` up to that many more items of ``list_key``, in one pipeline; returns them.
 
+        A delivery whose tag another unacked delivery holds (a sender that reuses tags, or two of ``batch``)
+        is recorded under a tag of its own (:func:`~broker.batch_take.record_batch`, one more round trip) and
+        replaced in ``batch``
+        by its retagged self, as the atomic take does: each keeps an unacked entry to be restored from.
+
         Raises:
             redis.exceptions.ConnectionError: the pipeline failed or Redis refused a write; ``batch``
                 was parked (:class:`~broker.redis_refusals.ParkedItems`) before.
         """
         if not batch and pop <= 0:
             return []
-        qos = self.qos
-        counts: list[int] = []
         try:
             with self.conn_or_acquire() as client:
-                pipe = client.pipeline(transaction=False)
-                now = time.time()
-                for taken in batch:
-                    entry = unacked_entry_of(taken.raw, list_key.split(self.sep, 1)[0])  # its queue
-                    counts.append(add_take(pipe, qos, taken.tag, entry, taken.task_id, now))
-                if pop > 0:
-                    pipe.rpop(list_key, pop)
-                replies = pipe.execute(raise_on_error=False)
-            failed = next((r for r in replies[: sum(counts)] if isinstance(r, Exception)), None)
-            if failed is not None:
-                raise failed
+                counts, replies = record_batch(client, self.qos, batch, list_key.split(self.sep, 1)[0], list_key, pop)
         except Exception as exc:
             for taken in batch:
                 self._park(list_key, taken.raw)

@@ -4,6 +4,7 @@ the store's ack as for one (real worker, real redis-server, Redis's own MONITOR)
 
 from __future__ import annotations
 
+import json
 import threading
 from functools import partial
 from pathlib import Path
@@ -13,11 +14,12 @@ import pytest
 import redis
 from kombu.transport import virtual
 
-from broker.batch_take import room_for_more
+from broker.batch_take import RETAG, room_for_more
 from protocol.errors import RequestCancelled
 from protocol.keys import DEAD_LETTER_KEY
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.redis_monitor import Monitor, worker_mark_reads
+from tests.queue_items import envelope, good_body, raw
 from tools.processes import poll_until
 from tools.redis_server import EmbeddedRedis
 
@@ -156,6 +158,42 @@ def test_a_redis_that_refuses_the_atomic_take_is_taken_with_brpop(
             r = server.client()
             assert client.result(client.submit("demo-lm", [6, 7]), wait=True, timeout_s=60) is not None
             assert r.llen(client.settings.queue_for("demo-lm")) == 0
+        finally:
+            fleet.close()
+
+
+def test_a_worker_taking_with_brpop_gives_back_each_message_that_shared_a_tag(tmp_path: Path, model_dir: Path) -> None:
+    """Three generations a sender queued under one delivery tag, taken with ``BRPOP`` (the take script refused:
+    an ACL without ``LTRIM``) and running on a worker that is then SIGKILLed: each has an unacked entry of its
+    own to be restored from, as with the atomic take. Before, each ``HSET`` overwrote the last one's entry:
+    one entry for three, the other two lost for good."""
+    acl = ["fleet on >batch-take-test ~* &* +@all -ltrim", "default off"]
+    with EmbeddedRedis(username="fleet", password="batch-take-test", acl=acl) as server:
+        fleet = Fleet(tmp_path, model_dir, server.url)
+        try:
+            cfg = fleet.config(models={"demo-lm": {"limits": {"max_new_tokens": 480}}})
+            worker = fleet.worker(cfg)
+            client = fleet.client(cfg)
+            r = server.client()
+            queue = client.settings.queue_for("demo-lm")
+            ids = [f"brpop-shared-tag-{n}" for n in range(3)]
+            for rid in ids:
+                request = {"model": "demo-lm", "input_ids": [5, 6, 7],
+                           "output": {"kind": "generate", "generation": {"max_new_tokens": 480, "ignore_eos": True}}}
+                item = envelope(queue, good_body(request), task_id=rid)
+                item["properties"]["delivery_tag"] = "one-tag-for-all"
+                r.lpush(queue, raw(item))
+            for rid in ids:  # every one is running (a first token out of 480): held, unacked
+                assert next(iter(client.stream(rid, timeout_s=60))).type == "token"
+            assert worker.log_path is not None and "Redis refused a command of the take script" in \
+                worker.log_path.read_text()  # taken with BRPOP
+            worker.kill()
+            held = {json.loads(entry)[0]["headers"]["id"] for entry in r.hvals("unacked")}
+            assert held == set(ids), f"unacked entries for {sorted(held)}; tags {r.hkeys('unacked')}"
+            assert r.zcard("unacked_index") == 3
+            assert {t.decode() for t in r.hkeys("unacked")} >= {"one-tag-for-all"}
+            assert all(t.decode().startswith("one-tag-for-all" + RETAG) for t in r.hkeys("unacked")
+                       if t != b"one-tag-for-all")  # fmt: skip
         finally:
             fleet.close()
 
