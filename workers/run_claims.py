@@ -20,7 +20,13 @@ So before a generation starts, ``fleet.infer`` claims its ID (:meth:`RunClaims.a
   every ``poll_s``, until the outcome is stored (then it is acked as above) or the claim lapses, its
   holder gone without an outcome (then this delivery runs the generation). A waiting delivery holds
   one of the worker's C tokens but is not work this worker progresses: readiness and the overdue-slot
-  report leave it out (:attr:`RunClaims.waiting`).
+  report leave it out (:attr:`RunClaims.waiting`; not an ID this process also runs).
+
+A claim that vanishes before the end of the life it had when last seen (Redis lost it: a restart without
+persistence, a flush), or one last seen before Redis stopped answering, is not taken at once: its holder
+may be alive and writes it back at its next heartbeat. Until that life (from the last try Redis did not
+answer: one full ``ttl_s``) has passed, the waiting delivery only looks (``ARGV[3]`` of
+:data:`CLAIM_SCRIPT`); a holder that wrote nothing back by then is gone, and the delivery claims.
 
 A claim is not deleted when its generation ends: later copies read the stored outcome first, and a
 claim whose delivery stored nothing lapses within ``ttl_s``. A holder whose heartbeat is late by more
@@ -36,6 +42,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -57,15 +64,20 @@ if meta then
     return {'stored', status}
   end
 end
-if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  return {'claimed', ARGV[1]}
+local holder = redis.call('GET', KEYS[2])
+if holder then
+  return {'held', holder, redis.call('PTTL', KEYS[2])}
 end
-return {'held', redis.call('GET', KEYS[2]) or ''}
+if ARGV[3] == '1' then
+  return {'free', ''}
+end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+return {'claimed', ARGV[1]}
 """
 """Claim a generation's ID for one delivery. KEYS: its result key, its run key; ARGV: the owner string,
-the claim's life (ms). Returns ``['stored', status]`` (a terminal outcome is stored: run nothing),
-``['claimed', owner]`` or ``['held', holder]`` (another delivery runs it; '' when its claim lapsed
-between the two commands: claim again)."""
+the claim's life (ms), and '1' to only look (a claim that vanished early may be written back by its
+holder). Returns ``['stored', status]`` (a terminal outcome is stored: run nothing), ``['claimed', owner]``,
+``['held', holder, life left (ms)]`` (another delivery runs it) or, when only looking, ``['free', '']``."""
 
 RENEW_SCRIPT = """
 local lost = {}
@@ -99,22 +111,40 @@ def _node(holder: str) -> str:
     return holder.partition(" ")[2] or holder
 
 
+@dataclass
+class _Wait:
+    """One delivery's wait on another's claim."""
+
+    holder: str | None = None
+    """The owner string of the claim last seen (None: none seen yet, this delivery did not wait)."""
+    lapse_at_s: float = 0.0
+    """The earliest time (clock s) that claim can lapse: until then, finding it gone means Redis lost it."""
+    unanswered: int = 0
+    """Tries Redis did not answer."""
+    counted: bool = False
+    """Counted in :attr:`RunClaims.waiting`."""
+    vanished_logged: bool = False
+
+
 class RunClaims:
     """The generation IDs this worker process claimed, and the deliveries waiting on another's claim (thread-safe)."""
 
     def __init__(self, client: redis.Redis[bytes], *, owner: str, ttl_s: float, poll_s: float | None = None,
-                 sleep: Callable[[float], None] = time.sleep) -> None:  # fmt: skip
+                 sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         """``owner``: this process's owner string (:func:`owner_of`); ``ttl_s``: a claim's life without a
         renewal (s); ``poll_s``: how often a waiting delivery claims again (s; default a sixth of ``ttl_s``,
-        0.05 to 0.5)."""
+        0.05 to 0.5); ``clock``: monotonic seconds (when a claim seen can lapse at the earliest)."""
         self._claim_script: Any = client.register_script(CLAIM_SCRIPT)
         self._renew_script: Any = client.register_script(RENEW_SCRIPT)
         self.owner = owner
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.poll_s = poll_s if poll_s is not None else min(0.5, max(0.05, ttl_s / 6))
         self._sleep = sleep
+        self._clock = clock
         self._held: set[str] = set()
-        self._waiting: set[str] = set()
+        self._waiting: dict[str, int] = {}
+        """Request ID → deliveries of it waiting here now."""
         self._lock = threading.Lock()
         self.skipped_stored = 0
         """Deliveries acked without running because the outcome was stored (at once or after a wait)."""
@@ -126,9 +156,10 @@ class RunClaims:
 
     @property
     def waiting(self) -> frozenset[str]:
-        """The request IDs of deliveries waiting on another's claim now."""
+        """The request IDs of deliveries waiting on another's claim now, less those this process also runs
+        (a delivery of the same ID that holds the claim here is work this worker progresses)."""
         with self._lock:
-            return frozenset(self._waiting)
+            return frozenset(self._waiting.keys() - self._held)
 
     def held(self) -> list[str]:
         """The request IDs this process holds claims for."""
@@ -142,31 +173,28 @@ class RunClaims:
         Returns True when this delivery is to run the generation (its claim renewed until :meth:`release`),
         False when the request's outcome is stored (run, store and stream nothing). Redis not answering is
         waited out (nothing can be stored meanwhile either); a Redis that refuses the script (an ACL) lets the
-        delivery run unclaimed, as before claims existed (logged once)."""
+        delivery run unclaimed, as before claims existed (logged once). A claim that vanished before its life
+        ended, or one last seen before Redis stopped answering, is taken only once that life has passed (see
+        the module doc)."""
         keys = [RESULT_KEY.format(id=request_id), RUN_KEY.format(id=request_id)]
-        holder: str | None = None
-        unanswered = 0
+        wait = _Wait()
         try:
             while True:
+                asked_s = self._clock()
+                look_only = wait.holder is not None and asked_s < wait.lapse_at_s
                 try:
-                    verdict, detail = (_text(v) for v in self._claim_script(keys=keys, args=[self.owner, self.ttl_ms]))
+                    reply = [_text(v) for v in self._claim_script(keys=keys, args=[self.owner, self.ttl_ms,
+                                                                                   int(look_only)])]  # fmt: skip
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
-                    if not unanswered:  # once per delivery: the heartbeat reports the outage itself
-                        log.warning("claiming generation %s: Redis does not answer (%s); trying again every %.2f s",
-                                    request_id, exc, self.poll_s)  # fmt: skip
-                    unanswered += 1
+                    self._unanswered(request_id, wait, exc)
                     self._sleep(self.poll_s)
                     continue
-                if verdict == "claimed":
-                    return self._claimed(request_id, holder)
-                if verdict == "stored":
-                    self._skip(request_id, detail, holder)
+                if reply[0] == "claimed":
+                    return self._claimed(request_id, wait.holder)
+                if reply[0] == "stored":
+                    self._skip(request_id, reply[1], wait.holder)
                     return False
-                if holder is None:
-                    self._start_waiting(request_id, detail)
-                    if on_wait is not None:
-                        on_wait()
-                holder = detail or holder or ""
+                self._wait_on(request_id, reply, wait, asked_s, on_wait)
                 self._sleep(self.poll_s)
         except redis.ResponseError as exc:
             if not self._refused_logged:
@@ -175,8 +203,34 @@ class RunClaims:
                             "deliveries of one ID can run at once", exc)  # fmt: skip
             return True
         finally:
-            with self._lock:
-                self._waiting.discard(request_id)
+            if wait.counted:
+                self._stop_waiting(request_id)
+
+    def _wait_on(self, request_id: str, reply: list[str], wait: _Wait, asked_s: float,
+                 on_wait: Callable[[], None] | None) -> None:  # fmt: skip
+        """A try that found the ID held (``['held', holder, life left ms]``), or, only looking, not held."""
+        if reply[0] == "held":
+            if wait.holder is None:
+                self._start_waiting(request_id, reply[1], wait)
+                if on_wait is not None:
+                    on_wait()
+            wait.holder = reply[1]
+            wait.lapse_at_s = asked_s + int(reply[2]) / 1000  # it cannot lapse before this
+        elif not wait.vanished_logged:
+            wait.vanished_logged = True
+            log.warning("generation %s: the claim of %s vanished before its life ended (Redis lost it?): waiting "
+                        "%.1f s more for its holder to write it back before running it", request_id,
+                        _node(wait.holder or "") or "another delivery", wait.lapse_at_s - asked_s)  # fmt: skip
+
+    def _unanswered(self, request_id: str, wait: _Wait, exc: redis.RedisError) -> None:
+        """A try Redis did not answer: logged once per delivery; a holder seen before cannot renew meanwhile,
+        so its claim is not taken until a full life after Redis answers again (its next beat writes it back)."""
+        if not wait.unanswered:  # once per delivery: the heartbeat reports the outage itself
+            log.warning("claiming generation %s: Redis does not answer (%s); trying again every %.2f s",
+                        request_id, exc, self.poll_s)  # fmt: skip
+        wait.unanswered += 1
+        if wait.holder is not None:
+            wait.lapse_at_s = max(wait.lapse_at_s, self._clock() + self.ttl_ms / 1000)
 
     def _claimed(self, request_id: str, waited_for: str | None) -> bool:
         with self._lock:
@@ -193,12 +247,19 @@ class RunClaims:
         log.info("generation %s already has its outcome stored (%s)%s: this delivery is acked without running",
                  request_id, status, after)  # fmt: skip
 
-    def _start_waiting(self, request_id: str, holder: str) -> None:
+    def _start_waiting(self, request_id: str, holder: str, wait: _Wait) -> None:
         self.waited += 1
+        wait.counted = True
         with self._lock:
-            self._waiting.add(request_id)
+            self._waiting[request_id] = self._waiting.get(request_id, 0) + 1
         log.warning("generation %s is already running (claimed by %s): this delivery waits for its outcome instead "
                     "of generating into the same stream", request_id, _node(holder) or "another delivery")  # fmt: skip
+
+    def _stop_waiting(self, request_id: str) -> None:
+        with self._lock:
+            self._waiting[request_id] -= 1
+            if not self._waiting[request_id]:
+                del self._waiting[request_id]
 
     def release(self, request_id: str) -> None:
         """``request_id``'s delivery is done here (its outcome stored, or not to be): stop renewing its claim,

@@ -15,12 +15,12 @@ message is acked (or rejected) and its slot given back.
 from __future__ import annotations
 
 import os
-from functools import partial
 from typing import Any
 
 from celery import Celery, Task, signals
 from celery.exceptions import Ignore
 
+from broker import CANCEL_MARKS
 from protocol.celeryconf import consumes_direct_queue
 from protocol.errors import (
     DecodeError,
@@ -78,8 +78,7 @@ def register_tasks(app: Celery) -> None:
         started = bool(self.app.conf.task_track_started)
         if asks_to_generate(payload):
             request_id = str(self.request.id)
-            # waits while another delivery runs it; a waiting copy is not on its way to a batch (Scheduler.seen)
-            if not runtime.run_claims.acquire(request_id, on_wait=partial(runtime.scheduler.seen, request_id)):
+            if not _claimed(runtime, request_id):  # waits while another delivery runs it
                 raise Ignore()  # its outcome is stored: acked; nothing run, stored or streamed (workers.run_claims)
             runtime.streams.hold_end(request_id)  # its stream ends once its result is stored
             if not started:
@@ -103,6 +102,26 @@ def register_tasks(app: Celery) -> None:
             runtime, args[0], worker=str(self.request.hostname or runtime.hostname), backend=self.backend,
             role=role_of(self),
         )
+
+
+def _claimed(runtime: WorkerRuntime, request_id: str) -> bool:
+    """Claim generation ``request_id`` for this delivery (:meth:`workers.run_claims.RunClaims.acquire`): False
+    when its outcome is stored. A delivery that waited for another's claim is no request on its way to a batch
+    (:meth:`Scheduler.seen <workers.scheduler.Scheduler.seen>`, the scheduler woken so a wait for company ends),
+    and the cancel mark read when it was taken is stale once it runs: dropped, so the mark is read again."""
+    waited = False
+
+    def on_wait() -> None:
+        nonlocal waited
+        waited = True
+        runtime.scheduler.seen(request_id)
+        runtime.scheduler.wake()
+
+    if not runtime.run_claims.acquire(request_id, on_wait=on_wait):
+        return False
+    if waited:
+        CANCEL_MARKS.take(request_id)
+    return True
 
 
 def consume_canary_queues(app: Celery) -> None:

@@ -8,6 +8,7 @@ while the stored result was the other's; a copy sent after the outcome was store
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -19,19 +20,22 @@ from typing import Any
 import pytest
 import redis
 
-from producer.client import FleetClient
-from protocol.keys import RESULT_KEY, RUN_KEY, STREAM_KEY
+from producer.client import FleetClient, RequestStatus
+from protocol.keys import RESULT_KEY, RUN_KEY, STREAM_KEY, WORKER_KEY_PREFIX
 from protocol.messages import InferenceResult
 from protocol.streams import StreamEvent, decode_events
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.ops_fixtures import scrape
 from tests.queue_items import envelope, good_body, raw
 from tools.build_llama import build_llama
-from tools.redis_server import free_port
+from tools.processes import poll_until
+from tools.redis_server import EmbeddedRedis, free_port
 
 QUEUE = "fleet.demo-lm"
 TOKENS = 300
 LONG_TOKENS = 1000
+ENDLESS_TOKENS = 20_000
+"""Tokens a generation asks for that runs until it is cancelled (tens of seconds of decoding at least)."""
 
 
 def _generation(seed: int, new: int = TOKENS) -> dict[str, Any]:
@@ -164,3 +168,125 @@ def test_a_waiting_copy_runs_the_generation_once_its_holder_dies_without_an_outc
     _wait("nothing left", lambda: r.hlen("unacked") == 0 and r.llen(QUEUE) == 0, other.log_tail)
     assert r.get(RESULT_KEY.format(id="orphan-1")) == stored
     assert _count(other.log_path, r"Task fleet\.infer\[orphan-1\] succeeded") == 1
+
+
+def _heartbeat(r: redis.Redis[bytes], hostname: str) -> dict[str, Any]:
+    """The worker's last heartbeat document ({} when none is published, or Redis does not answer)."""
+    raw = _get(r, WORKER_KEY_PREFIX + hostname)
+    return dict(json.loads(raw)) if raw else {}
+
+
+def _beat_of(r: redis.Redis[bytes], hostname: str) -> float:
+    """The worker's last heartbeat time (0 when none is published, or Redis does not answer)."""
+    return float(_heartbeat(r, hostname).get("heartbeat_unix_s", 0.0))
+
+
+def _next_beat(r: redis.Redis[bytes], worker: Any) -> None:
+    """Wait for ``worker``'s next heartbeat."""
+    beat = _beat_of(r, worker.hostname)
+    _wait(f"a heartbeat of {worker.hostname}", lambda: _beat_of(r, worker.hostname) > beat, worker.log_tail)
+
+
+def _holder_and_other(r: redis.Redis[bytes], workers: list[Any], request_id: str) -> tuple[Any, Any]:
+    holder_name = (r.get(RUN_KEY.format(id=request_id)) or b"").decode().partition(" ")[2]
+    holder = next(w for w in workers if w.hostname == holder_name)
+    return holder, next(w for w in workers if w is not holder)
+
+
+@pytest.fixture(scope="module")
+def endless_decoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The slow decoder with room for :data:`ENDLESS_TOKENS`: a generation that runs until it is cancelled."""
+    return build_llama(tmp_path_factory.mktemp("endless-decoder"), hidden_size=256, num_layers=6,
+                       max_positions=ENDLESS_TOKENS + 64)  # fmt: skip
+
+
+def test_a_copy_waiting_through_a_redis_restart_never_runs_beside_its_live_holder(
+    fleet: Fleet, redis_server: EmbeddedRedis, endless_decoder: Path
+) -> None:
+    """Redis restarts without persistence while one worker generates and the other holds a copy of the ID: the
+    claim is gone, but its holder lives and writes it back at its next heartbeat (one every 2 s), so the copy
+    runs nothing; the generation is then cancelled and the copy is acked once its outcome is stored. Before, the
+    copy found the ID unclaimed at its next poll (every 0.5 s), took it and generated beside the holder into
+    the same stream."""
+    cfg = fleet.config(worker={"heartbeat_s": 2.0},
+                       models={"demo-lm": {"path": str(endless_decoder), "batching": {"max_batch_size": 1},
+                                          "limits": {"max_new_tokens": ENDLESS_TOKENS}}})  # fmt: skip
+    workers = [fleet.worker(cfg, concurrency=1), fleet.worker(cfg, concurrency=1)]
+    client = fleet.client(cfg)
+    r = redis.Redis(port=redis_server.port)
+    request = _generation(seed=4, new=ENDLESS_TOKENS)
+    _send(r, "restart-1", request)
+    for event in client.stream("restart-1", timeout_s=60):
+        if event.index >= 1:
+            break
+    holder, other = _holder_and_other(r, workers, "restart-1")
+    _send(r, "restart-1", request)  # the holder's one token is taken: the other worker takes this copy
+    _wait("the copy waiting", lambda: _count(other.log_path, r"generation restart-1 is already running") == 1,
+          other.log_tail)
+    _next_beat(r, holder)  # the holder's next beat is a whole period away
+    redis_server.kill()
+    redis_server.start()  # same port, empty: the claim, the STARTED state and the stream are gone
+
+    run_key = RUN_KEY.format(id="restart-1")
+    owner = poll_until(lambda: _get(r, run_key), 60, "the ID claimed again").decode()
+    assert owner.partition(" ")[2] == holder.hostname, (owner, other.log_tail())  # written back by its holder
+    poll_until(lambda: _status(client, "restart-1") is RequestStatus.RUNNING, 60, "the generation known again")
+    assert client.cancel("restart-1")
+    result = client.result("restart-1", wait=True, timeout_s=120)
+    assert isinstance(result, InferenceResult) and result.generation is not None
+    assert result.generation.finish_reason == "cancelled" and result.timings.worker == holder.hostname
+    _wait("the copy acked without running", lambda: _count(
+        other.log_path, r"generation restart-1 already has its outcome stored \(SUCCESS\) after waiting") == 1,
+        other.log_tail)  # fmt: skip
+    assert _count(other.log_path, r"generation restart-1: the claim of .* lapsed") == 0, other.log_tail()
+    assert _count(holder.log_path, r"its claim lapsed .* both run") == 0, holder.log_tail()
+    written = _indexes_written(r, "restart-1")  # what the holder wrote after the restart, once each
+    assert len(set(written)) == len(written), written
+
+
+def _get(r: redis.Redis[bytes], key: str) -> bytes | None:
+    """``GET key``; None while Redis does not answer (it restarts)."""
+    try:
+        return r.get(key)
+    except redis.RedisError:
+        return None
+
+
+def _status(client: FleetClient, request_id: str) -> RequestStatus | None:
+    """The request's status; None while Redis does not answer (it restarts)."""
+    try:
+        return client.status(request_id)
+    except redis.RedisError:
+        return None
+
+
+def test_a_copy_waiting_on_its_own_worker_s_generation_leaves_that_generation_in_readiness(
+    fleet: Fleet, endless_decoder: Path
+) -> None:
+    """Both copies on one worker: the waiting one is left out of what the heartbeat counts as held (readiness,
+    overdue slots), the running one is not. Before, the waiting copy's ID hid the running generation too: the
+    worker reported 0 requests held while it generated."""
+    cfg = fleet.config(models={"demo-lm": {"path": str(endless_decoder), "batching": {"max_batch_size": 1},
+                                           "limits": {"max_new_tokens": ENDLESS_TOKENS}}})  # fmt: skip
+    worker = fleet.worker(cfg, concurrency=2)
+    client = fleet.client(cfg)
+    r = redis.Redis.from_url(fleet.redis_url)
+    request = _generation(seed=5, new=ENDLESS_TOKENS)
+    _send(r, "own-1", request)
+    for event in client.stream("own-1", timeout_s=60):
+        if event.index >= 1:
+            break
+    _send(r, "own-1", request)
+    _wait("the copy waiting", lambda: _count(worker.log_path, r"generation own-1 is already running") == 1,
+          worker.log_tail)
+    for _ in range(2):  # the first beat may have sampled before the copy was taken
+        _next_beat(r, worker)
+    doc = _heartbeat(r, worker.hostname)
+    assert doc["generating"] == 1 and doc["held"] == 1, doc  # the running generation; the waiting copy left out
+    assert client.cancel("own-1")
+    result = client.result("own-1", wait=True, timeout_s=120)
+    assert isinstance(result, InferenceResult) and result.generation is not None
+    assert result.generation.finish_reason == "cancelled"
+    _wait("the copy acked without running", lambda: _count(
+        worker.log_path, r"generation own-1 already has its outcome stored \(SUCCESS\) after waiting") == 1,
+        worker.log_tail)  # fmt: skip

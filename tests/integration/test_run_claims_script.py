@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis
@@ -31,6 +32,31 @@ def _claims(r: redis.Redis[bytes], owner: str, sleep: Callable[[float], None] = 
 
 def _store(r: redis.Redis[bytes], status: str) -> None:
     r.set(RESULT_KEY.format(id=RID), json.dumps({"status": status, "result": None, "task_id": RID}))
+
+
+class _Clock:
+    """A monotonic clock the test moves (s)."""
+
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+class _Polls:
+    """A waiting delivery's ``sleep`` hook: counts its polls and runs ``steps[n]`` at the n-th (from 1)."""
+
+    def __init__(self, steps: dict[int, Callable[[], Any]]) -> None:
+        self.steps = steps
+        self.count = 0
+
+    def __call__(self, _s: float) -> None:
+        self.count += 1
+        assert self.count < 20, "still waiting"
+        step = self.steps.get(self.count)
+        if step is not None:
+            step()
 
 
 def test_the_first_delivery_claims_and_a_started_state_does_not_count_as_an_outcome(r: redis.Redis[bytes]) -> None:
@@ -70,15 +96,13 @@ def test_a_waiting_delivery_takes_over_a_claim_that_lapses_without_an_outcome(r:
                                                                               caplog: pytest.LogCaptureFixture) -> None:
     a = _claims(r, "a")
     assert a.acquire(RID)
-    polls = 0
+    clock = _Clock()
 
-    def poll(_s: float) -> None:
-        nonlocal polls
-        polls += 1
-        if polls == 2:
-            r.delete(RUN_KEY.format(id=RID))  # its holder died: the claim lapses, no outcome stored
+    def lapse() -> None:  # its holder died: the claim's life passes, it lapses, no outcome stored
+        clock.now_s += 30
+        r.delete(RUN_KEY.format(id=RID))
 
-    b = _claims(r, "b", poll)
+    b = RunClaims(r, owner="b-instance b@host", ttl_s=30, sleep=_Polls({2: lapse}), clock=clock)
     with caplog.at_level(logging.INFO, logger="fleet.worker"):
         assert b.acquire(RID) is True
     assert r.get(RUN_KEY.format(id=RID)) == b.owner.encode() and b.held() == [RID] and b.taken_over == 1
@@ -150,3 +174,95 @@ def test_redis_not_answering_is_waited_out_and_logged_once(redis_server: Embedde
         assert a.acquire(RID) is True
     assert polls == 3 and client.get(RUN_KEY.format(id=RID)) == a.owner.encode()
     assert caplog.text.count("Redis does not answer") == 1, caplog.text
+
+
+def test_a_claim_redis_lost_is_not_taken_while_its_holder_can_write_it_back(r: redis.Redis[bytes],
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Redis loses the holder's claim (a restart without persistence) while a copy waits: the copy does not
+    take it, the holder's next beat writes it back, and the copy runs nothing once the outcome is stored.
+    Before, the copy claimed the ID at its next poll and ran the generation beside its live holder."""
+    a = _claims(r, "a")
+    assert a.acquire(RID)
+    polls = _Polls({1: r.flushall,  # everything lost: the claim, the STARTED state
+                    3: a.renew,  # the holder's next heartbeat
+                    5: lambda: _store(r, "SUCCESS")})  # fmt: skip
+    b = RunClaims(r, owner="b-instance b@host", ttl_s=30, sleep=polls, clock=_Clock())
+    with caplog.at_level(logging.INFO, logger="fleet.worker"):
+        assert b.acquire(RID) is False
+    assert polls.count == 5 and (b.waited, b.skipped_stored, b.taken_over) == (1, 1, 0) and b.held() == []
+    assert r.get(RUN_KEY.format(id=RID)) == a.owner.encode()
+    assert caplog.text.count("the claim of a@host vanished before its life ended") == 1, caplog.text
+
+
+def test_a_lost_claim_whose_holder_writes_nothing_back_is_taken_once_its_life_has_passed(
+    r: redis.Redis[bytes],
+) -> None:
+    a = _claims(r, "a", ttl_s=30)
+    assert a.acquire(RID)
+    clock = _Clock()
+
+    def life_passes() -> None:
+        clock.now_s += 30
+
+    polls = _Polls({1: lambda: r.delete(RUN_KEY.format(id=RID)),  # lost; its holder is gone too (never renews)
+                    3: life_passes})  # the life the claim had when seen has passed  # fmt: skip
+    b = RunClaims(r, owner="b-instance b@host", ttl_s=30, sleep=polls, clock=clock)
+    assert b.acquire(RID) is True
+    assert polls.count == 3 and b.taken_over == 1 and r.get(RUN_KEY.format(id=RID)) == b.owner.encode()
+
+
+def test_a_claim_seen_before_redis_stopped_answering_waits_a_life_after_it_answers(
+    redis_server: EmbeddedRedis,
+) -> None:
+    """The holder cannot renew while Redis does not answer: however long the outage, its claim is not taken
+    before a full life has passed since Redis answered again (its next beat writes it back)."""
+    client = redis.Redis(port=redis_server.port, socket_connect_timeout=2, socket_timeout=2)
+    a = _claims(client, "a", ttl_s=3)
+    assert a.acquire(RID)
+    clock = _Clock()
+
+    def long_outage() -> None:  # the claim's life passes many times over
+        clock.now_s += 60
+
+    polls = _Polls({1: redis_server.kill, 2: long_outage,
+                    3: redis_server.start,  # back on the same port, empty
+                    5: a.renew,  # the holder's first beat after the outage
+                    6: lambda: _store(client, "SUCCESS")})  # fmt: skip
+    b = RunClaims(client, owner="b-instance b@host", ttl_s=3, sleep=polls, clock=clock)
+    assert b.acquire(RID) is False
+    assert polls.count == 6 and b.taken_over == 0 and client.get(RUN_KEY.format(id=RID)) == a.owner.encode()
+
+
+def test_a_copy_waiting_on_a_delivery_of_the_same_process_does_not_hide_it(r: redis.Redis[bytes]) -> None:
+    """Readiness leaves out the IDs of waiting deliveries (:attr:`RunClaims.waiting`), but not one this process
+    runs itself. Before, a copy waiting on a delivery of its own process hid that running generation too."""
+    seen: list[frozenset[str]] = []
+
+    def poll(_s: float) -> None:
+        seen.append(a.waiting)
+        _store(r, "SUCCESS")
+
+    a = _claims(r, "a", poll)
+    assert a.acquire(RID)  # runs here
+    assert a.acquire(RID) is False  # a second delivery in the same process waited for it
+    assert seen == [frozenset()]
+
+
+def test_one_of_two_waiting_copies_ending_leaves_the_other_waiting(r: redis.Redis[bytes]) -> None:
+    a = _claims(r, "a")
+    assert a.acquire(RID)  # another process runs it
+    calls = 0
+    seen: list[frozenset[str]] = []
+
+    def poll(_s: float) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:  # the first copy waits; a second one arrives, waits, and finds the outcome
+            assert b.acquire(RID) is False
+            seen.append(b.waiting)  # the first copy still waits
+        elif calls == 2:
+            _store(r, "SUCCESS")
+
+    b = _claims(r, "b", poll)
+    assert b.acquire(RID) is False
+    assert seen == [frozenset({RID})] and b.waiting == frozenset() and b.waited == 2
