@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from bench.machine import machine_facts
 from producer.client import FleetClient
 from protocol.messages import InferenceResult
 from protocol.settings import load_settings
@@ -63,6 +64,13 @@ def _run(requests: int, rounds: int, chunk: int, threads: int) -> list[tuple[str
     return rows
 
 
+def _run_of() -> str:
+    """The commit and date of this run, for the page's header (uncommitted changes said)."""
+    facts = machine_facts()
+    dirty = " with uncommitted changes" if facts["git_dirty"] else ""
+    return f"Run at commit {facts['git_commit']}{dirty}, {time.strftime('%Y-%m-%d', time.gmtime())}."
+
+
 def main(argv: list[str] | None = None) -> int:
     """Measure and write ``docs/bulk-path.md`` (or ``--out``)."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -85,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         "real path, FleetClient → Redis → one `celery worker` (16 tokens) → results, rounds interleaved. "
         "Throughput is end to end: submit of the first request → last result read.\n",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average at end "
-        f"{os.getloadavg()[0]:.2f} (shared machine).\n",
+        f"{os.getloadavg()[0]:.2f} (shared machine). {_run_of()}\n",
         "| variant | round | requests/s | results ok |", "|---|---|---|---|",
     ]
     counts: dict[str, int] = {}
