@@ -115,6 +115,9 @@ def check_supported(body: CompletionBody | ChatBody | EmbeddingBody) -> None:
         checks = {"best_of": body.best_of not in (None, 1), "echo": bool(body.echo)}
         checks |= {"logprobs": body.logprobs is not None, "suffix": body.suffix is not None}
     else:
+        if body.response_format is not None and "type" not in body.response_format:  # as OpenAI answers
+            raise InvalidRequest("response_format.type is required: {'type': 'text'} is the one the fleet serves",
+                                 "response_format.type", "text")  # fmt: skip
         fmt = (body.response_format or {}).get("type", "text")
         checks = {"logprobs": bool(body.logprobs), "top_logprobs": body.top_logprobs is not None}
         checks |= {"tools": bool(body.tools), "tool_choice": body.tool_choice not in (None, "none")}

@@ -428,3 +428,10 @@ def test_a_stream_error_event_is_openai_s_error_with_the_fleet_s_code() -> None:
     err = stream_error(event)
     assert (err["code"], err["param"], err["message"]) == ("expired", "deadline_unix_s", "past its deadline")
     assert err["type"] == "timeout_error"
+
+
+def test_a_response_format_without_its_type_is_refused_naming_the_type() -> None:
+    """OpenAI requires ``response_format.type``; ``{}`` was taken as text."""
+    with pytest.raises(InvalidRequest) as info:
+        check_supported(chat(response_format={}))
+    assert info.value.field == "response_format.type" and "required" in info.value.message
