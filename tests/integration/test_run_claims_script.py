@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from protocol.keys import RESULT_KEY, RUN_KEY
 from tools.redis_server import EmbeddedRedis
@@ -159,7 +161,8 @@ def test_a_result_key_of_another_type_lets_the_delivery_run_unclaimed(r: redis.R
 
 def test_redis_not_answering_is_waited_out_and_logged_once(redis_server: EmbeddedRedis,
                                                            caplog: pytest.LogCaptureFixture) -> None:
-    client = redis.Redis(port=redis_server.port, socket_connect_timeout=2, socket_timeout=2)
+    client = redis.Redis(port=redis_server.port, socket_connect_timeout=2, socket_timeout=2,
+                         retry=Retry(NoBackoff(), 0))  # a try Redis does not answer fails at once
     polls = 0
 
     def poll(_s: float) -> None:
@@ -216,7 +219,8 @@ def test_a_claim_seen_before_redis_stopped_answering_waits_a_life_after_it_answe
 ) -> None:
     """The holder cannot renew while Redis does not answer: however long the outage, its claim is not taken
     before a full life has passed since Redis answered again (its next beat writes it back)."""
-    client = redis.Redis(port=redis_server.port, socket_connect_timeout=2, socket_timeout=2)
+    client = redis.Redis(port=redis_server.port, socket_connect_timeout=2, socket_timeout=2,
+                         retry=Retry(NoBackoff(), 0))  # a try Redis does not answer fails at once
     a = _claims(client, "a", ttl_s=3)
     assert a.acquire(RID)
     clock = _Clock()
