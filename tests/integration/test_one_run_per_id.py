@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import redis
+from celery import Celery
 
 from producer.client import FleetClient, RequestStatus
 from protocol.keys import RESULT_KEY, RUN_KEY, STREAM_KEY, WORKER_KEY_PREFIX
@@ -162,13 +163,27 @@ def test_a_waiting_copy_runs_the_generation_once_its_holder_dies_without_an_outc
     tokens, end = _streamed(client, "orphan-1")
     assert end.type == "final" and tokens == result.generation.token_ids
     stored = r.get(RESULT_KEY.format(id="orphan-1"))
-    # the dead holder's message comes back after the visibility timeout: it finds the outcome and runs nothing
-    # (so may the copy's own, held past the 4 s visibility timeout while it waited: it runs nothing either)
+    # the dead holder's message comes back, as kombu's visibility-timeout restore puts it back (restore_by_tag;
+    # kombu's own periodic scan waits for a lock a worker SIGKILLed inside it holds for 300 s): it finds the
+    # outcome and runs nothing (so may the copy's own, held past the 4 s visibility timeout while it waited)
+    _restore_unacked(fleet.redis_url)
     _wait("the holder's message restored and acked", lambda: _count(
         other.log_path, r"generation orphan-1 already has its outcome stored") >= 1, other.log_tail)
     _wait("nothing left", lambda: r.hlen("unacked") == 0 and r.llen(QUEUE) == 0, other.log_tail)
     assert r.get(RESULT_KEY.format(id="orphan-1")) == stored
     assert _count(other.log_path, r"Task fleet\.infer\[orphan-1\] succeeded") == 1
+
+
+def _restore_unacked(redis_url: str) -> None:
+    """Put every unacked message back on its queue, as kombu's visibility-timeout restore does."""
+    app = Celery("restore", broker=redis_url)
+    try:
+        with app.connection_for_read() as conn:
+            qos = conn.default_channel.qos
+            for tag in redis.Redis.from_url(redis_url).hkeys("unacked"):
+                qos.restore_by_tag(tag.decode())
+    finally:
+        app.close()
 
 
 def _heartbeat(r: redis.Redis[bytes], hostname: str) -> dict[str, Any]:
