@@ -81,3 +81,17 @@ def pickle_item(queue: str, request: dict[str, Any], task_id: str) -> bytes:
     body = pickle.dumps(((request,), {}, EMBED), protocol=2)
     return raw(envelope(queue, body, task_id=task_id, content_type="application/x-python-serialize",
                         content_encoding="binary"))
+
+
+def shared_tag_generations(queue: str, ids: list[str], *, tag: str = "one-tag-for-all",
+                           new_tokens: int = 480) -> list[bytes]:  # fmt: skip
+    """Queue items for generations of ``new_tokens`` (``ignore_eos``) under task IDs ``ids``, all carrying one
+    delivery ``tag``: what a sender that reuses tags queues (``LPUSH`` them in order)."""
+    request = {"model": "demo-lm", "input_ids": [5, 6, 7],
+               "output": {"kind": "generate", "generation": {"max_new_tokens": new_tokens, "ignore_eos": True}}}
+    items = []
+    for rid in ids:
+        item = envelope(queue, good_body(request), task_id=rid)
+        item["properties"]["delivery_tag"] = tag
+        items.append(raw(item))
+    return items

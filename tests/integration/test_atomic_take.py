@@ -19,7 +19,7 @@ from broker.batch_take import unacked_entry_of
 from broker.poison import GuardedChannel
 from tests.integration import take_victim
 from tests.integration.fleet_fixtures import Fleet
-from tests.queue_items import envelope, good_body, raw
+from tests.queue_items import shared_tag_generations
 from tools.redis_server import EmbeddedRedis
 
 QUEUE = "fleet.demo-lm"
@@ -191,12 +191,7 @@ def test_a_worker_killed_holding_messages_that_share_a_tag_gives_each_back(fleet
     client = fleet.client(cfg)
     r = redis.Redis.from_url(fleet.redis_url)
     ids = [f"shared-tag-{n}" for n in range(3)]
-    for rid in ids:
-        request = {"model": "demo-lm", "input_ids": [5, 6, 7],
-                   "output": {"kind": "generate", "generation": {"max_new_tokens": 480, "ignore_eos": True}}}
-        item = envelope(QUEUE, good_body(request), task_id=rid)
-        item["properties"]["delivery_tag"] = "one-tag-for-all"
-        r.lpush(QUEUE, raw(item))
+    r.lpush(QUEUE, *shared_tag_generations(QUEUE, ids))
     for rid in ids:  # every one is running (a first token out of 480): held, unacked
         assert next(iter(client.stream(rid, timeout_s=60))).type == "token"
     worker.kill()

@@ -19,7 +19,7 @@ from protocol.errors import RequestCancelled
 from protocol.keys import DEAD_LETTER_KEY
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.redis_monitor import Monitor, worker_mark_reads
-from tests.queue_items import envelope, good_body, raw
+from tests.queue_items import shared_tag_generations
 from tools.processes import poll_until
 from tools.redis_server import EmbeddedRedis
 
@@ -177,12 +177,7 @@ def test_a_worker_taking_with_brpop_gives_back_each_message_that_shared_a_tag(tm
             r = server.client()
             queue = client.settings.queue_for("demo-lm")
             ids = [f"brpop-shared-tag-{n}" for n in range(3)]
-            for rid in ids:
-                request = {"model": "demo-lm", "input_ids": [5, 6, 7],
-                           "output": {"kind": "generate", "generation": {"max_new_tokens": 480, "ignore_eos": True}}}
-                item = envelope(queue, good_body(request), task_id=rid)
-                item["properties"]["delivery_tag"] = "one-tag-for-all"
-                r.lpush(queue, raw(item))
+            r.lpush(queue, *shared_tag_generations(queue, ids))
             for rid in ids:  # every one is running (a first token out of 480): held, unacked
                 assert next(iter(client.stream(rid, timeout_s=60))).type == "token"
             assert worker.log_path is not None and "Redis refused a command of the take script" in \
