@@ -50,6 +50,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from protocol.keys import RESULT_KEY, RUN_KEY
+from workers.stream_write_script import bytes_to_text
 
 __all__ = ["CLAIM_SCRIPT", "RENEW_SCRIPT", "RunClaims", "RunClaimsCollector", "owner_of"]
 
@@ -100,10 +101,6 @@ Redis lost is written again; returns the (1-based) positions of those another ow
 def owner_of(hostname: str) -> str:
     """The owner string of this worker process's claims: a fresh instance ID, then the node name (for logs)."""
     return f"{uuid.uuid4().hex} {hostname}"
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _node(holder: str) -> str:
@@ -183,7 +180,7 @@ class RunClaims:
                 asked_s = self._clock()
                 look_only = wait.holder is not None and asked_s < wait.lapse_at_s
                 try:
-                    reply = [_text(v) for v in self._claim_script(keys=keys, args=[self.owner, self.ttl_ms,
+                    reply = [bytes_to_text(v) for v in self._claim_script(keys=keys, args=[self.owner, self.ttl_ms,
                                                                                    int(look_only)])]  # fmt: skip
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
                     self._unanswered(request_id, wait, exc)
