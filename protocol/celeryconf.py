@@ -14,7 +14,7 @@ from protocol.modelcard import load_card
 from protocol.redis_conn import celery_redis_config
 from protocol.settings import FleetSettings
 
-__all__ = ["celery_config", "consumes_direct_queue", "restore_interval_s", "routes_by_prefix"]
+__all__ = ["celery_config", "consumes_direct_queue", "restore_interval_s", "restore_lock_life_s", "routes_by_prefix"]
 
 
 def celery_config(settings: FleetSettings) -> dict[str, Any]:
@@ -59,6 +59,9 @@ def celery_config(settings: FleetSettings) -> dict[str, Any]:
             # default); make a dead worker's requests come back within ~1/4 of the visibility timeout
             "unacked_restore_interval": restore_interval_s(settings.visibility_timeout_s),
             "unacked_restore_throttle": 1,
+            # the scan runs under a Redis lock that lives unacked_mutex_expire seconds (kombu: 300); a worker
+            # killed inside a scan stops every worker's restores until the lock expires, so bound its life
+            "unacked_mutex_expire": restore_lock_life_s(settings.visibility_timeout_s),
             # broker.atomic_take: how long the take waits on one list before it looks at the others
             "other_lists_wait_s": other_lists_wait_s,
             **redis_conf.pop("broker_transport_options", {}),
@@ -99,6 +102,17 @@ def consumes_direct_queue(settings: FleetSettings, model: str) -> bool:
 def restore_interval_s(visibility_timeout_s: int) -> int:
     """Seconds between kombu's scans for unacked messages past their visibility timeout (1..30)."""
     return max(1, min(30, visibility_timeout_s // 4))
+
+
+def restore_lock_life_s(visibility_timeout_s: int) -> int:
+    """Seconds kombu's restore-scan lock lives (10..60): twice the scan interval, at least 10 s.
+
+    A scan restores at most 10 messages (milliseconds); the lock's life only matters when its holder dies
+    inside a scan, and then it is how long no worker of the fleet restores anything. Two scans that overlap
+    after an early expiry are safe: kombu restores each message in a transaction that watches the unacked
+    hash, so a message comes back once.
+    """
+    return max(10, min(60, 2 * restore_interval_s(visibility_timeout_s)))
 
 
 def _configured(settings: FleetSettings, model: str) -> bool:
