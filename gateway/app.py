@@ -288,10 +288,11 @@ async def get_request(request_id: RequestId, _: CallerDep, gw: GatewayDep, wait_
     "/v1/requests/{request_id}",
     response_model=RequestView,
     tags=["requests"],
-    responses={409: {"model": ErrorBody, "description": "it finished, or it is a running one-step request"}},
+    responses={409: {"model": ErrorBody, "description": "it finished (a one-step request whose batch had started)"}},
 )
 def cancel(request_id: RequestId, _: CallerDep, gw: GatewayDep) -> RequestView | JSONResponse:
-    """Cancel a queued request or a running generation; 409 when it is finished or a running one-step request.
+    """Cancel a queued request, a one-step request waiting in a worker's batch window, or a running generation;
+    409 when it finished (a one-step request whose batch had started when the cancel came ends with its result).
 
     A running generation is answered once it has stopped (within a decode step): its view is then
     ``succeeded`` with ``finish_reason`` ``cancelled`` and the tokens made so far."""
@@ -300,7 +301,8 @@ def cancel(request_id: RequestId, _: CallerDep, gw: GatewayDep) -> RequestView |
         raise RequestNotFound(f"no request {request_id!r} is known", "request_id", None)
     if status is not RequestStatus.CANCELLED and not gw.fleet.cancel(request_id, settle_s=CANCEL_SETTLE_S):
         now = gw.fleet.status(request_id).value
-        msg = f"request {request_id} is {now}: only a queued request or a running generation can be cancelled"
+        msg = (f"request {request_id} is {now}: only a request that has not run, or a running generation, "
+               "can be cancelled")
         return _error(409, error_payload("conflict", "Conflict", msg, "request_id"))
     return read_view_sync(gw.fleet, request_id)[0]
 

@@ -204,12 +204,12 @@ class ResultReader:
         The cancel is a mark in Redis (``fleet:cancel:<id>``, announced on ``fleet:cancels``) that the
         worker taking the request reads; no Celery revoke is broadcast, so cancels from many threads
         at once each cost two Redis round trips and hold no broker connection. With
-        ``celery.track_started`` off (the default), a one-step request a worker already took is not seen
-        running and the answer is True: while it waits in the worker's batch window, the worker hears the
-        announcement and takes it out unrun, and it ends cancelled (``RequestCancelled``, as one cancelled
-        in the queue) while the requests beside it run; once its batch has started, its result, stored
-        next, wins (an engine step is not stopped part way). With ``track_started`` on it reads running,
-        and the answer is False.
+        A one-step request a worker already took gets the answer True: while it waits in the worker's batch
+        window, the worker hears the announcement and takes it out unrun, and it ends cancelled
+        (``RequestCancelled``, as one cancelled in the queue) while the requests beside it run; once its
+        batch has started, its result, stored next, wins (an engine step is not stopped part way). With
+        ``settle_s`` > 0 the answer for such a request waits for its outcome and is False where its result
+        won. ``celery.track_started`` (a held one-step request then reads running) changes none of this.
 
         Raises:
             RequestNotFound: no request of that ID is known (never submitted through the fleet, or its
@@ -223,12 +223,14 @@ class ResultReader:
             raise RequestNotFound(f"no request {request_id!r} is known: never submitted through the fleet, or its "
                                   "result expired (result_ttl_s)", "request_id", None)  # fmt: skip
         state = meta.get("status") if meta else None
-        if state == "STARTED" and self._kind_of(request_id) == "generate":
+        if state == "STARTED":  # a generation, or a one-step request with track_started on: a worker holds it
             self._mark_cancelled(request_id)
-            if settle_s > 0:
-                self.wait([request_id], timeout_s=settle_s)  # its outcome, or a ResultTimeout: either way, said next
-            return True
-        if state in ("SUCCESS", "FAILURE", "STARTED", "REVOKED"):
+            if settle_s <= 0:
+                return True
+            outcome = self.wait([request_id], timeout_s=settle_s)[0]  # a ResultTimeout: still held, said next
+            generation = self._kind_of(request_id) == "generate"
+            return generation or not isinstance(outcome, InferenceResult)  # a one-step result: its batch had run
+        if state in ("SUCCESS", "FAILURE", "REVOKED"):
             return bool(state == "REVOKED")
         # The mark is the cancel: a worker reads it in the round trip that takes the message
         # (broker.cancel_marks) and refuses the request; a worker that took it before hears the announcement
