@@ -82,8 +82,9 @@ def test_a_settled_cancel_of_a_held_one_step_request_whose_batch_ran_says_false(
     listener.subscribe(CANCEL_CHANNEL)
 
     def batch_ends_after_the_cancel() -> None:
-        for message in listener.listen():
-            if message["data"] == rid.encode():
+        while True:
+            message = listener.get_message(timeout=1.0)
+            if message is not None and message["data"] == rid.encode():
                 backend.store_result(rid, result.model_dump(mode="json"), states.SUCCESS)
                 return
 
