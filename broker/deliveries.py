@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from protocol.keys import DELIVERIES_KEY
+from protocol.keys import DELIVERIES_KEY, RUN_KEY
 
-__all__ = ["count_delivery", "count_ttl_s", "over_limit"]
+__all__ = ["count_delivery", "count_ttl_s", "over_limit", "running_holder"]
 
 
 def count_ttl_s(*, visibility_timeout_s: int, result_ttl_s: int, max_deliveries: int) -> int:
@@ -52,3 +52,15 @@ def count_delivery(client: Any, task_id: str, *, redelivered: bool, ttl_s: int) 
     pipe.expire(key, ttl_s)
     _, deliveries, _ = pipe.execute()
     return int(deliveries)
+
+
+def running_holder(client: Any, task_id: str) -> str | None:
+    """The owner of a live run claim on ``task_id`` (:mod:`workers.run_claims`), or None.
+
+    A generation that runs longer than the visibility timeout is restored and delivered again while its
+    worker lives and renews its claim: those deliveries are copies of a running generation, not a message that
+    kills its worker (a dead worker's claim lapses within three of its heartbeats), so they are not counted
+    against ``max_deliveries``'s verdict.
+    """
+    owner = client.get(RUN_KEY.format(id=task_id))
+    return owner.decode(errors="replace") if isinstance(owner, bytes) else owner

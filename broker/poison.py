@@ -43,7 +43,7 @@ from broker.atomic_take import OTHER_LISTS_WAIT_S, start_peek, take_after_peek
 from broker.batch_take import Taken, TakeNotRecorded, record_batch, room_for_more
 from broker.cancel_marks import CancelReadingQoS
 from broker.dead_letter_writer import write_dead_letter
-from broker.deliveries import count_delivery, over_limit
+from broker.deliveries import count_delivery, over_limit, running_holder
 from broker.guard_config import GuardConfig, configure, configure_at_worker_setup, current
 from broker.in_hand import IN_HAND
 from broker.kombu_channel import ReusesSyncClient
@@ -282,7 +282,8 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
             return envelope
         if cfg is not None and envelope.task_id is not None and envelope.redelivered:
             deliveries = self._count(cfg, envelope.task_id)
-            if deliveries is not None and over_limit(deliveries, cfg.max_deliveries):
+            if (deliveries is not None and over_limit(deliveries, cfg.max_deliveries)
+                    and not self._running_elsewhere(envelope.task_id, deliveries)):
                 return Refused(
                     Reason.MAX_DELIVERIES, "deliveries",
                     f"delivered {deliveries - 1} times without an ack (its worker died each time, or it outlived "
@@ -293,6 +294,21 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
         checked = check_message(envelope, cfg.app.tasks if cfg is not None else None, now_unix_s=time.time(),
                                 visibility_timeout_s=float(self.visibility_timeout))
         return checked if isinstance(checked, Refused) else (envelope, checked)
+
+    def _running_elsewhere(self, task_id: str, deliveries: int) -> bool:
+        """True when a live worker holds ``task_id``'s run claim: this copy of a generation that outlived the
+        visibility timeout then runs as any copy does (it waits for the outcome, :mod:`workers.run_claims`)."""
+        try:
+            with self.conn_or_acquire() as client:
+                holder = running_holder(client, task_id)
+        except Exception:  # unknown: the count's verdict stands
+            log.exception("could not read the run claim of %s", task_id)
+            return False
+        if holder is not None:
+            log.warning("%s delivered %d times without an ack while its generation runs (claimed by %s): it "
+                        "outlived visibility_timeout_s; this copy waits for its outcome instead of being "
+                        "dead-lettered", task_id, deliveries - 1, holder.partition(" ")[2] or holder)  # fmt: skip
+        return holder is not None
 
     def _count(self, cfg: GuardConfig, task_id: str) -> int | None:
         try:

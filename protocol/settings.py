@@ -373,7 +373,8 @@ class WorkerSettings(_Section):
         ge=1,
         le=1000,
         description="Times one message may be delivered; a message back after that many deliveries without "
-        "an ack (its worker died each time: segfault, OOM, os._exit) is dead-lettered, not run again.",
+        "an ack (its worker died each time: segfault, OOM, os._exit) is dead-lettered, not run again (not a copy "
+        "of a generation a live worker still runs: it waits for that outcome).",
     )
     reconcile_interval_s: float = Field(
         default=5.0,

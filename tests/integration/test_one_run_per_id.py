@@ -22,7 +22,7 @@ import redis
 from celery import Celery
 
 from producer.client import FleetClient, RequestStatus
-from protocol.keys import RESULT_KEY, RUN_KEY, STREAM_KEY, WORKER_KEY_PREFIX
+from protocol.keys import DEAD_LETTER_KEY, RESULT_KEY, RUN_KEY, STREAM_KEY, WORKER_KEY_PREFIX
 from protocol.messages import InferenceResult
 from protocol.streams import StreamEvent, decode_events
 from tests.integration.fleet_fixtures import Fleet
@@ -306,3 +306,37 @@ def test_a_copy_waiting_on_its_own_worker_s_generation_leaves_that_generation_in
     _wait("the copy acked without running", lambda: _count(
         worker.log_path, r"generation own-1 already has its outcome stored \(SUCCESS\) after waiting") == 1,
         worker.log_tail)  # fmt: skip
+
+
+def test_a_generation_outliving_the_visibility_timeout_is_not_dead_lettered_while_its_holder_runs_it(
+    fleet: Fleet, redis_server: EmbeddedRedis, endless_decoder: Path
+) -> None:
+    """A generation runs past ``visibility_timeout_s`` (3 s) on a live worker: kombu restores its message, and
+    with ``max_deliveries: 1`` that restored copy is over the limit. Its holder is alive (its claim renewed), so
+    the copy is no poison: it waits for the outcome and is acked without running, and the generation's own
+    result is the one stored. Before, the copy was dead-lettered and its FAILURE (``max_deliveries``) stored
+    under the ID while the holder generated on; the holder's result was then refused."""
+    cfg = fleet.config(visibility_timeout_s=3, worker={"heartbeat_s": 1.0, "max_deliveries": 1},
+                       models={"demo-lm": {"path": str(endless_decoder), "batching": {"max_batch_size": 1},
+                                          "limits": {"max_new_tokens": ENDLESS_TOKENS}}})  # fmt: skip
+    workers = [fleet.worker(cfg, concurrency=1), fleet.worker(cfg, concurrency=1)]
+    client = fleet.client(cfg)
+    r = redis.Redis(port=redis_server.port)
+    _send(r, "outlived-1", _generation(seed=5, new=ENDLESS_TOKENS))
+    for event in client.stream("outlived-1", timeout_s=60):
+        if event.index >= 1:
+            break
+    holder, other = _holder_and_other(r, workers, "outlived-1")
+    # the restored copy reaches the other worker (the holder's one token is taken): waiting, or (before) refused
+    _wait("the restored copy delivered", lambda: _count(other.log_path, r"generation outlived-1 is already running")
+          + r.llen(DEAD_LETTER_KEY) >= 1, other.log_tail)  # fmt: skip
+    assert r.llen(DEAD_LETTER_KEY) == 0, r.lrange(DEAD_LETTER_KEY, 0, -1)
+    assert _status(client, "outlived-1") is RequestStatus.RUNNING
+    assert client.cancel("outlived-1")
+    result = client.result("outlived-1", wait=True, timeout_s=120)
+    assert isinstance(result, InferenceResult) and result.generation is not None
+    assert result.generation.finish_reason == "cancelled" and result.timings.worker == holder.hostname
+    _wait("the copy acked without running", lambda: _count(
+        other.log_path, r"generation outlived-1 already has its outcome stored \(SUCCESS\) after waiting") >= 1,
+        other.log_tail)  # fmt: skip
+    assert r.llen(DEAD_LETTER_KEY) == 0
