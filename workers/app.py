@@ -148,6 +148,17 @@ def _announce_ready(sender: Any = None, **_: Any) -> None:
         runtime.mark_ready()
 
 
+@signals.worker_shutting_down.connect  # type: ignore[untyped-decorator]
+def _abandon_claim_waits(sender: Any = None, **_: Any) -> None:
+    """A shutdown begins (the signal handler of SIGTERM/SIGINT/SIGQUIT): deliveries waiting on another worker's
+    generation go back to the queue instead of keeping a warm shutdown waiting for that generation's end."""
+    from workers.runtime import current_runtime
+
+    runtime = current_runtime()
+    if runtime is not None:
+        runtime.run_claims.abandon_waits()
+
+
 @signals.worker_shutdown.connect  # type: ignore[untyped-decorator]
 def _stop_runtime(sender: Any = None, **_: Any) -> None:
     from workers.runtime import stop_runtime

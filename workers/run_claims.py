@@ -52,7 +52,7 @@ from prometheus_client.registry import Collector
 from protocol.keys import RESULT_KEY, RUN_KEY
 from workers.stream_write_script import bytes_to_text
 
-__all__ = ["CLAIM_SCRIPT", "RENEW_SCRIPT", "RunClaims", "RunClaimsCollector", "owner_of"]
+__all__ = ["CLAIM_SCRIPT", "RENEW_SCRIPT", "RunClaims", "RunClaimsCollector", "WaitAbandoned", "owner_of"]
 
 log = logging.getLogger("fleet.worker")
 
@@ -123,6 +123,11 @@ class _Wait:
     vanished_logged: bool = False
 
 
+class WaitAbandoned(Exception):
+    """A delivery waiting on another's claim stopped waiting: its worker is shutting down (warm). Its message is
+    to go back to the queue (requeued), where a worker that stays takes it up."""
+
+
 class RunClaims:
     """The generation IDs this worker process claimed, and the deliveries waiting on another's claim (thread-safe)."""
 
@@ -150,6 +155,7 @@ class RunClaims:
         self.taken_over = 0
         """Waiting deliveries that ran the generation after the holder's claim lapsed without an outcome."""
         self._refused_logged = False
+        self._shutting_down = threading.Event()
 
     @property
     def waiting(self) -> frozenset[str]:
@@ -157,6 +163,12 @@ class RunClaims:
         (a delivery of the same ID that holds the claim here is work this worker progresses)."""
         with self._lock:
             return frozenset(self._waiting.keys() - self._held)
+
+    def abandon_waits(self) -> None:
+        """The worker is shutting down: every delivery waiting on another's claim, now or later, raises
+        :class:`WaitAbandoned` at its next try (within ``poll_s``), so a warm shutdown waits only for the
+        generations this worker runs. A signal handler calls it: it only sets an event."""
+        self._shutting_down.set()
 
     def held(self) -> list[str]:
         """The request IDs this process holds claims for."""
@@ -172,7 +184,11 @@ class RunClaims:
         waited out (nothing can be stored meanwhile either); a Redis that refuses the script (an ACL) lets the
         delivery run unclaimed, as before claims existed (logged once). A claim that vanished before its life
         ended, or one last seen before Redis stopped answering, is taken only once that life has passed (see
-        the module doc)."""
+        the module doc).
+
+        Raises:
+            WaitAbandoned: the worker began a warm shutdown while this delivery waited (:meth:`abandon_waits`).
+        """
         keys = [RESULT_KEY.format(id=request_id), RUN_KEY.format(id=request_id)]
         wait = _Wait()
         try:
@@ -192,6 +208,10 @@ class RunClaims:
                     self._skip(request_id, reply[1], wait.holder)
                     return False
                 self._wait_on(request_id, reply, wait, asked_s, on_wait)
+                if self._shutting_down.is_set():
+                    log.warning("generation %s: this worker is shutting down; the delivery waiting for its outcome "
+                                "goes back to the queue", request_id)  # fmt: skip
+                    raise WaitAbandoned(f"generation {request_id}: the worker is shutting down")
                 self._sleep(self.poll_s)
         except redis.ResponseError as exc:
             if not self._refused_logged:

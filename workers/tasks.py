@@ -18,7 +18,7 @@ import os
 from typing import Any
 
 from celery import Celery, Task, signals
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Reject
 
 from broker import CANCEL_MARKS
 from protocol.celeryconf import consumes_direct_queue
@@ -36,6 +36,7 @@ from protocol.messages import (
 from protocol.settings import FleetSettings
 from workers.bulk import handle_bulk
 from workers.pipeline import handle_request
+from workers.run_claims import WaitAbandoned
 from workers.runtime import WorkerRuntime, current_runtime
 from workers.scheduler import Role
 from workers.stream_publisher import asks_to_generate
@@ -78,7 +79,11 @@ def register_tasks(app: Celery) -> None:
         started = bool(self.app.conf.task_track_started)
         if asks_to_generate(payload):
             request_id = str(self.request.id)
-            if not _claimed(runtime, request_id):  # waits while another delivery runs it
+            try:
+                claimed = _claimed(runtime, request_id)  # waits while another delivery runs it
+            except WaitAbandoned as exc:  # a warm shutdown: back to the queue, for a worker that stays
+                raise Reject(str(exc), requeue=True) from exc
+            if not claimed:
                 raise Ignore()  # its outcome is stored: acked; nothing run, stored or streamed (workers.run_claims)
             runtime.streams.hold_end(request_id)  # its stream ends once its result is stored
             if not started:

@@ -216,6 +216,24 @@ def endless_decoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
                        max_positions=ENDLESS_TOKENS + 64)  # fmt: skip
 
 
+def _running_with_a_waiting_copy(fleet: Fleet, cfg: Path, r: redis.Redis[bytes], request_id: str,
+                                 seed: int) -> tuple[FleetClient, Any, Any]:
+    """Two workers of one token each; an endless generation under ``request_id`` runs on one (its first tokens
+    out) and a copy of it waits on the other. Returns a client, the holder and the other worker."""
+    workers = [fleet.worker(cfg, concurrency=1), fleet.worker(cfg, concurrency=1)]
+    client = fleet.client(cfg)
+    request = _generation(seed=seed, new=ENDLESS_TOKENS)
+    _send(r, request_id, request)
+    for event in client.stream(request_id, timeout_s=60):
+        if event.index >= 1:
+            break
+    holder, other = _holder_and_other(r, workers, request_id)
+    _send(r, request_id, request)  # the holder's one token is taken: the other worker takes this copy
+    _wait("the copy waiting", lambda: _count(other.log_path, rf"generation {request_id} is already running") == 1,
+          other.log_tail)
+    return client, holder, other
+
+
 def test_a_copy_waiting_through_a_redis_restart_never_runs_beside_its_live_holder(
     fleet: Fleet, redis_server: EmbeddedRedis, endless_decoder: Path
 ) -> None:
@@ -227,18 +245,8 @@ def test_a_copy_waiting_through_a_redis_restart_never_runs_beside_its_live_holde
     cfg = fleet.config(worker={"heartbeat_s": 2.0},
                        models={"demo-lm": {"path": str(endless_decoder), "batching": {"max_batch_size": 1},
                                           "limits": {"max_new_tokens": ENDLESS_TOKENS}}})  # fmt: skip
-    workers = [fleet.worker(cfg, concurrency=1), fleet.worker(cfg, concurrency=1)]
-    client = fleet.client(cfg)
     r = redis.Redis(port=redis_server.port)
-    request = _generation(seed=4, new=ENDLESS_TOKENS)
-    _send(r, "restart-1", request)
-    for event in client.stream("restart-1", timeout_s=60):
-        if event.index >= 1:
-            break
-    holder, other = _holder_and_other(r, workers, "restart-1")
-    _send(r, "restart-1", request)  # the holder's one token is taken: the other worker takes this copy
-    _wait("the copy waiting", lambda: _count(other.log_path, r"generation restart-1 is already running") == 1,
-          other.log_tail)
+    client, holder, other = _running_with_a_waiting_copy(fleet, cfg, r, "restart-1", seed=4)
     _next_beat(r, holder)  # the holder's next beat is a whole period away
     redis_server.kill()
     redis_server.start()  # same port, empty: the claim, the STARTED state and the stream are gone
@@ -340,3 +348,26 @@ def test_a_generation_outliving_the_visibility_timeout_is_not_dead_lettered_whil
         other.log_path, r"generation outlived-1 already has its outcome stored \(SUCCESS\) after waiting") >= 1,
         other.log_tail)  # fmt: skip
     assert r.llen(DEAD_LETTER_KEY) == 0
+
+
+def test_a_warm_shutdown_puts_a_waiting_copy_back_instead_of_waiting_for_the_generation(
+    fleet: Fleet, redis_server: EmbeddedRedis, endless_decoder: Path
+) -> None:
+    """A worker holding a copy of a generation another worker runs gets SIGTERM: it stops at once, the copy back
+    in the queue, and a worker started later acks it without running once the outcome is stored. Before, the
+    warm shutdown waited for the other worker's generation to end (here it never does: SIGKILL after 60 s)."""
+    cfg = fleet.config(models={"demo-lm": {"path": str(endless_decoder), "batching": {"max_batch_size": 1},
+                                          "limits": {"max_new_tokens": ENDLESS_TOKENS}}})  # fmt: skip
+    r = redis.Redis(port=redis_server.port)
+    client, holder, other = _running_with_a_waiting_copy(fleet, cfg, r, "shutdown-1", seed=6)
+    assert other.stop(timeout_s=60) == 0, other.log_tail()  # a warm shutdown that ended by itself
+    assert _count(other.log_path, r"generation shutdown-1: this worker is shutting down") == 1
+    assert r.llen(QUEUE) == 1 and r.hlen("unacked") == 1  # the copy queued again; the holder's own, held
+    assert client.cancel("shutdown-1")
+    result = client.result("shutdown-1", wait=True, timeout_s=120)
+    assert isinstance(result, InferenceResult) and result.timings.worker == holder.hostname
+    later = fleet.worker(cfg, concurrency=1)  # the copy goes to it or to the holder, free again
+    skipped = r"generation shutdown-1 already has its outcome stored \(SUCCESS\)"
+    _wait("the copy acked without running", lambda: _count(later.log_path, skipped) + _count(holder.log_path, skipped)
+          == 1, later.log_tail)  # fmt: skip
+    _wait("nothing left", lambda: r.hlen("unacked") == 0 and r.llen(QUEUE) == 0, later.log_tail)
