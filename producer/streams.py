@@ -24,8 +24,9 @@ a reader looks for the result whenever a block ran out empty, and at once when a
 ahead (a gap: the missing events can no longer come); found, it finishes from it
 (:func:`producer.stream_ending.ending_events`: same indexes, same text, nothing twice) instead of
 waiting for events that will never be written. While Redis does not answer, a reader reconnects,
-waiting :data:`FIRST_RETRY_S` doubling to :data:`MAX_RETRY_S` between tries, for at most
-``max_outage_s``; then the Redis error is raised.
+waiting :data:`FIRST_RETRY_S` doubling to :data:`MAX_RETRY_S` between tries (the fleet's one backoff
+schedule, :mod:`protocol.backoff`, as the stream publisher's), for at most ``max_outage_s``; then the
+Redis error is raised.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import redis
 import redis.asyncio
 
 from producer.stream_ending import ending_events
+from protocol.backoff import FIRST_RETRY_S, MAX_RETRY_S, Backoff
 from protocol.errors import FleetError, ResultTimeout
 from protocol.keys import STREAM_KEY
 from protocol.messages import InferenceResult
@@ -61,10 +63,6 @@ __all__ = [
 
 READ_COUNT = 256
 """Most entries one ``XREAD`` returns."""
-FIRST_RETRY_S = 0.05
-"""First wait before reading again after Redis did not answer (s); doubles up to :data:`MAX_RETRY_S`."""
-MAX_RETRY_S = 1.0
-"""Longest wait between two tries while Redis does not answer (s)."""
 MAX_OUTAGE_S = 30.0
 """Default longest time a reader keeps trying while Redis does not answer (s)."""
 
@@ -203,27 +201,20 @@ def stream_entries(reply: Any) -> list[Entry]:
     return out
 
 
-class Reconnect:
+class Reconnect(Backoff):
     """Waits between reads while Redis does not answer: :data:`FIRST_RETRY_S` doubling to
     :data:`MAX_RETRY_S`, for at most ``max_outage_s`` from the first failure. Pure (times as arguments)."""
 
     def __init__(self, max_outage_s: float) -> None:
+        super().__init__()
         self.max_outage_s = max_outage_s
-        self.down_since_s: float | None = None
-        self.delay_s = FIRST_RETRY_S
 
     def failed(self, now_s: float) -> float | None:
         """Seconds to wait before the next try; None once Redis has not answered for ``max_outage_s``."""
-        if self.down_since_s is None:
-            self.down_since_s, self.delay_s = now_s, FIRST_RETRY_S
-        else:
-            self.delay_s = min(MAX_RETRY_S, self.delay_s * 2)
-        left_s = self.down_since_s + self.max_outage_s - now_s
-        return None if left_s <= 0 else min(self.delay_s, left_s)
-
-    def answered(self) -> None:
-        """Redis answered: the next failure starts a new outage."""
-        self.down_since_s = None
+        down_since_s = now_s if self.down_since_s is None else self.down_since_s  # none on: this one starts
+        delay_s = self.next_wait_s(now_s)
+        left_s = down_since_s + self.max_outage_s - now_s
+        return None if left_s <= 0 else min(delay_s, left_s)
 
 
 RETRIED = (redis.ConnectionError, redis.TimeoutError)

@@ -4,7 +4,7 @@ Key ``fleet:worker:<hostname>`` holds a JSON document (hostname, model, the stab
 ``version_since_unix_s``, ``canary_version``, ``last_refusal``, active providers, ``nodes`` (the
 stable graph's node count per provider, :attr:`workers.engine.Engine.placement`; null when
 ``engine.report_placement`` is off), ``kv_cache`` (which KV cache generates, its element type and, in place,
-where its slots live: :func:`workers.runtime.kv_cache_doc`; null for a model that does not generate), ready,
+where its slots live: :func:`workers.worker_runtime.kv_cache_doc`; null for a model that does not generate), ready,
 concurrency = tokens, in-flight, batches run, pid, queue
 and canary queue, ``heartbeat_unix_s``, ``heartbeat_s`` its period, ``instance`` one per process: only
 the process that wrote it deletes it, :mod:`workers.namesakes`) that expires after three heartbeat

@@ -1,0 +1,333 @@
+"""One worker process's runtime: settings, loaded versions, scheduler and heartbeat (:class:`WorkerRuntime`).
+
+Built once at ``worker_init`` (before the consumer starts, :func:`workers.runtime.start_runtime`), so a
+worker never takes a request before its model is loaded and warmed up. It holds the stable version and,
+while the model has a canary, the canary version (:class:`~workers.engines.LoadedModel` each);
+:meth:`WorkerRuntime.swap` replaces either between batches. Which versions to hold is decided by
+:mod:`workers.reconcile` from the state in Redis. What it counts for its scheduler and readiness is in
+:mod:`workers.runtime_counts`; the heartbeat document (:meth:`WorkerRuntime.snapshot`, times in s) here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from broker import TAKEN_IN_HAND
+from protocol.celeryconf import consumes_direct_queue, restore_interval_s
+from protocol.errors import ConfigError
+from protocol.keys import CARD_KEY
+from protocol.modelcard import ModelCard
+from protocol.redis_conn import sync_client
+from protocol.settings import FleetSettings, ModelSettings
+from protocol.tokenization import Tokenizer
+from workers.direct_queue import DirectQueue, PrefixHolder
+from workers.engine import Engine
+from workers.engines import LoadedModel
+from workers.generation.loop import GenerationLoop
+from workers.health import Heartbeat
+from workers.held_requests import HeldRequests
+from workers.namesakes import namesake_message
+from workers.outcomes import OutcomeWriter
+from workers.policy import BatchPolicy
+from workers.progress import ProgressWatch, WorkerProgress
+from workers.reconcile import Reconciler
+from workers.run_claims import RunClaims, owner_of
+from workers.runtime_counts import HOLD_DEPTH_TIMEOUT_S, RuntimeCounts
+from workers.scheduler import Role, Scheduler
+from workers.stream_publisher import StreamPublisher
+from workers.trace_guard import off_traced, on_traced
+
+__all__ = ["WorkerRuntime", "kv_cache_doc"]
+
+log = logging.getLogger("fleet.worker")
+
+
+def kv_cache_doc(loop: GenerationLoop | None) -> dict[str, Any] | None:
+    """The heartbeat's ``kv_cache``: which KV cache the stable version generates on (``in_place`` or ``concat``),
+    its element type, whether its decode steps replay CUDA graphs (``cuda_graphs``, :mod:`workers.cuda_graph`), and
+    for the in-place one where its slots live and their bytes; None without generation."""
+    if loop is None:
+        return None
+    doc: dict[str, Any] = {"cache": "in_place" if loop.kv.in_place else "concat",
+                           "dtype": np.dtype(loop.decoder.kv_dtype).name, "cuda_graphs": loop.decoder.replays_graphs}
+    slots = getattr(loop.kv, "cache", None)
+    if slots is not None:
+        doc.update(memory="device" if slots.on_device else "host", bytes=slots.nbytes)
+    return doc
+
+
+class WorkerRuntime(RuntimeCounts):
+    """Everything one worker process holds for its one model."""
+
+    def __init__(self, settings: FleetSettings, hostname: str, concurrency: int) -> None:
+        self.settings = settings
+        self.hostname = hostname
+        self.concurrency = concurrency
+        self.model_key = settings.model_key(settings.worker.model)
+        configured: ModelSettings = settings.models[self.model_key]
+        self.queue = settings.queue_for(self.model_key)
+        self.canary_queue = settings.canary_queue_for(self.model_key)
+        if concurrency < configured.batching.max_batch_size:
+            raise ConfigError(
+                f"worker concurrency {concurrency} < models.{self.model_key}.batching.max_batch_size "
+                f"{configured.batching.max_batch_size}: a batch can never exceed the tokens a worker holds; "
+                "raise -c/--concurrency (FLEET_WORKER__CONCURRENCY) or lower max_batch_size",
+                "worker.concurrency",
+                configured.batching.max_batch_size,
+            )
+        self.redis = sync_client(settings, socket_timeout=10)
+        # The desired state in Redis wins over the config: a worker down during a change converges on start.
+        self.reconciler = Reconciler(self.redis, settings, self.model_key, hostname)
+        self.stable: LoadedModel = self.reconciler.initial()
+        self.canary: LoadedModel | None = None
+        self.warmup_ms = self.stable.warmup_ms
+        b = configured.batching
+        self.scheduler = Scheduler(
+            self.stable.engine,
+            BatchPolicy(b.max_batch_size, b.max_wait_ms, b.max_batch_tokens, b.close_when_idle),
+            backlog=self._on_their_way,
+            generation=self.stable.generation,
+            version=self.stable.version,
+            start_together_s=b.start_together_ms / 1000,
+            queued=self._waiting_in_redis,
+        )
+        self._depth_redis = sync_client(  # no retries: a slow or unreachable Redis ends the wait at once
+            settings, socket_timeout=HOLD_DEPTH_TIMEOUT_S, socket_connect_timeout=HOLD_DEPTH_TIMEOUT_S,
+            retry=Retry(NoBackoff(), 0),
+        )
+        self.ready = False
+        self.in_flight = 0
+        self._count_lock = threading.Lock()
+        self.started_unix_s = time.time()
+        self.streams = StreamPublisher(
+            sync_client(settings, socket_timeout=10),
+            ttl_s=settings.result_ttl_s,
+            max_len=self.model.limits.max_new_tokens + 16,
+            max_held_events=settings.worker.stream_hold_events,
+            max_held_bytes=settings.worker.stream_hold_bytes,
+            window_ms=settings.worker.stream_window_ms,
+        )
+        # two deliveries of one generation ID never run at once (workers.run_claims); a claim lives three beats
+        self.run_claims = RunClaims(self.redis, owner=owner_of(hostname), ttl_s=3 * settings.worker.heartbeat_s)
+        # readiness sees a worker that holds work it does not progress (workers.progress)
+        self.progress = WorkerProgress(
+            ProgressWatch(settings.worker.stall_after_s, settings.worker.slot_grace_s, settings.visibility_timeout_s),
+            work_done=self._work_done, queued=self._queued, held=self._held_for_progress,
+        )
+        self.heartbeat = Heartbeat(self.redis, hostname, self.snapshot, settings.worker.heartbeat_s)
+        self.heartbeat.on_beat.append(self.run_claims.renew)
+        # every worker keeps its own queue's name clean, consumed or not (workers.direct_queue)
+        ttl_s = self.heartbeat.ttl_s
+        self.direct_queue = DirectQueue(
+            self.redis, model=self.model_key, hostname=hostname,
+            name=settings.direct_queue_for(self.model_key, hostname), shared=self.queue,
+            linger_s=settings.visibility_timeout_s + restore_interval_s(settings.visibility_timeout_s) + 2 * ttl_s,
+            consumed=consumes_direct_queue(settings, self.model_key),
+        )
+        self.prefix_holder: PrefixHolder | None = None
+        if self.direct_queue.consumed:
+            self._route_by_prefix(hostname)
+        self.heartbeat.on_beat.append(self._routing_beat)
+        self.held = HeldRequests(self.redis, ttl_s=settings.result_ttl_s)
+        """The requests this worker holds: each beat writes back what Redis lost of their bookkeeping."""
+        self.heartbeat.on_beat.append(self.held.restore)
+        self.scheduler.add_outcome_observer(
+            OutcomeWriter(self.redis, self.model_key, lambda: self.reconciler.canary_active)
+        )
+        self.reconciler.attach(self)
+
+    def _route_by_prefix(self, hostname: str) -> None:
+        """Publish the stable prefix cache's digests, for the queue of our own we consume (workers.direct_queue)."""
+        ttl_s = self.heartbeat.ttl_s
+        # the set outlives a few late heartbeats (routers check liveness on their own): a starved heartbeat
+        # thread must not drop what the worker holds
+        self.prefix_holder = PrefixHolder(
+            self.redis, model=self.model_key, hostname=hostname, ttl_s=max(60, 10 * ttl_s)
+        )
+        self._hold_prefixes(self.stable)
+        self.streams.before_end = self.prefix_holder.sync  # a stream's last event, too, after the digests
+
+    def _hold_prefixes(self, loaded: LoadedModel) -> None:
+        """Publish ``loaded``'s prefix cache (the stable role's) from now on; what was published is void."""
+        cache = loaded.generation.prefix_cache if loaded.generation is not None else None
+        if self.prefix_holder is not None and cache is not None:
+            cache.listener = self.prefix_holder
+
+    def _routing_beat(self, expires_unix_s: float) -> None:
+        self.direct_queue.beat(expires_unix_s)
+        if self.prefix_holder is not None:
+            self.prefix_holder.refresh()
+
+    # The stable version's parts, as the pipeline validates requests against them.
+    @property
+    def model(self) -> ModelSettings:
+        """``models.<m>`` of the stable version (``path`` = the file loaded)."""
+        return self.stable.model
+
+    @property
+    def card(self) -> ModelCard:
+        """The stable version's model card."""
+        return self.stable.card
+
+    @property
+    def version(self) -> str:
+        """The stable version (what results of the stable role report)."""
+        return self.stable.version
+
+    @property
+    def engine(self) -> Engine:
+        """The stable engine."""
+        return self.stable.engine
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The stable version's tokenizer (None: generations return ids only)."""
+        return self.stable.tokenizer
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """EOS ids of the stable version."""
+        return self.stable.eos_token_ids
+
+    def swap(self, role: Role, loaded: LoadedModel | None) -> None:
+        """Serve ``role`` with ``loaded`` from the next batch on (None drops the canary).
+
+        The old engine stays referenced by the batch (or generation) running on it and is freed when
+        that ends.
+        """
+        if role == "stable":
+            if loaded is None:
+                raise ValueError("the stable role always has a model")
+            old_loop = self.stable.generation
+            if old_loop is not None and loaded.generation is not None:
+                loaded.generation.observers.extend(old_loop.observers)  # metrics follow the new loop
+            self.scheduler.swap("stable", loaded.engine, loaded.version, loaded.generation)
+            if self.prefix_holder is not None:
+                if old_loop is not None and old_loop.prefix_cache is not None:
+                    old_loop.prefix_cache.listener = None
+                self.prefix_holder.reset()
+                self._hold_prefixes(loaded)
+            self.stable = loaded
+        else:
+            stable_loop = self.stable.generation
+            if loaded is not None and loaded.generation is not None and stable_loop is not None:
+                loaded.generation.observers.extend(stable_loop.observers)  # generation metrics count it too
+            self.scheduler.swap("canary", None if loaded is None else loaded.engine,
+                                "" if loaded is None else loaded.version,
+                                None if loaded is None else loaded.generation)
+            self.canary = loaded
+        self.heartbeat.beat()
+
+    def start(self) -> None:
+        """Start the scheduler thread, publish the model card and the first heartbeat, load a canary
+        the state names, then follow the state (the reconciler thread).
+
+        Raises:
+            ConfigError: a live worker of another process claimed this worker's name first (both started
+                at once; :mod:`workers.namesakes`): nothing was started.
+        """
+        holder = self.heartbeat.claim()
+        if holder is not None:
+            raise ConfigError(namesake_message(self.hostname, holder, self.model_key), "hostname",
+                              "one live worker per name")  # fmt: skip
+        self.scheduler.start()
+        TAKEN_IN_HAND.subscribe(self.scheduler.wake)  # a take that brought nothing ends a wait for company
+        self.streams.start()
+        on_traced(self.streams.stored)  # a generation's stream ends once its result is stored
+        on_traced(self.run_claims.release)
+        self.direct_queue.start()  # what a SIGKILLed predecessor of this name left, before any take
+        if self.prefix_holder is not None:
+            self.prefix_holder.start()
+        try:
+            self.redis.set(CARD_KEY.format(model=self.model_key), self.card.model_dump_json())
+        except redis.RedisError as exc:
+            log.warning("could not publish the model card: %s", exc)
+        self.heartbeat.on_beat.append(self._card_beat)
+        self.heartbeat.start()
+        self.reconciler.start()
+        log.info(
+            "worker %s serves model %s %s from queues %s and %s with %d tokens on %s",
+            self.hostname,
+            self.model_key,
+            self.version,
+            self.queue,
+            self.canary_queue,
+            self.concurrency,
+            self.engine.providers,
+        )
+
+    def _card_beat(self, _expires_unix_s: float) -> None:
+        """Publish the model card again where Redis lost it (a restart without persistence, a flush): producers
+        on machines without the model's files read its tokenizer and limits there. One ``SET NX`` per beat."""
+        self.redis.set(CARD_KEY.format(model=self.model_key), self.card.model_dump_json(), nx=True)
+
+    def mark_ready(self) -> None:
+        """Called once the consumer runs: the worker now takes requests."""
+        self.ready = True
+        self.heartbeat.beat()
+        log.info("worker %s is ready (warm-up %.0f ms)", self.hostname, self.warmup_ms)
+
+    def stop(self) -> None:
+        """Drain the scheduler and withdraw the heartbeat."""
+        self.ready = False
+        self.reconciler.stop()
+        TAKEN_IN_HAND.unsubscribe(self.scheduler.wake)
+        self.scheduler.stop()
+        off_traced(self.streams.stored)
+        off_traced(self.run_claims.release)
+        self.streams.stop()
+        self.heartbeat.stop()
+        if self.prefix_holder is not None:
+            self.prefix_holder.stop()
+        self.direct_queue.withdraw()
+
+    def token_taken(self) -> None:
+        """A task thread took a request off the queue (one token of C is in use)."""
+        with self._count_lock:
+            self.in_flight += 1
+
+    def token_returned(self) -> None:
+        """A task thread finished its request (result written or failure recorded)."""
+        with self._count_lock:
+            self.in_flight -= 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """The heartbeat document (see :mod:`workers.health`); ``ready`` is false while the worker holds
+        work it does not progress (``stalled_s`` >= ``worker.stall_after_s``, :mod:`workers.progress`)."""
+        progress = self.progress.check()
+        return {
+            "hostname": self.hostname,
+            "pid": os.getpid(),
+            "model": self.model_key,
+            "version": self.scheduler.stable.version,
+            "version_since_unix_s": self.scheduler.stable.since_unix_s,
+            "canary_version": self.canary.version if self.canary is not None else None,
+            "last_refusal": self.reconciler.last_refusal,
+            "queue": self.queue,
+            "canary_queue": self.canary_queue,
+            "direct_queue": self.direct_queue.name if self.direct_queue.consumed else None,
+            "providers": self.engine.providers,
+            "nodes": self.engine.placement,
+            "kv_cache": kv_cache_doc(self.scheduler.generation),
+            "ready": self.ready and not progress.stalled,
+            "held": progress.held,
+            "stalled_s": round(progress.stalled_for_s, 1),
+            "overdue_slots": progress.overdue,
+            "warm": self.model.engine.warmup,
+            "concurrency": self.concurrency,
+            "in_flight": self.in_flight,
+            "batches_run": self.scheduler.batches_run,
+            "generating": self.scheduler.generating,
+            "can_generate": self.scheduler.generation is not None,
+            "started_unix_s": self.started_unix_s,
+            "max_batch_size": self.model.batching.max_batch_size,
+        }
