@@ -5,7 +5,7 @@ Requests
     leaves unset takes the model's ``generation_config.json`` default (as every face does), else
     OpenAI's: ``max_tokens`` 16 on ``/v1/completions``, the model's ``limits.max_new_tokens`` on chat
     (a default is cut to what fits beside the prompt), temperature 1.
-    ``temperature`` (0 = greedy), ``top_p``, ``seed`` (default 0: the fleet's
+    ``temperature`` (0 = greedy), ``top_p`` (0 = greedy, as OpenAI allows), ``seed`` (default 0: the fleet's
     sampling is always seeded, so equal requests give equal tokens), ``stop`` (a string or a list)
     map one to one, as do the fleet extensions ``top_k``, ``repetition_penalty``, ``ignore_eos``,
     ``stop_token_ids``. Refused with a 400 naming the field: ``n``/``best_of`` other than 1,
@@ -171,10 +171,11 @@ def generation_params(body: CompletionBody | ChatBody) -> GenerationParams:
         InvalidRequest: a value out of the fleet's range, naming the OpenAI field.
     """
     max_field = max_tokens_field(body)
+    nucleus_of_one = body.top_p == 0  # OpenAI allows 0: the smallest nucleus, the most likely token alone
     fields: dict[str, Any] = {
         "max_new_tokens": getattr(body, max_field),
-        "temperature": body.temperature,
-        "top_p": body.top_p,
+        "temperature": 0.0 if nucleus_of_one else body.temperature,
+        "top_p": None if nucleus_of_one else body.top_p,
         "seed": None if body.seed is None else body.seed % 2**63,  # OpenAI's int64; the fleet's seeds are >= 0
         "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
         "top_k": body.top_k,
@@ -306,7 +307,8 @@ def chat_messages(body: ChatBody) -> list[dict[str, Any]]:
 
     Raises:
         InvalidRequest: a content part that is not text (image, audio, …), a text part without text, no
-            content where OpenAI requires it (every role but ``assistant``), or a tool call, function call,
+            content where OpenAI requires it (every role but ``assistant``), content that is an empty list of
+            parts (OpenAI refuses it for every role), or a tool call, function call,
             audio or refusal in a message (:data:`_NOT_RENDERED`), naming it.
     """
     out = []
@@ -315,6 +317,9 @@ def chat_messages(body: ChatBody) -> list[dict[str, Any]]:
         if message.content is None and message.role != "assistant":  # as OpenAI: only an assistant turn may omit it
             raise InvalidRequest(f"{where}.content is required for a {message.role!r} message",
                                  f"{where}.content", "a string or text parts")  # fmt: skip
+        if message.content == []:  # as OpenAI: a list of parts has at least one
+            raise InvalidRequest(f"{where}.content is an empty array: give a string or at least one text part",
+                                 f"{where}.content", 1)  # fmt: skip
         _refuse_unrendered(message, where)
         item = {"role": message.role, "content": _text_of(message.content, where)}
         for name in ("name", "tool_call_id"):

@@ -57,7 +57,7 @@ class _Sampling(_Body):
         default=None, ge=0, le=2,
         description="0 = greedy. Default: the model's generation_config.json, else 1 (OpenAI's).",
     )  # fmt: skip
-    top_p: RequestFloat | None = Field(default=None, gt=0, le=1)
+    top_p: RequestFloat | None = Field(default=None, ge=0, le=1, description="0 = the most likely token (greedy).")
     n: StrictInt | None = Field(default=None, description="Must be 1.")
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None

@@ -65,7 +65,7 @@ class ResponseBody(BaseModel):
     store: StrictBool | None = Field(default=True, description="Keep the response (api.responses_ttl_s).")
     max_output_tokens: StrictInt | None = Field(default=None, ge=1, description="-> max_new_tokens.")
     temperature: RequestFloat | None = Field(default=None, ge=0, le=2, description="0 = greedy.")
-    top_p: RequestFloat | None = Field(default=None, gt=0, le=1)
+    top_p: RequestFloat | None = Field(default=None, ge=0, le=1, description="0 = the most likely token (greedy).")
     stream: StrictBool | None = False
     metadata: dict[Utf8Str, Utf8Str] | None = Field(default=None, description="Stored and returned as given.")
     user: Utf8Str | None = Field(default=None, description="End-user ID: the sticky key of a canary split.")

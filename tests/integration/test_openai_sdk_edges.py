@@ -131,3 +131,24 @@ def test_the_rest_of_openai_s_responses_fields_are_answered_not_refused_as_unkno
             client.responses.create(model="demo-lm", input="Hi", max_output_tokens=2, **extra)  # type: ignore[arg-type]
         body: dict[str, Any] = info.value.body  # type: ignore[assignment]
         assert body["param"] == param and why in body["message"], body
+
+
+def test_top_p_zero_is_the_most_likely_token_alone(client: openai.OpenAI) -> None:
+    """OpenAI takes ``top_p`` from 0 to 1; 0 keeps the most likely token alone, so its answer is the greedy
+    one whatever the temperature. Before: 400 "top_p: Input should be greater than 0"."""
+    seeded = {"model": "demo-lm", "max_tokens": 12, "seed": 5, "extra_body": {"ignore_eos": True}}
+    greedy = client.completions.create(prompt="Once", temperature=0, **seeded)  # type: ignore[call-overload]
+    nucleus = client.completions.create(prompt="Once", temperature=1.5, top_p=0, **seeded)  # type: ignore[call-overload]
+    hot = client.completions.create(prompt="Once", temperature=1.5, top_p=1, **seeded)  # type: ignore[call-overload]
+    assert nucleus.choices[0].text == greedy.choices[0].text != hot.choices[0].text
+    chat = client.chat.completions.create(model="demo-lm", messages=HI, max_tokens=3, top_p=0)  # type: ignore[arg-type]
+    response = client.responses.create(model="demo-lm", input="Hi", max_output_tokens=3, top_p=0)
+    assert chat.choices[0].finish_reason in ("length", "stop") and response.status in ("completed", "incomplete")
+
+
+def test_message_content_that_is_an_empty_list_is_refused_naming_it(client: openai.OpenAI) -> None:
+    """OpenAI refuses ``content: []`` for every role; before, the gateway rendered it as an empty turn."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="demo-lm", messages=[*HI, {"role": "user", "content": []}], max_tokens=1)  # type: ignore[list-item]
+    body: dict[str, Any] = info.value.body  # type: ignore[assignment]
+    assert body["param"] == "messages[1].content" and "empty array" in body["message"]
