@@ -10,7 +10,7 @@ the store cannot be reached); 2 bad arguments or settings (no store configured, 
     fleet store [--port 8333] [--dir var/seaweedfs]   # SeaweedFS S3 on 127.0.0.1; prints what to export
     fleet models push PATH --name M --version V      # checksums, uploads, manifest last; never overwrites;
                                                      # warns when M is configured here with another card
-    fleet models list [M]                            # models, or M's versions (published / unfinished)
+    fleet models list [M]                            # models, or M's versions (published / unfinished / invalid)
     fleet models show M V                            # the version's manifest
     fleet models fetch M V [--cache-dir DIR]         # download + verify into the cache (what workers do)
 

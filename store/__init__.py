@@ -11,7 +11,8 @@ Layout, in an S3 bucket (any S3 API: AWS, MinIO, Ceph, SeaweedFS) or a local dir
 ::
 
     ModelStore (model_store.py)          publish · versions · manifest · fetch      open_store(settings.store)
-      ├── publish.py   hash → claim (exclusive put) → upload → manifest (exclusive put) → drop claim
+      ├── publish.py   graph vs card → hash → claim (exclusive put) → upload → manifest (exclusive put) → drop claim
+      ├── graph_fit.py whether the ONNX file holds a model graph its card describes (pure)
       ├── fetch.py     manifest → download into .partial → verify each file → marker → rename
       ├── manifest.py  the manifest (pure, frozen, schema_version 1); names and paths checked
       ├── files.py     which files of a folder belong to a model; sha256
@@ -40,7 +41,15 @@ Where the next pieces fit (not built yet):
 from __future__ import annotations
 
 from store.backend import Backend
-from store.errors import ChecksumMismatch, ObjectExists, ObjectMissing, StoreError, VersionExists, VersionNotFound
+from store.errors import (
+    CacheUnwritable,
+    ChecksumMismatch,
+    ObjectExists,
+    ObjectMissing,
+    StoreError,
+    VersionExists,
+    VersionNotFound,
+)
 from store.fetch import fetch
 from store.manifest import Manifest, ManifestFile
 from store.model_store import ModelStore, open_store
@@ -49,6 +58,7 @@ from store.resolve import resolve_model
 
 __all__ = [
     "Backend",
+    "CacheUnwritable",
     "ChecksumMismatch",
     "Manifest",
     "ManifestFile",

@@ -7,7 +7,8 @@
     │   ├── ObjectExists            an exclusive write found the object already there
     │   ├── ObjectMissing           no such object in the store
     │   ├── VersionExists           publishing would overwrite a published (or claimed) version
-    │   └── VersionNotFound         no such model version is published
+    │   ├── VersionNotFound         no such model version is published
+    │   └── CacheUnwritable         the local cache (store.cache_dir) cannot hold a fetched version
     └── ModelLoadError
         └── ChecksumMismatch        a fetched file's sha256 or size is not its manifest's
 
@@ -20,7 +21,10 @@ from __future__ import annotations
 
 from protocol.errors import FleetError, ModelLoadError
 
-__all__ = ["ChecksumMismatch", "ObjectExists", "ObjectMissing", "StoreError", "VersionExists", "VersionNotFound"]
+__all__ = [
+    "CacheUnwritable", "ChecksumMismatch", "ObjectExists", "ObjectMissing", "StoreError", "VersionExists",
+    "VersionNotFound",
+]
 
 
 class StoreError(FleetError):
@@ -51,6 +55,12 @@ class VersionNotFound(StoreError):
     """No manifest is published for this model version."""
 
     code = "version_not_found"
+
+
+class CacheUnwritable(StoreError):
+    """The local cache cannot hold a fetched version (disk full, read-only, a file in the way); names the cache."""
+
+    code = "cache_unwritable"
 
 
 class ChecksumMismatch(ModelLoadError):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from protocol.errors import ModelLoadError
 from store.backend import Backend, ProgressBar, progress_bar
-from store.errors import ChecksumMismatch, ObjectMissing, VersionNotFound
+from store.errors import CacheUnwritable, ChecksumMismatch, ObjectMissing, VersionNotFound
 from store.files import hash_file
 from store.manifest import MANIFEST_NAME, Manifest, ManifestFile, check_name, decode_manifest, manifest_digest
 from store.publish import CLAIM_NAME
@@ -62,6 +62,7 @@ def fetch(
         VersionNotFound: no manifest is published for it (a claim alone: a push is unfinished).
         ChecksumMismatch: a file (or the manifest) is not what the manifest (or ``manifest_sha256``) says.
         ModelLoadError: the manifest is invalid, names another version, or lists a file the store lacks.
+        CacheUnwritable: the cache cannot hold it (disk full, read-only, not a folder); nothing is installed.
         StoreError: the store cannot be reached or refused.
     """
     check_name(model, "model")
@@ -80,6 +81,22 @@ def fetch(
     where = backend.url_of(prefix + MANIFEST_NAME)
     _check_manifest_digest(raw, manifest_sha256, model, version, where)
     manifest = _decoded(raw, model, version, where)
+    try:
+        _download(backend, manifest, raw, final, progress)
+    except OSError as exc:  # the cache's disk: full, read-only, a file where a folder must be
+        raise _unwritable(exc, Path(cache_dir), manifest) from exc
+    log.info("fetched %s %s (%d files, %d bytes) from %s into %s", model, version, len(manifest.files),
+             manifest.total_bytes, backend.location, final)
+    found = cached_model_file(final, model, version, reverify=False, manifest_sha256=manifest_sha256)
+    if found is None:  # another process replaced it between the rename and now
+        raise ModelLoadError(f"{final} changed while it was being installed", "cache_dir", str(final))
+    return found
+
+
+def _download(backend: Backend, manifest: Manifest, raw: bytes, final: Path, progress: ProgressBar | None) -> None:
+    """Download, verify and install ``manifest``'s files as ``final`` (see the module docstring)."""
+    model, version = manifest.model, manifest.version
+    prefix = f"{model}/{version}/"
     final.parent.mkdir(parents=True, exist_ok=True)
     _sweep_partials(final.parent, version)
     partial = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{version}.partial-{os.getpid()}-"))
@@ -104,12 +121,22 @@ def fetch(
         _install(partial, final)
     finally:
         shutil.rmtree(partial, ignore_errors=True)  # gone already when the rename happened
-    log.info("fetched %s %s (%d files, %d bytes) from %s into %s", model, version, len(manifest.files),
-             manifest.total_bytes, backend.location, final)
-    found = cached_model_file(final, model, version, reverify=False, manifest_sha256=manifest_sha256)
-    if found is None:  # another process replaced it between the rename and now
-        raise ModelLoadError(f"{final} changed while it was being installed", "cache_dir", str(final))
-    return found
+
+
+def _unwritable(exc: OSError, cache_dir: Path, manifest: Manifest) -> CacheUnwritable:
+    """The error naming the cache, why the OS refused, and the bytes the version needs against those free."""
+    free = ""
+    for folder in (cache_dir, *cache_dir.parents):
+        if folder.is_dir():
+            free = f", {shutil.disk_usage(folder).free} bytes are free there"
+            break
+    return CacheUnwritable(
+        f"cannot write {manifest.model} {manifest.version} into the cache {cache_dir} (store.cache_dir): "
+        f"{exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}; the version needs "
+        f"{manifest.total_bytes} bytes{free}; nothing of it was installed",
+        "store.cache_dir",
+        str(cache_dir),
+    )
 
 
 def cached_model_file(

@@ -18,6 +18,7 @@ Nothing else: other models' files, caches and the store's own ``manifest.json`` 
 from __future__ import annotations
 
 import hashlib
+import posixpath
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -102,25 +103,25 @@ def read_onnx(model_file: Path) -> onnx.ModelProto:
         raise ModelLoadError(f"{model_file} is not a readable ONNX model: {exc}", "path", str(model_file)) from exc
 
 
-def external_data_files(model_file: Path) -> list[str]:
-    """The external-data files ``model_file``'s graph names (relative to its folder), sorted.
+def external_data_files(model_file: Path, proto: onnx.ModelProto | None = None) -> list[str]:
+    """The external-data files ``model_file``'s graph names (relative to its folder), sorted;
+    ``proto``: the model already read (:func:`read_onnx`), else it is read here.
 
     Raises:
         ModelLoadError: the file is not a readable ONNX model, or names a file outside its folder
             or one that does not exist.
     """
-    proto = read_onnx(model_file)
+    proto = read_onnx(model_file) if proto is None else proto
     names: set[str] = set()
     for tensor in _tensors(proto.graph):
         if tensor.data_location != onnx.TensorProto.EXTERNAL:
             continue
         location = next((e.value for e in tensor.external_data if e.key == "location"), None)
         if location:
-            names.add(location.replace("\\", "/"))
-    folder = model_file.parent.resolve()
-    for name in names:
-        target = (folder / name).resolve()
-        if folder not in target.parents or not target.is_file():
+            names.add(posixpath.normpath(location.replace("\\", "/")))  # "./w.data" is "w.data"
+    folder = model_file.parent
+    for name in names:  # judged by name, not by where a link points: a Hugging Face cache links every file
+        if not _inside(name) or not (folder / name).is_file():
             raise ModelLoadError(
                 f"{model_file} names external data {name!r}, which is not a file inside {folder}",
                 "external_data",
@@ -129,16 +130,27 @@ def external_data_files(model_file: Path) -> list[str]:
     return sorted(names)
 
 
-def select_files(model_file: Path, card: ModelCard) -> ModelFolder:
-    """The files of ``model_file``'s folder that belong to it (see the module docstring), sorted.
+def _inside(name: str) -> bool:
+    """Whether ``name`` names a file inside a model's folder: relative, without ``..``, ``.`` or empty parts.
+
+    By name only, so that a file that is a symbolic link (a Hugging Face cache's snapshot folder links
+    each file to its blob) is taken, as its bytes are what is hashed and uploaded.
+    """
+    parts = name.split("/")
+    return bool(name) and not name.startswith("/") and "\\" not in name and all(p not in ("", ".", "..") for p in parts)
+
+
+def select_files(model_file: Path, card: ModelCard, proto: onnx.ModelProto | None = None) -> ModelFolder:
+    """The files of ``model_file``'s folder that belong to it (see the module docstring), sorted;
+    ``proto``: the model already read, else it is read here.
 
     Raises:
         ModelLoadError: an external-data file is missing or outside the folder; the card names a
-            tokenizer file that is not there.
+            tokenizer file that is not there, or one outside the folder (field ``tokenizer``).
     """
     folder = model_file.parent
     chosen: dict[str, FileRole] = {model_file.name: "model"}
-    chosen.update(dict.fromkeys(external_data_files(model_file), "external_data"))
+    chosen.update(dict.fromkeys(external_data_files(model_file, proto), "external_data"))
     own: list[tuple[Path, FileRole]] = [
         (card_path_for(model_file), "card"),
         (model_file.with_suffix(".report.json"), "report"),
@@ -147,13 +159,21 @@ def select_files(model_file: Path, card: ModelCard) -> ModelFolder:
         if path.is_file():
             chosen[path.name] = role
     if card.tokenizer not in ("byte", "none"):
-        if not (folder / card.tokenizer).is_file():
+        tokenizer = posixpath.normpath(card.tokenizer)
+        if not _inside(tokenizer):
+            raise ModelLoadError(
+                f"card of {model_file.name} names tokenizer {card.tokenizer!r}, outside {folder}: a version "
+                "holds the files of its model's folder only; copy the tokenizer there and name it by its file name",
+                "tokenizer",
+                card.tokenizer,
+            )
+        if not (folder / tokenizer).is_file():
             raise ModelLoadError(
                 f"card of {model_file.name} names tokenizer {card.tokenizer!r}, which is not in {folder}",
                 "tokenizer",
                 card.tokenizer,
             )
-        chosen.setdefault(card.tokenizer, "tokenizer")
+        chosen.setdefault(tokenizer, "tokenizer")
     for name, role in _SHARED.items():
         if (folder / name).is_file():
             chosen.setdefault(name, role)

@@ -83,6 +83,10 @@ class LocalBackend:
         path = self._path(key)
         if not path.is_file():
             raise ObjectMissing(f"{path} does not exist", key, None)
+        try:
+            path.open("rb").close()  # the store's side: what fails after this is the destination's
+        except OSError as exc:
+            raise StoreError(f"cannot read {path}: {exc.strerror or exc}", key, None) from exc
         _copy(path, dest, progress)
 
     def exists(self, key: str) -> bool:

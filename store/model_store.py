@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, ModelLoadError
 from protocol.settings import StoreSettings
 from store.backend import Backend, ProgressBar
 from store.errors import VersionNotFound
@@ -61,14 +61,25 @@ class ModelStore:
 
     def versions(self, model: str) -> list[dict[str, Any]]:
         """Every version folder of ``model`` in natural version order: a published one's summary
-        (``state`` ``published``, ``manifest_sha256``) or ``{"version", "state": "unfinished"}`` for a
-        push that claimed it and has not written its manifest (running, or died)."""
+        (``state`` ``published``, ``manifest_sha256``), ``{"version", "state": "unfinished"}`` for a
+        push that claimed it and has not written its manifest (running, or died), or ``{"version",
+        "state": "invalid", "problem"}`` for a manifest that cannot be read or names another version
+        (written by hand, or damaged): listed, so that one bad folder hides none of the others."""
         check_name(model, "model")
         out: list[dict[str, Any]] = []
         for version in sorted(self.backend.children(f"{model}/"), key=version_sort_key):
             raw = self.backend.read(f"{model}/{version}/{MANIFEST_NAME}")
             if raw is not None:
-                manifest = decode_manifest(raw, self.backend.url_of(f"{model}/{version}/{MANIFEST_NAME}"))
+                where = self.backend.url_of(f"{model}/{version}/{MANIFEST_NAME}")
+                try:
+                    manifest = decode_manifest(raw, where)
+                except ModelLoadError as exc:
+                    out.append({"version": version, "state": "invalid", "problem": str(exc)})
+                    continue
+                if (manifest.model, manifest.version) != (model, version):
+                    problem = f"manifest {where} describes {manifest.model} {manifest.version}"
+                    out.append({"version": version, "state": "invalid", "problem": problem})
+                    continue
                 out.append({**manifest.summary(), "state": "published", "manifest_sha256": manifest_digest(raw)})
             elif self.backend.exists(f"{model}/{version}/{CLAIM_NAME}"):
                 out.append({"version": version, "state": "unfinished"})

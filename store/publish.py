@@ -1,11 +1,15 @@
 """Publishing a model folder as a version: checksum, claim, upload, then the manifest last.
 
-1. Refuse when ``<model>/<version>/manifest.json`` exists: published versions are immutable.
+1. Refuse a file that holds no model graph, or whose graph contradicts its card
+   (:mod:`store.graph_fit`), and refuse when ``<model>/<version>/manifest.json`` exists: published
+   versions are immutable.
 2. Hash every file that belongs to the model (:mod:`store.files`) and build the manifest.
 3. Claim the version: an exclusive write of ``<model>/<version>/.publishing.json`` (who, when). Two
    pushes of one version race here, and exactly one wins (on a server with conditional puts; see
    :mod:`store.s3`). The loser is refused with :class:`VersionExists` naming the holder. A push that
    died leaves its claim and no manifest: ``takeover=True`` replaces such an unfinished version.
+   Then the manifest is looked for again: a push that finished (and dropped its claim) while this one
+   was hashing has published the version, and this one stops before it uploads a byte.
 4. Upload the files (each one's stored size is checked).
 5. Write the manifest, exclusively: the moment it exists the version is published and complete.
 6. Drop the claim.
@@ -22,11 +26,16 @@ import socket
 import time
 from pathlib import Path
 
-from protocol.modelcard import load_card
+import onnx
+from pydantic import ValidationError
+
+from protocol.errors import ModelLoadError
+from protocol.modelcard import ModelCard, load_card
 from store.backend import Backend, ProgressBar, progress_bar
 from store.errors import ObjectExists, StoreError, VersionExists
-from store.files import hash_file, model_file_in, select_files
-from store.manifest import MANIFEST_NAME, Manifest, ManifestFile, check_name, encode_manifest
+from store.files import hash_file, model_file_in, read_onnx, select_files
+from store.graph_fit import graph_mismatches
+from store.manifest import MANIFEST_NAME, FileRole, Manifest, ManifestFile, check_name, encode_manifest
 
 __all__ = ["CLAIM_NAME", "default_publisher", "publish"]
 
@@ -60,30 +69,45 @@ def publish(
 
     Raises:
         InvalidRequest: a bad name or path; the card's precision is unknown.
-        ModelLoadError: the model, its card or a file it names cannot be read.
-        VersionExists: the version is published, or another push holds its claim (without ``takeover``).
+        ModelLoadError: the model, its card or a file it names cannot be read; the file holds no model
+            graph (field ``path``), or its graph contradicts its card (field: the card's, e.g. ``vocab_size``);
+            a file it names cannot be published (a tokenizer outside its folder).
+        VersionExists: the version is published (before this push, or by one that finished while this one
+            hashed), or another push holds its claim (without ``takeover``).
         StoreError: the store cannot be reached or refused; an upload's stored size is wrong.
     """
     check_name(model, "model")
     check_name(version, "version")
     model_file = model_file_in(Path(path))
     card = load_card(model_file)
+    proto = read_onnx(model_file)
+    _check_graph(model_file, proto, card)
     prefix = f"{model}/{version}/"
     if backend.exists(prefix + MANIFEST_NAME):
         raise _published(backend, model, version)
     folder = model_file.parent
-    selected = select_files(model_file, card)
+    selected = select_files(model_file, card, proto)
+    del proto  # the graph (weights included when they are inside the file) is not needed while uploading
     total = sum((folder / rel).stat().st_size for rel, _ in selected)
     entries: list[ManifestFile] = []
     with progress_bar(progress, f"sha256 {model} {version}", total) as advance:
         for rel, role in selected:
             sha256, size = hash_file(folder / rel, advance)
-            entries.append(ManifestFile(path=rel, role=role, sha256=sha256, size_bytes=size))
+            entries.append(_entry(model_file, rel, role, sha256, size))
     who = created_by or default_publisher()
-    manifest = Manifest.build(
-        model=model, version=version, card=card, files=entries, created_by=who, now_unix_s=time.time()
-    )
+    try:
+        manifest = Manifest.build(
+            model=model, version=version, card=card, files=entries, created_by=who, now_unix_s=time.time()
+        )
+    except ValidationError as exc:  # e.g. a tokenizer or external-data file named like a dot-file
+        raise ModelLoadError(f"{model_file}: its files cannot be published: {_problems(exc)}", "files",
+                             str(folder)) from None
     _claim(backend, prefix, model, version, manifest, takeover=takeover)
+    if backend.exists(prefix + MANIFEST_NAME):
+        # a push that finished between the check above and this claim (it dropped its own claim): uploading
+        # now would overwrite the files of a published version
+        backend.delete(prefix + CLAIM_NAME)
+        raise _published(backend, model, version, meanwhile=True)
     with progress_bar(progress, f"upload {model} {version}", manifest.total_bytes) as advance:
         for entry in manifest.files:
             stored = backend.upload(prefix + entry.path, folder / entry.path, advance)
@@ -100,6 +124,38 @@ def publish(
         raise _published(backend, model, version, meanwhile=True) from None
     backend.delete(prefix + CLAIM_NAME)
     return manifest
+
+
+def _check_graph(model_file: Path, proto: onnx.ModelProto, card: ModelCard) -> None:
+    """Refuse a file that holds no model graph, or whose graph contradicts its card (:mod:`store.graph_fit`)."""
+    found = graph_mismatches(proto, card)
+    if not found:
+        return
+    if found[0].field == "graph":
+        raise ModelLoadError(
+            f"{model_file} is not an ONNX model: its graph has {found[0].graph_value} (an empty or truncated "
+            "file?); nothing was published",
+            "path",
+            str(model_file),
+        )
+    raise ModelLoadError(
+        f"the card of {model_file} contradicts its graph: " + "; ".join(m.describe() for m in found)
+        + "; fix the card (a published version never changes); nothing was published",
+        found[0].field,
+        found[0].graph_value,
+    )
+
+
+def _entry(model_file: Path, rel: str, role: FileRole, sha256: str, size: int) -> ManifestFile:
+    try:
+        return ManifestFile(path=rel, role=role, sha256=sha256, size_bytes=size)
+    except ValidationError as exc:
+        raise ModelLoadError(f"{model_file}: the {role} file {rel!r} cannot be published: {_problems(exc)}",
+                             role, rel) from None
+
+
+def _problems(exc: ValidationError) -> str:
+    return "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
 
 
 def _claim(backend: Backend, prefix: str, model: str, version: str, manifest: Manifest, *, takeover: bool) -> None:
