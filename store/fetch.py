@@ -32,7 +32,7 @@ from store.files import hash_file
 from store.manifest import MANIFEST_NAME, Manifest, ManifestFile, check_name, decode_manifest, manifest_digest
 from store.publish import CLAIM_NAME
 
-__all__ = ["MARKER_NAME", "cached_model_file", "fetch"]
+__all__ = ["MARKER_NAME", "cached_model_file", "fetch", "process_token"]
 
 log = logging.getLogger("fleet.store")
 
@@ -99,7 +99,7 @@ def _download(backend: Backend, manifest: Manifest, raw: bytes, final: Path, pro
     prefix = f"{model}/{version}/"
     final.parent.mkdir(parents=True, exist_ok=True)
     _sweep_partials(final.parent, version)
-    partial = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{version}.partial-{os.getpid()}-"))
+    partial = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{version}.partial-{process_token()}-"))
     try:
         with progress_bar(progress, f"fetch {model} {version}", manifest.total_bytes) as advance:
             for entry in manifest.files:
@@ -231,7 +231,7 @@ def _install(partial: Path, final: Path) -> None:
 
 def _remove(folder: Path) -> None:
     """Move ``folder`` aside (one rename, so it vanishes at once for readers) and delete it."""
-    aside = folder.with_name(f".{folder.name}.stale-{os.getpid()}-{time.monotonic_ns()}")
+    aside = folder.with_name(f".{folder.name}.stale-{process_token()}-{time.monotonic_ns()}")
     try:
         folder.rename(aside)
     except OSError:
@@ -240,19 +240,43 @@ def _remove(folder: Path) -> None:
 
 
 def _sweep_partials(parent: Path, version: str) -> None:
-    """Delete partial and stale folders of ``version`` left by processes that are gone."""
+    """Delete partial and stale folders of ``version`` left by processes that are gone.
+
+    A folder names its process as ``<pid>_<start>`` (:func:`process_token`): a worker restarted in a container
+    gets the pid of the one that died there (1, or another small number), and by the pid alone it took
+    that one's leftovers for its own, in progress, and never deleted them (the volume filled up over
+    restarts). A name of the older form, ``<pid>`` alone, is judged by the pid."""
     for entry in parent.glob(f".{version}.*-*-*"):
-        pid = entry.name.split("-")[-2] if entry.name.count("-") >= 2 else ""
-        if not pid.isdigit() or _alive(int(pid)):
+        owner = entry.name.split("-")[-2] if entry.name.count("-") >= 2 else ""
+        pid, _, start = owner.partition("_")
+        if not pid.isdigit() or _alive(int(pid), start):
             continue
         shutil.rmtree(entry, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def process_token() -> str:
+    """This process as a folder name records it: ``<pid>_<start>``, its start time in clock ticks after boot
+    (``/proc/<pid>/stat``; empty where there is no ``/proc``)."""
+    return f"{os.getpid()}_{_start_ticks(os.getpid()) or ''}"
+
+
+def _start_ticks(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks after boot, field 22 of ``/proc/<pid>/stat``); None when unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()  # the command name, in parentheses, may hold spaces
+    return fields[19] if len(fields) > 19 else None
+
+
+def _alive(pid: int, start: str = "") -> bool:
+    """Whether the process that wrote a folder lives: ``pid`` runs and, where the name recorded it, started when
+    the name says (else the pid is another process's now)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's process
         return True
-    return True
+    return not start or _start_ticks(pid) in (None, start)

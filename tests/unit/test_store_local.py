@@ -21,7 +21,7 @@ from protocol.errors import InvalidRequest, ModelLoadError
 from protocol.settings import load_settings
 from store import ChecksumMismatch, ModelStore, VersionExists, VersionNotFound, resolve_model
 from store.backend import Progress
-from store.fetch import MARKER_NAME
+from store.fetch import MARKER_NAME, process_token
 from store.local import LocalBackend
 from store.publish import CLAIM_NAME
 
@@ -242,3 +242,20 @@ def test_the_worker_hook_resolves_a_store_version_to_the_verified_copy(
     assert resolved.version == "1.2.3" and resolved.path.is_file()
     assert resolve_model(settings, "plain") is settings.models["plain"]  # no store version: untouched
     assert os.path.samefile(resolve_model(settings, "tiny", version="1.2.3").path, resolved.path)
+
+
+def test_leftovers_of_an_earlier_process_with_this_pid_are_swept(
+    store: ModelStore, model: Path, tmp_path: Path
+) -> None:
+    """A worker restarted in a container gets the pid of the one that died there; its leftovers are swept. Before,
+    a folder named by the pid alone looked like this process's own fetch in progress and was kept for good."""
+    store.push(model, "tiny", "1.2.3")
+    folder = tmp_path / "cache" / "tiny"
+    own = process_token()
+    earlier = folder / f".1.2.3.partial-{os.getpid()}_1-abc"  # this pid, started at another time
+    running = folder / f".1.2.3.partial-{own}-def"  # this very process (another thread's fetch)
+    for leftover in (earlier, running):
+        leftover.mkdir(parents=True)
+    store.fetch("tiny", "1.2.3")
+    assert not earlier.exists() and running.exists()
+    assert own.split("_")[1].isdigit()  # Linux: the start time is known
