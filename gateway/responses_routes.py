@@ -14,7 +14,9 @@ true) the answer is kept in Redis for ``api.responses_ttl_s`` (:mod:`gateway.res
 gateway process retrieves it or continues the conversation. ``usage.input_tokens`` is the whole
 rendered prompt, history included. The response's ID is ``resp_<request ID>`` (``X-Request-ID``
 names the fleet request, pollable with ``GET /v1/requests/{id}``). An unknown, deleted or expired
-``previous_response_id`` is a 404 in OpenAI's error shape, naming ``previous_response_id``.
+``previous_response_id`` is a 404 in OpenAI's error shape, naming ``previous_response_id``; one still queued or
+running a 400. A turn cancelled mid-way by another caller is answered ``cancelled`` (streamed: an ``error``
+event) and not stored.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ from gateway.responses_schema import ResponseBody, check_supported, input_messag
 from gateway.responses_store import StoredResponse, delete_response, load_response, not_found, save_response
 from gateway.sse import EventStream
 from gateway.stream_relay import relay_events
+from gateway.views import read_view
+from producer.results import RequestStatus
 from protocol.errors import FleetError, InvalidRequest, NoLiveWorker
 from protocol.messages import InferenceRequest, Usage
 
@@ -75,9 +79,10 @@ class _Turn:
         self.input_items = [message_item(f"msg_{rid}_in{i}", m) for i, m in enumerate(self.before)]
 
     def response(self, status: str, text: str | None, usage: Usage | None, reason: str | None) -> dict[str, Any]:
-        """The response object (``status`` in_progress, completed or incomplete)."""
+        """The response object (``status`` in_progress, completed, incomplete or cancelled)."""
         b = self.body
-        output = [] if text is None else [output_message(f"msg_{self.rid}", text, status)]
+        item_status = "incomplete" if status == "cancelled" else status  # an output item is never "cancelled"
+        output = [] if text is None else [output_message(f"msg_{self.rid}", text, item_status)]
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
@@ -90,8 +95,13 @@ class _Turn:
             "metadata": b.metadata or {}, "usage": _usage(usage) if usage is not None else None,
         }  # fmt: skip
 
-    def finished(self, text: str, usage: Usage | None, fleet_reason: Any) -> tuple[dict[str, Any], StoredResponse]:
-        """The final response object and the document that stores it."""
+    def finished(
+        self, text: str, usage: Usage | None, fleet_reason: Any
+    ) -> tuple[dict[str, Any], StoredResponse | None]:
+        """The final response object and the document that stores it; None for a turn cancelled mid-way
+        (``DELETE /v1/requests/{id}``, ``fleet cancel``): its half answer is no conversation to continue."""
+        if fleet_reason == "cancelled":
+            return self.response("cancelled", text, usage, fleet_reason), None
         status = "incomplete" if finish_reason(fleet_reason) == "length" else "completed"
         answer = self.response(status, text, usage, fleet_reason)
         history = [*self.before, {"role": "assistant", "content": text}]
@@ -125,17 +135,34 @@ def _build_turn(gw: Gateway, chat: ChatBody) -> InferenceRequest:
         raise rename_field(exc, FIELD_NAMES) from exc
 
 
+async def _history_of(gw: Gateway, response_id: str) -> list[dict[str, str]]:
+    """The stored conversation that ``previous_response_id`` continues.
+
+    Raises:
+        RequestNotFound: none is stored (never, deleted, expired); field ``previous_response_id`` (404).
+        InvalidRequest: its turn is still queued or running (a response is stored once it ends); same field.
+    """
+    previous = await load_response(gw.aredis, response_id)
+    if previous is not None:
+        return previous["history"]
+    rid = response_id.removeprefix("resp_")
+    if rid != response_id and rid:
+        try:
+            status = (await read_view(gw.fleet, gw.aredis, rid))[0].status
+        except FleetError:  # never submitted, expired, or a result that does not decode: not in progress
+            status = RequestStatus.NOT_FOUND
+        if status in (RequestStatus.QUEUED, RequestStatus.RUNNING):
+            raise InvalidRequest(f"previous_response_id {response_id!r} is still {status}: a response is stored, "
+                                 "and can be continued, once it has ended", "previous_response_id", None)  # fmt: skip
+    raise not_found(response_id, "previous_response_id")
+
+
 @router.post("/v1/responses")
 async def create_response(body: ResponseBody, rate_key: CallerDep, gw: GatewayDep, http: Request) -> Response:
     """Answer ``input`` after ``instructions`` and the stored conversation of ``previous_response_id``."""
     check_supported(body)
     new = input_messages(body)
-    history: list[dict[str, str]] = []
-    if body.previous_response_id is not None:
-        previous = await load_response(gw.aredis, body.previous_response_id)
-        if previous is None:
-            raise not_found(body.previous_response_id, "previous_response_id")
-        history = previous["history"]
+    history = [] if body.previous_response_id is None else await _history_of(gw, body.previous_response_id)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     chat = _as_chat(body, system + history + new)
     request = await run_in_threadpool(_build_turn, gw, chat)
@@ -154,7 +181,7 @@ async def create_response(body: ResponseBody, rate_key: CallerDep, gw: GatewayDe
         return fleet_error_response(FleetError(f"request {rid} returned no text", "tokenizer"), openai=True,
                                     headers=headers)  # fmt: skip
     answer, doc = turn.finished(gen.text, gen.usage, gen.finish_reason)
-    if body.store is not False:
+    if doc is not None and body.store is not False:
         await save_response(gw.aredis, doc, gw.settings.api.responses_ttl_s)
     return JSONResponse(answer, headers=headers)
 
@@ -193,13 +220,14 @@ async def _events(gw: Gateway, turn: _Turn, model: str, ended: list[bool]) -> As
             if event.type == "final":
                 ended.append(True)
                 answer, doc = turn.finished("".join(texts), event.usage, event.finish_reason)
+                if doc is None:  # no Responses event ends a cancelled stream: say so as a failure
+                    yield _event("error", seq, code="cancelled", param=None,
+                                 message=f"request {turn.rid} was cancelled before it finished; not stored")
+                    return
                 if turn.body.store is not False:
                     await save_response(gw.aredis, doc, gw.settings.api.responses_ttl_s)
-                part = answer["output"][0]["content"][0]
-                yield _event("response.output_text.done", seq, **where, text=part["text"], logprobs=[])
-                yield _event("response.content_part.done", seq, **where, part=part)
-                yield _event("response.output_item.done", seq, output_index=0, item=answer["output"][0])
-                yield _event(f"response.{answer['status']}", seq, response=answer)
+                for frame in _closing(answer, where, seq):
+                    yield frame
                 return
     except NoLiveWorker as exc:  # an error event naming the model; the request is cancelled
         ended.append(True)
@@ -209,6 +237,17 @@ async def _events(gw: Gateway, turn: _Turn, model: str, ended: list[bool]) -> As
         ended.append(True)
         err = openai_error_of(relay_error(exc, turn.rid))["error"]
         yield _event("error", seq, code=err["code"], message=err["message"], param=err["param"])
+
+
+def _closing(answer: dict[str, Any], where: dict[str, Any], seq: list[int]) -> list[bytes]:
+    """The events that end a streamed turn: its text, part and item done, then ``response.<status>``."""
+    part = answer["output"][0]["content"][0]
+    return [
+        _event("response.output_text.done", seq, **where, text=part["text"], logprobs=[]),
+        _event("response.content_part.done", seq, **where, part=part),
+        _event("response.output_item.done", seq, output_index=0, item=answer["output"][0]),
+        _event(f"response.{answer['status']}", seq, response=answer),
+    ]
 
 
 ResponseId = Annotated[str, PathParam(max_length=200)]
