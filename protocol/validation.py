@@ -111,8 +111,9 @@ def check_generation_room(prompt_tokens: int, max_new_tokens: int, *, max_positi
     (``max_positions``, the card's) and the worker's KV budget (``max_kv_tokens`` tokens).
 
     Raises:
-        InvalidRequest: naming ``output.generation.max_new_tokens`` with the most that fits as its limit
-            (0: the prompt leaves no room for one generated token).
+        InvalidRequest: naming ``output.generation.max_new_tokens`` with the most that fits as its limit; or,
+            where the prompt leaves no room for one generated token, naming ``input_ids`` (the prompt is what
+            must change) with the longest prompt that leaves room for one as its limit.
     """
     total = prompt_tokens + max_new_tokens
     for bound, what in ((max_positions, "the model's max_positions"), (max_kv_tokens, "the worker's KV budget "
@@ -124,7 +125,7 @@ def check_generation_room(prompt_tokens: int, max_new_tokens: int, *, max_positi
             raise InvalidRequest(
                 f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds {what}="
                 f"{bound}: {hint}",
-                "output.generation.max_new_tokens",
-                room,
+                "output.generation.max_new_tokens" if room else "input_ids",
+                room if room else bound - 1,
             )
 

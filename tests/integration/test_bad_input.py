@@ -54,7 +54,9 @@ def test_a_generation_that_cannot_fit_is_refused_by_the_client(fleet: Fleet) -> 
     for ids, generation, room in (([1] * 60, {"max_new_tokens": 10}, 4), ([1] * 64, {}, 0), ([1] * 100, {}, 0)):
         with pytest.raises(InvalidRequest) as info:
             client.submit("demo-lm", ids, generation=generation)
-        assert (info.value.field, info.value.limit) == ("output.generation.max_new_tokens", room), info.value
+        # a prompt that leaves no room is what must change: named, with the longest that leaves room for one
+        named = ("output.generation.max_new_tokens", room) if room else ("input_ids", 63)
+        assert (info.value.field, info.value.limit) == named, info.value
         assert "max_kv_tokens=64" in str(info.value) and ("no room" in str(info.value)) == (room == 0)
     assert redis.Redis.from_url(fleet.redis_url).llen("fleet.demo-lm") == 0
     assert client.submit("demo-lm", [1] * 60, generation={})  # the default is cut to the 4 that fit

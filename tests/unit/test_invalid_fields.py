@@ -75,3 +75,20 @@ def test_an_error_from_a_bound_carries_the_bound_as_its_limit() -> None:
         CompletionBody.model_validate({"model": "m", "prompt": "x", "temperature": 3})
     assert limit_of(info.value.errors()[0]) == 2
     assert limit_of({"msg": "x"}) is None
+
+
+def test_a_generation_that_does_not_fit_names_what_must_change() -> None:
+    """Too many tokens asked: ``max_new_tokens`` is named with what fits. A prompt that leaves no room for one
+    token: the prompt is named (each face renames ``input_ids``: ``prompt``, ``messages``, ``input``) with the
+    longest that leaves room; before, the caller was told to change a ``max_tokens`` it may never have sent."""
+    from protocol.errors import InvalidRequest
+    from protocol.validation import check_generation_room
+
+    with pytest.raises(InvalidRequest) as info:
+        check_generation_room(60, 10, max_positions=512, max_kv_tokens=64)
+    assert (info.value.field, info.value.limit) == ("output.generation.max_new_tokens", 4)
+    for prompt in (64, 100):
+        with pytest.raises(InvalidRequest, match="no room for one: it must be shorter than 64 tokens") as info:
+            check_generation_room(prompt, 1, max_positions=512, max_kv_tokens=64)
+        assert (info.value.field, info.value.limit) == ("input_ids", 63)
+    check_generation_room(63, 1, max_positions=512, max_kv_tokens=64)  # fits: nothing raised
