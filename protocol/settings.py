@@ -595,7 +595,7 @@ class FleetSettings(BaseSettings):
         default=3600,
         ge=1,
         description="Redis broker: an unacked request is redelivered after this long (s). Must exceed the "
-        "longest queue wait + inference.",
+        "longest one-step batch wait + inference; a generation's worker renews it at each heartbeat while it runs.",
     )
     models: dict[str, ModelSettings] = Field(default_factory=dict)
     worker: WorkerSettings = Field(default_factory=WorkerSettings)

@@ -52,7 +52,7 @@ from prometheus_client.registry import Collector
 from protocol.keys import RESULT_KEY, RUN_KEY
 from workers.stream_write_script import bytes_to_text
 
-__all__ = ["CLAIM_SCRIPT", "RENEW_SCRIPT", "RunClaims", "RunClaimsCollector", "WaitAbandoned", "owner_of"]
+__all__ = ["CLAIM_SCRIPT", "RENEW_SCRIPT", "Delivery", "RunClaims", "RunClaimsCollector", "WaitAbandoned", "owner_of"]
 
 log = logging.getLogger("fleet.worker")
 
@@ -82,20 +82,27 @@ holder). Returns ``['stored', status]`` (a terminal outcome is stored: run nothi
 
 RENEW_SCRIPT = """
 local lost = {}
-for i, key in ipairs(KEYS) do
-  local holder = redis.call('GET', key)
+local claims = tonumber(ARGV[3])
+for i = 1, claims do
+  local holder = redis.call('GET', KEYS[i])
   if holder == ARGV[1] then
-    redis.call('PEXPIRE', key, ARGV[2])
+    redis.call('PEXPIRE', KEYS[i], ARGV[2])
   elseif not holder then
-    redis.call('SET', key, ARGV[1], 'PX', ARGV[2])
+    redis.call('SET', KEYS[i], ARGV[1], 'PX', ARGV[2])
   else
     table.insert(lost, i)
   end
 end
+for i = claims + 1, #KEYS do
+  redis.call('ZADD', KEYS[i], 'XX', ARGV[4], ARGV[i - claims + 4])
+end
 return lost
 """
-"""Renew this process's claims. KEYS: their run keys; ARGV: the owner string, the life (ms). A claim
-Redis lost is written again; returns the (1-based) positions of those another owner holds now."""
+"""Renew this process's claims and the visibility of its deliveries. KEYS: the claims' run keys, then one
+kombu unacked index per delivery; ARGV: the owner string, the claims' life (ms), the number of run keys,
+now (unix s), then the deliveries' tags. A claim Redis lost is written again; a delivery's index score
+becomes now where the entry still exists (``XX``: one acked or restored meanwhile is not written back).
+Returns the (1-based) positions of the claims another owner holds now."""
 
 
 def owner_of(hostname: str) -> str:
@@ -123,6 +130,15 @@ class _Wait:
     vanished_logged: bool = False
 
 
+@dataclass(frozen=True)
+class Delivery:
+    """Where kombu keeps one delivery's unacked entry: the index (a sorted set scored by delivery time, unix s,
+    which the visibility-timeout restore scans) and the delivery's tag."""
+
+    index_key: str
+    tag: str
+
+
 class WaitAbandoned(Exception):
     """A delivery waiting on another's claim stopped waiting: its worker is shutting down (warm). Its message is
     to go back to the queue (requeued), where a worker that stays takes it up."""
@@ -145,6 +161,8 @@ class RunClaims:
         self._sleep = sleep
         self._clock = clock
         self._held: set[str] = set()
+        self._visible: dict[str, tuple[str, str]] = {}
+        """Delivery tag → (request ID, unacked index key) of the deliveries whose visibility each beat renews."""
         self._waiting: dict[str, int] = {}
         """Request ID → deliveries of it waiting here now."""
         self._lock = threading.Lock()
@@ -175,9 +193,14 @@ class RunClaims:
         with self._lock:
             return sorted(self._held)
 
-    def acquire(self, request_id: str, on_wait: Callable[[], None] | None = None) -> bool:
+    def acquire(self, request_id: str, on_wait: Callable[[], None] | None = None,
+                delivery: Delivery | None = None) -> bool:  # fmt: skip
         """Claim ``request_id`` for this delivery, waiting while another delivery holds it (``on_wait`` is
-        called once when the wait starts).
+        called once when the wait starts). While the delivery waits here or runs the generation, each
+        heartbeat renews its ``delivery``'s visibility (:meth:`renew`): kombu restores a message held past
+        ``visibility_timeout_s`` to the queue, and a generation that runs longer (or a copy waiting for one)
+        was delivered again once per timeout, each copy holding a worker token; a worker that dies stops
+        renewing, and its message comes back one timeout after its last beat.
 
         Returns True when this delivery is to run the generation (its claim renewed until :meth:`release`),
         False when the request's outcome is stored (run, store and stream nothing). Redis not answering is
@@ -191,6 +214,10 @@ class RunClaims:
         """
         keys = [RESULT_KEY.format(id=request_id), RUN_KEY.format(id=request_id)]
         wait = _Wait()
+        runs = False
+        if delivery is not None:
+            with self._lock:
+                self._visible[delivery.tag] = (request_id, delivery.index_key)
         try:
             while True:
                 asked_s = self._clock()
@@ -203,7 +230,8 @@ class RunClaims:
                     self._sleep(self.poll_s)
                     continue
                 if reply[0] == "claimed":
-                    return self._claimed(request_id, wait.holder)
+                    runs = self._claimed(request_id, wait.holder)
+                    return runs
                 if reply[0] == "stored":
                     self._skip(request_id, reply[1], wait.holder)
                     return False
@@ -218,10 +246,14 @@ class RunClaims:
                 self._refused_logged = True
                 log.warning("Redis refused the run-claim script (%s): generations run without a claim, so two "
                             "deliveries of one ID can run at once", exc)  # fmt: skip
-            return True
+            runs = True
+            return runs
         finally:
             if wait.counted:
                 self._stop_waiting(request_id)
+            if delivery is not None and not runs:  # acked without running, or back to the queue: not renewed
+                with self._lock:
+                    self._visible.pop(delivery.tag, None)
 
     def _wait_on(self, request_id: str, reply: list[str], wait: _Wait, asked_s: float,
                  on_wait: Callable[[], None] | None) -> None:  # fmt: skip
@@ -283,18 +315,25 @@ class RunClaims:
         which lapses within its life; a trace hook (:func:`workers.trace_guard.on_traced`), so no Redis."""
         with self._lock:
             self._held.discard(request_id)
+            for tag in [tag for tag, (rid, _) in self._visible.items() if rid == request_id]:
+                del self._visible[tag]
 
     def renew(self, _expires_unix_s: float = 0.0) -> None:
-        """Renew every claim this process holds, in one round trip (a heartbeat hook: the argument is not
-        used); logs a claim that another owner holds now (both deliveries then run).
+        """Renew every claim this process holds and the visibility of every delivery that runs or waits here,
+        in one round trip (a heartbeat hook: the argument is not used); logs a claim that another owner holds
+        now (both deliveries then run).
 
         Raises:
             redis.RedisError: Redis did not answer, or refused (the heartbeat logs it; the next beat tries again).
         """
         held = self.held()
-        if not held:
+        with self._lock:
+            visible = list(self._visible.items())
+        if not held and not visible:
             return
-        lost = self._renew_script(keys=[RUN_KEY.format(id=rid) for rid in held], args=[self.owner, self.ttl_ms])
+        keys = [RUN_KEY.format(id=rid) for rid in held] + [index_key for _, (_, index_key) in visible]
+        args = [self.owner, self.ttl_ms, len(held), repr(time.time()), *(tag for tag, _ in visible)]
+        lost = self._renew_script(keys=keys, args=args)
         for position in lost or []:
             self.release(held[int(position) - 1])  # logged once: not renewed from here on
             log.warning("generation %s: its claim lapsed (this worker's heartbeat was late by more than %.1f s) and "

@@ -21,6 +21,7 @@ from celery import Celery, Task, signals
 from celery.exceptions import Ignore, Reject
 
 from broker import CANCEL_MARKS
+from broker.store_ack import ACKS, delivery_tag_of
 from protocol.celeryconf import consumes_direct_queue
 from protocol.errors import (
     DecodeError,
@@ -36,7 +37,7 @@ from protocol.messages import (
 from protocol.settings import FleetSettings
 from workers.bulk import handle_bulk
 from workers.pipeline import handle_request
-from workers.run_claims import WaitAbandoned
+from workers.run_claims import Delivery, WaitAbandoned
 from workers.runtime import WorkerRuntime, current_runtime
 from workers.scheduler import Role
 from workers.stream_publisher import asks_to_generate
@@ -80,7 +81,7 @@ def register_tasks(app: Celery) -> None:
         if asks_to_generate(payload):
             request_id = str(self.request.id)
             try:
-                claimed = _claimed(runtime, request_id)  # waits while another delivery runs it
+                claimed = _claimed(runtime, request_id, _delivery_of(self))  # waits while another delivery runs it
             except WaitAbandoned as exc:  # a warm shutdown: back to the queue, for a worker that stays
                 raise Reject(str(exc), requeue=True) from exc
             if not claimed:
@@ -109,7 +110,15 @@ def register_tasks(app: Celery) -> None:
         )
 
 
-def _claimed(runtime: WorkerRuntime, request_id: str) -> bool:
+def _delivery_of(task: Task) -> Delivery | None:
+    """Where the task's message is held unacked, when this worker's channel noted it (:mod:`broker.store_ack`;
+    not with a ``global_keyprefix``)."""
+    tag = delivery_tag_of(task.request)
+    keys = ACKS.keys_for(tag) if tag else None
+    return Delivery(index_key=keys[1], tag=tag) if keys and tag else None
+
+
+def _claimed(runtime: WorkerRuntime, request_id: str, delivery: Delivery | None = None) -> bool:
     """Claim generation ``request_id`` for this delivery (:meth:`workers.run_claims.RunClaims.acquire`): False
     when its outcome is stored. A delivery that waited for another's claim is no request on its way to a batch
     (:meth:`Scheduler.seen <workers.scheduler.Scheduler.seen>`, the scheduler woken so a wait for company ends),
@@ -122,7 +131,7 @@ def _claimed(runtime: WorkerRuntime, request_id: str) -> bool:
         runtime.scheduler.seen(request_id)
         runtime.scheduler.wake()
 
-    if not runtime.run_claims.acquire(request_id, on_wait=on_wait):
+    if not runtime.run_claims.acquire(request_id, on_wait=on_wait, delivery=delivery):
         return False
     if waited:
         CANCEL_MARKS.take(request_id)

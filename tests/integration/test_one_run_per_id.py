@@ -316,15 +316,17 @@ def test_a_copy_waiting_on_its_own_worker_s_generation_leaves_that_generation_in
         worker.log_tail)  # fmt: skip
 
 
-def test_a_generation_outliving_the_visibility_timeout_is_not_dead_lettered_while_its_holder_runs_it(
+def test_a_generation_restored_while_its_holder_runs_it_is_not_dead_lettered(
     fleet: Fleet, redis_server: EmbeddedRedis, endless_decoder: Path
 ) -> None:
-    """A generation runs past ``visibility_timeout_s`` (3 s) on a live worker: kombu restores its message, and
-    with ``max_deliveries: 1`` that restored copy is over the limit. Its holder is alive (its claim renewed), so
-    the copy is no poison: it waits for the outcome and is acked without running, and the generation's own
-    result is the one stored. Before, the copy was dead-lettered and its FAILURE (``max_deliveries``) stored
-    under the ID while the holder generated on; the holder's result was then refused."""
-    cfg = fleet.config(visibility_timeout_s=3, worker={"heartbeat_s": 1.0, "max_deliveries": 1},
+    """A running generation's message is restored while its holder lives (as kombu's visibility-timeout restore
+    does: the holder's beats renew its visibility, but a beat late past the timeout, or a channel with a
+    ``global_keyprefix``, where they cannot, lets it happen), and with ``max_deliveries: 1`` that restored copy
+    is over the limit. Its holder is alive (its claim renewed), so the copy is no poison: it waits for the
+    outcome and is acked without running, and the generation's own result is the one stored. Before, the copy
+    was dead-lettered and its FAILURE (``max_deliveries``) stored under the ID while the holder generated on;
+    the holder's result was then refused."""
+    cfg = fleet.config(worker={"heartbeat_s": 1.0, "max_deliveries": 1},
                        models={"demo-lm": {"path": str(endless_decoder), "batching": {"max_batch_size": 1},
                                           "limits": {"max_new_tokens": ENDLESS_TOKENS}}})  # fmt: skip
     workers = [fleet.worker(cfg, concurrency=1), fleet.worker(cfg, concurrency=1)]
@@ -335,6 +337,7 @@ def test_a_generation_outliving_the_visibility_timeout_is_not_dead_lettered_whil
         if event.index >= 1:
             break
     holder, other = _holder_and_other(r, workers, "outlived-1")
+    _restore_unacked(fleet.redis_url)
     # the restored copy reaches the other worker (the holder's one token is taken): waiting, or (before) refused
     _wait("the restored copy delivered", lambda: _count(other.log_path, r"generation outlived-1 is already running")
           + r.llen(DEAD_LETTER_KEY) >= 1, other.log_tail)  # fmt: skip
@@ -371,3 +374,36 @@ def test_a_warm_shutdown_puts_a_waiting_copy_back_instead_of_waiting_for_the_gen
     _wait("the copy acked without running", lambda: _count(later.log_path, skipped) + _count(holder.log_path, skipped)
           == 1, later.log_tail)  # fmt: skip
     _wait("nothing left", lambda: r.hlen("unacked") == 0 and r.llen(QUEUE) == 0, later.log_tail)
+
+
+def test_a_generation_held_past_the_visibility_timeout_is_not_delivered_again_while_its_worker_lives(
+    fleet: Fleet, redis_server: EmbeddedRedis, endless_decoder: Path
+) -> None:
+    """A generation runs for three visibility timeouts (3 s each) on a live worker: each heartbeat renews its
+    message's visibility, so kombu's restore (every second, on both workers) never puts it back, and no copy of
+    it is delivered. Before, it came back once per timeout: a copy on the other worker waited for it, holding
+    that worker's one token, and the next came back from that copy in turn."""
+    cfg = fleet.config(visibility_timeout_s=3, worker={"heartbeat_s": 0.5},
+                       models={"demo-lm": {"path": str(endless_decoder), "batching": {"max_batch_size": 1},
+                                          "limits": {"max_new_tokens": ENDLESS_TOKENS}}})  # fmt: skip
+    workers = [fleet.worker(cfg, concurrency=1), fleet.worker(cfg, concurrency=1)]
+    client = fleet.client(cfg)
+    r = redis.Redis(port=redis_server.port)
+    _send(r, "long-1", _generation(seed=7, new=ENDLESS_TOKENS))
+    for event in client.stream("long-1", timeout_s=60):
+        if event.index >= 1:
+            break
+    holder, other = _holder_and_other(r, workers, "long-1")
+    (tag,) = r.hkeys("unacked")
+    taken_at = r.zscore("unacked_index", tag) or 0.0
+    _wait("three visibility timeouts after the take", lambda: time.time() > taken_at + 3 * 3, holder.log_tail)
+    assert _count(other.log_path, r"Task fleet\.infer\[long-1\] received") == 0, other.log_tail()
+    assert r.hkeys("unacked") == [tag] and r.llen(QUEUE) == 0
+    assert (r.zscore("unacked_index", tag) or 0.0) > taken_at + 3  # renewed by the holder's beats
+    assert _status(client, "long-1") is RequestStatus.RUNNING
+    assert client.cancel("long-1")
+    result = client.result("long-1", wait=True, timeout_s=120)
+    assert isinstance(result, InferenceResult) and result.timings.worker == holder.hostname
+    _wait("nothing left", lambda: r.hlen("unacked") == 0 and r.llen(QUEUE) == 0, holder.log_tail)
+    assert _count(holder.log_path, r"Task fleet\.infer\[long-1\] received") == 1
+    assert _count(other.log_path, r"Task fleet\.infer\[long-1\] received") == 0

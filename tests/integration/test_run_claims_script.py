@@ -17,7 +17,7 @@ from redis.retry import Retry
 
 from protocol.keys import RESULT_KEY, RUN_KEY
 from tools.redis_server import EmbeddedRedis
-from workers.run_claims import RunClaims
+from workers.run_claims import Delivery, RunClaims
 
 RID = "gen-1"
 
@@ -270,3 +270,33 @@ def test_one_of_two_waiting_copies_ending_leaves_the_other_waiting(r: redis.Redi
     b = _claims(r, "b", poll)
     assert b.acquire(RID) is False
     assert seen == [frozenset({RID})] and b.waiting == frozenset() and b.waited == 2
+
+
+def test_renew_keeps_the_deliveries_that_run_or_wait_visible_and_no_others(r: redis.Redis[bytes]) -> None:
+    """Each beat sets the unacked-index score of every delivery that runs or waits here to now, so kombu's
+    visibility-timeout restore leaves it alone; an entry acked or restored meanwhile is not written back, and a
+    delivery that ended here is renewed no more."""
+    index = "unacked_index"
+    r.zadd(index, {"tag-run": 100.0, "tag-wait": 100.0, "tag-gone": 100.0, "tag-other": 100.0})
+    in_wait: list[float] = []
+
+    def poll(_s: float) -> None:  # while the copy waits, a beat renews both; then the outcome lands
+        a.renew()
+        in_wait.append(r.zscore(index, "tag-wait") or 0.0)
+        _store(r, "SUCCESS")
+
+    a = _claims(r, "a", poll)
+    assert a.acquire(RID, delivery=Delivery(index, "tag-run"))
+    assert a.acquire(RID, delivery=Delivery(index, "tag-wait")) is False  # a copy on the same worker waits
+    assert in_wait and in_wait[0] > 1e9  # renewed to now (unix s) while it waited
+    assert a.acquire("gen-2", delivery=Delivery(index, "tag-gone"))
+    r.zrem(index, "tag-gone")  # acked (or restored) meanwhile
+    r.zadd(index, {"tag-wait": 100.0})
+    a.renew()
+    scores = {tag.decode(): score for tag, score in r.zrange(index, 0, -1, withscores=True)}
+    assert scores["tag-run"] > 1e9 and "tag-gone" not in scores  # never written back
+    assert scores["tag-wait"] == 100.0 and scores["tag-other"] == 100.0  # ended here / not ours: untouched
+    a.release(RID)
+    r.zadd(index, {"tag-run": 100.0})
+    a.renew()
+    assert r.zscore(index, "tag-run") == 100.0  # its generation ended: renewed no more
