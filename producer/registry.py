@@ -3,8 +3,9 @@
 Read by ``GET /v1/models``, ``/readyz``, ``fleet status`` and ``fleet probe``. Workers publish
 ``fleet:worker:<hostname>`` (see :mod:`workers.health`; it expires after three heartbeat
 periods, so a dead worker drops out by itself). Queues are kombu's Redis lists: producers LPUSH,
-workers RPOP, so the oldest waiting message sits at the tail (index -1); its body carries the
-request's ``submitted_at_unix_s``. ``direct_depth`` counts what waits in the model's workers' own queues
+workers RPOP, so the oldest waiting message sits at the tail (index -1) of the queue's list or of one of
+kombu's priority siblings; its body carries the request's ``submitted_at_unix_s`` (a bulk message: each of its
+requests'). ``direct_depth`` counts what waits in the model's workers' own queues
 (prefix-aware routing, :mod:`workers.direct_queue`): the live workers' and those registered as consuming one.
 """
 
@@ -19,7 +20,7 @@ from typing import Any
 
 import redis
 
-from broker import queue_depth
+from broker import queue_depth, queue_lists
 from producer.admission import Admission
 from protocol.errors import ModelLoadError
 from protocol.keys import CARD_KEY, DIRECT_QUEUES_KEY, WORKER_KEY_PREFIX
@@ -95,8 +96,14 @@ def list_workers(client: redis.Redis[bytes]) -> list[dict[str, Any]]:
     return sorted(docs, key=lambda d: str(d.get("hostname")))
 
 
+def _submitted_at(request: Any) -> float | None:
+    value = request.get("submitted_at_unix_s") if isinstance(request, dict) else None
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
 def message_submitted_at(raw: bytes | str) -> float | None:
-    """``submitted_at_unix_s`` of the request inside one kombu message (None if absent or unreadable)."""
+    """``submitted_at_unix_s`` of the request inside one kombu message: a ``fleet.infer_bulk`` message's is
+    its earliest request's (None if absent or unreadable)."""
     try:
         envelope = json.loads(raw)
         body: Any = envelope["body"]
@@ -104,19 +111,23 @@ def message_submitted_at(raw: bytes | str) -> float | None:
             body = base64.b64decode(body)
         payload = json.loads(body)
         args = payload[0] if isinstance(payload, list) else payload.get("args")
-        value = args[0].get("submitted_at_unix_s")
+        first = args[0]
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         return None
-    return float(value) if isinstance(value, int | float) else None
+    items = first.get("requests") if isinstance(first, dict) else None
+    times = [t for t in map(_submitted_at, items if isinstance(items, list) else [first]) if t is not None]
+    return min(times) if times else None
 
 
 def oldest_waiting_age_s(client: redis.Redis[bytes], queue: str, now_s: float) -> float | None:
-    """Age (s) of the oldest request waiting in ``queue``; None if empty or not a fleet request."""
-    raw = client.lindex(queue, -1)
-    if raw is None:
-        return None
-    submitted = message_submitted_at(raw)
-    return None if submitted is None else max(0.0, now_s - submitted)
+    """Age (s) of the oldest request waiting in ``queue``, its own list's and kombu's priority siblings' tails
+    (:func:`broker.queue_lists`) read in one round trip; None if empty or not a fleet request."""
+    with client.pipeline(transaction=False) as pipe:
+        for listed in queue_lists(queue):
+            pipe.lindex(listed, -1)
+        tails = pipe.execute()
+    times = [t for t in (message_submitted_at(raw) for raw in tails if raw is not None) if t is not None]
+    return max(0.0, now_s - min(times)) if times else None
 
 
 def read_fleet_state(settings: FleetSettings, client: redis.Redis[bytes], now_s: float | None = None) -> FleetState:
