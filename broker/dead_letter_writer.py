@@ -22,7 +22,7 @@ from broker.guard_config import GuardConfig
 from broker.message_check import Refused, bulk_request_ids
 from protocol.deadletter import DEAD_LETTERED, MAX_ENTRIES, Reason, encode_entry, make_entry
 from protocol.errors import DecodeError, FleetError, InvalidRequest
-from protocol.keys import DEAD_LETTER_KEY
+from protocol.keys import DEAD_LETTER_COUNTS_KEY, DEAD_LETTER_KEY
 
 __all__ = ["failure_of", "write_dead_letter"]
 
@@ -51,6 +51,7 @@ def write_dead_letter(
             pipe.lpush(DEAD_LETTER_KEY, encode_entry(entry))
             pipe.ltrim(DEAD_LETTER_KEY, 0, MAX_ENTRIES - 1)
             pipe.execute()
+            _count(client, refused)
     except Exception:  # the guard must never become the thing that kills the worker
         log.exception("could not write the dead letter")
     if cfg is None:
@@ -59,6 +60,16 @@ def write_dead_letter(
     if refused.task_id is not None:
         _store_failure(cfg, refused.task_id, refused.task, queue, error)
     _fail_requests_of_bulk(cfg, item, error)  # a bulk message's requests each wait on their own ID
+
+
+def _count(client: Any, refused: Refused) -> None:
+    """One more dead letter of its reason (``fleet_dead_lettered_total``); apart from the entry's transaction,
+    so a Redis user allowed to push the entry but not this write still keeps the entry (logged)."""
+    try:
+        client.hincrby(DEAD_LETTER_COUNTS_KEY, refused.reason.value, 1)
+    except Exception:
+        log.warning("could not count the dead letter (%s) in %s", refused.reason.value, DEAD_LETTER_COUNTS_KEY,
+                    exc_info=True)  # fmt: skip
 
 
 def failure_of(refused: Refused) -> FleetError:

@@ -24,6 +24,7 @@ from gateway.body_guard import replaying, send_error
 from gateway.errors import error_payload
 from producer.prefix_routing import PrefixRouter
 from producer.registry import list_workers
+from protocol.keys import DEAD_LETTER_COUNTS_KEY, DEAD_LETTER_KEY
 from protocol.model_state import AUTO_ROLLBACKS_KEY, read_state
 from protocol.settings import FleetSettings
 
@@ -107,6 +108,13 @@ class _FleetCollector(Collector):
         rollbacks = CounterMetricFamily(
             "fleet_model_auto_rollbacks", "Canaries rolled back automatically, per model.", labels=["model"]
         )
+        dead = CounterMetricFamily(
+            "fleet_dead_lettered", "Queue items workers dead-lettered, by reason (fleet dead-letter list shows them).",
+            labels=["reason"],
+        )
+        dead_held = GaugeMetricFamily(
+            "fleet_dead_letter_entries", "Entries in the dead-letter list (the newest are kept, up to its cap)."
+        )
         try:
             workers = list_workers(self.client)
             for name in self.settings.models:
@@ -116,6 +124,9 @@ class _FleetCollector(Collector):
                 state = read_state(self.client, name)
                 weight.add_metric([name], state.canary_weight if state and state.canary else 0)
                 rollbacks.add_metric([name], int(self.client.get(AUTO_ROLLBACKS_KEY.format(model=name)) or 0))
+            for reason, count in sorted(self.client.hgetall(DEAD_LETTER_COUNTS_KEY).items()):
+                dead.add_metric([reason.decode(errors="replace")], int(count))
+            dead_held.add_metric([], self.client.llen(DEAD_LETTER_KEY))
             up.add_metric([], 1)
         except redis.RedisError:
             up.add_metric([], 0)
@@ -125,6 +136,8 @@ class _FleetCollector(Collector):
         yield canary_depth
         yield weight
         yield rollbacks
+        yield dead
+        yield dead_held
 
 
 class GatewayMetrics:

@@ -6,6 +6,7 @@ __all__ = [
     "CANCEL_CHANNEL",
     "CANCEL_KEY",
     "CARD_KEY",
+    "DEAD_LETTER_COUNTS_KEY",
     "DEAD_LETTER_KEY",
     "DELIVERIES_KEY",
     "DIRECT_QUEUES_KEY",
@@ -54,6 +55,9 @@ STREAM_KEY = "fleet:stream:{id}"
 DEAD_LETTER_KEY = "fleet:dead-letter"
 """Queue items a worker refused or gave up on (Redis list, newest first, capped): one JSON entry each,
 see :mod:`protocol.deadletter`; ``fleet dead-letter`` lists, shows, requeues and purges them."""
+DEAD_LETTER_COUNTS_KEY = "fleet:dead-letter:counts"
+"""Queue items dead-lettered since the key was made, per reason (hash: reason -> count; never trimmed, unlike
+:data:`DEAD_LETTER_KEY`, so a rate of dead letters can be read from it); ``fleet_dead_lettered_total``."""
 DELIVERIES_KEY = "fleet:deliveries:{id}"
 """How many times the message with task ID ``id`` has been delivered to a worker (integer, TTL); written
 from its first redelivery on, see :mod:`broker.deliveries`."""
