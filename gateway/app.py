@@ -21,6 +21,8 @@
 "message", "field", "limit"}``, OpenAI routes answer in OpenAI's error shape (:mod:`gateway.errors`):
 413 body over ``api.max_body_bytes`` or a batch over ``api.max_batch_requests``; 422 invalid input
 (e.g. more tokens than ``max_input_tokens``); 429 + ``Retry-After`` from admission control; 503 Redis down.
+Open without a key: the probes, ``/metrics``, ``/docs``, ``/redoc``, ``/openapi.json``. Before any of it, a request
+head is bounded in bytes, header lines and time (:mod:`gateway.request_heads`: 431, 408).
 Native endpoints that touch Redis are plain ``def`` (FastAPI's thread pool); those that wait for
 results or streams are ``async`` on redis.asyncio, so an open stream costs no thread.
 """
@@ -87,6 +89,8 @@ __all__ = ["create_app", "serve"]
 
 log = logging.getLogger("fleet.api")
 
+REDIS_DOWN_PROBLEM = "the queue (Redis) is unreachable (the gateway's log says why)"
+"""What ``/readyz`` says of a Redis it cannot reach (the address and the error stay in the log)."""
 STREAM_GRACE_S = 2.0
 """How long a finished request without a stream is re-checked before it is called stream-less (s)."""
 
@@ -390,9 +394,15 @@ def readyz(
     gw: GatewayDep,
     model: Annotated[list[str] | None, Query(description="Only these models need a worker (default: all).")] = None,
 ) -> JSONResponse:
-    """Ready when Redis answers and every configured model (or each ``model`` given) has a ready worker."""
+    """Ready when Redis answers and every configured model (or each ``model`` given) has a ready worker.
+
+    Open to anyone, so a Redis failure is said without its address, user or error text (logged instead)."""
     wanted = None if model is None else [_model_key_or_name(gw.settings, m) for m in model]
-    problems = readiness_problems(read_fleet_state(gw.settings, gw.fleet.redis), wanted)
+    state = read_fleet_state(gw.settings, gw.fleet.redis)
+    if state.redis_error:
+        log.warning("not ready: %s", state.redis_error)
+        return JSONResponse({"ready": False, "problems": [REDIS_DOWN_PROBLEM]}, status_code=503)
+    problems = readiness_problems(state, wanted)
     return JSONResponse({"ready": not problems, "problems": problems}, status_code=503 if problems else 200)
 
 
@@ -471,6 +481,8 @@ def serve(
     """
     import uvicorn
 
+    from gateway.request_heads import BoundedHeadProtocol  # imports uvicorn's protocol: only when serving
+
     json_logs = settings.log.format == "json"
     logging_kwargs: dict[str, Any] = {}
     configure_logging(settings.log.format, log_level.upper())  # the fleet's own lines (fleet.api…), in text too
@@ -483,5 +495,6 @@ def serve(
         log_level=log_level,
         access_log=access_log and not json_logs,
         proxy_headers=False,
+        http=BoundedHeadProtocol,  # request heads bounded in bytes, header count and time (gateway.request_heads)
         **logging_kwargs,
     )

@@ -9,7 +9,8 @@
 Status codes: invalid input 422 on native routes and 400 on OpenAI ones (an unknown model: 404 there,
 as OpenAI answers); 401 bad key; 404 unknown request; 409 cancelled, or a known request ID sent again
 with another body; 413 body too large (bytes, or structure: :mod:`gateway.body_guard`); 415 a body not
-declared JSON; 429 admission (+ ``Retry-After``); 503 Redis down; 504 no
+declared JSON; 431 a request head over its bounds, 408 one not sent in time (:mod:`gateway.request_heads`,
+before routing); 429 admission (+ ``Retry-After``); 503 Redis down (said without its address); 504 no
 result in time (the request may still finish: poll ``GET /v1/requests/{id}`` with the ``X-Request-ID``
 header's value).
 """
@@ -17,6 +18,7 @@ header's value).
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import redis
@@ -103,7 +105,9 @@ def relay_error(exc: Exception, request_id: str) -> FleetError:
     (silence past the wait, an unreadable entry), else Redis trouble, pointing at the ID to poll."""
     if isinstance(exc, FleetError):
         return exc
-    msg = f"the queue (Redis) failed while streaming {request_id}: {exc}; poll GET /v1/requests/{request_id}"
+    log.warning("Redis failed while streaming %s: %s", request_id, exc)  # its address: for the log, not the caller
+    msg = (f"the queue (Redis) failed while streaming {request_id}: {type(exc).__name__}; "
+           f"poll GET /v1/requests/{request_id}")  # fmt: skip
     return FleetError(msg, "stream", None)
 
 
@@ -184,13 +188,24 @@ def _json_error_message(error: Any, body: Any) -> str:
 def _on_http(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     cause = exc.__cause__
-    if exc.status_code == 400 and isinstance(cause, UnicodeDecodeError):  # FastAPI's "error parsing the body"
-        why = f"not UTF-8: byte 0x{cause.object[cause.start]:02X} at byte {cause.start} ({cause.reason})"
-        err = InvalidRequest(f"body is not valid JSON: {why}", "body", "JSON")
-        return fleet_error_response(err, openai=is_openai_path(request.url.path))
+    if exc.status_code == 400 and cause is not None:  # FastAPI's "error parsing the body", and why
+        return fleet_error_response(_unparsable_body(cause), openai=is_openai_path(request.url.path))
     code = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http")
     payload = error_payload(code, "HTTPError", str(exc.detail))
     return _respond(request, exc.status_code, payload, dict(exc.headers or {}))
+
+
+def _unparsable_body(cause: BaseException) -> InvalidRequest:
+    """Why a body FastAPI could not parse was refused, naming ``body`` (never the parser's own words, which
+    name interpreter settings)."""
+    if isinstance(cause, UnicodeDecodeError):
+        why = f"not UTF-8: byte 0x{cause.object[cause.start]:02X} at byte {cause.start} ({cause.reason})"
+        return InvalidRequest(f"body is not valid JSON: {why}", "body", "JSON")
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):  # json's int parsing cap
+        digits = sys.get_int_max_str_digits()
+        return InvalidRequest(f"body holds an integer of more than {digits} digits; the limit is {digits} digits",
+                              "body", digits)  # fmt: skip
+    return InvalidRequest(f"body could not be parsed as JSON ({type(cause).__name__})", "body", "JSON")
 
 
 def _on_redis_down(request: Request, exc: Exception) -> JSONResponse:

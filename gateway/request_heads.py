@@ -1,0 +1,153 @@
+"""Bounds on a request's head (request line and headers): its bytes, its header count, and its time.
+
+uvicorn's httptools protocol keeps every byte of the request line and every header until the head
+ends, with no bound in bytes, count or time, before any middleware or route runs (so before the API
+key is looked at): one connection sending 50 MB of ``X-A: b`` lines took a gateway from 138 MB to
+835 MB, and a connection that opens and then sends nothing, or half a head, was held for ever (a file
+descriptor and a protocol object each, until the process can accept no more). :class:`BoundedHeadProtocol`
+is that protocol with three bounds, checked as the bytes arrive:
+
+* at most :data:`MAX_HEAD_BYTES` received while a head is incomplete (+ at most one socket read that
+  also carried the end of the previous request), else ``431`` naming ``headers`` and the limit;
+* at most :data:`MAX_HEADERS` header lines (Apache's ``LimitRequestFields``), else ``431``;
+* a head complete within :data:`HEAD_TIMEOUT_S` of the moment the connection waits for one (opened, or
+  its previous response sent), else the connection is closed (``408`` when part of a head came).
+  A request being answered (a long-poll, a stream) is never timed: only the wait for a head is.
+
+A refusal is JSON in the gateway's error shape (OpenAI's on the OpenAI routes) and closes the
+connection. Bodies are bounded elsewhere (:mod:`gateway.body_guard`, after the key is checked).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+from urllib.parse import urlsplit
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from gateway.errors import error_payload, is_openai_path, openai_error
+
+__all__ = ["HEAD_TIMEOUT_S", "MAX_HEADERS", "MAX_HEAD_BYTES", "BoundedHeadProtocol"]
+
+MAX_HEAD_BYTES = 65_536
+"""Most bytes of one request line and its headers (nginx's large header buffers hold 4 x 8 KiB)."""
+MAX_HEADERS = 100
+"""Most header lines of one request (Apache's ``LimitRequestFields`` default)."""
+HEAD_TIMEOUT_S = 10.0
+"""How long a connection may take to send a whole request head once the server waits for one (s)."""
+
+_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+
+
+class _HeadRefused(Exception):
+    """Raised from a parser callback to stop the parser; uvicorn then answers through ``send_400_response``."""
+
+
+class BoundedHeadProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the bounds of the module docstring (``uvicorn.run(http=...)``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_open = True
+        """Whether the parser is inside a head, or waiting for the next one."""
+        self._head_bytes = 0
+        self._head_lines = 0
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._refusal: tuple[int, dict[str, Any]] | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._time_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_timing()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refusal is not None:
+            return
+        if self._head_open:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                what = f"the request line and headers exceed {MAX_HEAD_BYTES} bytes"
+                self._refuse(431, "headers_too_large", f"{what}; the limit is {MAX_HEAD_BYTES} bytes", MAX_HEAD_BYTES)
+                return
+        super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_open = True
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_lines += 1
+        if self._head_lines > MAX_HEADERS:
+            msg = f"the request has more than {MAX_HEADERS} header lines; the limit is {MAX_HEADERS}"
+            self._refusal = (431, self._payload("too_many_headers", msg, MAX_HEADERS))
+            raise _HeadRefused  # stops the parser: uvicorn answers through send_400_response
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._head_open = False
+        self._stop_timing()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._head_open, self._head_bytes, self._head_lines = True, 0, 0
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and not self.pipeline:  # idle: the next head is awaited now
+            self._time_head()
+
+    def send_400_response(self, msg: str) -> None:
+        if self._refusal is None:
+            super().send_400_response(msg)
+            return
+        status, payload = self._refusal
+        self._answer(status, payload)
+
+    # -- the bounds ------------------------------------------------------------------------------
+    def _time_head(self) -> None:
+        self._stop_timing()
+        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
+
+    def _stop_timing(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or not self._head_open:
+            return
+        if self._head_bytes == 0:  # nothing came: closed as an idle keep-alive connection is
+            self.transport.close()
+            return
+        msg = f"the request head was not complete within {HEAD_TIMEOUT_S:g} s; the limit is {HEAD_TIMEOUT_S:g} s"
+        self._refuse(408, "request_timeout", msg, HEAD_TIMEOUT_S)
+
+    def _refuse(self, status: int, code: str, message: str, limit: float) -> None:
+        self._refusal = (status, self._payload(code, message, limit))
+        self._answer(*self._refusal)
+
+    def _payload(self, code: str, message: str, limit: float) -> dict[str, Any]:
+        kind = "RequestTimeout" if code == "request_timeout" else "RequestHeaderFieldsTooLarge"
+        return error_payload(code, kind, message, "headers", limit)
+
+    def _answer(self, status: int, payload: dict[str, Any]) -> None:
+        """Write ``payload`` as the response (in OpenAI's shape on its routes) and close the connection."""
+        self._stop_timing()
+        if self.transport.is_closing():
+            return
+        url: bytes = getattr(self, "url", b"")  # set once a request line begins
+        try:
+            path = urlsplit(url.decode("latin-1")).path
+        except ValueError:  # not a URL
+            path = ""
+        body = json.dumps(openai_error(status, payload) if is_openai_path(path) else payload).encode()
+        head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+        self.transport.write(head % (status, _REASONS[status], len(body)) + body)
+        self.transport.close()
