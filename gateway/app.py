@@ -10,7 +10,7 @@
     DELETE /v1/requests/{id}          200 | 404 | 409     cancel a queued request or a running generation
     GET    /v1/models                 200                 OpenAI's model list + versions, readiness, queue
     POST   /v1/completions, /v1/chat/completions, /v1/embeddings      OpenAI-compatible (gateway.openai_routes)
-    GET    /healthz                   200                 the process is alive
+    GET    /healthz                   200                 the process is alive (HEAD too, as for /health, /readyz)
     GET    /health                    200 (empty)         the same, under vLLM's name (what guidellm probes)
     GET    /readyz[?model=m]          200 | 503           Redis reachable and >= 1 ready worker per model
     GET    /metrics                   200                 Prometheus text (plain, no auth)
@@ -375,13 +375,14 @@ async def _native_frames(gw: Gateway, request_id: str) -> AsyncIterator[bytes]:
         yield sse_frame(error.model_dump(mode="json", exclude_none=True))
 
 
-@router.get("/healthz", tags=["ops"])
+@router.api_route("/healthz", methods=["GET", "HEAD"], tags=["ops"])
 async def healthz() -> dict[str, str]:
     """The process is alive (checks nothing else)."""
     return {"status": "ok"}
 
 
-@router.get("/health", tags=["ops"], response_class=Response, responses={200: {"description": "empty body"}})
+@router.api_route("/health", methods=["GET", "HEAD"], tags=["ops"], response_class=Response,
+                  responses={200: {"description": "empty body"}})
 async def health() -> Response:
     """Liveness under the name vLLM serves and guidellm (and other OpenAI-server tooling) probe: 200 with
     an empty body while the process answers HTTP, like ``/healthz``. It says nothing about Redis or
@@ -389,7 +390,8 @@ async def health() -> Response:
     return Response(status_code=200)
 
 
-@router.get("/readyz", tags=["ops"], responses={503: {"description": "not ready; 'problems' says why"}})
+@router.api_route("/readyz", methods=["GET", "HEAD"], tags=["ops"],
+                  responses={503: {"description": "not ready; 'problems' says why"}})
 def readyz(
     gw: GatewayDep,
     model: Annotated[list[str] | None, Query(description="Only these models need a worker (default: all).")] = None,

@@ -35,6 +35,10 @@ def test_readyz_and_probe_follow_the_worker(ops_fleet: OpsFleet) -> None:
     assert heartbeat["ready"] is True and heartbeat["providers"] == ["CPUExecutionProvider"]
     after = httpx.get(gateway.url + "/readyz")
     assert after.status_code == 200 and after.json() == {"ready": True, "problems": []}
+    # load balancers that probe with HEAD get the same answer, without a body (before: 405)
+    for path in ("/readyz", "/healthz", "/health"):
+        head = httpx.head(gateway.url + path)
+        assert (head.status_code, head.content) == (200, b""), (path, head)
     assert _probe(ops_fleet, config, "ready", full_cli=True) == 0
     assert _probe(ops_fleet, config, "ready", "--worker", worker.hostname) == 0
     assert _probe(ops_fleet, config, "live", "--worker", worker.hostname) == 0
@@ -42,6 +46,7 @@ def test_readyz_and_probe_follow_the_worker(ops_fleet: OpsFleet) -> None:
 
     worker.stop()  # a warm shutdown withdraws the heartbeat at once
     assert httpx.get(gateway.url + "/readyz").status_code == 503
+    assert httpx.head(gateway.url + "/readyz").status_code == 503
     assert _probe(ops_fleet, config, "ready") == 1
 
     ops_fleet.server.kill()  # Redis gone: not ready; alive (restarting the probed process would not bring Redis back)
