@@ -13,6 +13,7 @@ raising no limit but setting RLIMIT_AS on another process); without it they skip
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -42,7 +43,7 @@ from tests.integration.fault_fixtures import (
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.ops_fixtures import wait_until
 from tools.build_encoder import build_encoder
-from tools.processes import WorkerProcess
+from tools.processes import WorkerProcess, poll_until
 from tools.redis_server import EmbeddedRedis
 
 VISIBILITY_S = 5
@@ -81,6 +82,14 @@ def _recover_or_replace(
     return None, fleet.worker(cfg)
 
 
+def _wait_idle_or_gone(r: redis.Redis[bytes], w: WorkerProcess, timeout_s: float = 15.0) -> None:
+    """Wait until ``w`` has exited or a heartbeat of its own reports nothing in flight (its key expires within
+    three beats, so a 0 read after an outage was written after it); after ``timeout_s`` count what it logged so far."""
+    with contextlib.suppress(TimeoutError):
+        poll_until(lambda: (w.proc is not None and w.proc.poll() is not None) or _in_flight(r, w.hostname) == 0,
+                   timeout_s, f"{w.hostname} to finish what it held")
+
+
 def _worker_fate(w: WorkerProcess, spare: WorkerProcess | None) -> str:
     if spare is None:
         return "the worker reconnected by itself"
@@ -94,7 +103,9 @@ def _worker_fate(w: WorkerProcess, spare: WorkerProcess | None) -> str:
 @pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGTERM"])
 def test_worker_killed_under_load_loses_nothing(fleet: Fleet, signal_name: str) -> None:
     cfg = _cfg(fleet)
-    w1, w2 = fleet.worker(cfg), fleet.worker(cfg)
+    w1, w2 = fleet.worker(cfg, wait=False), fleet.worker(cfg, wait=False)  # both start at once
+    w1.wait_ready(120)
+    w2.wait_ready(120)
     client = fleet.client(cfg)
     r = redis.Redis.from_url(fleet.redis_url)
     load = Load(client, RATE).start()
@@ -370,7 +381,7 @@ def test_network_cut_between_worker_and_redis(tmp_path: Path, model_dir: Path, n
         recover_s = probe_recovery(client, t_back)
         ids = held + load.ids
         completed, lost, errors = settle(client, ids, 3 * VISIBILITY_S + 15)
-        time.sleep(3.0)  # let A, reconnected, finish whatever it still held
+        _wait_idle_or_gone(r, a)  # let A, reconnected, finish whatever it still held
         dup = succeeded_twice([a, b], ids)
         by_b = sum(1 for res in held_res if isinstance(res, InferenceResult) and res.timings.worker == b.hostname)
         record("network-cut", FaultRecord(

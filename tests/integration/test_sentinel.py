@@ -37,6 +37,7 @@ from typing import Any
 import httpx
 import pytest
 
+from producer.client import FleetClient
 from protocol.errors import ResultTimeout
 from protocol.keys import DEAD_LETTER_KEY, WORKER_KEY_PREFIX
 from protocol.messages import InferenceResult
@@ -45,6 +46,8 @@ from protocol.settings import load_settings
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.ops_fixtures import ROOT, GatewayProcess
 from tests.integration.redis_monitor import Monitor
+from tools.ledger import Ledger
+from tools.processes import poll_until
 from tools.redis_server import EmbeddedRedis, EmbeddedSentinel
 
 MASTER_NAME = "fleet"
@@ -163,8 +166,12 @@ def test_sentinel_failover_under_load(tmp_path: Path, model_dir: Path, topology:
 
         ids = [rid for rid, _ in load.accepted]
         # a lost request never finishes; the rest finish within the visibility timeout (5 s: a message
-        # stranded in a dead connection's unacked set comes back after it) plus a margin
-        outcomes = fleet.client(config).wait(ids, timeout_s=15)
+        # stranded in a dead connection's unacked set comes back after it) plus a margin; no longer once the
+        # new master holds no copy of the unfinished ones and the worker holds none (_settled): then only the
+        # lost are left to read as timed out
+        client = fleet.client(config)
+        settled = _settled(client, ids, timeout_s=15)
+        outcomes = client.wait(ids, timeout_s=1.0 if settled else 0.1)
         _serves_after_failover(gateway, config, worker.hostname)
         gateway.stop()
         figures = _figures(load, outcomes, killed_at, promoted_at, worker.log_path)
@@ -183,6 +190,25 @@ def test_sentinel_failover_under_load(tmp_path: Path, model_dir: Path, topology:
             assert figures["lost"] <= figures["accepted_last_second_before_kill"], figures
     finally:
         fleet.close()
+
+
+def _settled(client: FleetClient, ids: Sequence[str], timeout_s: float) -> bool:
+    """Wait until every ID has a result, or the ones without can never get one (the ledger's ``lost``: their
+    message is in no queue and not unacked on the new master, and no worker's heartbeat reports a request in
+    flight); False after ``timeout_s``."""
+    ledger = Ledger(client.redis, queues=[client.settings.queue_for("demo-lm")])
+    for rid in ids:
+        ledger.accepted(rid)
+
+    def over() -> bool:
+        report = ledger.check()
+        return sum(report.terminal.values()) == len(ids) or all(v.kind == "lost" for v in report.violations)
+
+    try:
+        poll_until(over, timeout_s, "every accepted request to finish or be lost", poll_s=0.2)
+    except TimeoutError:
+        return False
+    return True
 
 
 def _serves_after_failover(gateway: GatewayProcess, config: Path, hostname: str) -> None:

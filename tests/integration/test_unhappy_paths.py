@@ -12,6 +12,9 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -34,6 +37,13 @@ def fleet(*args: str, config: Path | None = None, env: dict[str, str] | None = N
     return subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=60, check=False)
 
 
+def together(*runs: Callable[[], subprocess.CompletedProcess[str]]) -> list[subprocess.CompletedProcess[str]]:
+    """Independent ``fleet`` runs (``partial(fleet, ...)``: none depends on what another did) at once, in order:
+    each is still its own process with its own checks, the test just does not wait for them one by one."""
+    with ThreadPoolExecutor(len(runs)) as pool:
+        return list(pool.map(lambda run: run(), runs))
+
+
 def one_line(done: subprocess.CompletedProcess[str], code: int, *says: str) -> str:
     """The run exited ``code`` with exactly one ``fleet:`` error line (besides warnings) holding ``says``."""
     assert done.returncode == code, (done.returncode, done.stdout[-1500:], done.stderr[-3000:])
@@ -54,42 +64,51 @@ def traceback_with_debug(done: subprocess.CompletedProcess[str], code: int = 1) 
 def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path: Path) -> None:
     bad = tmp_path / "fleet.yaml"
     bad.write_text("redis_url: redis://127.0.0.1:6379/0\nworker\n  model: [demo-lm\n")
-    line = one_line(fleet("status", config=bad), 2, str(bad), "invalid YAML", "fix the file")
+    plain, debug = together(partial(fleet, "status", config=bad), partial(fleet, "status", config=bad, debug=True))
+    line = one_line(plain, 2, str(bad), "invalid YAML", "fix the file")
     assert ":3:" in line  # the line of the error
-    traceback_with_debug(fleet("status", config=bad, debug=True))
+    traceback_with_debug(debug)
 
 
 def test_redis_down(ops_fleet: OpsFleet) -> None:  # noqa: F811
     config = ops_fleet.config(redis_url=f"redis://127.0.0.1:{free_port()}/0")
-    for args in (("status",), ("submit", "--model", "demo-lm", "--tokens", "5,6,7")):
-        one_line(fleet(*args, config=config), 1, "cannot reach Redis", "fleet redis", "FLEET_REDIS_URL")
-    traceback_with_debug(fleet("status", config=config, debug=True))
+    *runs, debug = together(partial(fleet, "status", config=config),
+                            partial(fleet, "submit", "--model", "demo-lm", "--tokens", "5,6,7", config=config),
+                            partial(fleet, "status", config=config, debug=True))
+    for done in runs:
+        one_line(done, 1, "cannot reach Redis", "fleet redis", "FLEET_REDIS_URL")
+    traceback_with_debug(debug)
 
 
 def test_a_database_the_server_does_not_have(ops_fleet: OpsFleet) -> None:  # noqa: F811
     """Redis answers, so "cannot reach Redis … start one with fleet redis" was the wrong fix: the URL's database
     number is a setting (exit 2)."""
     config = ops_fleet.config(redis_url=ops_fleet.redis_url.rsplit("/", 1)[0] + "/99")
-    for args in (("status",), ("submit", "--model", "demo-lm", "--tokens", "5,6,7")):
-        line = one_line(fleet(*args, config=config), 2, "has no such database", "FLEET_REDIS_URL")
+    for done in together(partial(fleet, "status", config=config),
+                         partial(fleet, "submit", "--model", "demo-lm", "--tokens", "5,6,7", config=config)):
+        line = one_line(done, 2, "has no such database", "FLEET_REDIS_URL")
         assert "fleet redis" not in line
 
 
 def test_a_wrong_password(ops_fleet: OpsFleet) -> None:  # noqa: F811
     with EmbeddedRedis(password="the-right-one") as server:
         config = ops_fleet.config(redis_url=f"redis://:not-the-password@127.0.0.1:{server.port}/0")
-        for args in (("status",), ("submit", "--model", "demo-lm", "--tokens", "5,6,7")):
-            done = fleet(*args, config=config)
+        *runs, debug = together(partial(fleet, "status", config=config),
+                                partial(fleet, "submit", "--model", "demo-lm", "--tokens", "5,6,7", config=config),
+                                partial(fleet, "status", config=config, debug=True))
+        for done in runs:
             one_line(done, 1, "refused the credentials", "FLEET_REDIS_URL", ":***@")
             assert "not-the-password" not in done.stdout + done.stderr
-        traceback_with_debug(fleet("status", config=config, debug=True))
+        traceback_with_debug(debug)
 
 
 def test_an_unknown_model(ops_fleet: OpsFleet) -> None:  # noqa: F811
     config = ops_fleet.config()
-    done = fleet("submit", "--model", "no-such-model", "--tokens", "5,6,7", config=config)
+    done, debug = together(partial(fleet, "submit", "--model", "no-such-model", "--tokens", "5,6,7", config=config),
+                           partial(fleet, "submit", "--model", "no-such-model", "--tokens", "5", config=config,
+                                   debug=True))
     one_line(done, 2, "unknown model 'no-such-model'", "configured models: demo-encoder, demo-lm")
-    traceback_with_debug(fleet("submit", "--model", "no-such-model", "--tokens", "5", config=config, debug=True))
+    traceback_with_debug(debug)
 
 
 def test_a_model_with_no_worker_is_accepted_and_said(ops_fleet: OpsFleet) -> None:  # noqa: F811
@@ -134,11 +153,14 @@ def test_a_model_with_no_worker_is_accepted_and_said(ops_fleet: OpsFleet) -> Non
 def test_an_unknown_request_id_does_not_wait_out_the_timeout(ops_fleet: OpsFleet) -> None:  # noqa: F811
     config = ops_fleet.config()
     # --timeout 600 with a 60 s cap on the run: waiting it out fails the test with TimeoutExpired
-    done = fleet("result", "no-such-id", "--wait", "--timeout", "600", config=config)
+    done, cancel, debug = together(
+        partial(fleet, "result", "no-such-id", "--wait", "--timeout", "600", config=config),
+        partial(fleet, "cancel", "no-such-id", config=config),
+        partial(fleet, "result", "no-such-id", "--wait", "--timeout", "600", config=config, debug=True))
     one_line(done, 1, "no request 'no-such-id' is known", "check the ID")
-    one_line(fleet("cancel", "no-such-id", config=config), 1, "no request 'no-such-id' is known")
+    one_line(cancel, 1, "no request 'no-such-id' is known")
     assert not ops_fleet.redis.exists("fleet:cancel:no-such-id")  # nothing marked for an ID nobody sent
-    traceback_with_debug(fleet("result", "no-such-id", "--wait", "--timeout", "600", config=config, debug=True))
+    traceback_with_debug(debug)
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="util-linux unshare is missing")
@@ -147,26 +169,33 @@ def test_the_loopback_down(ops_fleet: OpsFleet) -> None:  # noqa: F811
     probe = subprocess.run([*netns, "true"], capture_output=True, check=False)
     if probe.returncode != 0:
         pytest.skip(f"cannot make a network namespace here: {probe.stderr.decode()[-300:]}")
-    one_line(fleet("redis", "--port", "0", prefix=netns), 1, "loopback interface is down", "ip link set lo up")
-    # what `make demo` runs, on models already built (the config names them)
-    demo = fleet("demo", "--no-flower", "--requests", "1", config=ops_fleet.config(), prefix=netns)
+    # each run in a network namespace of its own; the demo is what `make demo` runs, on models already built
+    redis_run, demo, debug = together(
+        partial(fleet, "redis", "--port", "0", prefix=netns),
+        partial(fleet, "demo", "--no-flower", "--requests", "1", config=ops_fleet.config(), prefix=netns),
+        partial(fleet, "redis", "--port", "0", prefix=netns, debug=True))
+    one_line(redis_run, 1, "loopback interface is down", "ip link set lo up")
     one_line(demo, 1, "loopback interface is down", "ip link set lo up")
-    traceback_with_debug(fleet("redis", "--port", "0", prefix=netns, debug=True))
+    traceback_with_debug(debug)
 
 
 def test_a_taken_port(ops_fleet: OpsFleet) -> None:  # noqa: F811
     taken = ops_fleet.server.port
-    one_line(fleet("redis", "--port", str(taken)), 1, f"port {taken}", "already in use", "--port")
-    config = ops_fleet.config()
-    one_line(fleet("api", "--port", str(taken), config=config), 1, f"127.0.0.1:{taken}", "already in use", "--port")
-    traceback_with_debug(fleet("redis", "--port", str(taken), debug=True))
+    redis_run, api, debug = together(partial(fleet, "redis", "--port", str(taken)),
+                                     partial(fleet, "api", "--port", str(taken), config=ops_fleet.config()),
+                                     partial(fleet, "redis", "--port", str(taken), debug=True))
+    one_line(redis_run, 1, f"port {taken}", "already in use", "--port")
+    one_line(api, 1, f"127.0.0.1:{taken}", "already in use", "--port")
+    traceback_with_debug(debug)
 
 
 def test_a_missing_store(ops_fleet: OpsFleet, tmp_path: Path) -> None:  # noqa: F811
     config = ops_fleet.config()
-    one_line(fleet("models", "list", config=config), 2, "no model store is configured", "FLEET_STORE__BACKEND")
     down = {"FLEET_STORE__BACKEND": "s3", "FLEET_STORE__ENDPOINT_URL": f"http://127.0.0.1:{free_port()}",
             "FLEET_STORE__BUCKET": "fleet-models", "AWS_ACCESS_KEY_ID": "fleet", "AWS_SECRET_ACCESS_KEY": "secret-1"}
-    one_line(fleet("models", "list", config=config, env=down), 1, "Could not connect", "fleet store",
-             "FLEET_STORE__ENDPOINT_URL")
-    traceback_with_debug(fleet("models", "list", config=config, env=down, debug=True))
+    none, unreachable, debug = together(partial(fleet, "models", "list", config=config),
+                                        partial(fleet, "models", "list", config=config, env=down),
+                                        partial(fleet, "models", "list", config=config, env=down, debug=True))
+    one_line(none, 2, "no model store is configured", "FLEET_STORE__BACKEND")
+    one_line(unreachable, 1, "Could not connect", "fleet store", "FLEET_STORE__ENDPOINT_URL")
+    traceback_with_debug(debug)
