@@ -76,6 +76,7 @@ from broker.message_check import bulk_request_ids
 from broker.poison import install as install_poison_guard
 from broker.priority_lists import queue_depth, queue_lists
 from broker.result_backend import install as install_result_backend
+from broker.store_ack import unacked_entry_of
 from broker.versions import OVERRIDE_ENV, TESTED, check_broker_versions, installed_versions, untested
 
 __all__ = [
@@ -95,5 +96,6 @@ __all__ = [
     "queue_depth",
     "queue_lists",
     "quiet_worker",
+    "unacked_entry_of",
     "untested",
 ]

@@ -36,7 +36,7 @@ from kombu.transport import virtual
 
 from broker.cancel_marks import CancelReadingQoS
 
-__all__ = ["ACKS", "StoreAckingQoS", "StoreAcks", "delivery_tag_of"]
+__all__ = ["ACKS", "StoreAckingQoS", "StoreAcks", "delivery_tag_of", "unacked_entry_of"]
 
 
 class StoreAcks:
@@ -117,6 +117,14 @@ def delivery_tag_of(request: Any) -> str | None:
     properties = getattr(request, "properties", None)
     tag = properties.get("delivery_tag") if isinstance(properties, dict) else None
     return str(tag) if tag else None
+
+
+def unacked_entry_of(request: Any) -> tuple[str, str] | None:
+    """Where the message behind a Celery task request is held unacked: (kombu's unacked index key, its delivery
+    tag), when this worker's channel noted the delivery (not with a ``global_keyprefix``); else None."""
+    tag = delivery_tag_of(request)
+    keys = ACKS.keys_for(tag) if tag else None
+    return (keys[1], tag) if keys and tag else None
 
 
 class StoreAckingQoS(CancelReadingQoS):

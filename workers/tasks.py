@@ -20,8 +20,7 @@ from typing import Any
 from celery import Celery, Task, signals
 from celery.exceptions import Ignore, Reject
 
-from broker import CANCEL_MARKS
-from broker.store_ack import ACKS, delivery_tag_of
+from broker import CANCEL_MARKS, unacked_entry_of
 from protocol.celeryconf import consumes_direct_queue
 from protocol.errors import (
     DecodeError,
@@ -113,9 +112,8 @@ def register_tasks(app: Celery) -> None:
 def _delivery_of(task: Task) -> Delivery | None:
     """Where the task's message is held unacked, when this worker's channel noted it (:mod:`broker.store_ack`;
     not with a ``global_keyprefix``)."""
-    tag = delivery_tag_of(task.request)
-    keys = ACKS.keys_for(tag) if tag else None
-    return Delivery(index_key=keys[1], tag=tag) if keys and tag else None
+    entry = unacked_entry_of(task.request)
+    return Delivery(index_key=entry[0], tag=entry[1]) if entry else None
 
 
 def _claimed(runtime: WorkerRuntime, request_id: str, delivery: Delivery | None = None) -> bool:
