@@ -39,9 +39,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import onnx
-import onnxruntime as ort
-
 __all__ = ["ReportPlan", "full_report_plan", "gpu_facts", "provider_rows", "quick_report_plan", "run_report"]
 
 Say = Callable[[str], None]
@@ -160,6 +157,8 @@ def provider_rows() -> list[dict[str, Any]]:
     "Loads" means a real session over a one-node graph came up with that provider active
     (:func:`bench.machine.provider_unavailable`); the reason quotes the first missing piece.
     """
+    import onnxruntime as ort
+
     from bench.machine import provider_unavailable
 
     available = ort.get_available_providers()
@@ -185,7 +184,7 @@ def environment() -> dict[str, Any]:
     return {
         "gpu": gpu_facts(),
         "onnxruntime": imported_ort_build(),
-        "cuda_libraries": preload_gpu_libraries() if "CUDAExecutionProvider" in ort.get_available_providers()
+        "cuda_libraries": preload_gpu_libraries() if "CUDAExecutionProvider" in _available_providers()
         else "not needed: this onnxruntime build has no CUDA provider",
         "cpu": facts["cpu"], "logical_cores": facts["logical_cores"], "memory_gib": facts["memory_gib"],
         "os": facts["os"], "python": facts["python"], "packages": facts["packages"],
@@ -243,7 +242,7 @@ def placement_phase(models: dict[str, str], choices: list[str], plan: ReportPlan
         card = load_card(path)
         prompts = _prompts(plan, card.vocab_size)[:4]
         names = graph_input_names(path)  # the served graph's inputs are the file's (only the LM head is rewritten)
-        dtype = graph_kv_dtype(onnx.load(str(path), load_external_data=False))
+        dtype = graph_kv_dtype(_graph_of(path))
         for choice in choices:
             source, make_options, chain = bare_parts(path, providers=provider_chain_for(choice),
                                                      max_batch_size=plan.max_batch_size)  # fmt: skip
@@ -530,6 +529,20 @@ def write_outputs(results: dict[str, Any], out: Path, json_path: Path) -> None:
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(results, indent=1, default=str) + "\n")
     out.write_text(render(results, json_name=os.path.relpath(json_path, out.parent)))
+
+
+def _available_providers() -> list[str]:
+    import onnxruntime as ort  # here, not at the top: `fleet <any command>` imports this module to register it
+
+    return list(ort.get_available_providers())
+
+
+def _graph_of(path: Path) -> Any:
+    """The ONNX graph of ``path`` without its external weights (onnx is imported here: 0.8 s of CPU that
+    registering ``gpu-report`` with every ``fleet`` command must not cost)."""
+    import onnx
+
+    return onnx.load(str(path), load_external_data=False)
 
 
 def register(subparsers: Any) -> None:
