@@ -7,8 +7,9 @@ key is looked at): one connection sending 50 MB of ``X-A: b`` lines took a gatew
 descriptor and a protocol object each, until the process can accept no more). :class:`BoundedHeadProtocol`
 is that protocol with three bounds, checked as the bytes arrive:
 
-* at most :data:`MAX_HEAD_BYTES` received while a head is incomplete (+ at most one socket read that
-  also carried the end of the previous request), else ``431`` naming ``headers`` and the limit;
+* at most :data:`MAX_HEAD_BYTES` received while a head is incomplete (counted per socket read, judged once
+  the parser has seen it: a read that completes the head, body bytes and all, is never refused), else
+  ``431`` naming ``headers`` and the limit;
 * at most :data:`MAX_HEADERS` header lines (Apache's ``LimitRequestFields``), else ``431``;
 * a head complete within :data:`HEAD_TIMEOUT_S` of the moment the connection waits for one (opened, or
   its previous response sent), else the connection is closed (``408`` when part of a head came).
@@ -68,13 +69,15 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refusal is not None:
             return
-        if self._head_open:
+        counting = self._head_open
+        if counting:
             self._head_bytes += len(data)
-            if self._head_bytes > MAX_HEAD_BYTES:
-                what = f"the request line and headers exceed {MAX_HEAD_BYTES} bytes"
-                self._refuse(431, "headers_too_large", f"{what}; the limit is {MAX_HEAD_BYTES} bytes", MAX_HEAD_BYTES)
-                return
         super().data_received(data)
+        # judged after the parser saw the read: a read that ends the head may carry much of the body too (a
+        # 70 KB body sent with its head came in one read and was refused as a 431 before)
+        if counting and self._head_open and self._head_bytes > MAX_HEAD_BYTES and self._refusal is None:
+            what = f"the request line and headers exceed {MAX_HEAD_BYTES} bytes"
+            self._refuse(431, "headers_too_large", f"{what}; the limit is {MAX_HEAD_BYTES} bytes", MAX_HEAD_BYTES)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
