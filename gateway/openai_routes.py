@@ -22,16 +22,16 @@ request's Redis Stream (``XREAD BLOCK`` on redis.asyncio) as OpenAI chunks and e
 ``data: [DONE]``. If the client disconnects before the end, streaming or not
 (:mod:`gateway.disconnect`), the request is cancelled (``fleet:cancel:<id>`` + ``fleet:cancels``):
 a queued one is never run, a running generation ends at its next step.
-Mapping of fields and finish reasons: :mod:`gateway.openai_mapping`.
+Mapping of fields and finish reasons: :mod:`gateway.openai_mapping`; building a generation:
+:mod:`gateway.openai_generation`; waiting, and cancelling when the client leaves: :mod:`gateway.openai_waits`;
+an embeddings call's requests: :mod:`gateway.openai_embeddings`.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import AsyncIterator
-from functools import lru_cache, partial
-from pathlib import Path
+from functools import partial
 from typing import Annotated, Any
 
 import redis
@@ -40,28 +40,23 @@ from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from gateway.chat import ChatTemplate, load_chat, render_chat
 from gateway.deps import CallerDep, Gateway, GatewayDep
 from gateway.disconnect import ClientLeft, unless_client_leaves
 from gateway.errors import fleet_error_response, openai_error_of, relay_error
+from gateway.openai_embeddings import queue_embeddings
+from gateway.openai_generation import build_generation, chat_prompt
 from gateway.openai_mapping import (
     ChunkWriter,
     Face,
-    Prompt,
-    chat_messages,
     chat_response,
     check_supported,
     completion_prompt,
     completion_response,
-    embedding_inputs,
     embedding_list,
-    generation_fallbacks,
-    generation_params,
     input_field,
     max_tokens_field,
     prompt_field,
     rename_field,
-    wrong_kind,
 )
 from gateway.openai_schema import (
     ChatBody,
@@ -73,13 +68,13 @@ from gateway.openai_schema import (
     ModelObject,
     ModelObjectList,
 )
+from gateway.openai_waits import CLIENT_CLOSED_REQUEST, cancel_requests, give_up_waiting, outcome_or_error
 from gateway.outcomes import WAIT_S, await_outcomes, relay_unless_no_worker
 from gateway.sse import DONE_FRAME, EventStream, sse_frame
 from gateway.stream_relay import relay_event_batches
 from producer.registry import read_fleet_state
 from producer.submit_groups import SubmitItem
-from protocol.errors import FleetError, InvalidRequest, NoLiveWorker, RequestNotFound, UnknownModel
-from protocol.keys import CANCEL_CHANNEL, CANCEL_KEY
+from protocol.errors import FleetError, NoLiveWorker, RequestNotFound, UnknownModel
 from protocol.messages import InferenceRequest, InferenceResult
 
 __all__ = [
@@ -92,84 +87,10 @@ __all__ = [
     "router",
 ]
 
-log = logging.getLogger("fleet.api")
-
 router = APIRouter(tags=["openai"])
 SSE: dict[int | str, dict[str, Any]] = {
     200: {"content": {"text/event-stream": {}}, "description": "with stream: true, SSE chunks"}
 }
-
-
-@lru_cache(maxsize=64)
-def _chat_template(path: Path) -> ChatTemplate | None:
-    """Read once per model file and process: a template added later needs a gateway restart. None when
-    the model's folder has none (or is not on this machine)."""
-    return load_chat(path)
-
-
-def build_generation(gw: Gateway, body: CompletionBody | ChatBody, prompt: Prompt, field: str) -> InferenceRequest:
-    """Tokenize, map the sampling fields and validate one generation (runs in a worker thread).
-
-    Fields the body leaves unset are resolved by :meth:`FleetClient.build_request` (the model's
-    ``generation_config.json``, else OpenAI's defaults), as on every face.
-
-    Raises:
-        InvalidRequest: naming the OpenAI field (``prompt``/``messages``, ``max_tokens``, …).
-    """
-    names = {"input_ids": field, "text": field, "max_new_tokens": max_tokens_field(body)}
-    try:
-        key = gw.settings.model_key(body.model)
-        _refuse_without_tokenizer(gw, key, body.model)
-        ids, text = prompt
-        ids = ids if ids is not None else gw.fleet.tokenize(key, text or "")
-        fallbacks = generation_fallbacks(
-            "completion" if isinstance(body, CompletionBody) else "chat", gw.settings.models[key].limits.max_new_tokens
-        )
-        return gw.fleet.build_request(
-            key, ids, kind="generate", generation=generation_params(body), generation_fallbacks=fallbacks
-        )
-    except InvalidRequest as exc:
-        refused = wrong_kind(exc, body.model, "generate text", "an encoder model answers POST /v1/embeddings")
-        raise rename_field(refused, names, prefix="output.generation.") from exc
-
-
-def _refuse_without_tokenizer(gw: Gateway, key: str, model: str) -> None:
-    """OpenAI's routes answer in text: a model without a tokenizer could only answer ``""``.
-
-    Raises:
-        InvalidRequest: (field ``model``) the model's card says tokenizer ``none``.
-    """
-    card = gw.fleet.model_card(key)
-    if card is not None and card.tokenizer == "none":
-        raise InvalidRequest(
-            f"model {model!r} has no tokenizer (its card says tokenizer 'none'), so it cannot answer in text: "
-            "POST /v1/requests with output.kind 'generate' returns the generated token ids",
-            "model",
-            "a model with a tokenizer",
-        )
-
-
-def chat_prompt(gw: Gateway, body: ChatBody) -> Prompt:
-    """The conversation rendered by the model's chat template, as token ids.
-
-    Raises:
-        InvalidRequest: no template, the template refuses the messages, or no tokenizer (field ``messages``).
-    """
-    key = gw.settings.model_key(body.model)
-    template = _chat_template(gw.settings.models[key].path)
-    if template is None:
-        raise InvalidRequest(
-            f"model {body.model!r} has no chat template (chat_template in tokenizer_config.json or "
-            "chat_template.jinja next to its file): use /v1/completions with a prompt",
-            "messages",
-        )
-    text = render_chat(template, chat_messages(body))
-    try:
-        # the template wrote the special tokens it wants (``{{ bos_token }}``): the tokenizer must not
-        # add its own (a second BOS), as transformers' apply_chat_template does not
-        return gw.fleet.tokenize(key, text, add_special_tokens=False), None
-    except InvalidRequest as exc:
-        raise rename_field(exc, {"text": "messages"}) from exc
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=SSE)
@@ -187,10 +108,6 @@ async def chat_completions(body: ChatBody, rate_key: CallerDep, gw: GatewayDep, 
     prompt = await run_in_threadpool(chat_prompt, gw, body)
     request = await run_in_threadpool(build_generation, gw, body, prompt, "messages")
     return await _generate(gw, request, rate_key, "chat", body, http)
-
-
-CLIENT_CLOSED_REQUEST = 499
-"""The status logged for a call whose client left before its answer (nginx's convention; nobody receives it)."""
 
 
 async def _generate(
@@ -253,54 +170,11 @@ async def _frames(gw: Gateway, rid: str, model: str, writer: ChunkWriter, ended:
     yield DONE_FRAME
 
 
-async def outcome_or_error(
-    gw: Gateway, http: Request, rid: str, model: str, headers: dict[str, str], field_names: dict[str, str]
-) -> InferenceResult | Response:
-    """Wait for ``rid``'s result while its client stays (at most ``WAIT_S``); every other end is the error
-    response to send: the client left (499, the request cancelled), no worker came (503, cancelled), a
-    failure (its fields renamed to the caller's: ``field_names``, OpenAI's shape)."""
-    try:
-        waiting = await_outcomes(gw.fleet, gw.aredis, [rid], timeout_s=WAIT_S, model=model,
-                                 no_worker_after_s=gw.settings.api.no_worker_wait_s, presence=gw.apresence,
-                                 notifier=gw.results)
-        outcome = (await unless_client_leaves(http, waiting, partial(cancel_requests, gw, [rid])))[rid]
-    except ClientLeft:
-        return Response(status_code=CLIENT_CLOSED_REQUEST, headers=headers)
-    except NoLiveWorker as exc:
-        return fleet_error_response(await give_up_waiting(gw, [rid], exc), openai=True, headers=headers)
-    except FleetError as exc:
-        return fleet_error_response(exc, openai=True, headers=headers)
-    if isinstance(outcome, FleetError):
-        return fleet_error_response(rename_field(outcome, field_names, "output.generation."), openai=True,
-                                    headers=headers)  # fmt: skip
-    return outcome
-
-
-async def give_up_waiting(gw: Gateway, rids: list[str], exc: NoLiveWorker) -> NoLiveWorker:
-    """No worker came within ``api.no_worker_wait_s``: the caller gets an error, so nothing runs for it later
-    (an SDK retries a 503 as a new request); the queued items still count for a scaler watching the queue."""
-    await cancel_requests(gw, rids)
-    return NoLiveWorker(f"{exc.message}; request {', '.join(rids)} was cancelled: retry once a worker is up",
-                        exc.field, exc.limit)
-
-
-async def cancel_requests(gw: Gateway, rids: list[str]) -> None:
-    """The client left before its answer: mark the requests cancelled and tell the running workers."""
-    try:
-        async with gw.aredis.pipeline(transaction=False) as pipe:
-            for rid in rids:
-                pipe.set(CANCEL_KEY.format(id=rid), "1", ex=gw.settings.result_ttl_s)
-                pipe.publish(CANCEL_CHANNEL, rid)
-            await pipe.execute()
-    except redis.RedisError as exc:
-        log.warning("could not cancel %s after its client left: %s", ",".join(rids), exc)
-
-
 @router.post("/v1/embeddings", response_model=EmbeddingList)
 async def embeddings(body: EmbeddingBody, rate_key: CallerDep, gw: GatewayDep, http: Request) -> Response:
     """One vector per input (text or token ids) from an encoder model; queued all or none."""
     check_supported(body)
-    ids = await _queue_embeddings(gw, body, rate_key)
+    ids = await queue_embeddings(gw, body, rate_key)
     headers = {"X-Request-ID": ",".join(ids)}
     model = gw.settings.model_key(body.model)  # the configured name, as /v1/models lists it
     try:
@@ -323,48 +197,6 @@ async def embeddings(body: EmbeddingBody, rate_key: CallerDep, gw: GatewayDep, h
         results.append(outcome)
     vectors = embedding_list(model, results, body.encoding_format)
     return JSONResponse(vectors.model_dump(mode="json"), headers=headers)
-
-
-async def _queue_embeddings(gw: Gateway, body: EmbeddingBody, rate_key: str) -> list[str]:
-    """Build every input's request, admit them together and queue them all or none: with the other
-    submissions of the moment (:mod:`gateway.submit_queue`), or alone in a thread (``api.group_submits``
-    false). Token-id inputs of a model already loaded are built on the loop (no file, no Redis read)."""
-    texts = isinstance(body.input, str) or any(isinstance(x, str) for x in body.input)
-    if not texts and gw.fleet.model_loaded(body.model):
-        built = _build_embeddings(gw, body)
-    else:
-        built = await run_in_threadpool(_build_embeddings, gw, body)
-    routing = [body.user] * len(built)
-    try:
-        if gw.settings.api.group_submits:
-            return await gw.submits.submit(SubmitItem(built, rate_key, list(routing)))
-        return await run_in_threadpool(_send_embeddings, gw, built, rate_key, routing)
-    except InvalidRequest as exc:  # more inputs at once than the rate bucket holds: named as the body names them
-        raise rename_field(exc, {"requests": "input"}) from exc
-
-
-def _build_embeddings(gw: Gateway, body: EmbeddingBody) -> list[InferenceRequest]:
-    """One embedding request per input, each validated (raises InvalidRequest naming ``input[i]``)."""
-    prompts = embedding_inputs(body)
-    cap = gw.settings.api.max_batch_requests
-    if len(prompts) > cap:
-        raise InvalidRequest(f"input has {len(prompts)} items; the limit is api.max_batch_requests={cap}", "input", cap)
-    built = []
-    for i, (ids, text) in enumerate(prompts):
-        field = input_field(body, i)
-        try:
-            built.append(gw.fleet.build_request(body.model, ids, text=text, kind="embedding"))
-        except InvalidRequest as exc:
-            refused = wrong_kind(exc, body.model, "embed", "a causal LM answers POST /v1/completions")
-            raise rename_field(refused, {"input_ids": field, "text": field}) from exc
-    return built
-
-
-def _send_embeddings(gw: Gateway, built: list[InferenceRequest], rate_key: str,
-                     routing: list[str | None]) -> list[str]:  # fmt: skip
-    """Admit ``built`` together and queue it in one Redis step, all or none (blocking: in a thread)."""
-    gw.fleet.admission.admit(built[0].model, count=len(built), rate_key=rate_key)
-    return gw.fleet.send_batch(built, routing_keys=routing, label="input")
 
 
 def _model_objects(gw: Gateway) -> list[ModelObject]:

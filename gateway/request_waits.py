@@ -1,5 +1,5 @@
 """A request's view once it is finished, waited for on the event loop: the waits of ``POST /v1/requests?wait_s=``
-and of the long-poll ``GET /v1/requests/{id}?wait_s=`` (:mod:`gateway.app`), over the process's one result
+and of the long-poll ``GET /v1/requests/{id}?wait_s=`` (:mod:`gateway.requests_routes`), over the process's one result
 subscription (:class:`gateway.result_notifier.ResultNotifier`). Each answers ``None`` (or the view as it is
 then) at its bound, ``wait_s`` seconds.
 """

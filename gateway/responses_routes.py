@@ -36,15 +36,10 @@ from starlette.concurrency import run_in_threadpool
 
 from gateway.deps import CallerDep, Gateway, GatewayDep
 from gateway.errors import fleet_error_response, openai_error_of, relay_error
+from gateway.openai_generation import build_generation, chat_prompt
 from gateway.openai_mapping import finish_reason, rename_field, stream_error
-from gateway.openai_routes import (
-    build_generation,
-    cancel_requests,
-    chat_prompt,
-    give_up_waiting,
-    outcome_or_error,
-)
 from gateway.openai_schema import ChatBody
+from gateway.openai_waits import cancel_requests, give_up_waiting, outcome_or_error
 from gateway.outcomes import relay_unless_no_worker
 from gateway.responses_schema import ResponseBody, check_supported, input_messages, message_item, output_message
 from gateway.responses_store import StoredResponse, delete_response, load_response, not_found, save_response

@@ -1,0 +1,78 @@
+"""The operations routes (tag ``ops``), open without an API key: liveness (``/healthz``, and ``/health``
+as vLLM names it), readiness (``/readyz``: Redis reachable and a ready worker per model) and the
+Prometheus text at ``/metrics``. The whole API: :mod:`gateway.app`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway.deps import GatewayDep
+from producer.registry import read_fleet_state, readiness_problems
+from protocol.errors import UnknownModel
+from protocol.settings import FleetSettings
+
+__all__ = ["REDIS_DOWN_PROBLEM", "health", "healthz", "prometheus", "readyz", "router"]
+
+log = logging.getLogger("fleet.api")
+
+REDIS_DOWN_PROBLEM = "the queue (Redis) is unreachable (the gateway's log says why)"
+"""What ``/readyz`` says of a Redis it cannot reach (the address and the error stay in the log)."""
+
+router = APIRouter()
+
+
+@router.get("/healthz", tags=["ops"])
+async def healthz() -> dict[str, str]:
+    """The process is alive (checks nothing else)."""
+    return {"status": "ok"}
+
+
+@router.get("/health", tags=["ops"], response_class=Response, responses={200: {"description": "empty body"}})
+async def health() -> Response:
+    """Liveness under the name vLLM serves and guidellm (and other OpenAI-server tooling) probe: 200 with
+    an empty body while the process answers HTTP, like ``/healthz``. It says nothing about Redis or
+    workers: ``/readyz`` does."""
+    return Response(status_code=200)
+
+
+@router.get("/readyz", tags=["ops"], responses={503: {"description": "not ready; 'problems' says why"}})
+def readyz(
+    gw: GatewayDep,
+    model: Annotated[list[str] | None, Query(description="Only these models need a worker (default: all).")] = None,
+) -> JSONResponse:
+    """Ready when Redis answers and every configured model (or each ``model`` given) has a ready worker.
+
+    Open to anyone, so a Redis failure is said without its address, user or error text (logged instead)."""
+    wanted = None if model is None else [_model_key_or_name(gw.settings, m) for m in model]
+    state = read_fleet_state(gw.settings, gw.fleet.redis)
+    if state.redis_error:
+        log.warning("not ready: %s", state.redis_error)
+        return JSONResponse({"ready": False, "problems": [REDIS_DOWN_PROBLEM]}, status_code=503)
+    problems = readiness_problems(state, wanted)
+    return JSONResponse({"ready": not problems, "problems": problems}, status_code=503 if problems else 200)
+
+
+# Load balancers that probe with HEAD get the GET answer without its body (uvicorn drops it). Routes of their
+# own, out of the schema: one route with both methods gave /openapi.json two operations of one ID, in an order
+# that changed from process to process.
+for _path, _endpoint in (("/healthz", healthz), ("/health", health), ("/readyz", readyz)):
+    router.add_api_route(_path, _endpoint, methods=["HEAD"], include_in_schema=False)
+
+
+@router.get("/metrics", tags=["ops"], response_class=Response)
+def prometheus(gw: GatewayDep) -> Response:
+    """Prometheus text format: gateway requests by route/status, latencies, queue depths."""
+    return Response(generate_latest(gw.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _model_key_or_name(settings: FleetSettings, name: str) -> str:
+    try:
+        return settings.model_key(name)
+    except UnknownModel:
+        return name

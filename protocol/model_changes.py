@@ -1,0 +1,208 @@
+"""Changes to a model's desired state (:func:`pin`, :func:`set_canary`, :func:`promote`, :func:`rollback`),
+each one WATCH/MULTI transaction that writes the state (generation + 1) and its history entry together,
+then publishes the model's name on ``fleet:model-changes``. The keys: :mod:`protocol.model_records`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from protocol.errors import StateChangeRefused
+from protocol.model_records import (
+    CHANGES_CHANNEL,
+    HISTORY_KEY,
+    STATE_KEY,
+    Action,
+    HistoryEntry,
+    ModelState,
+    Published,
+    Split,
+    VersionCheck,
+    history,
+)
+
+__all__ = ["HISTORY_KEEP", "MAX_WEIGHT", "MIN_WEIGHT", "pin", "promote", "rollback", "set_canary"]
+
+HISTORY_KEEP = 1000
+"""History entries kept per model (the oldest are trimmed)."""
+MIN_WEIGHT, MAX_WEIGHT = 1, 99
+"""A canary's share of the traffic (percent)."""
+
+
+def _change(
+    r: redis.Redis[bytes],
+    model: str,
+    by: str,
+    action: Action,
+    decide: Callable[[ModelState], Split],
+    *,
+    reason: str | None = None,
+    figures: dict[str, Any] | None = None,
+    expect_generation: int | None = None,
+) -> HistoryEntry:
+    """Apply ``decide(current) -> new split`` as one transaction (retried when another change raced)."""
+    state_key, history_key = STATE_KEY.format(model=model), HISTORY_KEY.format(model=model)
+    with r.pipeline() as pipe:
+        while True:
+            try:
+                pipe.watch(state_key)
+                raw: bytes | None = pipe.get(state_key)  # type: ignore[assignment]  # immediate mode after WATCH
+                current = ModelState(model=model) if raw is None else ModelState.model_validate_json(raw)
+                if expect_generation is not None and current.generation != expect_generation:
+                    raise StateChangeRefused(
+                        f"{model}: the state changed meanwhile (generation {current.generation}, "
+                        f"expected {expect_generation})",
+                        "generation",
+                        expect_generation,
+                    )
+                new = decide(current)
+                now = time.time()
+                state = ModelState(
+                    model=model, **new.model_dump(), generation=current.generation + 1, changed_by=by,
+                    changed_at_unix_s=now,
+                )
+                entry = HistoryEntry.model_validate({
+                    "at_unix_s": now, "by": by, "action": action, "from": current.split(), "to": new,
+                    "reason": reason, "figures": figures, "generation": state.generation,
+                })
+                pipe.multi()
+                pipe.set(state_key, state.model_dump_json())
+                pipe.rpush(history_key, entry.to_json())
+                pipe.ltrim(history_key, -HISTORY_KEEP, -1)
+                pipe.execute()
+                break
+            except redis.WatchError:
+                continue
+    r.publish(CHANGES_CHANNEL, model)
+    return entry
+
+
+def _check_published(store: Published | None, model: str, version: str, check: VersionCheck | None = None) -> None:
+    if not version or not version.strip():
+        raise StateChangeRefused(f"{model}: version must be a non-empty string", "version", "non-empty")
+    if store is not None:
+        store.manifest(model, version)  # raises VersionNotFound naming the model and the version
+    if check is not None:
+        check(model, version)
+
+
+def pin(
+    r: redis.Redis[bytes], model: str, version: str, by: str, *, store: Published | None = None,
+    check: VersionCheck | None = None,
+) -> HistoryEntry:
+    """Make ``version`` the stable one; an ongoing canary stays (unless it is that same version).
+
+    Raises:
+        VersionNotFound: ``store`` is given and the version is not published there.
+        IncompatibleVersion: ``check`` is given and refuses the version (nothing changes).
+    """
+    _check_published(store, model, version, check)
+
+    def decide(cur: ModelState) -> Split:
+        if cur.canary == version:
+            return Split(stable=version)
+        return Split(stable=version, canary=cur.canary, canary_weight=cur.canary_weight)
+
+    return _change(r, model, by, "pin", decide)
+
+
+def set_canary(
+    r: redis.Redis[bytes], model: str, version: str, weight: int, by: str, *, store: Published | None = None,
+    check: VersionCheck | None = None,
+) -> HistoryEntry:
+    """Send ``weight`` percent (1..99) of the model's traffic to ``version``.
+
+    Raises:
+        StateChangeRefused: ``weight`` out of 1..99, or ``version`` is already the stable one.
+        VersionNotFound: ``store`` is given and the version is not published there.
+        IncompatibleVersion: ``check`` is given and refuses the version (nothing changes).
+    """
+    if not MIN_WEIGHT <= weight <= MAX_WEIGHT:
+        raise StateChangeRefused(
+            f"weight must be between {MIN_WEIGHT} and {MAX_WEIGHT} (percent of traffic), got {weight}",
+            "weight",
+            f"{MIN_WEIGHT}..{MAX_WEIGHT}",
+        )
+    _check_published(store, model, version, check)
+
+    def decide(cur: ModelState) -> Split:
+        if cur.stable == version:
+            raise StateChangeRefused(f"{model}: {version} is already the stable version", "version", cur.stable)
+        return Split(stable=cur.stable, canary=version, canary_weight=weight)
+
+    return _change(r, model, by, "canary", decide)
+
+
+def promote(r: redis.Redis[bytes], model: str, by: str, *, check: VersionCheck | None = None) -> HistoryEntry:
+    """Make the canary the stable version (all traffic).
+
+    Raises:
+        StateChangeRefused: the model has no canary.
+        IncompatibleVersion: ``check`` is given and refuses the canary (one set before the check, or by a
+            caller without it): nothing changes; roll it back.
+    """
+
+    def decide(cur: ModelState) -> Split:
+        if cur.canary is None:
+            raise StateChangeRefused(f"{model} has no canary to promote", "canary", None)
+        if check is not None:
+            check(model, cur.canary)
+        return Split(stable=cur.canary)
+
+    return _change(r, model, by, "promote", decide)
+
+
+def rollback(
+    r: redis.Redis[bytes],
+    model: str,
+    by: str,
+    reason: str | None = None,
+    figures: dict[str, Any] | None = None,
+    auto: bool = False,
+    *,
+    expect_generation: int | None = None,
+) -> HistoryEntry:
+    """Drop the canary (all traffic back to stable); with no canary, undo the last pin or promote: the
+    stable version returns to the one it replaced (None = the configured one). Repeated rollbacks walk
+    further back, one pin or promote at a time.
+
+    Raises:
+        StateChangeRefused: neither a canary nor a pin or promote left to undo; or
+            ``expect_generation`` is given and the state changed since.
+    """
+
+    def decide(cur: ModelState) -> Split:
+        if cur.canary is not None:
+            return Split(stable=cur.stable)
+        if auto:
+            raise StateChangeRefused(f"{model} has no canary to roll back", "canary", None)
+        earlier = _undo_stack(history(r, model))
+        if not earlier:
+            raise StateChangeRefused(
+                f"{model} has no canary and no pin or promote to undo", "canary", None
+            )
+        return Split(stable=earlier[-1])
+
+    action: Action = "auto-rollback" if auto else "rollback"
+    return _change(
+        r, model, by, action, decide, reason=reason, figures=figures, expect_generation=expect_generation
+    )
+
+
+def _undo_stack(entries: list[HistoryEntry]) -> list[str | None]:
+    """The stable versions a rollback would return to, most recent last: every pin or promote that
+    changed the stable pushes the one it replaced; every rollback that changed it pops one."""
+    stack: list[str | None] = []
+    for entry in entries:
+        if entry.from_.stable == entry.to.stable:
+            continue
+        if entry.action in ("pin", "promote"):
+            stack.append(entry.from_.stable)
+        elif entry.action == "rollback" and stack:
+            stack.pop()
+    return stack
+
