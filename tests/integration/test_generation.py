@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -25,7 +26,7 @@ from protocol.messages import InferenceResult
 from protocol.streams import StreamEvent, decode_events
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.redis_monitor import Monitor
-from tests.integration.stream_order import relayed_before_stored
+from tests.integration.stream_order import asked_past_first, relayed_before_stored
 from tools.processes import poll_until
 from tools.redis_server import free_port
 
@@ -278,19 +279,32 @@ def test_fleet_submit_stream_prints_text_before_the_request_completes(fleet: Fle
     """The CLI's stream reader asked for tokens past the first ones before the worker stored the result (Redis's
     MONITOR: the order a starved reader's own clock cannot show), and printed the whole text."""
     cfg = fleet.config(models={MODEL: {"limits": {"max_new_tokens": 480}}})
-    fleet.worker(cfg)
+    worker = fleet.worker(cfg)
+    assert worker.proc is not None
     client = fleet.client(cfg)
     env = {**os.environ, "FLEET_CONFIG": str(cfg), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "producer.cli", "submit", "--model", MODEL, "--text", "Hello", "--stream",
            "--max-new-tokens", "480", "--ignore-eos", "--request-id", "cli-stream-1"]
     monitor = Monitor(fleet.redis_url)
+    r = redis.Redis.from_url(fleet.redis_url)
     try:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        # the worker is stopped once its first events are out, until the reader asked for more: a reader starved
+        # beside a CPU hog could otherwise read the whole generation in its first XREAD, proving nothing
+        r.xread({STREAM_KEY.format(id="cli-stream-1"): "0"}, count=1, block=60_000)
+        os.killpg(worker.proc.pid, signal.SIGSTOP)
+        try:
+            if r.get("celery-task-meta-cli-stream-1") is None:  # stopped mid-generation
+                poll_until(lambda: asked_past_first([c["command"] for c in monitor.commands], "cli-stream-1"), 60,
+                           "the CLI's reader to ask for the entries after those it printed")  # fmt: skip
+        finally:
+            os.killpg(worker.proc.pid, signal.SIGCONT)
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
         commands = [c["command"] for c in monitor.up_to_now()]
     finally:
         monitor.close()
+        r.close()
     assert relayed_before_stored(commands, "cli-stream-1")
     first, out = out[:1], out[1:]
     summary = json.loads(err.decode().strip().splitlines()[-1])
