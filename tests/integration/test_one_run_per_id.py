@@ -216,10 +216,10 @@ def endless_decoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
                        max_positions=ENDLESS_TOKENS + 64)  # fmt: skip
 
 
-def _running_with_a_waiting_copy(fleet: Fleet, cfg: Path, r: redis.Redis[bytes], request_id: str,
-                                 seed: int) -> tuple[FleetClient, Any, Any]:
+def _endless_on_one_of_two(fleet: Fleet, cfg: Path, r: redis.Redis[bytes], request_id: str,
+                           seed: int) -> tuple[FleetClient, Any, Any, dict[str, Any]]:
     """Two workers of one token each; an endless generation under ``request_id`` runs on one (its first tokens
-    out) and a copy of it waits on the other. Returns a client, the holder and the other worker."""
+    out). Returns a client, the holder, the other worker and the request sent."""
     workers = [fleet.worker(cfg, concurrency=1), fleet.worker(cfg, concurrency=1)]
     client = fleet.client(cfg)
     request = _generation(seed=seed, new=ENDLESS_TOKENS)
@@ -228,6 +228,13 @@ def _running_with_a_waiting_copy(fleet: Fleet, cfg: Path, r: redis.Redis[bytes],
         if event.index >= 1:
             break
     holder, other = _holder_and_other(r, workers, request_id)
+    return client, holder, other, request
+
+
+def _running_with_a_waiting_copy(fleet: Fleet, cfg: Path, r: redis.Redis[bytes], request_id: str,
+                                 seed: int) -> tuple[FleetClient, Any, Any]:
+    """:func:`_endless_on_one_of_two`, and a copy of the generation waiting on the other worker."""
+    client, holder, other, request = _endless_on_one_of_two(fleet, cfg, r, request_id, seed)
     _send(r, request_id, request)  # the holder's one token is taken: the other worker takes this copy
     _wait("the copy waiting", lambda: _count(other.log_path, rf"generation {request_id} is already running") == 1,
           other.log_tail)
@@ -329,14 +336,8 @@ def test_a_generation_restored_while_its_holder_runs_it_is_not_dead_lettered(
     cfg = fleet.config(worker={"heartbeat_s": 1.0, "max_deliveries": 1},
                        models={"demo-lm": {"path": str(endless_decoder), "batching": {"max_batch_size": 1},
                                           "limits": {"max_new_tokens": ENDLESS_TOKENS}}})  # fmt: skip
-    workers = [fleet.worker(cfg, concurrency=1), fleet.worker(cfg, concurrency=1)]
-    client = fleet.client(cfg)
     r = redis.Redis(port=redis_server.port)
-    _send(r, "outlived-1", _generation(seed=5, new=ENDLESS_TOKENS))
-    for event in client.stream("outlived-1", timeout_s=60):
-        if event.index >= 1:
-            break
-    holder, other = _holder_and_other(r, workers, "outlived-1")
+    client, holder, other, _ = _endless_on_one_of_two(fleet, cfg, r, "outlived-1", seed=5)
     _restore_unacked(fleet.redis_url)
     # the restored copy reaches the other worker (the holder's one token is taken): waiting, or (before) refused
     _wait("the restored copy delivered", lambda: _count(other.log_path, r"generation outlived-1 is already running")
@@ -386,14 +387,8 @@ def test_a_generation_held_past_the_visibility_timeout_is_not_delivered_again_wh
     cfg = fleet.config(visibility_timeout_s=3, worker={"heartbeat_s": 0.5},
                        models={"demo-lm": {"path": str(endless_decoder), "batching": {"max_batch_size": 1},
                                           "limits": {"max_new_tokens": ENDLESS_TOKENS}}})  # fmt: skip
-    workers = [fleet.worker(cfg, concurrency=1), fleet.worker(cfg, concurrency=1)]
-    client = fleet.client(cfg)
     r = redis.Redis(port=redis_server.port)
-    _send(r, "long-1", _generation(seed=7, new=ENDLESS_TOKENS))
-    for event in client.stream("long-1", timeout_s=60):
-        if event.index >= 1:
-            break
-    holder, other = _holder_and_other(r, workers, "long-1")
+    client, holder, other, _ = _endless_on_one_of_two(fleet, cfg, r, "long-1", seed=7)
     (tag,) = r.hkeys("unacked")
     taken_at = r.zscore("unacked_index", tag) or 0.0
     _wait("three visibility timeouts after the take", lambda: time.time() > taken_at + 3 * 3, holder.log_tail)
