@@ -59,8 +59,8 @@ def _text(rid: str, model: str, result: InferenceResult) -> str:
     return gen.text
 
 
-def completion_response(rid: str, model: str, created: int, result: InferenceResult) -> CompletionResponse:
-    """A finished generation as a ``text_completion``.
+def _finished(rid: str, model: str, result: InferenceResult) -> tuple[str, str, CompletionUsage]:
+    """A finished generation's text, OpenAI finish_reason and usage: what both response shapes carry.
 
     Raises:
         ModelLoadError: the generation has token ids but no text (see :func:`_text`).
@@ -68,8 +68,18 @@ def completion_response(rid: str, model: str, created: int, result: InferenceRes
     text = _text(rid, model, result)
     gen = result.generation
     assert gen is not None  # _text checked it
-    choice = CompletionChoice(text=text, finish_reason=finish_reason(gen.finish_reason))
-    return CompletionResponse(id=f"cmpl-{rid}", created=created, model=model, choices=[choice], usage=_usage(gen.usage))
+    return text, finish_reason(gen.finish_reason), _usage(gen.usage)
+
+
+def completion_response(rid: str, model: str, created: int, result: InferenceResult) -> CompletionResponse:
+    """A finished generation as a ``text_completion``.
+
+    Raises:
+        ModelLoadError: the generation has token ids but no text (see :func:`_text`).
+    """
+    text, finish, usage = _finished(rid, model, result)
+    choice = CompletionChoice(text=text, finish_reason=finish)
+    return CompletionResponse(id=f"cmpl-{rid}", created=created, model=model, choices=[choice], usage=usage)
 
 
 def chat_response(rid: str, model: str, created: int, result: InferenceResult) -> ChatCompletion:
@@ -78,11 +88,9 @@ def chat_response(rid: str, model: str, created: int, result: InferenceResult) -
     Raises:
         ModelLoadError: the generation has token ids but no text (see :func:`_text`).
     """
-    text = _text(rid, model, result)
-    gen = result.generation
-    assert gen is not None  # _text checked it
-    choice = ChatChoice(message=ChatResponseMessage(content=text), finish_reason=finish_reason(gen.finish_reason))
-    return ChatCompletion(id=f"chatcmpl-{rid}", created=created, model=model, choices=[choice], usage=_usage(gen.usage))
+    text, finish, usage = _finished(rid, model, result)
+    choice = ChatChoice(message=ChatResponseMessage(content=text), finish_reason=finish)
+    return ChatCompletion(id=f"chatcmpl-{rid}", created=created, model=model, choices=[choice], usage=usage)
 
 
 def embedding_list(model: str, results: Sequence[InferenceResult], encoding_format: str) -> EmbeddingList:
