@@ -1,0 +1,85 @@
+"""The HTTP faces' sections: the gateway (``api``), its per-key rate limit (``admission``) and Flower."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from protocol.settings_section import Section
+
+__all__ = ["AdmissionSettings", "ApiSettings", "FlowerSettings"]
+
+
+class ApiSettings(Section):
+    """HTTP gateway."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    api_keys: list[str] = Field(default_factory=list, description="Accepted X-API-Key values; [] = no auth.")
+    max_body_bytes: int = Field(default=1_048_576, ge=1024, description="Largest request body (bytes).")
+    max_batch_requests: int = Field(
+        default=256, ge=1, le=100_000, description="Requests one POST /v1/requests:batch may carry."
+    )
+    no_worker_wait_s: float = Field(
+        default=30.0, ge=0, le=600, description="An OpenAI-route call for a model no live worker serves waits "
+        "this long for one to appear (scale from zero), then answers 503 no_worker and cancels the request: no worker "
+        "runs it later, for a caller that has gone (s).",
+    )
+    responses_ttl_s: int = Field(
+        default=30 * 24 * 3600, ge=60, le=365 * 24 * 3600, description="How long a stored /v1/responses response "
+        "(and so its conversation) lives in Redis for retrieval and previous_response_id (s); OpenAI keeps 30 days.",
+    )
+    max_wait_s: float = Field(
+        default=60.0, ge=0, le=600, description="Longest long-poll of GET /v1/requests/{id}?wait_s=...: the "
+        "call answers as soon as the result is stored, else at wait_s with the current status (s).",
+    )
+    group_submits: bool = Field(
+        default=True, description="Queue the submissions that arrive while the previous Redis step is in flight "
+        "(POST /v1/requests without request_id, /v1/embeddings, /v1/completions, /v1/chat/completions) together, "
+        "in one Redis step: one fleet.infer_bulk message per group and queue for one-step requests, one "
+        "fleet.infer task each for generations (a lone request is still one fleet.infer task). false: each "
+        "submission its own Redis step.",
+    )
+    max_grouped_requests: int = Field(
+        default=256, ge=1, le=4096, description="Most requests one grouped submission queues (the rest waits "
+        "for the next group; one caller's requests are never split).",
+    )
+
+
+class AdmissionSettings(Section):
+    """Per-API-key rate limit (token bucket kept in Redis)."""
+
+    rate_capacity: float = Field(default=0, ge=0, description="Bucket size (requests); 0 = no rate limit.")
+    rate_refill_per_s: float = Field(default=0, ge=0, description="Refill rate (requests/s).")
+    drain_window_s: float = Field(
+        default=30, gt=0, le=3600, description="Window over which a queue's drain rate is measured (s)."
+    )
+    max_retry_after_s: int = Field(
+        default=60, ge=1, le=86_400, description="Cap on the Retry-After a refusal advises (s)."
+    )
+    queue_depth_cache_ms: float = Field(
+        default=250,
+        ge=0,
+        le=5_000,
+        description="How long a producer reuses one queue-depth read, adding what it admitted since (ms); "
+        "0 = read on every submission. Other producers' submissions inside it are not seen.",
+    )
+
+
+class FlowerSettings(Section):
+    """Flower, the Celery monitor started by ``fleet flower``; it always runs with basic auth."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=5555, ge=1, le=65535)
+    basic_auth: list[str] = Field(
+        default_factory=list,
+        description="'user:password' entries (no commas); `fleet flower` refuses to start without one.",
+    )
+
+    @field_validator("basic_auth")
+    @classmethod
+    def _user_password_pairs(cls, entries: list[str]) -> list[str]:
+        for i, entry in enumerate(entries):
+            user, sep, password = entry.partition(":")
+            if not sep or not user or not password or "," in entry:
+                raise ValueError(f"entry {i} must be 'user:password' with both parts non-empty and no comma")
+        return entries
