@@ -155,8 +155,10 @@ def serve(
     """
     import uvicorn
 
-    from gateway.request_heads import BoundedHeadProtocol  # imports uvicorn's protocol: only when serving
+    from gateway.request_heads import ConnectionLimits, bounded_protocol  # imports uvicorn's: only when serving
 
+    api = settings.api
+    limits = ConnectionLimits(api.max_head_bytes, api.max_headers, api.head_timeout_s, api.write_stall_s)
     json_logs = settings.log.format == "json"
     logging_kwargs: dict[str, Any] = {}
     configure_logging(settings.log.format, log_level.upper())  # the fleet's own lines (fleet.api…), in text too
@@ -169,6 +171,7 @@ def serve(
         log_level=log_level,
         access_log=access_log and not json_logs,
         proxy_headers=False,
-        http=BoundedHeadProtocol,  # request heads bounded in bytes, header count and time (gateway.request_heads)
+        http=bounded_protocol(limits),  # bounds on request heads and stalled readers (gateway.request_heads)
         **logging_kwargs,
     )
+

@@ -43,6 +43,23 @@ class ApiSettings(Section):
         default=256, ge=1, le=4096, description="Most requests one grouped submission queues (the rest waits "
         "for the next group; one caller's requests are never split).",
     )
+    max_head_bytes: int = Field(
+        default=65_536, ge=4096, le=1 << 20, description="Most bytes of one request line and its headers; more is "
+        "answered 431 naming headers, before the API key is looked at (bytes).",
+    )
+    max_headers: int = Field(
+        default=100, ge=16, le=10_000, description="Most header lines of one request; more is answered 431."
+    )
+    head_timeout_s: float = Field(
+        default=10.0, ge=1, le=600, description="Time a connection has to send a whole request head once the "
+        "gateway waits for one; then it is closed (408 when part of a head came). Requests being answered (long "
+        "polls, streams) are not timed (s).",
+    )
+    write_stall_s: float = Field(
+        default=60.0, ge=1, le=3600, description="Time a response may wait for its client to read (a stream "
+        "reader that stopped reading): then the connection is aborted, and a stream's request cancelled as on any "
+        "disconnect (s).",
+    )
 
 
 class AdmissionSettings(Section):
