@@ -6,18 +6,18 @@ document on stdout. ``pin`` and ``canary`` then wait up to ``--wait-s`` (10 s) f
 serve the version or refuse it, and add what they serve: ``served`` (stable version -> hosts),
 ``canary_served`` (loaded canary version -> hosts) and ``not_served`` (a sentence, also on stderr as
 ``fleet: NOT SERVED: …``). Exit codes follow ``fleet``'s: 0 ok; 1 refused (not published, no canary to
-promote or roll back; the message says why), or ``pin``/``canary`` waited (``--wait-s`` > 0) and no
-live worker serves the version in that role (each refused it, e.g. a checksum mismatch, or did not
-switch in time: the change took effect nowhere; it stays recorded: undo it with ``rollback``); 2 bad
-arguments or settings (unknown model, a weight outside 1..99, a version whose card does not fit the
-model: IncompatibleVersion, see :mod:`protocol.version_fit`; checked by pin, canary and promote when a
-store is configured). A version that some live workers serve and others do not (a worker without the
-store, a canary not loaded) exits 0 with the NOT SERVED line naming the others, as ``fleet status``
-does. ``--wait-s 0`` waits for nothing and judges nothing: exit 0 once recorded (``served`` /
-``canary_served`` / ``not_served`` in the JSON are one read of the heartbeats at that instant). With no
-live worker of the model, ``pin`` and ``canary`` exit 0 (a worker that starts reads the state).
-``promote`` and ``rollback`` do not wait for the workers: exit 0 once recorded (``fleet status`` says
-what is served).
+promote or roll back, a rollback to a version the store no longer publishes; the message says why), or
+``pin``/``canary`` waited (``--wait-s`` > 0) and no live worker serves the version in that role (each
+refused it, e.g. a checksum mismatch, or did not switch in time: the change took effect nowhere; it
+stays recorded: undo it with ``rollback``); 2 bad arguments or settings (unknown model, a weight outside
+1..99, a version whose card does not fit the model: IncompatibleVersion, see
+:mod:`protocol.version_fit`; checked by pin, canary and promote when a store is configured). A version
+that some live workers serve and others do not (a worker without the store, a canary not loaded) exits 0
+with the NOT SERVED line naming the others, as ``fleet status`` does. ``--wait-s 0`` waits for nothing
+and judges nothing: exit 0 once recorded (``served`` / ``canary_served`` / ``not_served`` in the JSON
+are one read of the heartbeats at that instant). With no live worker of the model, ``pin`` and
+``canary`` exit 0 (a worker that starts reads the state). ``promote`` and ``rollback`` do not wait for
+the workers: exit 0 once recorded (``fleet status`` says what is served).
 
 ::
 
@@ -190,8 +190,9 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
 
 def cmd_rollback(args: argparse.Namespace) -> int:
-    _, r, model = _context(args)
-    _print(_change_doc(r, model, rollback(r, model, args.by, reason=args.reason)))
+    settings, r, model = _context(args)
+    store, _ = _published(settings, model)  # undoing a pin or promote returns only to a version still published
+    _print(_change_doc(r, model, rollback(r, model, args.by, reason=args.reason, store=store)))
     return 0
 
 

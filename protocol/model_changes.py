@@ -11,7 +11,7 @@ from typing import Any
 
 import redis
 
-from protocol.errors import StateChangeRefused
+from protocol.errors import FleetError, StateChangeRefused
 from protocol.model_records import (
     CHANGES_CHANNEL,
     HISTORY_KEY,
@@ -165,14 +165,21 @@ def rollback(
     auto: bool = False,
     *,
     expect_generation: int | None = None,
+    store: Published | None = None,
 ) -> HistoryEntry:
     """Drop the canary (all traffic back to stable); with no canary, undo the last pin or promote: the
     stable version returns to the one it replaced (None = the configured one). Repeated rollbacks walk
     further back, one pin or promote at a time.
 
+    ``store``: when given, undoing a pin or promote checks that the version it returns to is still
+    published there (a version deleted from the store would be refused by every worker that has not
+    cached it: the rollback would take effect nowhere). Only a definite "not published" refuses; a store
+    that cannot be reached does not hold a rollback up. Dropping a canary never asks the store.
+
     Raises:
-        StateChangeRefused: neither a canary nor a pin or promote left to undo; or
-            ``expect_generation`` is given and the state changed since.
+        StateChangeRefused: neither a canary nor a pin or promote left to undo; the version it would
+            return to is no longer published in ``store``; or ``expect_generation`` is given and the
+            state changed since.
     """
 
     def decide(cur: ModelState) -> Split:
@@ -185,12 +192,31 @@ def rollback(
             raise StateChangeRefused(
                 f"{model} has no canary and no pin or promote to undo", "canary", None
             )
+        if store is not None and earlier[-1] is not None:
+            _check_still_published(store, model, earlier[-1], cur.stable)
         return Split(stable=earlier[-1])
 
     action: Action = "auto-rollback" if auto else "rollback"
     return _change(
         r, model, by, action, decide, reason=reason, figures=figures, expect_generation=expect_generation
     )
+
+
+def _check_still_published(store: Published, model: str, version: str, current: str | None) -> None:
+    """Refuse to return the stable version to ``version`` when ``store`` says it is not published (any other
+    store error lets the rollback through: an unreachable store must not hold up an emergency)."""
+    try:
+        store.manifest(model, version)
+    except FleetError as exc:
+        if exc.code != "version_not_found":
+            return
+        raise StateChangeRefused(
+            f"{model}: cannot roll back from {current or 'the configured version'} to {version}: {version} is no "
+            f"longer published in the model store ({exc}); pin a published version instead "
+            f"(`fleet models pin {model} VERSION`)",
+            "version",
+            "a published version",
+        ) from exc
 
 
 def _undo_stack(entries: list[HistoryEntry]) -> list[str | None]:

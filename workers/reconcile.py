@@ -199,7 +199,32 @@ class Reconciler:
             return
         log.info("worker %s loaded %s %s in %.0f ms (warm-up %.0f ms)", self.hostname, self.model,
                  loaded.version, loaded.load_ms, loaded.warmup_ms)
-        self._swap(role, loaded, version, state)
+        wanted, current = self._still_wanted(role, version, state)
+        if wanted:
+            self._swap(role, loaded, version, current)
+
+    def _still_wanted(
+        self, role: Role, version: str | None, state: ModelState | None
+    ) -> tuple[bool, ModelState | None]:
+        """Whether ``version`` is still wanted as ``role`` now that it is loaded (a fetch and warm-up take
+        seconds: a rollback, a promote or another canary may have come meanwhile), with the state read.
+
+        When the state moved on, the loaded engine is discarded unserved (a version the state no longer
+        names must not compute a single batch, nor be recorded as served); the pass the change's notice
+        triggers applies the new state. A state that cannot be read keeps the swap (the desired state as
+        last read)."""
+        try:
+            now = read_state(self.redis, self.model)
+        except redis.RedisError as exc:
+            log.warning("cannot re-read the model state after loading %s (swapping it in): %s", version, exc)
+            return True, state
+        wanted = wanted_stable(now, self._configured) if role == "stable" else (now.canary if now else None)
+        if wanted == version:
+            return True, now
+        log.info("worker %s discards %s %s, loaded as %s: the state no longer names it (generation %s; %s wanted: "
+                 "%s)", self.hostname, self.model, version or "configured", role, now.generation if now else 0,
+                 role, wanted or ("none" if role == "canary" else "configured"))
+        return False, now
 
     def _swap(self, role: Role, loaded: LoadedModel, version: str | None, state: ModelState | None) -> None:
         runtime = self.runtime
