@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 
+from protocol.errors import RequestCancelled, RequestExpired
 from workers.generation.loop import GenerationLoop
 from workers.generation.sequence import GenSequence
 from workers.jobs import JobOutcome, OutcomeObserver, Role, Served, report_outcomes
@@ -66,7 +67,10 @@ class GenerationLoops:
     def admit(self, stable: Served, canary: Served | None) -> GenWork:
         """Each joinable loop with the waiting sequences it admits now, taken out of :attr:`waiting`.
 
-        A canary-role sequence joins the canary's loop when one is loaded, else the stable loop.
+        A canary-role sequence joins the canary's loop when one is loaded, else the stable loop. A waiting
+        sequence that was cancelled or passed its deadline is handed to its loop at once, whatever room the
+        loop has, and the step refuses it unrun (:meth:`GenerationLoop.step`): behind a full batch it would
+        otherwise hold its worker slot (and its place in line) until the batch had room for it.
         """
         work: GenWork = []
         canary_loop = self.canary if canary is not None else None
@@ -75,7 +79,10 @@ class GenerationLoops:
                 q for q in self.waiting
                 if (q.role == "canary" and canary_loop is not None) == (loop is canary_loop)
             ]
-            joiners = mine[: loop.admissible(mine)] if mine else []
+            doomed = [q for q in mine if _ends_unrun(q, loop)]
+            if doomed:
+                mine = [q for q in mine if q not in doomed]
+            joiners = doomed + (mine[: loop.admissible(mine)] if mine else [])
             for seq in joiners:
                 seq.served_version, seq.served_role = served.version, served.role
             if joiners:
@@ -91,7 +98,7 @@ class GenerationLoops:
 
     @property
     def active(self) -> int:
-        """Generations waiting to join or running (on any loop, retiring ones included)."""
+        """Generations waiting to join or admitted and not ended (on any loop, retiring ones included)."""
         loops = [self.stable, self.canary, *self.retiring]
         return len(self.waiting) + sum(loop.active for loop in loops if loop is not None)
 
@@ -107,7 +114,11 @@ class GenerationLoops:
                 _step(loop, joiners)
 
     def report_ended(self, observers: list[OutcomeObserver]) -> None:
-        """Hand the generations that ended since the last step to the outcome observers (one call)."""
+        """Hand the generations that ended since the last step to the outcome observers (one call).
+
+        A generation refused unrun because its caller cancelled it or its deadline passed is not an outcome
+        of the version (one-step requests the batch window drops are not reported either): counted as a
+        failure, a burst of client cancels would roll a good canary back."""
         ended = [q for q in self.live if q.future.done()]
         if not ended:
             return
@@ -115,8 +126,16 @@ class GenerationLoops:
         outcomes = [
             JobOutcome(q.served_version, q.served_role, q.future.exception() is None, q.submitted_unix_s, q.role)
             for q in ended
+            if not isinstance(q.future.exception(), RequestCancelled | RequestExpired)
         ]
-        report_outcomes(observers, outcomes)
+        if outcomes:
+            report_outcomes(observers, outcomes)
+
+
+def _ends_unrun(seq: GenSequence, loop: GenerationLoop) -> bool:
+    """True when a waiting ``seq`` will be refused at ``loop``'s next step: cancelled, or past its deadline by
+    the loop's clock (read now, so also at the step, which reads it later)."""
+    return seq.cancel_requested or (seq.deadline_s is not None and loop.clock() > seq.deadline_s)
 
 
 def _step(loop: GenerationLoop, joiners: list[GenSequence]) -> None:

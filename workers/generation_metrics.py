@@ -12,7 +12,8 @@ Series (label ``model``; times in seconds):
 ``fleet_worker_generation_step_seconds``         histogram   one step: prefill + cache re-layout + decode
 ``fleet_worker_kv_copy_seconds``                 histogram   cache re-layout time per step with a
                                                              membership change
-``fleet_worker_running_sequences``               gauge       sequences in the running batch
+``fleet_worker_running_sequences``               gauge       sequences generating (in the running batch, or
+                                                             being prefilled a chunk per step)
 ``fleet_worker_kv_tokens``                       gauge       real tokens held in the running KV cache
 ``fleet_worker_kv_copied_bytes_total``           counter     KV-cache bytes copied: re-layouts and the
                                                              graph's Concat of the past (0 in place but
@@ -87,9 +88,10 @@ class GenerationMetrics:
             "fleet_worker_kv_copy_seconds", "KV cache re-layout per membership change (s).", m,
             buckets=TIME_BUCKETS, registry=registry,
         )
-        Gauge("fleet_worker_running_sequences", "Sequences in the running batch.", m, registry=registry).labels(
-            model
-        ).set_function(lambda: float(g.active) if (g := now()) is not None else 0.0)
+        running = "Sequences generating (running, or prefilled a chunk per step)."
+        Gauge("fleet_worker_running_sequences", running, m, registry=registry).labels(model).set_function(
+            lambda: float(g.active) if (g := now()) is not None else 0.0
+        )
         Gauge("fleet_worker_kv_tokens", "Real tokens in the running KV cache.", m, registry=registry).labels(
             model
         ).set_function(lambda: float(g.kv.kv_tokens(g.running)) if (g := now()) is not None else 0.0)

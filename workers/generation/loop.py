@@ -108,8 +108,8 @@ class GenerationLoop:
 
     @property
     def active(self) -> int:
-        """Sequences still generating."""
-        return sum(1 for s in self.running if s.finish_reason is None)
+        """Sequences still generating: running and not ended, or being prefilled (a chunk per step)."""
+        return sum(1 for s in self.running if s.finish_reason is None) + len(self.joining)
 
     def has_work(self) -> bool:
         """True while any sequence runs (or a finished one still holds a row) or is being prefilled."""

@@ -30,7 +30,8 @@ def apply_repetition_penalty(logits: FloatArray, seen: Iterable[int], penalty: f
         return logits
     out = logits.copy()
     picked = out[ids]
-    out[ids] = np.where(picked > 0, picked / penalty, picked * penalty)
+    with np.errstate(over="ignore"):  # a tiny penalty may send a logit to +inf: the sampler takes it at its limit
+        out[ids] = np.where(picked > 0, picked / penalty, picked * penalty)
     return out
 
 
@@ -50,9 +51,14 @@ def nucleus_probs(logits: FloatArray, temperature: float, top_k: int, top_p: flo
     """Probabilities after temperature, top-k and top-p cuts (zeros outside the kept set).
 
     Order of operations follows transformers' default warpers: temperature, then top-k, then top-p.
-    The kept set always holds at least the most likely token.
+    The kept set always holds at least the most likely token. A temperature so small (or a repetition
+    penalty so strong) that the scaled logits leave the floats is taken at its limit: the mass goes to
+    the most likely tokens, as greedy would pick, never to an arbitrary id.
     """
-    scaled = logits / temperature
+    with np.errstate(over="ignore", invalid="ignore"):
+        scaled = logits / temperature
+    if not np.isfinite(scaled.max()):  # an overflow: the max is +inf or NaN (or -inf, when every entry is)
+        scaled = _scaled_at_the_limit(logits, temperature)
     order = np.argsort(-scaled, kind="stable")
     if 0 < top_k < order.size:
         order = order[:top_k]
@@ -67,6 +73,16 @@ def nucleus_probs(logits: FloatArray, temperature: float, top_k: int, top_p: flo
     out = np.zeros_like(scaled)
     out[order] = probs
     return out
+
+
+def _scaled_at_the_limit(logits: FloatArray, temperature: float) -> FloatArray:
+    """``logits / temperature`` shifted so that its largest entry is 0, for logits or a temperature whose plain
+    quotient overflows: the largest logits end at 0, the others at most 0 (``-inf`` where the gap overflows)."""
+    top = np.finfo(np.float64).max
+    finite = np.nan_to_num(logits, nan=-top, posinf=top, neginf=-top)
+    with np.errstate(over="ignore", invalid="ignore"):
+        shifted: FloatArray = (finite - finite.max()) / temperature
+    return shifted
 
 
 class Sampler:
