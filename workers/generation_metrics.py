@@ -5,6 +5,9 @@ Series (label ``model``; times in seconds):
 ===============================================  ==========  ============================================
 ``fleet_worker_generated_tokens_total``          counter     tokens generated (prefill first tokens +
                                                              decode tokens); ``rate()`` = tokens/s
+``fleet_worker_prompt_tokens_total``             counter     prompt tokens of generations whose prefill
+                                                             completed (= their ``usage.prompt_tokens``;
+                                                             minus the prefix-reused ones = computed)
 ``fleet_worker_generation_finished_total``       counter     generations ended, by ``reason``: stop,
                                                              length, cancelled, deadline
 ``fleet_worker_time_to_first_token_seconds``     histogram   producer submit → first token
@@ -68,6 +71,11 @@ class GenerationMetrics:
         now = current or (lambda: loop)
         m = ["model"]
         self.tokens = Counter("fleet_worker_generated_tokens", "Tokens generated.", m, registry=registry)
+        self.prompt_tokens = Counter(
+            "fleet_worker_prompt_tokens", "Prompt tokens of generations whose prefill completed (usage.prompt_tokens).",
+            m, registry=registry,
+        )
+        self.prompt_tokens.labels(model)
         self.finished = Counter(
             "fleet_worker_generation_finished", "Generations ended, by finish reason.", [*m, "reason"],
             registry=registry,
@@ -132,6 +140,7 @@ class GenerationMetrics:
     def on_step(self, stats: GenStepStats) -> None:
         """Generation-loop observer: one step ran."""
         self.tokens.labels(self.model).inc(stats.tokens)
+        self.prompt_tokens.labels(self.model).inc(stats.prompt_tokens)
         for reason in stats.finished:
             self.finished.labels(self.model, reason).inc()
         self.step.labels(self.model).observe((stats.prefill_ms + stats.copy_ms + stats.decode_ms) / 1000)

@@ -264,6 +264,8 @@ def test_generation_metrics_count_tokens_first_tokens_and_finish_reasons(fleet: 
             break
         time.sleep(0.05)
     assert _metric(text, "fleet_worker_generated_tokens_total") == generated == 30
+    prompted = sum(r.generation.usage.prompt_tokens for r in results)  # type: ignore[union-attr]
+    assert _metric(text, "fleet_worker_prompt_tokens_total") == prompted == 10
     assert _metric(text, "fleet_worker_generation_finished_total", reason="length") == 5
     assert _metric(text, "fleet_worker_time_to_first_token_seconds_count") == 5
     assert _metric(text, "fleet_worker_inter_token_seconds_count") == 5

@@ -72,6 +72,9 @@ class GenStepStats:
     """Joiners that started from a cached prefix."""
     prefill_tokens: int = 0
     """Prompt tokens computed by this step's prefill (at most ``prefill_chunk_tokens`` when set)."""
+    prompt_tokens: int = 0
+    """Prompt tokens of the sequences whose prefill completed in this step (their first token came): the sum
+    of their results' ``usage.prompt_tokens``, prefix-cache tokens included."""
     kv_copied_bytes: int = 0
     """KV-cache bytes copied in this step (:attr:`~workers.generation.batch_kv.ConcatKV.copied_bytes`:
     re-layouts and the graph's Concat of the past; in place, only prefix-cache traffic)."""
@@ -195,6 +198,7 @@ class GenerationLoop:
             finished=tuple(finished),
             first_token_ms=tuple(first_ms),
             prefill_tokens=sum(take for _, take in computing),
+            prompt_tokens=sum(len(j.seq.prompt) for j in completed),
             kv_copied_bytes=self.kv.copied_bytes - copied_before,
         )
         for observer in self.observers:
