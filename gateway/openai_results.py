@@ -22,6 +22,7 @@ from gateway.openai_schema import (
     EmbeddingData,
     EmbeddingList,
     EmbeddingUsage,
+    PromptTokensDetails,
 )
 from protocol.errors import ModelLoadError, error_from_payload
 from protocol.messages import FinishReason, InferenceResult, Usage
@@ -36,7 +37,11 @@ def finish_reason(reason: FinishReason | None) -> str:
 
 
 def _usage(usage: Usage) -> CompletionUsage:
-    return CompletionUsage(**usage.model_dump())
+    """The fleet's usage in OpenAI's shape: the prefix-cache tokens as ``prompt_tokens_details.cached_tokens``."""
+    return CompletionUsage(
+        prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, total_tokens=usage.total_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+    )
 
 
 def _text(rid: str, model: str, result: InferenceResult) -> str:
@@ -121,8 +126,8 @@ class ChunkWriter:
     as OpenAI's do). With ``continuous_usage`` (vLLM's
     ``continuous_usage_stats``) every chunk carries ``usage`` so far: ``prompt_tokens`` (the request's
     ``prompt_tokens`` input ids), the tokens generated up to that chunk, and their sum; the final
-    chunk's is the worker's. An error event gives OpenAI's error object, which the SDKs raise as
-    ``APIError``.
+    chunk's is the worker's (with ``prompt_tokens_details.cached_tokens``). An error event gives OpenAI's
+    error object, which the SDKs raise as ``APIError``.
     """
 
     def __init__(
@@ -136,6 +141,8 @@ class ChunkWriter:
         self.continuous_usage = continuous_usage
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
+        self.cached_tokens: int | None = None
+        """Prompt tokens from the prefix cache, once the worker's final count says (continuous usage)."""
         self.id = f"chatcmpl-{rid}" if face == "chat" else f"cmpl-{rid}"
         self.object = "chat.completion.chunk" if face == "chat" else "text_completion"
 
@@ -145,6 +152,8 @@ class ChunkWriter:
             done = self.completion_tokens
             extra["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
                               "total_tokens": self.prompt_tokens + done}  # fmt: skip
+            if self.cached_tokens is not None:  # known from the worker's final count
+                extra["usage"]["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
         elif self.include_usage and "usage" not in extra:  # as OpenAI: every chunk names usage, null until the last
             extra["usage"] = None
         return {**head, "choices": choices, **extra}
@@ -170,6 +179,7 @@ class ChunkWriter:
             return [{"error": stream_error(event)}]
         if event.usage is not None:  # the worker's own count ends the stream
             self.prompt_tokens, self.completion_tokens = event.usage.prompt_tokens, event.usage.completion_tokens
+            self.cached_tokens = event.usage.cached_tokens
         out = [self._chunk([self._choice(event.text, finish_reason(event.finish_reason))])]
         if self.include_usage and event.usage is not None:
             out.append(self._chunk([], usage=_usage(event.usage).model_dump()))

@@ -173,6 +173,10 @@ class Usage(_Frozen):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    cached_tokens: int = Field(
+        default=0, description="Of prompt_tokens: those whose KV came from the worker's prefix cache, not computed "
+        "(OpenAI's prompt_tokens_details.cached_tokens).",
+    )
 
 
 class GenerationTimings(_Frozen):

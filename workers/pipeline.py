@@ -204,6 +204,7 @@ def _generation(prepared: Prepared, done: GenOutcome) -> Generation:
             prompt_tokens=done.prompt_tokens,
             completion_tokens=len(done.token_ids),
             total_tokens=done.prompt_tokens + len(done.token_ids),
+            cached_tokens=done.cached_tokens,
         ),
         timings=GenerationTimings(
             time_to_first_token_ms=round(max(0.0, (done.first_token_unix_s - ttft_from) * 1000), 3),

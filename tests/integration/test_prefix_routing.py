@@ -185,7 +185,8 @@ def test_a_turn_routed_to_a_worker_that_dies_is_served_by_another(fleet: Fleet, 
 def test_a_responses_conversation_through_the_gateway_stays_on_its_worker(ops_fleet: OpsFleet) -> None:  # noqa: F811
     """The official SDK continues a conversation with ``previous_response_id``: every turn after the first is
     routed to the worker that served the one before (the prompt is the rendered history), and the gateway
-    counts it in ``fleet_gateway_prefix_routing_total``."""
+    counts it in ``fleet_gateway_prefix_routing_total``. Each turn's ``usage`` says how much of its prompt came
+    from the prefix cache (``input_tokens_details.cached_tokens``; ``prompt_tokens_details`` on chat)."""
     config = ops_fleet.config(serve=("demo-lm",), models={"demo-lm": {"limits": {"max_input_tokens": 480}}})
     ops_fleet.worker(config)
     ops_fleet.worker(config)
@@ -195,17 +196,30 @@ def test_a_responses_conversation_through_the_gateway_stays_on_its_worker(ops_fl
     try:
         instructions = "Answer in one short line."
         previous = None
-        served_by = []
+        served_by, cached = [], []
         for turn in range(3):
             response = client.responses.create(model="demo-lm", instructions=instructions, input=f"Question {turn}?",
                                                previous_response_id=previous, max_output_tokens=8)  # fmt: skip
             previous = response.id
             result = fleet.result(response.id.removeprefix("resp_"), wait=True, timeout_s=30)
-            assert result is not None
+            assert result is not None and result.generation is not None and response.usage is not None
             served_by.append(result.timings.worker)
+            cached.append(response.usage.input_tokens_details.cached_tokens)
+            assert cached[-1] == result.generation.usage.cached_tokens < response.usage.input_tokens
             # the worker published this turn's prefix before it stored the reply the SDK got
             assert fleet.redis.scard(PREFIX_HOLDER_KEY.format(model="demo-lm", host=result.timings.worker))
         assert len(set(served_by)) == 1, served_by
+        assert cached[0] == 0 and all(c > 0 for c in cached[1:]), cached  # later turns reuse the earlier turns' KV
+        # the same chat twice: the second is routed to the first's worker and its prompt's KV is reused
+        messages: list[Any] = [{"role": "user", "content": "Say something short about queues."}]
+        first, again = (client.chat.completions.create(model="demo-lm", messages=messages, max_tokens=4, temperature=0)
+                        for _ in range(2))  # fmt: skip
+        assert first.usage is not None and again.usage is not None
+        details = [u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else None
+                   for u in (first.usage, again.usage)]  # fmt: skip
+        assert details[0] is not None and details[0] < (details[1] or 0) < again.usage.prompt_tokens, details
+        print(f"\ncached prompt tokens: responses turns {cached}, the same chat twice {details} "
+              f"of {again.usage.prompt_tokens}")
         metrics = {(s.name, s.labels.get("result")): s.value
                    for family in text_string_to_metric_families(httpx.get(gateway.url + "/metrics").text)
                    for s in family.samples}  # fmt: skip

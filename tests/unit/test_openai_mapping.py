@@ -324,7 +324,8 @@ def test_chat_chunks_open_with_the_role_and_end_with_finish_and_usage() -> None:
     assert writer.on_event(StreamEvent(type="token", index=1, token_id=200, text="")) == []  # half a character
     final, usage = writer.on_event(StreamEvent(type="final", index=2, text="é", finish_reason="length", usage=USAGE))
     assert final["choices"][0]["delta"] == {"content": "é"} and final["choices"][0]["finish_reason"] == "length"
-    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                                                     "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_continuous_usage_counts_every_chunk_and_ends_with_the_workers() -> None:
@@ -334,11 +335,12 @@ def test_continuous_usage_counts_every_chunk_and_ends_with_the_workers() -> None
     so_far = [c["usage"] for c in writer.opening()]
     for i, text in enumerate(["a", "", "b"]):
         so_far += [c["usage"] for c in writer.on_event(StreamEvent(type="token", index=i, token_id=9, text=text))]
-    worker = Usage(prompt_tokens=3, completion_tokens=4, total_tokens=7)
+    worker = Usage(prompt_tokens=3, completion_tokens=4, total_tokens=7, cached_tokens=2)
     final, usage = writer.on_event(StreamEvent(type="final", index=4, finish_reason="length", usage=worker))
     assert [u["completion_tokens"] for u in so_far] == [0, 1, 3]
     assert all(u["prompt_tokens"] == 3 and u["total_tokens"] == 3 + u["completion_tokens"] for u in so_far)
-    assert final["usage"] == usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert final["usage"] == usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                                                "prompt_tokens_details": {"cached_tokens": 2}}
     assert usage["choices"] == []
 
 

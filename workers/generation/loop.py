@@ -211,6 +211,7 @@ class GenerationLoop:
         """A sequence admitted this step, starting from its longest cached prefix (when there is one)."""
         hit = self.prefix_cache.lookup(seq.prompt) if self.prefix_cache is not None else None
         joining = Joining(seq) if hit is None else Joining(seq, done=hit.tokens, reused=hit.tokens)
+        seq.cached_tokens = joining.reused
         self.kv.start(joining, hit)
         return joining
 

@@ -43,6 +43,8 @@ class GenOutcome:
     text: str | None
     finish_reason: FinishReason
     prompt_tokens: int
+    cached_tokens: int
+    """Of ``prompt_tokens``: those taken from the prefix cache (not computed)."""
     first_token_unix_s: float
     mean_inter_token_ms: float
     decode_steps: int
@@ -100,6 +102,8 @@ class GenSequence:
         self.prefill_batch = 0
         self.prefill_padded = 0
         self.prefill_started_unix = 0.0
+        self.cached_tokens = 0
+        """Prompt tokens whose KV came from the prefix cache (set as it joins)."""
         self.kv_kept = False
         """Its cache was offered to the prefix cache (the generation loop does it once, as it ends)."""
         self.slot: int | None = None
@@ -200,6 +204,7 @@ class GenSequence:
             prompt_tokens=len(self.prompt),
             completion_tokens=len(self.generated),
             total_tokens=len(self.prompt) + len(self.generated),
+            cached_tokens=self.cached_tokens,
         )
         if self.emit is not None and self.params.stream:
             self.emit.publish(
@@ -212,6 +217,7 @@ class GenSequence:
             text=self.text[: self._shown] if self._detok is not None else None,
             finish_reason=final,
             prompt_tokens=len(self.prompt),
+            cached_tokens=self.cached_tokens,
             first_token_unix_s=self._first_unix,
             mean_inter_token_ms=self._gaps_ms / (len(self.generated) - 1) if len(self.generated) > 1 else 0.0,
             decode_steps=len(self._sizes),
