@@ -13,9 +13,17 @@ its configured one, so that stable traffic keeps one version.
 
 A change is applied off the request path: fetch and verify (:func:`workers.engines.load_version`:
 every file's sha256 against the manifest), open the session, warm it up, then swap between batches
-(:meth:`workers.runtime.WorkerRuntime.swap`). A version that cannot be loaded (ChecksumMismatch,
-VersionNotFound, a load error) is recorded with :func:`protocol.model_state.record_refusal` and the
-old version keeps serving; it is not retried until the state changes (its ``generation`` grows).
+(:meth:`workers.runtime.WorkerRuntime.swap`). A load runs on a thread of its own (at most one per
+role, :func:`workers.reconcile_plan.to_start`), never on the reconciler's: a change that needs no
+load (a canary dropped by a rollback or by the guard, a promotion of the held canary) is applied the
+moment its notice arrives, even while a seconds-long load of another version runs; the guard keeps
+its turns meanwhile. When a load ends, the state is read again and the version goes where it now
+names it (:func:`workers.reconcile_plan.landing_role`), or is discarded unserved. Passes and the ends
+of loads take one lock, so swaps and refusals happen one at a time, as on a single thread.
+
+A version that cannot be loaded (ChecksumMismatch, VersionNotFound, a load error) is recorded with
+:func:`protocol.model_state.record_refusal` and the old version keeps serving; it is not retried
+until the state changes (its ``generation`` grows).
 A worker without a model store can load one version by name, its configured file's
 (:func:`store.resolve.configured_file_version`): a pin or canary of that version is served, any
 other is refused (ConfigError). A canary the state no longer names (rolled back, or replaced by
@@ -42,7 +50,7 @@ from protocol.redis_conn import await_subscription, sync_client
 from protocol.settings import FleetSettings
 from store.resolve import configured_file_version
 from workers.engines import LoadedModel, load_version
-from workers.reconcile_plan import Held, plan, wanted_stable
+from workers.reconcile_plan import Held, landing_role, plan, to_start, wanted_stable
 from workers.scheduler import Role
 
 if TYPE_CHECKING:
@@ -57,7 +65,7 @@ RETRY_AFTER_ERROR_S = 1.0
 
 
 class Reconciler:
-    """One thread per worker process: pub/sub + periodic re-read + the canary guard."""
+    """One thread per worker process (pub/sub + periodic re-read + the canary guard), and one per load in flight."""
 
     def __init__(self, client: redis.Redis[bytes], settings: FleetSettings, model: str, hostname: str) -> None:
         self.redis = client
@@ -78,6 +86,12 @@ class Reconciler:
         """The last version this worker refused (heartbeat ``last_refusal``): version, error_type, error, at_unix_s."""
         self._refused: dict[str, int] = {}
         """Version -> state generation at which it was refused (not retried until the state changes)."""
+        self._lock = threading.Lock()
+        """Serialises the passes and the ends of loads (state read, swaps, refusals); never held during a load."""
+        self._settled = threading.Condition(self._lock)
+        """Notified whenever a load ends."""
+        self._loading: dict[Role, str | None] = {}
+        """The loads in flight: role -> version (None = the configured one); at most one per role."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="fleet-reconciler", daemon=True)
 
@@ -144,23 +158,30 @@ class Reconciler:
         self.runtime = runtime
 
     def start(self) -> None:
-        """Record the version :meth:`initial` loaded as served, apply the state once (a canary is loaded
-        before the first request), then start the thread."""
+        """Record the version :meth:`initial` loaded as served, apply the state once and wait for its loads
+        (a canary is loaded before the first request), then start the thread."""
         if self._initial is not None:
             self._record_served(self._initial[0], self.applied_stable, self._initial[1])
         self.sync()
+        self.wait_loaded()
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the thread (waits briefly)."""
+        """Stop the thread (waits briefly); a load still in flight is discarded when it ends."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(5.0)
 
     # -- one pass -------------------------------------------------------------------------------
     def sync(self) -> ModelState | None:
-        """Read the state and load / swap / drop versions until this worker matches it (see
-        :func:`workers.reconcile_plan.plan`). A failed read changes nothing: the worker keeps what it serves."""
+        """Read the state and bring this worker towards it (see :func:`workers.reconcile_plan.plan`): the
+        steps that need no load (drop the canary, promote the held canary) at once, and the loads begun
+        on threads of their own (:meth:`_begin`), which swap the version in when they end. A failed read
+        changes nothing: the worker keeps what it serves."""
+        with self._lock:
+            return self._pass()
+
+    def _pass(self) -> ModelState | None:
         runtime = self.runtime
         assert runtime is not None, "attach() the runtime first"
         try:
@@ -169,62 +190,100 @@ class Reconciler:
             log.warning("cannot read the model state (serving what is loaded): %s", exc)
             return None
         self.canary_active = state is not None and state.canary is not None
-        held = Held(self.applied_stable, runtime.canary.version if runtime.canary is not None else None)
-        steps = plan(state, self._configured, held, self._refused, file_version=self._file_version)
+        steps = plan(state, self._configured, self._held(), self._refused, file_version=self._file_version)
         if steps.promote_canary and runtime.canary is not None:
             # its engine becomes stable, no reload
             self._swap("stable", runtime.canary, runtime.canary.version, state)
-        elif steps.load_stable:
-            self._load("stable", steps.stable, state)
         if steps.drop_canary and runtime.canary is not None:
             dropped = runtime.canary.version
             runtime.swap("canary", None)
             wanted = (state.canary if state is not None else None) or "none"
             log.info("worker %s emptied its canary slot (held %s; the state's canary: %s): canary-queue requests "
                      "now run on stable", self.hostname, dropped, wanted)
-        if steps.load_canary is not None:
-            self._load("canary", steps.load_canary, state)
+        for role, version in to_start(steps, self._loading):
+            self._begin(role, version, state)
         return state
 
+    def _held(self) -> Held:
+        runtime = self.runtime
+        assert runtime is not None
+        return Held(self.applied_stable, runtime.canary.version if runtime.canary is not None else None)
+
+    def _begin(self, role: Role, version: str | None, state: ModelState | None) -> None:
+        """Load ``version`` for ``role`` on a thread of its own (the caller holds the lock): a fetch and
+        warm-up take seconds, and a rollback that lands meanwhile must not wait for them."""
+        self._loading[role] = version
+        thread = threading.Thread(target=self._load, args=(role, version, state), name=f"fleet-load-{role}",
+                                  daemon=True)
+        thread.start()
+
+    def wait_loaded(self) -> None:
+        """Block until no load is in flight (the loads a pass began, and those the passes after them began)."""
+        with self._lock:
+            self._settled.wait_for(lambda: not self._loading)
+
     def _load(self, role: Role, version: str | None, state: ModelState | None) -> None:
+        """The load thread: load, then (under the lock) swap it in where the state now wants it, or discard
+        it, or record the refusal; then a pass applies what changed meanwhile (and begins the next load)."""
+        loaded: LoadedModel | None = None
+        failure: Exception | None = None
         try:
             loaded = load_version(self.settings, self.model, version)
         except Exception as exc:  # any load failure: refuse it, keep serving the old version
-            runtime = self.runtime
-            serving = "?" if runtime is None else runtime.scheduler.stable.version
-            if role == "canary" and runtime is not None and runtime.canary is not None:
-                serving = runtime.canary.version
-            then = f"keeps serving {serving} as {role}" if role == "stable" else f"its canary queue runs on {serving}"
-            self._refuse(version or "configured", state, exc, then)
-            return
-        log.info("worker %s loaded %s %s in %.0f ms (warm-up %.0f ms)", self.hostname, self.model,
-                 loaded.version, loaded.load_ms, loaded.warmup_ms)
-        wanted, current = self._still_wanted(role, version, state)
-        if wanted:
-            self._swap(role, loaded, version, current)
+            failure = exc
+        with self._lock:
+            try:
+                del self._loading[role]
+                if self._stop.is_set():
+                    return
+                if failure is not None:
+                    self._refused_load(role, version, state, failure)
+                elif loaded is not None:
+                    log.info("worker %s loaded %s %s in %.0f ms (warm-up %.0f ms)", self.hostname, self.model,
+                             loaded.version, loaded.load_ms, loaded.warmup_ms)
+                    target, current = self._still_wanted(role, version, state)
+                    if target is not None:
+                        self._swap(target, loaded, version, current)
+                self._pass()
+            except Exception:  # the periodic pass retries; never leave the role marked as loading
+                log.exception("applying the load of %s %s as %s failed", self.model, version or "configured", role)
+            finally:
+                self._settled.notify_all()
+
+    def _refused_load(self, role: Role, version: str | None, state: ModelState | None, exc: Exception) -> None:
+        runtime = self.runtime
+        serving = "?" if runtime is None else runtime.scheduler.stable.version
+        if role == "canary" and runtime is not None and runtime.canary is not None:
+            serving = runtime.canary.version
+        then = f"keeps serving {serving} as {role}" if role == "stable" else f"its canary queue runs on {serving}"
+        self._refuse(version or "configured", state, exc, then)
 
     def _still_wanted(
         self, role: Role, version: str | None, state: ModelState | None
-    ) -> tuple[bool, ModelState | None]:
-        """Whether ``version`` is still wanted as ``role`` now that it is loaded (a fetch and warm-up take
-        seconds: a rollback, a promote or another canary may have come meanwhile), with the state read.
+    ) -> tuple[Role | None, ModelState | None]:
+        """Where ``version``, loaded as ``role``, goes now that it is loaded (a fetch and warm-up take seconds:
+        a rollback, a promote or another canary may have come meanwhile), with the state read: ``role``,
+        the other role (:func:`workers.reconcile_plan.landing_role`), or None.
 
         When the state moved on, the loaded engine is discarded unserved (a version the state no longer
-        names must not compute a single batch, nor be recorded as served); the pass the change's notice
-        triggers applies the new state. A state that cannot be read keeps the swap (the desired state as
-        last read)."""
+        names must not compute a single batch, nor be recorded as served); the pass that follows applies
+        the new state. A state that cannot be read keeps the swap (the desired state as last read)."""
         try:
             now = read_state(self.redis, self.model)
         except redis.RedisError as exc:
             log.warning("cannot re-read the model state after loading %s (swapping it in): %s", version, exc)
-            return True, state
+            return role, state
+        target = landing_role(now, self._configured, version, role, self._held())
+        if target is not None:
+            if target != role:
+                log.info("worker %s takes %s %s, loaded as %s, as %s: the state changed during its load",
+                         self.hostname, self.model, version, role, target)
+            return target, now
         wanted = wanted_stable(now, self._configured) if role == "stable" else (now.canary if now else None)
-        if wanted == version:
-            return True, now
         log.info("worker %s discards %s %s, loaded as %s: the state no longer names it (generation %s; %s wanted: "
                  "%s)", self.hostname, self.model, version or "configured", role, now.generation if now else 0,
                  role, wanted or ("none" if role == "canary" else "configured"))
-        return False, now
+        return None, now
 
     def _swap(self, role: Role, loaded: LoadedModel, version: str | None, state: ModelState | None) -> None:
         runtime = self.runtime

@@ -7,16 +7,26 @@ drop). Tested by a table in ``tests/unit/test_reconcile_plan.py``.
 A held canary that the state no longer names is dropped at once, whether the state has no canary or
 another one: a replaced canary must not keep serving the canary queue while its successor loads, nor
 when its successor is refused (the canary queue then runs on stable, which every figure names).
+
+Loads run beside the reconciler (:mod:`workers.reconcile`), so a step that needs none (dropping a canary,
+promoting the held canary) is never held up by one in flight: :func:`to_start` picks the loads to begin
+(at most one per role, none of a version already loading), and :func:`landing_role` says where a load
+that ended goes once the state may have moved on (its role, the other one, or nowhere: discarded).
+Tested by tables in ``tests/unit/test_reconcile_plan.py`` and ``tests/unit/test_reconcile_loads.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from protocol.model_state import ModelState
 
-__all__ = ["Held", "Steps", "plan"]
+if TYPE_CHECKING:
+    from workers.jobs import Role
+
+__all__ = ["Held", "Steps", "landing_role", "plan", "to_start"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,13 @@ class Steps:
     def nothing(self) -> bool:
         """The worker already matches the state."""
         return not (self.load_stable or self.promote_canary or self.load_canary or self.drop_canary)
+
+    @property
+    def loads(self) -> tuple[tuple[Role, str | None], ...]:
+        """The loads these steps need, (role, version), stable first."""
+        stable: tuple[tuple[Role, str | None], ...] = (("stable", self.stable),) if self.load_stable else ()
+        canary: tuple[tuple[Role, str | None], ...] = (("canary", self.load_canary),) if self.load_canary else ()
+        return stable + canary
 
 
 def wanted_stable(state: ModelState | None, configured: str | None) -> str | None:
@@ -87,3 +104,33 @@ def plan(
         load_canary = wanted_canary
     return Steps(load_stable=load_stable, stable=stable if load_stable else None, promote_canary=promote,
                  load_canary=load_canary, drop_canary=drop)
+
+
+def to_start(steps: Steps, loading: Mapping[Role, str | None]) -> list[tuple[Role, str | None]]:
+    """The loads of ``steps`` to begin now, given those in flight (``loading``: role -> version).
+
+    At most one load per role is in flight (a worker holds at most four engines: stable and canary
+    serving, one of each loading): a load whose role is busy waits for the pass that runs when the busy
+    one ends (that one is then discarded, or lands elsewhere, when the state moved on). A version already
+    loading, in either role, is not loaded twice: it lands where the state wants it (:func:`landing_role`).
+    """
+    return [(role, version) for role, version in steps.loads
+            if role not in loading and version not in loading.values()]
+
+
+def landing_role(
+    state: ModelState | None, configured: str | None, version: str | None, loaded_as: Role, held: Held
+) -> Role | None:
+    """Where ``version``, just loaded as ``loaded_as``, goes under ``state`` (read after the load): the role
+    it was loaded for when the state still names it there, else the other role when the state names it
+    there (a canary promoted, or a pin made the canary, during its load: no reload), else None (discarded
+    unserved). A role that already holds ``version`` does not take it twice."""
+    other: Role = "canary" if loaded_as == "stable" else "stable"
+    for role in (loaded_as, other):
+        if role == "stable":
+            wanted = wanted_stable(state, configured) == version and held.stable != version
+        else:
+            wanted = version is not None and state is not None and state.canary == version and held.canary != version
+        if wanted:
+            return role
+    return None
