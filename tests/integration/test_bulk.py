@@ -93,7 +93,7 @@ def test_a_bulk_message_never_replaces_a_stored_result_and_an_unnamed_item_fails
     summary = plain.send_task("fleet.infer_bulk", args=[{"requests": [
         {"request_id": known, "model": "demo-lm", "input_ids": [8, 9, 10, 11, 12, 13, 14]},
         {"request_id": "bulk-fresh", "model": "demo-lm", "input_ids": [5, 6]},
-        {"request_id": "bulk-fresh", "model": "demo-lm", "input_ids": [7, 8, 9]},  # the same ID twice: one outcome
+        {"request_id": "bulk-fresh", "model": "demo-lm", "input_ids": [7, 8, 9]},  # the same ID, another body: refused
         {"request_id": "", "model": "demo-lm", "input_ids": [5]},
         {"model": "demo-lm", "input_ids": [5]},
     ]}], queue="fleet.demo-lm").get(timeout=60)
@@ -101,7 +101,10 @@ def test_a_bulk_message_never_replaces_a_stored_result_and_an_unnamed_item_fails
     assert r.get(f"celery-task-meta-{known}") == stored  # byte for byte
     fresh = client.result("bulk-fresh", wait=True, timeout_s=10)
     assert isinstance(fresh, InferenceResult)
-    assert summary["count"] == 5 and summary["failed"] == 2, summary
+    assert summary["count"] == 5 and summary["failed"] == 3, summary
+    assert [e["index"] for e in summary["refused"]] == [2, 3, 4], summary  # no ID of their own to store under
+    assert summary["refused"][0]["type"] == "IdempotencyConflict" and summary["refused"][0]["field"] == (
+        "requests[2].request_id"), summary
 
 
 @pytest.mark.parametrize("call", ["submit_bulk", "submit_many"])
