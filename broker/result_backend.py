@@ -30,6 +30,7 @@ from kombu.utils.encoding import bytes_to_str
 
 from broker.redis_refusals import is_write_refusal
 from broker.store_ack import ACKS, delivery_tag_of
+from protocol.keys import REQUEST_KEY
 
 __all__ = ["RESULT_WRITE_MAX_SLEEP_MS", "RESULT_WRITE_RETRIES", "STORE_RESULT_SCRIPT", "RefusalTolerantRedisBackend",
            "RefusalTolerantSentinelBackend", "install"]
@@ -54,9 +55,9 @@ local function write()
   return redis.call('SET', KEYS[1], ARGV[1])
 end
 local function ack()
-  if #KEYS == 3 then
-    redis.call('HDEL', KEYS[2], ARGV[3])
-    redis.call('ZREM', KEYS[3], ARGV[3])
+  if #KEYS == 4 then
+    redis.call('HDEL', KEYS[3], ARGV[3])
+    redis.call('ZREM', KEYS[4], ARGV[3])
   end
 end
 local stored
@@ -74,17 +75,26 @@ if not stored then
   end
   write()
 end
+if ttl > 0 then redis.call('EXPIRE', KEYS[2], ttl) else redis.call('PERSIST', KEYS[2]) end
 redis.call('PUBLISH', KEYS[1], ARGV[1])
 ack()
 return 1
 """
 """Store one result unless a terminal state (SUCCESS, FAILURE, REVOKED) is stored already: a stored
 outcome never changes (a redelivered copy, a duplicate task ID, a bulk message naming a finished request);
-publish it when stored. KEYS[1]: the result key; ARGV[1]: the encoded (JSON) meta; ARGV[2]: time to live
-in seconds (0 = none). With KEYS[2] and KEYS[3] (kombu's unacked hash and index) and ARGV[3] (a delivery
-tag), the delivery is acked in the same step, hash entry first as kombu does (:mod:`broker.store_ack`).
+publish it when stored. KEYS[1]: the result key; KEYS[2]: the request's submit marker (``fleet:req:<id>``,
+:data:`protocol.keys.REQUEST_KEY`); ARGV[1]: the encoded (JSON) meta; ARGV[2]: time to live in seconds
+(0 = none). With KEYS[3] and KEYS[4] (kombu's unacked hash and index) and ARGV[3] (a delivery tag), the
+delivery is acked in the same step, hash entry first as kombu does (:mod:`broker.store_ack`).
+
+The marker, which says which body the ID names, is given the result's time to live when the result is
+written: it was set to that TTL at submit, so it would otherwise expire a queue wait and a run before the
+result, and in between a resubmit of the ID with another body was answered with the first body's result
+instead of refused (:mod:`producer.idempotent_queue`). A request queued without one (a plain Celery
+client) has no marker, and ``EXPIRE`` of a missing key does nothing.
+
 Returns 1 when written, 0 when a terminal state was kept. The usual case (no state stored yet) is one
-``SET NX`` and one ``PUBLISH``; a stored STARTED (a generation's) is read and overwritten."""
+``SET NX``, one ``EXPIRE`` and one ``PUBLISH``; a stored STARTED (a generation's) is read and overwritten."""
 
 
 class _StoresWithOneScript:
@@ -94,8 +104,9 @@ class _StoresWithOneScript:
     _store_script: Any = None
 
     def _stored_form(self, task_id: Any, result: Any, state: str, traceback: Any = None,
-                     request: Any = None) -> tuple[Any, Any, int]:  # fmt: skip
-        """The result key, the encoded meta (as Celery's backend writes it) and its time to live (s, 0 = none)."""
+                     request: Any = None) -> tuple[list[Any], Any, int]:  # fmt: skip
+        """The script's keys (the result's, the request marker's), the encoded meta (as Celery's backend
+        writes it) and its time to live (s, 0 = none)."""
         backend: Any = self
         meta = backend._get_result_meta(result=result, state=state, traceback=traceback, request=request)
         meta["task_id"] = bytes_to_str(task_id)  # type: ignore[no-untyped-call]
@@ -104,7 +115,8 @@ class _StoresWithOneScript:
             raise BackendStoreError("value too large for Redis backend", state=state, task_id=task_id)
         expires = getattr(backend, "failure_expires", backend.expires) if state == states.FAILURE else backend.expires
         ttl = int(expires.total_seconds()) if hasattr(expires, "total_seconds") else int(expires or 0)
-        return backend.get_key_for_task(task_id), value, max(0, ttl)
+        keys = [backend.get_key_for_task(task_id), REQUEST_KEY.format(id=bytes_to_str(task_id))]  # type: ignore[no-untyped-call]
+        return keys, value, max(0, ttl)
 
     def store_many(self, outcomes: Sequence[tuple[str, str, Any]]) -> int:
         """Store each ``(task_id, state, result or exception)`` as Celery's ``store_result`` would, by the
@@ -116,8 +128,8 @@ class _StoresWithOneScript:
 
         def run() -> list[Any]:
             pipe = self.client.pipeline(transaction=False)  # type: ignore[attr-defined]
-            for key, value, ttl in rows:
-                self._script()(keys=[key], args=[value, ttl], client=pipe)
+            for keys, value, ttl in rows:
+                self._script()(keys=keys, args=[value, ttl], client=pipe)
             return list(pipe.execute())
 
         return sum(int(written) for written in backend.ensure(run, ()))
@@ -125,19 +137,19 @@ class _StoresWithOneScript:
     def _store_result(self, task_id: Any, result: Any, state: str, traceback: Any = None, request: Any = None,
                       **kwargs: Any) -> Any:  # fmt: skip
         backend: Any = self
-        key, value, ttl = self._stored_form(task_id, result, state, traceback, request)
+        keys, value, ttl = self._stored_form(task_id, result, state, traceback, request)
         tag = delivery_tag_of(request) if state == states.SUCCESS else None
         unacked = ACKS.keys_for(tag) if tag is not None else None
         if tag is not None and unacked is not None:
             ACKS.storing(tag)  # its token is free from here: the result may reach its caller before the next line
             try:
-                backend.ensure(self._run_store_script, ([key, *unacked], [value, ttl, tag]))
+                backend.ensure(self._run_store_script, ([*keys, *unacked], [value, ttl, tag]))
             except BaseException:
                 ACKS.store_failed(tag)  # not acked: Celery's own ack follows, and the token is held again
                 raise
             ACKS.acked(tag)  # Celery's ack that follows touches no key (broker.store_ack)
         else:
-            backend.ensure(self._run_store_script, ([key], [value, ttl]))
+            backend.ensure(self._run_store_script, (keys, [value, ttl]))
         return result
 
     def _script(self) -> Any:

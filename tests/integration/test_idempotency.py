@@ -97,3 +97,23 @@ def test_submit_bulk_under_a_finished_id_is_refused_and_its_result_never_changes
     assert r.get("fleet:req:two-1") is None and r.get(client.app.backend.get_key_for_task("two-1")) is None
     ledger.refused("two-1")
     ledger.check_settled(30).raise_if_broken()
+
+
+def test_an_id_keeps_its_body_as_long_as_its_result_lives(fleet: Fleet) -> None:
+    """A request's marker (which body its ID names) lives as long as its result: the result store gives it the
+    result's time to live. Before, the marker kept the TTL it got at submit and expired a queue wait and a run
+    before the result; in between, a resubmit with another body was answered with the first body's result
+    instead of refused. The queue wait is stood for by shortening the marker's TTL before any worker runs."""
+    cfg = fleet.config()
+    client = fleet.client(cfg)
+    r = redis.Redis.from_url(fleet.redis_url)
+    rid = client.submit("demo-lm", [5, 6, 7], request_id="key-long-wait")
+    marker = f"fleet:req:{rid}"
+    assert r.expire(marker, 3)  # as if it had waited in the queue until 3 s of its TTL were left
+    fleet.worker(cfg)
+    assert client.result(rid, wait=True, timeout_s=60) is not None
+    result_ttl = r.ttl(f"celery-task-meta-{rid}")
+    assert r.ttl(marker) >= result_ttl - 1 > 3, (r.ttl(marker), result_ttl)
+    with pytest.raises(IdempotencyConflict, match="already known with a different body"):
+        client.submit("demo-lm", [5, 6, 8], request_id=rid)
+    assert client.submit("demo-lm", [5, 6, 7], request_id=rid) == rid  # the same body is still the same request

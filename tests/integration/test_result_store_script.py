@@ -41,7 +41,7 @@ def test_a_result_is_stored_and_published_in_one_script(redis_server: EmbeddedRe
     backend.store_result("t0", {"warm": 1}, states.SUCCESS)  # loads the script
     before = redis_commandstats(redis_server.url)
     backend.store_result("t1", {"n": 1}, states.SUCCESS)
-    assert _calls(redis_server.url, before) == {"evalsha": 1, "set": 1, "publish": 1}
+    assert _calls(redis_server.url, before) == {"evalsha": 1, "set": 1, "expire": 1, "publish": 1}
     stored = json.loads(r.get(backend.get_key_for_task("t1")) or b"{}")
     assert stored["status"] == "SUCCESS" and stored["result"] == {"n": 1} and stored["task_id"] == "t1"
     assert 0 < r.ttl(backend.get_key_for_task("t1")) <= backend.expires
