@@ -350,9 +350,15 @@ def _register_extensions(sub: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fleet`` console script (exit codes: :mod:`producer.cli_errors`)."""
-    from producer.cli_errors import run_command
+    from producer.cli_errors import EXIT_INTERRUPTED, debug_enabled, run_command
 
-    args = build_parser().parse_args(argv)
+    try:  # building the parser imports every command's module: about a second in which Ctrl-C lands too
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        if debug_enabled(None) or "--debug" in (sys.argv[1:] if argv is None else argv):
+            raise
+        print("fleet: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return run_command(args.func, args)
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ Exit codes (every ``fleet`` command, ``python -m producer.ops_cli`` too):
   out or is unknown; Redis unreachable or refused the credentials; a local
   server (``fleet redis``, ``fleet demo``) could not start (port taken, loopback down); not ready; a
   ``fleet models pin`` that no live worker serves after ``--wait-s`` (NOT SERVED; recorded all the same);
-* 2 bad input or settings (a YAML error, an invalid value, an unknown model, no model store, a model file or
-  card that cannot be used): nothing done;
+* 2 bad input or settings (a YAML error, an invalid value, a ``FLEET_*`` variable that is not the JSON its
+  setting takes, an unknown model, no model store, a model file or card that cannot be used, a Redis URL
+  that is wrong where Redis or something else answers: no such database, not Redis at that port,
+  ``rediss://`` to a Redis without TLS): nothing done;
 * 3 a worker could not start;
 * 130 interrupted (Ctrl-C).
 """
@@ -24,12 +26,14 @@ from collections.abc import Callable
 
 import redis
 from kombu.exceptions import OperationalError as KombuOperationalError
+from pydantic_settings import SettingsError
 
 from protocol.errors import ConfigError, FleetError, InvalidRequest, ModelLoadError
 from protocol.redis_conn import mask_url, passwords_in, redact
+from protocol.settings_env import settings_env_problem
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_OK", "RequestFailed", "debug_enabled", "redis_exit_code",
-           "redis_problem", "run_command"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "RequestFailed", "debug_enabled",
+           "redis_failure", "run_command"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -65,29 +69,69 @@ def _redis_url(args: argparse.Namespace) -> str:
         return os.environ.get("FLEET_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
-def redis_problem(exc: BaseException, url: str) -> str:
-    """One line for a Redis failure: the masked URL, what Redis said (no password), and the fix."""
+def redis_failure(exc: BaseException, url: str) -> tuple[str, int]:
+    """(one line for a Redis failure, its exit code): the masked URL, what Redis said (no password), the fix.
+
+    Where the URL itself is wrong the exit code is 2 and the fix names the part of it to change: a database the
+    server does not have, a port where something that is not Redis answers (``Protocol error``), and a
+    ``rediss://`` URL whose TLS handshake fails or times out where a plain Redis answers (checked with one
+    ``PING`` on a fresh connection, only on this failure path).
+    """
     text = redact(str(exc), *passwords_in(url)).strip().rstrip(".")
     lowered = text.lower()
     if isinstance(exc, redis.AuthenticationError) or any(
         word in lowered for word in ("wrongpass", "noauth", "invalid password", "invalid username-password",
                                      "authentication required")
     ):
-        return f"Redis at {mask_url(url)} refused the credentials: {text}; {REDIS_CREDENTIALS_FIX}"
+        return f"Redis at {mask_url(url)} refused the credentials: {text}; {REDIS_CREDENTIALS_FIX}", EXIT_FAILED
     if "db index is out of range" in lowered:  # it answers: the URL names a database it does not have
         return (f"Redis at {mask_url(url)} has no such database ({text}): the number after the last / in "
-                "FLEET_REDIS_URL must be below the server's `databases` (16 by default)")
-    return f"cannot reach Redis at {mask_url(url)}: {text}; {REDIS_UNREACHABLE_FIX}"
+                "FLEET_REDIS_URL must be below the server's `databases` (16 by default)"), EXIT_BAD_INPUT
+    where = _host_port(url)
+    if isinstance(exc, redis.InvalidResponse) and where is not None:  # an HTTP server, a database, ...
+        return (f"what answers at {where[0]}:{where[1]} is not Redis ({text}): check the host and port in "
+                f"FLEET_REDIS_URL ({mask_url(url)})"), EXIT_BAD_INPUT
+    if url.startswith("rediss://") and where is not None and _plain_redis_answers(*where):
+        return (f"Redis at {mask_url(url)} does not speak TLS ({text}), but a plain Redis answers at "
+                f"{where[0]}:{where[1]}: write redis:// instead of rediss:// in FLEET_REDIS_URL, or turn TLS on "
+                "in that server"), EXIT_BAD_INPUT
+    return f"cannot reach Redis at {mask_url(url)}: {text}; {REDIS_UNREACHABLE_FIX}", EXIT_FAILED
 
 
-def redis_exit_code(exc: BaseException) -> int:
-    """The exit code of a Redis failure: 2 for a URL naming a database the server does not have (a setting),
-    else 1 (down, refused credentials)."""
-    return EXIT_BAD_INPUT if "db index is out of range" in str(exc).lower() else EXIT_FAILED
+PLAIN_PING_TIMEOUT_S = 1.0
+"""How long :func:`_plain_redis_answers` waits to connect and for the answer (s)."""
+
+
+def _host_port(url: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a ``redis://`` or ``rediss://`` URL (port 6379 when it has none); None for others."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+            return None
+        return parts.hostname, parts.port or 6379
+    except ValueError:
+        return None
+
+
+def _plain_redis_answers(host: str, port: int) -> bool:
+    """Whether a Redis without TLS answers ``PING`` at ``host:port`` (``+PONG``, or ``-NOAUTH`` where it wants a
+    password): what a ``rediss://`` URL that cannot reach it usually means."""
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=PLAIN_PING_TIMEOUT_S) as sock:
+            sock.sendall(b"PING\r\n")
+            reply = sock.recv(64)
+    except OSError:
+        return False
+    return reply.startswith((b"+PONG", b"-NOAUTH"))
 
 
 def _is_redis_failure(exc: BaseException) -> bool:
-    if isinstance(exc, redis.ConnectionError | redis.TimeoutError | redis.AuthenticationError | KombuOperationalError):
+    if isinstance(exc, redis.ConnectionError | redis.TimeoutError | redis.AuthenticationError | redis.InvalidResponse
+                  | KombuOperationalError):
         return True
     # a wrong password on a server without ACL users, or a database it does not have, answer as plain error replies
     return isinstance(exc, redis.ResponseError) and any(
@@ -116,12 +160,14 @@ def _describe(exc: BaseException, args: argparse.Namespace) -> tuple[str, int, b
         return str(exc), EXIT_BAD_INPUT, True
     if isinstance(exc, ConfigError):
         return str(exc), EXIT_BAD_INPUT, False
+    if isinstance(exc, SettingsError):  # a FLEET_* variable pydantic-settings could not read, e.g. a JSON list
+        return settings_env_problem(exc)[0], EXIT_BAD_INPUT, False
     if type(exc) is ModelLoadError:  # a model file, card or tokenizer here that cannot be used; its subclasses
         return str(exc), EXIT_BAD_INPUT, True  # (a fetch's ChecksumMismatch) are failures of the command: exit 1
     if isinstance(exc, FleetError):
         return str(exc) + _store_fix(exc), EXIT_FAILED, True
     if _is_redis_failure(exc):
-        return redis_problem(exc, _redis_url(args)), redis_exit_code(exc), False
+        return *redis_failure(exc, _redis_url(args)), False
     if isinstance(exc, PortInUse):
         return f"{exc}; choose another with --port N (0 = a free one), or stop what holds it", EXIT_FAILED, False
     if isinstance(exc, LoopbackDown):

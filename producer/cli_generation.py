@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from typing import Any
 
@@ -47,15 +48,21 @@ def generation_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def parse_ids(raw: str, flag: str, field: str) -> list[int]:
-    """The comma-separated token ids of ``flag`` (``5,6,7``; spaces and empty items are ignored).
+    """The token ids of ``flag``, separated by commas and/or whitespace (``5,6,7``, ``5, 6, 7``, ``5 6 7``).
+
+    Whitespace separates ids: it is never dropped inside one (``"5 6 7"`` once became the single id 567).
 
     Raises:
-        InvalidRequest: an item is not an integer; names ``flag`` (exit 2, nothing queued).
+        InvalidRequest: an item is not an integer; names ``flag`` and the item (exit 2, nothing queued).
     """
-    try:
-        return [int(t) for t in raw.replace(" ", "").split(",") if t != ""]
-    except ValueError as exc:
-        raise InvalidRequest(f"{flag} must be comma-separated integers: {exc}", field, "integers") from exc
+    items = [t for t in re.split(r"[,\s]+", raw) if t != ""]
+    for item in items:
+        try:
+            int(item)
+        except ValueError:
+            raise InvalidRequest(f"{flag} must be comma-separated integers (or separated by spaces: 5,6,7 or "
+                                 f"5 6 7), got {item!r}", field, "integers") from None
+    return [int(t) for t in items]
 
 
 def print_stream(client: Any, request_id: str, timeout_s: float) -> int:

@@ -56,9 +56,13 @@ def cmd_api(args: argparse.Namespace) -> int:
     host = args.host or settings.api.host
     port = settings.api.port if args.port is None else args.port  # in range: setting_type
     if (taken := _bind_problem(host, port)) is not None:
-        print(f"fleet: cannot listen on {host}:{port}: {taken}; stop what holds it, or choose another port "
-              "with --port N (FLEET_API__PORT)", file=sys.stderr)
+        print(f"fleet: {_cannot_listen(host, port, taken, 'FLEET_API__PORT')}", file=sys.stderr)
         return 1
+    if not settings.api.api_keys and not _loopback_only(host):
+        print(f"fleet: WARNING: the gateway listens on {host}:{port}, beyond this machine, with NO API KEY: anyone "
+              "who reaches the port can submit, read and cancel requests. Set FLEET_API__API_KEYS='[\"a-long-random-"
+              "key\"]' (api.api_keys), or keep it on 127.0.0.1 behind a proxy that authenticates", file=sys.stderr,
+              flush=True)
     serve(
         settings,
         host=host,
@@ -67,6 +71,9 @@ def cmd_api(args: argparse.Namespace) -> int:
         access_log=not args.no_access_log,
     )
     return 0
+
+
+PORT_TAKEN = "the port is already in use"
 
 
 def _bind_problem(host: str, port: int) -> str | None:
@@ -83,8 +90,36 @@ def _bind_problem(host: str, port: int) -> str | None:
         try:
             sock.bind(addr)
         except OSError as exc:
-            return "the port is already in use" if exc.errno == errno.EADDRINUSE else str(exc.strerror or exc)
+            return PORT_TAKEN if exc.errno == errno.EADDRINUSE else str(exc.strerror or exc)
     return None
+
+
+def _cannot_listen(host: str, port: int, problem: str, port_env: str) -> str:
+    """The line for a server that cannot listen on ``host:port`` (``problem``: :func:`_bind_problem`), with the
+    fix: another port when it is taken, else an address of this machine."""
+    if problem == PORT_TAKEN:
+        fix = f"stop what holds it, or choose another port with --port N ({port_env})"
+    else:
+        fix = "give --host an address of this machine (127.0.0.1; 0.0.0.0 = every interface)"
+    return f"cannot listen on {host}:{port}: {problem}; {fix}"
+
+
+def _loopback_only(host: str) -> bool:
+    """Whether every address ``host`` names is a loopback one (``127.0.0.1``, ``::1``, ``localhost``): only
+    this machine can connect. ``0.0.0.0``, ``::``, another interface's address or a name that does not resolve
+    are not."""
+    import ipaddress
+    import socket
+
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]).is_loopback for info in infos)
 
 
 # -- fleet status ----------------------------------------------------------------------------------
@@ -205,7 +240,7 @@ def status_document(settings: FleetSettings, client: redis.Redis[bytes]) -> dict
 
 def cmd_status(args: argparse.Namespace) -> int:
     settings = _settings(args)
-    from producer.cli_errors import debug_enabled, redis_exit_code, redis_problem
+    from producer.cli_errors import debug_enabled, redis_failure
 
     client = _redis(settings)
     try:
@@ -222,8 +257,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(json.dumps(doc))
         if debug_enabled(args):
             raise unreachable
-        print(f"fleet: {redis_problem(unreachable, settings.redis_url)}", file=sys.stderr)
-        return redis_exit_code(unreachable)
+        line, code = redis_failure(unreachable, settings.redis_url)
+        print(f"fleet: {line}", file=sys.stderr)
+        return code
     print(json.dumps(doc) if args.json else format_status(doc))
     return 0
 
@@ -335,7 +371,13 @@ def flower_command(
 
 
 def cmd_flower(args: argparse.Namespace) -> int:
-    cmd, env = flower_command(_settings(args), args.host, args.port, args.db)
+    settings = _settings(args)
+    cmd, env = flower_command(settings, args.host, args.port, args.db)
+    host = args.host or settings.flower.host
+    port = settings.flower.port if args.port is None else args.port
+    if (taken := _bind_problem(host, port)) is not None:  # else Tornado's traceback, after Flower's start-up
+        print(f"fleet: {_cannot_listen(host, port, taken, 'FLEET_FLOWER__PORT')}", file=sys.stderr)
+        return 1
     args.db.resolve().parent.mkdir(parents=True, exist_ok=True)
     os.execvpe(cmd[0], cmd, env)
     return 0  # pragma: no cover - execvpe does not return

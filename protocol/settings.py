@@ -31,13 +31,14 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from protocol.errors import ConfigError, UnknownModel
 from protocol.settings_broker import CelerySettings, RedisSettings
 from protocol.settings_engine import GRAPH_CAPTURE_OPTIONS as GRAPH_CAPTURE_OPTIONS
 from protocol.settings_engine import PROVIDERS as PROVIDERS
 from protocol.settings_engine import EngineSettings
+from protocol.settings_env import settings_env_problem
 from protocol.settings_gateway import AdmissionSettings, ApiSettings, FlowerSettings
 from protocol.settings_model import BatchingSettings, CanarySettings, LimitSettings, ModelSettings, RoutingSettings
 from protocol.settings_sources import (
@@ -243,7 +244,8 @@ def load_settings(config_path: Path | str | None = None, **overrides: Any) -> Fl
 
     Raises:
         ConfigError: a value broke a rule; the message names the setting (dotted path) and the rule (and
-            starts ``override refused:`` when an override broke it).
+            starts ``override refused:`` when an override broke it); or a ``FLEET_*`` variable of a list or
+            section is not JSON (the message names the variable and the form, never its value).
     """
     path = Path(config_path or os.environ.get("FLEET_CONFIG") or DEFAULT_CONFIG_PATH)
     data: dict[str, Any] = {"models": {}}
@@ -261,6 +263,9 @@ def load_settings(config_path: Path | str | None = None, **overrides: Any) -> Fl
         settings = FleetSettings(**data)
     except ValidationError as exc:
         raise ConfigError(describe(exc), first_loc(exc), None) from exc
+    except SettingsError as exc:  # a FLEET_* variable that is not the JSON its setting takes
+        message, variable = settings_env_problem(exc)
+        raise ConfigError(message, variable, "JSON") from exc
     if overrides:
         merged = deep_merge(settings.model_dump(), overrides)
         token = _OVERRIDING.set(True)  # env and YAML are in ``merged`` already: the environment must not win again

@@ -50,6 +50,9 @@ def create_app(settings: FleetSettings, *, name: str = "onnx-fleet") -> Celery:
 
 
 def _settings_or_exit() -> FleetSettings:
+    """The settings, or exit 2 with one line naming the setting (``celery -A workers.app`` has no ``fleet`` CLI
+    around it to say it): a value that breaks a rule, or a ``FLEET_*`` variable that is not the JSON its
+    setting takes (:mod:`protocol.settings_env`)."""
     try:
         return load_settings()
     except ConfigError as exc:
