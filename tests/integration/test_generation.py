@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -27,8 +28,11 @@ from protocol.streams import StreamEvent, decode_events
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.redis_monitor import Monitor
 from tests.integration.stream_order import asked_past_first, relayed_before_stored
+from tests.integration.test_generation_adversary_worker import ENDLESS_TOKENS, endless_decoder
 from tools.processes import poll_until
 from tools.redis_server import free_port
+
+__all__ = ["endless_decoder"]  # a fixture shared with test_generation_adversary_worker
 
 MODEL = "demo-lm"
 
@@ -144,26 +148,27 @@ def _final_entry_ids(r: redis.Redis, ids: list[str]) -> dict[str, tuple[int, int
     return order
 
 
-def test_short_request_overtakes_running_long_generations(fleet: Fleet) -> None:
-    cfg = fleet.config(models={MODEL: {"limits": {"max_new_tokens": 400}, "batching": {"max_batch_size": 8}}})
+def test_short_request_overtakes_running_long_generations(fleet: Fleet, endless_decoder: Path) -> None:
+    """A short generation submitted while long ones run joins them and ends first. The long ones ask for
+    ENDLESS_TOKENS (they end only when cancelled), so the order proves the join, not a race of durations
+    (beside a CPU hog, 400-token long ones had ended before the short one was even taken)."""
+    budget = 4 * (ENDLESS_TOKENS + 2) + 3 + 3  # every long reservation and the short one's fit together
+    cfg = fleet.config(models={MODEL: {"path": str(endless_decoder), "limits": {"max_new_tokens": ENDLESS_TOKENS},
+                                       "batching": {"max_batch_size": 8, "max_kv_tokens": budget}}})  # fmt: skip
     fleet.worker(cfg, concurrency=8)
     client = fleet.client(cfg)
-    long_ids = [_generate(client, [9, 10 + i], max_new_tokens=400, ignore_eos=True) for i in range(4)]
+    long_ids = [_generate(client, [9, 10 + i], max_new_tokens=ENDLESS_TOKENS, ignore_eos=True) for i in range(4)]
     first = next(iter(client.stream(long_ids[0], timeout_s=60)))  # the long ones are running
     assert first.type == "token"
     short = _generate(client, [11, 12, 13], max_new_tokens=3, ignore_eos=True)
-    results = [_result(client, rid) for rid in [short, *long_ids]]
+    result = _result(client, short)
+    assert result.generation.timings.batch_size_max > 1  # type: ignore[union-attr]  # it ran beside them
+    assert [client.status(rid) for rid in long_ids] == [RequestStatus.RUNNING] * 4  # they run on
     r = redis.Redis.from_url(fleet.redis_url)
-    everyone = [short, *long_ids]
-    # the stream publisher's thread writes a final event beside the result's store, not before it: wait for
-    # every stream's final entry (a result can be read a moment before it)
-    def all_final() -> dict[str, tuple[int, int]] | None:
-        found = _final_entry_ids(r, everyone)
-        return found if len(found) == len(everyone) else None
-
-    order = poll_until(all_final, 60, "every stream's final event")
-    assert all(order[short] < order[rid] for rid in long_ids), order
-    assert results[0].generation.timings.batch_size_max > 1  # type: ignore[union-attr]  # it ran beside them
+    assert _final_entry_ids(r, long_ids) == {}  # no long stream has ended
+    for rid in long_ids:
+        assert client.cancel(rid, settle_s=60)
+    assert {_result(client, rid).generation.finish_reason for rid in long_ids} == {"cancelled"}  # type: ignore[union-attr]
 
 
 def test_cancel_stops_a_running_generation_and_frees_its_slot(fleet: Fleet) -> None:
