@@ -41,6 +41,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi_offline import FastAPIOffline
 
 from gateway.body_guard import JsonShapeMiddleware, RequestGuardMiddleware, bounds_for
+from gateway.concurrency_cap import ConcurrencyCapMiddleware
 from gateway.deps import Gateway
 from gateway.errors import ERROR_RESPONSES, install_error_handlers
 from gateway.middleware import AccessLogMiddleware, BodyLimitMiddleware, MetricsMiddleware
@@ -127,11 +128,13 @@ def create_app(settings: FleetSettings, client: FleetClient | None = None, *, ac
     app.include_router(router)
     app.include_router(openai_router)
     app.include_router(responses_router)
-    # outermost last: metrics (counts every refusal), then the key and Content-Type (before any body
-    # is read), the byte cap, and the JSON's shape (before any body is parsed): see gateway.body_guard
+    # outermost last: metrics (counts every refusal), the bound on requests answered at once
+    # (gateway.concurrency_cap), then the key and Content-Type (before any body is read), the byte cap, and
+    # the JSON's shape (before any body is parsed): see gateway.body_guard
     app.add_middleware(JsonShapeMiddleware, bounds=bounds_for(settings))
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.api.max_body_bytes)
     app.add_middleware(RequestGuardMiddleware, keys=gateway.keys)
+    app.add_middleware(ConcurrencyCapMiddleware, limit=settings.api.max_concurrent_requests)
     app.add_middleware(MetricsMiddleware, metrics=gateway.metrics)
     if access_log:
         app.add_middleware(AccessLogMiddleware)

@@ -10,9 +10,9 @@ Status codes: invalid input 422 on native routes and 400 on OpenAI ones (an unkn
 as OpenAI answers); 401 bad key; 404 unknown request; 409 cancelled, or a known request ID sent again
 with another body; 413 body too large (bytes, or structure: :mod:`gateway.body_guard`); 415 a body not
 declared JSON; 431 a request head over its bounds, 408 one not sent in time (:mod:`gateway.request_heads`,
-before routing); 429 admission (+ ``Retry-After``); 503 Redis down (said without its address); 504 no
-result in time (the request may still finish: poll ``GET /v1/requests/{id}`` with the ``X-Request-ID``
-header's value).
+before routing); 429 admission (+ ``Retry-After``); 503 Redis down (said without its address) or over
+``api.max_concurrent_requests`` (:mod:`gateway.concurrency_cap`); 504 no result in time (the request may
+still finish: poll ``GET /v1/requests/{id}`` with the ``X-Request-ID`` header's value).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         415: "a body not sent as Content-Type: application/json",
         422: "invalid request (names the field and the limit)",
         429: "refused by admission control; see Retry-After",
-        503: "Redis unreachable",
+        503: "Redis unreachable, or the gateway already answers api.max_concurrent_requests requests",
     }.items()
 }
 """The errors every native route may answer with, for the OpenAPI document."""

@@ -55,6 +55,11 @@ class ApiSettings(Section):
         "gateway waits for one; then it is closed (408 when part of a head came). Requests being answered (long "
         "polls, streams) are not timed (s).",
     )
+    max_concurrent_requests: int = Field(
+        default=0, ge=0, le=1_000_000, description="Most requests this gateway process answers at once (long polls "
+        "and streams included); one more is answered 503 with Retry-After: 1 (the probes and /metrics never are). "
+        "0 = three quarters of the process's open-file limit.",
+    )
     write_stall_s: float = Field(
         default=60.0, ge=1, le=3600, description="Time a response may wait for its client to read (a stream "
         "reader that stopped reading): then the connection is aborted, and a stream's request cancelled as on any "
