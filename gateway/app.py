@@ -134,7 +134,7 @@ def create_app(settings: FleetSettings, client: FleetClient | None = None, *, ac
     app.add_middleware(JsonShapeMiddleware, bounds=bounds_for(settings))
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.api.max_body_bytes)
     app.add_middleware(RequestGuardMiddleware, keys=gateway.keys)
-    app.add_middleware(ConcurrencyCapMiddleware, limit=settings.api.max_concurrent_requests)
+    app.add_middleware(ConcurrencyCapMiddleware, limit=settings.api.max_concurrent_requests, metrics=gateway.metrics)
     app.add_middleware(MetricsMiddleware, metrics=gateway.metrics)
     if access_log:
         app.add_middleware(AccessLogMiddleware)

@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.body_guard import send_error
 from gateway.errors import error_payload
+from gateway.middleware import GatewayMetrics
 
 __all__ = ["ConcurrencyCapMiddleware", "default_limit"]
 
@@ -37,24 +38,26 @@ def default_limit() -> int:
 class ConcurrencyCapMiddleware:
     """Answer ``503`` to an HTTP request that arrives while ``limit`` others are being answered (see the module)."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, metrics: GatewayMetrics) -> None:
         self.app = app
         self.limit = limit or default_limit()
-        self.active = 0
-        """Requests being answered now (the probes and /metrics not counted)."""
+        self.metrics = metrics
+        """Keeps the count (``in_progress``: the probes and /metrics not counted) and the refusals."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("path") in NEVER_REFUSED:
             await self.app(scope, receive, send)
             return
-        if self.active >= self.limit:
-            message = (f"the gateway is answering {self.active} requests, its limit (api.max_concurrent_requests="
-                       f"{self.limit}); retry, or send to another replica")  # fmt: skip
+        metrics = self.metrics
+        if metrics.in_progress >= self.limit:
+            metrics.overloaded.inc()
+            message = (f"the gateway is answering {metrics.in_progress} requests, its limit (api.max_concurrent_"
+                       f"requests={self.limit}); retry, or send to another replica")  # fmt: skip
             payload = error_payload("overloaded", "Overloaded", message, "api.max_concurrent_requests", self.limit)
             await send_error(scope, send, 503, payload, headers={"Retry-After": "1"})
             return
-        self.active += 1
+        metrics.in_progress += 1
         try:
             await self.app(scope, receive, send)
         finally:
-            self.active -= 1
+            metrics.in_progress -= 1

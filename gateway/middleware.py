@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import redis
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.routing import Match
@@ -170,6 +170,13 @@ class GatewayMetrics:
         )
         for reason in ("queue_full", "rate_limited"):
             self.refused.labels(reason)  # export zeros, so rate() sees the series from the start
+        self.in_progress = 0
+        """Requests being answered now, the probes and /metrics aside (kept by :mod:`gateway.concurrency_cap`)."""
+        Gauge("fleet_gateway_requests_in_progress", "HTTP requests being answered now (long polls and streams "
+              "included; the probes and /metrics not).", registry=registry).set_function(lambda: self.in_progress)
+        self.overloaded = Counter(
+            "fleet_gateway_overloaded", "Requests answered 503 at api.max_concurrent_requests.", registry=registry
+        )
         registry.register(_FleetCollector(settings, client))
         if prefixes is not None:
             registry.register(_RoutingCollector(prefixes))

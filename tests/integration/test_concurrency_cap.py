@@ -55,10 +55,14 @@ def test_one_request_past_the_cap_is_refused_at_once_and_the_probes_still_answer
             assert answer.status_code == 200 or "overloaded" not in answer.text, (probe, answer.text)
         assert http.get("/healthz").status_code == 200
         assert not any(p.done() for p in polls)  # the long-polls it holds are untouched
+        assert f"fleet_gateway_requests_in_progress {CAP}.0" in http.get("/metrics").text.splitlines()
         fleet.worker(config, "demo-encoder")
         answers = [p.result() for p in polls]
     assert [a.status_code for a in answers] == [200] * CAP and all(a.json()["status"] == "succeeded" for a in answers)
     assert http.get(f"/v1/requests/{rid}").status_code == 200  # served again once they ended
-    metrics = http.get("/metrics").text
-    assert 'status="503"' in metrics  # the refusals are counted with the gateway's traffic
+    metrics = http.get("/metrics").text.splitlines()
+    assert any('status="503"' in line for line in metrics)  # the refusals are counted with the gateway's traffic
+    assert "fleet_gateway_requests_in_progress 0.0" in metrics  # every request it counted has ended
+    overloaded = next(line for line in metrics if line.startswith("fleet_gateway_overloaded_total "))
+    assert float(overloaded.split()[1]) >= 2  # at least the two refusals asserted above
     http.close()
