@@ -19,7 +19,7 @@ from typing import Any, get_args, get_origin
 from pydantic import BaseModel
 from pydantic_settings import SettingsError
 
-__all__ = ["settings_env_problem"]
+__all__ = ["setting_type", "settings_env_problem"]
 
 
 def settings_env_problem(exc: SettingsError, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
@@ -39,7 +39,7 @@ def settings_env_problem(exc: SettingsError, environ: Mapping[str, str] | None =
         parts = var.upper().removeprefix("FLEET_").split("__") if var.upper().startswith("FLEET_") else []
         if not parts or parts[0].lower() != field:
             continue
-        shape = _json_shape(_setting_annotation(parts), var)
+        shape = _json_shape(setting_type(parts), var)
         if shape is None:
             continue
         try:
@@ -50,7 +50,7 @@ def settings_env_problem(exc: SettingsError, environ: Mapping[str, str] | None =
             "list or a section is written as JSON, e.g. FLEET_API__API_KEYS='[\"a\", \"b\"]'", f"FLEET_{field.upper()}")
 
 
-def _setting_annotation(parts: list[str]) -> Any:
+def setting_type(parts: list[str]) -> Any:
     """The type of the setting ``FLEET_<parts joined by __>`` names (a model's name is one part), or None."""
     from protocol.settings import FleetSettings  # the settings module raises through this one
 

@@ -4,14 +4,16 @@ file read and its relative paths resolved, models named only in the environment,
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from protocol.errors import ConfigError
+from protocol.settings_env import setting_type
 
 __all__ = [
     "deep_merge",
@@ -100,9 +102,19 @@ def first_loc(exc: ValidationError) -> str:
     return ".".join(str(p) for p in errs[0]["loc"]) if errs else "settings"
 
 
+PATTERN_RULES = {
+    r"^(redis|rediss|unix|sentinel)://": "must start with redis://, rediss://, unix:// or sentinel:// "
+    "(e.g. redis://127.0.0.1:6379/0)",
+    r"^https?://": "must start with http:// or https:// (e.g. http://127.0.0.1:8333)",
+}
+"""The settings' URL patterns in words (pydantic says ``String should match pattern '^(redis|…)://'``)."""
+
+
 def describe(exc: ValidationError) -> str:
     """Every refusal in ``exc``, ``; ``-joined: ``invalid setting <dotted path> (<FLEET_* variable>): <rule>``,
-    or ``invalid settings: <rule>`` for a rule across several settings (its message names them)."""
+    ``unknown setting <dotted path> (…): did you mean <the closest known one>?``, or ``invalid settings:
+    <rule>`` for a rule across several settings (its message names them). A refused value is never shown
+    (a URL may hold a password)."""
     lines = []
     for err in exc.errors():
         msg = str(err["msg"]).removeprefix("Value error, ")
@@ -111,5 +123,23 @@ def describe(exc: ValidationError) -> str:
             continue
         loc = ".".join(str(p) for p in err["loc"])
         env = "FLEET_" + "__".join(str(p).upper().replace("-", "_") for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            lines.append(f"unknown setting {loc} ({env}): {_known_instead([str(p) for p in err['loc']])}")
+            continue
+        if err["type"] == "string_pattern_mismatch":
+            msg = PATTERN_RULES.get(str((err.get("ctx") or {}).get("pattern")), msg)
         lines.append(f"invalid setting {loc} ({env}): {msg}")
     return "; ".join(lines)
+
+
+def _known_instead(loc: list[str]) -> str:
+    """For the unknown setting at ``loc``: the closest known name of its section, or the section's names."""
+    section = setting_type(loc[:-1])
+    names = sorted(section.model_fields) if isinstance(section, type) and issubclass(section, BaseModel) else []
+    where = ".".join(loc[:-1]) or "the top level"
+    if not names:
+        return "no such setting"
+    close = difflib.get_close_matches(loc[-1], names, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {'.'.join([*loc[:-1], close[0]])}?"
+    return f"{where} has no such setting; its settings: {', '.join(names)}"

@@ -75,7 +75,7 @@ def test_an_invalid_override_is_refused_even_where_the_environment_is_valid(
 ) -> None:
     monkeypatch.setenv("FLEET_RESULT_TTL_S", "5")
     monkeypatch.setenv("FLEET_REDIS_URL", "redis://env:6379/0")
-    with pytest.raises(ConfigError, match=r"^override refused: invalid setting " + next(iter(override))):
+    with pytest.raises(ConfigError, match=r"^override refused: (invalid|unknown) setting " + next(iter(override))):
         load_settings(write(tmp_path, {"models": MODEL}), **override)
 
 
@@ -239,3 +239,28 @@ def test_a_rule_across_settings_is_reported_by_its_names_not_as_settings_fleet(t
     text = str(info.value)
     assert "invalid setting settings" not in text and "(FLEET_)" not in text
     assert text.startswith("invalid settings: worker.concurrency (2) must be >= models.demo-lm.batching.max_batch_size")
+
+
+@pytest.mark.parametrize(
+    ("doc", "says"),
+    [
+        ({"worker": {"concurency": 4}},
+         "unknown setting worker.concurency (FLEET_WORKER__CONCURENCY): did you mean worker.concurrency?"),
+        ({"models": {"demo-lm": {**MODEL["demo-lm"], "batching": {"max_batch": 3}}}},
+         "unknown setting models.demo-lm.batching.max_batch (FLEET_MODELS__DEMO_LM__BATCHING__MAX_BATCH): did you "
+         "mean models.demo-lm.batching.max_batch_size?"),
+        ({"worker": {"zzz": 4}}, "unknown setting worker.zzz (FLEET_WORKER__ZZZ): worker has no such setting; its "
+         "settings: allow_untested_kombu, concurrency,"),
+        ({"redis_url": "localhost:6379"}, "invalid setting redis_url (FLEET_REDIS_URL): must start with redis://, "
+         "rediss://, unix:// or sentinel:// (e.g. redis://127.0.0.1:6379/0)"),
+        ({"store": {"endpoint_url": "s3.local"}}, "invalid setting store.endpoint_url (FLEET_STORE__ENDPOINT_URL): "
+         "must start with http:// or https://"),
+    ],
+)
+def test_a_misspelt_setting_is_named_with_the_closest_one_and_a_url_with_its_schemes(
+    tmp_path: Path, doc: dict[str, object], says: str
+) -> None:
+    """Before: ``Extra inputs are not permitted`` and ``String should match pattern '^(redis|rediss|…)://'``."""
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, {"models": MODEL, **doc}))
+    assert says in str(info.value), str(info.value)
