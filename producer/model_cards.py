@@ -134,9 +134,12 @@ class ModelCards:
             why = (
                 "has no tokenizer (its card says tokenizer 'none')"
                 if info.card is not None and info.card.tokenizer == "none"
+                else "has no card here: its path does not exist on this machine and no worker has published its "
+                "card (build it with `fleet build-model`, fix models.<m>.path, or wait for a worker)"
+                if info.card is None
                 else "has no tokenizer on this machine"
             )
-            raise InvalidRequest(f"model {model!r} {why}: send input_ids", "text", None)
+            raise InvalidRequest(f"model {model!r} {why}: send input_ids (--tokens on the CLI)", "text", None)
         limits = self.settings.models[self.settings.model_key(model)].limits
         text = tokenized_part(text, info.tokenizer, limits)
         return info.tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -93,6 +93,11 @@ def load_card(model_path: Path) -> ModelCard:
     if not model_path.exists():  # the path is what is wrong, not a card beside a model that is there
         raise ModelLoadError(f"{model_path}: no such model file (check the path, or build the models: "
                              "`fleet build-model`)", "model", str(model_path))  # fmt: skip
+    if model_path.is_dir():  # a folder named where its .onnx file belongs
+        onnx = sorted(p.name for p in model_path.glob("*.onnx"))
+        inside = f" (it holds {', '.join(onnx[:3])})" if onnx else " (it holds no .onnx file)"
+        raise ModelLoadError(f"{model_path} is a folder{inside}: point the model's path at the .onnx file inside",
+                             "model", str(model_path))  # fmt: skip
     raise ModelLoadError(
         f"no model card {card_file.name} or config.json next to {model_path}", "card", str(card_file)
     )

@@ -212,3 +212,13 @@ def test_ctrl_c_while_waiting_for_a_result(ops_fleet: OpsFleet) -> None:  # noqa
     after = fleet("result", "wait-int", config=config)  # nothing lost: still queued, still known
     assert after.returncode == 0 and '"status": "queued"' in after.stdout, after.stdout + after.stderr
     assert ops_fleet.redis.llen("fleet.demo-lm") == 1
+
+
+def test_text_for_a_model_whose_file_is_not_on_this_machine(ops_fleet: OpsFleet) -> None:  # noqa: F811
+    """Before: "model 'demo-lm' has no tokenizer on this machine: send input_ids", which hid the cause (the
+    configured path does not exist here and no worker has published the model's card)."""
+    config = ops_fleet.config(models={"demo-lm": {"path": "/nonexistent/demo-lm-1.0.0.onnx"}})
+    done = fleet("submit", "--model", "demo-lm", "--text", "hello", config=config)
+    one_line(done, 2, "model 'demo-lm' has no card here: its path does not exist on this machine",
+             "fleet build-model", "--tokens")
+    assert ops_fleet.redis.llen("fleet.demo-lm") == 0  # nothing queued

@@ -162,6 +162,8 @@ def test_fleet_worker_runs_celery_at_the_configured_log_level(
 @pytest.mark.parametrize(("argv", "says"), [
     # a model file that is not there is named as such (was: "no model card nonexist.json … next to it")
     (["quantize", "{tmp}/nonexist.onnx"], ["{tmp}/nonexist.onnx: no such model file", "fleet build-model"]),
+    # a folder where its .onnx file belongs (was: "no model card tmp.json or config.json next to …")
+    (["quantize", "{tmp}"], ["{tmp} is a folder (it holds no .onnx file): point the model's path at the .onnx"]),
     # a folder that cannot be made is said as the system says it, without advice to build what it builds
     (["build-model", "--out-dir", "/proc/nope"], ["/proc/nope: no such file or directory"]),
     (["build-model", "--out-dir", "/dev/null/x"], ["/dev/null/x/demo-lm: not a directory"]),  # was "unexpected …"
