@@ -22,7 +22,8 @@ wide. So that such a patch, installed earlier in the same bench process, cannot 
 the app names its own transport (:class:`StockRedisTransport`): kombu's Redis transport with kombu's
 own, unpatched channel. The bench-side helpers (:mod:`bench.procs`, :mod:`bench.stats`,
 :mod:`tools.processes`) are imported inside the functions that run in the producer, so a worker
-started with ``celery -A bench.celery_floor worker`` loads nothing but Celery and this module.
+started with ``celery -A bench.celery_floor worker`` loads nothing but Celery, this module and its
+clients' loop (:mod:`bench.celery_floor_loop`).
 
 Run ``python -m bench.celery_floor`` for both variants (task events on and off) on a private Redis.
 """
@@ -35,7 +36,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -46,6 +46,9 @@ from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from kombu.transport import redis as kombu_redis
 
+from bench.celery_floor_loop import ECHO_TASK, echo_loop
+from bench.celery_floor_loop import RESULT_TIMEOUT_S as RESULT_TIMEOUT_S  # re-exported: importable from here
+
 __all__ = [
     "ECHO_TASK",
     "FloorRun",
@@ -55,9 +58,6 @@ __all__ = [
     "make_floor_app",
     "measure_floor",
 ]
-
-ECHO_TASK = "floor.echo"
-"""The one task: returns its single argument (a list of ints) unchanged."""
 
 CONCURRENCY = 16
 """Threads of the floor worker (the fleet's default worker concurrency)."""
@@ -72,9 +72,6 @@ URL_ENV = "FLOOR_REDIS_URL"
 
 EVENTS_ENV = "FLOOR_EVENTS"
 """Environment variable: ``1`` = task events on (the worker also runs with ``-E``)."""
-
-RESULT_TIMEOUT_S = 30.0
-"""Longest wait for one result before it counts as an error (s)."""
 
 
 class StockRedisTransport(kombu_redis.Transport):
@@ -217,43 +214,6 @@ class FloorWorker:
         return self.proc.returncode if self.proc is not None else None
 
 
-def _echo_loop(worker: FloorWorker, prompts: Sequence[Sequence[int]], *, clients: int,
-               duration_s: float | None = None, max_requests: int | None = None) -> list[Any]:  # fmt: skip
-    """``clients`` threads, each sending ``floor.echo`` and waiting for its result, until ``duration_s``
-    s have passed or ``max_requests`` were started; returns :class:`bench.stats.RequestRecord` s."""
-    from bench.load import run_threads
-    from bench.stats import RequestRecord
-
-    lock = threading.Lock()
-    records: list[RequestRecord] = []
-    sent = 0
-    stop_at = time.perf_counter() + duration_s if duration_s is not None else float("inf")
-
-    def loop() -> None:
-        nonlocal sent
-        while time.perf_counter() < stop_at:
-            with lock:
-                n = sent
-                sent += 1
-            if max_requests is not None and n >= max_requests:
-                return
-            ids = list(prompts[n % len(prompts)])
-            start = time.perf_counter()
-            error: str | None = None
-            try:
-                out = worker.app.send_task(ECHO_TASK, args=[ids], queue=worker.queue).get(timeout=RESULT_TIMEOUT_S)
-                if out != ids:
-                    error = "echo returned something else"
-            except Exception as exc:  # a failed request is counted, not fatal
-                error = f"{type(exc).__name__}: {exc}"
-            rec = RequestRecord(start, time.perf_counter(), len(ids), error=error)
-            with lock:
-                records.append(rec)
-
-    run_threads(clients, loop, "floor-client")
-    return records
-
-
 class FloorRun:
     """One floor variant measured in rounds, so that its rounds can be interleaved with other loops'
     (:func:`bench.dispatch.measure_dispatch` runs it between the fleet's variants in every round).
@@ -282,7 +242,7 @@ class FloorRun:
         """Start the worker, wait until it answers, warm it up (``4 * clients`` requests, not counted)."""
         self.worker.start()
         self.worker.wait_ready()
-        _echo_loop(self.worker, self.prompts, clients=self.clients, max_requests=4 * self.clients)
+        echo_loop(self.worker, self.prompts, clients=self.clients, max_requests=4 * self.clients)
         with self.worker.app.connection_for_write() as conn:  # the channel class the producer really uses
             channel = type(conn.default_channel)
         self.channel = f"{channel.__module__}.{channel.__qualname__}"
@@ -290,7 +250,7 @@ class FloorRun:
 
     def lone(self, requests: int) -> None:
         """``requests`` requests one at a time (their median round trip is ``lone_p50_ms``)."""
-        self.lone_records += _echo_loop(self.worker, self.prompts, clients=1, max_requests=requests)
+        self.lone_records += echo_loop(self.worker, self.prompts, clients=1, max_requests=requests)
 
     def measure_round(self, duration_s: float) -> None:
         """One closed loop of ``duration_s`` s, metered like the fleet's paths (:func:`bench.procs.metered`)."""
@@ -298,7 +258,7 @@ class FloorRun:
 
         pids = {"producer": os.getpid(), "redis": self.redis_pid, "worker": self.worker.pid}
         start = time.perf_counter()
-        records, cpu_s, calls = metered(pids, self.redis_url, lambda: _echo_loop(
+        records, cpu_s, calls = metered(pids, self.redis_url, lambda: echo_loop(
             self.worker, self.prompts, clients=self.clients, duration_s=duration_s))  # fmt: skip
         self.runs.append((records, (start, start + duration_s)))
         self.cpu_s.update(cpu_s)

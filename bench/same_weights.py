@@ -38,7 +38,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -52,13 +52,13 @@ from bench.genstats import parse_metrics
 from bench.load import scheduled
 from bench.procs import FleetConfig, RunningFleet
 from bench.redis_cost import GatewayServer
+from bench.same_weights_md import render_same_weights, same_weights_body
+from bench.same_weights_plan import QUICK, ROWS, TEXT_ONLY, LlamaSize, SameWeightsPlan
 from bench.standalone import built, say, write_page
 from producer.client import FleetClient
 from protocol.errors import FleetError
 from protocol.messages import InferenceResult
 from protocol.modelcard import load_card
-from tools.build_llama import ROPE_THETA, llama_parameter_count, swiglu_width
-from tools.onnx_layers import RMS_EPSILON
 from tools.redis_server import free_port
 from tools.tier_venvs import TIERS, build_tier
 from workers.engine import Engine
@@ -67,66 +67,6 @@ __all__ = ["QUICK", "LlamaSize", "SameWeightsPlan", "measure_same_weights", "ren
            "run_same_weights_only", "same_weights_body"]
 
 OG_SCRIPT = Path(__file__).with_name("og_tier.py")
-ROWS = ("fleet", "OpenAI SDK, streaming", "worker's loop, in process", "bare continuous", "bare one at a time",
-        "og.Engine")
-"""The rows, in the first round's order (each later round starts one row further on)."""
-TEXT_ONLY = frozenset({"OpenAI SDK, streaming"})
-"""Rows whose replies carry text, not token ids: their tokens are counted (``usage``), not compared."""
-
-
-@dataclass(frozen=True)
-class LlamaSize:
-    """One model of the page (``tools.build_llama.build_llama``'s sizes)."""
-
-    name: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    vocab_size: int
-    max_positions: int = 256
-    targets: tuple[tuple[str, float], ...] = ()
-    """(ratio, target) pairs the page checks: a ratio key of ``ratios`` (the fleet over that row, or
-    ``"<row> / fleet"``), or ``"TTFT p99"`` (fleet / bare continuous, at most the target)."""
-
-    @property
-    def parameters(self) -> int:
-        return llama_parameter_count(num_layers=self.num_layers, hidden_size=self.hidden_size,
-                                     num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                                     vocab_size=self.vocab_size)  # fmt: skip
-
-    def hf_config(self) -> dict[str, Any]:
-        """The Hugging Face ``LlamaConfig`` of these weights (what the builder reads)."""
-        return {"vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-                "intermediate_size": swiglu_width(self.hidden_size), "num_hidden_layers": self.num_layers,
-                "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
-                "max_position_embeddings": self.max_positions, "rms_norm_eps": RMS_EPSILON,
-                "rope_theta": ROPE_THETA, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-                "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class SameWeightsPlan:
-    """Sizes of the same-weights rows (the defaults: the outside harness's workload)."""
-
-    sizes: tuple[LlamaSize, ...] = (
-        LlamaSize("sw-llama-31m", num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4, vocab_size=8192,
-                  targets=(("bare continuous", 1.0), ("bare one at a time", 3.0), ("og.Engine", 2.0),
-                           ("OpenAI SDK, streaming / fleet", 0.95), ("TTFT p99", 2.0))),
-        LlamaSize("sw-llama-7m", num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4, vocab_size=8192,
-                  targets=(("bare continuous", 0.9),)),
-    )
-    requests: int = 16
-    prompt_tokens: tuple[int, int] = (10, 64)
-    new_tokens: tuple[int, int] = (19, 63)
-    max_batch_size: int = 16
-    rounds: int = 6
-    seed: int = 7
-
-
-QUICK = SameWeightsPlan(
-    sizes=(LlamaSize("sw-llama-tiny", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, vocab_size=300),),
-    requests=4, prompt_tokens=(4, 12), new_tokens=(3, 8), max_batch_size=4, rounds=1)  # fmt: skip
 
 Work = list[tuple[list[int], int]]
 Row = dict[str, Any]
@@ -337,89 +277,6 @@ def measure_same_weights(plan: SameWeightsPlan, redis_url: str, work_dir: Path) 
         sizes.append(measure_size(plan, size, model, og_python, redis_url, work_dir))
     return {"plan": {k: v for k, v in asdict(plan).items() if k != "sizes"}, "sizes": sizes,
             "genai_tier": list(TIERS["genai"].pins), "onnxruntime": ort.__version__}  # fmt: skip
-
-
-def _target_cell(value: float, target: float | None, *, at_least: bool) -> str:
-    """``≥ 1.00×: met`` (or ``≤``, for a ratio that must stay under its target); ``–`` without one."""
-    if target is None:
-        return "–"
-    met = value >= target if at_least else value <= target
-    return f"{'≥' if at_least else '≤'} {target:.2f}×: {'met' if met else '**not met**'}"
-
-
-def _fmt_spread(s: dict[str, float], unit: str = "") -> str:
-    return f"{s['median']:.2f}{unit} ({s['min']:.2f}–{s['max']:.2f})"
-
-
-def same_weights_body(results: dict[str, Any], level: str = "##") -> list[str]:
-    """The intro sentence, per size (a ``level`` heading) its rows and ratios, and the method."""
-    plan = results["plan"]
-    lines = [
-        "Each model is one random Llama (`tools/build_llama.py`) "
-        f"exported two ways: the fleet's own export, served by the fleet, by the worker's own generation loop in "
-        f"process and by a bare numpy + ONNX Runtime loop (`bench/bare_loop.py`), and onnxruntime-genai's model "
-        f"builder (FP32, CPU) on the same weights, served "
-        f"by `og.Engine` ({', '.join(results['genai_tier'][-2:])}). {plan['requests']} requests arriving together, "
-        f"prompts {plan['prompt_tokens'][0]}–{plan['prompt_tokens'][1]} tokens, "
-        f"{plan['new_tokens'][0]}–{plan['new_tokens'][1]} new tokens each (greedy, forced lengths), at most "
-        f"{plan['max_batch_size']} running; {plan['rounds']} interleaved rounds after a warm one.",
-        "",
-    ]  # fmt: skip
-    for s in results["sizes"]:
-        size = s["size"]
-        lines += [
-            f"{level} {size['name']}: {s['parameters'] / 1e6:.1f} M weights",
-            "",
-            f"{size['num_layers']} layers, hidden {size['hidden_size']}, {size['num_heads']} query heads and "
-            f"{size['num_kv_heads']} KV heads, vocabulary {size['vocab_size']}; {s['workload']['prompt_tokens']} "
-            f"prompt tokens and {s['workload']['new_tokens']} new tokens per round.",
-            "",
-            "| row | tokens/s, median (range) | TTFT p50 ms | TTFT p99 ms | requests with tokens unlike the fleet's "
-            "| requests with another token count |",
-            "|---|---|---|---|---|---|",
-        ]  # fmt: skip
-        for name, row in s["rows"].items():
-            t = row["tokens_per_s"]
-            differ = "not compared (text)" if row["mismatched_requests"] is None else row["mismatched_requests"]
-            ttft = ("–", "–") if name in TEXT_ONLY else (f"{row['ttft_ms']['p50']:.0f}", f"{row['ttft_ms']['p99']:.0f}")
-            lines.append(f"| {name} | {t['median']:.0f} ({t['min']:.0f}–{t['max']:.0f}) | {ttft[0]} | {ttft[1]} "
-                         f"| {differ} | {row['miscounted_requests']} |")  # fmt: skip
-        targets = dict(size.get("targets", ()))
-        lines += ["", "| ratio | median (range of the per-round ratios) | target |", "|---|---|---|"]
-        for other, spread in s["ratios"].items():
-            target = _target_cell(spread["median"], targets.get(other), at_least=True)
-            label = other if " / " in other else f"fleet / {other}"
-            lines.append(f"| {label} | {_fmt_spread(spread, '×')} | {target} |")
-        target = _target_cell(s["ttft_p99_ratio"], targets.get("TTFT p99"), at_least=False)
-        lines.append(f"| TTFT p99: fleet / bare continuous | {s['ttft_p99_ratio']:.2f}× | {target} |")
-        per_round = "; ".join(f"{name}: {', '.join(f'{x:.0f}' for x in xs)}" for name, xs in s["per_round"].items())
-        lines += ["", f"Tokens/s per round: {per_round}.", ""]
-    lines += [
-        "How it is measured: `bench/same_weights.py`. The fleet's span is first submit → last result read by "
-        "the client; its TTFT is the worker's own figure (submit → first token). The loops' and og.Engine's "
-        "times start when the run starts (every request is waiting then). The SDK's stream carries text, and a "
-        "token without text (most ids of a vocabulary beyond the 256 bytes) sends no chunk: its TTFT is not "
-        "given and its tokens are counted from `usage`, not compared. og.Engine runs in the `genai` "
-        "tier's venv (`tools/tier_venvs.py`), one process per round (loading the model is not timed). The "
-        "bare loop uses ONNX Runtime's default session options on the fleet's export as is; the worker "
-        "rewrites that graph at load (LM head at the last position, KV cache written in place) and runs ONNX "
-        "Runtime with its session options (intra-op spin-waiting bounded to `spin_duration_us` after each run): "
-        "the worker's loop in process runs exactly that, without Celery, Redis or a stream, so the fleet's gap "
-        "to it is what the queue and the transport cost.",
-        "",
-    ]  # fmt: skip
-    return lines
-
-
-def render_same_weights(results: dict[str, Any]) -> str:
-    """``same-weights.md``: the stamp, then :func:`same_weights_body`."""
-    meta = results["meta"]
-    dirty = " (uncommitted changes)" if meta["dirty"] else ""
-    body = same_weights_body(results)
-    stamp = (f"From one `{meta['command']}` run at commit `{meta['commit']}`{dirty}, {meta['machine']}, "
-             f"{meta['duration_s']:.0f} s.")  # fmt: skip
-    return "\n".join(["# Same weights: the fleet, a bare loop and onnxruntime-genai", "", f"{stamp} {body[0]}",
-                      *body[1:]])  # fmt: skip
 
 
 def run_same_weights_only(quick: bool, preset: str, out_dir: Path, work_dir: Path, command: str,
