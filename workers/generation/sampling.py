@@ -63,7 +63,8 @@ def nucleus_probs(logits: FloatArray, temperature: float, top_k: int, top_p: flo
     if 0 < top_k < order.size:
         order = order[:top_k]
     kept = scaled[order]
-    probs = np.exp(kept - kept.max())
+    with np.errstate(over="ignore"):  # a spread past the floats gives -inf: probability 0, as it should
+        probs = np.exp(kept - kept.max())
     probs /= probs.sum()
     if top_p < 1.0:
         cumulative = np.cumsum(probs)
