@@ -220,7 +220,10 @@ def probe(settings: FleetSettings, kind: str, *, worker: str | None, models: lis
 
 
 def _not_ready_reason(worker: str, beat: dict[str, Any]) -> str:
-    """Why a live worker's heartbeat says not ready: it holds work it does not progress, or it is starting."""
+    """Why a live worker's heartbeat says not ready: it is shutting down, it holds work it does not progress,
+    or it is starting."""
+    if beat.get("shutting_down"):
+        return f"worker {worker!r} is shutting down (draining what it holds; it takes nothing new)"
     stalled_s = beat.get("stalled_s")
     if isinstance(stalled_s, int | float) and stalled_s > 0:
         holds = f"holds {beat['held']} requests" if beat.get("held") else "has a non-empty queue"

@@ -8,9 +8,10 @@ where its slots live: :func:`workers.worker_runtime.kv_cache_doc`; null for a mo
 concurrency = tokens, in-flight, batches run, pid, queue
 and canary queue, ``heartbeat_unix_s``, ``heartbeat_s`` its period, ``instance`` one per process: only
 the process that wrote it deletes it, :mod:`workers.namesakes`) that expires after three heartbeat
-periods, so a dead worker disappears by itself. ``ready`` is false while the worker loads, and while it
+periods, so a dead worker disappears by itself. ``ready`` is false while the worker loads, while it
 holds work it does not progress (``held`` requests, ``stalled_s`` without progress, ``overdue_slots``:
-:mod:`workers.progress`), which ``fleet probe ready`` reads.
+:mod:`workers.progress`), and from the moment a shutdown begins (``shutting_down``: a warm shutdown takes
+nothing more while it drains), which ``fleet probe ready`` reads.
 ``fleet:model:<name>:card`` holds the model card, so producers on other machines can validate and
 tokenize without the file.
 """

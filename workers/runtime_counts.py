@@ -1,6 +1,7 @@
 """What a worker's runtime counts for its scheduler and its readiness (:class:`RuntimeCounts`).
 
-* engine steps run so far (batches and generation steps: progress, :mod:`workers.progress`);
+* engine steps run so far (batches, and the steps of every generation loop: the stable one, the canary's
+  and those retiring after a swap; progress, :mod:`workers.progress`);
 * the requests Celery holds for this worker, less those waiting on another delivery of their generation;
 * the requests on their way to the scheduler (taken from Redis, not yet in its hands);
 * the messages waiting in Redis on the lists this worker takes from (one round trip; the start-together
@@ -17,6 +18,7 @@ from redis import Redis
 
 from broker import TAKEN_IN_HAND, queue_depth
 from workers.direct_queue import DirectQueue
+from workers.generation.loop import GenStepStats
 from workers.progress import Held, copied, held_requests
 from workers.run_claims import RunClaims
 from workers.scheduler import Scheduler
@@ -39,11 +41,21 @@ class RuntimeCounts:
     scheduler: Scheduler
     run_claims: RunClaims
     _depth_redis: Redis[bytes]
+    _generation_steps: int
+    """Generation steps run so far on any loop (:meth:`_count_generation_step`)."""
 
     def _work_done(self) -> int:
-        """Engine steps run so far: batches and the stable generation loop's steps (progress, for readiness)."""
-        loop = self.scheduler.generation
-        return self.scheduler.batches_run + (loop.steps_run if loop is not None else 0)
+        """Engine steps run so far: batches and the generation steps of every loop (progress, for readiness).
+
+        Not the stable loop's ``steps_run``: a canary's generations, and those finishing on a loop retired by a
+        swap, step other loops, and a worker serving only those read as making no progress (not ready)."""
+        return self.scheduler.batches_run + self._generation_steps
+
+    def _count_generation_step(self, _stats: GenStepStats) -> None:
+        """A generation loop observer (on the scheduler thread, which alone steps loops): one step ran. Added
+        to the stable loop; :meth:`~workers.worker_runtime.WorkerRuntime.swap` hands a loop's observers on to
+        the loop that replaces it and to a canary's, so every loop the worker steps counts."""
+        self._generation_steps += 1
 
     def _held_for_progress(self) -> list[Held]:
         """The requests Celery holds for this worker, less the deliveries waiting for another delivery of

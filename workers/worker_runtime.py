@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import redis
+from celery.worker import state as worker_state
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -46,9 +47,17 @@ from workers.scheduler import Role, Scheduler
 from workers.stream_publisher import StreamPublisher
 from workers.trace_guard import off_traced, on_traced
 
-__all__ = ["WorkerRuntime", "kv_cache_doc"]
+__all__ = ["WorkerRuntime", "kv_cache_doc", "shutting_down"]
 
 log = logging.getLogger("fleet.worker")
+
+
+def shutting_down() -> bool:
+    """True once this process's Celery worker began a warm or cold shutdown (its signal handler set
+    ``should_stop`` or ``should_terminate``; an exit code, 0 included, or True): its consumer takes nothing
+    more. Read as :func:`celery.worker.state.maybe_shutdown` reads them."""
+    return any(flag is not None and flag is not False
+               for flag in (worker_state.should_stop, worker_state.should_terminate))
 
 
 def kv_cache_doc(loop: GenerationLoop | None) -> dict[str, Any] | None:
@@ -104,8 +113,11 @@ class WorkerRuntime(RuntimeCounts):
             settings, socket_timeout=HOLD_DEPTH_TIMEOUT_S, socket_connect_timeout=HOLD_DEPTH_TIMEOUT_S,
             retry=Retry(NoBackoff(), 0),
         )
-        self.ready = False
+        self._consuming = False
         self.in_flight = 0
+        self._generation_steps = 0
+        if self.stable.generation is not None:  # handed on to every later loop by swap()
+            self.stable.generation.observers.append(self._count_generation_step)
         self._count_lock = threading.Lock()
         self.started_unix_s = time.time()
         self.streams = StreamPublisher(
@@ -270,6 +282,17 @@ class WorkerRuntime(RuntimeCounts):
         on machines without the model's files read its tokenizer and limits there. One ``SET NX`` per beat."""
         self.redis.set(CARD_KEY.format(model=self.model_key), self.card.model_dump_json(), nx=True)
 
+    @property
+    def ready(self) -> bool:
+        """The worker takes requests: its consumer runs (:meth:`mark_ready`) and no shutdown has begun. A warm
+        shutdown (SIGTERM) stops taking at once and may drain its held work for minutes: not ready from its
+        first moment, not from :meth:`stop` at its end. Stalls are the heartbeat's part (:meth:`snapshot`)."""
+        return self._consuming and not shutting_down()
+
+    @ready.setter
+    def ready(self, consuming: bool) -> None:
+        self._consuming = consuming
+
     def mark_ready(self) -> None:
         """Called once the consumer runs: the worker now takes requests."""
         self.ready = True
@@ -302,7 +325,8 @@ class WorkerRuntime(RuntimeCounts):
 
     def snapshot(self) -> dict[str, Any]:
         """The heartbeat document (see :mod:`workers.health`); ``ready`` is false while the worker holds
-        work it does not progress (``stalled_s`` >= ``worker.stall_after_s``, :mod:`workers.progress`)."""
+        work it does not progress (``stalled_s`` >= ``worker.stall_after_s``, :mod:`workers.progress`) and once
+        a shutdown began (``shutting_down``, :attr:`ready`)."""
         progress = self.progress.check()
         return {
             "hostname": self.hostname,
@@ -319,6 +343,7 @@ class WorkerRuntime(RuntimeCounts):
             "nodes": self.engine.placement,
             "kv_cache": kv_cache_doc(self.scheduler.generation),
             "ready": self.ready and not progress.stalled,
+            "shutting_down": shutting_down(),
             "held": progress.held,
             "stalled_s": round(progress.stalled_for_s, 1),
             "overdue_slots": progress.overdue,
