@@ -16,8 +16,10 @@ the hub lets the readers it answered come back (:data:`REJOIN_S` at most) before
 the steady state every stream is in the one read; a reader that comes back later is in the read after
 (:data:`HUB_BLOCK_MS` at most, sooner when any stream gets entries), and a stream's first read, while a
 read without it is under way, is made on its own (so a new stream's first token never waits for it). A
-Redis error of the hub's read is handed to every reader waiting on it, which retries as it would its own
-read (:mod:`producer.streams`).
+reader whose position is before where the read under way started in its stream (a second reader of a stream
+joining, a reader that fell behind the others) is answered by the next read, never by one whose reply lacks
+its entries. A Redis error of the hub's read is handed to every reader waiting on it, which retries as it
+would its own read (:mod:`producer.streams`).
 """
 
 from __future__ import annotations
@@ -141,7 +143,7 @@ class StreamHub:
                 continue
             finally:
                 self._in_read, self._reading = {}, False
-            answered = self._deliver(reply)
+            answered = self._deliver(reply, streams)
             if len(answered) == 1 and len(streams) > 1:
                 answered |= await self._catch_up(streams, answered)
             if answered:
@@ -159,13 +161,22 @@ class StreamHub:
             reply = await self.client.xread(rest, count=READ_COUNT)
         except (redis.RedisError, OSError):
             return set()  # the next blocking read finds them, or fails to their readers
-        return self._deliver(reply)
+        return self._deliver(reply, rest)
 
-    def _deliver(self, reply: Any) -> set[str]:
-        """Hand each waiting reader the entries after its position; returns the streams of those answered."""
+    def _deliver(self, reply: Any, read_from: dict[str, str | bytes]) -> set[str]:
+        """Hand each waiting reader the entries after its position; returns the streams of those answered.
+
+        ``read_from`` is where the read started in each stream. A reader that came in during the read with a
+        position before that start (a stream's first read, a reader that fell behind the others of its
+        stream) is not answered from it: the entries between its position and the start are not in the
+        reply, and handing it the rest would skip them (its reader would see a gap and stop streaming until
+        the request's result is stored). It stays for the next read, which starts at its position."""
         answered: set[str] = set()
         for key, entries in _by_stream(reply).items():
+            start = stream_id(read_from[key]) if key in read_from else None
             for waiter in self._waiting.get(key, ()):
+                if start is None or waiter.after < start:
+                    continue
                 mine = [e for e in entries if stream_id(e[0]) > waiter.after]
                 if mine and not waiter.future.done():
                     waiter.future.set_result(mine)

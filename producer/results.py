@@ -269,7 +269,7 @@ class ResultReader:
 
         Raises:
             ResultTimeout: no event for ``timeout_s`` seconds (None or ``inf``: no limit).
-            redis.ConnectionError: Redis did not answer for 30 s.
+            redis.ConnectionError: Redis did not answer for 30 s, or until ``timeout_s`` of silence ran out.
             InvalidRequest: ``request_id`` is not a non-empty string, or ``timeout_s`` is NaN, not > 0 or not
                 a number (raised here, before the first event is asked for).
         """

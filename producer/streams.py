@@ -25,8 +25,8 @@ ahead (a gap: the missing events can no longer come); found, it finishes from it
 (:func:`producer.stream_ending.ending_events`: same indexes, same text, nothing twice) instead of
 waiting for events that will never be written. While Redis does not answer, a reader reconnects,
 waiting :data:`FIRST_RETRY_S` doubling to :data:`MAX_RETRY_S` between tries (the fleet's one backoff
-schedule, :mod:`protocol.backoff`, as the stream publisher's), for at most ``max_outage_s``; then the
-Redis error is raised.
+schedule, :mod:`protocol.backoff`, as the stream publisher's), for at most ``max_outage_s`` and never past
+its silence bound (``timeout_s`` after the last entry); then the Redis error is raised.
 """
 
 from __future__ import annotations
@@ -178,6 +178,15 @@ class StreamCursor:
         """True when nothing arrived for ``timeout_s``."""
         return now_s >= self.deadline_s
 
+    def outage_wait_s(self, retry: Reconnect, now_s: float) -> float | None:
+        """How long to wait before trying Redis again after a failed call at ``now_s``: ``retry``'s wait,
+        cut to what is left of the silence (``timeout_s`` bounds the wait for an event whatever keeps it
+        away, Redis too); None once Redis has not answered for ``retry.max_outage_s`` or the silence ran out
+        (the caller raises the Redis error)."""
+        wait_s = retry.failed(now_s)
+        left_s = self.deadline_s - now_s
+        return None if wait_s is None or left_s <= 0 else min(wait_s, left_s)
+
     def timeout_error(self) -> ResultTimeout:
         """The error a reader raises once :meth:`timed_out`."""
         what = "no event" if self.highest_index < 0 else f"no event after token {self.highest_index}"
@@ -244,7 +253,8 @@ async def aiter_events(
     Raises:
         ResultTimeout: nothing arrived for ``timeout_s`` seconds.
         DecodeError: an entry is not a stream event.
-        redis.ConnectionError, redis.TimeoutError: Redis did not answer for ``max_outage_s``.
+        redis.ConnectionError, redis.TimeoutError: Redis did not answer for ``max_outage_s``, or while the
+            silence ran out (``timeout_s`` after the last entry).
     """
     async for batch in aiter_event_batches(aredis, request_id, timeout_s=timeout_s, **options):
         for event in batch:
@@ -273,7 +283,7 @@ async def aiter_event_batches(
                 entries = await read(cursor.key, cursor.last_id, cursor.block_for_ms(time.monotonic()))
             retry.answered()
         except RETRIED as exc:
-            await asyncio.sleep(_retry_wait(retry, exc))
+            await asyncio.sleep(_retry_wait(cursor, retry, exc))
             continue
         fed = cursor.feed(entries, time.monotonic())
         if fed:
@@ -282,7 +292,7 @@ async def aiter_event_batches(
             try:
                 stored = await outcome()
             except RETRIED as exc:
-                await asyncio.sleep(_retry_wait(retry, exc))
+                await asyncio.sleep(_retry_wait(cursor, retry, exc))
                 continue
             ending = _ending(cursor, stored)
             if ending:
@@ -310,22 +320,23 @@ def iter_events(
             entries = stream_entries(redis_client.xread(*cursor.xread_args(time.monotonic())))
             retry.answered()
         except RETRIED as exc:
-            time.sleep(_retry_wait(retry, exc))  # the caller's thread waits for Redis: nothing else to do on it
+            time.sleep(_retry_wait(cursor, retry, exc))  # the caller's thread waits for Redis: nothing else to do
             continue
         yield from cursor.feed(entries, time.monotonic())
         if outcome is not None and cursor.result_due(time.monotonic(), bool(entries)):
             try:
                 stored = outcome()
             except RETRIED as exc:
-                time.sleep(_retry_wait(retry, exc))
+                time.sleep(_retry_wait(cursor, retry, exc))
                 continue
             yield from _ending(cursor, stored)
         _check_silence(cursor, entries)
 
 
-def _retry_wait(retry: Reconnect, exc: redis.RedisError) -> float:
-    """How long to wait before trying Redis again after ``exc``; raises ``exc`` past the outage bound."""
-    wait_s = retry.failed(time.monotonic())
+def _retry_wait(cursor: StreamCursor, retry: Reconnect, exc: redis.RedisError) -> float:
+    """How long to wait before trying Redis again after ``exc``; raises ``exc`` past the outage bound or once
+    the reader's silence ran out (:meth:`StreamCursor.outage_wait_s`)."""
+    wait_s = cursor.outage_wait_s(retry, time.monotonic())
     if wait_s is None:
         raise exc
     return wait_s
