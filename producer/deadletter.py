@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from broker import bulk_request_ids, item_eta_too_far
-from protocol.deadletter import DEAD_LETTERED, DeadLetter, Reason, read_entry, requeue_allowed
+from protocol.deadletter import DEAD_LETTERED, UNKNOWN_QUEUE, DeadLetter, Reason, read_entry, requeue_allowed
 from protocol.errors import InvalidRequest, RequestNotFound
 from protocol.keys import DEAD_LETTER_KEY, DELIVERIES_KEY, RESULT_KEY
 from protocol.settings import shared_queue_of
@@ -25,24 +25,36 @@ __all__ = ["DeadLetterStore", "fresh_delivery", "requeue_refusal"]
 # operators requeueing the same entry push it once, and a crash in between loses nothing.
 # The FAILURE the dead-lettering stored (under the task's ID, and each request's of a bulk message) goes
 # in the same step, before the message is back: a worker may take it at once and store its outcome, which
-# the result store never replaces. Any other stored outcome (a copy that ran meanwhile) is kept.
+# the result store never replaces. Any other stored outcome (a copy that ran meanwhile) is kept, and when
+# every ID the message carries has one, nothing is done: the run could store nothing (and a message that
+# killed its workers would kill one more), so the entry stays and the script says which outcome it found.
 # KEYS: the dead-letter list, the queue, the delivery count, then the result keys; ARGV: the entry, the
 # message, DEAD_LETTERED (how a guard's FAILURE message begins).
+# Returns {0} (no such entry), {1, FAILUREs cleared, outcomes kept} (requeued) or {2, outcomes kept, the
+# first one's status} (nothing to requeue).
 _REQUEUE = """
-if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return {0, 0} end
-local cleared = 0
+if not redis.call('LPOS', KEYS[1], ARGV[1]) then return {0, 0, 0} end
+local ours, kept, status_kept = {}, 0, ''
 for i = 4, #KEYS do
   local ok, meta = pcall(cjson.decode, redis.call('GET', KEYS[i]) or '')
-  local exc = ok and type(meta) == 'table' and meta['status'] == 'FAILURE' and meta['result']
-  local why = type(exc) == 'table' and type(exc['exc_message']) == 'table' and exc['exc_message'][1]
-  if type(why) == 'string' and string.sub(why, 1, #ARGV[3]) == ARGV[3] then
-    redis.call('DEL', KEYS[i])
-    cleared = cleared + 1
+  local status = ok and type(meta) == 'table' and meta['status']
+  if status == 'SUCCESS' or status == 'FAILURE' or status == 'REVOKED' then
+    local exc = status == 'FAILURE' and meta['result']
+    local why = type(exc) == 'table' and type(exc['exc_message']) == 'table' and exc['exc_message'][1]
+    if type(why) == 'string' and string.sub(why, 1, #ARGV[3]) == ARGV[3] then
+      ours[#ours + 1] = KEYS[i]
+    else
+      kept = kept + 1
+      if status_kept == '' then status_kept = status end
+    end
   end
 end
+if #KEYS > 3 and kept == #KEYS - 3 then return {2, kept, status_kept} end
+redis.call('LREM', KEYS[1], 1, ARGV[1])
+for _, key in ipairs(ours) do redis.call('DEL', key) end
 redis.call('DEL', KEYS[3])
 redis.call('LPUSH', KEYS[2], ARGV[2])
-return {1, cleared}
+return {1, #ours, kept}
 """
 
 
@@ -121,36 +133,64 @@ class DeadLetterStore:
                 return item, entry
         raise RequestNotFound(f"no dead-letter entry with ID or task ID {ident!r}", "id", None)
 
-    def requeue(self, ident: str, *, force: bool = False) -> tuple[DeadLetter, int]:
+    def requeue(self, ident: str, *, force: bool = False) -> tuple[DeadLetter, int, int]:
         """Push the entry's message back onto the list it came from (the model's queue, for a message
         taken from a worker's own queue) and remove the entry.
 
         Its delivery count is reset (and its ``redelivered`` marks dropped), so it gets
         ``max_deliveries`` deliveries again, and the FAILURE stored when it was dead-lettered is removed
-        (its task's, and each request's of a bulk message), so it runs to a new outcome. Returns the
-        entry and how many such FAILUREs were removed.
+        (its task's, and each request's of a bulk message), so it runs to a new outcome: the requeued copy's.
+        Any other stored outcome is kept (the store never replaces one). Returns the entry, how many such
+        FAILUREs were removed and how many other outcomes were kept.
 
         Raises:
             RequestNotFound: no such entry (or another operator took it first).
             InvalidRequest: a worker would refuse it again (:meth:`refusal`: a malformed message, or an ETA
-                still too far ahead); ``force`` pushes it anyway.
+                still too far ahead; ``force`` pushes it anyway); its queue is unknown (an item from before
+                entries had a schema, with no routing key); or nothing to requeue: every ID it carries has an
+                outcome stored already that its dead-lettering did not store (a copy that ran): it would run
+                for nothing, and the entry is kept (:meth:`delete` removes it).
         """
         stored, entry = self.find(ident)
+        if entry.reason is Reason.LEGACY and entry.list_key == UNKNOWN_QUEUE:
+            raise InvalidRequest(f"entry {entry.id} has no queue to go back to (an item pushed before dead-letter "
+                                 "entries had a schema, without a routing key): `fleet dead-letter show` it and "
+                                 "send it again yourself, or delete it", "queue", UNKNOWN_QUEUE)  # fmt: skip
         refusal = None if force else self.refusal(entry)
         if refusal is not None:
             raise InvalidRequest(f"{refusal}. Use --force to requeue it anyway", "force", entry.reason.value)
         deliveries_key = DELIVERIES_KEY.format(id=entry.task_id or "")
         target = shared_queue_of(entry.list_key)  # a worker's own queue: onto the model's (that worker may be gone)
         item = entry.raw_bytes()
-        failed = [RESULT_KEY.format(id=rid) for rid in dict.fromkeys([*([entry.task_id] if entry.task_id else []),
-                                                                     *bulk_request_ids(item)])]  # fmt: skip
-        done, cleared = self.client.eval(
-            _REQUEUE, 3 + len(failed), DEAD_LETTER_KEY, target, deliveries_key, *failed, stored, fresh_delivery(item),
-            DEAD_LETTERED,
+        ids = list(dict.fromkeys([*([entry.task_id] if entry.task_id else []), *bulk_request_ids(item)]))
+        done, count, kept = self.client.eval(
+            _REQUEUE, 3 + len(ids), DEAD_LETTER_KEY, target, deliveries_key, *[RESULT_KEY.format(id=i) for i in ids],
+            stored, fresh_delivery(item), DEAD_LETTERED,
         )
-        if not done:
+        if done == 0:
             raise RequestNotFound(f"dead-letter entry {entry.id} was removed meanwhile", "id", None)
-        return entry, int(cleared)
+        if done == 2:
+            status = kept.decode() if isinstance(kept, bytes) else str(kept)
+            which = (f"its request {entry.task_id}" if len(ids) == 1 else f"each of the {len(ids)} requests it carries "
+                     f"({entry.task_id} and those of its bulk body)")  # fmt: skip
+            raise InvalidRequest(
+                f"nothing to requeue: {which} already has an outcome stored ({status}) that its dead-lettering did "
+                f"not store (a copy ran meanwhile); the result store never replaces it, so the message would run for "
+                f"nothing. Entry {entry.id} is kept: `fleet dead-letter delete {entry.id}` removes it",
+                "id", status,
+            )
+        return entry, int(count), int(kept)
+
+    def delete(self, ident: str) -> DeadLetter:
+        """Remove the entry with ID (or newest with task ID) ``ident``, nothing else; returns it.
+
+        Raises:
+            RequestNotFound: no such entry (or another operator removed or requeued it first).
+        """
+        stored, entry = self.find(ident)
+        if not self.client.lrem(DEAD_LETTER_KEY, 1, stored):
+            raise RequestNotFound(f"dead-letter entry {entry.id} was removed meanwhile", "id", None)
+        return entry
 
     def purge(self, *, older_than_s: float, now_unix_s: float) -> int:
         """Remove the entries dead-lettered more than ``older_than_s`` ago; returns how many went."""

@@ -1,8 +1,8 @@
-"""``fleet dead-letter list|show|requeue|purge``: the queue items workers refused or gave up on.
+"""``fleet dead-letter list|show|requeue|delete|purge``: the queue items workers refused or gave up on.
 
 ``producer.cli`` calls :func:`register` with its sub-parsers. Every command prints one JSON
-document. Exit codes follow ``fleet``'s: 0 ok; 1 no such entry; 2 refused (a malformed message
-without ``--force``, bad arguments or settings).
+document. Exit codes follow ``fleet``'s: 0 ok; 1 no such entry, Redis unreachable; 2 refused (a malformed
+message without ``--force``, nothing to requeue, bad arguments or settings).
 
 ::
 
@@ -10,6 +10,9 @@ without ``--force``, bad arguments or settings).
     fleet dead-letter show ID                   # the full entry, raw message included (ID or task ID)
     fleet dead-letter requeue ID [--force]      # the message back onto its queue, deliveries counted anew
                                                 # (refused, unless forced, when a worker would refuse it again)
+                                                # (refused when each ID it carries has an outcome stored
+                                                # that its dead-lettering did not store: nothing to requeue)
+    fleet dead-letter delete ID                 # remove one entry
     fleet dead-letter purge --older-than S | --all
 """
 
@@ -69,10 +72,20 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_requeue(args: argparse.Namespace) -> int:
     store = _store(_settings(args))
     # refused (InvalidRequest naming why and --force) when a worker would refuse it again: nothing changes
-    entry, cleared = store.requeue(args.id, force=args.force)  # with the FAILUREs the guard stored
+    # nothing to requeue (InvalidRequest, exit 2) when every ID it carries has an outcome its dead-lettering did
+    # not store: the entry is kept
+    entry, cleared, kept = store.requeue(args.id, force=args.force)  # with the FAILUREs the guard stored
     _print({"id": entry.id, "requeued": True, "task_id": entry.task_id, "queue": entry.queue,
             "list_key": entry.list_key, "reason": entry.reason.value, "forced": bool(args.force),
-            "failure_cleared": cleared > 0, "failures_cleared": cleared})
+            "failure_cleared": cleared > 0, "failures_cleared": cleared, "outcomes_kept": kept})
+    return 0
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    store = _store(_settings(args))
+    entry = store.delete(args.id)
+    _print({"id": entry.id, "deleted": True, "task_id": entry.task_id, "reason": entry.reason.value,
+            "remaining": store.count()})
     return 0
 
 
@@ -84,6 +97,7 @@ def cmd_purge(args: argparse.Namespace) -> int:
 
 
 _seconds = number_in(float, 0, math.inf, "must be a number of seconds >= 0")
+_count = number_in(int, 0, math.inf, "must be an integer >= 0 (0 = all)")
 
 
 def register(sub: Any) -> None:
@@ -96,7 +110,7 @@ def register(sub: Any) -> None:
 
     q = dl.add_parser("list", help="entries, newest first: id, reason, field, queue, task id, when")
     common(q)
-    q.add_argument("--limit", type=int, default=100, help="print at most N entries (0 = all; default 100)")
+    q.add_argument("--limit", type=_count, default=100, help="print at most N entries (0 = all; default 100)")
     q.set_defaults(func=cmd_list)
 
     q = dl.add_parser("show", help="one entry in full, raw message included")
@@ -111,6 +125,11 @@ def register(sub: Any) -> None:
                    help="requeue even a message a worker will dead-letter again (malformed, or its ETA still "
                    "further ahead than the visibility timeout allows)")
     q.set_defaults(func=cmd_requeue)
+
+    q = dl.add_parser("delete", help="remove one entry (its message is not requeued)")
+    common(q)
+    q.add_argument("id", help="the entry's ID, or the task ID it carries (its newest entry)")
+    q.set_defaults(func=cmd_delete)
 
     q = dl.add_parser("purge", help="remove entries: those older than S seconds, or all")
     common(q)

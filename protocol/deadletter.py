@@ -37,7 +37,7 @@ import uuid
 from enum import StrEnum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from protocol.errors import DecodeError
 from protocol.messages import FLEET_TASK_PREFIX
@@ -45,6 +45,7 @@ from protocol.messages import FLEET_TASK_PREFIX
 __all__ = [
     "DEAD_LETTERED",
     "MAX_ENTRIES",
+    "UNKNOWN_QUEUE",
     "DeadLetter",
     "Reason",
     "decode_entry",
@@ -59,6 +60,8 @@ DEAD_LETTERED = "dead-lettered"
 ``fleet dead-letter requeue`` clears, and no other FAILURE."""
 MAX_ENTRIES = 10_000
 """The dead-letter list keeps this many entries (the oldest go first)."""
+UNKNOWN_QUEUE = "unknown"
+"""The queue of a ``legacy`` entry whose item names none (it cannot be requeued)."""
 
 
 class Reason(StrEnum):
@@ -112,9 +115,22 @@ class DeadLetter(BaseModel):
     raw: str = Field(description="The queue item, as text (raw_encoding utf-8) or base64.")
     raw_encoding: Literal["utf-8", "base64"] = "utf-8"
 
+    @model_validator(mode="after")
+    def _raw_reads_back(self) -> DeadLetter:
+        """``raw`` must give back bytes (:meth:`raw_bytes`): strict base64, or text without lone surrogates. A
+        worker never writes anything else; an entry changed by hand that breaks this is read as a ``legacy``
+        item (:func:`read_entry`) instead of failing ``show`` and ``requeue``."""
+        try:
+            self.raw_bytes()
+        except ValueError as exc:  # binascii.Error and UnicodeEncodeError are ValueErrors
+            raise ValueError(f"raw is not {self.raw_encoding}: {exc}") from exc
+        return self
+
     def raw_bytes(self) -> bytes:
         """The queue item exactly as it was popped."""
-        return base64.b64decode(self.raw) if self.raw_encoding == "base64" else self.raw.encode("utf-8")
+        if self.raw_encoding == "base64":
+            return base64.b64decode(self.raw, validate=True)
+        return self.raw.encode("utf-8")
 
     def summary(self) -> dict[str, object]:
         """The columns ``fleet dead-letter list`` prints."""
@@ -193,7 +209,7 @@ def read_entry(data: bytes) -> DeadLetter:
         return decode_entry(data)
     except DecodeError:
         pass
-    queue = "unknown"
+    queue = UNKNOWN_QUEUE
     try:
         doc = json.loads(data)
         routing_key = doc["properties"]["delivery_info"]["routing_key"]
