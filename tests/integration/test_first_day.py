@@ -175,6 +175,13 @@ def test_a_gateway_beyond_loopback_without_api_keys_warns_loudly(ops_fleet: OpsF
     assert not [x for x in loopback if x.startswith("fleet: WARNING:")], loopback  # only this machine reaches it
 
 
+def _ctrl_c_as_a_terminal() -> None:
+    """In the child before it runs: SIGINT as a terminal's shell leaves it (its default action). A test run
+    started in the background by a non-interactive shell (``make test &``, ``nohup``) inherits SIGINT ignored,
+    and Python then keeps ignoring it: the Ctrl-C these tests send would never arrive."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 INTERRUPT_AT_START = """
 import os, signal, sys
 import producer.cli as cli
@@ -191,7 +198,7 @@ def test_ctrl_c_while_the_cli_starts(tmp_path: Path) -> None:
     """A real SIGINT, sent by the process to itself at the point of start-up where the parser loads the commands'
     modules (a second or so in which a user's Ctrl-C lands): exit 130 and one line, as everywhere else."""
     done = subprocess.run([sys.executable, "-c", INTERRUPT_AT_START, "status"], cwd=ROOT, env=_clean_env(),
-                          capture_output=True, text=True, timeout=60, check=False)
+                          capture_output=True, text=True, timeout=60, check=False, preexec_fn=_ctrl_c_as_a_terminal)
     one_line(done, 130, "fleet: interrupted")
 
 
@@ -201,7 +208,7 @@ def test_ctrl_c_while_waiting_for_a_result(ops_fleet: OpsFleet) -> None:  # noqa
     assert queued.returncode == 0, queued.stderr
     proc = subprocess.Popen([sys.executable, "-m", "producer.cli", "result", "wait-int", "--wait", "--timeout", "600",
                              "--config", str(config)], cwd=ROOT, env=_clean_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_ctrl_c_as_a_terminal)
     assert proc.stderr is not None
     first = proc.stderr.readline()  # said (flushed) right before the wait begins
     assert first.startswith("fleet: warning: no live worker serves model 'demo-lm'"), first

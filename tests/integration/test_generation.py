@@ -316,7 +316,7 @@ def test_fleet_submit_stream_prints_text_before_the_request_completes(fleet: Fle
     first, out = out[:1], out[1:]
     summary = json.loads(err.decode().strip().splitlines()[-1])
     assert summary == {"request_id": "cli-stream-1", "finish_reason": "length",
-                       "usage": {"prompt_tokens": 5, "completion_tokens": 480, "total_tokens": 485}}
+                       "usage": {"prompt_tokens": 5, "completion_tokens": 480, "total_tokens": 485, "cached_tokens": 0}}
     result = _result(client, "cli-stream-1")
     assert (first + out).decode().rstrip("\n") == result.generation.text  # type: ignore[union-attr]
 
