@@ -16,7 +16,6 @@ from __future__ import annotations
 import ast
 import json
 import re
-import threading
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -26,6 +25,8 @@ import httpx
 import pytest
 
 from protocol.keys import WORKER_KEY_PREFIX
+from tests.integration.paced_load import PacedLoad, Refused
+from tests.integration.result_writes import ResultWrites
 from tools.build_identity import build_identity
 from tools.multihost import HostFleet
 from tools.netns import NetHost, unavailable_reason
@@ -46,77 +47,25 @@ def _essence(result: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in result.items() if k not in ("timings", "request_id")}
 
 
-class ResultWrites:
-    """Every result write, from the client host: Celery publishes each stored result on its key's channel."""
-
-    def __init__(self, hf: HostFleet) -> None:
-        self.hf = hf
-        self.writes: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        self._stop = threading.Event()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="result-writes", daemon=True)
-
-    def start(self) -> ResultWrites:
-        self._thread.start()
-        assert self._ready.wait(10), "the result-write listener did not subscribe"
-        return self
-
-    def _run(self) -> None:
-        self.hf.client_host.enter()
-        client = self.hf.redis_client()
-        pubsub = client.pubsub(ignore_subscribe_messages=True)
-        pubsub.psubscribe("celery-task-meta-*")
-        pubsub.get_message(timeout=5)  # the subscription's confirmation
-        self._ready.set()
-        while not self._stop.is_set():
-            msg = pubsub.get_message(timeout=0.2)
-            if msg is not None:
-                meta = json.loads(msg["data"])
-                if meta.get("status") == "SUCCESS":
-                    self.writes[meta["task_id"]].append(meta["result"])
-        pubsub.close()
-        client.close()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-
-class HttpLoad:
+class HttpLoad(PacedLoad):
     """POSTs ``RATE_PER_S`` requests a second to the gateway from the client host until :meth:`stop`."""
 
     def __init__(self, client_host: NetHost, url: str) -> None:
-        self.client_host, self.url = client_host, url
-        self.accepted: list[tuple[str, int]] = []  # (request ID, prompt index)
-        self.refused: Counter[str] = Counter()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="http-load", daemon=True)
+        super().__init__(client_host, len(PROMPTS), RATE_PER_S, "http-load")
+        self.url = url
+        self._http: httpx.Client | None = None
 
-    def start(self) -> HttpLoad:
-        self._thread.start()
-        return self
+    def session(self) -> httpx.Client:
+        self._http = httpx.Client(base_url=self.url, timeout=10)
+        return self._http
 
-    def _run(self) -> None:
-        self.client_host.enter()
-        with httpx.Client(base_url=self.url, timeout=10) as http:
-            next_t, i = time.monotonic(), 0
-            while not self._stop.is_set():
-                n = i % len(PROMPTS)
-                try:
-                    resp = http.post("/v1/requests", json={"model": "identity", "input_ids": PROMPTS[n]})
-                    if resp.status_code == 202:
-                        self.accepted.append((resp.json()["request_id"], n))
-                    else:
-                        self.refused[str(resp.status_code)] += 1
-                except httpx.HTTPError as exc:
-                    self.refused[type(exc).__name__] += 1
-                i += 1
-                next_t = max(next_t + 1 / RATE_PER_S, time.monotonic() - 1.0)
-                self._stop.wait(max(0.0, next_t - time.monotonic()))
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(30)
+    def send(self, n: int) -> str:
+        assert self._http is not None
+        resp = self._http.post("/v1/requests", json={"model": "identity", "input_ids": PROMPTS[n]})
+        if resp.status_code != 202:
+            raise Refused(str(resp.status_code))
+        rid: str = resp.json()["request_id"]
+        return rid
 
 
 def _results(url: str, ids: list[str], timeout_s: float, poll_s: float = 0.2) -> dict[str, dict[str, Any] | None]:
