@@ -77,16 +77,22 @@ class ResultNotifier:
                 await self._subscribe(fresh)
             yield watch
         finally:
+            left = []
             for key in keys:
                 waiting = self._waiters.get(key)
                 if waiting is not None:
                     waiting.discard(watch)
                     if not waiting:
                         del self._waiters[key]
-                        if self._pubsub is not None:  # subscribed (or tried): unsubscribed by the task below
-                            self._leaving.add(key)
-            if self._leaving and self._pubsub is not None and (self._unsubscriber is None or self._unsubscriber.done()):
-                self._unsubscriber = asyncio.create_task(self._unsubscribe_left(), name="fleet-result-unsubscribe")
+                        left.append(key)
+            if self._pubsub is not None:  # subscribed (or tried): unsubscribed by a task of their own
+                self._leave(left)
+
+    def _leave(self, keys: Sequence[bytes]) -> None:
+        """Have ``keys`` unsubscribed (:meth:`_unsubscribe_left`) unless a wait wants them again by then."""
+        self._leaving.update(keys)
+        if self._leaving and (self._unsubscriber is None or self._unsubscriber.done()):
+            self._unsubscriber = asyncio.create_task(self._unsubscribe_left(), name="fleet-result-unsubscribe")
 
     async def _unsubscribe_left(self) -> None:
         """Unsubscribe, in one command per turn, the channels no wait needs any more: a wait that ends answers
@@ -99,7 +105,9 @@ class ResultNotifier:
                 gone = [key for key in self._leaving if key not in self._waiters]
                 self._leaving.clear()
                 if gone:
-                    with contextlib.suppress(redis.RedisError, OSError):  # a broken connection forgets them anyway
+                    # lost with a broken connection, they are subscribed again when it reconnects (redis-py
+                    # subscribes every channel it has not seen unsubscribed): _listen leaves them again then
+                    with contextlib.suppress(redis.RedisError, OSError):
                         await self._pubsub.unsubscribe(*gone)
 
     async def _subscribe(self, keys: list[bytes]) -> None:
@@ -142,8 +150,11 @@ class ResultNotifier:
                 for watch in self._waiters.get(channel, ()):
                     watch.published[channel] = message["data"]
                     watch.event.set()
-            elif kind == "subscribe":
+            elif kind == "subscribe" and channel in self._waiters:
                 self._confirmed.setdefault(channel, asyncio.Event()).set()
+            elif kind == "subscribe":  # no wait needs it: an UNSUBSCRIBE lost in an outage, the reconnection
+                self._confirmed.pop(channel, None)  # subscribed it again; without this it stayed for good
+                self._leave([channel])
             elif kind == "unsubscribe" and channel not in self._waiters:  # not wanted again meanwhile
                 self._confirmed.pop(channel, None)
 
