@@ -112,52 +112,6 @@ def _check_ledger(readers: list[Reader], result: InferenceResult) -> None:
         assert r.last["usage"] == gen.usage.model_dump(mode="json"), r.name
 
 
-def test_every_reader_keeps_the_ledger_across_a_sigkill_and_redelivery(ops_fleet: OpsFleet) -> None:
-    cfg = ops_fleet.config(
-        serve=("demo-lm",), visibility_timeout_s=3,
-        models={"demo-lm": {"limits": {"max_new_tokens": MAX_TOKENS}}},
-    )
-    first_worker = ops_fleet.worker(cfg)
-    gateways = ops_fleet.gateway_replicas(cfg, 2)
-    client = FleetClient(load_settings(cfg))
-    hold_slow = threading.Event()
-    try:
-        rid = client.submit("demo-lm", [5, 40, 77], kind="generate", generation={
-            "max_new_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0.8, "top_p": 0.9, "seed": 11})
-        early = Reader("sse-gw1").run(_sse(gateways[0].url, rid))
-        wait_until(lambda: len(early.events) >= 5 or early.done.is_set(), 60, "the first tokens on the first gateway")
-        assert first_worker.proc is not None
-        _signal(first_worker.proc.pid, signal.SIGSTOP)  # frozen mid-generation
-        assert not early.done.is_set() and client.result(rid) is None, "it finished before the fault: nothing tested"
-        late = [
-            Reader("sse-gw1-late").run(_sse(gateways[0].url, rid)),  # a second reader through the same hub
-            Reader("sse-gw2").run(_sse(gateways[1].url, rid)),  # the other replica
-            Reader("client.stream").run(_client_stream(client, rid)),
-        ]
-        slow = Reader("sse-gw1-slow").run(_sse(gateways[0].url, rid, hold_slow))
-        written = len(early.tokens)
-        # while the worker is frozen, the readers that joined late catch up to what it had written
-        wait_until(lambda: all(len(r.tokens) >= written or r.done.is_set() for r in late) and slow.events, 30,
-                   "the late readers to catch up with the first one")
-        assert [len(r.tokens) for r in late] == [written] * len(late), [r.error for r in late]
-        first_worker.kill()  # mid-generation, unacked: back to the queue after visibility_timeout_s
-        ops_fleet.worker(cfg)
-        wait_until(lambda: len(early.tokens) > written or early.done.is_set(), 60, "the redelivered attempt's tokens")
-        # one more joins while the second worker writes (the hub's read under way then brings entries)
-        during = Reader("sse-gw1-during-redelivery").run(_sse(gateways[0].url, rid))
-        readers = [early, *late, during]
-        for r in readers:
-            assert r.done.wait(READ_TIMEOUT_S + 30), f"{r.name} did not end: {len(r.events)} events"
-        hold_slow.set()
-        assert slow.done.wait(READ_TIMEOUT_S + 30), f"the slow reader did not end: {len(slow.events)} events"
-        result = client.result(rid, wait=True, timeout_s=60)
-    finally:
-        hold_slow.set()
-        client.close()
-    assert isinstance(result, InferenceResult)
-    _check_ledger([*readers, slow], result)
-
-
 def test_a_warm_shutdown_mid_generation_ends_every_stream_with_the_stored_result(ops_fleet: OpsFleet) -> None:
     cfg = ops_fleet.config(serve=("demo-lm",), models={"demo-lm": {"limits": {"max_new_tokens": MAX_TOKENS}}})
     worker = ops_fleet.worker(cfg)
