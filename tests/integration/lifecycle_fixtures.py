@@ -23,7 +23,10 @@ from tests.integration.fleet_fixtures import Fleet
 from tests.integration.model_versions import MODEL, build_version, top1_logprob
 from tools.seaweed_server import EmbeddedSeaweed
 
-__all__ = ["Load", "Published", "Watch", "collect", "lifecycle_config", "publish", "send_to_role", "wait_until"]
+__all__ = [
+    "Load", "Published", "Watch", "collect", "lifecycle_config", "publish", "send_to_role", "served_roles",
+    "wait_until",
+]
 
 BUCKET = "fleet-models"
 
@@ -126,6 +129,13 @@ def collect(client: FleetClient, ids: list[str], timeout_s: float = 60.0) -> tup
         assert res is not None
         results.append(res)
     return results, failures
+
+
+def served_roles(client: FleetClient, ids: list[str]) -> set[tuple[str, str | None]]:
+    """(version, role) of each request's result; fails on any failure."""
+    results, failures = collect(client, ids)
+    assert not failures, failures
+    return {(x.version, x.role) for x in results}
 
 
 class Watch:

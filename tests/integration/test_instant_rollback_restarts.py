@@ -13,7 +13,14 @@ import redis
 from producer.client import FleetClient
 from protocol.model_state import history, pin, read_state, set_canary
 from tests.integration.fleet_fixtures import Fleet
-from tests.integration.lifecycle_fixtures import Watch, collect, lifecycle_config, publish, send_to_role, wait_until
+from tests.integration.lifecycle_fixtures import (
+    Watch,
+    lifecycle_config,
+    publish,
+    send_to_role,
+    served_roles,
+    wait_until,
+)
 from tests.integration.model_versions import MODEL
 from tools.redis_server import EmbeddedRedis
 from tools.seaweed_server import EmbeddedSeaweed
@@ -21,13 +28,6 @@ from tools.seaweed_server import EmbeddedSeaweed
 
 def _send(client: FleetClient, tag: str) -> list[str]:
     return [send_to_role(client, role, f"{tag} {role} {i}") for role in ("stable", "canary") for i in range(3)]
-
-
-def _served(client: FleetClient, ids: list[str]) -> set[tuple[str, str | None]]:
-    """(version, role) of each request; fails on any failure."""
-    results, failures = collect(client, ids)
-    assert not failures, failures
-    return {(x.version, x.role) for x in results}
 
 
 def test_a_redis_restart_with_aof_mid_canary_keeps_the_canary(
@@ -49,11 +49,11 @@ def test_a_redis_restart_with_aof_mid_canary_keeps_the_canary(
         wait_until(lambda: watch is not None and watch.all_serve(stable.version, canary.version), 60,
                    "the worker to load the canary")
         before_state, before_history = read_state(r, MODEL), len(history(r, MODEL))
-        before = _served(client, _send(client, "before the restart"))
+        before = served_roles(client, _send(client, "before the restart"))
         server.kill()  # a crash: what Redis wrote to its AOF is in the page cache
         server.start()
         after_state, after_history = read_state(r, MODEL), len(history(r, MODEL))
-        after = _served(client, _send(client, "after the restart"))
+        after = served_roles(client, _send(client, "after the restart"))
         log = worker.log_tail(400_000)
     finally:
         if watch is not None:
@@ -87,7 +87,7 @@ def test_a_worker_restarted_mid_canary_serves_the_pinned_stable_and_the_canary(
         first.stop(timeout_s=15)
         queued = _send(client, "queued while the worker was down")  # taken by the new worker first of all
         fleet.worker(cfg, MODEL, hostname=hostname)
-        served = _served(client, queued + _send(client, "after the restart"))
+        served = served_roles(client, queued + _send(client, "after the restart"))
         doc = wait_until(lambda: watch.docs[hostname]["pid"] != first_pid and dict(watch.docs[hostname]), 30,
                          "the restarted worker's heartbeat")
     finally:

@@ -9,10 +9,6 @@ on Redis's MONITOR for the worker's read of the new state, never on a clock.
 from __future__ import annotations
 
 import json
-import os
-import signal
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -20,89 +16,41 @@ import redis
 
 from producer.cli import main as fleet_main
 from protocol.model_served import read_served
-from protocol.model_state import STATE_KEY, history, pin, read_state, rollback, set_canary
+from protocol.model_state import history, pin, read_state, rollback, set_canary
 from store import ModelStore
 from store.s3 import S3Backend
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.lifecycle_fixtures import (
     BUCKET,
-    Watch,
     collect,
     lifecycle_config,
     publish,
     send_to_role,
     wait_until,
 )
+from tests.integration.load_race_fixtures import change_during_load, frozen, one_worker, settled
 from tests.integration.model_versions import MODEL
-from tests.integration.redis_monitor import Monitor
-from tools.processes import WorkerProcess
 from tools.seaweed_server import EmbeddedSeaweed
-
-
-@contextmanager
-def _frozen(s3: EmbeddedSeaweed) -> Iterator[None]:
-    """The store answers nothing while inside (its process stopped; connections queue in the kernel)."""
-    assert s3.proc is not None
-    os.kill(s3.proc.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(s3.proc.pid, signal.SIGCONT)
-
-
-def _change_during_load(monitor: Monitor, change: Callable[[], object], then: Callable[[], object]) -> None:
-    """Apply ``change``; once the worker has read the state it wrote (so it is loading the version it names,
-    blocked on the frozen store), apply ``then``."""
-    state_key = STATE_KEY.format(model=MODEL)
-    start = len(monitor.up_to_now())
-    change()
-
-    def worker_read_it() -> bool:
-        commands = [c["command"] for c in monitor.commands[start:]]
-        wrote = next((i for i, c in enumerate(commands) if c.startswith(f"SET {state_key} ")), None)
-        return wrote is not None and f"GET {state_key}" in commands[wrote + 1:]
-
-    wait_until(worker_read_it, 60, "the worker to read the changed state")
-    then()
-
-
-def _settled(worker: WorkerProcess, version: str, role: str) -> str:
-    """Wait until the worker either swapped ``version`` in as ``role`` or discarded it; returns which line."""
-    swapped, discarded = f"serves {MODEL} {version} as {role}", f"discards {MODEL} {version}"
-
-    def outcome() -> str | None:
-        tail = worker.log_tail(400_000)
-        return swapped if swapped in tail else discarded if discarded in tail else None
-
-    return str(wait_until(outcome, 60, f"the worker to finish loading {version}"))
 
 
 def test_a_version_rolled_back_while_a_worker_loads_it_never_serves(
     fleet: Fleet, s3: EmbeddedSeaweed, tmp_path: Path
 ) -> None:
     stable, canary, pinned = (publish(s3, tmp_path, scale) for scale in (1.0, 2.0, 3.0))
-    cfg = lifecycle_config(fleet, s3, stable.version, tmp_path / "cache")
-    worker = fleet.worker(cfg, MODEL, hostname="w1-load-race@test")
-    r = redis.Redis.from_url(fleet.redis_url)
-    watch = Watch(fleet.redis_url, [worker.hostname])
-    monitor = Monitor(fleet.redis_url)
-    client = fleet.client(cfg)
-    try:
+    with one_worker(fleet, s3, tmp_path, stable.version, "w1-load-race@test") as one:
+        worker, r, watch, monitor, client = one.worker, one.redis, one.watch, one.monitor, one.client
         wait_until(lambda: watch.all_serve(stable.version, None), 60, "the worker to serve the first version")
-        with _frozen(s3):  # the canary is rolled back while the worker fetches it
-            _change_during_load(monitor, lambda: set_canary(r, MODEL, canary.version, 50, "test@race"),
-                                lambda: rollback(r, MODEL, "test@race", reason="bad canary"))
-        canary_line = _settled(worker, canary.version, "canary")
-        with _frozen(s3):  # the pin is rolled back while the worker fetches the pinned version
-            _change_during_load(monitor, lambda: pin(r, MODEL, pinned.version, "test@race"),
-                                lambda: rollback(r, MODEL, "test@race", reason="wrong pin"))
-        pin_line = _settled(worker, pinned.version, "stable")
+        with frozen(s3):  # the canary is rolled back while the worker fetches it
+            change_during_load(monitor, lambda: set_canary(r, MODEL, canary.version, 50, "test@race"),
+                               lambda: rollback(r, MODEL, "test@race", reason="bad canary"))
+        canary_line = settled(worker, canary.version, "canary")
+        with frozen(s3):  # the pin is rolled back while the worker fetches the pinned version
+            change_during_load(monitor, lambda: pin(r, MODEL, pinned.version, "test@race"),
+                               lambda: rollback(r, MODEL, "test@race", reason="wrong pin"))
+        pin_line = settled(worker, pinned.version, "stable")
         after = [send_to_role(client, role, f"after the rollbacks {role} {i}") for role in ("stable", "canary")
                  for i in range(4)]
         results, failures = collect(client, after)
-    finally:
-        watch.stop()
-        monitor.close()
     served = {e.store_version for e in read_served(r, MODEL)}
     state = read_state(r, MODEL)
     print(f"\nload race: canary rolled back during its load -> {canary_line!r}; pin rolled back during its load -> "
