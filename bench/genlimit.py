@@ -94,17 +94,7 @@ def decode_limit(engine: Engine, prompts: Sequence[Sequence[int]], batch_size: i
     for _ in range(steps):
         logits, _ms = decoder.decode(state, tokens)
         tokens = [int(t) for t in np.argmax(logits, axis=1)]
-    ended = time.perf_counter()
-    decode_s = ended - decode_started
-    return {
-        "batch_size": batch_size,
-        "steps": steps,
-        "tokens_per_s": batch_size * (steps + 1) / (ended - started),
-        "decode_tokens_per_s": batch_size * steps / decode_s,
-        "step_ms": 1000 * decode_s / steps,
-        "prefill_ms": prefill.engine_ms,
-        "relayout_ms": copy_ms,
-    }
+    return _limit_row(batch_size, steps, started, decode_started, prefill.engine_ms, copy_ms)
 
 
 def _decode_limit_in_place(decoder: InPlaceDecoder, rows: list[list[int]], steps: int) -> dict[str, Any]:
@@ -119,6 +109,13 @@ def _decode_limit_in_place(decoder: InPlaceDecoder, rows: list[list[int]], steps
     for _ in range(steps):
         logits, _ms = decoder.decode_slots(cache, dict(zip(slots, tokens, strict=True)))
         tokens = [int(t) for t in np.argmax(logits, axis=1)]
+    return _limit_row(batch_size, steps, started, decode_started, prefill_ms, 0.0)
+
+
+def _limit_row(batch_size: int, steps: int, started: float, decode_started: float, prefill_ms: float,
+               relayout_ms: float) -> dict[str, Any]:  # fmt: skip
+    """One :func:`decode_limit` row, the run ending now: ``started`` and ``decode_started`` are
+    ``time.perf_counter()`` readings (s) at the prefill's and the first decode step's start."""
     ended = time.perf_counter()
     decode_s = ended - decode_started
     return {
@@ -128,7 +125,7 @@ def _decode_limit_in_place(decoder: InPlaceDecoder, rows: list[list[int]], steps
         "decode_tokens_per_s": batch_size * steps / decode_s,
         "step_ms": 1000 * decode_s / steps,
         "prefill_ms": prefill_ms,
-        "relayout_ms": 0.0,
+        "relayout_ms": relayout_ms,
     }
 
 
