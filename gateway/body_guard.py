@@ -13,6 +13,11 @@ of them was refused. Two plain-ASGI middlewares stand in front of the routes:
   a body nested deeper than :data:`MAX_JSON_DEPTH` or holding more arrays/objects or strings than
   :class:`BodyBounds` allows. Numbers are not counted: a list of token ids parses to at most ~5
   bytes of Python per byte of JSON, and the routes check its length against the model's limits.
+  Then :func:`duplicate_key_path` refuses (400, naming the key's path, e.g. ``messages[0].role``) an
+  object that holds one key twice, at any depth: Python keeps the last, while a proxy or WAF in front
+  that keeps the first would have judged another request. It parses the body as the route will
+  (``json.loads`` of the bytes, one ``object_pairs_hook`` call per object: linear in the body), so
+  the two cannot disagree on what a key is (escapes such as ``"\u0061"`` for ``"a"`` included).
 
 Both answer in the route's error shape (OpenAI's on the OpenAI routes, :mod:`gateway.errors`).
 """
@@ -37,6 +42,7 @@ __all__ = [
     "RequestGuardMiddleware",
     "ShapeRefusal",
     "bounds_for",
+    "duplicate_key_path",
     "replaying",
     "scan_json",
     "send_error",
@@ -139,6 +145,58 @@ def _key_text(token: bytes) -> str:
     return str(text)[:100]
 
 
+class _Repeated(dict[str, Any]):
+    """An object that held ``key`` more than once (its value: the last, as ``json.loads`` keeps)."""
+
+    key: str
+
+
+def _object(pairs: list[tuple[str, Any]], seen: list[bool]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) == len(pairs):
+        return obj
+    repeated = _Repeated(obj)
+    keys: set[str] = set()
+    for key, _ in pairs:
+        if key in keys:
+            repeated.key = key
+            break
+        keys.add(key)
+    seen.append(True)
+    return repeated
+
+
+def duplicate_key_path(body: bytes) -> str | None:
+    """The path of a key that an object of JSON ``body`` holds twice (the outermost such object's, the
+    earliest in the document among equals; in it, the first key seen again), e.g.
+    ``messages[0].role`` (``[2].model`` in a top-level array; each key cut to 100 characters); None when
+    there is none, or when ``body`` is not JSON (the route's parser reports that).
+
+    Cost: one parse plus one call per object; the walk for the path runs only when a key repeats.
+    """
+    seen: list[bool] = []
+    try:
+        doc = json.loads(body, object_pairs_hook=lambda pairs: _object(pairs, seen))
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or an integer past Python's digit cap
+        return None
+    if not seen:
+        return None
+    stack: list[tuple[Any, str]] = [(doc, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, _Repeated):
+            return _joined(path, node.key)
+        if isinstance(node, dict):
+            stack.extend((value, _joined(path, key)) for key, value in reversed(node.items()))
+        elif isinstance(node, list):
+            stack.extend((value, f"{path}[{i}]") for i, value in reversed(list(enumerate(node))))
+    return None  # unreachable: a repeat was seen, so a _Repeated is in the tree
+
+
+def _joined(path: str, key: str) -> str:
+    return f"{path}.{key[:100]}" if path else key[:100]
+
+
 def replaying(body: bytes, receive: Receive) -> Receive:
     """A ``receive`` that hands the app the body a middleware already read, whole, then the rest of the
     connection's messages (a disconnect) from ``receive``."""
@@ -226,7 +284,8 @@ class RequestGuardMiddleware:
 
 
 class JsonShapeMiddleware:
-    """Refuse (413) a JSON body to ``/v1/*`` whose structure breaks :class:`BodyBounds`, before it is parsed.
+    """Refuse (413) a JSON body to ``/v1/*`` whose structure breaks :class:`BodyBounds`, before it is parsed,
+    and (400) one whose objects repeat a key (:func:`duplicate_key_path`).
 
     Sits inside the body cap (:class:`gateway.middleware.BodyLimitMiddleware`), so the body it
     gathers is at most ``api.max_body_bytes``; it hands the same bytes on to the route.
@@ -262,5 +321,11 @@ class JsonShapeMiddleware:
             payload = error_payload("body_too_complex", "PayloadTooLarge", refusal.message(self.bounds), field,
                                     refusal.limit)  # fmt: skip
             await send_error(scope, send, 413, payload)
+            return
+        repeated = duplicate_key_path(body)
+        if repeated is not None:
+            msg = (f"request body repeats key {repeated!r}: each key may appear once per object (which one a "
+                   "reader keeps differs between parsers)")  # fmt: skip
+            await send_error(scope, send, 400, error_payload("duplicate_key", "DuplicateKey", msg, repeated, 1))
             return
         await self.app(scope, replaying(body, receive), send)

@@ -7,7 +7,8 @@
   limit and ``code`` the fleet's error code (``input_too_long``, ``queue_full``, …).
 
 Status codes: invalid input 422 on native routes and 400 on OpenAI ones (an unknown model: 404 there,
-as OpenAI answers); 401 bad key; 404 unknown request; 409 cancelled, or a known request ID sent again
+as OpenAI answers); 400 on both a JSON body whose object repeats a key (``duplicate_key``, naming its path:
+:mod:`gateway.body_guard`); 401 bad key; 404 unknown request; 409 cancelled, or a known request ID sent again
 with another body; 413 body too large (bytes, or structure: :mod:`gateway.body_guard`); 415 a body not
 declared JSON; 431 a request head over its bounds, 408 one not sent in time (:mod:`gateway.request_heads`,
 before routing); 429 admission (+ ``Retry-After``); 503 Redis down (said without its address) or over
@@ -62,6 +63,7 @@ log = logging.getLogger("fleet.api")
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody, "description": text}
     for code, text in {
+        400: "a JSON body whose object repeats a key (field: the key's path, e.g. messages[0].role)",
         401: "missing or wrong API key",
         413: "body or batch too large, or a JSON body too deeply nested or with too many arrays/objects/strings",
         415: "a body not sent as Content-Type: application/json",

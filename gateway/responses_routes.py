@@ -17,6 +17,11 @@ names the fleet request, pollable with ``GET /v1/requests/{id}``). An unknown, d
 ``previous_response_id`` is a 404 in OpenAI's error shape, naming ``previous_response_id``; one still queued or
 running a 400. A turn cancelled mid-way by another caller is answered ``cancelled`` (streamed: an ``error``
 event) and not stored.
+
+A stored response belongs to the API key that created it (:func:`gateway.auth.owner_of`; while auth is off, to
+everyone): to any other key, ``GET``, ``input_items``, ``DELETE`` and ``previous_response_id`` answer the 404 of
+an unknown ID, a turn still running included. A response is readable by the key that created it only: after a
+key is rotated out, the new key does not see what the old one stored.
 """
 
 from __future__ import annotations
@@ -24,16 +29,18 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from functools import partial
 from typing import Annotated, Any, Literal
 
 import redis
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
+from gateway.auth import API_KEY_HEADER, key_from_headers, owner_of
 from gateway.deps import CallerDep, Gateway, GatewayDep
 from gateway.errors import fleet_error_response, openai_error_of, relay_error
 from gateway.openai_generation import build_generation, chat_prompt
@@ -42,7 +49,16 @@ from gateway.openai_schema import ChatBody
 from gateway.openai_waits import cancel_requests, give_up_waiting, outcome_or_error
 from gateway.outcomes import relay_unless_no_worker
 from gateway.responses_schema import ResponseBody, check_supported, input_messages, message_item, output_message
-from gateway.responses_store import StoredResponse, delete_response, load_response, not_found, save_response
+from gateway.responses_store import (
+    StoredResponse,
+    claim_response,
+    delete_response,
+    drop_claim,
+    load_response,
+    not_found,
+    save_response,
+    turn_claimed,
+)
 from gateway.sse import EventStream
 from gateway.stream_relay import relay_events
 from gateway.views import read_view
@@ -59,14 +75,32 @@ FIELD_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens"
 """The chat face's field names → the Responses API's, in errors."""
 
 
+async def _owner(http: Request, gw: GatewayDep) -> str:
+    """Who owns the responses this call stores or reads: the accepted key's digest (:func:`gateway.auth.owner_of`;
+    the key is the one :class:`gateway.body_guard.RequestGuardMiddleware` and :data:`CallerDep` accepted, read
+    from the same headers in the same order)."""
+    return owner_of(key_from_headers(http.headers.get(API_KEY_HEADER), http.headers.get("authorization")), gw.keys)
+
+
+OwnerDep = Annotated[str, Depends(_owner)]
+
+
 class _Turn:
     """One create call: what it asked, the conversation it renders, and how its answer is stored."""
 
     def __init__(
-        self, body: ResponseBody, rid: str, model: str, history: list[dict[str, str]], new: list[dict[str, str]]
+        self,
+        body: ResponseBody,
+        rid: str,
+        model: str,
+        history: list[dict[str, str]],
+        new: list[dict[str, str]],
+        owner: str,
     ) -> None:
         self.body = body
         self.rid = rid
+        self.owner = owner  # gateway.auth.owner_of the caller: stored with the answer
+        self.stored = body.store is not False
         self.model = model  # the configured name, as /v1/models lists it (the body may spell it otherwise)
         self.id = f"resp_{rid}"
         self.created = int(time.time())
@@ -100,7 +134,7 @@ class _Turn:
         status = "incomplete" if finish_reason(fleet_reason) == "length" else "completed"
         answer = self.response(status, text, usage, fleet_reason)
         history = [*self.before, {"role": "assistant", "content": text}]
-        return answer, StoredResponse(response=answer, history=history, input_items=self.input_items)
+        return answer, StoredResponse(response=answer, history=history, input_items=self.input_items, owner=self.owner)
 
 
 def _usage(usage: Usage) -> dict[str, Any]:
@@ -130,18 +164,19 @@ def _build_turn(gw: Gateway, chat: ChatBody) -> InferenceRequest:
         raise rename_field(exc, FIELD_NAMES) from exc
 
 
-async def _history_of(gw: Gateway, response_id: str) -> list[dict[str, str]]:
-    """The stored conversation that ``previous_response_id`` continues.
+async def _history_of(gw: Gateway, response_id: str, owner: str) -> list[dict[str, str]]:
+    """The stored conversation of ``owner``'s that ``previous_response_id`` continues.
 
     Raises:
-        RequestNotFound: none is stored (never, deleted, expired); field ``previous_response_id`` (404).
-        InvalidRequest: its turn is still queued or running (a response is stored once it ends); same field.
+        RequestNotFound: none is stored (never, deleted, expired, another owner's); field
+            ``previous_response_id`` (404).
+        InvalidRequest: its turn (``owner``'s, stored once it ends) is still queued or running; same field.
     """
-    previous = await load_response(gw.aredis, response_id)
+    previous = await load_response(gw.aredis, response_id, owner)
     if previous is not None:
         return previous["history"]
     rid = response_id.removeprefix("resp_")
-    if rid != response_id and rid:
+    if rid != response_id and rid and await turn_claimed(gw.aredis, response_id, owner):
         try:
             status = (await read_view(gw.fleet, gw.aredis, rid))[0].status
         except FleetError:  # never submitted, expired, or a result that does not decode: not in progress
@@ -153,32 +188,58 @@ async def _history_of(gw: Gateway, response_id: str) -> list[dict[str, str]]:
 
 
 @router.post("/v1/responses")
-async def create_response(body: ResponseBody, rate_key: CallerDep, gw: GatewayDep, http: Request) -> Response:
+async def create_response(
+    body: ResponseBody, rate_key: CallerDep, owner: OwnerDep, gw: GatewayDep, http: Request
+) -> Response:
     """Answer ``input`` after ``instructions`` and the stored conversation of ``previous_response_id``."""
     check_supported(body)
     new = input_messages(body)
-    history = [] if body.previous_response_id is None else await _history_of(gw, body.previous_response_id)
+    history = [] if body.previous_response_id is None else await _history_of(gw, body.previous_response_id, owner)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     chat = _as_chat(body, system + history + new)
     request = await run_in_threadpool(_build_turn, gw, chat)
     rid = await run_in_threadpool(partial(gw.fleet.send, request, rate_key=rate_key, routing_key=body.user))
-    turn = _Turn(body, rid, request.model, history, new)
+    turn = _Turn(body, rid, request.model, history, new, owner)
+    if turn.stored:  # before anyone is told the ID: the owner's turn, "still running" to the owner alone
+        await claim_response(gw.aredis, turn.id, owner, gw.settings.api.responses_ttl_s)
     headers = {"X-Request-ID": rid}
     if body.stream:
         ended: list[bool] = []
         return EventStream(_events(gw, turn, request.model, ended), finished=lambda: bool(ended),
                            on_abort=partial(cancel_requests, gw, [rid]), headers=headers)  # fmt: skip
-    outcome = await outcome_or_error(gw, http, rid, request.model, headers, FIELD_NAMES)
-    if isinstance(outcome, Response):
-        return outcome
-    gen = outcome.generation
-    if gen is None or gen.text is None:
-        return fleet_error_response(FleetError(f"request {rid} returned no text", "tokenizer"), openai=True,
-                                    headers=headers)  # fmt: skip
-    answer, doc = turn.finished(gen.text, gen.usage, gen.finish_reason)
-    if doc is not None and body.store is not False:
-        await save_response(gw.aredis, doc, gw.settings.api.responses_ttl_s)
-    return JSONResponse(answer, headers=headers)
+    saved = False
+    try:
+        outcome = await outcome_or_error(gw, http, rid, request.model, headers, FIELD_NAMES)
+        if isinstance(outcome, Response):
+            return outcome
+        gen = outcome.generation
+        if gen is None or gen.text is None:
+            return fleet_error_response(FleetError(f"request {rid} returned no text", "tokenizer"), openai=True,
+                                        headers=headers)  # fmt: skip
+        answer, doc = turn.finished(gen.text, gen.usage, gen.finish_reason)
+        saved = await _save(gw, turn, doc)
+        return JSONResponse(answer, headers=headers)
+    finally:
+        if not saved:
+            await _unclaim(gw, turn)
+
+
+async def _save(gw: Gateway, turn: _Turn, doc: StoredResponse | None) -> bool:
+    """Store ``doc`` (replacing the turn's claim) when the turn is stored and ended well; whether it was."""
+    if doc is None or not turn.stored:
+        return False
+    await save_response(gw.aredis, doc, gw.settings.api.responses_ttl_s)
+    return True
+
+
+async def _unclaim(gw: Gateway, turn: _Turn) -> None:
+    """Drop the claim of a turn that ended unstored (a failure here only leaves it to expire)."""
+    if not turn.stored:
+        return
+    try:
+        await drop_claim(gw.aredis, turn.id)
+    except redis.RedisError as exc:  # the claim expires with api.responses_ttl_s; it names no answer
+        log.warning("could not drop the claim of %s: %s", turn.id, type(exc).__name__)
 
 
 def _event(kind: str, seq: list[int], **fields: Any) -> bytes:
@@ -190,6 +251,20 @@ def _event(kind: str, seq: list[int], **fields: Any) -> bytes:
 
 async def _events(gw: Gateway, turn: _Turn, model: str, ended: list[bool]) -> AsyncIterator[bytes]:
     """The Responses events of one streamed turn; stored (with ``store``) before ``response.completed``."""
+    saved = [False]
+    try:
+        async with aclosing(_turn_events(gw, turn, model, ended, saved)) as frames:  # closed now: its Redis reads too
+            async for frame in frames:
+                yield frame
+    finally:  # ended unstored (failed, cancelled, left): its claim goes
+        if not saved[0]:
+            await _unclaim(gw, turn)
+
+
+async def _turn_events(
+    gw: Gateway, turn: _Turn, model: str, ended: list[bool], saved: list[bool]
+) -> AsyncGenerator[bytes, None]:
+    """:func:`_events` less the claim's end; ``saved`` gets True once the answer is stored."""
     seq: list[int] = []
     item_id = f"msg_{turn.rid}"
     where = {"item_id": item_id, "output_index": 0, "content_index": 0}
@@ -219,8 +294,7 @@ async def _events(gw: Gateway, turn: _Turn, model: str, ended: list[bool]) -> As
                     yield _event("error", seq, code="cancelled", param=None,
                                  message=f"request {turn.rid} was cancelled before it finished; not stored")
                     return
-                if turn.body.store is not False:
-                    await save_response(gw.aredis, doc, gw.settings.api.responses_ttl_s)
+                saved[0] = await _save(gw, turn, doc)
                 for frame in _closing(answer, where, seq):
                     yield frame
                 return
@@ -248,23 +322,24 @@ def _closing(answer: dict[str, Any], where: dict[str, Any], seq: list[int]) -> l
 ResponseId = Annotated[str, PathParam(max_length=200)]
 
 
-async def _stored(gw: Gateway, response_id: str) -> StoredResponse:
-    doc = await load_response(gw.aredis, response_id)
+async def _stored(gw: Gateway, response_id: str, owner: str) -> StoredResponse:
+    doc = await load_response(gw.aredis, response_id, owner)
     if doc is None:
         raise not_found(response_id)
     return doc
 
 
 @router.get("/v1/responses/{response_id}")
-async def retrieve_response(response_id: ResponseId, _: CallerDep, gw: GatewayDep) -> dict[str, Any]:
-    """A stored response (404 once deleted or past ``api.responses_ttl_s``)."""
-    return (await _stored(gw, response_id))["response"]
+async def retrieve_response(response_id: ResponseId, _: CallerDep, owner: OwnerDep, gw: GatewayDep) -> dict[str, Any]:
+    """A stored response of the caller's key (404 once deleted, past ``api.responses_ttl_s``, or another key's)."""
+    return (await _stored(gw, response_id, owner))["response"]
 
 
 @router.delete("/v1/responses/{response_id}")
-async def remove_response(response_id: ResponseId, _: CallerDep, gw: GatewayDep) -> dict[str, Any]:
-    """Delete a stored response; a turn that names it as ``previous_response_id`` gets a 404 after."""
-    if not await delete_response(gw.aredis, response_id):
+async def remove_response(response_id: ResponseId, _: CallerDep, owner: OwnerDep, gw: GatewayDep) -> dict[str, Any]:
+    """Delete a stored response of the caller's key (another key's: 404, kept); a turn that names it as
+    ``previous_response_id`` gets a 404 after."""
+    if not await delete_response(gw.aredis, response_id, owner):
         raise not_found(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
@@ -273,6 +348,7 @@ async def remove_response(response_id: ResponseId, _: CallerDep, gw: GatewayDep)
 async def list_input_items(
     response_id: ResponseId,
     _: CallerDep,
+    owner: OwnerDep,
     gw: GatewayDep,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     order: Literal["asc", "desc"] = "desc",
@@ -280,7 +356,7 @@ async def list_input_items(
 ) -> dict[str, Any]:
     """The conversation that went into the response (earlier turns' inputs and outputs, then this turn's
     input; never ``instructions``), OpenAI's list shape, newest first unless ``order=asc``."""
-    items = list((await _stored(gw, response_id))["input_items"])
+    items = list((await _stored(gw, response_id, owner))["input_items"])
     if order == "desc":
         items.reverse()
     if after is not None:

@@ -14,7 +14,10 @@ class ApiSettings(Section):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
-    api_keys: list[str] = Field(default_factory=list, description="Accepted X-API-Key values; [] = no auth.")
+    api_keys: list[str] = Field(
+        default_factory=list, description="Accepted X-API-Key values; [] = no auth. Each is printable ASCII "
+        "(no control characters, no space at either end): what an HTTP header carries unchanged.",
+    )
     max_body_bytes: int = Field(default=1_048_576, ge=1024, description="Largest request body (bytes).")
     max_batch_requests: int = Field(
         default=256, ge=1, le=100_000, description="Requests one POST /v1/requests:batch may carry."
@@ -65,6 +68,23 @@ class ApiSettings(Section):
         "reader that stopped reading): then the connection is aborted, and a stream's request cancelled as on any "
         "disconnect (s).",
     )
+
+    @field_validator("api_keys")
+    @classmethod
+    def _header_safe_keys(cls, keys: list[str]) -> list[str]:
+        """A key arrives in a header, which carries ASCII (read as latin-1, and stripped at both ends): a key
+        with another character, or a space at an end, could never match what a client sends. Never shows a key."""
+        for i, key in enumerate(keys):
+            if not key:
+                raise ValueError(f"key {i} is empty")
+            bad = next((n for n, c in enumerate(key) if not " " <= c <= "~"), None)
+            if bad is not None:
+                what = "a control character" if ord(key[bad]) < 0x20 or key[bad] == "\x7f" else "a non-ASCII character"
+                raise ValueError(f"key {i} holds {what} at character {bad}: an API key must be printable ASCII "
+                                 "(a header carries nothing else unchanged)")  # fmt: skip
+            if key != key.strip():
+                raise ValueError(f"key {i} starts or ends with a space (headers are stripped at both ends)")
+        return keys
 
 
 class AdmissionSettings(Section):

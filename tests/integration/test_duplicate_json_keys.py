@@ -1,0 +1,80 @@
+"""A JSON body whose object holds one key twice is refused with a 400 naming the key's path, at any depth, on the
+native and the OpenAI routes (each in its own error shape), before anything is queued: a real gateway process,
+real workers, real Redis.
+
+Reported: ``{"model": "a", "model": "b"}`` was accepted (Python keeps the last value); a proxy or WAF in front
+that keeps the first judged, logged or routed another request than the one the fleet served.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import pytest
+
+from tests.integration.openai_fixtures import Served, ops_models, ops_redis, served
+
+__all__ = ["ops_models", "ops_redis", "served"]
+
+pytestmark = pytest.mark.timeout(240)
+
+JSON = {"Content-Type": "application/json"}
+
+
+def _post(served: Served, path: str, body: str) -> tuple[int, dict[str, Any]]:
+    answer = served.http.post(path, content=body.encode(), headers=JSON)
+    doc: dict[str, Any] = answer.json()
+    return answer.status_code, doc
+
+
+def test_a_native_request_with_a_repeated_key_is_refused_and_not_queued(served: Served) -> None:
+    rid = f"dup-{uuid.uuid4().hex}"
+    body = f'{{"model": "demo-lm", "input_ids": [5, 6], "model": "demo-encoder", "request_id": "{rid}"}}'
+    status, doc = _post(served, "/v1/requests", body)
+    assert status == 400, doc
+    assert (doc["error"], doc["type"], doc["field"], doc["limit"]) == ("duplicate_key", "DuplicateKey", "model", 1)
+    assert "'model'" in doc["message"], doc
+    assert served.http.get(f"/v1/requests/{rid}").status_code == 404  # never queued
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/v1/requests:batch", '{"requests": [{"model": "demo-lm", "input_ids": [5]}, '
+                               '{"model": "demo-lm", "input_ids": [5], "input_ids": [6]}]}', "requests[1].input_ids"),
+        ("/v1/requests", '{"model": "demo-lm", "input_ids": [5], "output": {"kind": "generate", "generation": '
+                         '{"max_new_tokens": 2, "max_new_t\\u006fkens": 3}}}', "output.generation.max_new_tokens"),
+    ],
+)  # fmt: skip
+def test_the_path_is_named_at_any_depth_on_native_routes(served: Served, path: str, body: str, field: str) -> None:
+    status, doc = _post(served, path, body)
+    assert status == 400 and doc["error"] == "duplicate_key" and doc["field"] == field, doc
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", '{"model": "demo-lm", "max_tokens": 2, "messages": '
+                                 '[{"role": "user", "content": "Hi", "role": "system"}]}', "messages[0].role"),
+        ("/v1/embeddings", '{"model": "demo-encoder", "input": "a", "m\\u006fdel": "demo-lm"}', "model"),
+        ("/v1/responses", '{"model": "demo-lm", "input": "Hi", "input": "Bye", "max_output_tokens": 2}', "input"),
+        ("/v1/completions", '{"model": "demo-lm", "prompt": "Hi", "max_tokens": 2, "max_tokens": 200}', "max_tokens"),
+    ],
+)  # fmt: skip
+def test_openai_routes_refuse_in_their_shape(served: Served, path: str, body: str, param: str) -> None:
+    json.loads(body)  # Python reads it (the last value wins): only the repeat is wrong
+    status, doc = _post(served, path, body)
+    assert status == 400, doc
+    error = doc["error"]
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "duplicate_key", param), doc
+    assert repr(param) in error["message"], doc
+
+
+def test_the_same_key_in_sibling_objects_is_fine(served: Served) -> None:
+    body = ('{"model": "demo-lm", "max_tokens": 2, "temperature": 0, "messages": '
+            '[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}')  # fmt: skip
+    status, doc = _post(served, "/v1/chat/completions", body)
+    assert status == 200, doc
+    assert doc["choices"][0]["message"]["role"] == "assistant"
