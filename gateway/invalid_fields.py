@@ -51,7 +51,7 @@ def _form_at(errors: list[tuple[tuple[Any, ...], Mapping[str, Any]]], loc: tuple
     """The first position of ``loc`` that names a form of a union rather than a field: a type's name
     (``str``, ``list[int]``), or a part that differs among errors that share the path before it."""
     for i, part in enumerate(loc):
-        if not isinstance(part, str) or part == _KEY:
+        if not isinstance(part, str) or part == _KEY or loc[i + 1 : i + 2] == (_KEY,):  # a dict's key is data
             continue
         if "[" in part or part in _PLAIN_FORMS:
             return i
