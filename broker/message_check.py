@@ -12,7 +12,8 @@ first, with the same decoders, and says either "deliver it" or why not:
 2. :func:`check_message` — the rest, in the order Celery meets it:
 
    * headers of Celery protocol 2 (``celery/app/amqp.py`` ``as_task_v2``): ``task`` a registered
-     task name, ``id`` a non-empty string, ``eta``/``expires`` ISO 8601 (``Request.__init__``),
+     task name, ``id`` a request ID (:data:`~protocol.keys.REQUEST_ID_PATTERN`: it names the result's key),
+     ``eta``/``expires`` ISO 8601 (``Request.__init__``),
      ``timelimit`` ``[hard, soft]``, ``retries`` an integer, the ``*repr``/``*_id`` fields strings,
      ``ignore_result`` false or null (true ran the request and stored no answer: no trace at all);
      protocol 1 (no ``task`` header) is refused;
@@ -40,6 +41,7 @@ rules themselves (headers, content type and encodings, body) are in :mod:`broker
 
 from __future__ import annotations
 
+import re
 from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
@@ -57,7 +59,7 @@ from broker.message_fields import (
     kombu_loads,
 )
 from protocol.deadletter import Reason
-from protocol.keys import utf8_text
+from protocol.keys import REQUEST_ID_PATTERN, utf8_text
 from protocol.messages import BULK_TASK_NAME, FLEET_TASK_PREFIX
 
 __all__ = ["BODY_LAYOUT", "FLEET_TASK_PREFIX", "MAX_TASK_ID_CHARS", "Accepted", "Envelope", "Refused",
@@ -116,7 +118,8 @@ def parse_envelope(item: bytes) -> Envelope | Refused:
 
 def bulk_request_ids(item: bytes) -> list[str]:
     """The request IDs a ``fleet.infer_bulk`` queue item carries (``args[0].requests[*].request_id``,
-    those a result can be stored under), so a dead-lettered bulk message fails each of its requests;
+    those a result can be stored under: :data:`~protocol.keys.REQUEST_ID_PATTERN`), so a dead-lettered bulk
+    message fails each of its requests;
     ``[]`` for any other item or one that cannot be read. Never raises."""
     try:
         doc = kombu_loads(item)
@@ -131,15 +134,16 @@ def bulk_request_ids(item: bytes) -> list[str]:
     if not isinstance(requests, list):
         return []
     ids = [r.get("request_id") for r in requests if isinstance(r, dict)]
-    return list(dict.fromkeys(rid for rid in ids if isinstance(rid, str) and rid and utf8_text(rid)))
+    return list(dict.fromkeys(rid for rid in ids if isinstance(rid, str) and re.fullmatch(REQUEST_ID_PATTERN, rid)))
 
 
 def _identity(headers: Any) -> tuple[str | None, str | None]:
-    """The task ID and name in ``headers``, where they are usable strings (for the FAILURE result)."""
+    """The task ID and name in ``headers``, where they are usable strings (the ID one a FAILURE result can be
+    stored under, :data:`~protocol.keys.REQUEST_ID_PATTERN`: none is stored under a key no client can poll)."""
     if not isinstance(headers, dict):
         return None, None
     task_id, task = headers.get("id"), headers.get("task")
-    good_id = isinstance(task_id, str) and 0 < len(task_id) <= MAX_TASK_ID_CHARS and utf8_text(task_id)
+    good_id = isinstance(task_id, str) and re.fullmatch(REQUEST_ID_PATTERN, task_id) is not None
     return (task_id if good_id else None), (task if isinstance(task, str) and utf8_text(task) else None)
 
 

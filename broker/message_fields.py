@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from collections.abc import Container
 from typing import Any
 
@@ -17,14 +18,15 @@ from kombu.utils.json import loads as _kombu_loads
 
 from broker.eta_window import eta_unix_s
 from protocol.deadletter import Reason
-from protocol.keys import utf8_text
+from protocol.keys import REQUEST_ID_PATTERN, REQUEST_ID_RULE, utf8_text
 from protocol.messages import FLEET_TASK_PREFIX
 
 __all__ = ["BODY_LAYOUT", "MAX_TASK_ID_CHARS", "BadField", "body_bytes", "check_body", "check_headers", "is_int",
            "json_kind", "kombu_loads"]
 
-MAX_TASK_ID_CHARS = 256
-"""Longest task ID accepted (Celery's are 36-character UUIDs; the fleet's request IDs at most 200)."""
+MAX_TASK_ID_CHARS = 128
+"""Longest task ID accepted: a fleet task's ID is its request's, held to :data:`~protocol.keys.REQUEST_ID_PATTERN`
+(Celery's own are 36-character UUIDs)."""
 BODY_LAYOUT = "[args: list, kwargs: object, embed: object]"
 JSON_CONTENT_TYPE = "application/json"
 PICKLE_CONTENT_TYPE = "application/x-python-serialize"
@@ -89,15 +91,17 @@ def _check_identity(headers: dict[str, Any]) -> str:
         raise BadField(Reason.BAD_HEADERS, "headers.task", f"headers.task must be a task name; got {json_kind(task)}",
                        "a task name")
     task_id = headers.get("id")
-    if not isinstance(task_id, str) or not 0 < len(task_id) <= MAX_TASK_ID_CHARS:
-        got = f"{len(task_id)} characters" if isinstance(task_id, str) else json_kind(task_id)
-        raise BadField(Reason.BAD_HEADERS, "headers.id",
-                       f"headers.id must be a string of 1..{MAX_TASK_ID_CHARS} characters; got {got}",
-                       f"1..{MAX_TASK_ID_CHARS} characters")
-    field = "headers.id" if not utf8_text(task_id) else None if utf8_text(task) else "headers.task"
-    if field is not None:
-        raise BadField(Reason.BAD_HEADERS, field, f"{field} holds a lone surrogate (a \\uD800-\\uDFFF escape): not "
-                       "UTF-8 text, so no result could be stored under it", "UTF-8 text")
+    # a fleet task's ID is its request's ID: held to the rule of every face that takes one (at most 128 ASCII
+    # characters: MAX_TASK_ID_CHARS), since it names the result's key
+    if not isinstance(task_id, str) or not re.fullmatch(REQUEST_ID_PATTERN, task_id):
+        got = (f"{task_id[:40]!a}{'…' if len(task_id) > 40 else ''} ({len(task_id)} characters)"
+               if isinstance(task_id, str) else json_kind(task_id))  # fmt: skip
+        raise BadField(Reason.BAD_HEADERS, "headers.id", f"headers.id must be a request ID, {REQUEST_ID_RULE}; got "
+                       f"{got}: the ID names the result's key and GET /v1/requests/{{id}}, so no result is stored "
+                       "under this one", REQUEST_ID_PATTERN)  # fmt: skip
+    if not utf8_text(task):
+        raise BadField(Reason.BAD_HEADERS, "headers.task", "headers.task holds a lone surrogate (a \\uD800-\\uDFFF "
+                       "escape): not UTF-8 text", "UTF-8 text")  # fmt: skip
     return task
 
 

@@ -16,6 +16,7 @@ and reading them back by ID (:class:`producer.results.ResultReader`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -122,6 +123,7 @@ class FleetClient(RequestBuilder, ResultReader):
         Raises:
             InvalidRequest: bad input (nothing is queued).
             QueueFull / RateLimited: refused by admission control (nothing is queued).
+            SubmitInterrupted: Redis failed as the request was queued (see :meth:`send`).
         """
         request = self.build_request(
             model,
@@ -159,6 +161,9 @@ class FleetClient(RequestBuilder, ResultReader):
             QueueFull: the model's queue is at ``max_queue_depth``; nothing was queued.
             RateLimited: ``rate_key``'s token bucket is empty; nothing was queued.
             IdempotencyConflict: the ID is known with another body; nothing was queued.
+            SubmitInterrupted: Redis failed in the step that queues it: whether it was queued is unknown; its ID
+                (``unknown_ids[0]``, made here when the request had none) is the one to submit it again under.
+                A ``redis.ConnectionError`` too; a Redis error before that step is raised as it is (nothing queued).
         """
         if request.request_id is None:
             request = request.model_copy(update={"request_id": uuid.uuid4().hex})
@@ -183,9 +188,12 @@ class FleetClient(RequestBuilder, ResultReader):
             if role
             else self.router.choose(model, routing_key or rid, _generation_prompt(request))
         )
-        new = self._queue_tasks([request], [queue], [request_argsrepr(request, text)])
+        try:
+            new = self._queue_tasks([request], [queue], [request_argsrepr(request, text)])
+        except bulk_submit.REDIS_FAILURES as exc:  # an ID the caller never saw would make a retry another request
+            raise bulk_submit.interrupted("submit", self, exc, [rid], (), (0,)) from exc
         if new[0] and role is None:  # not a shadow request itself
-            self.router.sample_prompt(request.model, rid, request.input_ids)
+            self._sample_prompt(request.model, rid, request.input_ids)
         return rid
 
     def send_batch(
@@ -204,6 +212,8 @@ class FleetClient(RequestBuilder, ResultReader):
 
         Raises:
             IdempotencyConflict: naming ``{label}[i].request_id``; nothing was queued.
+            SubmitInterrupted: Redis failed in the step that queues them: all or none of them are queued, which
+                is unknown (``unknown_ids``: every ID, to send them again under). A ``redis.ConnectionError`` too.
         """
         keys = list(routing_keys) if routing_keys is not None else [None] * len(requests)
         if len(keys) != len(requests):
@@ -213,12 +223,23 @@ class FleetClient(RequestBuilder, ResultReader):
         queues = self.router.choose_many(
             [(r.model, key or str(r.request_id), _generation_prompt(r)) for r, key in zip(requests, keys, strict=True)]
         )
-        new = self._queue_tasks(requests, queues, [request_argsrepr(r, None) for r in requests],
-                                label=lambda i: f"{label}[{i}]")  # fmt: skip
+        try:
+            new = self._queue_tasks(requests, queues, [request_argsrepr(r, None) for r in requests],
+                                    label=lambda i: f"{label}[{i}]")  # fmt: skip
+        except bulk_submit.REDIS_FAILURES as exc:
+            ids = [str(r.request_id) for r in requests]
+            raise bulk_submit.interrupted("send_batch", self, exc, ids, (), range(len(ids))) from exc
         for r, fresh in zip(requests, new, strict=True):
             if fresh:
-                self.router.sample_prompt(r.model, str(r.request_id), r.input_ids)
+                self._sample_prompt(r.model, str(r.request_id), r.input_ids)
         return [str(r.request_id) for r in requests]
+
+    def _sample_prompt(self, model: str, request_id: str, input_ids: Sequence[int]) -> None:
+        """:meth:`Router.sample_prompt <producer.routing.Router.sample_prompt>` of a request just queued, best
+        effort: a Redis error there must not read as "not queued" (a caller would send it again as another
+        request); one lost shadow sample is harmless."""
+        with contextlib.suppress(*bulk_submit.REDIS_FAILURES):
+            self.router.sample_prompt(model, request_id, input_ids)
 
     def _queue_tasks(
         self,
@@ -264,11 +285,14 @@ class FleetClient(RequestBuilder, ResultReader):
         *,
         progress: bool = True,
         threads: int = 1,
+        request_ids: Sequence[str] | None = None,
         **options: Any,
     ) -> list[str]:
         """Submit many requests (token-id lists or texts) in order, one ``fleet.infer`` task each; returns
-        their IDs. See :func:`producer.bulk_submit.submit_many` (``threads``, ``progress``, what is raised)."""
-        return bulk_submit.submit_many(self, model, inputs, progress=progress, threads=threads, **options)
+        their IDs. See :func:`producer.bulk_submit.submit_many` (``threads``, ``progress``, ``request_ids``,
+        what is raised)."""
+        return bulk_submit.submit_many(self, model, inputs, progress=progress, threads=threads,
+                                       request_ids=request_ids, **options)  # fmt: skip
 
     def submit_bulk(
         self,
@@ -279,12 +303,15 @@ class FleetClient(RequestBuilder, ResultReader):
         progress: bool = False,
         rate_key: str | None = None,
         routing_keys: Sequence[str] | None = None,
+        request_ids: Sequence[str] | None = None,
         **options: Any,
     ) -> list[str]:
         """Queue many requests as ``fleet.infer_bulk`` messages of ``chunk_size`` requests each; returns
-        their IDs. See :func:`producer.bulk_submit.submit_bulk` (idempotency, canary split, what is raised)."""
+        their IDs. See :func:`producer.bulk_submit.submit_bulk` (idempotency, canary split, ``request_ids``,
+        what is raised)."""
         return bulk_submit.submit_bulk(self, model, inputs, chunk_size=chunk_size, progress=progress,
-                                       rate_key=rate_key, routing_keys=routing_keys, **options)  # fmt: skip
+                                       rate_key=rate_key, routing_keys=routing_keys, request_ids=request_ids,
+                                       **options)  # fmt: skip
 
 
 def _generation_prompt(request: InferenceRequest) -> list[int] | None:

@@ -19,11 +19,15 @@ a script alone), and an ID never names two inputs, duplicates inside one call in
 (:func:`one_body_per_id` refuses those before Redis is asked). Where tasks cannot be written as
 raw envelopes (a broker with a key prefix, not plain Redis: ``TaskWriter.usable`` False), the
 script claims the markers alone, then Celery's ``send_task`` queues one message at a time: the
-check is still whole and atomic, the queueing is not.
+check is still whole and atomic, the queueing is not. A send that fails frees the claims of the
+requests it had not sent; where Redis is what failed and they cannot be freed then, the client
+frees them before it claims those IDs again, so a resubmit through it queues them (from another
+process they read as known until ``result_ttl_s`` ends them).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -156,6 +160,9 @@ class IdempotentQueue:
         self.writer = writer
         self.result_ttl_s = result_ttl_s
         self._script = client.register_script(CLAIM_AND_QUEUE_LUA)
+        self._lock = threading.Lock()
+        self._unfreed: dict[str, str] = {}
+        """Request ID -> its marker: claims of this client whose send failed and that Redis could not free then."""
 
     def queue(
         self,
@@ -178,6 +185,8 @@ class IdempotentQueue:
                 kept changing for :data:`MAX_CLAIM_ATTEMPTS` runs.
         """
         ids = [str(r.request_id) for r in requests]
+        if self._unfreed:
+            self._free_left_claims(ids)
         fingerprints = [request_fingerprint(r) for r in requests]
         firsts = one_body_per_id(ids, fingerprints, label)
         unique = [i for i, j in enumerate(firsts) if i == j]
@@ -237,11 +246,28 @@ class IdempotentQueue:
             raise
 
     def _forget(self, ids: list[str], markers: dict[int, str], positions: list[int]) -> None:
-        """Delete these claims' own markers (best effort) so that a retry with their IDs can queue them."""
+        """Delete these claims' own markers (best effort) so that a retry with their IDs can queue them; those
+        Redis cannot delete now are kept, to be deleted before their IDs are claimed again."""
         for i in positions:
             key = REQUEST_KEY.format(id=ids[i])
             try:
                 if self.redis.get(key) == markers[i].encode():
                     self.redis.delete(key)
-            except redis.RedisError:  # Redis is what failed: the marker expires with result_ttl_s
-                pass
+            except redis.RedisError:  # Redis is what failed: freed at this client's next claim of the ID
+                with self._lock:
+                    self._unfreed[ids[i]] = markers[i]
+
+    def _free_left_claims(self, ids: list[str]) -> None:
+        """Free this client's claims of ``ids`` that a failed send left (see :meth:`_forget`).
+
+        Raises:
+            redis.RedisError: Redis still fails (the claims are kept for the next try).
+        """
+        with self._lock:
+            left = {rid: self._unfreed[rid] for rid in dict.fromkeys(ids) if rid in self._unfreed}
+        for rid, marker in left.items():
+            key = REQUEST_KEY.format(id=rid)
+            if self.redis.get(key) == marker.encode():
+                self.redis.delete(key)
+            with self._lock:
+                self._unfreed.pop(rid, None)

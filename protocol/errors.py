@@ -22,6 +22,8 @@
     │   └── NoLiveWorker            ... and no live worker serves the request's model
     ├── RequestNotFound             no such request ID is known
     ├── IdempotencyConflict         a known request ID was resubmitted with a different body
+    ├── SubmitInterrupted           Redis failed midway through a submit (IDs queued / unknown / not queued);
+    │                               also a redis.ConnectionError, what such a failure raised before
     └── StateChangeRefused          a model-state change (pin, canary, promote, rollback) broke a rule
 
 Every class can be rebuilt from its ``args`` (Celery stores a task's exception as its type
@@ -32,6 +34,8 @@ positional, JSON-friendly values: ``(message, field, limit)``.
 from __future__ import annotations
 
 from typing import Any
+
+import redis
 
 __all__ = [
     "AdmissionRefused",
@@ -53,6 +57,7 @@ __all__ = [
     "RequestNotFound",
     "ResultTimeout",
     "StateChangeRefused",
+    "SubmitInterrupted",
     "TokenOutOfRange",
     "UnknownModel",
     "error_from_payload",
@@ -216,6 +221,40 @@ class IdempotencyConflict(FleetError):
     code = "idempotency_conflict"
 
 
+class SubmitInterrupted(redis.ConnectionError, FleetError):
+    """Redis failed (connection lost, timeout, restart) while a submit was queueing; the Redis error is its
+    ``__cause__``. A ``redis.ConnectionError`` first (code that caught Redis errors still does; the gateway
+    answers it 503 as before), a FleetError too. Each ID of the call is in exactly one of ``queued_ids``
+    (queued, or known already: it runs or ran once), ``unknown_ids`` (its Redis step was in flight: queued
+    or not, nobody can tell) and ``unqueued_ids`` (never sent); all in input order, a repeated ID once.
+    ``request_ids`` holds every input's ID in input order: submitting the same inputs again under them is
+    safe, since a request ID is queued at most once (the known ones are not queued again)."""
+
+    code = "submit_interrupted"
+
+    def __init__(
+        self,
+        message: str,
+        field: str | None = None,
+        limit: Any = None,
+        queued_ids: list[str] | tuple[str, ...] = (),
+        unknown_ids: list[str] | tuple[str, ...] = (),
+        unqueued_ids: list[str] | tuple[str, ...] = (),
+        request_ids: list[str] | tuple[str, ...] = (),
+    ) -> None:
+        super().__init__(message, field, limit)
+        self.queued_ids = list(queued_ids)
+        self.unknown_ids = list(unknown_ids)
+        self.unqueued_ids = list(unqueued_ids)
+        self.request_ids = list(request_ids)
+        self.args = (message, field, limit, self.queued_ids, self.unknown_ids, self.unqueued_ids, self.request_ids)
+
+    def to_payload(self) -> dict[str, Any]:
+        """:meth:`FleetError.to_payload` plus the four ID lists."""
+        return {**super().to_payload(), "queued_ids": self.queued_ids, "unknown_ids": self.unknown_ids,
+                "unqueued_ids": self.unqueued_ids, "request_ids": self.request_ids}  # fmt: skip
+
+
 class StateChangeRefused(FleetError):
     """A change of a model's desired state was refused (no canary to promote, a weight out of range)."""
 
@@ -244,6 +283,7 @@ _BY_NAME: dict[str, type[FleetError]] = {
         NoLiveWorker,
         RequestNotFound,
         IdempotencyConflict,
+        SubmitInterrupted,
         StateChangeRefused,
         FleetError,
     )

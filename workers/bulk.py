@@ -11,18 +11,21 @@ One ID names one request inside a message too (a plain Celery producer may repea
 same body is that request, run once and answered once; a repeat with another body is refused
 (:class:`~protocol.errors.IdempotencyConflict`, not run: the ID's result is its first item's). An item whose
 error cannot be stored under an ID of its own (no usable ID, or such a repeat) is listed in the summary's
-``refused``, by position, naming the field and the limit. A message carrying more than
+``refused``, by position, naming the field and the limit; so is an item whose ID breaks the request-ID rule
+(:data:`~protocol.keys.REQUEST_ID_PATTERN`, as every other face holds it: an ID with a CR/LF, non-ASCII or
+over 128 characters names a key no client can poll), which is not run. A message carrying more than
 ``MAX_BULK_REQUESTS`` runs none of them, and each request it names gets that refusal as its result.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from typing import Any
 
 from protocol.errors import DecodeError, FleetError, IdempotencyConflict, InvalidRequest
-from protocol.keys import CANCEL_KEY, utf8_text
+from protocol.keys import CANCEL_KEY, REQUEST_ID_PATTERN, REQUEST_ID_RULE
 from protocol.messages import MAX_BULK_REQUESTS, decode_request
 from protocol.request_marker import request_fingerprint
 from workers.metrics import outcome_of, queue_wait_ms_of
@@ -47,16 +50,24 @@ class _Collector:
 
 def _request_ids(items: list[Any]) -> list[str | DecodeError]:
     """Each item's request ID, or why it has none a result could be stored under (that item alone fails:
-    its siblings still run and store theirs)."""
+    its siblings still run and store theirs): a missing one, or one that breaks :data:`REQUEST_ID_PATTERN`."""
     ids: list[str | DecodeError] = []
     for pos, item in enumerate(items):
         rid = item.get("request_id") if isinstance(item, dict) else None
-        if not isinstance(rid, str) or not rid or not utf8_text(rid):
+        if not isinstance(rid, str) or not rid:
             ids.append(DecodeError(
-                f"requests[{pos}].request_id is required in a bulk message: a non-empty UTF-8 string",
+                f"requests[{pos}].request_id is required in a bulk message: {REQUEST_ID_RULE}",
                 f"requests[{pos}].request_id",
-                "non-empty string",
+                REQUEST_ID_PATTERN,
             ))
+        elif not re.fullmatch(REQUEST_ID_PATTERN, rid):
+            shown = ascii(rid[:40]) + ("…" if len(rid) > 40 else "")
+            ids.append(DecodeError(
+                f"requests[{pos}].request_id {shown} ({len(rid)} characters) must be {REQUEST_ID_RULE}: the ID names "
+                "the request's result key and GET /v1/requests/{id}; not run, no result stored",
+                f"requests[{pos}].request_id",
+                REQUEST_ID_PATTERN,
+            ))  # fmt: skip
         else:
             ids.append(rid)
     return ids
