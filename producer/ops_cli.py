@@ -220,10 +220,13 @@ def probe(settings: FleetSettings, kind: str, *, worker: str | None, models: lis
 
 
 def _not_ready_reason(worker: str, beat: dict[str, Any]) -> str:
-    """Why a live worker's heartbeat says not ready: it is shutting down, it holds work it does not progress,
-    or it is starting."""
+    """Why a live worker's heartbeat says not ready: it is shutting down, else its ``not_ready`` (a thread died,
+    its engine fails every run, it holds work it does not progress...); a heartbeat without one: a stall or a
+    start."""
     if beat.get("shutting_down"):
         return f"worker {worker!r} is shutting down (draining what it holds; it takes nothing new)"
+    if isinstance(beat.get("not_ready"), str):  # the worker's own words (workers.progress.not_ready_reason)
+        return f"worker {worker!r} is not ready: {beat['not_ready']}"
     stalled_s = beat.get("stalled_s")
     if isinstance(stalled_s, int | float) and stalled_s > 0:
         holds = f"holds {beat['held']} requests" if beat.get("held") else "has a non-empty queue"

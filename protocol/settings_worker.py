@@ -58,6 +58,15 @@ class WorkerSettings(Section):
         "computes nothing for this long reports not ready (heartbeat, fleet probe ready): it holds work it "
         "is not progressing (s).",
     )
+    not_ready_after_failed_runs: int = Field(
+        default=10,
+        ge=1,
+        le=1_000_000,
+        description="A worker whose engine failed this many runs in a row (one-step batches, generation steps; "
+        "none of their requests succeeded) reports not ready until a run succeeds again: it takes requests "
+        "and fails them. Requests refused before the engine (invalid input, deadline passed, cancelled) do "
+        "not count.",
+    )
     slot_grace_s: float = Field(
         default=30.0,
         ge=0,

@@ -10,8 +10,11 @@ and canary queue, ``heartbeat_unix_s``, ``heartbeat_s`` its period, ``instance``
 the process that wrote it deletes it, :mod:`workers.namesakes`) that expires after three heartbeat
 periods, so a dead worker disappears by itself. ``ready`` is false while the worker loads, while it
 holds work it does not progress (``held`` requests, ``stalled_s`` without progress, ``overdue_slots``:
-:mod:`workers.progress`), and from the moment a shutdown begins (``shutting_down``: a warm shutdown takes
-nothing more while it drains), which ``fleet probe ready`` reads.
+:mod:`workers.progress`), while its engine fails every run (``failed_runs`` in a row), once a thread it
+needs died, and from the moment a shutdown begins (``shutting_down``: a warm shutdown takes nothing more
+while it drains); ``not_ready`` says why in words (null when ready), which ``fleet probe ready`` prints.
+A shutdown, the scheduler thread's death and the engine's failing (or succeeding again) are published at once
+(:meth:`Heartbeat.beat_soon`), not at the next period.
 ``fleet:model:<name>:card`` holds the model card, so producers on other machines can validate and
 tokenize without the file.
 """
@@ -52,6 +55,8 @@ class Heartbeat:
         self._snapshot = snapshot
         self._period_s = period_s
         self._stop = threading.Event()
+        self._soon = threading.Event()
+        """Set by :meth:`beat_soon` (and :meth:`stop`): the beating thread beats now, besides its schedule."""
         self._thread = threading.Thread(target=self._loop, name="fleet-heartbeat", daemon=True)
         self.instance = uuid.uuid4().hex
         """Marks this process's beats (``instance`` in the document): a stop deletes only its own
@@ -90,6 +95,13 @@ class Heartbeat:
             self._ceded = True
             log.error("heartbeat %s belongs to a live worker of another process (pid %s): this worker's beats are "
                       "not published while it lives", self._key, holder.get("pid", "?"))  # fmt: skip
+
+    def beat_soon(self) -> None:
+        """Have the beating thread publish a beat now, besides its schedule (which this beat does not move): what
+        readiness says changed (a shutdown began, a thread died, the engine fails). Sets an event and returns, so
+        it may be called from a signal handler or the scheduler's thread: a beat's Redis round trips run on the
+        beating thread (a beat from a signal handler could wait on a connection the interrupted thread holds)."""
+        self._soon.set()
 
     def _beat_once(self) -> dict[str, Any] | None:
         try:
@@ -140,6 +152,7 @@ class Heartbeat:
     def stop(self) -> None:
         """Stop publishing and remove the key (and this worker from its model's live set)."""
         self._stop.set()
+        self._soon.set()
         if self._thread.is_alive():
             self._thread.join(self._period_s * 2)
         with contextlib.suppress(redis.RedisError):  # a namesake's heartbeat and live entry are left alone
@@ -149,8 +162,14 @@ class Heartbeat:
 
     def _loop(self) -> None:
         started = time.monotonic()
-        while not self._stop.wait(next_beat_in_s(started, time.monotonic(), self._period_s)):
-            started = time.monotonic()
+        while True:
+            soon = self._soon.wait(next_beat_in_s(started, time.monotonic(), self._period_s))
+            if self._stop.is_set():
+                return
+            if soon:  # cleared before the beat: a change after its snapshot is published by the next one
+                self._soon.clear()
+            else:
+                started = time.monotonic()
             self.beat()
 
 

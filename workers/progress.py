@@ -14,9 +14,18 @@ go in, a :class:`ProgressReport` comes out) decides from what the heartbeat alre
   one, past the visibility timeout, when Redis hands the message to another worker) by more than
   ``worker.slot_grace_s``: reported once per request (log line, ``fleet_worker_overdue_slots``).
 
+Progress is not success: a worker whose engine fails every run finishes (fails) each request it takes at
+once and never stalls. :class:`FailureStreak` (pure) counts the engine's failed runs in a row (a one-step
+batch, or the generations one scheduler step ended, none of whose requests succeeded); from
+``worker.not_ready_after_failed_runs`` of them the worker is not ready until a run succeeds. Requests refused
+before the engine (invalid input, deadline passed, cancelled) never reach it: they do not count.
+:class:`ThreadWatch` names the worker's long-lived threads that ended (an exception they did not catch):
+not ready at once, for good. :func:`not_ready_reason` (pure) says why a worker is not ready, in words:
+the heartbeat's ``not_ready``, which ``fleet probe ready`` prints.
+
 :class:`WorkerProgress` is the I/O side: it reads the requests Celery holds for this worker
 (``celery.worker.state.reserved_requests``: received, not yet finished), the engine's step counts
-and, only when nothing is held, the queue's length.
+and, only when nothing is held, the queue's length; it observes the engine's outcomes for the streak.
 """
 
 from __future__ import annotations
@@ -24,18 +33,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from celery.worker import state as worker_state
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["Held", "ProgressCollector", "ProgressReport", "ProgressWatch", "WorkerProgress", "copied",
-           "deadline_of"]
+from protocol.settings_worker import WorkerSettings
+
+if TYPE_CHECKING:
+    from workers.jobs import JobOutcome
+
+__all__ = ["FailureStreak", "Held", "ProgressCollector", "ProgressReport", "ProgressWatch", "ThreadWatch",
+           "WorkerProgress", "copied", "deadline_of", "not_ready_reason"]
 
 T = TypeVar("T")
+
+_DEFAULT_FAILED_RUNS: int = WorkerSettings.model_fields["not_ready_after_failed_runs"].default
 
 log = logging.getLogger("fleet.progress")
 
@@ -116,6 +132,95 @@ class ProgressWatch:
         return self.held_for_s(held.task_id, now_s) > self.no_deadline_s + self.slot_grace_s
 
 
+@dataclass
+class FailureStreak:
+    """The engine's failed runs in a row (pure; see the module doc).
+
+    Fed one report per run: the outcomes of a one-step batch (its one-by-one retries included), or of the
+    generations one scheduler step ended (:meth:`workers.scheduler.Scheduler.add_outcome_observer`). A
+    report with a success ends the streak; one without any is a failed run."""
+
+    limit: int
+    """Failed runs in a row from which the worker is not ready (``worker.not_ready_after_failed_runs``)."""
+    failed_in_a_row: int = 0
+
+    @property
+    def failing(self) -> bool:
+        """The last ``limit`` runs (at least) failed, and none succeeded since."""
+        return self.failed_in_a_row >= self.limit
+
+    def observe(self, outcomes: Sequence[JobOutcome]) -> bool:
+        """Count one run's ``outcomes``; True when :attr:`failing` changed (an empty report changes nothing)."""
+        if not outcomes:
+            return False
+        was = self.failing
+        self.failed_in_a_row = 0 if any(o.ok for o in outcomes) else self.failed_in_a_row + 1
+        return self.failing != was
+
+
+class ThreadWatch:
+    """The long-lived threads a worker cannot serve without; :meth:`dead` names those that ended.
+
+    A thread counts once started (one not started yet is not dead), or once it announced its end
+    (:meth:`ended`, from the dying thread itself, which is still alive then); each death is logged once. Once
+    :meth:`closing` is called (the worker stops them), an ended thread is no death."""
+
+    def __init__(self) -> None:
+        self._threads: list[threading.Thread] = []
+        self._closing = False
+        self._ended: set[str] = set()
+        self._reported: set[str] = set()
+
+    def watch(self, *threads: threading.Thread) -> None:
+        """Watch ``threads`` from now on."""
+        self._threads.extend(threads)
+
+    def ended(self, thread: threading.Thread) -> None:
+        """``thread`` announces its end (on itself, as it ends): dead from now on, before it finishes."""
+        self._ended.add(thread.name)
+
+    def closing(self) -> None:
+        """The worker stops its threads now: their ends are not deaths."""
+        self._closing = True
+
+    def dead(self) -> list[str]:
+        """The names of the watched threads that ended, in the order watched ([] once closing)."""
+        if self._closing:
+            return []
+        dead = [t.name for t in self._threads
+                if t.name in self._ended or (t.ident is not None and not t.is_alive())]
+        for name in dead:
+            if name not in self._reported:
+                self._reported.add(name)
+                log.critical("thread %s ended while the worker runs (an exception it did not catch, logged before): "
+                             "reporting not ready until the worker restarts", name)  # fmt: skip
+        return dead
+
+
+def not_ready_reason(*, consuming: bool, shutting_down: bool, dead_threads: Sequence[str], failures: FailureStreak,
+                     report: ProgressReport, stall_after_s: float) -> str | None:
+    """Why a worker is not ready, in words (the first reason that applies), or None when it is ready.
+
+    In order: a shutdown began; the consumer does not run (loading, warming up, or stopped); a watched thread
+    died (:class:`ThreadWatch`); the engine failed ``failures.limit`` runs in a row; the worker holds work it
+    did not progress for ``stall_after_s`` (s) (:class:`ProgressWatch`)."""
+    if shutting_down:
+        return "shutting down (draining what it holds; it takes nothing new)"
+    if not consuming:
+        return "its consumer does not run (loading, warming up, or stopped)"
+    if dead_threads:
+        return (f"thread {', '.join(dead_threads)} died (an exception it did not catch, in the worker's log): what it "
+                "did is no longer done; restart the worker")
+    if failures.failing:
+        return (f"its engine failed {failures.failed_in_a_row} runs in a row, none succeeded "
+                f"(worker.not_ready_after_failed_runs={failures.limit}): it fails the requests it takes")
+    if report.stalled:
+        holds = f"holds {report.held} requests" if report.held else "has a non-empty queue"
+        return (f"it {holds} and made no progress for {report.stalled_for_s:.0f} s "
+                f"(worker.stall_after_s={stall_after_s:g}): it is not progressing the work it holds")
+    return None
+
+
 def deadline_of(args: Any) -> float | None:
     """The deadline of a ``fleet.infer`` or ``fleet.infer_bulk`` message's ``args`` (a bulk message's
     latest; None when a request has none or the args are not a request)."""
@@ -160,12 +265,17 @@ def held_requests() -> list[Held]:
 
 
 class WorkerProgress:
-    """The watch wired to this worker: Celery's held requests, the engine's step count, the queue length."""
+    """The watch wired to this worker: Celery's held requests, the engine's step count, the queue length, and
+    the engine's outcomes (:meth:`engine_outcomes`, a scheduler outcome observer)."""
 
     def __init__(self, watch: ProgressWatch, work_done: Callable[[], int], queued: Callable[[], int],
                  held: Callable[[], list[Held]] = held_requests,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, failures: FailureStreak | None = None) -> None:
         self.watch = watch
+        self.failures = failures if failures is not None else FailureStreak(limit=_DEFAULT_FAILED_RUNS)
+        """The engine's failed runs in a row (``worker.not_ready_after_failed_runs``: its default when not given)."""
+        self.on_failing: list[Callable[[], None]] = []
+        """Called (scheduler thread) when :attr:`FailureStreak.failing` changes: readiness changed."""
         self._work_done = work_done
         self._queued = queued
         self._held = held
@@ -202,6 +312,19 @@ class WorkerProgress:
                 log.warning("worker progresses again: reporting ready")
             self.last = report
             return report
+
+    def engine_outcomes(self, outcomes: list[JobOutcome]) -> None:
+        """An outcome observer of the scheduler (its thread): one engine run's outcomes (:class:`FailureStreak`)."""
+        if not self.failures.observe(outcomes):
+            return
+        if self.failures.failing:
+            log.error("the engine failed %d runs in a row, none succeeded (worker.not_ready_after_failed_runs=%d): "
+                      "reporting not ready until a run succeeds", self.failures.failed_in_a_row,
+                      self.failures.limit)  # fmt: skip
+        else:
+            log.warning("an engine run succeeded again: reporting ready")
+        for hook in self.on_failing:
+            hook()
 
 
 class ProgressCollector(Collector):

@@ -103,8 +103,11 @@ class Scheduler:
         """Celery task IDs whose threads reached this worker's code (:meth:`unseen`)."""
         self._stopping = False
         self._observers: list[Observer] = []
-        self._thread = threading.Thread(target=self._loop, name="fleet-scheduler", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="fleet-scheduler", daemon=True)
         self._batches = BatchRunner(clock, self._observers, self._outcome_observers)
+        self.on_death: list[Callable[[], None]] = []
+        """Called (on the dying thread) when the scheduler thread ends on an exception it did not catch: no
+        request is computed from then on (the worker's readiness, :mod:`workers.progress`)."""
 
     def add_observer(self, observer: Observer) -> None:
         """Call ``observer(stats)`` after every batch (from the scheduler thread; keep it cheap)."""
@@ -170,6 +173,11 @@ class Scheduler:
     def start(self) -> None:
         """Start the scheduler thread."""
         self._thread.start()
+
+    @property
+    def thread(self) -> threading.Thread:
+        """The scheduler thread (for the worker's watch of the threads it needs)."""
+        return self._thread
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Finish pending jobs, then stop the thread (waits up to ``timeout_s``)."""
@@ -362,6 +370,19 @@ class Scheduler:
         if on_the_way <= 0 and self._queued_in_redis() <= 0:
             return None
         return until
+
+    def _run(self) -> None:
+        """The thread: :meth:`_loop`, and a notice when it ends on an exception (a bug: a batch's or a
+        generation step's failure fails those requests and the thread goes on)."""
+        try:
+            self._loop()
+        except BaseException:
+            log.critical("the scheduler thread died: no request is computed from now on", exc_info=True)
+            for notice in self.on_death:
+                try:
+                    notice()
+                except Exception:
+                    log.exception("scheduler death notice failed")
 
     def _loop(self) -> None:
         while True:

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import redis
+from celery import signals
 from celery.worker import state as worker_state
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -39,7 +40,7 @@ from workers.held_requests import HeldRequests
 from workers.namesakes import namesake_message
 from workers.outcomes import OutcomeWriter
 from workers.policy import BatchPolicy
-from workers.progress import ProgressWatch, WorkerProgress
+from workers.progress import FailureStreak, ProgressReport, ProgressWatch, ThreadWatch, WorkerProgress, not_ready_reason
 from workers.reconcile import Reconciler
 from workers.run_claims import RunClaims, owner_of
 from workers.runtime_counts import HOLD_DEPTH_TIMEOUT_S, RuntimeCounts
@@ -130,12 +131,20 @@ class WorkerRuntime(RuntimeCounts):
         )
         # two deliveries of one generation ID never run at once (workers.run_claims); a claim lives three beats
         self.run_claims = RunClaims(self.redis, owner=owner_of(hostname), ttl_s=3 * settings.worker.heartbeat_s)
-        # readiness sees a worker that holds work it does not progress (workers.progress)
+        # readiness sees a worker that holds work it does not progress, whose engine fails every run, or whose
+        # needed threads died (workers.progress); a change of it is published at once
         self.progress = WorkerProgress(
             ProgressWatch(settings.worker.stall_after_s, settings.worker.slot_grace_s, settings.visibility_timeout_s),
             work_done=self._work_done, queued=self._queued, held=self._held_for_progress,
+            failures=FailureStreak(settings.worker.not_ready_after_failed_runs),
         )
+        self.threads = ThreadWatch()
+        self.shutdown_begun = False
+        """A shutdown's signal came (:meth:`_shutdown_begins`), maybe before Celery's flags say so."""
         self.heartbeat = Heartbeat(self.redis, hostname, self.snapshot, settings.worker.heartbeat_s)
+        self.scheduler.add_outcome_observer(self.progress.engine_outcomes)
+        self.progress.on_failing.append(self.heartbeat.beat_soon)
+        self.scheduler.on_death.append(self._scheduler_died)
         self.heartbeat.on_beat.append(self.run_claims.renew)
         # every worker keeps its own queue's name clean, consumed or not (workers.direct_queue)
         ttl_s = self.heartbeat.ttl_s
@@ -264,8 +273,13 @@ class WorkerRuntime(RuntimeCounts):
         except redis.RedisError as exc:
             log.warning("could not publish the model card: %s", exc)
         self.heartbeat.on_beat.append(self._card_beat)
+        signals.worker_shutting_down.connect(self._shutdown_begins, weak=False)
         self.heartbeat.start()
         self.reconciler.start()
+        # the threads every request, stream, cancel and version change goes through (not the prefix holder's:
+        # its digests are routing hints); the heartbeat's own death shows as its key expiring
+        self.threads.watch(self.scheduler.thread, self.streams._thread, self.streams.cancels._thread,
+                           self.reconciler._thread)
         log.info(
             "worker %s serves model %s %s from queues %s and %s with %d tokens on %s",
             self.hostname,
@@ -282,12 +296,35 @@ class WorkerRuntime(RuntimeCounts):
         on machines without the model's files read its tokenizer and limits there. One ``SET NX`` per beat."""
         self.redis.set(CARD_KEY.format(model=self.model_key), self.card.model_dump_json(), nx=True)
 
+    def _shutdown_begins(self, sender: Any = None, **_: Any) -> None:
+        """Celery's ``worker_shutting_down`` (in the signal handler of SIGTERM/SIGINT/SIGQUIT, before it sets the
+        flags :func:`shutting_down` reads): not ready from now on, published at once, not at the next beat."""
+        if sender is not None and str(sender) != self.hostname:
+            return
+        self.shutdown_begun = True
+        self.heartbeat.beat_soon()
+
+    def _scheduler_died(self) -> None:
+        """The scheduler thread's notice of its death (on that thread, as it ends): not ready, written at once."""
+        self.threads.ended(self.scheduler.thread)
+        self.heartbeat.beat_soon()
+
+    def not_ready_reason(self, report: ProgressReport | None = None) -> str | None:
+        """Why the worker is not ready (:func:`workers.progress.not_ready_reason`), None when it is; ``report``
+        is the progress watch's (default: the last beat's)."""
+        return not_ready_reason(
+            consuming=self._consuming, shutting_down=self.shutdown_begun or shutting_down(),
+            dead_threads=self.threads.dead(), failures=self.progress.failures,
+            report=self.progress.last if report is None else report, stall_after_s=self.progress.watch.stall_after_s,
+        )
+
     @property
     def ready(self) -> bool:
-        """The worker takes requests: its consumer runs (:meth:`mark_ready`) and no shutdown has begun. A warm
-        shutdown (SIGTERM) stops taking at once and may drain its held work for minutes: not ready from its
-        first moment, not from :meth:`stop` at its end. Stalls are the heartbeat's part (:meth:`snapshot`)."""
-        return self._consuming and not shutting_down()
+        """The worker takes requests and serves them: its consumer runs (:meth:`mark_ready`), no shutdown has
+        begun, its needed threads live, its engine does not fail every run, and (as of the last beat) it
+        progresses what it holds. A warm shutdown (SIGTERM) stops taking at once and may drain its held work
+        for minutes: not ready from its first moment, not from :meth:`stop` at its end."""
+        return self.not_ready_reason() is None
 
     @ready.setter
     def ready(self, consuming: bool) -> None:
@@ -302,6 +339,8 @@ class WorkerRuntime(RuntimeCounts):
     def stop(self) -> None:
         """Drain the scheduler and withdraw the heartbeat."""
         self.ready = False
+        self.threads.closing()
+        signals.worker_shutting_down.disconnect(self._shutdown_begins)
         self.reconciler.stop()
         TAKEN_IN_HAND.unsubscribe(self.scheduler.wake)
         self.scheduler.stop()
@@ -324,10 +363,10 @@ class WorkerRuntime(RuntimeCounts):
             self.in_flight -= 1
 
     def snapshot(self) -> dict[str, Any]:
-        """The heartbeat document (see :mod:`workers.health`); ``ready`` is false while the worker holds
-        work it does not progress (``stalled_s`` >= ``worker.stall_after_s``, :mod:`workers.progress`) and once
-        a shutdown began (``shutting_down``, :attr:`ready`)."""
+        """The heartbeat document (see :mod:`workers.health`); ``ready`` is :attr:`ready` with this beat's
+        progress, ``not_ready`` why not (:meth:`not_ready_reason`, null when ready)."""
         progress = self.progress.check()
+        why_not = self.not_ready_reason(progress)
         return {
             "hostname": self.hostname,
             "pid": os.getpid(),
@@ -342,8 +381,10 @@ class WorkerRuntime(RuntimeCounts):
             "providers": self.engine.providers,
             "nodes": self.engine.placement,
             "kv_cache": kv_cache_doc(self.scheduler.generation),
-            "ready": self.ready and not progress.stalled,
-            "shutting_down": shutting_down(),
+            "ready": why_not is None,
+            "not_ready": why_not,
+            "shutting_down": self.shutdown_begun or shutting_down(),
+            "failed_runs": self.progress.failures.failed_in_a_row,
             "held": progress.held,
             "stalled_s": round(progress.stalled_for_s, 1),
             "overdue_slots": progress.overdue,
