@@ -50,6 +50,11 @@ class CancelListener:
         """Start the listener thread."""
         self._thread.start()
 
+    @property
+    def thread(self) -> threading.Thread:
+        """The listener thread (its death makes the worker not ready: :class:`workers.progress.ThreadWatch`)."""
+        return self._thread
+
     def stop(self) -> None:
         """Ask the listener thread to stop (it ends at its next wait); returns at once."""
         self._stopping.set()

@@ -166,6 +166,11 @@ class Reconciler:
         self.wait_loaded()
         self._thread.start()
 
+    @property
+    def thread(self) -> threading.Thread:
+        """The reconciler's own thread, not a load's (its death makes the worker not ready)."""
+        return self._thread
+
     def stop(self) -> None:
         """Stop the thread (waits briefly); a load still in flight is discarded when it ends."""
         self._stop.set()

@@ -162,6 +162,11 @@ class StreamPublisher:
         self.cancels.start()
 
     @property
+    def thread(self) -> threading.Thread:
+        """The publisher thread (its death makes the worker not ready: :class:`workers.progress.ThreadWatch`)."""
+        return self._thread
+
+    @property
     def dropped(self) -> int:
         """Events never written: over the hold's bounds, or refused by Redis for good."""
         return self.pending.dropped + self.refused

@@ -278,8 +278,8 @@ class WorkerRuntime(RuntimeCounts):
         self.reconciler.start()
         # the threads every request, stream, cancel and version change goes through (not the prefix holder's:
         # its digests are routing hints); the heartbeat's own death shows as its key expiring
-        self.threads.watch(self.scheduler.thread, self.streams._thread, self.streams.cancels._thread,
-                           self.reconciler._thread)
+        self.threads.watch(self.scheduler.thread, self.streams.thread, self.streams.cancels.thread,
+                           self.reconciler.thread)
         log.info(
             "worker %s serves model %s %s from queues %s and %s with %d tokens on %s",
             self.hostname,
