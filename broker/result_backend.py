@@ -20,6 +20,7 @@ Installed for the worker's app only (:func:`install`): producers keep Celery's b
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +32,7 @@ from kombu.utils.encoding import bytes_to_str
 from broker.redis_refusals import is_write_refusal
 from broker.store_ack import ACKS, delivery_tag_of
 from protocol.keys import REQUEST_KEY
+from protocol.redis_pools import SweepingPool
 
 __all__ = ["RESULT_WRITE_MAX_SLEEP_MS", "RESULT_WRITE_RETRIES", "STORE_RESULT_SCRIPT", "RefusalTolerantRedisBackend",
            "RefusalTolerantSentinelBackend", "install"]
@@ -162,7 +164,30 @@ class _StoresWithOneScript:
 
 
 class RefusalTolerantRedisBackend(_RetriesWriteRefusals, _StoresWithOneScript, RedisBackend):  # type: ignore[misc]
-    """Celery's Redis backend; a write Redis refuses for now is retried like a lost connection."""
+    """Celery's Redis backend; a write Redis refuses for now is retried like a lost connection.
+
+    Celery gives each task thread a backend of its own (the Redis backend is not ``thread_safe``), and each
+    built a pool of its own; here they share one per process and URL (redis-py's pool is thread-safe), a
+    :class:`protocol.redis_pools.SweepingPool`: after a Redis restart, the first write that finds its
+    connection closed disconnects every idle one Redis closed, instead of each staying half-closed until
+    its own thread writes again."""
+
+    def _get_pool(self, **params: Any) -> SweepingPool:
+        return _shared_pool(params)
+
+
+_POOLS: dict[str, SweepingPool] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _shared_pool(params: dict[str, Any]) -> SweepingPool:
+    """The process's one pool for these connection parameters (made on first use)."""
+    key = repr(sorted(params.items(), key=lambda item: item[0]))
+    with _POOLS_LOCK:
+        pool = _POOLS.get(key)
+        if pool is None:
+            pool = _POOLS[key] = SweepingPool(**params)
+        return pool
 
 
 class RefusalTolerantSentinelBackend(_RetriesWriteRefusals, _StoresWithOneScript, SentinelBackend):  # type: ignore[misc]

@@ -60,7 +60,8 @@ def celery_config(settings: FleetSettings) -> dict[str, Any]:
             "unacked_restore_interval": restore_interval_s(settings.visibility_timeout_s),
             "unacked_restore_throttle": 1,
             # the scan runs under a Redis lock that lives unacked_mutex_expire seconds (kombu: 300); a worker
-            # killed inside a scan stops every worker's restores until the lock expires, so bound its life
+            # killed inside a scan, or cut off from Redis one way, stops every worker's restores until the
+            # lock expires, so bound its life to one scan interval
             "unacked_mutex_expire": restore_lock_life_s(settings.visibility_timeout_s),
             # broker.atomic_take: how long the take waits on one list before it looks at the others
             "other_lists_wait_s": other_lists_wait_s,
@@ -105,14 +106,19 @@ def restore_interval_s(visibility_timeout_s: int) -> int:
 
 
 def restore_lock_life_s(visibility_timeout_s: int) -> int:
-    """Seconds kombu's restore-scan lock lives (10..60): twice the scan interval, at least 10 s.
+    """Seconds kombu's restore-scan lock lives (1..30): one scan interval (:func:`restore_interval_s`).
 
-    A scan restores at most 10 messages (milliseconds); the lock's life only matters when its holder dies
-    inside a scan, and then it is how long no worker of the fleet restores anything. Two scans that overlap
-    after an early expiry are safe: kombu restores each message in a transaction that watches the unacked
-    hash, so a message comes back once.
+    A scan restores at most 10 messages (milliseconds) and releases the lock; its life only matters when its
+    holder never releases it, and then it is how long no worker of the fleet restores anything: a holder
+    that dies inside a scan, or a worker cut off from Redis one way, whose ``SET unacked_mutex … NX`` reaches
+    Redis while the reply never reaches it. Measured on 064b36b's tree (``test_partitions.py``'s one-way
+    cut, ``visibility_timeout_s`` 3): with a 10 s life the other worker's scans were refused for 10 s and the
+    cut-off worker's held requests were served 10.2 s after the cut; with this life, 3.4-3.5 s.
+    Two scans that overlap after an early expiry (a scan slower than the lock's life, over a slow link)
+    are safe: kombu restores each message in a transaction that watches the unacked hash, so a message
+    comes back once, and its lock's release deletes only its own token.
     """
-    return max(10, min(60, 2 * restore_interval_s(visibility_timeout_s)))
+    return restore_interval_s(visibility_timeout_s)
 
 
 def _configured(settings: FleetSettings, model: str) -> bool:

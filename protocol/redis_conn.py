@@ -16,7 +16,9 @@ the server's certificate is verified (``ssl_cert_reqs=required``) unless the URL
 
 * :func:`sync_client` / :func:`async_client`: the fleet's own redis-py clients (producer, admission,
   worker runtime and stream publisher, gateway); with Sentinel they follow the master across a
-  failover (each new connection asks the sentinels where the master is).
+  failover (each new connection asks the sentinels where the master is). Their pools disconnect the
+  idle connections Redis closed as soon as one is found closed (:mod:`protocol.redis_pools`), so a
+  Redis restart does not leave the pool's idle sockets half-closed until each is reused.
 * :func:`celery_redis_config`: broker and result-backend URLs and options for Celery
   (``broker_use_ssl``, ``redis_backend_use_ssl``, Sentinel's ``master_name``), and through
   :mod:`producer.flower_broker` for Flower.
@@ -38,6 +40,8 @@ import redis.asyncio
 import redis.asyncio.sentinel
 import redis.sentinel
 from kombu import Connection  # type: ignore[attr-defined]
+
+from protocol.redis_pools import AsyncSweepingPool, AsyncSweepingSentinelPool, SweepingPool, SweepingSentinelPool
 
 if TYPE_CHECKING:
     from protocol.settings import FleetSettings
@@ -188,9 +192,13 @@ def sync_client(settings: FleetSettings, **kwargs: Any) -> redis.Redis[bytes]:
     if target.is_sentinel:
         manager = redis.sentinel.Sentinel(list(target.sentinels), **_sentinel_node_options(kwargs))
         return manager.master_for(
-            str(target.sentinel_master), redis_class=redis.Redis, **_master_options(target), **kwargs
+            str(target.sentinel_master), redis_class=redis.Redis, connection_pool_class=SweepingSentinelPool,
+            **_master_options(target), **kwargs,
         )
-    return redis.Redis.from_url(target.url, **target.tls, **kwargs)
+    client: redis.Redis[bytes] = redis.Redis.from_pool(  # type: ignore[attr-defined]  # types-redis predates from_pool
+        SweepingPool.from_url(target.url, **target.tls, **kwargs)
+    )
+    return client
 
 
 def async_client(settings: FleetSettings, **kwargs: Any) -> redis.asyncio.Redis[bytes]:
@@ -199,9 +207,13 @@ def async_client(settings: FleetSettings, **kwargs: Any) -> redis.asyncio.Redis[
     if target.is_sentinel:
         manager = redis.asyncio.sentinel.Sentinel(list(target.sentinels), **_sentinel_node_options(kwargs))
         return manager.master_for(
-            str(target.sentinel_master), redis_class=redis.asyncio.Redis, **_master_options(target), **kwargs
+            str(target.sentinel_master), redis_class=redis.asyncio.Redis,
+            connection_pool_class=AsyncSweepingSentinelPool, **_master_options(target), **kwargs,
         )
-    return redis.asyncio.Redis.from_url(target.url, **target.tls, **kwargs)
+    client: redis.asyncio.Redis[bytes] = redis.asyncio.Redis.from_pool(  # type: ignore[attr-defined]
+        AsyncSweepingPool.from_url(target.url, **target.tls, **kwargs)
+    )
+    return client
 
 
 def _master_options(target: RedisTarget) -> dict[str, Any]:

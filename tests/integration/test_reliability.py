@@ -73,10 +73,10 @@ def test_restores_resume_soon_after_a_process_dies_holding_the_restore_lock(flee
     holder = subprocess.run([sys.executable, "-m", "tests.integration.restore_lock_holder"],
                             env={**os.environ, "FLEET_CONFIG": str(normal)}, capture_output=True, text=True,
                             timeout=60, check=False)
-    assert holder.returncode == -signal.SIGKILL and holder.stdout.strip() == "holding", holder
-    assert redis.Redis.from_url(fleet.redis_url).exists("unacked_mutex"), "the dead scanner's lock is gone already"
+    # it printed the lock's value from inside the lock (which lives 1 s here: it may be gone by now)
+    assert holder.returncode == -signal.SIGKILL and len(holder.stdout.split()) == 2, holder
     b = fleet.worker(normal)
-    # the lock expires within its life (at most 60 s; 10 s here), then B's next scan restores both
+    # the lock expires within its life (one scan interval: at most 30 s; 1 s here), then B's next scan restores both
     results = client.wait(ids, 75)
     assert all(isinstance(res, InferenceResult) for res in results), results
     assert {res.timings.worker for res in results if isinstance(res, InferenceResult)} == {b.hostname}
