@@ -41,6 +41,7 @@ from protocol.errors import (
     RequestExpired,
     RequestNotFound,
     ResultTimeout,
+    SubmitInterrupted,
     UnknownModel,
 )
 from protocol.messages import limit_of
@@ -213,7 +214,27 @@ def _unparsable_body(cause: BaseException) -> InvalidRequest:
 def _on_redis_down(request: Request, exc: Exception) -> JSONResponse:
     log.warning("Redis unreachable: %s", exc)
     msg = f"the queue (Redis) is unreachable: {type(exc).__name__}; retry later"
-    return _respond(request, 503, error_payload("unavailable", type(exc).__name__, msg), {"Retry-After": "5"})
+    payload = error_payload("unavailable", type(exc).__name__, msg)
+    if isinstance(exc, SubmitInterrupted):  # the IDs the gateway made: a retry under them is the same request
+        payload["message"] = _interrupted_message(exc, openai=is_openai_path(request.url.path))
+        payload.update(request_ids=exc.request_ids, queued_ids=exc.queued_ids, unknown_ids=exc.unknown_ids,
+                       unqueued_ids=exc.unqueued_ids)  # fmt: skip
+    return _respond(request, 503, payload, {"Retry-After": "5"})
+
+
+def _interrupted_message(exc: SubmitInterrupted, *, openai: bool) -> str:
+    """What a caller of an interrupted submit should do, without the Redis address or error text: send it again
+    under the same ID (native routes take ``request_id``), or, on an OpenAI route, which takes none, poll it."""
+    if not exc.unknown_ids:
+        return "the queue (Redis) failed before anything was queued (unqueued_ids); retry later"
+    ids = exc.unknown_ids
+    which = f"request {ids[0]}" if len(ids) == 1 else f"{len(ids)} requests (unknown_ids)"
+    if openai:
+        return (f"the queue (Redis) failed while queueing: {which} may or may not be queued; once Redis is back, GET "
+                f"/v1/requests/{ids[0]} says whether it runs before you send it again")
+    return (f"the queue (Redis) failed while queueing: {which} may or may not be queued; once Redis is back, send "
+            "the same body again under the same request_id (unknown_ids): a request ID is queued at most once, so "
+            "it runs once")
 
 
 def install_error_handlers(app: FastAPI) -> None:

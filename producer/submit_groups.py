@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from producer.bulk_submit import queue_bulk_chunk
+from producer.bulk_submit import REDIS_FAILURES, interrupted, queue_bulk_chunk
 from protocol.messages import MAX_BULK_REQUESTS, InferenceRequest
 
 if TYPE_CHECKING:
@@ -57,8 +57,9 @@ def send_group(client: FleetClient, items: Sequence[SubmitItem]) -> list[list[st
     """Admit each item, then queue the admitted ones of each model in one Redis step; per item, in order,
     its request IDs or the exception that refused it (nothing of that item was queued).
 
-    Blocking (Redis): run it in a thread. An exception of the queue step itself (Redis down) is the
-    outcome of every item of that model's group.
+    Blocking (Redis): run it in a thread. An exception of the queue step itself is the outcome of every
+    item of its chunk; a Redis failure there is a :class:`~protocol.errors.SubmitInterrupted` naming the
+    item's IDs (made here where it had none) as ``unknown_ids``: sent again under them, it runs once.
     """
     outcomes: list[list[str] | BaseException] = [[] for _ in items]
     admitted: dict[str, list[int]] = {}
@@ -85,8 +86,13 @@ def send_group(client: FleetClient, items: Sequence[SubmitItem]) -> list[list[st
                 else:
                     queue_bulk_chunk(client, model, requests, keys, list(range(len(requests))))
             except Exception as exc:
-                for n in chunk:
+                for n in chunk:  # one Redis step: each item's requests are all queued or none, which is unknown
+                    ids = [str(r.request_id) for r in items[n].requests]
                     outcomes[n] = exc
+                    if isinstance(exc, REDIS_FAILURES):
+                        cut = interrupted("submit", client, exc, ids, (), range(len(ids)))
+                        cut.__cause__ = exc
+                        outcomes[n] = cut
                 continue
             for n in chunk:
                 outcomes[n] = [str(r.request_id) for r in items[n].requests]
