@@ -28,6 +28,7 @@ import json
 import re
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qsl
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -251,9 +252,20 @@ def _is_json(content_type: str) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
+def repeated_query_parameter(query: bytes) -> str | None:
+    """The first parameter name ``query`` (a raw query string) gives twice, decoded as the routes decode it
+    (``?wait_s=1&wait%5Fs=600`` repeats ``wait_s``); None when each is given once."""
+    seen: set[str] = set()
+    for name, _ in parse_qsl(query.decode("latin-1"), keep_blank_values=True):
+        if name in seen:
+            return name[:100]
+        seen.add(name)
+    return None
+
+
 class RequestGuardMiddleware:
-    """Refuse a ``/v1/*`` request without an accepted key (401), or with a body not declared JSON (415),
-    before a byte of its body is read."""
+    """Refuse a ``/v1/*`` request without an accepted key (401), with a query parameter given twice (400), or
+    with a body not declared JSON (415), before a byte of its body is read."""
 
     def __init__(self, app: ASGIApp, keys: list[bytes]) -> None:
         self.app = app
@@ -268,6 +280,13 @@ class RequestGuardMiddleware:
         if refusal:
             payload = error_payload("unauthorized", "HTTPError", refusal)
             await send_error(scope, send, 401, payload, {"WWW-Authenticate": "Bearer", **_UNREAD})
+            return
+        repeated = repeated_query_parameter(scope.get("query_string", b""))
+        if repeated is not None:
+            msg = (f"query parameter {repeated!r} is given more than once: each may appear once (which one a reader "
+                   "keeps differs between parsers)")  # fmt: skip
+            await send_error(scope, send, 400, error_payload("duplicate_query_parameter", "DuplicateKey", msg,
+                                                             repeated, 1), _UNREAD)  # fmt: skip
             return
         if scope.get("method") in _BODY_METHODS and _has_body(scope):
             content_type = _header(scope, b"content-type")

@@ -78,3 +78,23 @@ def test_the_same_key_in_sibling_objects_is_fine(served: Served) -> None:
     status, doc = _post(served, "/v1/chat/completions", body)
     assert status == 200, doc
     assert doc["choices"][0]["message"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize(
+    ("path", "query", "name"),
+    [
+        ("/v1/requests/{rid}", "wait_s=0&wait_s=60", "wait_s"),
+        ("/v1/requests/{rid}", "wait_s=0&wait%5Fs=60", "wait_s"),  # the name as the route decodes it
+        ("/v1/responses/resp_x/input_items", "limit=1&limit=100", "limit"),
+    ],
+)
+def test_a_query_parameter_given_twice_is_refused_naming_it(served: Served, path: str, query: str, name: str) -> None:
+    rid = served.http.post("/v1/requests", json={"model": "demo-lm", "input_ids": [5, 6]}).json()["request_id"]
+    answer = served.http.get(f"{path.format(rid=rid)}?{query}")
+    doc = answer.json()
+    assert answer.status_code == 400, doc
+    if path.startswith("/v1/responses"):  # OpenAI's shape
+        assert (doc["error"]["code"], doc["error"]["param"]) == ("duplicate_query_parameter", name), doc
+    else:
+        assert (doc["error"], doc["field"], doc["limit"]) == ("duplicate_query_parameter", name, 1), doc
+    assert served.http.get(f"{path.format(rid=rid)}?{query.split('&')[0]}").status_code != 400  # once is fine

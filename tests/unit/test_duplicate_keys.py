@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.body_guard import duplicate_key_path
+from gateway.body_guard import duplicate_key_path, repeated_query_parameter
 
 KEYS = st.text(st.characters(codec="utf-8"), max_size=12)
 LEAVES = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)
@@ -102,3 +102,19 @@ def test_a_long_key_is_cut_in_the_path() -> None:
 @pytest.mark.parametrize("body", [b'{"a": 1, "a": ', b"\xff{}", b"", b"[" * 5, b'{"a": 1} {"a": 1, "a": 2}'])
 def test_a_body_that_is_not_json_is_left_to_the_route(body: bytes) -> None:
     assert duplicate_key_path(body) is None
+
+
+@pytest.mark.parametrize(
+    ("query", "repeated"),
+    [
+        (b"", None),
+        (b"wait_s=1", None),
+        (b"wait_s=1&limit=2&after=x", None),
+        (b"wait_s=1&wait_s=600", "wait_s"),
+        (b"wait_s=1&wait%5Fs=600", "wait_s"),  # decoded as Starlette decodes it
+        (b"a=1&b&b=2", "b"),  # a bare name is a parameter too (keep_blank_values)
+        (b"x" * 300 + b"=1&" + b"x" * 300 + b"=2", "x" * 100),  # named, cut to 100 characters
+    ],
+)
+def test_a_repeated_query_parameter_is_named(query: bytes, repeated: str | None) -> None:
+    assert repeated_query_parameter(query) == repeated
