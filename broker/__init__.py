@@ -37,6 +37,9 @@ What it adapts, module by module:
   connection errors in a worker process).
 * :mod:`broker.priority_lists`: kombu's priority sibling lists (``sep``, ``priority_steps``): a queue's lists, and its
   depth is four ``LLEN`` replies.
+* :mod:`broker.queue_weight`: requests waiting (a ``fleet.infer_bulk`` message counts as the requests its
+  ``argsrepr`` header says it carries), every queue asked in one script: what ``fleet status``, the gateway's
+  ``fleet_queue_depth`` and admission read.
 * :mod:`broker.versions`: the pins and the worker's start-up check.
 * :mod:`broker.celery_app`: ``WorkController.options`` at ``worker_init`` (mingle and gossip off on every
   worker, however it was started: :func:`quiet_worker`).
@@ -75,6 +78,7 @@ from broker.in_hand import IN_HAND as TAKEN_IN_HAND
 from broker.message_check import bulk_request_ids
 from broker.poison import install as install_poison_guard
 from broker.priority_lists import queue_depth, queue_lists
+from broker.queue_weight import bulk_argsrepr, mark_bulk_queues, waiting_counts, waiting_requests
 from broker.result_backend import install as install_result_backend
 from broker.store_ack import unacked_entry_of
 from broker.versions import OVERRIDE_ENV, TESTED, check_broker_versions, installed_versions, untested
@@ -84,6 +88,7 @@ __all__ = [
     "OVERRIDE_ENV",
     "TAKEN_IN_HAND",
     "TESTED",
+    "bulk_argsrepr",
     "bulk_request_ids",
     "check_broker_versions",
     "install_event_buffer",
@@ -92,10 +97,13 @@ __all__ = [
     "installed_versions",
     "item_eta_too_far",
     "make_celery",
+    "mark_bulk_queues",
     "max_eta_ahead_s",
     "queue_depth",
     "queue_lists",
     "quiet_worker",
     "unacked_entry_of",
     "untested",
+    "waiting_counts",
+    "waiting_requests",
 ]

@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from broker import queue_depth
+from broker import waiting_counts
 from gateway.body_guard import replaying, send_error
 from gateway.errors import error_payload
 from producer.prefix_routing import PrefixRouter
@@ -117,10 +117,13 @@ class _FleetCollector(Collector):
         )
         try:
             workers = list_workers(self.client)
-            for name in self.settings.models:
-                depth.add_metric([name], queue_depth(self.client, self.settings.queue_for(name)))
+            queues = {name: (self.settings.queue_for(name), self.settings.canary_queue_for(name))
+                      for name in self.settings.models}  # fmt: skip
+            waiting = waiting_counts(self.client, [q for pair in queues.values() for q in pair])  # one round trip
+            for name, (queue, canary) in queues.items():
+                depth.add_metric([name], waiting[queue].requests)  # a bulk message counts its requests
                 ready.add_metric([name], sum(1 for w in workers if w.get("model") == name and w.get("ready")))
-                canary_depth.add_metric([name], queue_depth(self.client, self.settings.canary_queue_for(name)))
+                canary_depth.add_metric([name], waiting[canary].requests)
                 state = read_state(self.client, name)
                 weight.add_metric([name], state.canary_weight if state and state.canary else 0)
                 rollbacks.add_metric([name], int(self.client.get(AUTO_ROLLBACKS_KEY.format(model=name)) or 0))

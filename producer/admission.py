@@ -2,8 +2,9 @@
 
 Two checks, shared by :class:`producer.client.FleetClient` and the HTTP gateway:
 
-- **Queue-depth cap** per model (``models.<name>.max_queue_depth``): the Celery queue is a Redis
-  list, its length is the number of requests waiting. At the cap a submission is refused at once
+- **Queue-depth cap** per model (``models.<name>.max_queue_depth``): the requests waiting in the model's
+  Celery queues (Redis lists; a ``fleet.infer_bulk`` message counts as the requests it carries:
+  :func:`broker.waiting_requests`, so bulk senders cannot pass the cap). At the cap a submission is refused at once
   with :class:`~protocol.errors.QueueFull`, whose ``retry_after_s`` is the time the queue needs, at
   its measured drain rate, to free a slot. The cap is soft: replicas check and then enqueue, so
   concurrent submitters may overshoot it by at most one request each.
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 
 import redis
 
-from broker import queue_depth
+from broker import waiting_requests
 from protocol.errors import InvalidRequest, QueueFull, RateLimited
 from protocol.keys import DRAIN_KEY, RATE_KEY
 from protocol.settings import FleetSettings
@@ -275,7 +276,7 @@ class Admission:
         with self._depths_lock:
             if self._depths.admits(queue, count, cap, self.monotonic()):
                 return
-        depth = queue_depth(self.redis, queue, self.settings.canary_queue_for(key)) + unqueued
+        depth = waiting_requests(self.redis, queue, self.settings.canary_queue_for(key)) + unqueued
         if depth + count <= cap:
             with self._depths_lock:
                 self._depths.store(queue, depth + count, self.monotonic())

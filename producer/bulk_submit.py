@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 from kombu.exceptions import OperationalError as KombuOperationalError
 
+from broker import bulk_argsrepr, mark_bulk_queues
 from producer.arguments import checked_inputs, integer, labelled
 from producer.idempotent_queue import one_body_per_id, quiet_backend, request_fingerprint
 from producer.task_writer import TaskMessage
@@ -270,13 +271,15 @@ def queue_bulk_chunk(client: FleetClient, model: str, requests: list[InferenceRe
         return by_queue
 
     def build(new: list[int]) -> list[TaskMessage]:
-        return [client.writer.build(BULK_TASK_NAME, uuid.uuid4().hex, queue, [{"requests": part}], argsrepr=None,
-                                    kwargsrepr="{}") for queue, part in parts(new).items()]  # fmt: skip
+        return [client.writer.build(BULK_TASK_NAME, uuid.uuid4().hex, queue, [{"requests": part}],
+                                    argsrepr=bulk_argsrepr(part), kwargsrepr="{}")
+                for queue, part in parts(new).items()]  # fmt: skip
 
     def send(new: list[int], sent: list[int]) -> None:
         quiet_backend(client.app)
         for queue, part in parts(new).items():
-            client.app.send_task(BULK_TASK_NAME, args=[{"requests": part}], queue=queue)
+            client.app.send_task(BULK_TASK_NAME, args=[{"requests": part}], queue=queue, argsrepr=bulk_argsrepr(part))
             sent.extend(i for i in new if queues[i] == queue)
 
+    mark_bulk_queues(client.redis, queues, client.settings.result_ttl_s)  # depth reads count them (broker.queue_weight)
     client.queuer.queue(chunk, build, send, label=lambda n: f"inputs[{positions[n]}]")

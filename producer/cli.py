@@ -169,6 +169,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.config:
         os.environ["FLEET_CONFIG"] = str(args.config)
     model = settings.model_key(settings.worker.model)
+    from producer.redis_preflight import refuse_wrong_url
+
+    if (code := refuse_wrong_url(settings, "fleet worker")) is not None:  # else Celery's retry loop, forever
+        return code
     hostname = args.hostname or _free_default_name(settings, model)
     loglevel = args.loglevel or settings.worker.loglevel
     cmd = worker_command(model, settings.worker.concurrency, hostname, settings.queue_for(model), loglevel)

@@ -11,7 +11,7 @@ Exit codes (every ``fleet`` command, ``python -m producer.ops_cli`` too):
 * 2 bad input or settings (a YAML error, an invalid value, a ``FLEET_*`` variable that is not the JSON its
   setting takes, an unknown model, no model store, a model file or card that cannot be used, a Redis URL
   that is wrong where Redis or something else answers: no such database, not Redis at that port,
-  ``rediss://`` to a Redis without TLS): nothing done;
+  ``rediss://`` to a Redis without TLS or to something that speaks neither TLS nor Redis): nothing done;
 * 3 a worker could not start;
 * 130 interrupted (Ctrl-C).
 """
@@ -74,8 +74,10 @@ def redis_failure(exc: BaseException, url: str) -> tuple[str, int]:
 
     Where the URL itself is wrong the exit code is 2 and the fix names the part of it to change: a database the
     server does not have, a port where something that is not Redis answers (``Protocol error``), and a
-    ``rediss://`` URL whose TLS handshake fails or times out where a plain Redis answers (checked with one
-    ``PING`` on a fresh connection, only on this failure path).
+    ``rediss://`` URL whose TLS handshake fails or times out where a plain Redis answers, or where something
+    answers in clear text that is not Redis (an HTTP port: the peer did not speak TLS); both checked with one
+    ``PING`` on a fresh connection without TLS, only on this failure path. A TLS handshake that a TLS peer
+    failed (a certificate not verified, none sent where the server asks for one) names the TLS settings.
     """
     text = redact(str(exc), *passwords_in(url)).strip().rstrip(".")
     lowered = text.lower()
@@ -91,15 +93,25 @@ def redis_failure(exc: BaseException, url: str) -> tuple[str, int]:
     if isinstance(exc, redis.InvalidResponse) and where is not None:  # an HTTP server, a database, ...
         return (f"what answers at {where[0]}:{where[1]} is not Redis ({text}): check the host and port in "
                 f"FLEET_REDIS_URL ({mask_url(url)})"), EXIT_BAD_INPUT
-    if url.startswith("rediss://") and where is not None and _plain_redis_answers(*where):
+    answer = _plain_answer(*where) if url.startswith("rediss://") and where is not None else None
+    if where is not None and answer is not None and answer.startswith((b"+PONG", b"-NOAUTH")):
         return (f"Redis at {mask_url(url)} does not speak TLS ({text}), but a plain Redis answers at "
                 f"{where[0]}:{where[1]}: write redis:// instead of rediss:// in FLEET_REDIS_URL, or turn TLS on "
                 "in that server"), EXIT_BAD_INPUT
+    if where is not None and answer and not answer.startswith(_TLS_RECORDS):  # it answers in clear, not as Redis
+        return (f"what answers at {where[0]}:{where[1]} did not speak TLS and is not Redis (the TLS handshake "
+                f"failed: {text}; a plain PING got {_shown(answer)}): check the host and port in FLEET_REDIS_URL "
+                f"({mask_url(url)})"), EXIT_BAD_INPUT
+    if url.startswith("rediss://") and any(word in lowered for word in ("ssl", "certificate", "tls")):
+        return (f"TLS to Redis at {mask_url(url)} failed: {text}: check redis.tls_ca_file, tls_cert_file and "
+                "tls_key_file (FLEET_REDIS__TLS_*) or the ssl_* options of FLEET_REDIS_URL"), EXIT_BAD_INPUT
     return f"cannot reach Redis at {mask_url(url)}: {text}; {REDIS_UNREACHABLE_FIX}", EXIT_FAILED
 
 
 PLAIN_PING_TIMEOUT_S = 1.0
-"""How long :func:`_plain_redis_answers` waits to connect and for the answer (s)."""
+"""How long :func:`_plain_answer` waits to connect and for the answer (s)."""
+_TLS_RECORDS = (b"\x15", b"\x16")
+"""First bytes of a TLS record (an alert, a handshake): a TLS server's answer to a plain ``PING``."""
 
 
 def _host_port(url: str) -> tuple[str, int] | None:
@@ -115,18 +127,26 @@ def _host_port(url: str) -> tuple[str, int] | None:
         return None
 
 
-def _plain_redis_answers(host: str, port: int) -> bool:
-    """Whether a Redis without TLS answers ``PING`` at ``host:port`` (``+PONG``, or ``-NOAUTH`` where it wants a
-    password): what a ``rediss://`` URL that cannot reach it usually means."""
+def _plain_answer(host: str, port: int) -> bytes | None:
+    """The first bytes ``host:port`` answers to a ``PING`` sent without TLS (None: no connection or no answer
+    within :data:`PLAIN_PING_TIMEOUT_S`), asked only after a ``rediss://`` URL failed there. ``+PONG`` (or
+    ``-NOAUTH`` where it wants a password) is a plain Redis; other clear text (an HTTP server's error page) is
+    something that speaks neither TLS nor Redis. The blank line after ``PING`` ends an HTTP request head, so an
+    HTTP server answers at once; Redis skips it."""
     import socket
 
     try:
         with socket.create_connection((host, port), timeout=PLAIN_PING_TIMEOUT_S) as sock:
-            sock.sendall(b"PING\r\n")
-            reply = sock.recv(64)
+            sock.sendall(b"PING\r\n\r\n")
+            return sock.recv(64) or None
     except OSError:
-        return False
-    return reply.startswith((b"+PONG", b"-NOAUTH"))
+        return None
+
+
+def _shown(answer: bytes) -> str:
+    """The first line of a peer's answer, quoted, for the message (at most 40 characters)."""
+    first = answer.split(b"\n", 1)[0].strip()
+    return repr(first[:40].decode("ascii", "replace"))
 
 
 def _is_redis_failure(exc: BaseException) -> bool:

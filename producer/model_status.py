@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from broker import queue_depth
+from broker import waiting_requests
 from protocol.model_state import AUTO_ROLLBACKS_KEY, ModelState, Refusal, history, read_state, refusals
 from protocol.settings import FleetSettings
 
@@ -182,7 +182,7 @@ def model_states(settings: FleetSettings, client: redis.Redis[bytes]) -> list[di
             "canary_weight": state.canary_weight if state else 0,
             "generation": state.generation if state else 0,
             "canary_queue": canary_queue,
-            "canary_queue_depth": queue_depth(client, canary_queue),
+            "canary_queue_depth": waiting_requests(client, canary_queue),
             "auto_rollbacks": int(client.get(AUTO_ROLLBACKS_KEY.format(model=model)) or 0),
             "last_changes": [e.model_dump(mode="json", by_alias=True) for e in history(client, model, LAST_ENTRIES)],
             "served": served_by(workers, model),

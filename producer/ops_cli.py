@@ -60,6 +60,10 @@ def cmd_api(args: argparse.Namespace) -> int:
     if (taken := _bind_problem(host, port)) is not None:
         print(f"fleet: {_cannot_listen(host, port, taken, 'FLEET_API__PORT')}", file=sys.stderr)
         return 1
+    from producer.redis_preflight import refuse_wrong_url  # here: `python -m producer.ops_cli probe` starts fast
+
+    if (code := refuse_wrong_url(settings, "fleet api")) is not None:
+        return code
     if not settings.api.api_keys and not _loopback_only(host):
         print(f"fleet: WARNING: the gateway listens on {host}:{port}, beyond this machine, with NO API KEY: anyone "
               "who reaches the port can submit, read and cancel requests. Set FLEET_API__API_KEYS='[\"a-long-random-"
@@ -302,6 +306,10 @@ def cmd_flower(args: argparse.Namespace) -> int:
     if (taken := _bind_problem(host, port)) is not None:  # else Tornado's traceback, after Flower's start-up
         print(f"fleet: {_cannot_listen(host, port, taken, 'FLEET_FLOWER__PORT')}", file=sys.stderr)
         return 1
+    from producer.redis_preflight import refuse_wrong_url
+
+    if (code := refuse_wrong_url(settings, "fleet flower")) is not None:  # else kombu's retry loop in Flower
+        return code
     args.db.resolve().parent.mkdir(parents=True, exist_ok=True)
     os.execvpe(cmd[0], cmd, env)
     return 0  # pragma: no cover - execvpe does not return

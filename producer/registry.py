@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 
-from broker import queue_depth, queue_lists
+from broker import queue_lists, waiting_counts
 from producer.admission import Admission
 from protocol.errors import ModelLoadError
 from protocol.keys import CARD_KEY, DIRECT_QUEUES_KEY, WORKER_KEY_PREFIX
@@ -46,6 +46,7 @@ class ModelState:
     name: str
     queue: str
     depth: int
+    """Requests waiting in the model's queue (a bulk message counts the requests it carries: broker.waiting_counts)."""
     max_queue_depth: int
     oldest_waiting_s: float | None
     """Age of the oldest queued request (s); None when the queue is empty or the age is unknown."""
@@ -136,6 +137,7 @@ def read_fleet_state(settings: FleetSettings, client: redis.Redis[bytes], now_s:
     try:
         workers = list_workers(client)
         admission = Admission(client, settings, clock=lambda: now_s)
+        waiting = waiting_counts(client, [settings.queue_for(name) for name in settings.models])  # one round trip
         models = []
         for name, model in settings.models.items():
             queue = settings.queue_for(name)
@@ -143,7 +145,7 @@ def read_fleet_state(settings: FleetSettings, client: redis.Redis[bytes], now_s:
                 ModelState(
                     name=name,
                     queue=queue,
-                    depth=queue_depth(client, queue),
+                    depth=waiting[queue].requests,  # a bulk message counts the requests it carries
                     max_queue_depth=model.max_queue_depth,
                     oldest_waiting_s=oldest_waiting_age_s(client, queue, now_s),
                     drain_rate_per_s=admission.drain_rate_per_s(name),

@@ -92,6 +92,10 @@ def _load_model_before_consuming(sender: Any = None, **_: Any) -> None:
     """Load and warm the model before the consumer starts; any failure stops the worker (exit 3)."""
     if getattr(sender, "app", None) is not app:
         return
+    from producer.redis_preflight import refuse_wrong_url
+
+    if (code := refuse_wrong_url(SETTINGS, "fleet worker")) is not None:  # a bare `celery -A workers.app worker`
+        os._exit(code)  # else Celery's consumer retries a URL that can never work; SystemExit would be swallowed
     from workers.result_repr import install as install_result_repr
     from workers.runtime import start_runtime
 
