@@ -190,7 +190,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 def probe(settings: FleetSettings, kind: str, *, worker: str | None, models: list[str] | None) -> list[str]:
     """Problems that fail the probe ([] = pass).
 
-    ``live``: with ``worker``, that worker's heartbeat has not expired while Redis answers. A Redis that does not
+    ``live``: with ``worker``, that worker's heartbeat has not expired while Redis answers, and names no dead
+    thread (a thread the worker needs that died is restarted by nothing: the process must be). A Redis that does not
     answer fails no liveness: it is not the probed process's fault, and a liveness probe that failed on it
     restarted every worker and gateway at once (into the same outage); readiness fails instead.
     ``ready``: Redis answers and each of ``models`` (default: all configured) has a ready worker
@@ -208,6 +209,9 @@ def probe(settings: FleetSettings, kind: str, *, worker: str | None, models: lis
             beat = json.loads(raw)
             if kind == "ready" and not beat.get("ready"):
                 return [_not_ready_reason(worker, beat)]
+            if kind == "live" and beat.get("dead_threads"):  # nothing restarts them: the process must be
+                return [f"worker {worker!r} beats but cannot recover: thread {', '.join(beat['dead_threads'])} "
+                        "died (its exception is in the worker's log); restart it"]  # fmt: skip
             return []
         if kind == "live":
             return []

@@ -385,6 +385,7 @@ class WorkerRuntime(RuntimeCounts):
             "not_ready": why_not,
             "shutting_down": self.shutdown_begun or shutting_down(),
             "failed_runs": self.progress.failures.failed_in_a_row,
+            "dead_threads": self.threads.dead(),
             "held": progress.held,
             "stalled_s": round(progress.stalled_for_s, 1),
             "overdue_slots": progress.overdue,

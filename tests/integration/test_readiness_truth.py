@@ -155,6 +155,8 @@ def test_a_dead_scheduler_thread_is_not_ready_at_once_naming_it(fleet: Fleet) ->
     said = probe(settings, "ready", worker=proc.hostname, models=None)
     assert said and "thread fleet-scheduler died" in said[0], said
     assert "the scheduler thread died" in proc.log_tail(2_000_000)
+    live = probe(settings, "live", worker=proc.hostname, models=None)  # nothing restarts the thread: fail liveness
+    assert live and "cannot recover: thread fleet-scheduler died" in live[0] and "restart it" in live[0], live
 
 
 def test_a_dead_stream_publisher_thread_is_not_ready_naming_it(fleet: Fleet) -> None:
@@ -168,6 +170,8 @@ def test_a_dead_stream_publisher_thread_is_not_ready_naming_it(fleet: Fleet) -> 
     _send_task(r, KILL_STREAMS, "kill-streams")
     wait_until(lambda: _beat(r, proc.hostname).get("ready") is False, 60, "the heartbeat to say not ready")
     assert "thread fleet-streams died" in str(_beat(r, proc.hostname)["not_ready"])
+    live = probe(fleet.settings(cfg), "live", worker=proc.hostname, models=None)
+    assert live and "thread fleet-streams died" in live[0], live
 
 
 def test_sigterm_publishes_not_ready_at_once_not_at_the_next_beat(fleet: Fleet) -> None:
