@@ -13,6 +13,11 @@ byte again at each start would cost seconds per GB; the folder only ever appears
 above, after a full verification, so what the marker guards against is truncation and deletion,
 not bit rot. ``reverify=True`` (``store.reverify_cached``) re-hashes everything instead. A cached
 version that fails its check is removed and fetched again.
+
+Stopping early: a caller that may stop wanting the version (the reconciler, when the desired state moves on
+during a load) passes a ``stop`` event; the fetch checks it after the manifest and after each file, and
+raises :class:`Stopped` when it is set, removing its partial folder as for a failed fetch. A read already
+in flight is not interrupted: it ends when the store answers or its socket times out (:mod:`store.s3`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -32,12 +38,28 @@ from store.files import hash_file
 from store.manifest import MANIFEST_NAME, Manifest, ManifestFile, check_name, decode_manifest, manifest_digest
 from store.publish import CLAIM_NAME
 
-__all__ = ["MARKER_NAME", "cached_model_file", "fetch", "process_token"]
+__all__ = ["MARKER_NAME", "Stopped", "cached_model_file", "fetch", "process_token", "stop_if"]
 
 log = logging.getLogger("fleet.store")
 
 MARKER_NAME = ".fleet-verified.json"
 """Written into a version's cache folder after every file matched its manifest."""
+
+
+class Stopped(Exception):
+    """The caller's ``stop`` event was set: the fetch (or the load around it) ended between two steps;
+    ``step`` names the last one done. Not a FleetError: it never reaches a client (the reconciler logs it
+    and discards the load)."""
+
+    def __init__(self, step: str) -> None:
+        super().__init__(f"stopped after {step}")
+        self.step = step
+
+
+def stop_if(stop: threading.Event | None, step: str) -> None:
+    """Raise :class:`Stopped` when ``stop`` is set; ``step`` names the step just done (for the log)."""
+    if stop is not None and stop.is_set():
+        raise Stopped(step)
 
 
 def fetch(
@@ -49,6 +71,7 @@ def fetch(
     reverify: bool = False,
     manifest_sha256: str | None = None,
     progress: ProgressBar | None = None,
+    stop: threading.Event | None = None,
 ) -> Path:
     """The verified local copy of ``model`` ``version``: the path of its ONNX file in the cache.
 
@@ -56,6 +79,7 @@ def fetch(
         cache_dir: the cache's root; the version lands in ``<cache_dir>/<model>/<version>/``.
         reverify: re-hash a cached version's files instead of the cheap check.
         manifest_sha256: when given (e.g. recorded with a pin), the manifest's own sha256 must equal it.
+        stop: checked after the manifest and after each file (see the module docstring).
 
     Raises:
         InvalidRequest: a bad model or version name.
@@ -64,6 +88,7 @@ def fetch(
         ModelLoadError: the manifest is invalid, names another version, or lists a file the store lacks.
         CacheUnwritable: the cache cannot hold it (disk full, read-only, not a folder); nothing is installed.
         StoreError: the store cannot be reached or refused.
+        Stopped: ``stop`` was set; nothing of the version was installed.
     """
     check_name(model, "model")
     check_name(version, "version")
@@ -81,8 +106,9 @@ def fetch(
     where = backend.url_of(prefix + MANIFEST_NAME)
     _check_manifest_digest(raw, manifest_sha256, model, version, where)
     manifest = _decoded(raw, model, version, where)
+    stop_if(stop, "the manifest")
     try:
-        _download(backend, manifest, raw, final, progress)
+        _download(backend, manifest, raw, final, progress, stop)
     except OSError as exc:  # the cache's disk: full, read-only, a file where a folder must be
         raise _unwritable(exc, Path(cache_dir), manifest) from exc
     log.info("fetched %s %s (%d files, %d bytes) from %s into %s", model, version, len(manifest.files),
@@ -93,8 +119,12 @@ def fetch(
     return found
 
 
-def _download(backend: Backend, manifest: Manifest, raw: bytes, final: Path, progress: ProgressBar | None) -> None:
-    """Download, verify and install ``manifest``'s files as ``final`` (see the module docstring)."""
+def _download(
+    backend: Backend, manifest: Manifest, raw: bytes, final: Path, progress: ProgressBar | None,
+    stop: threading.Event | None,
+) -> None:
+    """Download, verify and install ``manifest``'s files as ``final`` (see the module docstring); ``stop``
+    is checked after each file (:class:`Stopped`: the partial folder is removed)."""
     model, version = manifest.model, manifest.version
     prefix = f"{model}/{version}/"
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -115,6 +145,7 @@ def _download(backend: Backend, manifest: Manifest, raw: bytes, final: Path, pro
                         entry.sha256,
                     ) from exc
                 _verify(dest, entry, model, version, backend.url_of(prefix + entry.path))
+                stop_if(stop, entry.path)
         (partial / MANIFEST_NAME).write_bytes(raw)
         marker = {"manifest_sha256": manifest_digest(raw), "verified_unix_s": time.time(), "pid": os.getpid()}
         (partial / MARKER_NAME).write_text(json.dumps(marker) + "\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -108,9 +109,10 @@ class ModelStore:
         *,
         manifest_sha256: str | None = None,
         progress: ProgressBar | None = None,
+        stop: threading.Event | None = None,
     ) -> Path:
         """The verified cached copy's ONNX file (``cache_dir`` defaults to the store's); see
-        :func:`store.fetch.fetch` for what is checked and raised."""
+        :func:`store.fetch.fetch` for what is checked and raised (and ``stop``)."""
         return fetch(
             self.backend,
             model,
@@ -119,6 +121,7 @@ class ModelStore:
             reverify=self.reverify_cached,
             manifest_sha256=manifest_sha256,
             progress=progress,
+            stop=stop,
         )
 
 

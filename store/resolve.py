@@ -11,6 +11,7 @@ canary of that version is the configured file (``fleet models pin`` allows exact
 from __future__ import annotations
 
 import logging
+import threading
 
 from protocol.errors import ModelLoadError
 from protocol.modelcard import load_card
@@ -22,7 +23,9 @@ __all__ = ["configured_file_version", "resolve_model"]
 log = logging.getLogger("fleet.store")
 
 
-def resolve_model(settings: FleetSettings, key: str, *, version: str | None = None) -> ModelSettings:
+def resolve_model(
+    settings: FleetSettings, key: str, *, version: str | None = None, stop: threading.Event | None = None
+) -> ModelSettings:
     """``models.<key>`` as the worker should load it.
 
     Unchanged when neither ``version`` nor ``models.<key>.store_version`` is set. Otherwise that
@@ -33,6 +36,7 @@ def resolve_model(settings: FleetSettings, key: str, *, version: str | None = No
 
     ``version`` overrides the configured ``store_version``: the seam for a version pinned in Redis.
     Without a store, ``version`` equal to :func:`configured_file_version` is the configured file (unchanged).
+    ``stop``: the fetch ends early once it is set (:class:`store.fetch.Stopped`, raised).
 
     Raises:
         ConfigError: another version is asked for but no store is configured.
@@ -45,7 +49,7 @@ def resolve_model(settings: FleetSettings, key: str, *, version: str | None = No
     if wanted is None or (settings.store.backend == "none" and wanted == configured_file_version(settings, key)):
         return model
     store = open_store(settings.store)
-    path = store.fetch(key, wanted)
+    path = store.fetch(key, wanted, stop=stop)
     log.info("model %s version %s from the store %s: verified copy %s", key, wanted, store.location, path)
     return model.model_copy(update={"path": path, "version": wanted})
 

@@ -10,6 +10,19 @@ then a plain PUT instead, with a warning: two writers racing inside that window 
 A server that silently ignores the header cannot be told apart; for the store that race means two
 concurrent pushes of one version, the later manifest winning. Fetching verifies every file against
 the manifest it read, so a version mixed from two pushes is refused at load, never served.
+
+Timeouts (how long a hung store holds a thread; botocore 1.44 / s3transfer 0.19): a connection gives up
+after :data:`CONNECT_TIMEOUT_S` (5 s), a socket read that receives nothing after :data:`READ_TIMEOUT_S`
+(60 s, botocore's default too; a read that gets bytes restarts the clock, so a slow store is not cut
+off). A request that times out is retried :data:`RETRIES` (3) times after the first attempt (botocore's
+``max_attempts``, standard mode: 4 attempts in all, backoff under a second). A store that accepts
+connections and never answers (stopped, as the tests do with SIGSTOP) so fails a request, a
+:meth:`S3Backend.read` (a manifest) or the start of a :meth:`S3Backend.download`, after about
+4 x 60 s = 4 min; a download whose body stalls once it began is asked for again by s3transfer up to
+``num_download_attempts`` (5) times, each a request of 4 attempts: about 20 min at worst. Both end in a
+:class:`StoreError` (``tests/integration/test_superseded_loads.py`` checks both with the read timeout
+scaled down); a load stuck there meanwhile is abandoned by the reconciler, not waited for
+(:mod:`workers.version_loads`).
 """
 
 from __future__ import annotations
@@ -19,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import boto3
-from boto3.exceptions import S3UploadFailedError
+from boto3.exceptions import RetriesExceededError, S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, PartialCredentialsError
@@ -33,6 +46,13 @@ if TYPE_CHECKING:
 __all__ = ["S3Backend"]
 
 log = logging.getLogger("fleet.store")
+
+CONNECT_TIMEOUT_S = 5
+"""Seconds to open a connection to the store (then retried, :data:`RETRIES`)."""
+READ_TIMEOUT_S = 60
+"""Seconds a socket read may wait for a byte (then retried, :data:`RETRIES`)."""
+RETRIES = 3
+"""Retries of a request after its first attempt (botocore's ``retries.max_attempts``: 4 attempts in all)."""
 
 _TRANSFER = TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=64 << 20, max_concurrency=4)
 _MISSING = {"404", "NoSuchKey", "NotFound"}
@@ -60,9 +80,9 @@ class S3Backend:
             config=Config(
                 # path style: S3-compatible servers on a host:port have no per-bucket DNS names
                 s3={"addressing_style": "path" if endpoint_url else "auto"},
-                retries={"max_attempts": 3, "mode": "standard"},
-                connect_timeout=5,
-                read_timeout=60,
+                retries={"max_attempts": RETRIES, "mode": "standard"},
+                connect_timeout=CONNECT_TIMEOUT_S,
+                read_timeout=READ_TIMEOUT_S,
             ),
         )
         self._conditional = True
@@ -143,6 +163,9 @@ class S3Backend:
     def download(self, key: str, dest: Path, progress: Progress | None = None) -> None:
         try:
             self.client.download_file(self.bucket, key, str(dest), Callback=progress, Config=_TRANSFER)
+        except RetriesExceededError as exc:  # s3transfer gave up on a stalled body (timeouts): the store, not the key
+            cause = getattr(exc, "last_exception", None)  # the stubs do not declare it
+            self._fail(cause if isinstance(cause, ClientError | BotoCoreError) else exc, key, "download")
         except (ClientError, BotoCoreError) as exc:
             self._unless_missing(exc, key, "download")
             raise ObjectMissing(f"{self.url_of(key)} does not exist", key, None) from exc

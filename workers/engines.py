@@ -12,6 +12,7 @@ the old engine keeps serving; nothing here touches the scheduler.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from protocol.modelcard import ModelCard, load_card
 from protocol.settings import FleetSettings, ModelSettings
 from protocol.tokenization import Tokenizer, load_tokenizer
 from store.cards import check_fits
+from store.fetch import stop_if
 from store.resolve import resolve_model
 from workers.engine import Engine
 from workers.generation.decoder import Decoder
@@ -51,27 +53,40 @@ class LoadedModel:
     warmup_ms: float
 
 
-def load_version(settings: FleetSettings, key: str, version: str | None = None) -> LoadedModel:
+def load_version(
+    settings: FleetSettings, key: str, version: str | None = None, *, stop: threading.Event | None = None
+) -> LoadedModel:
     """Load model ``key`` at ``version`` (None: the configured ``store_version`` or ``path``).
+
+    ``stop`` (the reconciler's mark of a superseded load) is checked between the steps: first, after each file
+    fetched (:func:`store.fetch.fetch`), after the fetch, after the session is open and after the warm-up;
+    once it is set the load ends with :class:`store.fetch.Stopped` and what it built is dropped (a fetch's
+    partial folder removed, the session released with the engine). A step already running is not
+    interrupted.
 
     Raises:
         ChecksumMismatch / VersionNotFound / StoreError: the version cannot be fetched as published.
         IncompatibleVersion: ``version``'s card does not fit the model's (kind, vocab_size, …); the
             reconciler records it as a refusal like any load failure.
         ModelLoadError / ProviderUnavailable / FileNotFoundError: it cannot be opened as configured.
+        Stopped: ``stop`` was set; nothing was loaded.
         Exception: ORT's own errors while creating the session or warming it up.
     """
     started = time.monotonic()
-    model = resolve_model(settings, key, version=version)
+    stop_if(stop, "nothing (it had not begun)")
+    model = resolve_model(settings, key, version=version, stop=stop)
+    stop_if(stop, "the fetch")
     card = load_card(model.path)
     if version is not None:
         check_fits(settings, key, version, card)
     engine = Engine(model.path, card, model.engine, model.batching, model.limits)
     engine, decoder = _decoder(engine, model)
+    stop_if(stop, "the session")
     warmup_ms = engine.warm_up() if model.engine.warmup else 0.0
     generation = GenerationLoop(decoder, model.batching) if decoder is not None else None
     if generation is not None and model.engine.warmup:
         warmup_ms += generation.warm_up()
+    stop_if(stop, "the warm-up")
     return LoadedModel(
         version=model.version or card.version,
         model=model,

@@ -21,6 +21,14 @@ its turns meanwhile. When a load ends, the state is read again and the version g
 names it (:func:`workers.reconcile_plan.landing_role`), or is discarded unserved. Passes and the ends
 of loads take one lock, so swaps and refusals happen one at a time, as on a single thread.
 
+A load the state stops naming (a pin replaced, a canary rolled back, during its load) is superseded: a
+pass marks it, and it stops at its next step (:mod:`workers.version_loads`); its replacement does not
+wait for it, but starts on a new thread at once, even while the superseded one is stuck in a read of a
+hung store. What a superseded load brings back is discarded, never swapped in, and its failure is not a
+refusal. At most one superseded load per role runs beside the current one; a further change while both
+run waits until one of them ends (logged). Memory: a worker briefly holds up to six engines (two serving,
+and per role one loading and one superseded; :mod:`workers.version_loads`), two in steady state.
+
 A version that cannot be loaded (ChecksumMismatch, VersionNotFound, a load error) is recorded with
 :func:`protocol.model_state.record_refusal` and the old version keeps serving; it is not retried
 until the state changes (its ``generation`` grows).
@@ -52,6 +60,7 @@ from store.resolve import configured_file_version
 from workers.engines import LoadedModel, load_version
 from workers.reconcile_plan import Held, landing_role, plan, to_start, wanted_stable
 from workers.scheduler import Role
+from workers.version_loads import VersionLoad, VersionLoads
 
 if TYPE_CHECKING:
     from workers.runtime import WorkerRuntime
@@ -90,8 +99,8 @@ class Reconciler:
         """Serialises the passes and the ends of loads (state read, swaps, refusals); never held during a load."""
         self._settled = threading.Condition(self._lock)
         """Notified whenever a load ends."""
-        self._loading: dict[Role, str | None] = {}
-        """The loads in flight: role -> version (None = the configured one); at most one per role."""
+        self._loads = VersionLoads(f"worker {hostname}", model)
+        """The loads in flight: per role the current one and at most one superseded (abandoned) one."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="fleet-reconciler", daemon=True)
 
@@ -172,8 +181,10 @@ class Reconciler:
         return self._thread
 
     def stop(self) -> None:
-        """Stop the thread (waits briefly); a load still in flight is discarded when it ends."""
+        """Stop the thread (waits briefly); a load still in flight stops at its next step and is discarded."""
         self._stop.set()
+        with self._lock:
+            self._loads.stop_all()
         if self._thread.is_alive():
             self._thread.join(5.0)
 
@@ -205,8 +216,12 @@ class Reconciler:
             wanted = (state.canary if state is not None else None) or "none"
             log.info("worker %s emptied its canary slot (held %s; the state's canary: %s): canary-queue requests "
                      "now run on stable", self.hostname, dropped, wanted)
-        for role, version in to_start(steps, self._loading):
+        held, generation = self._held(), state.generation if state is not None else 0
+        self._loads.supersede(lambda role, version: landing_role(state, self._configured, version, role, held)
+                              is not None, generation)  # marks the loads the state no longer names
+        for role, version in to_start(steps, self._loads.versions()):
             self._begin(role, version, state)
+        self._loads.log_waits(steps.loads, generation)
         return state
 
     def _held(self) -> Held:
@@ -217,31 +232,34 @@ class Reconciler:
     def _begin(self, role: Role, version: str | None, state: ModelState | None) -> None:
         """Load ``version`` for ``role`` on a thread of its own (the caller holds the lock): a fetch and
         warm-up take seconds, and a rollback that lands meanwhile must not wait for them."""
-        self._loading[role] = version
-        thread = threading.Thread(target=self._load, args=(role, version, state), name=f"fleet-load-{role}",
-                                  daemon=True)
+        load = self._loads.begin(role, version)
+        thread = threading.Thread(target=self._load, args=(load, state), name=f"fleet-load-{role}", daemon=True)
         thread.start()
 
     def wait_loaded(self) -> None:
-        """Block until no load is in flight (the loads a pass began, and those the passes after them began)."""
+        """Block until no current load is in flight (the loads a pass began, and those the passes after them
+        began); a superseded one may still run."""
         with self._lock:
-            self._settled.wait_for(lambda: not self._loading)
+            self._settled.wait_for(lambda: not self._loads.current)
 
-    def _load(self, role: Role, version: str | None, state: ModelState | None) -> None:
+    def _load(self, load: VersionLoad, state: ModelState | None) -> None:
         """The load thread: load, then (under the lock) swap it in where the state now wants it, or discard
         it, or record the refusal; then a pass applies what changed meanwhile (and begins the next load)."""
+        role, version = load.role, load.version
         loaded: LoadedModel | None = None
         failure: Exception | None = None
         try:
-            loaded = load_version(self.settings, self.model, version)
+            loaded = load_version(self.settings, self.model, version, stop=load.stop)
         except Exception as exc:  # any load failure: refuse it, keep serving the old version
             failure = exc
         with self._lock:
             try:
-                del self._loading[role]
+                self._loads.end(load)
                 if self._stop.is_set():
                     return
-                if failure is not None:
+                if load.superseded:
+                    self._loads.discarded(load, failure)
+                elif failure is not None:
                     self._refused_load(role, version, state, failure)
                 elif loaded is not None:
                     log.info("worker %s loaded %s %s in %.0f ms (warm-up %.0f ms)", self.hostname, self.model,

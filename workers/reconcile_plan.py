@@ -10,8 +10,9 @@ when its successor is refused (the canary queue then runs on stable, which every
 
 Loads run beside the reconciler (:mod:`workers.reconcile`), so a step that needs none (dropping a canary,
 promoting the held canary) is never held up by one in flight: :func:`to_start` picks the loads to begin
-(at most one per role, none of a version already loading), and :func:`landing_role` says where a load
-that ended goes once the state may have moved on (its role, the other one, or nowhere: discarded).
+(at most one current per role, none of a version already loading), and :func:`landing_role` says where a
+load that ended goes once the state may have moved on (its role, the other one, or nowhere: discarded);
+a load for which it says nowhere while it runs is superseded (:mod:`workers.version_loads`).
 Tested by tables in ``tests/unit/test_reconcile_plan.py`` and ``tests/unit/test_reconcile_loads.py``.
 """
 
@@ -107,11 +108,12 @@ def plan(
 
 
 def to_start(steps: Steps, loading: Mapping[Role, str | None]) -> list[tuple[Role, str | None]]:
-    """The loads of ``steps`` to begin now, given those in flight (``loading``: role -> version).
+    """The loads of ``steps`` to begin now, given the current loads in flight (``loading``: role -> version).
 
-    At most one load per role is in flight (a worker holds at most four engines: stable and canary
-    serving, one of each loading): a load whose role is busy waits for the pass that runs when the busy
-    one ends (that one is then discarded, or lands elsewhere, when the state moved on). A version already
+    At most one current load per role: a load whose role is busy waits for the pass that runs when the busy
+    one ends (it lands elsewhere when the state moved on: a canary promoted during its load). A load the
+    state no longer names is not current: it was superseded and abandoned (:mod:`workers.version_loads`,
+    which bounds those to one per role), so its replacement does not wait for it. A version already
     loading, in either role, is not loaded twice: it lands where the state wants it (:func:`landing_role`).
     """
     return [(role, version) for role, version in steps.loads
