@@ -182,6 +182,8 @@ def test_footprints_do_not_grow_with_traffic(leak_fleet: LeakFleet) -> None:
     for name, b in base.counts().items():
         s, l_ = small.counts()[name], large.counts()[name]
         # the growth from the small size to three times it is a constant's, and (threads aside: pools, anyio's
-        # and the executor's, grow to the traffic's peak concurrency, then stay) so is the growth from the baseline
-        assert l_ - s <= _allowed(name) and ("threads" in name or l_ - b <= _allowed(name)), (
+        # and the executor's, grow to the traffic's peak concurrency, then stay) so is the growth from the baseline.
+        # A count may fall below the baseline after a round (the pools drop the connections a Redis restart
+        # closed, then reconnect as they are used), so the large size is held to the higher of the two.
+        assert l_ - max(s, b) <= _allowed(name) and ("threads" in name or l_ - b <= _allowed(name)), (
             f"{name}: base {b}, after {SMALL} {s}, after {3 * SMALL} {l_}")

@@ -41,7 +41,7 @@ def test_a_bulk_message_at_the_head_of_the_queue_has_an_age(fleet: Fleet) -> Non
     sent_by = time.time()
     client.submit(MODEL, [5, 6])
     row, before, after = _queue_row(config)
-    assert row["depth"] == 2
+    assert row["depth"] == 3  # requests waiting: the bulk message's two and the lone one
     assert row["oldest_waiting_s"] is not None, row
     # the bulk message's requests were stamped between sent_from and sent_by; status read the clock in [before, after]
     assert before - sent_by - 0.001 <= row["oldest_waiting_s"] <= after - sent_from + 0.001, row
