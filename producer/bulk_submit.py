@@ -26,7 +26,7 @@ from broker import bulk_argsrepr, mark_bulk_queues
 from producer.arguments import checked_inputs, integer, labelled
 from producer.idempotent_queue import one_body_per_id, quiet_backend, request_fingerprint
 from producer.task_writer import TaskMessage
-from protocol.errors import AdmissionRefused, InvalidRequest, SubmitInterrupted
+from protocol.errors import AdmissionRefused, IdempotencyConflict, InvalidRequest, SubmitInterrupted
 from protocol.messages import BULK_TASK_NAME, MAX_BULK_REQUESTS, InferenceRequest
 from protocol.redis_conn import describe_redis_error
 
@@ -38,6 +38,8 @@ __all__ = ["REDIS_FAILURES", "interrupted", "queue_bulk_chunk", "submit_bulk", "
 REDIS_FAILURES = (redis.RedisError, KombuOperationalError)
 """What a Redis failure raises on the submit paths: redis-py's errors (the claim-and-queue script) and kombu's
 (Celery's ``send_task`` where tasks are not written as raw envelopes)."""
+Refusal = AdmissionRefused | IdempotencyConflict
+"""What stops a batch call midway and carries ``queued_ids``."""
 
 
 def _build_all(client: FleetClient, model: str, inputs: Iterable[Sequence[int] | str],
@@ -95,9 +97,9 @@ def interrupted(call: str, client: FleetClient, exc: BaseException, ids: Sequenc
     return SubmitInterrupted(message, "redis_url", None, queued_ids, unknown_ids, unqueued_ids, list(ids))
 
 
-def _refused_after(exc: AdmissionRefused, requests: Sequence[InferenceRequest], queued: set[int]) -> AdmissionRefused:
+def _refused_after(exc: Refusal, requests: Sequence[InferenceRequest], queued: set[int]) -> Refusal:
     """``exc`` with ``queued_ids`` set: the IDs (in input order, a repeated one once) of the requests queued
-    (or known already) before admission refused the rest."""
+    (or known already) before admission, or a conflicting ID, refused the rest."""
     exc.queued_ids = list(dict.fromkeys(str(requests[i].request_id) for i in sorted(queued)))
     return exc
 
@@ -128,7 +130,9 @@ def submit_many(
 
     Raises:
         InvalidRequest: a bad input (named ``inputs[i].<field>``), or ``inputs`` is a string or bytes (named
-            ``inputs``); IdempotencyConflict: ``inputs[i]`` under a known or repeated ID with another body.
+            ``inputs``).
+        IdempotencyConflict: ``inputs[i]`` under a known ID with another body (a repeat inside ``inputs`` is
+            refused before anything is queued); the requests before it stay queued: ``queued_ids``.
         QueueFull / RateLimited: from admission; the requests before it stay queued, and the exception's
             ``queued_ids`` lists their IDs (in input order).
         SubmitInterrupted: Redis failed; the requests sent before stay queued (``queued_ids``), those in flight
@@ -168,7 +172,7 @@ def submit_many(
             else:
                 with ThreadPoolExecutor(threads) as pool:
                     sent = list(pool.map(send_one, unique))
-        except AdmissionRefused as exc:
+        except (AdmissionRefused, IdempotencyConflict) as exc:
             raise _refused_after(exc, requests, queued) from None
         except REDIS_FAILURES as exc:  # client.send's SubmitInterrupted (its request's step) or Redis's own error
             cause = exc.__cause__ if isinstance(exc, SubmitInterrupted) and exc.__cause__ is not None else exc
@@ -213,7 +217,7 @@ def submit_bulk(
         QueueFull / RateLimited: from admission; the chunks before stay queued, and the exception's
             ``queued_ids`` lists their requests' IDs (in input order).
         IdempotencyConflict: ``inputs[i]`` under a known or repeated ID with another body (nothing
-            of its chunk, nor of the chunks after it, is queued).
+            of its chunk, nor of the chunks after it, is queued; the chunks before are: ``queued_ids``).
         SubmitInterrupted: Redis failed; the chunks before stay queued (``queued_ids``), the chunk whose Redis
             step was in flight is ``unknown_ids``, the chunks after ``unqueued_ids``; ``request_ids`` holds every
             input's ID, to submit the same inputs again.
@@ -246,7 +250,7 @@ def submit_bulk(
                 client.admission.admit(key, count=len(positions), rate_key=rate_key)
                 in_flight = positions
                 queue_bulk_chunk(client, key, requests, keys, positions)
-            except AdmissionRefused as exc:
+            except (AdmissionRefused, IdempotencyConflict) as exc:
                 raise _refused_after(exc, requests, queued) from None
             except REDIS_FAILURES as exc:
                 ids = [str(r.request_id) for r in requests]

@@ -220,6 +220,12 @@ class IdempotencyConflict(FleetError):
 
     code = "idempotency_conflict"
 
+    def __init__(self, message: str, field: str | None = None, limit: Any = None) -> None:
+        super().__init__(message, field, limit)
+        self.queued_ids: list[str] = []
+        """As :attr:`AdmissionRefused.queued_ids`: what a batch call queued, or found known, before this
+        conflict stopped it (in input order)."""
+
 
 class SubmitInterrupted(redis.ConnectionError, FleetError):
     """Redis failed (connection lost, timeout, restart) while a submit was queueing; the Redis error is its
