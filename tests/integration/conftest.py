@@ -1,4 +1,4 @@
-"""Fixtures shared by the integration modules that need a real S3 server.
+"""Fixtures shared by integration modules: a real S3 server, and a Redis link a test can cut.
 
 One SeaweedFS per test session (its start-up costs ~5–20 s on this machine): defined here, not
 imported into each module, because a session fixture imported into N modules is N fixtures.
@@ -10,6 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.integration.redis_cut_proxy import CutProxy
+from tools.redis_server import EmbeddedRedis
 from tools.seaweed_server import EmbeddedSeaweed
 
 BUCKET = "fleet-models"
@@ -32,3 +34,13 @@ def s3(seaweed: EmbeddedSeaweed, monkeypatch: pytest.MonkeyPatch) -> EmbeddedSea
     for key, value in seaweed.env().items():
         monkeypatch.setenv(key, value)
     return seaweed
+
+
+@pytest.fixture
+def proxy(redis_server: EmbeddedRedis) -> Iterator[CutProxy]:
+    """A :class:`~tests.integration.redis_cut_proxy.CutProxy` in front of the test's redis-server."""
+    p = CutProxy(redis_server.port)
+    try:
+        yield p
+    finally:
+        p.close()

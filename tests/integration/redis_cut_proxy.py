@@ -17,12 +17,18 @@ No timing is involved: the cut is tied to the command, not to a clock.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import selectors
 import socket
 import threading
 from typing import Literal
 
-__all__ = ["CutProxy", "parse_command"]
+from producer.idempotent_queue import CLAIM_AND_QUEUE_LUA
+
+__all__ = ["CLAIM_AND_QUEUE_SHA", "CutProxy", "parse_command"]
+
+CLAIM_AND_QUEUE_SHA = hashlib.sha1(CLAIM_AND_QUEUE_LUA.encode()).hexdigest()
+"""The ``EVALSHA`` argument of the producers' claim-and-queue script: the step that queues a request."""
 
 Mode = Literal["drop", "lose_reply"]
 
@@ -205,3 +211,4 @@ class CutProxy:
             with contextlib.suppress(KeyError, ValueError):
                 self._selector.unregister(sock)
             sock.close()
+

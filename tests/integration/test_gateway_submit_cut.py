@@ -10,8 +10,6 @@ gateway process and worker; the gateway reaches a real redis-server through
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,24 +17,14 @@ import httpx
 import pytest
 import redis
 
-from producer.idempotent_queue import CLAIM_AND_QUEUE_LUA
+from broker import waiting_requests
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.ops_fixtures import GatewayProcess
-from tests.integration.redis_cut_proxy import CutProxy
+from tests.integration.redis_cut_proxy import CLAIM_AND_QUEUE_SHA, CutProxy
 from tools.processes import poll_until
 from tools.redis_server import EmbeddedRedis
 
-SCRIPT_SHA = hashlib.sha1(CLAIM_AND_QUEUE_LUA.encode()).hexdigest()
 BODY = {"model": "demo-lm", "input_ids": [5, 6, 7]}
-
-
-@pytest.fixture
-def proxy(redis_server: EmbeddedRedis) -> Iterator[CutProxy]:
-    p = CutProxy(redis_server.port)
-    try:
-        yield p
-    finally:
-        p.close()
 
 
 def _gateway(fleet: Fleet, proxy: CutProxy, tmp_path: Path, **api: Any) -> GatewayProcess:
@@ -45,8 +33,8 @@ def _gateway(fleet: Fleet, proxy: CutProxy, tmp_path: Path, **api: Any) -> Gatew
 
 
 def _queued(r: redis.Redis[bytes]) -> int:
-    """Requests waiting on the demo LM's queue (a bulk message counts as its requests)."""
-    return sum(r.llen(key) for key in r.scan_iter(match="fleet.demo-lm*") if r.type(key) == b"list")
+    """Requests waiting on the demo LM's queue (its priority lists included)."""
+    return waiting_requests(r, "fleet.demo-lm")
 
 
 def _warm_up(gateway: GatewayProcess) -> None:
@@ -62,7 +50,7 @@ def test_a_cut_while_the_gateway_queues_names_the_id_and_a_resend_under_it_runs_
     r = redis.Redis.from_url(redis_server.url)
     _warm_up(gateway)  # the script is loaded (a first EVALSHA would be answered NOSCRIPT, and run again)
     r.flushdb()  # the warm-up's request and marker gone; the script stays
-    proxy.arm("EVALSHA", first_arg=SCRIPT_SHA, nth=1, mode=mode)  # type: ignore[arg-type]
+    proxy.arm("EVALSHA", first_arg=CLAIM_AND_QUEUE_SHA, nth=1, mode=mode)  # type: ignore[arg-type]
     cut = httpx.post(f"{gateway.url}/v1/requests", json=BODY, timeout=60)
     payload = cut.json()
     print(f"\ncut ({mode}, group_submits={group_submits}): {cut.status_code} {payload}")
@@ -91,7 +79,7 @@ def test_an_openai_call_cut_while_queueing_says_which_request_to_poll(
 ) -> None:
     gateway = _gateway(fleet, proxy, tmp_path)
     _warm_up(gateway)
-    proxy.arm("EVALSHA", first_arg=SCRIPT_SHA, nth=1, mode="lose_reply")
+    proxy.arm("EVALSHA", first_arg=CLAIM_AND_QUEUE_SHA, nth=1, mode="lose_reply")
     cut = httpx.post(f"{gateway.url}/v1/completions", json={"model": "demo-lm", "prompt": [5, 6, 7], "max_tokens": 2},
                      timeout=60)  # fmt: skip
     error = cut.json()["error"]

@@ -19,7 +19,6 @@ from typing import Any
 
 import httpx
 import openai
-import pytest
 
 from producer.client import FleetClient
 from protocol.errors import RequestExpired
@@ -27,23 +26,15 @@ from protocol.messages import InferenceResult
 from protocol.settings import load_settings
 from protocol.streams import StreamEvent
 from tests.integration.ops_fixtures import API_KEY, OpsFleet, ops_fleet, ops_models, ops_redis, wait_until
-from tools.build_llama import build_llama
+from tests.integration.test_generation_adversary_worker import ENDLESS_TOKENS, endless_decoder
 
-__all__ = ["ops_fleet", "ops_models", "ops_redis"]
+__all__ = ["endless_decoder", "ops_fleet", "ops_models", "ops_redis"]  # the decoder: test_generation_adversary_worker's
 
-ENDLESS_TOKENS = 20_000
-"""What each cancelled generation asks for: it runs until it is cancelled."""
 MODEL = "demo-lm"
 
 
-@pytest.fixture(scope="module")
-def endless_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The small demo Llama with room for :data:`ENDLESS_TOKENS` after a short prompt."""
-    return build_llama(tmp_path_factory.mktemp("endless-stream"), max_positions=ENDLESS_TOKENS + 64)
-
-
-def _config(fleet: OpsFleet, endless_lm: Path) -> Path:
-    return fleet.config(serve=(MODEL,), models={MODEL: {"path": str(endless_lm),
+def _config(fleet: OpsFleet, decoder: Path) -> Path:
+    return fleet.config(serve=(MODEL,), models={MODEL: {"path": str(decoder),
                                                         "limits": {"max_new_tokens": ENDLESS_TOKENS}}})  # fmt: skip
 
 
@@ -73,15 +64,39 @@ class SSEReader:
         return [e["token_id"] for e in self.events if e["type"] == "token"]
 
 
-def _client_events(events: Iterator[StreamEvent], seen: list[StreamEvent]) -> None:
-    for event in events:
-        seen.append(event)
+class ClientReader:
+    """Reads ``FleetClient.stream`` on a thread: every event, and whether the stream ended."""
+
+    def __init__(self, client: FleetClient, request_id: str) -> None:
+        self.events: list[StreamEvent] = []
+        self._thread = threading.Thread(target=self._run, args=(client.stream(request_id, timeout_s=120),),
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
+
+    def _run(self, events: Iterator[StreamEvent]) -> None:
+        for event in events:
+            self.events.append(event)
+
+    def ended(self, timeout_s: float) -> bool:
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+
+def _readers(gateway: str, client: FleetClient, request_id: str) -> tuple[SSEReader, ClientReader]:
+    """The gateway's SSE route and the Python client, each reading ``request_id``'s stream on a thread."""
+    return SSEReader(gateway, request_id), ClientReader(client, request_id)
+
+
+def _both_end(sse: SSEReader, native: ClientReader, after: str) -> None:
+    assert sse.ended.wait(60), f"the SSE stream did not end after {after}"
+    assert native.ended(60), f"the Python client's stream did not end after {after}"
+    assert sse.error is None, sse.error
 
 
 def test_a_generation_cancelled_mid_stream_ends_every_reader_with_its_one_outcome(
-    ops_fleet: OpsFleet, endless_lm: Path
+    ops_fleet: OpsFleet, endless_decoder: Path
 ) -> None:
-    cfg = _config(ops_fleet, endless_lm)
+    cfg = _config(ops_fleet, endless_decoder)
     gateway = ops_fleet.gateway(cfg)
     ops_fleet.worker(cfg, MODEL)
     client = FleetClient(load_settings(cfg))
@@ -91,21 +106,16 @@ def test_a_generation_cancelled_mid_stream_ends_every_reader_with_its_one_outcom
                                                "output": {"generation": generation}})  # fmt: skip
     assert accepted.status_code == 202, accepted.text
     rid = accepted.json()["request_id"]
-    sse = SSEReader(gateway.url, rid)
-    seen: list[StreamEvent] = []
-    native = threading.Thread(target=_client_events, args=(client.stream(rid, timeout_s=120), seen), daemon=True)
-    native.start()
+    sse, native = _readers(gateway.url, client, rid)
+    seen = native.events
     wait_until(lambda: len(sse.tokens()) >= 3 and len(seen) >= 3, 60, "both readers to see tokens")
 
     assert http.delete(f"/v1/requests/{rid}").status_code in (200, 202)
-    assert sse.ended.wait(60), "the SSE stream did not end after the cancel"
-    native.join(60)
-    assert not native.is_alive(), "the Python client's stream did not end after the cancel"
+    _both_end(sse, native, "the cancel")
     (outcome,) = client.wait([rid], timeout_s=60)
     status = http.get(f"/v1/requests/{rid}").json()
     print(f"\ncancelled mid-stream after {len(sse.tokens())} SSE tokens and {len(seen) - 1} client tokens: SSE "
           f"ends {sse.events[-1]}; client ends {seen[-1].model_dump(exclude_none=True)}; status {status['status']}")
-    assert sse.error is None, sse.error
     # a running generation that is cancelled succeeds with the tokens made so far (README: DELETE)
     assert isinstance(outcome, InferenceResult) and outcome.generation is not None, outcome
     stored = outcome.generation
@@ -121,9 +131,9 @@ def test_a_generation_cancelled_mid_stream_ends_every_reader_with_its_one_outcom
 
 
 def test_an_openai_completion_stream_cancelled_by_its_request_id_ends_with_the_text_so_far(
-    ops_fleet: OpsFleet, endless_lm: Path
+    ops_fleet: OpsFleet, endless_decoder: Path
 ) -> None:
-    cfg = _config(ops_fleet, endless_lm)
+    cfg = _config(ops_fleet, endless_decoder)
     gateway = ops_fleet.gateway(cfg)
     ops_fleet.worker(cfg, MODEL)
     sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
@@ -150,8 +160,10 @@ def test_an_openai_completion_stream_cancelled_by_its_request_id_ends_with_the_t
     assert "".join(texts) == generation["text"]
 
 
-def test_a_generation_refused_before_it_ran_ends_its_waiting_readers(ops_fleet: OpsFleet, endless_lm: Path) -> None:
-    cfg = _config(ops_fleet, endless_lm)
+def test_a_generation_refused_before_it_ran_ends_its_waiting_readers(
+    ops_fleet: OpsFleet, endless_decoder: Path
+) -> None:
+    cfg = _config(ops_fleet, endless_decoder)
     gateway = ops_fleet.gateway(cfg)
     client = FleetClient(load_settings(cfg))
     http = httpx.Client(base_url=gateway.url, headers={"X-API-Key": API_KEY}, timeout=60)
@@ -161,19 +173,14 @@ def test_a_generation_refused_before_it_ran_ends_its_waiting_readers(ops_fleet: 
                                                "output": {"generation": {"max_new_tokens": 8}}})  # fmt: skip
     assert accepted.status_code == 202, accepted.text
     rid = accepted.json()["request_id"]
-    sse = SSEReader(gateway.url, rid)  # waiting on a stream no worker has begun
-    seen: list[StreamEvent] = []
-    native = threading.Thread(target=_client_events, args=(client.stream(rid, timeout_s=120), seen), daemon=True)
-    native.start()
+    sse, native = _readers(gateway.url, client, rid)  # waiting on a stream no worker has begun
+    seen = native.events
     wait_until(lambda: time.time() > submitted + deadline_s, 10, "the deadline to pass")  # past, then the worker
     ops_fleet.worker(cfg, MODEL)
-    assert sse.ended.wait(60), "the SSE stream did not end after the refusal"
-    native.join(60)
-    assert not native.is_alive(), "the Python client's stream did not end after the refusal"
+    _both_end(sse, native, "the refusal")
     (outcome,) = client.wait([rid], timeout_s=60)
     print(f"\nrefused before it ran: SSE {sse.events}; client {[e.model_dump(exclude_none=True) for e in seen]}; "
           f"outcome {type(outcome).__name__}")
-    assert sse.error is None, sse.error
     assert isinstance(outcome, RequestExpired), outcome
     assert not sse.tokens() and not [e for e in seen if e.type == "token"]
     assert sse.events[-1]["type"] == "error" and seen[-1].type == "error" and seen[-1].is_last

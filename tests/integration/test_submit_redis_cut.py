@@ -12,42 +12,28 @@ state, each result written once.
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import subprocess
 import sys
 import threading
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 
-from producer.idempotent_queue import CLAIM_AND_QUEUE_LUA
 from protocol.errors import FleetError, SubmitInterrupted
 from protocol.keys import REQUEST_KEY
 from tests.integration.fleet_fixtures import Fleet
-from tests.integration.redis_cut_proxy import CutProxy
+from tests.integration.redis_cut_proxy import CLAIM_AND_QUEUE_SHA, CutProxy
 from tools.ledger import Ledger
 from tools.processes import poll_until
-from tools.redis_server import EmbeddedRedis
 
 MODEL = "demo-lm"
 QUEUE = "fleet.demo-lm"
-SCRIPT_SHA = hashlib.sha1(CLAIM_AND_QUEUE_LUA.encode()).hexdigest()
 INPUTS = [[5, 6, i + 1] for i in range(10)]
 CHUNK = 3
 """submit_bulk's chunks: inputs 0-2, 3-5, 6-8, 9; the cut falls at the second (3-5)."""
-
-
-@pytest.fixture
-def proxy(redis_server: EmbeddedRedis) -> Iterator[CutProxy]:
-    p = CutProxy(redis_server.port)
-    try:
-        yield p
-    finally:
-        p.close()
 
 
 class _ResultWrites:
@@ -120,7 +106,7 @@ def test_a_redis_cut_midway_says_what_is_queued_and_a_resubmit_queues_each_reque
     r = redis.Redis.from_url(fleet.redis_url)
     client.submit(MODEL, [1, 2, 3], request_id="warm-up")  # the script loaded, the task writer set up
     nth = 2 if call == "submit_bulk" else 4  # submit_bulk: chunk 3-5; submit_many: input 3
-    proxy.arm("EVALSHA", first_arg=SCRIPT_SHA, nth=nth, mode=mode)  # type: ignore[arg-type]
+    proxy.arm("EVALSHA", first_arg=CLAIM_AND_QUEUE_SHA, nth=nth, mode=mode)  # type: ignore[arg-type]
 
     with pytest.raises(SubmitInterrupted) as info:
         _submit(call, client)
@@ -167,7 +153,7 @@ def test_a_redis_cut_in_a_single_submit_names_the_id_it_made(fleet: Fleet, proxy
     client = fleet.client(fleet.config(redis_url=proxy.url))
     r = redis.Redis.from_url(fleet.redis_url)
     client.submit(MODEL, [1, 2, 3], request_id="warm-up")
-    proxy.arm("EVALSHA", first_arg=SCRIPT_SHA, nth=1, mode="lose_reply")
+    proxy.arm("EVALSHA", first_arg=CLAIM_AND_QUEUE_SHA, nth=1, mode="lose_reply")
     with pytest.raises(SubmitInterrupted) as info:
         client.submit(MODEL, [4, 5, 6])
     exc = info.value
@@ -190,7 +176,7 @@ def test_a_redis_cut_under_threaded_submit_many_stops_every_thread_and_each_id_i
     client = fleet.client(fleet.config(redis_url=proxy.url))
     r = redis.Redis.from_url(fleet.redis_url)
     client.submit(MODEL, [1, 2, 3], request_id="warm-up")
-    proxy.arm("EVALSHA", first_arg=SCRIPT_SHA, nth=4, mode="lose_reply")
+    proxy.arm("EVALSHA", first_arg=CLAIM_AND_QUEUE_SHA, nth=4, mode="lose_reply")
     with pytest.raises(SubmitInterrupted) as info:
         client.submit_many(MODEL, INPUTS, progress=False, threads=4)
     exc = info.value
@@ -211,7 +197,7 @@ def test_a_redis_cut_in_send_batch_names_every_id_as_unknown(fleet: Fleet, proxy
     r = redis.Redis.from_url(fleet.redis_url)
     client.submit(MODEL, [1, 2, 3], request_id="warm-up")
     built = [client.build_request(MODEL, ids) for ids in INPUTS[:4]]
-    proxy.arm("EVALSHA", first_arg=SCRIPT_SHA, nth=1, mode="drop")
+    proxy.arm("EVALSHA", first_arg=CLAIM_AND_QUEUE_SHA, nth=1, mode="drop")
     with pytest.raises(SubmitInterrupted) as info:
         client.send_batch(built)
     exc = info.value
@@ -257,7 +243,7 @@ def test_fleet_submit_cut_in_its_queue_step_prints_the_id_to_submit_again(fleet:
     client = fleet.client(cfg)
     r = redis.Redis.from_url(fleet.redis_url)
     client.submit(MODEL, [1, 2, 3], request_id="warm-up")  # the script is loaded in the server
-    proxy.arm("EVALSHA", first_arg=SCRIPT_SHA, nth=1, mode="lose_reply")
+    proxy.arm("EVALSHA", first_arg=CLAIM_AND_QUEUE_SHA, nth=1, mode="lose_reply")
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "producer.cli", "submit", "--model", MODEL, "--tokens", "4,5,6",
