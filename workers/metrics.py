@@ -102,11 +102,11 @@ def outcome_of(exc: BaseException | None) -> str:
 
 
 def ready_as_published(runtime: WorkerRuntime) -> bool:
-    """What the worker's heartbeat says of its readiness, as ``fleet probe ready`` reads it: it consumes, it is
-    not shutting down, the threads it needs live, its engine's runs do not all fail (``runtime.ready``), it is
-    not stalled (:mod:`workers.progress`, the last check), and its last beat reached Redis (it cannot take or
-    store anything while Redis is away; the gauge said 1 through an outage)."""
-    return runtime.ready and not runtime.progress.last.stalled and runtime.heartbeat.live
+    """What the worker's heartbeat says of its readiness, as ``fleet probe ready`` reads it: ``runtime.ready``
+    (it consumes, it is not shutting down, the threads it needs live, its engine's runs do not all fail, and
+    as of the last check it is not stalled: :mod:`workers.progress`), and its last beat reached Redis (it
+    cannot take or store anything while Redis is away; the gauge said 1 through an outage)."""
+    return runtime.ready and runtime.heartbeat.live
 
 
 class EngineNodesCollector:
