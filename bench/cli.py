@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--peer-venv",
         type=Path,
         default=Path("var/peer-venv"),
-        help="virtualenv of the celery-batches peer (created on first use, ~20 s)",
+        help="virtualenv of the celery-batches peer (created on first use, ~20 s; default %(default)s)",
     )
     p.add_argument("--no-peer", action="store_true", help="skip the celery-batches peer row")
     p.add_argument(
@@ -81,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--label",
         default="latest",
-        help="--only dispatch: name of this run in the before/after table (e.g. before, after)",
+        help="--only dispatch: name of this run in the before/after table (e.g. before, after; default %(default)s)",
     )
     p.add_argument(
         "--dispatch-json",

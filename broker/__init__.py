@@ -70,6 +70,7 @@ Tests may import submodules: they check the internals one by one.
 
 from __future__ import annotations
 
+from broker.bulk_trim import bulk_item_without
 from broker.cancel_marks import MARKS as CANCEL_MARKS
 from broker.celery_app import make_celery, quiet_worker
 from broker.eta_window import item_eta_too_far, max_eta_ahead_s
@@ -78,8 +79,9 @@ from broker.in_hand import IN_HAND as TAKEN_IN_HAND
 from broker.message_check import bulk_request_ids
 from broker.poison import install as install_poison_guard
 from broker.priority_lists import queue_depth, queue_lists
-from broker.queue_weight import bulk_argsrepr, mark_bulk_queues, waiting_counts, waiting_requests
+from broker.queue_weight import bulk_argsrepr, mark_bulk_queues, pipe_waiting_counts, waiting_counts, waiting_requests
 from broker.result_backend import install as install_result_backend
+from broker.result_backend import message_owners
 from broker.store_ack import unacked_entry_of
 from broker.versions import OVERRIDE_ENV, TESTED, check_broker_versions, installed_versions, untested
 
@@ -89,6 +91,7 @@ __all__ = [
     "TAKEN_IN_HAND",
     "TESTED",
     "bulk_argsrepr",
+    "bulk_item_without",
     "bulk_request_ids",
     "check_broker_versions",
     "install_event_buffer",
@@ -99,6 +102,8 @@ __all__ = [
     "make_celery",
     "mark_bulk_queues",
     "max_eta_ahead_s",
+    "message_owners",
+    "pipe_waiting_counts",
     "queue_depth",
     "queue_lists",
     "quiet_worker",

@@ -11,17 +11,24 @@ bring back what no key holds). The batched take (:mod:`broker.batch_take`) widen
 1. **a blocking wait that pops nothing**: ``BLMOVE <list> <list> RIGHT RIGHT <timeout>`` moves a
    list's oldest message to where it was (Redis does it in one command, no client sees a change) and
    returns as soon as the list holds one. Redis has no blocking wait on several lists that leaves
-   them unchanged, so it waits on the list the last take came from (at first the first list of
-   kombu's order), for at most :data:`OTHER_LISTS_WAIT_S` (the channel's ``other_lists_wait_s``: a
+   them unchanged, so it waits on one list: the one the last take came from while takes keep finding
+   messages (it is most likely backed up still), else the queue the worker shares with the other
+   workers of its model (the channel's ``shared_queue``; without one, the first list of kombu's
+   order). It waits at most :data:`OTHER_LISTS_WAIT_S` (the channel's ``other_lists_wait_s``: a
    worker with a queue of its own, :mod:`workers.direct_queue`, looks every ``routing.direct_wait_ms``)
    when the worker consumes other lists too (its canary queue, kombu's priority lists): a message
-   there waits that long on an idle worker;
+   there waits that long on an idle worker. Going back to the shared queue once the lists are empty
+   is what spreads a light load over a model's workers: every idle worker waits on the list the
+   requests arrive on, and Redis wakes the one that has waited longest first. A worker that kept
+   waiting on its own queue saw the shared one only between waits, when the worker blocked on it had
+   already taken each request (two idle workers, 40 requests one at a time: 40 to one, 0 to the other);
 2. (after a wait that timed out, only when ``LLEN`` finds another list non-empty)
    **one script** (:data:`TAKE_SCRIPT`) that reads, list after list in kombu's order, the oldest
    messages of each non-empty one until it has as many as the worker has free tokens, records each as
    kombu records a delivery (``ZADD`` of its tag to ``unacked_index``, ``HSET`` of ``[message,
    "", queue]`` to ``unacked``: restored onto the queue it was taken from, whatever the routing its
-   envelope names), reads its cancel mark (``EXISTS fleet:cancel:<id>``), and
+   envelope names), reads its cancel mark (``EXISTS fleet:cancel:<id>``; none: it writes the request's
+   taken note, :mod:`protocol.cancel_marks`), and
    only then trims them off their list. Redis runs a script whole or not at all, so every message is at
    every instant in its queue or in the unacked hash, and kombu's visibility-timeout restore brings
    back whatever a dead worker held. Taking from every list at once matters when a burst is split
@@ -51,14 +58,15 @@ import redis
 from kombu.transport import redis as kombu_redis
 from kombu.utils.encoding import bytes_to_str
 
-from broker.batch_take import RETAG, Taken, room_for_more
+from broker.batch_take import RETAG, Taken, room_for_more, taken_note_life_s
 from broker.cancel_marks import CancelReadingQoS
 from broker.in_hand import IN_HAND, Take
 from broker.redis_refusals import RedisRefusingWrites, is_write_refusal
 from broker.store_ack import StoreAckingQoS
-from protocol.keys import CANCEL_KEY
+from protocol.keys import CANCEL_KEY, TAKEN_KEY
 
-__all__ = ["OTHER_LISTS_WAIT_S", "RETAG", "TAKE_SCRIPT", "sections", "start_peek", "take_after_peek"]
+__all__ = ["OTHER_LISTS_WAIT_S", "RETAG", "TAKEN_PREFIX", "TAKE_SCRIPT", "TAKE_TRANSPORT_OPTIONS", "sections",
+           "start_peek", "take_after_peek"]
 
 log = logging.getLogger("fleet.poison")
 
@@ -66,15 +74,22 @@ OTHER_LISTS_WAIT_S = 0.25
 """Longest blocking wait, in seconds, when the worker consumes more than one list: a message on a list
 other than the one waited on is seen at the wait's end, so at most this late on an idle worker."""
 
+TAKE_TRANSPORT_OPTIONS = ("other_lists_wait_s", "shared_queue")
+"""The channel's transport options this module reads, beside kombu's own."""
+
 if not CANCEL_KEY.endswith("{id}"):  # the script builds the key as prefix .. task id
     raise ImportError(f"CANCEL_KEY must end with its task ID: {CANCEL_KEY!r}")
 CANCEL_PREFIX = CANCEL_KEY.format(id="")
+if not TAKEN_KEY.endswith("{id}"):
+    raise ImportError(f"TAKEN_KEY must end with its task ID: {TAKEN_KEY!r}")
+TAKEN_PREFIX = TAKEN_KEY.format(id="")
 
 TAKE_SCRIPT = """
 local lists = #KEYS - 2
 local hash, index = KEYS[lists + 1], KEYS[lists + 2]
 local most, now, mark_prefix = tonumber(ARGV[1]), ARGV[2], ARGV[3]
-for i = 4, #ARGV do  -- deliveries whose result store is under way: a token each, once their entry is gone
+local taken_prefix, taken_ttl = ARGV[4], ARGV[5]
+for i = 6, #ARGV do  -- deliveries whose result store is under way: a token each, once their entry is gone
   if redis.call('HEXISTS', hash, ARGV[i]) == 0 then most = most + 1 end
 end
 
@@ -111,6 +126,9 @@ local function take(key, room)
       if type(headers) == 'table' and type(headers.id) == 'string' and headers.id ~= '' then
         task_id = headers.id
         mark = redis.call('EXISTS', mark_prefix .. task_id)
+        if mark == 0 then  -- a cancel from now on is asked of this worker (protocol.cancel_marks)
+          redis.pcall('SET', taken_prefix .. task_id, '1', 'EX', taken_ttl)
+        end
       end
     end
     out[#out + 1] = raw
@@ -148,9 +166,10 @@ return reply
 """.replace("ARGV_RETAG", repr(RETAG))
 """KEYS: the lists in kombu's order, then kombu's unacked hash and its index. ARGV: the most messages to
 take (over all lists), now (Unix s, the index's score, as kombu writes it), the cancel mark keys' prefix,
-then the tags of this worker's deliveries whose result is being stored: one more message for each whose
-unacked entry the store script has already removed (its result is written; the storing thread has not
-noted it yet, and the caller may already have queued more).
+the taken notes' prefix and life (s; a note is written for each request taken without a cancel mark,
+:mod:`protocol.cancel_marks`), then the tags of this worker's deliveries whose result is being stored: one
+more message for each whose unacked entry the store script has already removed (its result is written; the
+storing thread has not noted it yet, and the caller may already have queued more).
 
 Takes from each non-empty list in order until ``most`` are taken. Returns false when every list is
 empty, else one section per list it took from (or was refused on): ``list, error or nil, n`` then ``n``
@@ -186,8 +205,7 @@ def start_peek(channel: Any, timeout: float | None = None) -> bool:
     if len(keys) > 1:
         other_s = float(getattr(channel, "other_lists_wait_s", OTHER_LISTS_WAIT_S))
         wait_s = min(wait_s, other_s) if wait_s > 0 else other_s
-    last = getattr(channel, "take_last_list", None)  # still backed up, most likely: the wait returns at once
-    waited_on = last if last in keys else keys[0]
+    waited_on = _list_to_wait_on(channel, keys)
     channel.take_keys = tuple(keys)
     channel.take_waited_on = waited_on
     channel.peek_sent = True
@@ -195,6 +213,17 @@ def start_peek(channel: Any, timeout: float | None = None) -> bool:
     channel._brpop_sent_at = time.monotonic()
     channel.client.connection.send_command("BLMOVE", waited_on, waited_on, "RIGHT", "RIGHT", wait_s)
     return True
+
+
+def _list_to_wait_on(channel: Any, keys: list[str]) -> str:
+    """The list the blocking wait sits on: the last take's while takes keep finding messages (most likely
+    still backed up: the wait returns at once), else the shared queue's first list, else kombu's first."""
+    last = getattr(channel, "take_last_list", None)
+    if last in keys:
+        return str(last)
+    shared = getattr(channel, "shared_queue", None)
+    home = channel._q_for_pri(shared, channel.priority_steps[0]) if shared else None
+    return str(home) if home in keys else keys[0]
 
 
 def take_after_peek(channel: Any, **options: Any) -> bool:
@@ -218,11 +247,13 @@ def take_after_peek(channel: Any, **options: Any) -> bool:
     if getattr(channel, "_closing", False):  # kombu reads a pending reply at close; the wait popped nothing
         raise kombu_redis.Empty()  # type: ignore[attr-defined]
     if peeked is None and not _others_hold_messages(channel):  # the wait timed out on an idle worker
+        channel.take_last_list = None  # nothing backed up: the next wait goes back to the shared queue
         raise kombu_redis.Empty()  # type: ignore[attr-defined]
     with IN_HAND.taking() as take:  # from the script's run in Redis until its messages are counted
         reply = _run_script(channel)
         taken = sections(reply) if reply else []
         if not taken or not _deliver_sections(channel, taken, take):
+            channel.take_last_list = None  # another worker took them first
             raise kombu_redis.Empty()  # type: ignore[attr-defined]
     return True
 
@@ -285,7 +316,8 @@ def _run_script(channel: Any) -> Any:
             script = channel.take_script
             if script is None or script.registered_client is not sync:
                 script = channel.take_script = sync.register_script(TAKE_SCRIPT)
-            return script(keys=keys, args=[most, repr(time.time()), CANCEL_PREFIX, *storing], client=sync)
+            args = [most, repr(time.time()), CANCEL_PREFIX, TAKEN_PREFIX, taken_note_life_s(channel), *storing]
+            return script(keys=keys, args=args, client=sync)
     except redis.exceptions.ResponseError as exc:
         if is_write_refusal(exc):
             raise RedisRefusingWrites(f"Redis refused the take: {exc}") from exc

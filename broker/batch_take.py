@@ -43,7 +43,7 @@ from typing import Any
 import redis
 from kombu.utils.json import dumps
 
-from protocol.keys import CANCEL_KEY
+from protocol.keys import CANCEL_KEY, TAKEN_KEY
 
 RETAG = "~retag~"
 """Between a message's own delivery tag and the suffix a take gives it when another unacked message holds that
@@ -51,7 +51,8 @@ tag already (a sender that reuses tags): each delivery keeps an unacked entry of
 
 log = logging.getLogger("fleet.poison")
 
-__all__ = ["TakeNotRecorded", "Taken", "add_take", "record_batch", "room_for_more", "unacked_entry_of"]
+__all__ = ["MARK_REPLY", "WITH_MARK", "TakeNotRecorded", "Taken", "add_take", "record_batch", "room_for_more",
+           "taken_note_life_s", "unacked_entry_of"]
 
 
 class TakeNotRecorded(redis.exceptions.ConnectionError):
@@ -103,10 +104,12 @@ def add_take(pipe: Any, qos: Any, tag: str, entry: bytes | str, task_id: str | N
              exclusive: bool = False) -> int:  # fmt: skip
     """Queue one delivery's bookkeeping on ``pipe``: ``ZADD`` of its tag to kombu's unacked index at
     ``now_s`` (Unix s), ``HSET`` of its entry (``HSETNX`` when ``exclusive``: its reply, 0, says another
-    delivery holds the tag, whose entry is left as it was), and ``EXISTS`` of its cancel mark when it has a
-    task ID.
+    delivery holds the tag, whose entry is left as it was), and, when it has a task ID, its taken note then
+    ``EXISTS`` of its cancel mark (the note first: a cancel that comes before it is for good and the
+    ``EXISTS`` reads it; one after it is asked of this worker, :mod:`protocol.cancel_marks`).
 
-    Returns the number of commands queued (their replies come in that order)."""
+    Returns the number of commands queued (their replies come in that order; the mark's at
+    :data:`MARK_REPLY` when :data:`WITH_MARK` were queued)."""
     pipe.zadd(qos.unacked_index_key, {tag: now_s})
     if exclusive:
         pipe.hsetnx(qos.unacked_key, tag, entry)
@@ -114,8 +117,21 @@ def add_take(pipe: Any, qos: Any, tag: str, entry: bytes | str, task_id: str | N
         pipe.hset(qos.unacked_key, tag, entry)
     if task_id is None:
         return 2
+    pipe.set(TAKEN_KEY.format(id=task_id), "1", ex=taken_note_life_s(getattr(qos, "channel", None)))
     pipe.exists(CANCEL_KEY.format(id=task_id))
-    return 3
+    return WITH_MARK
+
+
+WITH_MARK = 4
+"""Commands :func:`add_take` queues for a delivery with a task ID."""
+MARK_REPLY = 3
+"""Where, among those commands' replies, the cancel mark's ``EXISTS`` answers."""
+
+
+def taken_note_life_s(channel: Any) -> int:
+    """How long a taken note (``fleet:taken:<id>``) lives (s): the channel's visibility timeout, after which a
+    message a dead worker held is restored to its queue (at least 1 s)."""
+    return max(1, int(float(getattr(channel, "visibility_timeout", 3600) or 3600)))
 
 
 def room_for_more(qos: Any) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 from kombu.transport import virtual
 from kombu.utils.json import dumps
 
-from broker.batch_take import add_take
+from broker.batch_take import MARK_REPLY, WITH_MARK, add_take
 from broker.kombu_channel import PlainPipelineQoS
 
 __all__ = ["MARKS", "CancelMarks", "CancelReadingQoS", "task_id_of", "unacked_entry"]
@@ -90,7 +90,7 @@ class CancelReadingQoS(PlainPipelineQoS):
                 entry = unacked_entry(message, message.delivery_info)
                 count = add_take(pipe, self, delivery_tag, entry, task_id, time.time())
                 replies = pipe.execute()
-            cancelled = bool(replies[2]) if count == 3 else None
+            cancelled = bool(replies[MARK_REPLY]) if count == WITH_MARK else None
         if task_id is not None and cancelled is not None:
             self.marks.note(task_id, cancelled)
         virtual.QoS.append(self, message, delivery_tag)  # type: ignore[no-untyped-call]  # kombu's in-memory record of the delivery

@@ -39,8 +39,8 @@ from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 
-from broker.atomic_take import OTHER_LISTS_WAIT_S, start_peek, take_after_peek
-from broker.batch_take import Taken, TakeNotRecorded, record_batch, room_for_more
+from broker.atomic_take import OTHER_LISTS_WAIT_S, TAKE_TRANSPORT_OPTIONS, start_peek, take_after_peek
+from broker.batch_take import MARK_REPLY, WITH_MARK, Taken, TakeNotRecorded, record_batch, room_for_more
 from broker.cancel_marks import CancelReadingQoS
 from broker.dead_letter_writer import write_dead_letter
 from broker.deliveries import count_delivery, over_limit, running_holder
@@ -95,7 +95,14 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
     """The take script, registered on the synchronous client."""
     other_lists_wait_s = OTHER_LISTS_WAIT_S
     """Longest wait on one list when the worker consumes several (s); transport option ``other_lists_wait_s``."""
-    from_transport_options = (*kombu_redis.Channel.from_transport_options, "other_lists_wait_s")  # type: ignore[assignment]
+    shared_queue: str | None = None
+    """The queue the worker shares with the other workers of its model (transport option ``shared_queue``): the
+    atomic take's wait sits on it unless the last take's list is still backed up (:mod:`broker.atomic_take`)."""
+    take_last_list: str | None = None
+    """The list the last take came from, until a wait finds every list empty (:mod:`broker.atomic_take`)."""
+    from_transport_options = (  # type: ignore[assignment]
+        *kombu_redis.Channel.from_transport_options, *TAKE_TRANSPORT_OPTIONS
+    )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.checked_bodies: dict[str, list[Any]] = {}
@@ -223,7 +230,7 @@ class GuardedChannel(ReusesSyncClient, kombu_redis.Channel):
             raise TakeNotRecorded(f"Redis refused to record messages from {list_key}: {exc}") from exc
         offset = 0
         for taken, count in zip(batch, counts, strict=True):
-            self.pre_taken[taken.tag] = bool(replies[offset + 2]) if count == 3 else None
+            self.pre_taken[taken.tag] = bool(replies[offset + MARK_REPLY]) if count == WITH_MARK else None
             offset += count
         if pop <= 0:
             return []
@@ -355,7 +362,7 @@ class GuardedSentinelChannel(GuardedChannel, kombu_redis.SentinelChannel):
     (its connections follow the master Sentinel names)."""
 
     from_transport_options = (  # type: ignore[assignment]
-        *kombu_redis.SentinelChannel.from_transport_options, "other_lists_wait_s"
+        *kombu_redis.SentinelChannel.from_transport_options, *TAKE_TRANSPORT_OPTIONS
     )
 
 

@@ -9,8 +9,9 @@ admission let bulk senders pass the bound). What the operators and the bound mea
   what Flower shows as the task's args); the producer sets a per-queue mark (:func:`mark_bulk_queues`,
   ``fleet:bulk-queued:<queue>``, expiring after ``result_ttl_s``) before it pushes one;
 * :func:`waiting_counts` reads every queue asked, each one's list and kombu's priority siblings, in **one
-  script** (one round trip, however many models): ``LLEN`` of each list, and where the queue's mark is live,
-  the count in each waiting message's ``argsrepr`` (``LRANGE`` in chunks of :data:`SCAN_CHUNK`).
+  script** (one round trip, however many models; :func:`pipe_waiting_counts` queues it on a caller's pipeline):
+  ``LLEN`` of each list, and where the queue's mark is live, the count in each waiting message's ``argsrepr``
+  (``LRANGE`` in chunks of :data:`SCAN_CHUNK`).
 
 Exact under redelivery and every restore path (kombu's visibility-timeout restore, held requests put back, a
 dead-letter requeue): the count is read from the messages the lists hold, not kept beside them, so nothing
@@ -30,7 +31,7 @@ a count is capped at :data:`~protocol.messages.MAX_BULK_REQUESTS`.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,7 @@ __all__ = [
     "QueueCounts",
     "bulk_argsrepr",
     "mark_bulk_queues",
+    "pipe_waiting_counts",
     "waiting_counts",
     "waiting_requests",
 ]
@@ -121,13 +123,35 @@ def mark_bulk_queues(client: redis.Redis[bytes], queues: Iterable[str], ttl_s: i
 def waiting_counts(client: redis.Redis[bytes], queues: Sequence[str]) -> dict[str, QueueCounts]:
     """Messages and requests waiting in each of ``queues`` (each one's list and kombu's priority siblings),
     read in one round trip (one script)."""
-    names = list(dict.fromkeys(queues))
+    names, keys, args = _script_call(queues)
     if not names:
         return {}
+    return _counts(names, client.register_script(WAITING_LUA)(keys=keys, args=args))
+
+
+def pipe_waiting_counts(pipe: redis.client.Pipeline[bytes],
+                        queues: Sequence[str]) -> Callable[[Iterator[Any]], dict[str, QueueCounts]]:  # fmt: skip
+    """Queue :func:`waiting_counts`'s script on ``pipe`` (one ``EVAL`` with the script's text: a pipeline's
+    registered script would cost a ``SCRIPT EXISTS`` round trip of its own first), for a caller reading more in
+    the same round trip. Returns what reads its reply from the iterator over ``pipe.execute()``'s replies, at
+    the position the script was queued at (nothing is queued, nor read, for no queue)."""
+    names, keys, args = _script_call(queues)
+    if names:
+        pipe.eval(WAITING_LUA, len(keys), *keys, *args)
+    return lambda replies: _counts(names, next(replies)) if names else {}
+
+
+def _script_call(queues: Sequence[str]) -> tuple[list[str], list[str], list[Any]]:
+    """The queues (each once), keys and arguments of one :data:`WAITING_LUA` call."""
+    names = list(dict.fromkeys(queues))
+    if not names:
+        return [], [], []
     per = len(queue_lists(names[0]))
     keys = [key for queue in names for key in (BULK_MARK_KEY.format(queue=queue), *queue_lists(queue))]
-    raw = client.register_script(WAITING_LUA)(keys=keys, args=[len(names), per, SCAN_CHUNK, MAX_BULK_REQUESTS,
-                                                                 COUNT_PREFIX])
+    return names, keys, [len(names), per, SCAN_CHUNK, MAX_BULK_REQUESTS, COUNT_PREFIX]
+
+
+def _counts(names: list[str], raw: Any) -> dict[str, QueueCounts]:
     flat = [int(x) for x in raw]
     return {queue: QueueCounts(flat[2 * i], flat[2 * i + 1]) for i, queue in enumerate(names)}
 

@@ -21,21 +21,21 @@ Installed for the worker's app only (:func:`install`): producers keep Celery's b
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
 
-from celery import Celery, states
+from celery import Celery, current_task, states
 from celery.backends.base import BackendStoreError
 from celery.backends.redis import RedisBackend, SentinelBackend
 from kombu.utils.encoding import bytes_to_str
 
 from broker.redis_refusals import is_write_refusal
 from broker.store_ack import ACKS, delivery_tag_of
-from protocol.keys import REQUEST_KEY
-from protocol.redis_pools import SweepingPool
+from protocol.keys import OWNER_KEY, OWNERS_HEADER, REQUEST_KEY, TAKEN_KEY
+from protocol.redis_pools import SweepingPool, SweepingSentinelPool
 
 __all__ = ["RESULT_WRITE_MAX_SLEEP_MS", "RESULT_WRITE_RETRIES", "STORE_RESULT_SCRIPT", "RefusalTolerantRedisBackend",
-           "RefusalTolerantSentinelBackend", "install"]
+           "RefusalTolerantSentinelBackend", "install", "message_owners"]
 
 RESULT_WRITE_RETRIES = 3600
 """Retries of one result write (at most :data:`RESULT_WRITE_MAX_SLEEP_MS` apart: about an hour)."""
@@ -57,10 +57,13 @@ local function write()
   return redis.call('SET', KEYS[1], ARGV[1])
 end
 local function ack()
-  if #KEYS == 4 then
-    redis.call('HDEL', KEYS[3], ARGV[3])
-    redis.call('ZREM', KEYS[4], ARGV[3])
+  if #KEYS == 6 then
+    redis.call('HDEL', KEYS[5], ARGV[3])
+    redis.call('ZREM', KEYS[6], ARGV[3])
   end
+end
+local function forget_take()  -- an outcome is stored: the take's note has served (protocol.cancel_marks)
+  if ARGV[5] == '1' then redis.call('DEL', KEYS[4]) end
 end
 local stored
 if ttl > 0 then
@@ -73,21 +76,38 @@ if not stored then
   local status = ok and type(current) == 'table' and current['status']
   if status == 'SUCCESS' or status == 'FAILURE' or status == 'REVOKED' then
     ack()
+    forget_take()
     return 0
   end
   write()
 end
-if ttl > 0 then redis.call('EXPIRE', KEYS[2], ttl) else redis.call('PERSIST', KEYS[2]) end
+local owner = ARGV[4]
+if owner and owner ~= '' then
+  if ttl > 0 then redis.call('SET', KEYS[3], owner, 'NX', 'EX', ttl) else redis.call('SET', KEYS[3], owner, 'NX') end
+end
+for k = 2, 3 do
+  if ttl > 0 then redis.call('EXPIRE', KEYS[k], ttl) else redis.call('PERSIST', KEYS[k]) end
+end
 redis.call('PUBLISH', KEYS[1], ARGV[1])
 ack()
+forget_take()
 return 1
 """
 """Store one result unless a terminal state (SUCCESS, FAILURE, REVOKED) is stored already: a stored
 outcome never changes (a redelivered copy, a duplicate task ID, a bulk message naming a finished request);
 publish it when stored. KEYS[1]: the result key; KEYS[2]: the request's submit marker (``fleet:req:<id>``,
-:data:`protocol.keys.REQUEST_KEY`); ARGV[1]: the encoded (JSON) meta; ARGV[2]: time to live in seconds
-(0 = none). With KEYS[3] and KEYS[4] (kombu's unacked hash and index) and ARGV[3] (a delivery tag), the
-delivery is acked in the same step, hash entry first as kombu does (:mod:`broker.store_ack`).
+:data:`protocol.keys.REQUEST_KEY`); KEYS[3]: its owner mark (``fleet:owner:<id>``,
+:data:`protocol.keys.OWNER_KEY`, given the result's TTL like the marker, so another API key never reads a
+result its mark outlived); KEYS[4]: its taken note (``fleet:taken:<id>``, :data:`protocol.keys.TAKEN_KEY`),
+deleted with an outcome (ARGV[5] = '1': SUCCESS, FAILURE, REVOKED), so a note lives as long as its request is
+held, not the visibility timeout (an hour of one key per request at thousands a second); ARGV[1]: the encoded
+(JSON) meta; ARGV[2]: time to live in seconds (0 = none). With KEYS[5] and KEYS[6] (kombu's unacked hash and
+index) and ARGV[3] (a delivery tag), the delivery is acked in the same step, hash entry first as kombu does
+(:mod:`broker.store_ack`). ARGV[4] (absent or '': none): the
+owner the task message carried (its ``fleet_owners`` header, :data:`protocol.keys.OWNERS_HEADER`), written as
+the mark where the mark is missing (``SET NX``, the result's TTL), in the same step as the result: a mark Redis
+lost while the request waited or ran (a restart without persistence, a flush) is back before the result can be
+read, so no other API key reads it (before, the marker came back and the mark did not: any key read the result).
 
 The marker, which says which body the ID names, is given the result's time to live when the result is
 written: it was set to that TTL at submit, so it would otherwise expire a queue wait and a run before the
@@ -107,8 +127,8 @@ class _StoresWithOneScript:
 
     def _stored_form(self, task_id: Any, result: Any, state: str, traceback: Any = None,
                      request: Any = None) -> tuple[list[Any], Any, int]:  # fmt: skip
-        """The script's keys (the result's, the request marker's), the encoded meta (as Celery's backend
-        writes it) and its time to live (s, 0 = none)."""
+        """The script's keys (the result's, the request marker's, the owner mark's, the taken note's), the encoded
+        meta (as Celery's backend writes it) and its time to live (s, 0 = none)."""
         backend: Any = self
         meta = backend._get_result_meta(result=result, state=state, traceback=traceback, request=request)
         meta["task_id"] = bytes_to_str(task_id)  # type: ignore[no-untyped-call]
@@ -117,7 +137,9 @@ class _StoresWithOneScript:
             raise BackendStoreError("value too large for Redis backend", state=state, task_id=task_id)
         expires = getattr(backend, "failure_expires", backend.expires) if state == states.FAILURE else backend.expires
         ttl = int(expires.total_seconds()) if hasattr(expires, "total_seconds") else int(expires or 0)
-        keys = [backend.get_key_for_task(task_id), REQUEST_KEY.format(id=bytes_to_str(task_id))]  # type: ignore[no-untyped-call]
+        rid = bytes_to_str(task_id)  # type: ignore[no-untyped-call]
+        keys = [backend.get_key_for_task(task_id), REQUEST_KEY.format(id=rid), OWNER_KEY.format(id=rid),
+                TAKEN_KEY.format(id=rid)]
         return keys, value, max(0, ttl)
 
     def store_many(self, outcomes: Sequence[tuple[str, str, Any]]) -> int:
@@ -127,11 +149,14 @@ class _StoresWithOneScript:
         backend: Any = self
         rows = [self._stored_form(task_id, backend.encode_result(result, state), state)
                 for task_id, state, result in outcomes]  # fmt: skip
+        ends = [_ends(state) for _, state, _ in outcomes]
+        owners = message_owners(getattr(current_task, "request", None))  # the bulk message's, in its task thread
+        marks = [owners.get(str(task_id), "") for task_id, _, _ in outcomes]
 
         def run() -> list[Any]:
             pipe = self.client.pipeline(transaction=False)  # type: ignore[attr-defined]
-            for keys, value, ttl in rows:
-                self._script()(keys=keys, args=[value, ttl], client=pipe)
+            for (keys, value, ttl), owner, end in zip(rows, marks, ends, strict=True):
+                self._script()(keys=keys, args=[value, ttl, "", owner, end], client=pipe)
             return list(pipe.execute())
 
         return sum(int(written) for written in backend.ensure(run, ()))
@@ -140,18 +165,19 @@ class _StoresWithOneScript:
                       **kwargs: Any) -> Any:  # fmt: skip
         backend: Any = self
         keys, value, ttl = self._stored_form(task_id, result, state, traceback, request)
+        owner = message_owners(request).get(str(bytes_to_str(task_id)), "")  # type: ignore[no-untyped-call]
         tag = delivery_tag_of(request) if state == states.SUCCESS else None
         unacked = ACKS.keys_for(tag) if tag is not None else None
         if tag is not None and unacked is not None:
             ACKS.storing(tag)  # its token is free from here: the result may reach its caller before the next line
             try:
-                backend.ensure(self._run_store_script, ([*keys, *unacked], [value, ttl, tag]))
+                backend.ensure(self._run_store_script, ([*keys, *unacked], [value, ttl, tag, owner, _ends(state)]))
             except BaseException:
                 ACKS.store_failed(tag)  # not acked: Celery's own ack follows, and the token is held again
                 raise
             ACKS.acked(tag)  # Celery's ack that follows touches no key (broker.store_ack)
         else:
-            backend.ensure(self._run_store_script, (keys, [value, ttl]))
+            backend.ensure(self._run_store_script, (keys, [value, ttl, "", owner, _ends(state)]))
         return result
 
     def _script(self) -> Any:
@@ -161,6 +187,23 @@ class _StoresWithOneScript:
 
     def _run_store_script(self, keys: list[Any], args: list[Any]) -> Any:
         return self._script()(keys=keys, args=args, client=self.client)  # type: ignore[attr-defined]
+
+
+def _ends(state: str) -> str:
+    """The store script's ARGV[5]: '1' for an outcome (its request's taken note is deleted), '' for STARTED."""
+    return "1" if state in states.READY_STATES else ""
+
+
+def message_owners(request: Any) -> dict[str, str]:
+    """Request ID -> owner from a task request's ``fleet_owners`` header (:data:`protocol.keys.OWNERS_HEADER`; Celery
+    gives a message's headers as the request's attributes); empty for none (a plain Celery client's message, a
+    store outside a task) or a header that is not such a map (never trusted further than its strings)."""
+    carried = getattr(request, OWNERS_HEADER, None) if request is not None else None
+    if carried is None and request is not None:
+        carried = (getattr(request, "headers", None) or {}).get(OWNERS_HEADER)
+    if not isinstance(carried, dict):
+        return {}
+    return {rid: owner for rid, owner in carried.items() if isinstance(rid, str) and isinstance(owner, str)}
 
 
 class RefusalTolerantRedisBackend(_RetriesWriteRefusals, _StoresWithOneScript, RedisBackend):  # type: ignore[misc]
@@ -173,25 +216,48 @@ class RefusalTolerantRedisBackend(_RetriesWriteRefusals, _StoresWithOneScript, R
     its own thread writes again."""
 
     def _get_pool(self, **params: Any) -> SweepingPool:
-        return _shared_pool(params)
+        return _shared_pool(params, lambda: SweepingPool(**params))
 
 
-_POOLS: dict[str, SweepingPool] = {}
+_POOLS: dict[str, Any] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def _shared_pool(params: dict[str, Any]) -> SweepingPool:
-    """The process's one pool for these connection parameters (made on first use)."""
+_Pool = TypeVar("_Pool")
+
+
+def _shared_pool(params: dict[str, Any], make: Callable[[], _Pool]) -> _Pool:
+    """The process's one pool for these connection parameters, made by ``make`` on first use."""
     key = repr(sorted(params.items(), key=lambda item: item[0]))
     with _POOLS_LOCK:
         pool = _POOLS.get(key)
         if pool is None:
-            pool = _POOLS[key] = SweepingPool(**params)
-        return pool
+            pool = _POOLS[key] = make()
+        return cast(_Pool, pool)
 
 
 class RefusalTolerantSentinelBackend(_RetriesWriteRefusals, _StoresWithOneScript, SentinelBackend):  # type: ignore[misc]
-    """Celery's Sentinel backend with the same retry rule (``READONLY`` during a failover, …)."""
+    """Celery's Sentinel backend with the same retry rule (``READONLY`` during a failover, …).
+
+    As with the plain backend, the task threads share one pool per process (Celery's ``_get_pool`` made a
+    Sentinel manager and a master pool per thread): a :class:`protocol.redis_pools.SweepingSentinelPool`, whose
+    every new connection asks the sentinels where the master is, so the shared pool follows a failover."""
+
+    def _get_pool(self, **params: Any) -> SweepingSentinelPool:
+        options = self._transport_options
+        key = {**params, "_sentinel": (options.get("master_name"), options.get("min_other_sentinels", 0),
+                                       repr(options.get("sentinel_kwargs", {})))}  # fmt: skip
+        return _shared_pool(key, lambda: self._sentinel_pool(params))
+
+    def _sentinel_pool(self, params: dict[str, Any]) -> SweepingSentinelPool:
+        """Celery's ``SentinelBackend._get_pool``, with the sweeping pool class."""
+        credentials = {k: params[k] for k in ("username", "password") if k in params}
+        master = self._get_sentinel_instance(**params).master_for(
+            service_name=self._transport_options.get("master_name", None), redis_class=self._get_client(),
+            connection_pool_class=SweepingSentinelPool, **credentials,
+        )
+        pool: SweepingSentinelPool = master.connection_pool
+        return pool
 
 
 def install(app: Celery) -> None:

@@ -17,8 +17,10 @@
     GET    /docs, /openapi.json                           OpenAPI
 
 ``/v1/*`` needs an API key when ``api.api_keys`` is set, in header ``X-API-Key`` or
-``Authorization: Bearer`` (missing or wrong → 401). Native errors are JSON ``{"error", "type",
-"message", "field", "limit"}``, OpenAI routes answer in OpenAI's error shape (:mod:`gateway.errors`):
+``Authorization: Bearer`` (missing or wrong → 401); a request is the key's that submitted it: to another key
+its ``GET``, ``/stream`` and ``DELETE`` answer 404 and its ``request_id`` 409 (:mod:`gateway.request_owners`).
+Native errors are JSON ``{"error", "type", "message", "field", "limit"}``, OpenAI routes answer in OpenAI's
+error shape (:mod:`gateway.errors`):
 413 body over ``api.max_body_bytes`` or a batch over ``api.max_batch_requests``; 422 invalid input
 (e.g. more tokens than ``max_input_tokens``); 429 + ``Retry-After`` from admission control; 503 Redis down.
 Open without a key: the probes, ``/metrics``, ``/docs``, ``/redoc``, ``/openapi.json``. Before any of it, a request
@@ -48,6 +50,7 @@ from gateway.middleware import AccessLogMiddleware, BodyLimitMiddleware, Metrics
 from gateway.openai_routes import router as openai_router
 from gateway.ops_routes import REDIS_DOWN_PROBLEM, health, healthz, prometheus, readyz
 from gateway.ops_routes import router as ops_router
+from gateway.pool_sweeper import PoolSweeper
 from gateway.requests_routes import (
     STREAM_GRACE_S,
     PreferHeader,
@@ -111,7 +114,12 @@ def create_app(settings: FleetSettings, client: FleetClient | None = None, *, ac
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if freeze_gc:  # a full collection would stop every request (protocol.process_gc)
             freeze_startup_objects(log, "gateway")
-        yield
+        sweeper = PoolSweeper([gateway.aredis.connection_pool])  # idle pools too, after a Redis restart
+        sweeper.start()
+        try:
+            yield
+        finally:
+            await sweeper.aclose()
         await gateway.aclose()
 
     # Swagger UI and ReDoc from the assets fastapi-offline vendors (served under /static-offline-docs),

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException
 
 from gateway.auth import API_KEY_HEADER, key_refusal
 from gateway.middleware import GatewayMetrics
+from gateway.request_owners import RequestOwners
 from gateway.result_notifier import ResultNotifier
 from gateway.stream_hub import StreamHub
 from gateway.submit_queue import SubmitQueue
@@ -50,12 +51,13 @@ class Gateway:
         self.registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry, settings, fleet.redis, fleet.router.prefixes)
         self.keys = [k.encode() for k in settings.api.api_keys]
+        self.owners = RequestOwners(fleet.redis, self.keys, settings.result_ttl_s)  # which key's each request is
         self.presence = WorkerPresence(fleet.redis)  # which models have a live worker (read at most once a second)
         self.apresence = AsyncWorkerPresence(self.aredis)  # the same, for waits on the event loop
         self.results = ResultNotifier(self.aredis)  # wakes result waits on publication (one pub/sub connection)
         self.streams = StreamHub(self.aredis)  # one XREAD waits for every relayed token stream
         self.submits = SubmitQueue(partial(send_group, fleet), max_group_requests=settings.api.max_grouped_requests,
-                                   registry=self.registry)  # fmt: skip
+                                   registry=self.registry, owners=self.owners)  # fmt: skip
 
     async def aclose(self) -> None:
         """Close both Redis clients and the Celery app."""

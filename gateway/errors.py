@@ -4,7 +4,8 @@
 * OpenAI routes (:func:`is_openai_path`): ``{"error": {"message", "type", "param", "code"}}``, where
   ``type`` is OpenAI's family (``invalid_request_error``, ``authentication_error``,
   ``rate_limit_error``, ``timeout_error``, ``server_error``), ``param`` the field that broke a
-  limit and ``code`` the fleet's error code (``input_too_long``, ``queue_full``, …).
+  limit and ``code`` the fleet's error code (``queue_full``, ``no_worker``, …), except a prompt past the
+  model's limit: OpenAI's ``context_length_exceeded`` (the fleet's ``input_too_long`` on native routes).
 
 Status codes: invalid input 422 on native routes and 400 on OpenAI ones (an unknown model: 404 there,
 as OpenAI answers); 400 on both a JSON body whose object repeats a key (``duplicate_key``, naming its path:
@@ -84,17 +85,31 @@ _OPENAI_TYPES = {
     429: "rate_limit_error",
     504: "timeout_error",
 }
+_OPENAI_CODES = {"input_too_long": "context_length_exceeded"}
+"""Fleet error codes OpenAI names otherwise: clients (LangChain, LiteLLM, the SDKs' users) test for OpenAI's
+``context_length_exceeded`` to trim a prompt and retry. Every other code is the fleet's own."""
+
+
+NATIVE_V1_PREFIX = "/v1/requests"
+"""The fleet's own routes under ``/v1`` (``/v1/requests``, ``:batch``, ``/{id}``, ``/{id}/stream``); every other
+``/v1/...`` path is OpenAI's namespace."""
 
 
 def is_openai_path(path: str) -> bool:
-    """True for the OpenAI-compatible routes."""
-    return path in OPENAI_PATHS or path.startswith(("/v1/models/", "/v1/responses"))
+    """True for the OpenAI-compatible routes, and for any other ``/v1/...`` path but the fleet's own
+    (:data:`NATIVE_V1_PREFIX`): an OpenAI SDK that calls a route the fleet lacks (``/v1/files``,
+    ``/v1/audio/speech``) reads the 404 in its own shape (before, the native one: the SDK's error then carried
+    the whole body as its message)."""
+    if path in OPENAI_PATHS or path.startswith(("/v1/models/", "/v1/responses")):
+        return True
+    return path.startswith("/v1/") and not path.startswith(NATIVE_V1_PREFIX)
 
 
 def openai_error(status: int, payload: dict[str, Any]) -> dict[str, Any]:
     """A native error payload in OpenAI's shape."""
     kind = _OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    error = {"message": payload["message"], "type": kind, "param": payload.get("field"), "code": payload["error"]}
+    code = _OPENAI_CODES.get(payload["error"], payload["error"])
+    error = {"message": payload["message"], "type": kind, "param": payload.get("field"), "code": code}
     return {"error": error}
 
 

@@ -25,7 +25,7 @@ from gateway.errors import error_payload
 from producer.prefix_routing import PrefixRouter
 from producer.registry import list_workers
 from protocol.keys import DEAD_LETTER_COUNTS_KEY, DEAD_LETTER_KEY
-from protocol.model_state import AUTO_ROLLBACKS_KEY, read_state
+from protocol.model_state import AUTO_ROLLBACKS_KEY, STATE_KEY, ModelState
 from protocol.settings import FleetSettings
 
 __all__ = ["AccessLogMiddleware", "BodyLimitMiddleware", "GatewayMetrics", "MetricsMiddleware"]
@@ -120,13 +120,16 @@ class _FleetCollector(Collector):
             queues = {name: (self.settings.queue_for(name), self.settings.canary_queue_for(name))
                       for name in self.settings.models}  # fmt: skip
             waiting = waiting_counts(self.client, [q for pair in queues.values() for q in pair])  # one round trip
+            keys = [key.format(model=name) for name in queues for key in (STATE_KEY, AUTO_ROLLBACKS_KEY)]
+            raws = iter(self.client.mget(keys) if keys else [])  # every model's state and counter: one round trip
             for name, (queue, canary) in queues.items():
                 depth.add_metric([name], waiting[queue].requests)  # a bulk message counts its requests
                 ready.add_metric([name], sum(1 for w in workers if w.get("model") == name and w.get("ready")))
                 canary_depth.add_metric([name], waiting[canary].requests)
-                state = read_state(self.client, name)
+                raw_state, raw_rollbacks = next(raws), next(raws)
+                state = None if raw_state is None else ModelState.model_validate_json(raw_state)
                 weight.add_metric([name], state.canary_weight if state and state.canary else 0)
-                rollbacks.add_metric([name], int(self.client.get(AUTO_ROLLBACKS_KEY.format(model=name)) or 0))
+                rollbacks.add_metric([name], int(raw_rollbacks or 0))
             for reason, count in sorted(self.client.hgetall(DEAD_LETTER_COUNTS_KEY).items()):
                 dead.add_metric([reason.decode(errors="replace")], int(count))
             dead_held.add_metric([], self.client.llen(DEAD_LETTER_KEY))

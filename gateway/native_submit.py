@@ -2,6 +2,7 @@
 a body built and validated as a worker would, the wait a submit asked for (``wait_s`` or
 ``Prefer: wait``, s, at most ``api.max_wait_s``), the request queued (with the others that arrive
 meanwhile, or alone in a thread), and the 202's body, with a warning when no live worker serves the model.
+Either way the caller's owner mark is claimed before the request is queued (:mod:`gateway.request_owners`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ __all__ = [
     "no_worker_warning",
     "no_worker_warning_now",
     "queue_submitted",
+    "send_owned",
     "submit_wait",
 ]
 
@@ -96,6 +98,23 @@ async def queue_submitted(
 
 
 def _send_one(gw: Gateway, request: InferenceRequest, rate_key: str, body: SubmitBody) -> tuple[str, RequestStatus]:
-    """``FleetClient.send`` (blocking: in a thread): the request's ID and, for a caller-given ID, its real status."""
-    rid = gw.fleet.send(request, rate_key=rate_key, routing_key=body.routing_key)
+    """``FleetClient.send`` (blocking: in a thread): the request's ID and, for a caller-given ID, its real status.
+
+    The caller's owner mark is claimed first (:mod:`gateway.request_owners`): an ID another key's request holds
+    is refused (IdempotencyConflict) before anything is queued."""
+    rid = send_owned(gw, request, rate_key=rate_key, routing_key=body.routing_key)
     return rid, gw.fleet.status(rid) if body.request_id else RequestStatus.QUEUED
+
+
+def send_owned(gw: Gateway, request: InferenceRequest, *, rate_key: str, routing_key: str | None) -> str:
+    """``FleetClient.send`` of ``request`` (blocking: in a thread) after claiming its owner mark for the caller whose
+    rate bucket is ``rate_key`` (:mod:`gateway.request_owners`); its ID. Every gateway route that queues a request
+    alone goes through here, so the request is its key's under ``/v1/requests`` whatever face it came through.
+
+    Raises:
+        IdempotencyConflict: the ID is another key's request (nothing queued), or as ``FleetClient.send``.
+        Whatever ``FleetClient.send`` raises (QueueFull, RateLimited, SubmitInterrupted, ...).
+    """
+    owner = gw.owners.owner_for(rate_key)
+    with gw.owners.claimed([str(request.request_id)], [owner]):
+        return gw.fleet.send(request, rate_key=rate_key, routing_key=routing_key)

@@ -54,6 +54,9 @@ def build_embeddings(gw: Gateway, body: EmbeddingBody) -> list[InferenceRequest]
 
 def send_embeddings(gw: Gateway, built: list[InferenceRequest], rate_key: str,
                      routing: list[str | None]) -> list[str]:  # fmt: skip
-    """Admit ``built`` together and queue it in one Redis step, all or none (blocking: in a thread)."""
+    """Admit ``built`` together and queue it in one Redis step, all or none (blocking: in a thread), each request
+    the caller's (its owner mark claimed first: :mod:`gateway.request_owners`)."""
     gw.fleet.admission.admit(built[0].model, count=len(built), rate_key=rate_key)
-    return gw.fleet.send_batch(built, routing_keys=routing, label="input")
+    owners = [gw.owners.owner_for(rate_key)] * len(built)
+    with gw.owners.claimed([str(r.request_id) for r in built], owners, lambda i: f"input[{i}]"):
+        return gw.fleet.send_batch(built, routing_keys=routing, label="input")

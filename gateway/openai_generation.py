@@ -24,7 +24,8 @@ from gateway.openai_mapping import (
 )
 from gateway.openai_schema import ChatBody, CompletionBody
 from protocol.errors import InvalidRequest
-from protocol.messages import InferenceRequest
+from protocol.messages import InferenceRequest, OutputSpec
+from protocol.validation import resolve_output
 
 __all__ = ["build_generation", "chat_prompt"]
 
@@ -48,7 +49,7 @@ def build_generation(gw: Gateway, body: CompletionBody | ChatBody, prompt: Promp
     names = {"input_ids": field, "text": field, "max_new_tokens": max_tokens_field(body)}
     try:
         key = gw.settings.model_key(body.model)
-        _refuse_without_tokenizer(gw, key, body.model)
+        _refuse_unfit(gw, key, body.model)
         ids, text = prompt
         ids = ids if ids is not None else gw.fleet.tokenize(key, text or "")
         fallbacks = generation_fallbacks(
@@ -62,14 +63,24 @@ def build_generation(gw: Gateway, body: CompletionBody | ChatBody, prompt: Promp
         raise rename_field(refused, names, prefix="output.generation.") from exc
 
 
-def _refuse_without_tokenizer(gw: Gateway, key: str, model: str) -> None:
-    """OpenAI's routes answer in text: a model without a tokenizer could only answer ``""``.
+def _refuse_unfit(gw: Gateway, key: str, model: str) -> None:
+    """OpenAI's generating routes answer in generated text: refuse a model that does not generate (an
+    encoder) or has no tokenizer (it could only answer ``""``), before anything else is looked at (a chat
+    template, the prompt), so the refusal names the model rather than what it lacks for a generation.
 
     Raises:
-        InvalidRequest: (field ``model``) the model's card says tokenizer ``none``.
+        InvalidRequest: (field ``model``) the model's card says another kind than ``causal_lm``, or
+            tokenizer ``none``.
     """
     card = gw.fleet.model_card(key)
-    if card is not None and card.tokenizer == "none":
+    if card is None:  # not known here: build_request finds the kind out (the worker's card in Redis)
+        return
+    if card.kind != "causal_lm":  # resolve_output words the refusal, as build_request's would be
+        try:
+            resolve_output(OutputSpec(kind="generate"), model_kind=card.kind, limits=gw.settings.models[key].limits)
+        except InvalidRequest as exc:
+            raise wrong_kind(exc, model, "generate text", "an encoder model answers POST /v1/embeddings") from exc
+    if card.tokenizer == "none":
         raise InvalidRequest(
             f"model {model!r} has no tokenizer (its card says tokenizer 'none'), so it cannot answer in text: "
             "POST /v1/requests with output.kind 'generate' returns the generated token ids",
@@ -82,9 +93,11 @@ def chat_prompt(gw: Gateway, body: ChatBody) -> Prompt:
     """The conversation rendered by the model's chat template, as token ids.
 
     Raises:
-        InvalidRequest: no template, the template refuses the messages, or no tokenizer (field ``messages``).
+        InvalidRequest: a model that cannot generate text (field ``model``: :func:`_refuse_unfit`); no
+            template, the template refuses the messages, or no tokenizer (field ``messages``).
     """
     key = gw.settings.model_key(body.model)
+    _refuse_unfit(gw, key, body.model)
     template = _chat_template(gw.settings.models[key].path)
     if template is None:
         raise InvalidRequest(

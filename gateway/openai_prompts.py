@@ -97,7 +97,8 @@ def chat_messages(body: ChatBody) -> list[dict[str, Any]]:
     Raises:
         InvalidRequest: a content part that is not text (image, audio, …), a text part without text, no
             content where OpenAI requires it (every role but ``assistant``), content that is an empty list of
-            parts (OpenAI refuses it for every role), or a tool call, function call,
+            parts (OpenAI refuses it for every role), a ``tool`` message without ``tool_call_id`` (OpenAI
+            requires it), or a tool call, function call,
             audio or refusal in a message (:data:`_NOT_RENDERED`), naming it.
     """
     out = []
@@ -109,6 +110,9 @@ def chat_messages(body: ChatBody) -> list[dict[str, Any]]:
         if message.content == []:  # as OpenAI: a list of parts has at least one
             raise InvalidRequest(f"{where}.content is an empty array: give a string or at least one text part",
                                  f"{where}.content", 1)  # fmt: skip
+        if message.role == "tool" and not message.tool_call_id:  # as OpenAI: a tool message answers one call
+            raise InvalidRequest(f"{where}.tool_call_id is required for a 'tool' message: the ID of the call it "
+                                 "answers", f"{where}.tool_call_id", "a string")  # fmt: skip
         _refuse_unrendered(message, where)
         item = {"role": message.role, "content": _text_of(message.content, where)}
         for name in ("name", "tool_call_id"):

@@ -43,6 +43,7 @@ from starlette.concurrency import run_in_threadpool
 from gateway.deps import CallerDep, Gateway, GatewayDep
 from gateway.disconnect import ClientLeft, unless_client_leaves
 from gateway.errors import fleet_error_response, openai_error_of, relay_error
+from gateway.native_submit import send_owned
 from gateway.openai_embeddings import queue_embeddings
 from gateway.openai_generation import build_generation, chat_prompt
 from gateway.openai_mapping import (
@@ -118,7 +119,7 @@ async def _generate(
     if gw.settings.api.group_submits:
         rid = (await gw.submits.submit(SubmitItem([request], rate_key, [body.user])))[0]
     else:
-        rid = await run_in_threadpool(partial(gw.fleet.send, request, rate_key=rate_key, routing_key=body.user))
+        rid = await run_in_threadpool(partial(send_owned, gw, request, rate_key=rate_key, routing_key=body.user))
     headers = {"X-Request-ID": rid}
     created = int(time.time())
     if body.stream:

@@ -17,8 +17,8 @@ from gateway.disconnect import ClientLeft, unless_client_leaves
 from gateway.errors import fleet_error_response
 from gateway.openai_mapping import rename_field
 from gateway.outcomes import WAIT_S, await_outcomes
+from protocol.cancel_marks import MARK_SCRIPT, mark_args, mark_keys
 from protocol.errors import FleetError, NoLiveWorker
-from protocol.keys import CANCEL_CHANNEL, CANCEL_KEY
 from protocol.messages import InferenceResult
 
 __all__ = ["CLIENT_CLOSED_REQUEST", "cancel_requests", "give_up_waiting", "outcome_or_error"]
@@ -62,11 +62,11 @@ async def give_up_waiting(gw: Gateway, rids: list[str], exc: NoLiveWorker) -> No
 
 async def cancel_requests(gw: Gateway, rids: list[str]) -> None:
     """The client left before its answer: mark the requests cancelled and tell the running workers."""
+    script = gw.aredis.register_script(MARK_SCRIPT)  # the mark says whether a worker held it (protocol.cancel_marks)
     try:
         async with gw.aredis.pipeline(transaction=False) as pipe:
             for rid in rids:
-                pipe.set(CANCEL_KEY.format(id=rid), "1", ex=gw.settings.result_ttl_s)
-                pipe.publish(CANCEL_CHANNEL, rid)
+                await script(keys=mark_keys(rid), args=mark_args(rid, gw.settings.result_ttl_s), client=pipe)
             await pipe.execute()
     except redis.RedisError as exc:
         log.warning("could not cancel %s after its client left: %s", ",".join(rids), exc)

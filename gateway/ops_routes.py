@@ -1,6 +1,7 @@
 """The operations routes (tag ``ops``), open without an API key: liveness (``/healthz``, and ``/health``
-as vLLM names it), readiness (``/readyz``: Redis reachable and a ready worker per model) and the
-Prometheus text at ``/metrics``. The whole API: :mod:`gateway.app`.
+as vLLM names it), readiness (``/readyz``: Redis reachable and a ready worker per model; for a model without
+one, each of its live workers is named with why it is not ready, in the words of its heartbeat's ``not_ready``)
+and the Prometheus text at ``/metrics``. The whole API: :mod:`gateway.app`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.deps import GatewayDep
-from producer.registry import read_fleet_state, readiness_problems
+from producer.registry import FleetState, read_fleet_state, readiness_problems
+from producer.worker_readiness import not_ready_reasons
 from protocol.errors import UnknownModel
 from protocol.settings import FleetSettings
 
@@ -48,13 +50,16 @@ def readyz(
 ) -> JSONResponse:
     """Ready when Redis answers and every configured model (or each ``model`` given) has a ready worker.
 
-    Open to anyone, so a Redis failure is said without its address, user or error text (logged instead)."""
+    ``problems`` names each model without a ready worker, then each of its live workers that is not ready and why
+    (as ``fleet probe ready --worker`` says it: shutting down, a dead thread, an engine failing every run, a
+    stall, or still loading). Open to anyone, so a Redis failure is said without its address, user or error text
+    (logged instead)."""
     wanted = None if model is None else [_model_key_or_name(gw.settings, m) for m in model]
     state = read_fleet_state(gw.settings, gw.fleet.redis)
     if state.redis_error:
         log.warning("not ready: %s", state.redis_error)
         return JSONResponse({"ready": False, "problems": [REDIS_DOWN_PROBLEM]}, status_code=503)
-    problems = readiness_problems(state, wanted)
+    problems = readiness_problems(state, wanted) + _workers_not_ready(state, wanted)
     return JSONResponse({"ready": not problems, "problems": problems}, status_code=503 if problems else 200)
 
 
@@ -69,6 +74,14 @@ for _path, _endpoint in (("/healthz", healthz), ("/health", health), ("/readyz",
 def prometheus(gw: GatewayDep) -> Response:
     """Prometheus text format: gateway requests by route/status, latencies, queue depths."""
     return Response(generate_latest(gw.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _workers_not_ready(state: FleetState, wanted: list[str] | None) -> list[str]:
+    """Why each live worker of a model in ``wanted`` (None: every configured model) that has no ready worker is
+    not ready; a model with a ready worker needs none of its other workers."""
+    return [reason for m in state.models
+            if (wanted is None or m.name in wanted) and m.ready_workers == 0
+            for reason in not_ready_reasons(m.workers)]  # fmt: skip
 
 
 def _model_key_or_name(settings: FleetSettings, name: str) -> str:

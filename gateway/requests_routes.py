@@ -4,6 +4,14 @@ read (or long-poll) a request's view, cancel it, and relay a generation's token 
 The submit steps (build, wait, queue, the 202's body): :mod:`gateway.native_submit`; the waits for a
 result: :mod:`gateway.request_waits`. Routes that only touch Redis are plain ``def`` (FastAPI's thread
 pool); those that wait are ``async`` on redis.asyncio. The whole API: :mod:`gateway.app`.
+
+With auth on, a request submitted here belongs to the API key that submitted it (its owner mark,
+:mod:`gateway.request_owners`): every route under ``/v1/requests/{id}`` answers another key's request with the
+404 of an unknown ID, checked before its result is read (and, where the ID had no mark then, again after: another
+key may have queued it in between); a caller-given ``request_id`` another key's request
+holds is refused with a 409 (whatever the body), nothing queued. A request without a mark (submitted by
+``FleetClient``, the CLI or a plain Celery client straight to Redis, or before marks were kept) is any
+accepted key's to read and cancel.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from gateway.native_submit import (
     queue_submitted,
     submit_wait,
 )
+from gateway.request_owners import FOREIGN, UNMARKED
 from gateway.request_waits import long_polled_view, view_when_done, view_when_published
 from gateway.schema import (
     REQUEST_ID_PATTERN,
@@ -48,8 +57,9 @@ from gateway.views import read_view, read_view_sync
 from producer.client import RequestStatus
 from producer.idempotent_queue import one_body_per_id, request_fingerprint
 from producer.results import CANCEL_SETTLE_S
+from protocol.cancel_marks import cancelled_for_good
 from protocol.errors import FleetError, InvalidRequest, RequestNotFound
-from protocol.keys import REQUEST_KEY, STREAM_KEY
+from protocol.keys import CANCEL_KEY, REQUEST_KEY, STREAM_KEY
 from protocol.streams import StreamEvent
 
 __all__ = [
@@ -158,10 +168,12 @@ def submit_batch(body: BatchSubmitBody, rate_key: CallerDep, gw: GatewayDep) -> 
             raise type(exc)(f"requests[{i}]: {exc.message}", field, exc.limit) from exc
     one_body_per_id([str(r.request_id) for r in built], [request_fingerprint(r) for r in built],
                     lambda i: f"requests[{i}]")  # a batch naming one ID twice is refused before admission  # fmt: skip
-    for model, count in Tally(r.model for r in built).items():
-        gw.fleet.admission.check_queue(model, count)
-    gw.fleet.admission.take_rate(rate_key, len(built))
-    sent = gw.fleet.send_batch(built, routing_keys=[item.routing_key for item in body.requests])
+    owners = [gw.owners.owner_for(rate_key)] * len(built)  # another key's ID is refused before admission
+    with gw.owners.claimed([str(r.request_id) for r in built], owners, lambda i: f"requests[{i}]"):
+        for model, count in Tally(r.model for r in built).items():
+            gw.fleet.admission.check_queue(model, count)
+        gw.fleet.admission.take_rate(rate_key, len(built))
+        sent = gw.fleet.send_batch(built, routing_keys=[item.routing_key for item in body.requests])
     statuses = [gw.fleet.status(rid) if item.request_id else RequestStatus.QUEUED
                 for rid, item in zip(sent, body.requests, strict=True)]
     return BatchAccepted(
@@ -173,20 +185,26 @@ def submit_batch(body: BatchSubmitBody, rate_key: CallerDep, gw: GatewayDep) -> 
 
 
 @router.get("/v1/requests/{request_id}", response_model=RequestView, tags=["requests"])
-async def get_request(request_id: RequestId, _: CallerDep, gw: GatewayDep, wait_s: WaitS = None) -> Response:
+async def get_request(request_id: RequestId, rate_key: CallerDep, gw: GatewayDep, wait_s: WaitS = None) -> Response:
     """Where the request stands, with its result or error once it has one (and, while it is queued for a
     model no live worker serves, a ``warning`` that says so).
 
     ``wait_s`` (s, up to ``api.max_wait_s``; a larger value is a 422 naming the limit): wait for the
     result on the event loop (:func:`gateway.outcomes.await_outcomes`, no thread per waiter) and answer
     as soon as it is stored, else at ``wait_s`` with the status then.
+
+    Another API key's request is answered as an unknown one (404), before anything of it is read.
     """
     if wait_s is not None:
         checked_wait(gw, wait_s)
+    owner = gw.owners.owner_for(rate_key)
+    mark = await _check_readable(gw, request_id, owner)
     if wait_s:
         view, model = await long_polled_view(gw, request_id, wait_s)
     else:
         view, model = await read_view(gw.fleet, gw.aredis, request_id)
+    if mark == UNMARKED:  # found: it may be a request another key queued since the check (marked before it is known)
+        await _check_readable(gw, request_id, owner)
     warning = await no_worker_warning_now(gw, model) if view.status is RequestStatus.QUEUED else None
     return _json(view.model_copy(update={"warning": warning}) if warning else view)
 
@@ -197,13 +215,18 @@ async def get_request(request_id: RequestId, _: CallerDep, gw: GatewayDep, wait_
     tags=["requests"],
     responses={409: {"model": ErrorBody, "description": "it finished (a one-step request whose batch had started)"}},
 )
-def cancel(request_id: RequestId, _: CallerDep, gw: GatewayDep) -> RequestView | JSONResponse:
+def cancel(request_id: RequestId, rate_key: CallerDep, gw: GatewayDep) -> RequestView | JSONResponse:
     """Cancel a queued request, a one-step request waiting in a worker's batch window, or a running generation;
     409 when it finished (a one-step request whose batch had started when the cancel came ends with its result).
 
     A running generation is answered once it has stopped (within a decode step): its view is then
-    ``succeeded`` with ``finish_reason`` ``cancelled`` and the tokens made so far."""
-    status = gw.fleet.status(request_id)
+    ``succeeded`` with ``finish_reason`` ``cancelled`` and the tokens made so far. Another API key's request is
+    answered as an unknown one (404) and left alone."""
+    owner = gw.owners.owner_for(rate_key)
+    mark = gw.owners.mark_of(request_id, owner)
+    status = gw.fleet.status(request_id) if mark != FOREIGN else RequestStatus.NOT_FOUND
+    if mark == UNMARKED and status is not RequestStatus.NOT_FOUND and gw.owners.mark_of(request_id, owner) == FOREIGN:
+        status = RequestStatus.NOT_FOUND  # another key queued it since the first look (its mark came first)
     if status is RequestStatus.NOT_FOUND:
         raise RequestNotFound(f"no request {request_id!r} is known", "request_id", None)
     if status is not RequestStatus.CANCELLED and not gw.fleet.cancel(request_id, settle_s=CANCEL_SETTLE_S):
@@ -211,6 +234,7 @@ def cancel(request_id: RequestId, _: CallerDep, gw: GatewayDep) -> RequestView |
         msg = (f"request {request_id} is {now}: only a request that has not run, or a running generation, "
                "can be cancelled")
         return _error(409, error_payload("conflict", "Conflict", msg, "request_id"))
+    gw.owners.keep_with_result(request_id, owner)  # the cancel's result lives result_ttl_s from now: so does the mark
     return read_view_sync(gw.fleet, request_id)[0]
 
 
@@ -224,18 +248,25 @@ def cancel(request_id: RequestId, _: CallerDep, gw: GatewayDep) -> RequestView |
         409: {"model": ErrorBody, "description": "the request is not a generation, or its stream is gone"},
     },
 )
-async def stream(request_id: RequestId, _: CallerDep, gw: GatewayDep) -> Response:
+async def stream(request_id: RequestId, rate_key: CallerDep, gw: GatewayDep) -> Response:
     """A generation's events as they are produced (protocol.streams.StreamEvent JSON, one per frame).
 
     From its first token (a stream opened before the worker starts waits for it), each token index
     once, then ``final`` (finish_reason, usage) or ``error``. Leaving does not cancel the request:
-    ``DELETE /v1/requests/{id}`` does.
+    ``DELETE /v1/requests/{id}`` does. A generation cancelled before it ran (cancel-marked, nothing stored, no
+    stream) is a 409 at once, as one whose cancel a worker already stored: it never makes a token (before, its
+    stream waited for one for ``WAIT_S``, 600 s, where no worker took it). Another API key's request is answered
+    as an unknown one (404).
     """
-    marker, has_stream, has_result = await _stream_facts(gw, request_id)
+    owner = gw.owners.owner_for(rate_key)
+    mark = await _check_readable(gw, request_id, owner)
+    marker, has_stream, has_result, cancelled = await _stream_facts(gw, request_id)
     if marker is None and not has_stream:
-        raise RequestNotFound(f"no request {request_id!r} is known (never submitted, or expired)", "request_id", None)
+        raise _unknown(request_id)
+    if mark == UNMARKED:  # found: it may be a request another key queued since the check
+        await _check_readable(gw, request_id, owner)
     kind = marker.get("kind") if marker else None
-    if (kind not in (None, "generate")) or (has_result and not has_stream):
+    if (kind not in (None, "generate")) or (not has_stream and (has_result or cancelled)):
         what = (f"a {kind} request" if kind not in (None, "generate")
                 else "finished and has no stream (it asked for stream: false, or ended before it ran: cancelled "
                 "or expired)")  # fmt: skip
@@ -244,8 +275,24 @@ async def stream(request_id: RequestId, _: CallerDep, gw: GatewayDep) -> Respons
     return EventStream(_native_frames(gw, request_id))
 
 
-async def _stream_facts(gw: Gateway, request_id: str) -> tuple[dict[str, Any] | None, bool, bool]:
-    """The submit marker (None when unknown), whether the stream exists, whether the result is stored.
+def _unknown(request_id: str) -> RequestNotFound:
+    """The 404 of an ID nobody submitted or that expired, in :func:`gateway.views.read_view`'s words."""
+    return RequestNotFound(f"no request {request_id!r} is known (never submitted, or expired)", "request_id", None)
+
+
+async def _check_readable(gw: Gateway, request_id: str, owner: str) -> str:
+    """Raise :func:`_unknown`'s 404 when ``request_id`` is another API key's (its owner mark names another); else
+    what its mark said (:data:`~gateway.request_owners.OWN` or :data:`~gateway.request_owners.UNMARKED`: then
+    look again once the request is read)."""
+    mark = await gw.owners.amark_of(gw.aredis, request_id, owner)
+    if mark == FOREIGN:
+        raise _unknown(request_id)
+    return mark
+
+
+async def _stream_facts(gw: Gateway, request_id: str) -> tuple[dict[str, Any] | None, bool, bool, bool]:
+    """The submit marker (None when unknown), whether the stream exists, whether the result (or a STARTED state) is
+    stored, whether a cancel mark is set.
 
     A worker stores the result from its task thread and writes stream entries from its publisher
     thread, so a just-finished generation's stream may appear a moment after its result: a stored
@@ -257,7 +304,8 @@ async def _stream_facts(gw: Gateway, request_id: str) -> tuple[dict[str, Any] | 
             pipe.get(REQUEST_KEY.format(id=request_id))
             pipe.exists(STREAM_KEY.format(id=request_id))
             pipe.exists(gw.fleet.app.backend.get_key_for_task(request_id))
-            raw, has_stream, has_result = await pipe.execute()
+            pipe.get(CANCEL_KEY.format(id=request_id))
+            raw, has_stream, has_result, mark = await pipe.execute()
         if has_stream or not has_result or time.monotonic() >= deadline:
             break
         await asyncio.sleep(0.05)
@@ -265,7 +313,8 @@ async def _stream_facts(gw: Gateway, request_id: str) -> tuple[dict[str, Any] | 
         marker = json.loads(raw) if raw else None
     except ValueError:
         marker = {}
-    return (marker if isinstance(marker, dict) or marker is None else {}), bool(has_stream), bool(has_result)
+    known = marker if isinstance(marker, dict) or marker is None else {}
+    return known, bool(has_stream), bool(has_result), cancelled_for_good(mark)
 
 
 async def _native_frames(gw: Gateway, request_id: str) -> AsyncIterator[bytes]:

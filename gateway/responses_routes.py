@@ -43,6 +43,7 @@ from starlette.concurrency import run_in_threadpool
 from gateway.auth import API_KEY_HEADER, key_from_headers, owner_of
 from gateway.deps import CallerDep, Gateway, GatewayDep
 from gateway.errors import fleet_error_response, openai_error_of, relay_error
+from gateway.native_submit import send_owned
 from gateway.openai_generation import build_generation, chat_prompt
 from gateway.openai_mapping import finish_reason, rename_field, stream_error
 from gateway.openai_schema import ChatBody
@@ -198,7 +199,7 @@ async def create_response(
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     chat = _as_chat(body, system + history + new)
     request = await run_in_threadpool(_build_turn, gw, chat)
-    rid = await run_in_threadpool(partial(gw.fleet.send, request, rate_key=rate_key, routing_key=body.user))
+    rid = await run_in_threadpool(partial(send_owned, gw, request, rate_key=rate_key, routing_key=body.user))
     turn = _Turn(body, rid, request.model, history, new, owner)
     if turn.stored:  # before anyone is told the ID: the owner's turn, "still running" to the owner alone
         await claim_response(gw.aredis, turn.id, owner, gw.settings.api.responses_ttl_s)

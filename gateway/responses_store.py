@@ -13,6 +13,8 @@ A document holds:
 * ``owner``: who may read, continue or delete it (:func:`gateway.auth.owner_of`: a keyed digest of the API
   key that created it, never the key; one shared owner while auth is off). Any other caller is told the
   response does not exist, in the words of an unknown ID (:func:`not_found`), so existence does not leak.
+  It is written first in the JSON, so a reader compares it (constant time) before parsing the document: another
+  owner's document is refused without being parsed, in about the time of an unknown ID.
 
 While a stored turn runs, its ID holds a claim instead (:func:`claim_response`: the owner alone), so a turn that
 names it as ``previous_response_id`` is told "still running" by its owner only; the answer replaces the claim,
@@ -47,6 +49,10 @@ __all__ = [
 ]
 
 
+_OWNER_FIRST = b'{"owner":"'
+"""How a document or claim written with its owner first begins (older documents: parsed, then compared)."""
+
+
 class StoredResponse(TypedDict):
     """One stored response (see the module docstring)."""
 
@@ -73,7 +79,8 @@ async def save_response(aredis: redis.asyncio.Redis[bytes], doc: StoredResponse,
         redis.RedisError: Redis did not take it.
     """
     key = RESPONSE_KEY.format(id=doc["response"]["id"])
-    await aredis.set(key, json.dumps(doc, separators=(",", ":")), ex=ttl_s)
+    first = {"owner": doc.get("owner", OPEN_OWNER), **doc}  # read before the rest is parsed (_owned)
+    await aredis.set(key, json.dumps(first, separators=(",", ":")), ex=ttl_s)
 
 
 async def claim_response(aredis: redis.asyncio.Redis[bytes], response_id: str, owner: str, ttl_s: int) -> None:
@@ -102,6 +109,10 @@ async def _owned(aredis: redis.asyncio.Redis[bytes], response_id: str, owner: st
     raw = await aredis.get(RESPONSE_KEY.format(id=response_id))
     if raw is None:
         return None
+    if raw.startswith(_OWNER_FIRST):  # what save_response and claim_response write: no parse for another's
+        end = raw.find(b'"', len(_OWNER_FIRST))
+        if end < 0 or not same_owner(raw[len(_OWNER_FIRST) : end].decode(errors="replace"), owner):
+            return None
     doc: dict[str, Any] = mend_surrogates(json.loads(raw))  # stored before the edge refused lone surrogates
     stored_owner = doc.get("owner", OPEN_OWNER)
     return doc if isinstance(stored_owner, str) and same_owner(stored_owner, owner) else None

@@ -15,10 +15,17 @@ only multiplexes the waiting, and never holds an entry a reader has not asked fo
 the hub lets the readers it answered come back (:data:`REJOIN_S` at most) before it sends the next, so in
 the steady state every stream is in the one read; a reader that comes back later is in the read after
 (:data:`HUB_BLOCK_MS` at most, sooner when any stream gets entries), and a stream's first read, while a
-read without it is under way, is made on its own (so a new stream's first token never waits for it). A
-reader whose position is before where the read under way started in its stream (a second reader of a stream
-joining, a reader that fell behind the others) is answered by the next read, never by one whose reply lacks
-its entries. A Redis error of the hub's read is handed to every reader waiting on it, which retries as it
+read without it is under way, is made on its own (so a new stream's first token never waits for it).
+
+The hub's read starts each stream at the position of its readers furthest on. A reader behind them (a second
+reader of a stream joining from its start, a reader whose client is slower than the others) reads on its
+own: the entries after its position are there already, so its ``XREAD`` returns at once, :data:`READ_COUNT`
+at most, and it comes back for the next. Before, the hub's read started at the position of the reader
+furthest behind: a reader more than :data:`READ_COUNT` entries behind made each read return its old
+entries only, and the readers already up to date waited a read per :data:`READ_COUNT` entries of its
+backlog for their new ones. A reader whose position is before where the read under way started in its
+stream is never answered by that read (its reply lacks the entries in between): it reads on its own once
+the read returns. A Redis error of the hub's read is handed to every reader waiting on it, which retries as it
 would its own read (:mod:`producer.streams`).
 """
 
@@ -28,7 +35,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from typing import Any, Final
 
 import redis
 import redis.asyncio
@@ -37,7 +44,7 @@ from gateway.cancelling import cancel_and_wait
 from gateway.event_waits import set_within
 from producer.streams import READ_COUNT, Entry, stream_entries
 
-__all__ = ["HUB_BLOCK_MS", "REJOIN_S", "StreamHub", "stream_id"]
+__all__ = ["BEHIND", "HUB_BLOCK_MS", "REJOIN_S", "StreamHub", "stream_id"]
 
 log = logging.getLogger("fleet.api")
 
@@ -56,10 +63,14 @@ def stream_id(entry_id: str | bytes) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+BEHIND: Final = None
+"""What the hub hands a reader behind the others of its stream instead of entries: read on your own."""
+
+
 class _Waiter:
     __slots__ = ("after", "future", "last_id")
 
-    def __init__(self, last_id: str | bytes, future: asyncio.Future[list[Entry]]) -> None:
+    def __init__(self, last_id: str | bytes, future: asyncio.Future[list[Entry] | None]) -> None:
         self.last_id = last_id
         self.after = stream_id(last_id)
         self.future = future
@@ -84,6 +95,8 @@ class StreamHub:
         """Blocking reads the hub sent (not the readers' own joining reads)."""
         self.catch_ups = 0
         """Reads without blocking after a read answered one stream of several (:meth:`_catch_up`)."""
+        self.behind_reads = 0
+        """Reads of readers behind the others of their stream, made on their own (:meth:`_read_from`)."""
 
     async def xread(self, key: str, last_id: str | bytes, block_ms: int) -> list[Entry]:
         """The entries of stream ``key`` after ``last_id``, waiting up to ``block_ms`` ms for some; [] when
@@ -92,7 +105,14 @@ class StreamHub:
         while True:
             left_ms = round((deadline_s - time.monotonic()) * 1000)
             if key in self._in_read or not self._reading or stream_id(last_id) != (0, 0):
-                return await self._wait(key, last_id, max(1, left_ms))  # in the read under way, or the next
+                entries = await self._wait(key, last_id, max(1, left_ms))  # in the read under way, or the next
+                if entries is not BEHIND:
+                    return entries
+                # behind another reader of its stream: its entries are there, so this read returns at once
+                # (it blocks only where the stream lost them meanwhile: trimmed, expired)
+                self.behind_reads += 1
+                left_ms = round((deadline_s - time.monotonic()) * 1000)
+                return stream_entries(await self.client.xread({key: last_id}, count=READ_COUNT, block=max(1, left_ms)))
             # a stream's first read while a read is under way without it: on its own until that read ends
             own_ms = max(1, min(left_ms, round((self._read_ends_s - time.monotonic()) * 1000)))
             entries = stream_entries(await self.client.xread({key: last_id}, count=READ_COUNT, block=own_ms))
@@ -105,7 +125,8 @@ class StreamHub:
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop(), name="fleet-stream-hub")
 
-    async def _wait(self, key: str, last_id: str | bytes, block_ms: int) -> list[Entry]:
+    async def _wait(self, key: str, last_id: str | bytes, block_ms: int) -> list[Entry] | None:
+        """The entries a read of the hub brought after ``last_id`` ([] at the bound), or :data:`BEHIND`."""
         waiter = _Waiter(last_id, asyncio.get_running_loop().create_future())
         self._waiting.setdefault(key, []).append(waiter)
         self._start()
@@ -130,7 +151,7 @@ class StreamHub:
                 if not await set_within(self._wake, 60.0):
                     return  # idle: the next reader starts the loop again
                 continue
-            streams = {key: min(waiters, key=lambda w: w.after).last_id for key, waiters in self._waiting.items()}
+            streams = self._read_from()
             self._in_read = dict.fromkeys(streams, True)
             self._reading = True
             self._read_ends_s = time.monotonic() + self.block_ms / 1000
@@ -148,6 +169,19 @@ class StreamHub:
                 answered |= await self._catch_up(streams, answered)
             if answered:
                 await self._rejoin(answered)
+
+    def _read_from(self) -> dict[str, str | bytes]:
+        """Where the next read starts in each waiting stream: the position of its readers furthest on. The
+        readers behind them are handed :data:`BEHIND` (they read on their own, :meth:`xread`), so none waits
+        while the read returns another reader's backlog, :data:`READ_COUNT` entries at a time."""
+        streams: dict[str, str | bytes] = {}
+        for key, waiters in self._waiting.items():
+            head = max(waiters, key=lambda w: w.after)
+            streams[key] = head.last_id
+            for waiter in waiters:
+                if waiter.after < head.after and not waiter.future.done():
+                    waiter.future.set_result(BEHIND)
+        return streams
 
     async def _catch_up(self, streams: dict[str, str | bytes], answered: set[str]) -> set[str]:
         """The other streams of a read that answered one: Redis before 7.0 answers a read blocked on several
@@ -170,15 +204,18 @@ class StreamHub:
         position before that start (a stream's first read, a reader that fell behind the others of its
         stream) is not answered from it: the entries between its position and the start are not in the
         reply, and handing it the rest would skip them (its reader would see a gap and stop streaming until
-        the request's result is stored). It stays for the next read, which starts at its position."""
+        the request's result is stored). It is handed :data:`BEHIND`: it reads on its own."""
         answered: set[str] = set()
         for key, entries in _by_stream(reply).items():
             start = stream_id(read_from[key]) if key in read_from else None
             for waiter in self._waiting.get(key, ()):
-                if start is None or waiter.after < start:
+                if start is None or waiter.future.done():
+                    continue
+                if waiter.after < start:
+                    waiter.future.set_result(BEHIND)
                     continue
                 mine = [e for e in entries if stream_id(e[0]) > waiter.after]
-                if mine and not waiter.future.done():
+                if mine:
                     waiter.future.set_result(mine)
                     answered.add(key)
         return answered

@@ -1,4 +1,5 @@
-"""``GET /v1/requests/{id}``'s answer: where a request stands, read in one Redis round trip.
+"""``GET /v1/requests/{id}``'s answer: where a request stands, read in one Redis round trip (with auth on, the
+route first reads the request's owner mark: :mod:`gateway.request_owners`).
 
 Three keys say everything: the stored Celery meta (a finished, failed or running request), the cancel
 mark, and the submit marker (a queued request, and its model for the no-live-worker warning). The
@@ -16,6 +17,7 @@ from gateway.schema import ErrorBody, RequestView
 from producer.client import FleetClient, RequestStatus
 from producer.presence import marker_key, request_model
 from producer.results import as_fleet_error, status_from, status_of_error
+from protocol.cancel_marks import cancelled_for_good
 from protocol.errors import FleetError, RequestCancelled, RequestNotFound
 from protocol.keys import CANCEL_KEY
 from protocol.messages import InferenceResult, decode_result
@@ -29,11 +31,11 @@ ViewRead = tuple[RequestView, str | None]
 def _ask(pipe: Any, fleet: FleetClient, request_id: str) -> None:
     """Queue the three reads on ``pipe`` (a blocking or an asyncio pipeline): meta, cancel mark, marker."""
     pipe.get(fleet.app.backend.get_key_for_task(request_id))
-    pipe.exists(CANCEL_KEY.format(id=request_id))
+    pipe.get(CANCEL_KEY.format(id=request_id))
     pipe.get(marker_key(request_id))
 
 
-def view_from(fleet: FleetClient, request_id: str, raw_meta: bytes | None, cancel_marked: bool,
+def view_from(fleet: FleetClient, request_id: str, raw_meta: bytes | None, cancel_mark: bytes | None,
               raw_marker: bytes | None) -> ViewRead:  # fmt: skip
     """The view from the three keys' values (see the module docstring).
 
@@ -41,7 +43,7 @@ def view_from(fleet: FleetClient, request_id: str, raw_meta: bytes | None, cance
         RequestNotFound: nothing is known of ``request_id`` (never submitted, or expired).
     """
     meta: dict[str, Any] | None = fleet.app.backend.decode_result(raw_meta) if raw_meta is not None else None
-    status = status_from(meta, cancel_marked=cancel_marked, known=raw_marker is not None)
+    status = status_from(meta, cancel_marked=cancelled_for_good(cancel_mark), known=raw_marker is not None)
     if status is RequestStatus.NOT_FOUND:
         raise RequestNotFound(f"no request {request_id!r} is known (never submitted, or expired)", "request_id", None)
     view = RequestView(request_id=request_id, status=status)
@@ -72,13 +74,13 @@ async def read_view(fleet: FleetClient, aredis: redis.asyncio.Redis[bytes], requ
     """:func:`view_from`, its three keys read in one pipeline on the event loop."""
     async with aredis.pipeline(transaction=False) as pipe:
         _ask(pipe, fleet, request_id)
-        raw_meta, cancel_marked, raw_marker = await pipe.execute()
-    return view_from(fleet, request_id, raw_meta, bool(cancel_marked), raw_marker)
+        raw_meta, cancel_mark, raw_marker = await pipe.execute()
+    return view_from(fleet, request_id, raw_meta, cancel_mark, raw_marker)
 
 
 def read_view_sync(fleet: FleetClient, request_id: str) -> ViewRead:
     """:func:`read_view` on the client's blocking connection (from a thread)."""
     with fleet.redis.pipeline(transaction=False) as pipe:
         _ask(pipe, fleet, request_id)
-        raw_meta, cancel_marked, raw_marker = pipe.execute()
-    return view_from(fleet, request_id, raw_meta, bool(cancel_marked), raw_marker)
+        raw_meta, cancel_mark, raw_marker = pipe.execute()
+    return view_from(fleet, request_id, raw_meta, cancel_mark, raw_marker)

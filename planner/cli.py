@@ -97,39 +97,54 @@ def register(sub: Any) -> None:
     src = p.add_argument_group("traffic (one of)")
     src.add_argument("--trace", type=Path, help="a .csv or .jsonl file: arrival_s [, prompt_tokens] per request")
     src.add_argument("--diurnal", action="store_true", help="a generated day-shaped curve (the default)")
-    src.add_argument("--poisson-rps", type=float, help="a constant-rate Poisson trace instead (requests/s)")
-    src.add_argument("--duration-s", type=float, default=600.0, help="length of the Poisson trace (s)")
-    src.add_argument("--hours", type=float, default=4.0, help="length of the diurnal trace: trough-peak-trough")
-    src.add_argument("--peak-rps", type=float, default=100.0, help="diurnal peak (requests/s)")
+    src.add_argument("--poisson-rps", type=float,
+                     help="a constant-rate Poisson trace instead (requests/s; default: none, the diurnal curve)")
+    src.add_argument("--duration-s", type=float, default=600.0,
+                     help="length of the Poisson trace (s; default %(default)s)")
+    src.add_argument("--hours", type=float, default=4.0,
+                     help="length of the diurnal trace: trough-peak-trough (hours; default %(default)s)")
+    src.add_argument("--peak-rps", type=float, default=100.0, help="diurnal peak (requests/s; default %(default)s)")
     src.add_argument("--trough-rps", type=float, help="diurnal trough (requests/s; default peak/10)")
     src.add_argument("--burst", action="append", default=[], metavar="START_S:DURATION_S:MULT",
-                     help="multiply the rate in a window (repeatable)")
-    src.add_argument("--seed", type=int, default=0)
+                     help="multiply the rate by MULT for DURATION_S seconds from START_S (repeatable; default: none)")
+    src.add_argument("--seed", type=int, default=0, help="seed of the generated trace (default %(default)s)")
     svc = p.add_argument_group("fleet")
     svc.add_argument("--service", type=Path, default=Path("docs/benchmarks.json"),
-                     help="per-batch service times: fleet bench's JSON or {\"batch_ms\": {size: ms}}")
-    svc.add_argument("--series", default="fp32/short", help="the benchmarks.json series VARIANT/LENGTH")
-    svc.add_argument("--max-batch-size", type=int, default=8)
-    svc.add_argument("--max-wait-ms", type=float, default=2.0)
-    svc.add_argument("--concurrency", type=int, default=16, help="tokens per worker replica")
-    svc.add_argument("--max-queue-depth", type=int, default=10_000, help="admission cap; beyond it 429")
+                     help="per-batch service times: fleet bench's JSON or {\"batch_ms\": {size: ms}} "
+                     "(default %(default)s)")
+    svc.add_argument("--series", default="fp32/short",
+                     help="the benchmarks.json series VARIANT/LENGTH (default %(default)s)")
+    svc.add_argument("--max-batch-size", type=int, default=8, help="requests per batch at most (default %(default)s)")
+    svc.add_argument("--max-wait-ms", type=float, default=2.0,
+                     help="batch window: the oldest request waits at most this long (ms; default %(default)s)")
+    svc.add_argument("--concurrency", type=int, default=16, help="tokens per worker replica (default %(default)s)")
+    svc.add_argument("--max-queue-depth", type=int, default=10_000,
+                     help="admission cap in requests; beyond it 429 (default %(default)s)")
     svc.add_argument("--request-cpu-ms", type=float, default=5.4,
-                     help="serial per-request worker cost (ms; default: worker CPU-ms per request, docs/benchmarks.md)")
-    svc.add_argument("--fetch-ms", type=float, default=0.0, help="queue to worker latency (ms)")
+                     help="serial per-request worker cost (ms; default %(default)s: worker CPU-ms per request, "
+                          "docs/benchmarks.md)")
+    svc.add_argument("--fetch-ms", type=float, default=0.0, help="queue to worker latency (ms; default %(default)s)")
     sc = p.add_argument_group("autoscaler (KEDA ScaledObject)")
-    sc.add_argument("--list-length", default="4,8,16", help="redis trigger listLength values to try")
-    sc.add_argument("--polling-interval", default="5,15,30", help="pollingInterval values to try (s)")
-    sc.add_argument("--min-replicas", default="0,1", help="minReplicaCount values to try")
-    sc.add_argument("--max-replicas", type=int, default=8)
-    sc.add_argument("--cooldown-s", type=float, default=300.0)
+    sc.add_argument("--list-length", default="4,8,16",
+                    help="redis trigger listLength values to try, comma-separated (default %(default)s)")
+    sc.add_argument("--polling-interval", default="5,15,30",
+                    help="pollingInterval values to try, comma-separated (s; default %(default)s)")
+    sc.add_argument("--min-replicas", default="0,1",
+                    help="minReplicaCount values to try, comma-separated (default %(default)s)")
+    sc.add_argument("--max-replicas", type=int, default=8, help="maxReplicaCount (default %(default)s)")
+    sc.add_argument("--cooldown-s", type=float, default=300.0,
+                    help="cooldownPeriod: idle time before scaling to zero (s; default %(default)s)")
     sc.add_argument("--start-s", type=float, default=60.0,
-                    help="pod start to ready: image, model load, warm-up, TensorRT engine build (s)")
+                    help="pod start to ready: image, model load, warm-up, TensorRT engine build "
+                    "(s; default %(default)s)")
     sc.add_argument("--held-threshold", type=int, default=12,
-                    help="prometheus trigger: waiting + held per replica (0 = no such trigger)")
-    sc.add_argument("--stabilization-s", type=float, default=300.0, help="HPA scale-down stabilization window (s)")
-    p.add_argument("--slo-p99-ms", type=float, default=1000.0, help="p99 queue wait the chosen setting must keep")
+                    help="prometheus trigger: waiting + held per replica (0 = no such trigger; default %(default)s)")
+    sc.add_argument("--stabilization-s", type=float, default=300.0,
+                    help="HPA scale-down stabilization window (s; default %(default)s)")
+    p.add_argument("--slo-p99-ms", type=float, default=1000.0,
+                   help="p99 queue wait the chosen setting must keep (ms; default %(default)s)")
     p.add_argument("--out-dir", type=Path, default=Path("docs"),
-                   help="writes plan-grid.md, plan-grid.json and img/plan-*.png here")
+                   help="writes plan-grid.md, plan-grid.json and img/plan-*.png here (default %(default)s)")
     p.add_argument("--validate", action="store_true", help="instead: the model vs a real run on this machine")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)

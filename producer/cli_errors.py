@@ -9,7 +9,8 @@ Exit codes (every ``fleet`` command, ``python -m producer.ops_cli`` too):
   server (``fleet redis``, ``fleet demo``) could not start (port taken, loopback down); not ready; a
   ``fleet models pin`` that no live worker serves after ``--wait-s`` (NOT SERVED; recorded all the same);
 * 2 bad input or settings (a YAML error, an invalid value, a ``FLEET_*`` variable that is not the JSON its
-  setting takes, an unknown model, no model store, a model file or card that cannot be used, a Redis URL
+  setting takes, an unknown model or a version the store does not publish, no model store, a model file or
+  card that cannot be used, a Redis URL
   that is wrong where Redis or something else answers: no such database, not Redis at that port,
   ``rediss://`` to a Redis without TLS or to something that speaks neither TLS nor Redis): nothing done;
 * 3 a worker could not start;
@@ -31,6 +32,12 @@ from pydantic_settings import SettingsError
 from protocol.errors import ConfigError, FleetError, InvalidRequest, ModelLoadError
 from protocol.redis_conn import mask_url, passwords_in, redact
 from protocol.settings_env import settings_env_problem
+from tools.interrupts import (
+    forget_caught_interrupt,
+    forget_lost_interrupts,
+    interrupt_was_lost,
+    note_lost_interrupts,
+)
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "RequestFailed", "debug_enabled",
            "redis_failure", "run_command"]
@@ -180,6 +187,8 @@ def _describe(exc: BaseException, args: argparse.Namespace) -> tuple[str, int, b
         return str(exc), EXIT_BAD_INPUT, True
     if isinstance(exc, ConfigError):
         return str(exc), EXIT_BAD_INPUT, False
+    if type(exc).__name__ == "VersionNotFound":  # a version no push published, as an unknown model: nothing done
+        return str(exc), EXIT_BAD_INPUT, True
     if isinstance(exc, SettingsError):  # a FLEET_* variable pydantic-settings could not read, e.g. a JSON list
         return settings_env_problem(exc)[0], EXIT_BAD_INPUT, False
     if type(exc) is ModelLoadError:  # a model file, card or tokenizer here that cannot be used; its subclasses
@@ -209,10 +218,18 @@ def _path_problem(exc: OSError) -> str:
 def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
     """Run a sub-command's function; a failure becomes ``fleet: <one line>`` on stderr and its exit code.
 
-    With ``--debug`` the exception propagates (Python prints its traceback).
+    With ``--debug`` the exception propagates (Python prints its traceback). A Ctrl-C ends the command
+    with 130 and ``fleet: interrupted`` also where CPython mishandles it (:mod:`tools.interrupts`): one
+    that landed in a finalizer (no traceback; a command that ran to its end after it is reported
+    interrupted, unless it handled the stop itself), one that left a string ``exec`` (no death by SIGINT).
     """
+    note_lost_interrupts()
     try:
-        return int(func(args) or 0)
+        code = int(func(args) or 0)
+        if interrupt_was_lost():
+            print("fleet: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        return code
     except KeyboardInterrupt:
         if debug_enabled(args):
             raise
@@ -227,3 +244,6 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
             print(json.dumps(error.to_payload()))
         print(f"fleet: {line}", file=sys.stderr)
         return code
+    finally:
+        forget_lost_interrupts()
+        forget_caught_interrupt()

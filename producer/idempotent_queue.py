@@ -23,10 +23,19 @@ check is still whole and atomic, the queueing is not. A send that fails frees th
 requests it had not sent; where Redis is what failed and they cannot be freed then, the client
 frees them before it claims those IDs again, so a resubmit through it queues them (from another
 process they read as known until ``result_ttl_s`` ends them).
+
+A call that set its requests' owners (the gateway, :func:`producer.task_writer.owners_in_messages`, after claiming
+their owner marks) writes ``"owned": true`` in the markers it claims. Where the script finds an ID known whose mark
+this call claimed (it was unknown then) and the marker does not say ``owned``, a caller without an owner (a
+``FleetClient``, the CLI) queued that ID in between: the script deletes the mark in the same step, so the request
+stays every key's, as one queued before the claim is; a call of the same owner that queued it in between left
+``owned`` and the mark stays. ``FleetClient.send``'s look-up of a known ID before admission does the same
+(:meth:`IdempotentQueue.settle_known`).
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,15 +43,16 @@ from typing import Any
 import redis
 from celery import Celery
 
-from producer.task_writer import TaskMessage, TaskWriter
+from producer.task_writer import TaskMessage, TaskWriter, call_owners
 from protocol.errors import IdempotencyConflict
-from protocol.keys import REQUEST_KEY
+from protocol.keys import OWNER_KEY, REQUEST_KEY
 from protocol.messages import InferenceRequest
 from protocol.request_marker import request_fingerprint, request_marker
 
 __all__ = [
     "CLAIM_AND_QUEUE_LUA",
     "MAX_CLAIM_ATTEMPTS",
+    "SETTLE_KNOWN_LUA",
     "IdempotentQueue",
     "conflict",
     "one_body_per_id",
@@ -57,10 +67,11 @@ MAX_CLAIM_ATTEMPTS = 5
 """Script runs per call before giving up: a rerun happens only when a marker appeared or expired in between."""
 
 CLAIM_AND_QUEUE_LUA = """
--- KEYS: n request markers, then n result keys, then m queue lists
--- ARGV: ttl_s, n, m; n markers; n fingerprints; n expected states (n/k/?); m x (envelope, channel, event)
+-- KEYS: n request markers, then n result keys, then n owner marks, then m queue lists
+-- ARGV: ttl_s, n, m; n markers; n fingerprints; n expected states (n/k/?); n owners whose mark this call claimed
+-- ('' for none); m x (envelope, channel, event)
 local ttl, n, m = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local claimed, states, rerun = {}, {}, false
+local claimed, states, rerun, unowned = {}, {}, false, {}
 local function release()
   for _, key in ipairs(claimed) do redis.call('DEL', key) end
 end
@@ -80,21 +91,39 @@ for i = 1, n do
       release()
       return {'conflict', tostring(i)}
     end
+    -- a mark this call claimed on an ID queued since by a caller without an owner: that request is not the
+    -- owner's (a call of the same owner that queued it says so in its marker)
+    if ARGV[3 + 3 * n + i] ~= '' and not (ok and type(known) == 'table' and known['owned'] == true) then
+      unowned[#unowned + 1] = i
+    end
   end
   states[i] = state
   local expected = ARGV[3 + 2 * n + i]
   if expected ~= '?' and expected ~= state then rerun = true end
 end
+for _, i in ipairs(unowned) do
+  if redis.call('GET', KEYS[2 * n + i]) == ARGV[3 + 3 * n + i] then redis.call('DEL', KEYS[2 * n + i]) end
+end
 if rerun then
   release()
   return {'rerun', table.concat(states)}
 end
-local base = 3 + 3 * n
+local base = 3 + 4 * n
 for j = 1, m do
-  redis.call('LPUSH', KEYS[2 * n + j], ARGV[base + 3 * j - 2])
+  redis.call('LPUSH', KEYS[3 * n + j], ARGV[base + 3 * j - 2])
   if ARGV[base + 3 * j] ~= '' then redis.call('PUBLISH', ARGV[base + 3 * j - 1], ARGV[base + 3 * j]) end
 end
 return {'ok', table.concat(states)}
+"""
+
+SETTLE_KNOWN_LUA = """
+-- KEYS: a request marker, its owner mark; ARGV: the owner whose mark this call claimed
+-- the mark goes where the ID is queued and its marker does not say an owner's call queued it (as the queue script)
+local ok, known = pcall(cjson.decode, redis.call('GET', KEYS[1]))
+if ok and type(known) == 'table' and known['owned'] ~= true and redis.call('GET', KEYS[2]) == ARGV[1] then
+  return redis.call('DEL', KEYS[2])
+end
+return 0
 """
 
 
@@ -124,6 +153,13 @@ def one_body_per_id(ids: Sequence[str], fingerprints: Sequence[str], label: Call
             raise conflict(rid, label(i))
         out.append(j)
     return out
+
+
+def _owned(marker: str, owned: bool) -> str:
+    """``marker`` (:func:`protocol.request_marker.request_marker`) saying ``"owned": true`` where the request is
+    queued by a call that set its owner (the gateway), so a later call of that owner that finds it known keeps its
+    mark (:data:`CLAIM_AND_QUEUE_LUA`)."""
+    return json.dumps({**json.loads(marker), "owned": True}) if owned else marker
 
 
 def _no_send_time_subscription(producer: Any, task_id: str) -> None:
@@ -160,6 +196,7 @@ class IdempotentQueue:
         self.writer = writer
         self.result_ttl_s = result_ttl_s
         self._script = client.register_script(CLAIM_AND_QUEUE_LUA)
+        self._settle = client.register_script(SETTLE_KNOWN_LUA)
         self._lock = threading.Lock()
         self._unfreed: dict[str, str] = {}
         """Request ID -> its marker: claims of this client whose send failed and that Redis could not free then."""
@@ -190,16 +227,19 @@ class IdempotentQueue:
         fingerprints = [request_fingerprint(r) for r in requests]
         firsts = one_body_per_id(ids, fingerprints, label)
         unique = [i for i, j in enumerate(firsts) if i == j]
-        markers = [request_marker(requests[i], fingerprints[i]) for i in unique]
+        owners, claimed_now = call_owners()
+        markers = [_owned(request_marker(requests[i], fingerprints[i]), ids[i] in owners) for i in unique]
+        drops = [owners.get(ids[i], "") if ids[i] in claimed_now else "" for i in unique]
         if not self.writer.usable():
-            _, states = self._run(ids, unique, fingerprints, markers, [EITHER] * len(unique), [], label)
+            _, states = self._run(ids, unique, fingerprints, markers, drops, [EITHER] * len(unique), [], label)
             new = [i for i, s in zip(unique, states, strict=True) if s == NEW]
             self._send_claimed(ids, dict(zip(unique, markers, strict=True)), new, send)
             return [i in set(new) for i in range(len(requests))]
         expected = [NEW] * len(unique)
         for _ in range(MAX_CLAIM_ATTEMPTS):
             new = [i for i, s in zip(unique, expected, strict=True) if s == NEW]
-            verdict, states = self._run(ids, unique, fingerprints, markers, expected, build(new) if new else [], label)
+            tasks = build(new) if new else []
+            verdict, states = self._run(ids, unique, fingerprints, markers, drops, expected, tasks, label)
             if verdict == "ok" or NEW not in states:  # all written, or every ID is known: nothing to write
                 fresh = {i for i, s in zip(unique, states, strict=True) if s == NEW}
                 return [i in fresh for i in range(len(requests))]
@@ -215,17 +255,21 @@ class IdempotentQueue:
         unique: list[int],
         fingerprints: list[str],
         markers: list[str],
+        drops: list[str],
         expected: list[str],
         tasks: list[TaskMessage],
         label: Callable[[int], str],
     ) -> tuple[str, list[str]]:
-        """One run of the script: ("ok" | "rerun", each unique request's state found)."""
+        """One run of the script: ("ok" | "rerun", each unique request's state found). ``drops[k]``: the owner
+        whose mark this call claimed for unique request k ("" for none)."""
         keys = [REQUEST_KEY.format(id=ids[i]) for i in unique]
         keys += [self.app.backend.get_key_for_task(ids[i]).decode() for i in unique]
+        keys += [OWNER_KEY.format(id=ids[i]) for i in unique]
         keys += [t.queue for t in tasks]
         argv: list[Any] = [self.result_ttl_s, len(unique), len(tasks), *markers]
         argv += [fingerprints[i] for i in unique]
         argv += expected
+        argv += drops
         for t in tasks:
             argv += [t.envelope, t.channel, t.event]
         verdict, detail = (part.decode() for part in self._script(keys=keys, args=argv))
@@ -233,6 +277,20 @@ class IdempotentQueue:
             i = unique[int(detail) - 1]
             raise conflict(ids[i], label(i))
         return verdict, list(detail)
+
+    def settle_known(self, request_id: str) -> None:
+        """For an ID found known outside the queue step (``FleetClient.send``'s look-up before admission): delete
+        the owner mark this call claimed (:func:`producer.task_writer.owners_in_messages`) where the ID's marker
+        says no owner's call queued it, as the queue step does (:data:`SETTLE_KNOWN_LUA`). Nothing for an ID whose
+        mark this call did not claim.
+
+        Raises:
+            redis.RedisError: Redis failed (the mark is left as it is).
+        """
+        owners, claimed_now = call_owners()
+        if request_id in claimed_now and request_id in owners:
+            keys = [REQUEST_KEY.format(id=request_id), OWNER_KEY.format(id=request_id)]
+            self._settle(keys=keys, args=[owners[request_id]])
 
     def _send_claimed(self, ids: list[str], markers: dict[int, str], new: list[int], send: SendTasks) -> None:
         """Queue the claimed requests with ``send``; on a failure, free the markers of those not sent."""

@@ -5,12 +5,12 @@ recorded in the model's history (:mod:`protocol.model_state`); workers follow it
 document on stdout. ``pin`` and ``canary`` then wait up to ``--wait-s`` (10 s) for the live workers to
 serve the version or refuse it, and add what they serve: ``served`` (stable version -> hosts),
 ``canary_served`` (loaded canary version -> hosts) and ``not_served`` (a sentence, also on stderr as
-``fleet: NOT SERVED: …``). Exit codes follow ``fleet``'s: 0 ok; 1 refused (not published, no canary to
-promote or roll back, a rollback to a version the store no longer publishes; the message says why), or
+``fleet: NOT SERVED: …``). Exit codes follow ``fleet``'s: 0 ok; 1 refused (no canary to promote or roll
+back, a rollback to a version the store no longer publishes; the message says why), or
 ``pin``/``canary`` waited (``--wait-s`` > 0) and no live worker serves the version in that role (each
 refused it, e.g. a checksum mismatch, or did not switch in time: the change took effect nowhere; it
-stays recorded: undo it with ``rollback``); 2 bad arguments or settings (unknown model, a weight outside
-1..99, a version whose card does not fit the model: IncompatibleVersion, see
+stays recorded: undo it with ``rollback``); 2 bad arguments or settings (unknown model, a version the
+store does not publish, a weight outside 1..99, a version whose card does not fit the model: IncompatibleVersion, see
 :mod:`protocol.version_fit`; checked by pin, canary and promote when a store is configured). A version
 that some live workers serve and others do not (a worker without the store, a canary not loaded) exits 0
 with the NOT SERVED line naming the others, as ``fleet status`` does. ``--wait-s 0`` waits for nothing
@@ -18,6 +18,11 @@ and judges nothing: exit 0 once recorded (``served`` / ``canary_served`` / ``not
 are one read of the heartbeats at that instant). With no live worker of the model, ``pin`` and
 ``canary`` exit 0 (a worker that starts reads the state). ``promote`` and ``rollback`` do not wait for
 the workers: exit 0 once recorded (``fleet status`` says what is served).
+
+With a store configured, ``pin`` and ``canary`` record the sha256 of the version's manifest
+(``stable_manifest_sha256`` / ``canary_manifest_sha256`` in ``state`` and in each history entry's ``from``
+and ``to``; ``fleet status`` shows its first 12 hex digits as ``VERSION @0123456789ab``): workers serve those
+bytes or refuse the version ("manifest of … changed since it was pinned"); pinning it again accepts new bytes.
 
 ::
 
@@ -263,19 +268,19 @@ def register(msub: Any) -> None:
 
     def wait_s(p: argparse.ArgumentParser, serve: str) -> None:
         p.add_argument("--wait-s", type=float, default=DEFAULT_WAIT_S,
-                       help=f"wait up to this long for the live workers to {serve} or refuse it, then print what "
-                       "they serve (\"served\", \"canary_served\", \"not_served\"); exit 1 when none of them "
+                       help=f"wait up to this many seconds for the live workers to {serve} or refuse it, then print "
+                       "what they serve (\"served\", \"canary_served\", \"not_served\"); exit 1 when none of them "
                        f"does; 0 = do not wait nor judge (exit 0 once recorded) (default {DEFAULT_WAIT_S:g})")
 
     p = msub.add_parser("pin", help="serve VERSION for all of the model's (stable) traffic")
     common(p)
-    p.add_argument("version")
+    p.add_argument("version", help="a version published in the store (or the configured one), e.g. 1.2.3")
     wait_s(p, "serve VERSION")
     p.set_defaults(func=cmd_pin)
 
     p = msub.add_parser("canary", help="send --weight percent of the model's traffic to VERSION")
     common(p)
-    p.add_argument("version")
+    p.add_argument("version", help="a version published in the store, e.g. 1.2.4-int8")
     p.add_argument("--weight", type=_weight, required=True, help="percent of traffic to the canary, 1..99")
     wait_s(p, "load VERSION as the canary")
     p.set_defaults(func=cmd_canary)
@@ -291,17 +296,17 @@ def register(msub: Any) -> None:
 
     p = msub.add_parser("history", help="the model's state, its changes and the workers' refusals")
     common(p, by=False)
-    p.add_argument("--last", type=int, default=None, help="only the last N entries")
+    p.add_argument("--last", type=int, default=None, help="only the last N entries (default: all)")
     p.set_defaults(func=cmd_history)
 
     p = msub.add_parser("compare", help="per-version requests, error rate, p50, p99 (from 100 requests; below: the "
                         "highest percentile they support, named) (and LM agreement)")
     common(p, by=False)
     p.add_argument("--window-s", type=setting_type(CanarySettings, "models.<m>.canary.window_s"), default=None,
-                   help="default: models.<m>.canary.window_s")
+                   help="outcomes of the last S seconds (default: models.<m>.canary.window_s)")
     p.add_argument("--shadow", type=_shadow_count, default=0,
                    help="LMs with a canary: send N recent prompts (topped up with generated ones) to both versions "
-                   "and report top-1 agreement")
+                   "and report top-1 agreement (default 0 = no shadow)")
     p.add_argument("--prompts", default=None, help="LMs: a JSON list of texts or id lists to use as the shadow sample")
     p.set_defaults(func=cmd_compare)
 

@@ -8,12 +8,24 @@ print the same served / not-served verdict."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 
-from broker import waiting_requests
-from protocol.model_state import AUTO_ROLLBACKS_KEY, ModelState, Refusal, history, read_state, refusals
+from broker import pipe_waiting_counts
+from protocol.model_state import (
+    AUTO_ROLLBACKS_KEY,
+    HISTORY_KEY,
+    REFUSALS_KEY,
+    STATE_KEY,
+    HistoryEntry,
+    ModelState,
+    Refusal,
+    read_state,
+    refusals,
+)
 from protocol.settings import FleetSettings
 
 __all__ = [
@@ -164,33 +176,88 @@ def superseded_by(refusal: Refusal, state: ModelState | None, configured: str | 
     return None
 
 
-def model_states(settings: FleetSettings, client: redis.Redis[bytes]) -> list[dict[str, Any]]:
-    """One JSON-friendly row per configured model (the ``models`` part of ``fleet status --json``)."""
+def model_states(settings: FleetSettings, client: redis.Redis[bytes],
+                 workers: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """One JSON-friendly row per configured model (the ``models`` part of ``fleet status --json``).
+
+    ``workers``: the live workers' heartbeats when the caller has read them already (``fleet status`` passes
+    :func:`producer.registry.read_fleet_state`'s, so its tables and these rows show one reading); None reads them
+    here (:func:`producer.registry.list_workers`: its ``SCAN``, then an ``MGET``).
+
+    Round trips, however many models: one pipeline reads every model's state, auto-rollback count, last changes
+    and refusals, and every canary queue's waiting requests (one script, ``EVAL``), after the heartbeats' read
+    when ``workers`` is None (3 in all). Before, each model cost 6 of its own: 122 for 20 models, of the 125 of
+    a ``fleet status``, which takes 4 now.
+
+    Raises:
+        redis.RedisError: Redis fails (``fleet status`` reads the fleet state first and skips this when it cannot).
+        pydantic.ValidationError: a stored state, history entry or refusal is not the JSON this fleet writes.
+    """
     from producer.registry import list_workers
 
-    workers = list_workers(client)
+    workers = list_workers(client) if workers is None else workers
+    canary_queues = {model: settings.canary_queue_for(model) for model in settings.models}
+    with client.pipeline(transaction=False) as pipe:
+        waiting_of = pipe_waiting_counts(pipe, list(canary_queues.values()))
+        reads_of = {model: _queue_model_reads(pipe, model) for model in settings.models}
+        replies = iter(pipe.execute())
+    waiting = waiting_of(replies)
     rows = []
-    for model in settings.models:
-        state = read_state(client, model)
-        configured = settings.models[model].store_version
-        last_refused = refusals(client, model, LAST_ENTRIES)
-        canary_queue = settings.canary_queue_for(model)
+    for model, read in reads_of.items():
+        reads, configured = read(replies), settings.models[model].store_version
+        state = reads.state
         rows.append({
             "model": model,
             "stable": state.stable if state else None,
             "canary": state.canary if state else None,
             "canary_weight": state.canary_weight if state else 0,
+            "stable_manifest_sha256": state.stable_manifest_sha256 if state else None,
+            "canary_manifest_sha256": state.canary_manifest_sha256 if state else None,
             "generation": state.generation if state else 0,
-            "canary_queue": canary_queue,
-            "canary_queue_depth": waiting_requests(client, canary_queue),
-            "auto_rollbacks": int(client.get(AUTO_ROLLBACKS_KEY.format(model=model)) or 0),
-            "last_changes": [e.model_dump(mode="json", by_alias=True) for e in history(client, model, LAST_ENTRIES)],
+            "canary_queue": canary_queues[model],
+            "canary_queue_depth": waiting[canary_queues[model]].requests,
+            "auto_rollbacks": reads.auto_rollbacks,
+            "last_changes": [e.model_dump(mode="json", by_alias=True) for e in reads.last_changes],
             "served": served_by(workers, model),
-            "not_served": not_served(model, state, configured, workers, refusals(client, model)),
+            "not_served": not_served(model, state, configured, workers, reads.refused),
             "last_refusals": [{**r.model_dump(mode="json"), "superseded": superseded_by(r, state, configured, workers)}
-                              for r in last_refused],
+                              for r in reads.refused[-LAST_ENTRIES:]],
         })
     return rows
+
+
+@dataclass(frozen=True)
+class _ModelReads:
+    """What :func:`model_states`'s pipeline read for one model."""
+
+    state: ModelState | None
+    auto_rollbacks: int
+    last_changes: list[HistoryEntry]
+    """The last :data:`LAST_ENTRIES` history entries, oldest first."""
+    refused: list[Refusal]
+    """Every recorded refusal (at most :data:`~protocol.model_state.REFUSALS_KEEP`), oldest first."""
+
+
+def _queue_model_reads(pipe: redis.client.Pipeline[bytes], model: str) -> Callable[[Iterator[Any]], _ModelReads]:
+    """Queue ``model``'s state, auto-rollback counter, last history entries and refusals on ``pipe`` (what
+    :func:`~protocol.model_state.read_state`, :func:`~protocol.model_state.history` and
+    :func:`~protocol.model_state.refusals` read); returns what parses their replies, read in that order from the
+    iterator over ``pipe.execute()``'s replies."""
+    pipe.get(STATE_KEY.format(model=model))
+    pipe.get(AUTO_ROLLBACKS_KEY.format(model=model))
+    pipe.lrange(HISTORY_KEY.format(model=model), -LAST_ENTRIES, -1)
+    pipe.lrange(REFUSALS_KEY.format(model=model), 0, -1)  # all: not_served names every refusal since the change
+
+    def read(replies: Iterator[Any]) -> _ModelReads:
+        state_raw, autos_raw, changes_raw, refused_raw = (next(replies) for _ in range(4))
+        return _ModelReads(
+            state=None if state_raw is None else ModelState.model_validate_json(state_raw),
+            auto_rollbacks=int(autos_raw or 0),
+            last_changes=[HistoryEntry.model_validate_json(raw) for raw in changes_raw],
+            refused=[Refusal.model_validate_json(raw) for raw in refused_raw],
+        )
+
+    return read
 
 
 def _ago(at_unix_s: float, now_s: float) -> str:
@@ -201,8 +268,15 @@ def _ago(at_unix_s: float, now_s: float) -> str:
 
 
 def _split(doc: dict[str, Any]) -> str:
-    stable = doc.get("stable") or "(configured)"
-    return f"{stable} + canary {doc['canary']} {doc['canary_weight']}%" if doc.get("canary") else stable
+    """``stable + canary C W%``, each pinned version with its manifest digest's first 12 hex digits (``@…``)."""
+    def pinned(version: str, role: str) -> str:
+        digest = doc.get(f"{role}_manifest_sha256")
+        return f"{version} @{digest[:12]}" if digest else version
+
+    stable = pinned(doc.get("stable") or "(configured)", "stable")
+    if not doc.get("canary"):
+        return stable
+    return f"{stable} + canary {pinned(doc['canary'], 'canary')} {doc['canary_weight']}%"
 
 
 def format_model_states(rows: list[dict[str, Any]], now_s: float | None = None) -> list[str]:

@@ -2,8 +2,8 @@
 
 ``producer.cli`` calls :func:`register` with its sub-parsers. Data goes to stdout as one JSON
 document; progress bars (tqdm, large transfers, on a terminal only) go to stderr. Exit codes follow
-``fleet``'s: 0 ok; 1 refused or failed (the version exists, is not published, a checksum mismatch,
-the store cannot be reached); 2 bad arguments or settings (no store configured, a bad name).
+``fleet``'s: 0 ok; 1 refused or failed (the version exists, a checksum mismatch, the store cannot be
+reached); 2 bad arguments or settings (no store configured, a bad name, a version the store does not publish).
 
 ::
 
@@ -183,24 +183,25 @@ def register(sub: Any) -> None:
     p.add_argument("path", help="the model's .onnx file, or a folder holding exactly one")
     p.add_argument("--name", required=True, help="model name in the store, e.g. demo-lm")
     p.add_argument("--version", required=True, help="version to publish, e.g. 1.2.3 or 1.2.3-int8")
-    p.add_argument("--takeover", action="store_true", help="replace an unfinished version (a push that died)")
+    p.add_argument("--takeover", action="store_true",
+                   help="replace an unfinished version (a push that died; one still running stops, publishing nothing)")
     p.set_defaults(func=cmd_push)
 
     p = msub.add_parser("list", help="models in the store, or one model's versions")
     _add_common(p)
-    p.add_argument("model", nargs="?", default=None)
+    p.add_argument("model", nargs="?", default=None, help="list this model's versions (none: the models)")
     p.set_defaults(func=cmd_list)
 
     p = msub.add_parser("show", help="a version's manifest")
     _add_common(p)
-    p.add_argument("model")
-    p.add_argument("version")
+    p.add_argument("model", help="the model's name in the store, e.g. demo-lm")
+    p.add_argument("version", help="a published version, e.g. 1.2.3")
     p.set_defaults(func=cmd_show)
 
     p = msub.add_parser("fetch", help="download and verify a version into the local cache")
     _add_common(p)
-    p.add_argument("model")
-    p.add_argument("version")
+    p.add_argument("model", help="the model's name in the store, e.g. demo-lm")
+    p.add_argument("version", help="a published version, e.g. 1.2.3")
     p.add_argument("--cache-dir", type=Path, default=None, help="default: the store.cache_dir setting")
     p.set_defaults(func=cmd_fetch)
 

@@ -32,6 +32,7 @@ from producer.cli_types import setting_type
 from producer.flower_broker import flower_broker_env
 from producer.status_table import _kv as _kv
 from producer.status_table import format_status as format_status
+from producer.worker_readiness import not_ready_reason as _not_ready_reason
 from protocol.errors import ConfigError
 from protocol.keys import WORKER_KEY_PREFIX
 from protocol.redis_conn import describe_redis_error, sync_client
@@ -156,7 +157,7 @@ def status_document(settings: FleetSettings, client: redis.Redis[bytes]) -> dict
     from producer.model_status import model_states
 
     # Redis down: readiness_problems says so (URL masked); there are no version states to read
-    models = [] if state.redis_error else model_states(settings, client)
+    models = [] if state.redis_error else model_states(settings, client, state.workers)  # one heartbeat reading
     return {"workers": workers, "queues": queues, "models": models, "problems": readiness_problems(state)}
 
 
@@ -225,22 +226,6 @@ def probe(settings: FleetSettings, kind: str, *, worker: str | None, models: lis
         return [describe_redis_error(exc, settings)]
     finally:
         client.close()
-
-
-def _not_ready_reason(worker: str, beat: dict[str, Any]) -> str:
-    """Why a live worker's heartbeat says not ready: it is shutting down, else its ``not_ready`` (a thread died,
-    its engine fails every run, it holds work it does not progress...); a heartbeat without one: a stall or a
-    start."""
-    if beat.get("shutting_down"):
-        return f"worker {worker!r} is shutting down (draining what it holds; it takes nothing new)"
-    if isinstance(beat.get("not_ready"), str):  # the worker's own words (workers.progress.not_ready_reason)
-        return f"worker {worker!r} is not ready: {beat['not_ready']}"
-    stalled_s = beat.get("stalled_s")
-    if isinstance(stalled_s, int | float) and stalled_s > 0:
-        holds = f"holds {beat['held']} requests" if beat.get("held") else "has a non-empty queue"
-        return (f"worker {worker!r} {holds} and made no progress for {stalled_s:.0f} s (worker.stall_after_s): "
-                "it is not progressing the work it holds")
-    return f"worker {worker!r} is alive but not ready (loading or warming up)"
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
@@ -331,7 +316,8 @@ def register(sub: Any) -> None:
     p.add_argument("--host", default=None, help="bind address (default: settings api.host)")
     p.add_argument("--port", type=setting_type(ApiSettings, "api.port"), default=None,
                    help="port, 1..65535 (default: settings api.port)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default: info)")
     p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
     p.set_defaults(func=cmd_api)
 
@@ -342,7 +328,8 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("probe", help="Kubernetes probe: exit 0 when ready/alive, 1 when not")
     common(p)
-    p.add_argument("kind", choices=["ready", "live"])
+    p.add_argument("kind", choices=["ready", "live"],
+                   help="ready: the fleet (or --worker) takes work; live: the process is alive (restart it if not)")
     p.add_argument("--worker", default=None, help="check this worker's heartbeat (its Celery hostname)")
     p.add_argument("--model", action="append", default=None, help="ready: only these models need a worker (repeatable)")
     p.set_defaults(func=cmd_probe)

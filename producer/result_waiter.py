@@ -35,6 +35,7 @@ from typing import Any
 import redis
 import redis.client
 
+from protocol.cancel_marks import cancelled_for_good
 from protocol.redis_conn import await_subscription
 
 __all__ = ["CANCELLED_BEFORE_RUN", "READY_STATES", "RECHECK_S", "ResultWaiter"]
@@ -115,8 +116,10 @@ class ResultWaiter:
         (None: no limit).
 
         With ``cancel_mark`` (the request's cancel-mark key), a read that finds nothing stored under ``key``
-        (not even STARTED) while the mark is set ends the wait with :data:`CANCELLED_BEFORE_RUN`: the
-        request was cancelled while it was queued, and no worker may ever store why. The mark is read in
+        (not even STARTED) while the mark says cancelled for good ends the wait with
+        :data:`CANCELLED_BEFORE_RUN`: the request was cancelled while it was queued, and no worker may ever
+        store why (a cancel asked of a worker that holds the request waits for what that worker stores:
+        :mod:`protocol.cancel_marks`). The mark is read in
         the same round trip as the key, so the wait costs no more than before.
 
         Raises:
@@ -151,9 +154,9 @@ class ResultWaiter:
             return self._ready(self.client.get(key))
         with self.client.pipeline(transaction=False) as pipe:
             pipe.get(key)
-            pipe.exists(cancel_mark)
-            raw, marked = pipe.execute()
-        return CANCELLED_BEFORE_RUN if raw is None and marked else self._ready(raw)
+            pipe.get(cancel_mark)
+            raw, mark = pipe.execute()
+        return CANCELLED_BEFORE_RUN if raw is None and cancelled_for_good(mark) else self._ready(raw)
 
     def _wait_subscribed(
         self, pubsub: Any, key: str | bytes, channel: bytes, deadline: float | None, cancel_mark: str | None = None

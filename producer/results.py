@@ -19,6 +19,7 @@ from celery import Celery
 from producer.arguments import checked_request_id, checked_request_ids, poll_interval_s, seconds_limit
 from producer.result_waiter import CANCELLED_BEFORE_RUN, ResultWaiter
 from producer.streams import MAX_OUTAGE_S, RETRIED, Reconnect, iter_events
+from protocol.cancel_marks import MARK_SCRIPT, cancelled_for_good, mark_args, mark_keys
 from protocol.errors import (
     FleetError,
     RequestCancelled,
@@ -27,7 +28,7 @@ from protocol.errors import (
     ResultTimeout,
     error_from_payload,
 )
-from protocol.keys import CANCEL_CHANNEL, CANCEL_KEY, REQUEST_KEY
+from protocol.keys import CANCEL_KEY, REQUEST_KEY
 from protocol.messages import InferenceResult, decode_result
 from protocol.settings import FleetSettings
 from protocol.streams import StreamEvent
@@ -54,6 +55,8 @@ class ResultReader:
     redis: redis.Redis[bytes]
     settings: FleetSettings
     waiter: ResultWaiter
+    _mark_script: Any = None
+    """:data:`protocol.cancel_marks.MARK_SCRIPT`, registered on :attr:`redis` at the first cancel."""
 
     # -- status and results ----------------------------------------------------------------------
     def status(self, request_id: str) -> RequestStatus:
@@ -71,11 +74,11 @@ class ResultReader:
         request_id = checked_request_id(request_id)
         with self.redis.pipeline(transaction=False) as pipe:
             pipe.get(self.app.backend.get_key_for_task(request_id))
-            pipe.exists(CANCEL_KEY.format(id=request_id))
+            pipe.get(CANCEL_KEY.format(id=request_id))
             pipe.exists(REQUEST_KEY.format(id=request_id))
-            raw, cancel_marked, known = pipe.execute()
+            raw, mark, known = pipe.execute()
         meta = self.app.backend.decode_result(raw) if raw is not None else None
-        return meta, status_from(meta, cancel_marked=bool(cancel_marked), known=bool(known))
+        return meta, status_from(meta, cancel_marked=cancelled_for_good(mark), known=bool(known))
 
     def result(self, request_id: str, *, wait: bool = False, timeout_s: float | None = None) -> InferenceResult | None:
         """The result of ``request_id``; None if not ready and ``wait`` is False.
@@ -223,31 +226,33 @@ class ResultReader:
             raise RequestNotFound(f"no request {request_id!r} is known: never submitted through the fleet, or its "
                                   "result expired (result_ttl_s)", "request_id", None)  # fmt: skip
         state = meta.get("status") if meta else None
-        if state == "STARTED":  # a generation, or a one-step request with track_started on: a worker holds it
-            self._mark_cancelled(request_id)
+        if state in ("SUCCESS", "FAILURE", "REVOKED"):
+            return bool(state == "REVOKED")
+        held = self._mark_cancelled(request_id)
+        if state == "STARTED" or held:  # a worker holds it: it drops it unrun, or its result wins
             if settle_s <= 0:
                 return True
             outcome = self.wait([request_id], timeout_s=settle_s)[0]  # a ResultTimeout: still held, said next
             generation = self._kind_of(request_id) == "generate"
             return generation or not isinstance(outcome, InferenceResult)  # a one-step result: its batch had run
-        if state in ("SUCCESS", "FAILURE", "REVOKED"):
-            return bool(state == "REVOKED")
-        # The mark is the cancel: a worker reads it in the round trip that takes the message
-        # (broker.cancel_marks) and refuses the request; a worker that took it before hears the announcement
-        # and drops it if it still waits for its batch (workers.cancel_watch). No Celery revoke is sent: a
-        # taken request starts at once (prefetch 1, threads pool), so a revoke never finds one waiting in a
-        # worker, it does not stop a running one (no terminate on threads), a bulk message carries other IDs,
-        # and its broadcast takes two connections of the app's pool per call: 10 concurrent cancels
-        # deadlocked on it.
-        self._mark_cancelled(request_id)
         return True
 
-    def _mark_cancelled(self, request_id: str) -> None:
-        """The cancel mark (read by the worker that dequeues it) and its announcement to running ones."""
-        with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(CANCEL_KEY.format(id=request_id), "1", ex=self.settings.result_ttl_s)
-            pipe.publish(CANCEL_CHANNEL, request_id)
-            pipe.execute()
+    def _mark_cancelled(self, request_id: str) -> bool:
+        """The cancel mark (read by the worker that dequeues it) and its announcement to running ones, in one
+        script run (:mod:`protocol.cancel_marks`); True when a worker had taken the request (the cancel is
+        asked of it: the request ends with what it stores), False when the cancel is for good.
+
+        The mark is the cancel: a worker reads it in the round trip that takes the message
+        (broker.cancel_marks) and refuses the request; a worker that took it before hears the announcement
+        and drops it if it still waits for its batch (workers.cancel_watch). No Celery revoke is sent: a
+        taken request starts at once (prefetch 1, threads pool), so a revoke never finds one waiting in a
+        worker, it does not stop a running one (no terminate on threads), a bulk message carries other IDs,
+        and its broadcast takes two connections of the app's pool per call: 10 concurrent cancels
+        deadlocked on it."""
+        script = self._mark_script
+        if script is None or script.registered_client is not self.redis:
+            script = self._mark_script = self.redis.register_script(MARK_SCRIPT)
+        return bool(script(keys=mark_keys(request_id), args=mark_args(request_id, self.settings.result_ttl_s)))
 
     def _kind_of(self, request_id: str) -> str | None:
         """The output kind recorded at submit (None for requests queued by other clients)."""
@@ -320,20 +325,21 @@ def status_from(meta: Mapping[str, Any] | None, *, cancel_marked: bool, known: b
     """A request's status from what Redis holds of it: its stored Celery ``meta`` (decoded; None when no
     state is stored), whether it carries a cancel mark, and whether its submit marker exists.
 
-    A stored state wins (SUCCESS, STARTED, REVOKED, FAILURE: an expiry or a cancel among failures is
-    said as such); then a cancel mark; then the marker (queued); else the ID is unknown.
+    A stored outcome wins (SUCCESS, REVOKED, FAILURE: an expiry or a cancel among failures is said as such);
+    then a cancel for good (``cancel_marked``: :func:`protocol.cancel_marks.cancelled_for_good`); then STARTED
+    (running); then the marker (queued); else the ID is unknown.
     """
     state = meta.get("status") if meta else None
     if state == "SUCCESS":
         return RequestStatus.SUCCEEDED
-    if state == "STARTED":
-        return RequestStatus.RUNNING
     if state == "REVOKED":
         return RequestStatus.CANCELLED
     if state == "FAILURE":
         return status_of_error(as_fleet_error(meta.get("result") if meta else None))
-    if cancel_marked:
+    if cancel_marked:  # for good: the worker that stored STARTED (before it read the mark) drops it unrun
         return RequestStatus.CANCELLED
+    if state == "STARTED":
+        return RequestStatus.RUNNING
     if known:
         return RequestStatus.QUEUED
     return RequestStatus.NOT_FOUND

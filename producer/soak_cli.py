@@ -23,8 +23,9 @@ def register(sub: Any) -> None:
     p = sub.add_parser("soak", help="run an embedded fleet under mixed traffic for N minutes; report memory and keys")
     p.add_argument("--minutes", type=float, default=30.0, help="how long the traffic runs (default 30)")
     p.add_argument("--out", type=Path, default=Path("docs/soak.md"),
-                   help="the Markdown report (plot in img/ beside it)")
+                   help="the Markdown report (plot in img/ beside it; default %(default)s)")
     p.add_argument("--rate", type=float, default=20.0, help="requests per second, all kinds together (default 20)")
     p.add_argument("--sample-every", type=float, default=10.0, help="seconds between readings (default 10)")
-    p.add_argument("--work-dir", type=Path, default=Path("var/soak"), help="models, config and logs of the run")
+    p.add_argument("--work-dir", type=Path, default=Path("var/soak"),
+                   help="models, config and logs of the run (default %(default)s)")
     p.set_defaults(func=run)

@@ -21,6 +21,13 @@ The envelope is kombu's Redis envelope (JSON, body base64, ``delivery_info``, a 
 
 It serves the plain Redis transport: with a ``global_keyprefix`` or a non-Redis broker,
 :meth:`TaskWriter.usable` is False and the client keeps using ``send_task``.
+
+The owners of the requests a message names, where the gateway set them for the calls it makes
+(:func:`owners_in_messages`), travel in its ``fleet_owners`` header (:data:`protocol.keys.OWNERS_HEADER`,
+``{request_id: owner}``): a worker's result store writes an owner mark back where Redis lost it. Where tasks are
+not written here, the client passes the same header to ``send_task`` (:func:`owners_header`; Celery adds a
+``headers=`` option's entries to the message's headers, which the worker gives as the task request's attributes).
+A message without it (every other client) has no owner; workers need nothing of it.
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ import base64
 import os
 import threading
 import uuid
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, NamedTuple
 
 import redis
@@ -38,7 +48,9 @@ from celery.utils.nodenames import anon_nodename
 from celery.utils.time import utcoffset
 from kombu.utils.json import dumps
 
-__all__ = ["TaskMessage", "TaskWriter"]
+from protocol.keys import OWNERS_HEADER
+
+__all__ = ["TaskMessage", "TaskWriter", "call_owners", "owners_header", "owners_in_messages"]
 
 _EVENT_TYPE = "task-sent"
 _BODY_ENCODING = "base64"
@@ -47,6 +59,55 @@ _CONTENT_ENCODING = "utf-8"
 _PERSISTENT = 2
 """kombu's delivery mode of a task (persistent); events are transient (1)."""
 _TRANSIENT = 1
+
+
+_MESSAGE_OWNERS: ContextVar[Mapping[str, str] | None] = ContextVar("fleet_message_owners", default=None)
+"""Request ID -> owner, for the messages this context builds (:func:`owners_in_messages`)."""
+
+
+_CLAIMED_NOW: ContextVar[frozenset[str]] = ContextVar("fleet_marks_claimed_now", default=frozenset())
+"""The request IDs whose owner marks the caller claimed for this call (:func:`owners_in_messages`)."""
+
+
+@contextmanager
+def owners_in_messages(owners: Mapping[str, str], claimed_now: Collection[str] = ()) -> Iterator[None]:
+    """Within the block, a message :meth:`TaskWriter.build` makes for a request of ``owners`` (request ID -> owner
+    mark, :mod:`gateway.request_owners`) carries its owner in its ``fleet_owners`` header, and the queue step
+    (:mod:`producer.idempotent_queue`) records in the submit marker of each request it queues whether it has an
+    owner, and deletes the mark of an ID of ``claimed_now`` (marks this call claimed) that it finds queued by a
+    caller without an owner."""
+    token = _MESSAGE_OWNERS.set({**(_MESSAGE_OWNERS.get() or {}), **owners})
+    claimed = _CLAIMED_NOW.set(_CLAIMED_NOW.get() | frozenset(claimed_now))
+    try:
+        yield
+    finally:
+        _CLAIMED_NOW.reset(claimed)
+        _MESSAGE_OWNERS.reset(token)
+
+
+def call_owners() -> tuple[Mapping[str, str], frozenset[str]]:
+    """The owners set for this call (:func:`owners_in_messages`) and the IDs whose marks it claimed now."""
+    return _MESSAGE_OWNERS.get() or {}, _CLAIMED_NOW.get()
+
+
+def _owners_named(task_id: str, args: list[Any]) -> dict[str, str]:
+    """The owners (:func:`owners_in_messages`) of the requests a message names: its task ID (``fleet.infer``) and
+    each ``request_id`` of a ``fleet.infer_bulk`` body's ``requests``."""
+    owners = _MESSAGE_OWNERS.get()
+    if not owners:
+        return {}
+    items = args[0].get("requests") if args and isinstance(args[0], dict) else None
+    named: list[Any] = [task_id]
+    if isinstance(items, list):
+        named += [item.get("request_id") for item in items if isinstance(item, dict)]
+    return {rid: owners[rid] for rid in named if isinstance(rid, str) and rid in owners}
+
+
+def owners_header(task_id: str, args: list[Any]) -> dict[str, Any]:
+    """The headers a task message of ``task_id`` and ``args`` adds for its requests' owners (within
+    :func:`owners_in_messages`): ``{"fleet_owners": {request_id: owner}}``, or ``{}`` when it names none."""
+    owners = _owners_named(task_id, args)
+    return {OWNERS_HEADER: owners} if owners else {}
 
 
 def _envelope(body: Any, headers: dict[str, Any], properties: dict[str, Any], exchange: str,
@@ -132,6 +193,7 @@ class TaskWriter:
             create_sent_event=conf.task_send_sent_event, root_id=task_id, origin=self._hostname, ignore_result=None,
             argsrepr=argsrepr, kwargsrepr=kwargsrepr,
         )  # fmt: skip
+        headers = {**headers, **owners_header(task_id, args)}
         event = ""
         if sent_event:
             sent = Event(

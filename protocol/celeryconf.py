@@ -63,8 +63,10 @@ def celery_config(settings: FleetSettings) -> dict[str, Any]:
             # killed inside a scan, or cut off from Redis one way, stops every worker's restores until the
             # lock expires, so bound its life to one scan interval
             "unacked_mutex_expire": restore_lock_life_s(settings.visibility_timeout_s),
-            # broker.atomic_take: how long the take waits on one list before it looks at the others
+            # broker.atomic_take: how long the take waits on one list before it looks at the others, and the
+            # list an idle worker waits on (the one its model's requests arrive on, shared with its other workers)
             "other_lists_wait_s": other_lists_wait_s,
+            **({"shared_queue": queues[0].name} if queues else {}),
             **redis_conf.pop("broker_transport_options", {}),
         },
         "result_backend_transport_options": {

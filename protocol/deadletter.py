@@ -26,6 +26,14 @@ Only ``unknown_task`` and ``max_deliveries`` entries can be requeued as they are
 (:func:`requeue_allowed`): the others would be refused again. An ``eta_beyond_visibility`` entry is
 refused again only until its ETA comes within the limit; from then on it can be requeued as it is
 (``fleet dead-letter requeue`` checks its ETA against the time and the visibility timeout).
+
+One copy per request ID: a request ID can be dead-lettered more than once (two copies of its message, e.g.
+one redelivered while the other was held; or two bulk messages, or a bulk and a single, carrying it under
+different task IDs). A requeue claims every ID it puts back (its task ID, a bulk message's request IDs) under
+:data:`REQUEUED_KEY` until an outcome is stored; a later requeue of a bulk message leaves out the requests
+claimed (or with an outcome), one whose every request is claimed is refused, naming them, and a single whose ID
+is claimed is refused. Entries whose every request went back are marked ``superseded_by`` the entry requeued
+(kept, listed, refused while the copy is out).
 """
 
 from __future__ import annotations
@@ -45,6 +53,8 @@ from protocol.messages import FLEET_TASK_PREFIX
 __all__ = [
     "DEAD_LETTERED",
     "MAX_ENTRIES",
+    "REQUEUED_KEY",
+    "REQUEUE_CLAIM_TTL_S",
     "UNKNOWN_QUEUE",
     "DeadLetter",
     "Reason",
@@ -60,6 +70,13 @@ DEAD_LETTERED = "dead-lettered"
 ``fleet dead-letter requeue`` clears, and no other FAILURE."""
 MAX_ENTRIES = 10_000
 """The dead-letter list keeps this many entries (the oldest go first)."""
+REQUEUED_KEY = "fleet:dead-letter-requeued:{id}"
+"""A request ID's requeue claim (a task ID's, or a bulk message's request's): JSON ``{"entry": <the entry
+requeued>, "at_unix_s": <wall s>}``, set by the step that puts the message back, and refusing another requeue
+of the ID (or dropping it from a bulk message put back) until its outcome is stored."""
+REQUEUE_CLAIM_TTL_S = 3600
+"""How long a requeue claim lasts (s) when the caller gives none (the CLI gives ``result_ttl_s``): a copy
+that never stores an outcome (its queue flushed) blocks requeues of its ID no longer than this."""
 UNKNOWN_QUEUE = "unknown"
 """The queue of a ``legacy`` entry whose item names none (it cannot be requeued)."""
 
@@ -114,6 +131,9 @@ class DeadLetter(BaseModel):
     dead_lettered_at_unix_s: float
     raw: str = Field(description="The queue item, as text (raw_encoding utf-8) or base64.")
     raw_encoding: Literal["utf-8", "base64"] = "utf-8"
+    superseded_by: str | None = Field(
+        default=None, description="The entry a requeue put back instead of this one (every request ID it carries)."
+    )
 
     @model_validator(mode="after")
     def _raw_reads_back(self) -> DeadLetter:
@@ -143,6 +163,7 @@ class DeadLetter(BaseModel):
             "task": self.task,
             "dead_lettered_at_unix_s": self.dead_lettered_at_unix_s,
             "detail": self.detail,
+            "superseded_by": self.superseded_by,
         }
 
 

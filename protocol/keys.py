@@ -12,6 +12,8 @@ __all__ = [
     "DIRECT_QUEUES_KEY",
     "DRAIN_KEY",
     "LIVE_WORKERS_KEY",
+    "OWNERS_HEADER",
+    "OWNER_KEY",
     "PREFIX_HOLDER_KEY",
     "RATE_KEY",
     "REQUEST_ID_PATTERN",
@@ -21,6 +23,7 @@ __all__ = [
     "RESULT_KEY",
     "RUN_KEY",
     "STREAM_KEY",
+    "TAKEN_KEY",
     "WORKER_KEY_PREFIX",
     "utf8_text",
 ]
@@ -32,8 +35,20 @@ REQUEST_ID_RULE = "1 to 128 letters, digits and . _ : - (starting with a letter 
 """:data:`REQUEST_ID_PATTERN` in words, for error messages."""
 REQUEST_KEY = "fleet:req:{id}"
 """Written at submit (TTL = result_ttl_s): tells 'queued' from 'never heard of'."""
+OWNER_KEY = "fleet:owner:{id}"
+"""The owner of a request submitted through the gateway with auth on (a keyed digest of its API key,
+:mod:`gateway.request_owners`); written before it is queued (TTL = result_ttl_s, renewed with the result's
+TTL when the result is stored). A request without one is any accepted key's to read."""
+OWNERS_HEADER = "fleet_owners"
+"""The task message header that carries the owner marks of the requests it names (``{request_id: owner}``), so a
+worker's result store writes a mark back where Redis lost it (:mod:`broker.result_backend`); no header, no owner."""
 CANCEL_KEY = "fleet:cancel:{id}"
-"""Written by cancel (TTL = result_ttl_s): a worker that dequeues the request drops it."""
+"""Written by cancel (TTL = result_ttl_s): a worker that dequeues the request drops it. Its value says which
+cancel it was (:mod:`protocol.cancel_marks`): ``1``, for good (no worker held the request); ``held``, asked of
+the worker that holds it (the request ends with whatever that worker stores)."""
+TAKEN_KEY = "fleet:taken:{id}"
+"""Written as a worker takes the request and finds no cancel mark (TTL = the visibility timeout): a cancel
+after it is asked of that worker, not final (:mod:`protocol.cancel_marks`)."""
 CANCEL_CHANNEL = "fleet:cancels"
 """Pub/sub channel: a cancel publishes the request ID here too, so a worker running that generation
 stops it at its next step instead of at its next poll of the cancel marks."""

@@ -6,11 +6,12 @@ What each key holds, and how changes are written: :mod:`protocol.model_state`.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
-from typing import Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 import redis
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 __all__ = [
     "AUTO_ROLLBACKS_KEY",
@@ -46,18 +47,46 @@ GUARD_TURN_KEY = "fleet:model-guard-turn:{model}"
 CHANGES_CHANNEL = "fleet:model-changes"
 
 
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _sha256_hex(value: str) -> str:
+    if not _SHA256.fullmatch(value):
+        raise ValueError("a manifest sha256 must be 64 lower-case hex digits")
+    return value
+
+
 Role = Literal["stable", "canary"]
 Action = Literal["pin", "canary", "promote", "rollback", "auto-rollback"]
 
 
 class Split(BaseModel):
-    """The versions in force: stable (None = the configured one), canary and its share (percent)."""
+    """The versions in force: stable (None = the configured one), canary and its share (percent), and the
+    sha256 of each one's manifest as it was when pinned or canaried (:func:`store.manifest.manifest_digest`).
+
+    A digest pins the bytes, not only the name: a worker fetches the version only when the store's manifest
+    still has that digest, and uses a cached copy only when it was made from that manifest (else it refuses
+    the version: deleted and pushed again with other bytes, or replaced in the bucket). None (a record
+    written before digests were recorded, a change made without a store, the configured version): no check.
+    """
 
     model_config = ConfigDict(frozen=True)
 
     stable: str | None = None
     canary: str | None = None
     canary_weight: int = Field(default=0, ge=0, le=100)
+    stable_manifest_sha256: Annotated[str, AfterValidator(_sha256_hex)] | None = None
+    canary_manifest_sha256: Annotated[str, AfterValidator(_sha256_hex)] | None = None
+
+    def manifest_sha256_of(self, version: str | None) -> str | None:
+        """The manifest digest recorded for ``version`` (stable or canary); None when none is recorded."""
+        if version is None:
+            return None
+        if version == self.stable:
+            return self.stable_manifest_sha256
+        if version == self.canary:
+            return self.canary_manifest_sha256
+        return None
 
 
 class ModelState(Split):
@@ -70,7 +99,7 @@ class ModelState(Split):
 
     def split(self) -> Split:
         """Only the versions and the weight (what a history entry records as from/to)."""
-        return Split(stable=self.stable, canary=self.canary, canary_weight=self.canary_weight)
+        return Split.model_validate(self.model_dump(include=set(Split.model_fields)))
 
 
 class HistoryEntry(BaseModel):
@@ -105,9 +134,14 @@ class Refusal(BaseModel):
 
 
 class Published(Protocol):
-    """What pin/canary check a version against: the store's ``manifest`` (raises VersionNotFound)."""
+    """What pin/canary check a version against: the store's ``manifest`` (raises VersionNotFound), and its
+    digest (what the change records, :attr:`Split.stable_manifest_sha256`)."""
 
     def manifest(self, model: str, version: str) -> object: ...
+
+    def manifest_sha256(self, model: str, version: str) -> str:
+        """sha256 of the version's manifest as stored (raises VersionNotFound, ModelLoadError: invalid)."""
+        ...
 
 
 VersionCheck = Callable[[str, str], None]

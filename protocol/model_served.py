@@ -40,14 +40,19 @@ class Served(BaseModel):
     generation: int
     """The desired state's generation the worker had read when it loaded it (0 = no state)."""
     at_unix_s: float
+    manifest_sha256: str | None = None
+    """sha256 of the store manifest it loaded (None: a model file outside the store, or an entry an older worker
+    wrote): a worker that falls back to this entry loads exactly these bytes or refuses."""
 
 
 def record_served(
-    r: redis.Redis[bytes], model: str, worker: str, version: str, store_version: str | None, generation: int
+    r: redis.Redis[bytes], model: str, worker: str, version: str, store_version: str | None, generation: int,
+    manifest_sha256: str | None = None,
 ) -> Served:
-    """Append that ``worker`` serves ``version`` of ``model`` as stable (kept: the last 20, for 30 days)."""
+    """Append that ``worker`` serves ``version`` of ``model`` as stable (kept: the last 20, for 30 days), loaded
+    from the manifest whose sha256 is ``manifest_sha256``."""
     served = Served(worker=worker, version=version, store_version=store_version, generation=generation,
-                    at_unix_s=time.time())
+                    at_unix_s=time.time(), manifest_sha256=manifest_sha256)
     key = SERVED_KEY.format(model=model)
     pipe = r.pipeline(transaction=False)
     pipe.lpush(key, served.model_dump_json())

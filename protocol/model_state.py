@@ -3,7 +3,10 @@
 Keys (``model`` is the configured model key, :meth:`FleetSettings.model_key`)::
 
     fleet:model-state:{model}        JSON ModelState; missing = no pin (workers serve their config)
-    fleet:model-history:{model}      list, RPUSH of JSON HistoryEntry (oldest first, last 1000 kept)
+    fleet:model-history:{model}      list, RPUSH of JSON HistoryEntry (oldest first, last 1000 kept:
+                                     HISTORY_KEEP)
+    fleet:model-undo:{model}         JSON UndoStack: the stable versions rollbacks return to, most recent
+                                     last (last 1000 kept: UNDO_KEEP), however long ago their pins were
     fleet:model-refusals:{model}     list of JSON Refusal (last 50, expires 7 days after the last one)
     fleet:model-outcomes:{model}     stream of finished requests while a canary is set (MAXLEN ~ 20000):
                                      version, role (stable|canary: the engine's), ok (1|0), latency_ms,
@@ -14,8 +17,8 @@ Keys (``model`` is the configured model key, :meth:`FleetSettings.model_key`)::
     fleet:model-changes              pub/sub channel: the model name, published after every change
 
 Every change (:func:`pin`, :func:`set_canary`, :func:`promote`, :func:`rollback`) is one
-WATCH/MULTI transaction: the state (generation + 1) and its history entry are written together or
-not at all, then the model's name is published on ``fleet:model-changes``.
+WATCH/MULTI transaction: the state (generation + 1), its history entry and the rollback stack are
+written together or not at all, then the model's name is published on ``fleet:model-changes``.
 
 Traffic: :func:`route` sends a request to the canary when the sticky fraction of its routing key
 (the request ID unless the caller gives a ``routing_key``) is below ``canary_weight / 100``.
@@ -31,7 +34,7 @@ whose results name the stable and the canary version are compared.
 Where each part lives (this module re-exports them all): the keys and records in
 :mod:`protocol.model_records`, routing in :mod:`protocol.model_routing`, the changes in
 :mod:`protocol.model_changes`, refusals, sampled prompts and outcomes in :mod:`protocol.model_reports`,
-the automatic rollback in :mod:`protocol.canary_guard`.
+the automatic rollback in :mod:`protocol.canary_guard`, the rollback stack in :mod:`protocol.model_undo`.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ from protocol.model_reports import (
     samples_prompt,
 )
 from protocol.model_routing import route, routing_fraction
+from protocol.model_undo import UNDO_KEEP, UNDO_KEY, UndoStack
 
 __all__ = [
     "AT_PRECISION_S",
@@ -100,6 +104,8 @@ __all__ = [
     "REFUSALS_KEY",
     "REFUSALS_TTL_S",
     "STATE_KEY",
+    "UNDO_KEEP",
+    "UNDO_KEY",
     "Action",
     "HistoryEntry",
     "ModelState",
@@ -108,6 +114,7 @@ __all__ = [
     "Refusal",
     "Role",
     "Split",
+    "UndoStack",
     "Verdict",
     "VersionCheck",
     "canary_verdict",

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from protocol.errors import ConfigError, UnknownModel
@@ -73,6 +73,7 @@ __all__ = [
     "WorkerSettings",
     "deep_merge",
     "load_settings",
+    "no_config_file_read",
     "shared_queue_of",
 ]
 
@@ -90,6 +91,9 @@ class FleetSettings(BaseSettings):
         frozen=True,
         hide_input_in_errors=True,  # a rejected redis_url may hold a password: never echo it back
     )
+
+    _config_file: Path | None = PrivateAttr(default=None)
+    """The YAML file these settings were read from (set by :func:`load_settings`; None: built-in defaults)."""
 
     redis_url: str = Field(
         default="redis://127.0.0.1:6379/0",
@@ -202,7 +206,13 @@ class FleetSettings(BaseSettings):
             if norm_name(key) == wanted:
                 return key
         known = ", ".join(sorted(self.models)) or "none"
-        raise UnknownModel(f"unknown model {name!r}; configured models: {known}", "model", known)
+        why = "" if self.models or self._config_file else f" ({no_config_file_read()})"
+        raise UnknownModel(f"unknown model {name!r}; configured models: {known}{why}", "model", known)
+
+    @property
+    def config_file(self) -> Path | None:
+        """The YAML file these settings were read from; None when no file was (built-in defaults only)."""
+        return self._config_file
 
     def model(self, name: str) -> ModelSettings:
         """Settings of model ``name``; raises :class:`UnknownModel` when it is not configured."""
@@ -249,7 +259,8 @@ def load_settings(config_path: Path | str | None = None, **overrides: Any) -> Fl
     """
     path = Path(config_path or os.environ.get("FLEET_CONFIG") or DEFAULT_CONFIG_PATH)
     data: dict[str, Any] = {"models": {}}
-    if path.exists():
+    read_from = path.resolve() if path.exists() else None
+    if read_from is not None:
         loaded = read_yaml(path)
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: top level must be a mapping", "FLEET_CONFIG", "mapping")
@@ -275,7 +286,14 @@ def load_settings(config_path: Path | str | None = None, **overrides: Any) -> Fl
             raise ConfigError(f"override refused: {describe(exc)}", first_loc(exc), None) from exc
         finally:
             _OVERRIDING.reset(token)
+    settings._config_file = read_from
     return settings
+
+
+def no_config_file_read() -> str:
+    """Why a process has no models when ``FLEET_CONFIG`` is unset and the default file is not where it ran."""
+    return (f"no config file was read: {DEFAULT_CONFIG_PATH} is not in {Path.cwd()}; run from the folder that "
+            f"holds it, or set FLEET_CONFIG to its path")
 
 
 _OVERRIDING: contextvars.ContextVar[bool] = contextvars.ContextVar("fleet_settings_overriding", default=False)
@@ -283,9 +301,10 @@ _OVERRIDING: contextvars.ContextVar[bool] = contextvars.ContextVar("fleet_settin
 
 
 NOT_SETTINGS_ENV = frozenset({"FLEET_CONFIG", "FLEET_DEBUG", "FLEET_ORT", "FLEET_GIT_COMMIT", "FLEET_BENCH_PROVIDER",
-                              "FLEET_FUZZ_ENVELOPES", "FLEET_API_KEYS"})  # fmt: skip
+                              "FLEET_FUZZ_ENVELOPES", "FLEET_API_KEYS", "FLEET_REDIS_PREFLIGHT_PID"})  # fmt: skip
 """``FLEET_*`` variables that are not settings: the config file, ``--debug``, the install's ONNX Runtime build,
-the bench's provider and commit, the fuzz tests' size, docker compose's API keys."""
+the bench's provider and commit, the fuzz tests' size, docker compose's API keys, and the mark ``fleet worker``
+leaves for the Celery process it starts (its Redis URL was checked already)."""
 _warned_env: set[str] = set()
 
 

@@ -30,6 +30,11 @@ class StoreSettings(Section):
         default=Path("var/model-cache"),
         description="Where workers keep verified versions: <cache_dir>/<model>/<version>/.",
     )
+    fetch_stall_timeout_s: float = Field(
+        default=240.0, gt=0, le=86_400,
+        description="A model file's download that receives no byte for this long (s) ends in a store error, "
+        "whatever the S3 client's retries would do (bytes arriving restart it: a slow download is not cut off).",
+    )
     reverify_cached: bool = Field(
         default=False,
         description="Re-hash a cached version's files at every start (default: sizes + the verification marker).",

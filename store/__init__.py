@@ -24,18 +24,13 @@ Rules: a published version is never overwritten (conditional put ``If-None-Match
 the manifest (download, verify, then one rename into ``<cache_dir>/<model>/<version>/``); S3
 credentials come from the environment / boto3's chain only.
 
-Where the next pieces fit (not built yet):
-
-* **Pins in Redis** (``fleet models pin M V``): a pin record ``{version, manifest_sha256, who, when,
-  from}`` per model. :func:`resolve_model` already takes ``version=`` to override the configured
-  ``store_version``, and :meth:`ModelStore.fetch` takes ``manifest_sha256=`` so a pin also fixes the
-  manifest it was made against (a replaced manifest is then refused like a replaced file).
-* **Hot swap**: fetching is side-effect free apart from the cache, so a worker can fetch + verify a
-  new version in a background thread while the old one serves, build its engine, warm it up and
-  switch between batches; a refusal (:class:`ChecksumMismatch`) leaves the old version serving.
-* **Canary / rollback**: versions are immutable and listed with their ``manifest_sha256``
-  (:meth:`ModelStore.versions`), so a split ``{stable: V1, canary: V2, weight}`` and a rollback
-  (pin back to V1, already in every worker's cache) need nothing more from the store.
+What builds on it, elsewhere: pins, canaries and rollback are records in Redis (:mod:`protocol.model_state`,
+``fleet models pin|canary|rollback``) naming versions the store publishes; :func:`resolve_model` takes
+``version=`` to override the configured ``store_version`` and ``manifest_sha256=``, the digest each pin or
+canary records (:meth:`ModelStore.fetch` refuses a replaced manifest like a replaced file). A worker
+fetches and verifies a
+new version beside the one serving and swaps between batches (:mod:`workers.version_loads`); a refusal
+(:class:`ChecksumMismatch`) leaves the old version serving.
 """
 
 from __future__ import annotations

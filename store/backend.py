@@ -14,7 +14,9 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Protocol
 
-__all__ = ["Backend", "Progress", "ProgressBar", "progress_bar"]
+from store.errors import StoreError
+
+__all__ = ["READ_LIMIT_BYTES", "Backend", "Progress", "ProgressBar", "progress_bar", "too_large"]
 
 Progress = Callable[[int], None]
 """Takes the number of bytes moved since the previous call."""
@@ -32,6 +34,19 @@ def progress_bar(bar: ProgressBar | None, description: str, total_bytes: int) ->
     return bar(description, total_bytes) if bar is not None else nullcontext(_ignore)
 
 
+READ_LIMIT_BYTES = 64 * 1024 * 1024
+"""The largest object :meth:`Backend.read` reads whole into memory (bytes): a manifest, a claim or a card's file
+(a tokenizer's JSON runs to a few MB). Before, a read had no limit: a stray multi-GB object under a manifest's
+name was read into the worker's memory."""
+
+
+def too_large(url: str, size: int | None, max_bytes: int) -> StoreError:
+    """The error of an object past :meth:`Backend.read`'s limit (``size``: its bytes, None when not known)."""
+    what = f"{size} bytes" if size is not None else f"more than {max_bytes} bytes"
+    return StoreError(f"{url} is {what}; an object read whole is at most {max_bytes} bytes (a manifest, a claim or "
+                      "a card's file): is it the object you meant?", "max_bytes", max_bytes)  # fmt: skip
+
+
 class Backend(Protocol):
     """One bucket (or directory) of objects."""
 
@@ -44,11 +59,13 @@ class Backend(Protocol):
         """``key`` as a person would find it: ``s3://bucket/key`` or a file path."""
         ...
 
-    def read(self, key: str) -> bytes | None:
-        """The object's bytes; None when there is no such object.
+    def read(self, key: str, *, max_bytes: int = READ_LIMIT_BYTES) -> bytes | None:
+        """The object's bytes; None when there is no such object. For the small objects read whole (manifests,
+        claims, cards and their files); model files are downloaded to disk.
 
         Raises:
-            StoreError: the store cannot be reached or refused (credentials, no bucket).
+            StoreError: the store cannot be reached or refused (credentials, no bucket), or the object is larger
+                than ``max_bytes`` (:func:`too_large`: nothing past the limit is read).
         """
         ...
 
@@ -62,10 +79,13 @@ class Backend(Protocol):
         """
         ...
 
-    def upload(self, key: str, source: Path, progress: Progress | None = None) -> int:
-        """Store the file ``source`` under ``key`` (multipart when large); returns the stored size.
+    def upload(self, key: str, source: Path, progress: Progress | None = None, *, exclusive: bool = False) -> int:
+        """Store the file ``source`` under ``key`` (multipart when large); returns the stored size in bytes.
+        ``exclusive``: only if no object is there when the upload lands (as :meth:`write`; S3's
+        ``If-None-Match: *`` on the PUT or on completing the multipart upload).
 
         Raises:
+            ObjectExists: ``exclusive`` and the key was taken before this upload landed.
             StoreError: the store cannot be reached or refused.
         """
         ...
@@ -85,6 +105,14 @@ class Backend(Protocol):
 
     def children(self, prefix: str) -> list[str]:
         """Names of the "folders" right under ``prefix`` (``""`` or ending in ``/``), sorted."""
+        ...
+
+    def keys(self, prefix: str) -> list[str]:
+        """Every object key under ``prefix`` (ending in ``/``), at any depth, dot-files included, sorted.
+
+        Raises:
+            StoreError: the store cannot be reached or refused.
+        """
         ...
 
     def delete(self, key: str) -> None:

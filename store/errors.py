@@ -56,6 +56,9 @@ class VersionNotFound(StoreError):
 
     code = "version_not_found"
 
+    FIX = "`fleet models list MODEL` shows the published versions; `fleet models push` publishes one"
+    """The fix every refusal of an unpublished version ends with (store, CLI and worker alike)."""
+
 
 class CacheUnwritable(StoreError):
     """The local cache cannot hold a fetched version (disk full, read-only, a file in the way); names the cache."""

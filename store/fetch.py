@@ -14,6 +14,13 @@ above, after a full verification, so what the marker guards against is truncatio
 not bit rot. ``reverify=True`` (``store.reverify_cached``) re-hashes everything instead. A cached
 version that fails its check is removed and fetched again.
 
+Pinned bytes: a version name can come to hold other bytes (deleted and pushed again, a racing push on a store
+without conditional puts, files replaced in the bucket). A pin or canary records its manifest's sha256, and
+the worker passes it as ``manifest_sha256``: a cached copy made from another manifest is not used, and a
+store manifest with another sha256 is refused ("changed since it was pinned"), so every worker serves the
+pinned bytes or none. Without it (a record made before digests were kept, the configured version) any
+manifest is taken, as before.
+
 Stopping early: a caller that may stop wanting the version (the reconciler, when the desired state moves on
 during a load) passes a ``stop`` event; the fetch checks it after the manifest and after each file, and
 raises :class:`Stopped` when it is set, removing its partial folder as for a failed fetch. A read already
@@ -78,13 +85,16 @@ def fetch(
     Args:
         cache_dir: the cache's root; the version lands in ``<cache_dir>/<model>/<version>/``.
         reverify: re-hash a cached version's files instead of the cheap check.
-        manifest_sha256: when given (e.g. recorded with a pin), the manifest's own sha256 must equal it.
+        manifest_sha256: when given (recorded with a pin or canary), the manifest's own sha256 must equal it,
+            in the store and in the cache: a cached copy made from another manifest is removed and the version
+            fetched anew, and a store manifest with another sha256 is refused (nothing is installed).
         stop: checked after the manifest and after each file (see the module docstring).
 
     Raises:
         InvalidRequest: a bad model or version name.
         VersionNotFound: no manifest is published for it (a claim alone: a push is unfinished).
-        ChecksumMismatch: a file (or the manifest) is not what the manifest (or ``manifest_sha256``) says.
+        ChecksumMismatch: a file is not what the manifest says, or (field ``manifest_sha256``) the manifest is
+            not the one ``manifest_sha256`` names ("changed since it was pinned").
         ModelLoadError: the manifest is invalid, names another version, or lists a file the store lacks.
         CacheUnwritable: the cache cannot hold it (disk full, read-only, not a folder); nothing is installed.
         StoreError: the store cannot be reached or refused.
@@ -101,7 +111,9 @@ def fetch(
     if raw is None:
         unfinished = " (a push has claimed it but not finished)" if backend.exists(prefix + CLAIM_NAME) else ""
         raise VersionNotFound(
-            f"{model} {version} is not published in {backend.location}{unfinished}", "version", version
+            f"{model} {version} is not published in {backend.location}{unfinished}; {VersionNotFound.FIX}",
+            "version",
+            version,
         )
     where = backend.url_of(prefix + MANIFEST_NAME)
     _check_manifest_digest(raw, manifest_sha256, model, version, where)
@@ -225,11 +237,14 @@ def _decoded(raw: bytes, model: str, version: str, where: str) -> Manifest:
 
 
 def _check_manifest_digest(raw: bytes, expected: str | None, model: str, version: str, where: str) -> None:
+    """Raise :class:`ChecksumMismatch` (field ``manifest_sha256``) when ``expected`` is given and the store's
+    manifest has another sha256: the version was deleted and pushed again, or replaced, since it was pinned."""
     actual = manifest_digest(raw)
     if expected is not None and actual != expected:
         raise ChecksumMismatch(
-            f"{model} {version}: {MANIFEST_NAME} ({where}) does not match: sha256 expected {expected}, got {actual}",
-            MANIFEST_NAME,
+            f"manifest of {model} {version} changed since it was pinned (sha256 {expected} pinned, {actual} now, "
+            f"{where}); pin it again to accept the new bytes (`fleet models pin {model} {version}`)",
+            "manifest_sha256",
             expected,
         )
 

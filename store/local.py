@@ -1,7 +1,7 @@
 """The model store on a local (or mounted) directory: ``<root>/<model>/<version>/<file>``.
 
 Writes go to a temporary file in the target's folder and are renamed into place, so a reader never
-sees half a file; an exclusive write links the finished file in (``link`` fails when the name is
+sees half a file; an exclusive write or upload links the finished file in (``link`` fails when the name is
 taken), which is atomic on every POSIX filesystem, NFS included.
 """
 
@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from store.backend import Progress
+from store.backend import READ_LIMIT_BYTES, Progress, too_large
 from store.errors import ObjectExists, ObjectMissing, StoreError
 from store.files import CHUNK_BYTES
 
@@ -42,11 +42,16 @@ class LocalBackend:
             raise StoreError(f"key {key!r} leaves the store directory {self.root}", "key", key)
         return path
 
-    def read(self, key: str) -> bytes | None:
+    def read(self, key: str, *, max_bytes: int = READ_LIMIT_BYTES) -> bytes | None:
+        path = self._path(key)
         try:
-            return self._path(key).read_bytes()
+            with path.open("rb") as f:
+                data = f.read(max_bytes + 1)  # past the limit: refused, whatever the file's size says meanwhile
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return None
+        if len(data) > max_bytes:
+            raise too_large(str(path), path.stat().st_size, max_bytes)
+        return data
 
     def _temp_beside(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -59,25 +64,26 @@ class LocalBackend:
         tmp = self._temp_beside(path)
         try:
             tmp.write_bytes(data)
-            if exclusive:
-                try:
-                    os.link(tmp, path)
-                except FileExistsError:
-                    raise ObjectExists(f"{path} already exists", key, "absent") from None
-            else:
-                os.replace(tmp, path)
+            _put_in_place(tmp, path, key, exclusive=exclusive)
+        except FileNotFoundError as exc:
+            raise _temp_gone(tmp, key) from exc
         finally:
             tmp.unlink(missing_ok=True)
 
-    def upload(self, key: str, source: Path, progress: Progress | None = None) -> int:
+    def upload(self, key: str, source: Path, progress: Progress | None = None, *, exclusive: bool = False) -> int:
         path = self._path(key)
         tmp = self._temp_beside(path)
         try:
             _copy(source, tmp, progress)
-            os.replace(tmp, path)
+            stored = tmp.stat().st_size  # the inode put in place: the name may be replaced right after
+            _put_in_place(tmp, path, key, exclusive=exclusive)
+        except FileNotFoundError as exc:
+            if not source.is_file():
+                raise
+            raise _temp_gone(tmp, key) from exc
         finally:
             tmp.unlink(missing_ok=True)
-        return path.stat().st_size
+        return stored
 
     def download(self, key: str, dest: Path, progress: Progress | None = None) -> None:
         path = self._path(key)
@@ -98,8 +104,38 @@ class LocalBackend:
             return []
         return sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
 
+    def keys(self, prefix: str) -> list[str]:
+        """Every file under ``prefix``, a write's temporary file (``.<name>.<random>.tmp``) included: one a push
+        that died left is a leftover like any other."""
+        folder = self._path(prefix) if prefix else self.root
+        if not folder.is_dir():
+            return []
+        return sorted(str(p.relative_to(self.root)) for p in folder.rglob("*") if p.is_file())
+
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
+
+
+def _temp_gone(tmp: Path, key: str) -> StoreError:
+    """The error for a write whose temporary file was removed before it was put in place: another push cleared
+    the version (a takeover removes every file under it that its manifest does not name, temporary ones too)."""
+    return StoreError(f"{tmp} was removed before it was put in place as {key}: another push (a takeover) cleared "
+                      "the version meanwhile; nothing was written", key, None)  # fmt: skip
+
+
+def _put_in_place(tmp: Path, path: Path, key: str, *, exclusive: bool) -> None:
+    """Move the finished ``tmp`` to ``path``; ``exclusive``: link it (fails when the name is taken), else rename.
+
+    Raises:
+        ObjectExists: ``exclusive`` and ``path`` exists.
+    """
+    if not exclusive:
+        os.replace(tmp, path)
+        return
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise ObjectExists(f"{path} already exists", key, "absent") from None
 
 
 def _copy(source: Path, dest: Path, progress: Progress | None) -> None:

@@ -48,7 +48,8 @@ class ModelStore:
         check_name(version, "version")
         raw = self.backend.read(f"{model}/{version}/{MANIFEST_NAME}")
         if raw is None:
-            raise VersionNotFound(f"{model} {version} is not published in {self.location}", "version", version)
+            raise VersionNotFound(f"{model} {version} is not published in {self.location}; {VersionNotFound.FIX}",
+                                  "version", version)
         return raw
 
     def manifest(self, model: str, version: str) -> Manifest:
@@ -59,6 +60,18 @@ class ModelStore:
         """
         raw = self.manifest_bytes(model, version)
         return decode_manifest(raw, self.backend.url_of(f"{model}/{version}/{MANIFEST_NAME}"))
+
+    def manifest_sha256(self, model: str, version: str) -> str:
+        """sha256 of the version's manifest as stored (:func:`store.manifest.manifest_digest`): what a pin or
+        canary records, so that workers load exactly these bytes (one read; the manifest is decoded, so an
+        invalid one is refused here, not by every worker).
+
+        Raises:
+            VersionNotFound: it is not published. ModelLoadError: its manifest is invalid.
+        """
+        raw = self.manifest_bytes(model, version)
+        decode_manifest(raw, self.backend.url_of(f"{model}/{version}/{MANIFEST_NAME}"))
+        return manifest_digest(raw)
 
     def versions(self, model: str) -> list[dict[str, Any]]:
         """Every version folder of ``model`` in natural version order: a published one's summary
@@ -137,7 +150,8 @@ def open_store(settings: StoreSettings) -> ModelStore:
         from store.s3 import S3Backend
 
         assert settings.bucket is not None  # StoreSettings requires it with backend s3
-        backend = S3Backend(settings.bucket, endpoint_url=settings.endpoint_url, region=settings.region)
+        backend = S3Backend(settings.bucket, endpoint_url=settings.endpoint_url, region=settings.region,
+                            fetch_stall_timeout_s=settings.fetch_stall_timeout_s)
     elif settings.backend == "local":
         from store.local import LocalBackend
 

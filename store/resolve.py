@@ -24,7 +24,8 @@ log = logging.getLogger("fleet.store")
 
 
 def resolve_model(
-    settings: FleetSettings, key: str, *, version: str | None = None, stop: threading.Event | None = None
+    settings: FleetSettings, key: str, *, version: str | None = None, manifest_sha256: str | None = None,
+    stop: threading.Event | None = None,
 ) -> ModelSettings:
     """``models.<key>`` as the worker should load it.
 
@@ -36,11 +37,15 @@ def resolve_model(
 
     ``version`` overrides the configured ``store_version``: the seam for a version pinned in Redis.
     Without a store, ``version`` equal to :func:`configured_file_version` is the configured file (unchanged).
+    ``manifest_sha256``: the digest the pin or canary recorded (``ModelState.stable_manifest_sha256``): the version
+    is loaded only from that manifest, in the cache or the store (None: any, as for the configured
+    ``store_version``). Ignored without a store (the configured file has no manifest).
     ``stop``: the fetch ends early once it is set (:class:`store.fetch.Stopped`, raised).
 
     Raises:
         ConfigError: another version is asked for but no store is configured.
-        ChecksumMismatch (a ModelLoadError): a file is not what the manifest says; nothing is loaded.
+        ChecksumMismatch (a ModelLoadError): a file is not what the manifest says, or the manifest is not the
+            pinned one (field ``manifest_sha256``); nothing is loaded.
         VersionNotFound / StoreError: not published, or the store cannot be reached (and the version
             is not cached).
     """
@@ -49,7 +54,7 @@ def resolve_model(
     if wanted is None or (settings.store.backend == "none" and wanted == configured_file_version(settings, key)):
         return model
     store = open_store(settings.store)
-    path = store.fetch(key, wanted, stop=stop)
+    path = store.fetch(key, wanted, manifest_sha256=manifest_sha256, stop=stop)
     log.info("model %s version %s from the store %s: verified copy %s", key, wanted, store.location, path)
     return model.model_copy(update={"path": path, "version": wanted})
 

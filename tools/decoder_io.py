@@ -25,7 +25,7 @@ from onnx import TensorProto
 from protocol.modelcard import ModelCard
 from protocol.tokenization import ByteTokenizer
 from tools.artifacts import card_metadata, write_model
-from tools.generation_assets import write_generation_assets
+from tools.generation_assets import generation_assets
 from tools.onnx_graph import GraphBuilder
 from tools.onnx_layers import WeightInit
 
@@ -123,6 +123,6 @@ def write_decoder(g: GraphBuilder, out_dir: Path, *, eos_token_id: int | list[in
         "bos_token_id": ByteTokenizer.bos_token_id, "eos_token_id": ByteTokenizer.eos_token_id,
         "tokenizer": "byte", "parameters": g.parameter_count, **card_fields,
     })
-    path = write_model(g.build(card_metadata(card)), card, out_dir)
-    write_generation_assets(path.parent, card, eos_token_id=eos_token_id)
-    return path
+    # the folder's generation assets are published before the model: a reader that finds it finds them
+    return write_model(g.build(card_metadata(card)), card, out_dir,
+                       sidecars=generation_assets(card, eos_token_id=eos_token_id))

@@ -18,7 +18,6 @@ uses ``bos_token``/``eos_token``; the fleet puts ids 1/2 in by id, from the card
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 from protocol.modelcard import ModelCard
@@ -28,9 +27,9 @@ __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
     "GENERATION_CONFIG",
     "TOKENIZER_CONFIG",
+    "generation_assets",
     "generation_config",
     "tokenizer_config",
-    "write_generation_assets",
 ]
 
 GENERATION_CONFIG = "generation_config.json"
@@ -85,20 +84,10 @@ def tokenizer_config(card: ModelCard) -> dict[str, Any]:
     }
 
 
-def write_generation_assets(model_dir: Path, card: ModelCard, *, eos_token_id: int | list[int],
-                            max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> tuple[Path, Path]:
-    """Write ``generation_config.json`` and ``tokenizer_config.json`` into ``model_dir``.
+def generation_assets(card: ModelCard, *, eos_token_id: int | list[int],
+                      max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> dict[str, bytes]:
+    """``generation_config.json`` and ``tokenizer_config.json`` (file name -> bytes); same arguments → same bytes."""
+    docs = {GENERATION_CONFIG: generation_config(card, eos_token_id=eos_token_id, max_new_tokens=max_new_tokens),
+            TOKENIZER_CONFIG: tokenizer_config(card)}
+    return {name: (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode() for name, doc in docs.items()}
 
-    Each file is written under a temporary name and renamed; same arguments → same bytes.
-    Returns both paths.
-    """
-    paths = []
-    for name, doc in ((GENERATION_CONFIG, generation_config(card, eos_token_id=eos_token_id,
-                                                            max_new_tokens=max_new_tokens)),
-                      (TOKENIZER_CONFIG, tokenizer_config(card))):
-        path = Path(model_dir) / name
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-        tmp.replace(path)
-        paths.append(path)
-    return paths[0], paths[1]

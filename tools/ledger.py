@@ -13,6 +13,8 @@ A fault test, a fuzzer or a soak records what its callers were told (:meth:`Ledg
 * ``terminal_changed``: a stored terminal state never changes: the first one seen (state + sha256 of
   its stored document, minus the volatile ``date_done``) is the one at the end.
 * ``refused_ran``: an ID whose submit was refused ("nothing was queued") never runs and never queues.
+* ``cancel_overridden``: an ID cancelled for good (its cancel mark written before any worker took it, which every
+  reader then calls ``cancelled``: :mod:`protocol.cancel_marks`) never ends ``SUCCESS``.
 * ``stream_open``: every streamed ID's Redis Stream ends with its ``final`` or ``error`` event.
 * ``unacked_left``, ``queued_left``, ``held``: nothing is left behind: kombu's unacked hash is empty,
   the given queues are empty, and no live worker's heartbeat reports requests in flight.
@@ -33,8 +35,9 @@ from typing import Any
 import redis
 
 from producer.result_waiter import READY_STATES
+from protocol.cancel_marks import cancelled_for_good
 from protocol.errors import DecodeError
-from protocol.keys import RESULT_KEY, STREAM_KEY, WORKER_KEY_PREFIX
+from protocol.keys import CANCEL_KEY, RESULT_KEY, STREAM_KEY, WORKER_KEY_PREFIX
 from protocol.streams import decode_events
 
 __all__ = ["Ledger", "LedgerReport", "LedgerViolationError", "Violation"]
@@ -185,6 +188,7 @@ class Ledger:
             else:
                 violations.append(Violation("lost", rid, "no result, and its message is in no queue and not unacked"))
         violations += self._refused_that_ran(queued, unacked)
+        violations += self._cancels_overridden()
         violations += self._open_streams()
         violations += self._left_behind(queued, unacked)
         return LedgerReport(
@@ -240,6 +244,18 @@ class Ledger:
             if seen is not None or rid in queued or rid in unacked:
                 what = f"its result is stored ({seen[0]})" if seen else "its message is queued"
                 found.append(Violation("refused_ran", rid, f"the caller was told nothing was queued, yet {what}"))
+        return found
+
+    def _cancels_overridden(self) -> list[Violation]:
+        """``cancel_overridden``: a SUCCESS stored for an ID whose cancel mark says cancelled for good."""
+        ids = [rid for rid in self._accepted if (self._first_terminal.get(rid) or ("",))[0] == "SUCCESS"]
+        found: list[Violation] = []
+        for start in range(0, len(ids), 500):
+            chunk = ids[start : start + 500]
+            for rid, mark in zip(chunk, self.client.mget([CANCEL_KEY.format(id=rid) for rid in chunk]), strict=True):
+                if cancelled_for_good(mark):
+                    found.append(Violation("cancel_overridden", rid, "cancelled for good (read as cancelled), yet "
+                                           "its result was stored as SUCCESS"))  # fmt: skip
         return found
 
     def _open_streams(self) -> list[Violation]:

@@ -34,7 +34,8 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
-from protocol.modelcard import card_path_for, load_card
+from protocol.modelcard import load_card
+from tools.artifacts import publish_model
 
 __all__ = ["main", "rewrite_lm_head_last", "write_last_variant"]
 
@@ -229,11 +230,7 @@ def write_last_variant(model_file: Path, suffix: str = "-last") -> Path:
     for prop in model.metadata_props:
         if prop.key == "version":
             prop.value = version
-    tmp = target.with_suffix(".onnx.tmp")
-    onnx.save(model, str(tmp))
-    tmp.replace(target)
-    card_path_for(target).write_text(card.model_copy(update={"version": version}).model_dump_json(indent=2) + "\n")
-    return target
+    return publish_model(target, model.SerializeToString(), card.model_copy(update={"version": version}))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import IO, Any
 import redis
 
 from protocol.keys import WORKER_KEY_PREFIX
+from tools.interrupts import forget_lost_interrupts, interrupt_was_lost, note_lost_interrupts
 
 __all__ = ["WorkerProcess", "die_with_parent", "poll_until", "stop_process", "worker_command"]
 
@@ -66,13 +66,16 @@ def poll_until(check: Callable[[], Any], timeout_s: float, what: str, poll_s: fl
         time.sleep(poll_s)
 
 
-_STOP_REQUESTED = threading.Event()
-"""Set by the stop-signal handler of :func:`interrupt_on_stop_signals` (it outlives a dropped exception)."""
+_STOP_NOTED: list[signal.Signals] = []
+"""Appended by the stop-signal handler of :func:`interrupt_on_stop_signals` (it outlives a dropped exception).
+A plain list, not a lock-based event: the handler runs in the main thread between any two bytecodes,
+also while that thread holds an event's lock."""
 
 
 def stop_requested() -> bool:
-    """Whether SIGINT or SIGTERM came since :func:`interrupt_on_stop_signals` set the handlers."""
-    return _STOP_REQUESTED.is_set()
+    """Whether SIGINT or SIGTERM came since :func:`interrupt_on_stop_signals` set the handlers (its
+    KeyboardInterrupt raised, or dropped in a finalizer: :func:`tools.interrupts.interrupt_was_lost`)."""
+    return bool(_STOP_NOTED) or interrupt_was_lost()
 
 
 def interrupt_on_stop_signals() -> None:
@@ -84,13 +87,16 @@ def interrupt_on_stop_signals() -> None:
     SIGINT *ignored*, and Python then installs no handler at all, so Ctrl-C and ``kill -INT`` would do
     nothing. Setting the handlers explicitly makes both signals work however the command was started.
     Python runs a handler between bytecodes of whatever the main thread runs, finalizers included, and
-    drops an exception raised in a weakref callback or a ``__del__`` ("Exception ignored in …"): the note
-    is what a waiting loop still sees then (:func:`serve_until_stopped`).
+    cannot raise from a weakref callback or a ``__del__``: such an interrupt is noted, not printed
+    (:func:`tools.interrupts.note_lost_interrupts`), and a waiting loop stops on the note
+    (:func:`serve_until_stopped`).
     """
-    _STOP_REQUESTED.clear()
+    _STOP_NOTED.clear()
+    forget_lost_interrupts()
+    note_lost_interrupts()
 
     def _interrupt(signum: int, frame: object) -> None:
-        _STOP_REQUESTED.set()
+        _STOP_NOTED.append(signal.Signals(signum))
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -114,13 +120,14 @@ def serve_until_stopped(ready: Callable[[], None], running: Callable[[], bool], 
     try:
         ready()
         while not stop_requested() and running():
-            _STOP_REQUESTED.wait(STOP_CHECK_S)
+            time.sleep(STOP_CHECK_S)
     except KeyboardInterrupt:
         pass
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
         stop()
+        forget_lost_interrupts()  # this stop was the one asked for: the command ends as it does on any stop
 
 
 def worker_command(

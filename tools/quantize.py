@@ -52,6 +52,7 @@ from tqdm import tqdm
 from protocol.modelcard import ModelCard, card_path_for, load_card
 from store.files import read_onnx
 from tools.artifacts import model_path as versioned_path
+from tools.artifacts import write_atomic
 from tools.calibration import (
     JsonlCalibrationReader,
     feeds_for,
@@ -392,7 +393,8 @@ def quantize_model(model_file: Path, cfg: QuantizeConfig, *, progress: bool = Tr
             raise QuantizationRefused(f"refused to write {target.name}: " + "; ".join(failures)
                                       + f" (measured on {acc.prompts} prompts: {summary_of(acc)})", report)
         _say(f"writing {target}", progress)
+        # the card first: whoever finds the model finds its card (tools.artifacts)
+        write_atomic(card_path_for(target), (new_card.model_dump_json(indent=2) + "\n").encode())
         (tmp / "out.onnx").replace(target)  # same folder: an atomic rename
-    card_path_for(target).write_text(new_card.model_dump_json(indent=2) + "\n")
-    report_path_for(target).write_text(json.dumps(report, indent=2) + "\n")
+    write_atomic(report_path_for(target), (json.dumps(report, indent=2) + "\n").encode())
     return QuantizeOutcome(target, report)

@@ -72,7 +72,7 @@ def register(subparsers: Any) -> None:
         "--calibration-count",
         type=int,
         default=d.calibration_count,
-        help="synthetic calibration prompts when no --calibration file is given",
+        help="synthetic calibration prompts when no --calibration file is given (default %(default)s)",
     )
     p.add_argument(
         "--op-types",
@@ -86,12 +86,14 @@ def register(subparsers: Any) -> None:
         default=None,
         help=f"held-out JSONL prompts for the report; default: {d.eval_count} seeded synthetic ones",
     )
-    p.add_argument("--eval-count", type=int, default=d.eval_count)
+    p.add_argument("--eval-count", type=int, default=d.eval_count,
+                   help="synthetic held-out prompts when no --eval file is given (default %(default)s)")
     p.add_argument(
-        "--min-tokens", type=int, default=d.min_tokens, help="synthetic prompt length range (tokens)"
+        "--min-tokens", type=int, default=d.min_tokens, help="shortest synthetic prompt (tokens; default %(default)s)"
     )
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                   help="longest synthetic prompt (tokens; default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the synthetic prompts (default %(default)s)")
     p.add_argument(
         "--min-top1-agreement",
         type=float,
@@ -114,9 +116,11 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--version", default=None, help="version of the new file (default: <version>-int8[-static][-sym])"
     )
-    p.add_argument("--latency-rounds", type=int, default=d.latency_rounds)
+    p.add_argument("--latency-rounds", type=int, default=d.latency_rounds,
+                   help="timed runs per model for the report's latency comparison (default %(default)s)")
     p.add_argument(
-        "--threads", type=int, default=d.intra_op_threads, help="ORT intra-op threads (0 = all cores)"
+        "--threads", type=int, default=d.intra_op_threads,
+        help="ORT intra-op threads (0 = all cores; default %(default)s)"
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing quantized file")
     p.add_argument("--quiet", action="store_true", help="no progress output on stderr")

@@ -205,8 +205,11 @@ class EmbeddedRedis:
         args = self._args()
         from tools.processes import die_with_parent
 
+        # its own session: a terminal's Ctrl-C reaches only the process that started it, which stops it last
+        # (after the workers that use it); killed outright, die_with_parent ends it all the same
         self.proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=die_with_parent
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         client = self.client(socket_connect_timeout=0.5, socket_timeout=2)
         deadline = time.monotonic() + timeout_s

@@ -202,8 +202,10 @@ class EmbeddedSeaweed:
         from tools.processes import die_with_parent
 
         with self.log_path.open("ab") as log:
+            # its own session, as EmbeddedRedis: a terminal's Ctrl-C reaches only the process that started it
             self.proc = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent
+                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                preexec_fn=die_with_parent,
             )
         self._wait_writable(timeout_s)
         return self

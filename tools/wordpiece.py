@@ -15,6 +15,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+from tools.artifacts import write_atomic
+
 __all__ = ["CORPUS", "SPECIAL_TOKENS", "train_wordpiece"]
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -96,8 +98,7 @@ def train_wordpiece(path: Path, vocab_size: int, corpus: str = CORPUS) -> Tokeni
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tok.save(str(path))
+    write_atomic(path, tok.to_str(pretty=True).encode())  # a concurrent build or reader never sees half a file
     return tok
 
 

@@ -92,9 +92,10 @@ def _load_model_before_consuming(sender: Any = None, **_: Any) -> None:
     """Load and warm the model before the consumer starts; any failure stops the worker (exit 3)."""
     if getattr(sender, "app", None) is not app:
         return
-    from producer.redis_preflight import refuse_wrong_url
+    from producer.redis_preflight import checked_already, refuse_wrong_url
 
-    if (code := refuse_wrong_url(SETTINGS, "fleet worker")) is not None:  # a bare `celery -A workers.app worker`
+    # a bare `celery -A workers.app worker` checks here; `fleet worker` checked in this process before it became Celery
+    if not checked_already() and (code := refuse_wrong_url(SETTINGS, "fleet worker")) is not None:
         os._exit(code)  # else Celery's consumer retries a URL that can never work; SystemExit would be swallowed
     from workers.result_repr import install as install_result_repr
     from workers.runtime import start_runtime
@@ -115,11 +116,20 @@ def _load_model_before_consuming(sender: Any = None, **_: Any) -> None:
         from workers.metrics import install_metrics
 
         install_metrics(runtime)  # scheduler observer + Celery signals + the metrics port
+        runtime.heartbeat.on_beat.append(_sweep_redis_pools)
     except Exception as exc:  # any start-up failure must stop the worker, never leave it half-built
         log.critical("worker cannot start: %s", exc, exc_info=not isinstance(exc, FleetError))
         print(f"fleet worker: cannot start: {exc}", file=sys.stderr, flush=True)
         sys.stderr.flush()
         os._exit(3)  # SystemExit would be swallowed by the blueprint; nothing runs yet to clean up
+
+
+def _sweep_redis_pools(_expires_unix_s: float) -> None:
+    """After each heartbeat: release the sockets a Redis restart closed in every pool of the process, those
+    rarely used (the result backend's) included (:func:`protocol.redis_pools.sweep_process_pools`)."""
+    from protocol.redis_pools import sweep_process_pools
+
+    sweep_process_pools()
 
 
 @signals.after_setup_logger.connect  # type: ignore[untyped-decorator]

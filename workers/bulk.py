@@ -24,8 +24,9 @@ import re
 from collections import Counter
 from typing import Any
 
+from protocol.cancel_marks import note_taken_and_read
 from protocol.errors import DecodeError, FleetError, IdempotencyConflict, InvalidRequest
-from protocol.keys import CANCEL_KEY, REQUEST_ID_PATTERN, REQUEST_ID_RULE
+from protocol.keys import REQUEST_ID_PATTERN, REQUEST_ID_RULE
 from protocol.messages import MAX_BULK_REQUESTS, decode_request
 from protocol.request_marker import request_fingerprint
 from workers.metrics import outcome_of, queue_wait_ms_of
@@ -176,7 +177,7 @@ def _prepare_all(runtime: WorkerRuntime, ids: list[str | DecodeError], items: li
     one-step jobs to submit together."""
     repeats = _repeats(ids, items)
     named = list(dict.fromkeys(rid for rid in ids if isinstance(rid, str)))
-    marks = dict(zip(named, runtime.redis.mget([CANCEL_KEY.format(id=rid) for rid in named]), strict=True))
+    marks = note_taken_and_read(runtime.redis, named, runtime.settings.visibility_timeout_s)
     collector = _Collector()
     prepared: list[_Item] = []
     for pos, (rid, item) in enumerate(zip(ids, items, strict=True)):

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import redis
 
 from protocol.keys import CANCEL_CHANNEL, CANCEL_KEY
 from workers.cancel_watch import CancelWatch
 from workers.generation.sequence import GenSequence
+from workers.redis_outage import OutageLog
 
 __all__ = ["CancelListener"]
 
@@ -89,10 +91,12 @@ class CancelListener:
     def _listen(self) -> None:
         """Flag watched sequences and end waiting one-step requests whose ID arrives on the cancel channel
         (reconnects on errors)."""
+        outage = OutageLog(log, "cancel listener lost Redis")
         while not self._stopping.is_set():
             try:
                 pubsub = self.redis.pubsub()
                 pubsub.subscribe(CANCEL_CHANNEL)
+                outage.recovered(time.monotonic())
                 try:
                     while not self._stopping.is_set():
                         message = pubsub.get_message(timeout=0.2)
@@ -106,7 +110,7 @@ class CancelListener:
                 finally:
                     pubsub.close()
             except redis.RedisError as exc:
-                log.warning("cancel listener: %s; retrying", exc)
+                outage.failed(exc, time.monotonic())
                 self._stopping.wait(1.0)
 
     def _catch_up(self) -> None:

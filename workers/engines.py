@@ -25,6 +25,7 @@ from protocol.settings import FleetSettings, ModelSettings
 from protocol.tokenization import Tokenizer, load_tokenizer
 from store.cards import check_fits
 from store.fetch import stop_if
+from store.manifest import MANIFEST_NAME, manifest_digest
 from store.resolve import resolve_model
 from workers.engine import Engine
 from workers.generation.decoder import Decoder
@@ -41,6 +42,11 @@ class LoadedModel:
     """A model version loaded, verified and warmed up in this process."""
 
     version: str
+    manifest_sha256: str | None
+    """The manifest digest the load was held to (the pin's or canary's); None when none was asked for."""
+    loaded_manifest_sha256: str | None
+    """The digest of the manifest actually loaded (a store version's, from its verified cache folder); None for a
+    model file outside the store. Recorded as served, so a worker that falls back to it loads these bytes."""
     model: ModelSettings
     """``models.<m>`` with ``path`` = the file actually loaded (the verified cache copy for a store version)."""
     card: ModelCard
@@ -54,9 +60,13 @@ class LoadedModel:
 
 
 def load_version(
-    settings: FleetSettings, key: str, version: str | None = None, *, stop: threading.Event | None = None
+    settings: FleetSettings, key: str, version: str | None = None, *, manifest_sha256: str | None = None,
+    stop: threading.Event | None = None,
 ) -> LoadedModel:
     """Load model ``key`` at ``version`` (None: the configured ``store_version`` or ``path``).
+
+    ``manifest_sha256``: the digest the pin or canary recorded for ``version`` (None: no check); a version
+    whose manifest has another one is refused (ChecksumMismatch, "changed since it was pinned").
 
     ``stop`` (the reconciler's mark of a superseded load) is checked between the steps: first, after each file
     fetched (:func:`store.fetch.fetch`), after the fetch, after the session is open and after the warm-up;
@@ -74,7 +84,7 @@ def load_version(
     """
     started = time.monotonic()
     stop_if(stop, "nothing (it had not begun)")
-    model = resolve_model(settings, key, version=version, stop=stop)
+    model = resolve_model(settings, key, version=version, manifest_sha256=manifest_sha256, stop=stop)
     stop_if(stop, "the fetch")
     card = load_card(model.path)
     if version is not None:
@@ -89,6 +99,8 @@ def load_version(
     stop_if(stop, "the warm-up")
     return LoadedModel(
         version=model.version or card.version,
+        manifest_sha256=manifest_sha256,
+        loaded_manifest_sha256=_manifest_beside(model.path),
         model=model,
         card=card,
         engine=engine,
@@ -98,6 +110,15 @@ def load_version(
         load_ms=(time.monotonic() - started) * 1000,
         warmup_ms=warmup_ms,
     )
+
+
+def _manifest_beside(model_path: str | Path) -> str | None:
+    """The digest of the store manifest in the model file's folder (a verified cache copy); None where the file
+    has none beside it (a model file outside the store)."""
+    try:
+        return manifest_digest((Path(model_path).parent / MANIFEST_NAME).read_bytes())
+    except OSError:
+        return None
 
 
 def _decoder(engine: Engine, model: ModelSettings) -> tuple[Engine, Decoder | None]:

@@ -14,7 +14,7 @@ holds work it does not progress (``held`` requests, ``stalled_s`` without progre
 needs died, and from the moment a shutdown begins (``shutting_down``: a warm shutdown takes nothing more
 while it drains); ``not_ready`` says why in words (null when ready), which ``fleet probe ready`` prints.
 A shutdown, the scheduler thread's death and the engine's failing (or succeeding again) are published at once
-(:meth:`Heartbeat.beat_soon`), not at the next period.
+(:meth:`Heartbeat.beat_soon`), not at the next period; such a beat says ``beat_at_once: true``.
 ``fleet:model:<name>:card`` holds the model card, so producers on other machines can validate and
 tokenize without the file.
 """
@@ -34,6 +34,7 @@ import redis
 
 from protocol.keys import CARD_KEY, LIVE_WORKERS_KEY, WORKER_KEY_PREFIX
 from workers.namesakes import BEAT_SCRIPT, RELEASE_SCRIPT, STALE_PERIODS
+from workers.redis_outage import OutageLog
 
 __all__ = ["Heartbeat", "list_workers", "next_beat_in_s", "read_card_json"]
 
@@ -56,6 +57,7 @@ class Heartbeat:
         self._period_s = period_s
         self._stop = threading.Event()
         self._soon = threading.Event()
+        self._outage = OutageLog(log, "heartbeat to Redis failed")
         """Set by :meth:`beat_soon` (and :meth:`stop`): the beating thread beats now, besides its schedule."""
         self._thread = threading.Thread(target=self._loop, name="fleet-heartbeat", daemon=True)
         self.instance = uuid.uuid4().hex
@@ -85,10 +87,11 @@ class Heartbeat:
         this name (nothing was written; :data:`~workers.namesakes.BEAT_SCRIPT`)."""
         return self._beat_once()
 
-    def beat(self) -> None:
+    def beat(self, *, at_once: bool = False) -> None:
         """Publish the current snapshot, and this worker in its model's live set, unless a live worker of
-        another process holds the name now (errors are logged: Redis may be restarting)."""
-        holder = self._beat_once()
+        another process holds the name now (errors are logged: Redis may be restarting). ``at_once``: the beat
+        :meth:`beat_soon` asked for, off the schedule; the heartbeat's ``beat_at_once`` says so to its readers."""
+        holder = self._beat_once(at_once=at_once)
         if holder is None:
             self._ceded = False
         elif not self._ceded:  # once per loss: its beats are not published while the other one lives
@@ -103,11 +106,11 @@ class Heartbeat:
         beating thread (a beat from a signal handler could wait on a connection the interrupted thread holds)."""
         self._soon.set()
 
-    def _beat_once(self) -> dict[str, Any] | None:
+    def _beat_once(self, *, at_once: bool = False) -> dict[str, Any] | None:
         try:
             now = time.time()
             doc = {**self._snapshot(), "heartbeat_unix_s": now, "heartbeat_s": self._period_s,
-                   "instance": self.instance}
+                   "instance": self.instance, "beat_at_once": at_once}
             ttl_s = self.ttl_s
             model = str(doc["model"]) if doc.get("model") else None
             if model is not None:
@@ -115,8 +118,9 @@ class Heartbeat:
             held = self._beat_script(self._script_keys(model), [json.dumps(doc), self.instance, ttl_s, repr(now),
                                                                 self._hostname, repr(STALE_PERIODS)])  # fmt: skip
         except redis.RedisError as exc:
-            log.warning("heartbeat to Redis failed: %s", exc)
+            self._outage.failed(exc, time.monotonic())
             return None
+        self._outage.recovered(time.monotonic())
         if held is not None:
             try:
                 holder = json.loads(held)
@@ -170,7 +174,7 @@ class Heartbeat:
                 self._soon.clear()
             else:
                 started = time.monotonic()
-            self.beat()
+            self.beat(at_once=soon)
 
 
 def next_beat_in_s(last_started_s: float, now_s: float, period_s: float) -> float:

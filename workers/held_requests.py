@@ -17,6 +17,12 @@ reads as it did before the loss within one heartbeat period of Redis answering a
 A worker that holds nothing sends nothing; one that holds requests costs Redis one script run per
 heartbeat, its reads only while nothing is lost.
 
+A request whose task message carried its owner (the gateway's ``fleet_owners`` header, :mod:`gateway.request_owners`)
+gets its owner mark ``fleet:owner:<id>`` written back too, where absent, in the same round trip and before its
+marker (a marker without its mark reads as every API key's request: another key could read and cancel it).
+So does every held request's taken note ``fleet:taken:<id>`` (:mod:`protocol.cancel_marks`): without it, a
+cancel after the loss would be for good, read "cancelled" at once, while the worker runs the request on.
+
 The marker written is the producer's (same request, same JSON); a request queued without one (a plain
 Celery client's) gets one too, and reads from then on as one the fleet queued (logged at DEBUG: only a
 lost STARTED state is logged as a warning). The STARTED state is
@@ -34,12 +40,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from celery import current_task
 
-from protocol.keys import REQUEST_KEY, RESULT_KEY
+from broker import message_owners
+from protocol.keys import OWNER_KEY, REQUEST_KEY, RESULT_KEY, TAKEN_KEY
 from protocol.messages import InferenceRequest
 from protocol.request_marker import request_marker
 
-__all__ = ["RESTORE_SCRIPT", "HeldRequest", "HeldRequests", "restore_call", "started_meta"]
+__all__ = ["RESTORE_MARKS_SCRIPT", "RESTORE_SCRIPT", "HeldRequest", "HeldRequests", "restore_call", "started_meta"]
 
 log = logging.getLogger("fleet.worker")
 
@@ -69,6 +77,21 @@ among a request's state writes). Returns [requests with a key written, requests 
 written]."""
 
 
+RESTORE_MARKS_SCRIPT = """
+local written = 0
+for i = 1, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 0 then
+    redis.call('SET', KEYS[i], ARGV[i + 1], 'EX', ARGV[1])
+    written = written + 1
+  end
+end
+return written
+"""
+"""Write back the owner marks Redis lost of the held requests whose message carried one: KEYS, their marks;
+ARGV[1], time to live (s), then each owner. Run before :data:`RESTORE_SCRIPT` in the same round trip, so a
+marker written back never stands without its mark; a beat that finds every mark writes nothing."""
+
+
 def started_meta(request_id: str, *, pid: int, hostname: str) -> str:
     """The STARTED state of ``request_id`` as Celery's Redis backend stores it (JSON), with the worker's
     ``pid`` and node name as ``update_state`` and ``track_started`` give them."""
@@ -85,6 +108,8 @@ class HeldRequest:
     started_by: str | None
     """The node name that stored its STARTED state; None when none was stored (a one-step request with
     ``celery.track_started`` off, a request of a bulk message)."""
+    owner: str = ""
+    """Its owner mark, as its task message carried it ('' : none)."""
     _values: tuple[str, str] | None = field(default=None, repr=False)
 
     def values(self, pid: int) -> tuple[str, str]:
@@ -114,6 +139,7 @@ class HeldRequests:
         Celery's result)."""
         self._client = client
         self._script: Any = client.register_script(RESTORE_SCRIPT)
+        self._marks: Any = client.register_script(RESTORE_MARKS_SCRIPT)
         self.ttl_s = ttl_s
         self._held: dict[str, HeldRequest] = {}
         self._lock = threading.Lock()
@@ -122,8 +148,10 @@ class HeldRequests:
 
     def hold(self, request_id: str, request: InferenceRequest, *, started_by: str | None) -> None:
         """Count ``request_id`` as held until :meth:`release`; ``started_by``: the node name that stored its
-        STARTED state (None when none was stored)."""
-        entry = HeldRequest(request_id, request, started_by)
+        STARTED state (None when none was stored). Called from its task's thread: its owner is read from the
+        task message's header (:func:`broker.message_owners`)."""
+        owner = message_owners(getattr(current_task, "request", None)).get(request_id, "")
+        entry = HeldRequest(request_id, request, started_by, owner)
         with self._lock:
             self._held[request_id] = entry
 
@@ -148,7 +176,14 @@ class HeldRequests:
         if not held:
             return
         keys, args = restore_call(held, self.ttl_s, os.getpid())
-        restored, started = (int(n) for n in self._script(keys=keys, args=args))
+        owned = [h for h in held if h.owner]
+        with self._client.pipeline(transaction=False) as pipe:  # each mark before its marker, in one round trip
+            self._marks(keys=[*(TAKEN_KEY.format(id=h.request_id) for h in held),
+                              *(OWNER_KEY.format(id=h.request_id) for h in owned)],
+                        args=[self.ttl_s, *("1" for _ in held), *(h.owner for h in owned)], client=pipe)  # fmt: skip
+            self._script(keys=keys, args=args, client=pipe)
+            counts = pipe.execute()[-1]
+        restored, started = (int(n) for n in counts)
         if not restored:
             return
         self.restored += restored

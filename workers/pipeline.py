@@ -16,8 +16,8 @@ from functools import partial
 from typing import Any
 
 from broker import CANCEL_MARKS
+from protocol.cancel_marks import note_taken_and_read
 from protocol.errors import InvalidRequest, RequestCancelled, RequestExpired, UnknownModel
-from protocol.keys import CANCEL_KEY
 from protocol.messages import (
     Generation,
     GenerationParams,
@@ -263,7 +263,8 @@ def handle_request(
         with runtime.scheduler.arrival(request_id) as arrival:  # the task ID is the request ID
             cancelled = CANCEL_MARKS.take(request_id)  # read as the message was taken (broker.cancel_marks)
             if cancelled is None:
-                cancelled = bool(runtime.redis.exists(CANCEL_KEY.format(id=request_id)))
+                life_s = runtime.settings.visibility_timeout_s
+                cancelled = note_taken_and_read(runtime.redis, [request_id], life_s)[request_id]
             prepared = prepare(runtime, payload, arrival, request_id=request_id, cancelled=cancelled, role=role)
         runtime.held.hold(request_id, prepared.request, started_by=worker if started else None)
         return finish(runtime, prepared, request_id=request_id, worker=worker)

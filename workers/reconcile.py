@@ -29,6 +29,9 @@ refusal. At most one superseded load per role runs beside the current one; a fur
 run waits until one of them ends (logged). Memory: a worker briefly holds up to six engines (two serving,
 and per role one loading and one superseded; :mod:`workers.version_loads`), two in steady state.
 
+A load is held to the manifest digest the state recorded for its version (:func:`_digest`; a state without
+one checks nothing): a manifest changed since the pin is refused, so no worker serves other bytes under the name.
+
 A version that cannot be loaded (ChecksumMismatch, VersionNotFound, a load error) is recorded with
 :func:`protocol.model_state.record_refusal` and the old version keeps serving; it is not retried
 until the state changes (its ``generation`` grows).
@@ -59,6 +62,7 @@ from protocol.settings import FleetSettings
 from store.resolve import configured_file_version
 from workers.engines import LoadedModel, load_version
 from workers.reconcile_plan import Held, landing_role, plan, to_start, wanted_stable
+from workers.redis_outage import OutageLog
 from workers.scheduler import Role
 from workers.version_loads import VersionLoad, VersionLoads
 
@@ -87,7 +91,9 @@ class Reconciler:
         """Without a store: the configured file's version label (a pin of it is the configured file)."""
         self.applied_stable: str | None = None
         """The stable version asked for and loaded; None = the configured one."""
-        self._initial: tuple[str, int] | None = None
+        self.applied_stable_sha256: str | None = None
+        """The manifest digest the stable version was loaded under (None: none asked for)."""
+        self._initial: tuple[str, int, str | None] | None = None
         """The version label :meth:`initial` loaded and the state generation it read (recorded as served at start)."""
         self.canary_active = False
         """The state has a canary: per-request outcomes are recorded (zero cost otherwise)."""
@@ -126,7 +132,7 @@ class Reconciler:
         loaded: LoadedModel | None = None
         if wanted != self._configured and not (wanted is not None and wanted == self._file_version):
             try:
-                loaded = load_version(self.settings, self.model, wanted)
+                loaded = load_version(self.settings, self.model, wanted, manifest_sha256=_digest(state, wanted))
                 self.applied_stable = wanted
             except Exception as exc:
                 self._refuse(wanted or "configured", state, exc,
@@ -135,7 +141,8 @@ class Reconciler:
         if loaded is None:
             self.applied_stable = self._configured
             loaded = load_version(self.settings, self.model)
-        self._initial = (loaded.version, generation)
+        self.applied_stable_sha256 = loaded.manifest_sha256
+        self._initial = (loaded.version, generation, loaded.loaded_manifest_sha256)
         return loaded
 
     def _load_last_served(self, refused: str | None) -> LoadedModel | None:
@@ -151,7 +158,8 @@ class Reconciler:
                         self.hostname, self.model, self._configured or "(file)")
             return None
         try:
-            loaded = load_version(self.settings, self.model, entry.store_version)
+            # held to the manifest it was served from (an entry an older worker wrote has none: not checked)
+            loaded = load_version(self.settings, self.model, entry.store_version, manifest_sha256=entry.manifest_sha256)
         except Exception as exc:
             log.error("worker %s cannot load %s %s, the version the fleet last served, either (serving its "
                       "configured version): %s", self.hostname, self.model, entry.store_version, exc)
@@ -170,7 +178,7 @@ class Reconciler:
         """Record the version :meth:`initial` loaded as served, apply the state once and wait for its loads
         (a canary is loaded before the first request), then start the thread."""
         if self._initial is not None:
-            self._record_served(self._initial[0], self.applied_stable, self._initial[1])
+            self._record_served(self._initial[0], self.applied_stable, self._initial[1], self._initial[2])
         self.sync()
         self.wait_loaded()
         self._thread.start()
@@ -217,8 +225,9 @@ class Reconciler:
             log.info("worker %s emptied its canary slot (held %s; the state's canary: %s): canary-queue requests "
                      "now run on stable", self.hostname, dropped, wanted)
         held, generation = self._held(), state.generation if state is not None else 0
-        self._loads.supersede(lambda role, version: landing_role(state, self._configured, version, role, held)
-                              is not None, generation)  # marks the loads the state no longer names
+        self._loads.supersede(lambda role, version: landing_role(
+            state, self._configured, version, role, held, self._loads.current[role].manifest_sha256) is not None,
+            generation)  # marks the loads the state no longer names (a version pinned again: a new manifest)
         for role, version in to_start(steps, self._loads.versions()):
             self._begin(role, version, state)
         self._loads.log_waits(steps.loads, generation)
@@ -227,12 +236,14 @@ class Reconciler:
     def _held(self) -> Held:
         runtime = self.runtime
         assert runtime is not None
-        return Held(self.applied_stable, runtime.canary.version if runtime.canary is not None else None)
+        canary = runtime.canary
+        return Held(self.applied_stable, canary.version if canary is not None else None, self.applied_stable_sha256,
+                    canary.manifest_sha256 if canary is not None else None)
 
     def _begin(self, role: Role, version: str | None, state: ModelState | None) -> None:
         """Load ``version`` for ``role`` on a thread of its own (the caller holds the lock): a fetch and
         warm-up take seconds, and a rollback that lands meanwhile must not wait for them."""
-        load = self._loads.begin(role, version)
+        load = self._loads.begin(role, version, _digest(state, version))
         thread = threading.Thread(target=self._load, args=(load, state), name=f"fleet-load-{role}", daemon=True)
         thread.start()
 
@@ -249,7 +260,8 @@ class Reconciler:
         loaded: LoadedModel | None = None
         failure: Exception | None = None
         try:
-            loaded = load_version(self.settings, self.model, version, stop=load.stop)
+            loaded = load_version(self.settings, self.model, version, manifest_sha256=load.manifest_sha256,
+                                  stop=load.stop)
         except Exception as exc:  # any load failure: refuse it, keep serving the old version
             failure = exc
         with self._lock:
@@ -264,7 +276,7 @@ class Reconciler:
                 elif loaded is not None:
                     log.info("worker %s loaded %s %s in %.0f ms (warm-up %.0f ms)", self.hostname, self.model,
                              loaded.version, loaded.load_ms, loaded.warmup_ms)
-                    target, current = self._still_wanted(role, version, state)
+                    target, current = self._still_wanted(role, version, state, load.manifest_sha256)
                     if target is not None:
                         self._swap(target, loaded, version, current)
                 self._pass()
@@ -282,7 +294,7 @@ class Reconciler:
         self._refuse(version or "configured", state, exc, then)
 
     def _still_wanted(
-        self, role: Role, version: str | None, state: ModelState | None
+        self, role: Role, version: str | None, state: ModelState | None, manifest_sha256: str | None
     ) -> tuple[Role | None, ModelState | None]:
         """Where ``version``, loaded as ``role``, goes now that it is loaded (a fetch and warm-up take seconds:
         a rollback, a promote or another canary may have come meanwhile), with the state read: ``role``,
@@ -296,7 +308,7 @@ class Reconciler:
         except redis.RedisError as exc:
             log.warning("cannot re-read the model state after loading %s (swapping it in): %s", version, exc)
             return role, state
-        target = landing_role(now, self._configured, version, role, self._held())
+        target = landing_role(now, self._configured, version, role, self._held(), manifest_sha256)
         if target is not None:
             if target != role:
                 log.info("worker %s takes %s %s, loaded as %s, as %s: the state changed during its load",
@@ -313,17 +325,20 @@ class Reconciler:
         assert runtime is not None
         if role == "stable":
             runtime.swap("stable", loaded)
-            self.applied_stable = version
-            self._record_served(loaded.version, version, state.generation if state is not None else 0)
+            self.applied_stable, self.applied_stable_sha256 = version, loaded.manifest_sha256
+            self._record_served(loaded.version, version, state.generation if state is not None else 0,
+                                loaded.loaded_manifest_sha256)
         else:
             runtime.swap("canary", loaded)
         log.info("worker %s serves %s %s as %s from the next batch", self.hostname, self.model, loaded.version, role)
 
-    def _record_served(self, version: str, store_version: str | None, generation: int) -> None:
-        """Append the stable version now in service (what a starting worker falls back to)."""
+    def _record_served(self, version: str, store_version: str | None, generation: int,
+                       manifest_sha256: str | None) -> None:  # fmt: skip
+        """Append the stable version now in service, with its manifest's digest (what a starting worker falls
+        back to)."""
         try:
             record_served(self.redis, self.model, self.hostname, version, store_version or self._configured,
-                          generation)
+                          generation, manifest_sha256)
         except redis.RedisError as exc:
             log.warning("could not record the served version: %s", exc)
 
@@ -348,6 +363,7 @@ class Reconciler:
     def _loop(self) -> None:
         subscriber = sync_client(self.settings, socket_timeout=None)  # one pool; pubsub objects come and go
         pubsub: Any = None
+        outage = OutageLog(log, "reconciler lost Redis")
         while not self._stop.is_set():
             try:
                 if pubsub is None:
@@ -355,6 +371,7 @@ class Reconciler:
                     pubsub.subscribe(CHANGES_CHANNEL)
                     await_subscription(pubsub, CHANGES_CHANNEL, time.monotonic() + 5.0)  # then the read
                     self.sync()  # a change may have been published while we were not subscribed
+                    outage.recovered(time.monotonic())
                 deadline = time.monotonic() + self._wait_s()
                 while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
                     message = pubsub.get_message(timeout=min(left, 1.0))
@@ -370,7 +387,7 @@ class Reconciler:
                         log.warning("canary %s of %s rolled back: %s", state.canary, self.model, verdict.reason)
                         self.sync()
             except redis.RedisError as exc:
-                log.warning("reconciler lost Redis (%s); reconnecting", exc)
+                outage.failed(exc, time.monotonic())
                 _close(pubsub)
                 pubsub = None
                 self._stop.wait(RETRY_AFTER_ERROR_S)
@@ -379,6 +396,11 @@ class Reconciler:
                 self._stop.wait(RETRY_AFTER_ERROR_S)
         _close(pubsub)
         subscriber.close()
+
+
+def _digest(state: ModelState | None, version: str | None) -> str | None:
+    """The manifest digest the state recorded for ``version``, which its load must find (None: no check)."""
+    return state.manifest_sha256_of(version) if state is not None else None
 
 
 def _names(message: dict[str, Any], model: str) -> bool:

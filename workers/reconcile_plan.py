@@ -27,15 +27,32 @@ from protocol.model_state import ModelState
 if TYPE_CHECKING:
     from workers.jobs import Role
 
-__all__ = ["Held", "Steps", "landing_role", "plan", "to_start"]
+__all__ = ["Held", "Steps", "holds", "landing_role", "plan", "to_start"]
 
 
 @dataclass(frozen=True)
 class Held:
-    """The versions a worker holds: ``stable`` as asked for (None = the configured one), ``canary``."""
+    """The versions a worker holds: ``stable`` as asked for (None = the configured one), ``canary``, and the
+    manifest digest each was loaded under (None: loaded without one)."""
 
     stable: str | None
     canary: str | None
+    stable_sha256: str | None = None
+    canary_sha256: str | None = None
+
+
+def holds(version: str | None, wanted_sha256: str | None, held: str | None, held_sha256: str | None) -> bool:
+    """Whether the copy held (``held`` loaded under ``held_sha256``) is the one wanted: the same version and,
+    when the state recorded a manifest digest for it, loaded under that digest. A version pinned again with
+    another manifest (new bytes under the old name) is then loaded anew, not kept as the old bytes."""
+    return version == held and (wanted_sha256 is None or wanted_sha256 == held_sha256)
+
+
+def _sha256_of(state: ModelState | None, role: Role) -> str | None:
+    """The manifest digest the state records for its ``role`` version (None for the configured one)."""
+    if state is None:
+        return None
+    return state.stable_manifest_sha256 if role == "stable" else state.canary_manifest_sha256
 
 
 @dataclass(frozen=True)
@@ -89,19 +106,20 @@ def plan(
     def refused_now(version: str | None) -> bool:
         return version is not None and refused.get(version) == generation
 
-    stable = wanted_stable(state, configured)
+    stable, stable_sha256 = wanted_stable(state, configured), _sha256_of(state, "stable")
     load_stable = promote = False
     canary_after = held.canary
     same_file = file_version is not None and {stable, held.stable} <= {None, file_version}
-    if stable != held.stable and not same_file and not refused_now(stable):
-        if stable is not None and stable == held.canary:
+    if not holds(stable, stable_sha256, held.stable, held.stable_sha256) and not same_file and not refused_now(stable):
+        if stable is not None and holds(stable, stable_sha256, held.canary, held.canary_sha256):
             promote, canary_after = True, None
         else:
             load_stable = True
-    wanted_canary = state.canary if state is not None else None
-    drop = held.canary is not None and held.canary != wanted_canary
+    wanted_canary, canary_sha256 = (state.canary if state is not None else None), _sha256_of(state, "canary")
+    drop = held.canary is not None and not holds(wanted_canary, canary_sha256, held.canary, held.canary_sha256)
+    kept = canary_after is not None and not drop
     load_canary = None
-    if wanted_canary is not None and wanted_canary != canary_after and not refused_now(wanted_canary):
+    if wanted_canary is not None and not kept and not refused_now(wanted_canary):
         load_canary = wanted_canary
     return Steps(load_stable=load_stable, stable=stable if load_stable else None, promote_canary=promote,
                  load_canary=load_canary, drop_canary=drop)
@@ -121,18 +139,23 @@ def to_start(steps: Steps, loading: Mapping[Role, str | None]) -> list[tuple[Rol
 
 
 def landing_role(
-    state: ModelState | None, configured: str | None, version: str | None, loaded_as: Role, held: Held
+    state: ModelState | None, configured: str | None, version: str | None, loaded_as: Role, held: Held,
+    manifest_sha256: str | None = None,
 ) -> Role | None:
-    """Where ``version``, just loaded as ``loaded_as``, goes under ``state`` (read after the load): the role
-    it was loaded for when the state still names it there, else the other role when the state names it
-    there (a canary promoted, or a pin made the canary, during its load: no reload), else None (discarded
-    unserved). A role that already holds ``version`` does not take it twice."""
+    """Where ``version``, just loaded as ``loaded_as`` under ``manifest_sha256``, goes under ``state`` (read
+    after the load): the role it was loaded for when the state still names it there, else the other role when
+    the state names it there (a canary promoted, or a pin made the canary, during its load: no reload), else
+    None (discarded unserved). The state names it only with the digest it was loaded under (when the state
+    records one: a pin again with a new manifest supersedes a load under the old). A role that already holds
+    ``version`` under that digest does not take it twice."""
     other: Role = "canary" if loaded_as == "stable" else "stable"
     for role in (loaded_as, other):
         if role == "stable":
-            wanted = wanted_stable(state, configured) == version and held.stable != version
+            named = wanted_stable(state, configured) == version
+            held_now = held.stable == version and held.stable_sha256 == manifest_sha256
         else:
-            wanted = version is not None and state is not None and state.canary == version and held.canary != version
-        if wanted:
+            named = version is not None and state is not None and state.canary == version
+            held_now = held.canary == version and held.canary_sha256 == manifest_sha256
+        if named and holds(version, _sha256_of(state, role), version, manifest_sha256) and not held_now:
             return role
     return None

@@ -17,12 +17,17 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
-__all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MAX_EVENTS", "HeldEvent", "PendingEvents"]
+from workers.recent_marks import RecentMarks
+
+__all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MAX_EVENTS", "MAX_CUT_STREAMS", "HeldEvent", "PendingEvents"]
 
 DEFAULT_MAX_EVENTS = 100_000
 """Default most events held (about a minute of 16 generations at 100 tokens/s each)."""
 DEFAULT_MAX_BYTES = 32 * 1024 * 1024
 """Default most bytes held (request IDs + encoded events)."""
+MAX_CUT_STREAMS = 100_000
+"""Most streams remembered as cut (an event refused, the stream not ended since); past it the one cut longest ago
+is forgotten: its later tokens are held again, and its reader, past the gap, finishes from the stored result."""
 _ENTRY_OVERHEAD_BYTES = 64
 """What one held event costs beyond its request ID and JSON (tuple, strings' headers), roughly."""
 
@@ -50,7 +55,7 @@ class PendingEvents:
         self.dropped = 0
         """Events refused over the bounds since this hold was made."""
         self._items: deque[HeldEvent] = deque()
-        self._cut: set[str] = set()
+        self._cut: RecentMarks[None] = RecentMarks(MAX_CUT_STREAMS)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -69,7 +74,7 @@ class PendingEvents:
         if bounded and over:
             self.dropped += 1
             if not last:
-                self._cut.add(request_id)
+                self._cut.mark(request_id, None)
             return False
         self._items.append(HeldEvent(request_id, event, size, last))
         self.bytes += size

@@ -53,12 +53,14 @@ from protocol.keys import STREAM_KEY
 from protocol.streams import StreamEvent, encode_token
 from workers.cancel_listener import CancelListener
 from workers.generation.sequence import GenSequence
+from workers.recent_marks import RecentMarks
 from workers.stream_buffer import DEFAULT_MAX_BYTES, DEFAULT_MAX_EVENTS, HeldEvent, PendingEvents
 from workers.stream_ends import EndsAfterStore
 from workers.stream_outage import FIRST_RETRY_S, MAX_RETRY_S, Outage
 from workers.stream_write_script import ScriptConnection, refusals, script_arguments
 
-__all__ = ["FIRST_RETRY_S", "MAX_EVENTS_PER_ENTRY", "MAX_RETRY_S", "WRITE_CHUNK", "StreamPublisher", "asks_to_generate"]
+__all__ = ["FIRST_RETRY_S", "MAX_EVENTS_PER_ENTRY", "MAX_EXPIRE_MARKS", "MAX_OPEN_STREAMS", "MAX_RETRY_S",
+           "WRITE_CHUNK", "StreamPublisher", "asks_to_generate"]  # fmt: skip
 
 log = logging.getLogger("fleet.streams")
 
@@ -71,10 +73,12 @@ MAX_EVENTS_PER_ENTRY = 64
 """Most events of one stream coalesced into one entry."""
 IDLE_WAIT_S = 1.0
 """Longest wait of an idle publisher (no events held, no stream open, no generation watched), in seconds."""
-_MAX_OPEN_STREAMS = 100_000
-"""Most open streams remembered."""
-_MAX_EXPIRE_MARKS = 100_000
-"""Most streams whose last ``EXPIRE`` time is remembered."""
+MAX_OPEN_STREAMS = 100_000
+"""Default most open streams remembered; past it the one opened longest ago is forgotten
+(:mod:`workers.recent_marks`)."""
+MAX_EXPIRE_MARKS = 100_000
+"""Default most streams whose last ``EXPIRE`` time is remembered; past it the one set longest ago is forgotten (it
+gets an ``EXPIRE`` again at its next write)."""
 
 
 def asks_to_generate(payload: Any) -> bool:
@@ -99,10 +103,16 @@ class StreamPublisher:
         max_held_bytes: int = DEFAULT_MAX_BYTES,
         window_ms: float = 0.0,
         max_events_per_entry: int = MAX_EVENTS_PER_ENTRY,
+        max_open_streams: int = MAX_OPEN_STREAMS,
+        max_expire_marks: int = MAX_EXPIRE_MARKS,
     ) -> None:
         """``max_held_events``/``max_held_bytes`` bound what is held while Redis does not answer;
         ``window_ms`` delays a write until the oldest pending event is that old (0: write at once);
-        ``max_events_per_entry`` caps the events of one entry (1: an ``XADD`` per event, as before coalescing).
+        ``max_events_per_entry`` caps the events of one entry (1: an ``XADD`` per event, as before coalescing);
+        ``max_open_streams``/``max_expire_marks`` bound the streams remembered as open and the ``EXPIRE`` times
+        remembered (past either, the oldest mark is forgotten; a stream's marks leave with its last event).
+
+        Raises ValueError: a bound < 1.
 
         ``client`` is the publisher's own: its redis-py retries are turned off, since they would block
         this thread (up to 10 tries) while events pile up unbounded in the queue; the publisher
@@ -111,7 +121,7 @@ class StreamPublisher:
         client.set_retry(Retry(NoBackoff(), 0))  # type: ignore[attr-defined]  # types-redis predates set_retry
         self.redis = client
         self._script = ScriptConnection(client)
-        """Runs the writes, on a connection taken from ``client``'s pool once and kept."""
+        """Runs the writes, on a connection of ``client``'s pool kept while busy, given back when idle (swept)."""
         self.ttl_s = ttl_s
         self.max_len = max_len
         self.cancel_poll_s = cancel_poll_s
@@ -134,7 +144,7 @@ class StreamPublisher:
         self._wake = threading.Event()
         """Set by :meth:`publish` for a first token or a stream's end (every event without a window), by
         :meth:`watch` and :meth:`stop`: the publisher's wait ends at once."""
-        self._open: set[str] = set()
+        self._open: RecentMarks[None] = RecentMarks(max_open_streams)
         """Streams whose first token was taken and whose last event was not: while any is open, the
         publisher collects events every window (a token does not wake it)."""
         self._urgent = False
@@ -147,7 +157,7 @@ class StreamPublisher:
         """When the queue was last drained into the hold (monotonic s)."""
         self.cpu_s = 0.0
         """CPU time of the publisher thread so far (s), read at each pass of its loop."""
-        self._expired_at: dict[str, float] = {}
+        self._expired_at: RecentMarks[float] = RecentMarks(max_expire_marks)
         """Stream key → when its TTL was last set (monotonic s), for streams not ended yet."""
         self.ends = EndsAfterStore()
         """Streams whose last event waits for their stored result (:mod:`workers.stream_ends`)."""
@@ -259,6 +269,8 @@ class StreamPublisher:
                 with contextlib.suppress(redis.RedisError):  # the write path logs an outage; the poll waits
                     self.cancels.poll()
                 next_poll = now + self.cancel_poll_s
+            if not len(self.pending) and not len(self._open):  # idle: the writes' connection back to the pool,
+                self._script.release()  # where the heartbeat's sweep releases it if a Redis restart closed it
             cpu_now = time.thread_time()
             self.cpu_s += cpu_now - cpu_mark
             cpu_mark = cpu_now
@@ -282,7 +294,7 @@ class StreamPublisher:
                 until.append(outage.retry_at_s)
             else:
                 until.append(max(outage.retry_at_s, self._held_since_s + self.window_s))
-        elif self._open and self.window_s:
+        elif len(self._open) and self.window_s:
             until.append(self._drained_s + self.window_s)
         elif stopping:
             return
@@ -335,10 +347,9 @@ class StreamPublisher:
         return stopping
 
     def _opened(self, request_id: str) -> None:
-        """Note a stream whose tokens are coming (until its last event)."""
-        if len(self._open) >= _MAX_OPEN_STREAMS:
-            self._open.clear()  # streams that never ended (none should): forgotten, not piled up
-        self._open.add(request_id)
+        """Note a stream whose tokens are coming (until its last event; past ``max_open_streams`` the stream
+        opened longest ago, most likely one that never ended, is forgotten)."""
+        self._open.mark(request_id, None)
 
     def _write_pending(self) -> None:
         """Write every held event, oldest first, :data:`WRITE_CHUNK` per pipeline.
@@ -377,15 +388,13 @@ class StreamPublisher:
         now = time.monotonic()
         for key in expiring:
             if by_key[key][-1].last:
-                self._expired_at.pop(key, None)
+                self._expired_at.discard(key)
             else:
-                self._expired_at[key] = now
+                self._expired_at.mark(key, now)
 
     def _due_for_expire(self, by_key: dict[str, list[HeldEvent]]) -> list[str]:
         """Streams of this write whose ``EXPIRE`` is due: the first write of a stream, its last event (so
         the key expires ``ttl_s`` after it), and otherwise once per quarter of ``ttl_s``."""
-        if len(self._expired_at) > _MAX_EXPIRE_MARKS:
-            self._expired_at.clear()  # forgotten streams get an EXPIRE again at their next write
         now = time.monotonic()
         return [
             key for key, events in by_key.items()

@@ -100,21 +100,22 @@ def refusals(replies: list[Any], sizes: list[int]) -> tuple[int, str | None]:
 
 
 class ScriptConnection:
-    """Runs :data:`WRITE_SCRIPT` on a connection of its own, taken from the client's pool once and kept."""
+    """Runs :data:`WRITE_SCRIPT` on a connection of its own, taken from the client's pool and kept while the
+    publisher writes (:meth:`release` gives it back while idle, where the pool sweep can release it)."""
 
     def __init__(self, client: redis.Redis[bytes]) -> None:
         self.redis = client
         self._script_sha = hashlib.sha1(WRITE_SCRIPT.encode()).hexdigest()
         self._conn: Any = None
-        """The connection of the writes, taken from ``client``'s pool at the first :meth:`run`."""
+        """The connection of the writes, taken from ``client``'s pool by a :meth:`run` when none is held."""
 
     def run(self, keys: list[str], args: list[str | int]) -> list[Any]:
         """One ``EVALSHA`` of :data:`WRITE_SCRIPT` (``SCRIPT LOAD`` first when Redis does not know it: a
         first write, a restarted Redis).
 
-        The connection is taken from the client's pool once and kept: a write is then a send and a read,
-        with none of the client's per-command pool, lock and retry steps, which were a quarter of a
-        write's CPU. Redis not answering raises as any command does (the connection reconnects at the
+        The connection is taken from the client's pool and kept until :meth:`release`: a write is then a
+        send and a read, with none of the client's per-command pool, lock and retry steps, which were a
+        quarter of a write's CPU. Redis not answering raises as any command does (the connection reconnects at the
         next write).
 
         Raises:

@@ -14,6 +14,7 @@ message is acked (or rejected) and its slot given back.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -49,6 +50,10 @@ CANARY_SUFFIX = ".canary"
 """A model's canary queue is its queue + this suffix (``FleetSettings.canary_queue_for``)."""
 RESULT_REPR_MAX = 16_384
 """Characters of a result Celery's events carry to Flower (its default, 1,024, cuts embeddings)."""
+ENDING_EVENTS = {"SUCCESS": "task-succeeded", "FAILURE": "task-failed", "REVOKED": "task-revoked"}
+"""The task event that ends, in Flower, an ignored copy of a request whose outcome is stored in this state."""
+
+log = logging.getLogger("fleet.worker")
 
 
 def register_tasks(app: Celery) -> None:
@@ -83,8 +88,9 @@ def register_tasks(app: Celery) -> None:
                 claimed = _claimed(runtime, request_id, _delivery_of(self))  # waits while another delivery runs it
             except WaitAbandoned as exc:  # a warm shutdown: back to the queue, for a worker that stays
                 raise Reject(str(exc), requeue=True) from exc
-            if not claimed:
-                raise Ignore()  # its outcome is stored: acked; nothing run, stored or streamed (workers.run_claims)
+            if not claimed:  # its outcome is stored: acked; nothing run, stored or streamed (workers.run_claims)
+                _end_ignored_copy(self, request_id)
+                raise Ignore()
             runtime.streams.hold_end(request_id)  # its stream ends once its result is stored
             if not started:
                 self.update_state(state="STARTED", meta={"pid": os.getpid(), "hostname": self.request.hostname})
@@ -114,6 +120,34 @@ def _delivery_of(task: Task) -> Delivery | None:
     not with a ``global_keyprefix``)."""
     entry = unacked_entry_of(task.request)
     return Delivery(index_key=entry[0], tag=entry[1]) if entry else None
+
+
+def _end_ignored_copy(task: Task, request_id: str) -> None:
+    """End an ignored copy of ``request_id`` in the task events, as its stored outcome: ``task-succeeded``,
+    ``task-failed`` or ``task-revoked`` (:data:`ENDING_EVENTS`), with no result or exception in it.
+
+    Celery's ``Ignore`` acks the message and sends no event, so Flower, which had the copy's task-received
+    and task-started, showed it running for ever wherever it had missed the first delivery's end (started
+    later, or that worker's events lost). Celery's own skip of a redelivered task whose SUCCESS is stored
+    (``worker_deduplicate_successful_tasks``) sends task-succeeded; this sends the event of the state stored,
+    so Flower's state for the ID is the stored one whatever it saw before (an event of a lower precedence
+    never overrides a higher one there). Leaving the result and exception out keeps what Flower showed of
+    the first delivery's. Nothing is stored: one ``GET`` reads the state; a Redis error skips the event
+    (logged), never the ack.
+    """
+    if not task.app.conf.worker_send_task_events:
+        return
+    try:
+        state = str(task.AsyncResult(request_id).state)
+        event = ENDING_EVENTS.get(state)
+        if event is None:  # not terminal any more (its result expired meanwhile): no end to report
+            return
+        revoked = event == "task-revoked"  # Celery's own task-revoked carries these three
+        fields: dict[str, Any] = {"terminated": False, "signum": None, "expired": False} if revoked else {}
+        task.send_event(event, retry=False, **fields)
+    except Exception as exc:  # a Redis error, kombu's OperationalError: the copy is still acked
+        log.warning("generation %s: the end event of its ignored copy was not sent (%s); Flower may show the "
+                    "copy running", request_id, exc)  # fmt: skip
 
 
 def _claimed(runtime: WorkerRuntime, request_id: str, delivery: Delivery | None = None) -> bool:

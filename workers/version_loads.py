@@ -2,7 +2,8 @@
 
 A load (:func:`workers.engines.load_version`) runs on a thread of its own (:mod:`workers.reconcile`) and
 cannot be interrupted inside a step: a fetch blocked in a socket read of a hung store ends only when the
-store answers or the read times out (:mod:`store.s3`: 60 s a read, retried; minutes in all). So when the
+store answers or the read times out (:mod:`store.s3`: 60 s a read, retried; a download that receives no byte
+for ``store.fetch_stall_timeout_s``, 240 s, ends in a StoreError). So when the
 desired state stops naming a loading version, the reconciler **marks** the load superseded
 (:attr:`VersionLoad.stop`); the load checks the mark between its steps (after each file fetched, after
 the fetch, the session, the warm-up) and ends early, dropping what it built. A marked load that cannot
@@ -44,6 +45,8 @@ class VersionLoad:
 
     role: Role
     version: str | None
+    manifest_sha256: str | None = None
+    """The manifest digest the state recorded for ``version`` when the load began (None: no check)."""
     stop: threading.Event = field(default_factory=threading.Event)
     """Set when the state no longer names ``version`` (for either role): the load stops at its next step."""
 
@@ -76,15 +79,15 @@ class VersionLoads:
         """Role -> the version of its current load (what :func:`workers.reconcile_plan.to_start` takes)."""
         return {role: load.version for role, load in self.current.items()}
 
-    def begin(self, role: Role, version: str | None) -> VersionLoad:
-        """Record a new current load of ``version`` for ``role``.
+    def begin(self, role: Role, version: str | None, manifest_sha256: str | None = None) -> VersionLoad:
+        """Record a new current load of ``version`` (held to ``manifest_sha256``, when given) for ``role``.
 
         Raises:
             RuntimeError: ``role`` has a current load (abandon it first, :meth:`supersede`).
         """
         if role in self.current:
             raise RuntimeError(f"a {role} load of {self.current[role].label} is in flight already")
-        load = VersionLoad(role, version)
+        load = VersionLoad(role, version, manifest_sha256)
         self.current[role] = load
         if role in self.abandoned:
             log.info("%s loads %s %s as %s beside its abandoned load of %s", self.who, self.model, load.label, role,

@@ -246,7 +246,7 @@ class WorkerRuntime(RuntimeCounts):
                                 "" if loaded is None else loaded.version,
                                 None if loaded is None else loaded.generation)
             self.canary = loaded
-        self.heartbeat.beat()
+        self.heartbeat.beat(at_once=True)
 
     def start(self) -> None:
         """Start the scheduler thread, publish the model card and the first heartbeat, load a canary
@@ -333,7 +333,7 @@ class WorkerRuntime(RuntimeCounts):
     def mark_ready(self) -> None:
         """Called once the consumer runs: the worker now takes requests."""
         self.ready = True
-        self.heartbeat.beat()
+        self.heartbeat.beat(at_once=True)
         log.info("worker %s is ready (warm-up %.0f ms)", self.hostname, self.warmup_ms)
 
     def stop(self) -> None:

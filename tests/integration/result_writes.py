@@ -48,3 +48,11 @@ class ResultWrites:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(10)
+
+    def __enter__(self) -> ResultWrites:
+        """Listen (:meth:`start`) for the block; stopped when it ends, however it ends: before the lab's hosts are
+        torn down, so the listener never outlives its network (a failed test left it to crash in the next one)."""
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -14,7 +14,7 @@ from kombu.messaging import Consumer
 from kombu.transport import redis as kombu_redis
 from redis._parsers.base import BaseParser
 
-from broker.atomic_take import CANCEL_PREFIX, RETAG, TAKE_SCRIPT, sections
+from broker.atomic_take import CANCEL_PREFIX, RETAG, TAKE_SCRIPT, TAKEN_PREFIX, sections
 from broker.batch_take import unacked_entry_of
 from broker.poison import GuardedChannel
 from tests.integration import take_victim
@@ -34,7 +34,7 @@ def _envelope(n: int) -> bytes:
 
 def _take(r: redis.Redis[bytes], most: int, *storing: str) -> list[bytes | int | None]:
     reply: list[bytes | int | None] = r.eval(  # type: ignore[no-untyped-call]
-        TAKE_SCRIPT, len(KEYS), *KEYS, most, "1000.5", CANCEL_PREFIX, *storing)
+        TAKE_SCRIPT, len(KEYS), *KEYS, most, "1000.5", CANCEL_PREFIX, TAKEN_PREFIX, 600, *storing)
     return reply
 
 
@@ -57,6 +57,9 @@ def test_the_script_records_the_oldest_messages_before_it_trims_them(redis_serve
         assert entry is not None and entry.startswith(b"[" + raw + b",")  # the list's bytes, spliced in
         assert json.loads(entry) == json.loads(unacked_entry_of(raw, QUEUE))
         assert r.zscore("unacked_index", f"tag-{n}") == 1000.5
+    # a request taken without a cancel mark is noted as taken (a later cancel is asked of this worker); the
+    # marked one is not (its cancel was for good: protocol.cancel_marks)
+    assert [r.ttl(TAKEN_PREFIX + f"id-{n}") for n in (0, 1, 2)] == [600, -2, 600]
     assert r.lrange(QUEUE, 0, -1) == [_envelope(4), _envelope(3)]
 
     taken = sections(_take(r, 8))  # room for more than the first list holds: the next list too, in order

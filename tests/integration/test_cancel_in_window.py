@@ -78,8 +78,10 @@ def test_a_settled_cancel_of_a_held_one_step_request_whose_batch_ran_says_false(
         "timings": {"queue_wait_ms": 1.0, "batch_wait_ms": 1.0, "inference_ms": 1.0, "batch_size": 1,
                     "padded_tokens": 3, "worker": "w@test"}})
     r: redis.Redis[bytes] = redis.Redis.from_url(fleet.redis_url)
-    listener = r.pubsub(ignore_subscribe_messages=True)
+    listener = r.pubsub()
     listener.subscribe(CANCEL_CHANNEL)
+    confirmed = listener.get_message(timeout=10)  # Redis's reply: from here on the cancel reaches us
+    assert confirmed is not None and confirmed["type"] == "subscribe", confirmed
 
     def batch_ends_after_the_cancel() -> None:
         while True:

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from broker.dead_letter_writer import write_dead_letter
 from broker.message_check import Refused
 from producer.cli import main as fleet_main
+from producer.client import FleetClient
 from producer.deadletter import DeadLetterStore
 from protocol.deadletter import Reason, encode_entry, make_entry, read_entry
 from protocol.errors import FleetError, RequestNotFound
@@ -28,7 +29,7 @@ from protocol.keys import DEAD_LETTER_COUNTS_KEY, DEAD_LETTER_KEY, DELIVERIES_KE
 from protocol.messages import InferenceResult
 from tests.integration.fleet_fixtures import Fleet
 from tests.queue_items import envelope, good_body, raw
-from tools.processes import poll_until
+from tools.processes import WorkerProcess, poll_until
 from tools.redis_server import EmbeddedRedis
 
 QUEUE = "fleet.demo-lm"
@@ -51,6 +52,21 @@ def _over_the_limit(task_id: str) -> bytes:
     return raw(item)
 
 
+def _two_copies_dead_lettered(
+    fleet: Fleet, task_id: str
+) -> tuple[Path, WorkerProcess, FleetClient, redis.Redis[bytes]]:
+    """A worker, a client, and two copies of ``task_id`` past its delivery limit queued, waited for until both are
+    dead-lettered: (the config, the worker, the client, a Redis client)."""
+    cfg = fleet.config()
+    worker = fleet.worker(cfg)
+    client = fleet.client(cfg)
+    r = redis.Redis.from_url(fleet.redis_url)
+    r.set(DELIVERIES_KEY.format(id=task_id), 3)
+    r.lpush(QUEUE, _over_the_limit(task_id), _over_the_limit(task_id))
+    poll_until(lambda: r.llen(DEAD_LETTER_KEY) == 2, 30, "both copies dead-lettered")
+    return cfg, worker, client, r
+
+
 def test_requeue_of_an_entry_whose_id_succeeded_through_another_copy_queues_nothing(
     fleet: Fleet, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -58,13 +74,7 @@ def test_requeue_of_an_entry_whose_id_succeeded_through_another_copy_queues_noth
     not (a stored outcome is kept). Requeueing the first runs the request to SUCCESS; the second entry then has
     nothing to requeue. Before, its requeue answered ``requeued: true`` (exit 0) and pushed the message again: a
     run that could store nothing, and, for a message that kills its workers, one more dead worker."""
-    cfg = fleet.config()
-    worker = fleet.worker(cfg)
-    client = fleet.client(cfg)
-    r = redis.Redis.from_url(fleet.redis_url)
-    r.set(DELIVERIES_KEY.format(id="twice-1"), 3)
-    r.lpush(QUEUE, _over_the_limit("twice-1"), _over_the_limit("twice-1"))
-    poll_until(lambda: r.llen(DEAD_LETTER_KEY) == 2, 30, "both copies dead-lettered")
+    cfg, worker, client, r = _two_copies_dead_lettered(fleet, "twice-1")
     with pytest.raises(FleetError, match=r"dead-lettered \(max_deliveries\)"):
         client.result("twice-1", wait=True, timeout_s=10)
     code, listed, _ = _cli(capsys, cfg, "list")

@@ -137,11 +137,14 @@ def test_requeue_clears_the_guard_failure_before_the_message_is_back_on_its_queu
     thread.start()
     assert listening.wait(10)
     r.echo("monitor-start")
+    deadline = time.monotonic() + 10
     while not any("monitor-start" in c for c in seen):
+        assert time.monotonic() < deadline, f"MONITOR showed no monitor-start in 10 s: {seen[-5:]}"
         time.sleep(0.01)
     code, requeued = fleet_json(capsys, cfg, "requeue", "order-1")
     r.echo("monitor-end")
     thread.join(10)
+    assert not thread.is_alive(), f"MONITOR showed no monitor-end in 10 s: {seen[-5:]}"  # seen is complete
     assert code == 0 and requeued["failure_cleared"] is True
     script = next(i for i, c in enumerate(seen) if c.split()[0].upper() in ("EVAL", "EVALSHA") and DEAD_LETTER_KEY in c
                   and QUEUE in c)  # fmt: skip

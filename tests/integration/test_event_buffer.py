@@ -26,8 +26,10 @@ class EventTap:
     """Every task event published on ``redis_url``, with the routing key of the message that carried it."""
 
     def __init__(self, redis_url: str) -> None:
-        self.pubsub = redis.Redis.from_url(redis_url).pubsub(ignore_subscribe_messages=True)
+        self.pubsub = redis.Redis.from_url(redis_url).pubsub()
         self.pubsub.psubscribe("*celeryev/task.*")
+        confirmed = self.pubsub.get_message(timeout=10)  # Redis's reply: from here on every event reaches us
+        assert confirmed is not None and confirmed["type"] == "psubscribe", confirmed
         self.messages: list[tuple[str, list[dict[str, Any]]]] = []
 
     def read(self, until: Any, timeout_s: float = 20.0) -> None:

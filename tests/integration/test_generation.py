@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -27,7 +26,7 @@ from protocol.messages import InferenceResult
 from protocol.streams import StreamEvent, decode_events
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.redis_monitor import Monitor
-from tests.integration.stream_order import asked_past_first, relayed_before_stored
+from tests.integration.stream_order import Throttled, asked_past_first, ended, relayed_before_stored
 from tests.integration.test_generation_adversary_worker import ENDLESS_TOKENS, endless_decoder
 from tools.processes import poll_until
 from tools.redis_server import free_port
@@ -295,23 +294,24 @@ def test_fleet_submit_stream_prints_text_before_the_request_completes(fleet: Fle
     monitor = Monitor(fleet.redis_url)
     r = redis.Redis.from_url(fleet.redis_url)
     try:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         # the worker is stopped once its first events are out, until the reader asked for more: a reader starved
-        # beside a CPU hog could otherwise read the whole generation in its first XREAD, proving nothing
-        r.xread({STREAM_KEY.format(id="cli-stream-1"): "0"}, count=1, block=60_000)
-        os.killpg(worker.proc.pid, signal.SIGSTOP)
-        try:
-            if r.get("celery-task-meta-cli-stream-1") is None:  # stopped mid-generation
+        # beside a CPU hog could otherwise read the whole generation in its first XREAD, proving nothing (slowed
+        # until then, so that the generation outlasts a starved test's first read)
+        with Throttled(worker.proc.pid) as throttled:
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            r.xread({STREAM_KEY.format(id="cli-stream-1"): "0"}, count=1, block=60_000)
+            throttled.stop()
+            held = not ended(r.get("celery-task-meta-cli-stream-1"))  # stopped mid-generation
+            if held:
                 poll_until(lambda: asked_past_first([c["command"] for c in monitor.commands], "cli-stream-1"), 60,
                            "the CLI's reader to ask for the entries after those it printed")  # fmt: skip
-        finally:
-            os.killpg(worker.proc.pid, signal.SIGCONT)
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
         commands = [c["command"] for c in monitor.up_to_now()]
     finally:
         monitor.close()
         r.close()
+    assert held, "the worker finished the generation before it could be stopped"
     assert relayed_before_stored(commands, "cli-stream-1")
     first, out = out[:1], out[1:]
     summary = json.loads(err.decode().strip().splitlines()[-1])

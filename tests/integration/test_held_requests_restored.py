@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from producer.client import FleetClient, RequestStatus
-from protocol.keys import REQUEST_KEY, RESULT_KEY, WORKER_KEY_PREFIX
+from protocol.keys import REQUEST_KEY, RESULT_KEY, TAKEN_KEY, WORKER_KEY_PREFIX
 from protocol.messages import InferenceRequest, InferenceResult, OutputSpec
 from protocol.request_marker import request_marker
 from tests.integration.fleet_fixtures import Fleet
@@ -148,6 +148,8 @@ def test_the_restore_writes_only_what_is_missing_and_never_touches_a_stored_outc
         assert r.ttl(RESULT_KEY.format(id=rid)) <= 50  # nor its life extended
     assert not r.exists(RESULT_KEY.format(id="one-step"))  # no STARTED was stored for it: none is written
     assert 590 < r.ttl(REQUEST_KEY.format(id="lost")) <= 600 and 590 < r.ttl(RESULT_KEY.format(id="lost")) <= 600
+    # every held request's taken note too: a cancel after the loss is asked of this worker, not for good
+    assert all(590 < r.ttl(TAKEN_KEY.format(id=rid)) <= 600 for rid in rids)
 
     sets = _calls(r, "set")
     held.restore()  # nothing missing now: nothing written, not even a SET that finds its key

@@ -85,8 +85,10 @@ def test_flower_sees_each_result_as_its_repr(fleet: Fleet) -> None:
     cfg = fleet.config()
     fleet.worker(cfg)
     client = fleet.client(cfg)
-    events = redis.Redis.from_url(fleet.redis_url).pubsub(ignore_subscribe_messages=True)
+    events = redis.Redis.from_url(fleet.redis_url).pubsub()
     events.psubscribe("*celeryev/task.*")  # task.succeeded, or task.multi when Celery sends them buffered
+    confirmed = events.get_message(timeout=10)  # Redis's reply: from here on every event reaches us
+    assert confirmed is not None and confirmed["type"] == "psubscribe", confirmed
     rid = client.submit("demo-lm", [5, 6, 7])
     result = client.result(rid, wait=True, timeout_s=60)
     assert result is not None

@@ -65,6 +65,10 @@ def test_a_clean_run_passes_and_each_silent_failure_is_caught(fleet: Fleet) -> N
     # a batch route that refused and queued anyway: the refused ID ran
     ledger.refused(plain[1] + "-refused")
     r.set(f"celery-task-meta-{plain[1]}-refused", json.dumps({"status": "SUCCESS", "result": {}}))
+    # a cancel for good (read as cancelled) whose request then ran: a worker that missed the mark
+    r.set(f"fleet:cancel:{plain[2]}", "1")
+    # one asked of the worker that held it, whose result won: kept
+    r.set(f"fleet:cancel:{plain[3]}", "held")
     # a cut stream: the final event never written
     last_id = r.xrevrange(STREAM_KEY.format(id=streamed[0]), count=1)[0][0]
     r.xdel(STREAM_KEY.format(id=streamed[0]), last_id)
@@ -88,13 +92,14 @@ def test_a_clean_run_passes_and_each_silent_failure_is_caught(fleet: Fleet) -> N
     assert ("terminal_changed", done) in by_id
     assert ("refused_ran", plain[1] + "-refused") in by_id
     assert ("stream_open", streamed[0]) in by_id
+    assert ("cancel_overridden", plain[2]) in by_id and ("cancel_overridden", plain[3]) not in by_id
     assert ("not_terminal", wedged) in by_id and ("unacked_left", wedged) in by_id
     assert ("lost", lost) in by_id
     assert ("not_terminal", waiting) in by_id and ("queued_left", waiting) in by_id
     assert ("stream_open", streamed[1]) not in by_id
     assert report.kinds() == {
-        "terminal_changed": 1, "refused_ran": 1, "stream_open": 1, "not_terminal": 2, "unacked_left": 1,
-        "lost": 1, "queued_left": 1,
+        "terminal_changed": 1, "refused_ran": 1, "cancel_overridden": 1, "stream_open": 1, "not_terminal": 2,
+        "unacked_left": 1, "lost": 1, "queued_left": 1,
     }
     with pytest.raises(LedgerViolationError, match="lost lost-1"):
         report.raise_if_broken()

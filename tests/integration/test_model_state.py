@@ -40,6 +40,8 @@ def r(redis_server: EmbeddedRedis) -> redis.Redis[bytes]:
 def test_changes_are_recorded_with_from_and_to(r: redis.Redis[bytes]) -> None:
     sub = r.pubsub()
     sub.subscribe(CHANGES_CHANNEL)
+    confirmed = sub.get_message(timeout=10)  # Redis's reply: from here on every notice reaches us
+    assert confirmed is not None and confirmed["type"] == "subscribe", confirmed
     assert read_state(r, "m") is None
     pin(r, "m", "1.0.0", "ann@h1")
     set_canary(r, "m", "1.1.0", 10, "bob@h2")
@@ -59,7 +61,7 @@ def test_changes_are_recorded_with_from_and_to(r: redis.Redis[bytes]) -> None:
     assert entries[4].reason == "looks slow" and entries[4].from_.canary == "1.2.0" and entries[4].to.stable == "1.1.0"
     assert entries[5].from_.stable == "1.1.0" and entries[5].to.stable == "1.0.0"
     assert [e.by for e in history(r, "m", last=2)] == ["bob@h2", "bob@h2"]
-    notices = []
+    notices: list[bytes] = []
     deadline = time.monotonic() + 10
     while len(notices) < 6 and time.monotonic() < deadline:
         msg = sub.get_message(timeout=1)

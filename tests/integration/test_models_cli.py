@@ -37,7 +37,8 @@ def test_lifecycle_commands_record_history_and_refuse_clearly(
     cfg, _, v1, v2 = publish_two_versions(fleet, s3, model_dir, tmp_path)
 
     code, doc, err = fleet_json(capsys, cfg, "pin", MODEL, "9.9.9")
-    assert code == 1 and doc["type"] == "VersionNotFound" and f"{MODEL} 9.9.9 is not published" in err
+    assert code == 2 and doc["type"] == "VersionNotFound" and f"{MODEL} 9.9.9 is not published" in err
+    assert "`fleet models list MODEL` shows the published versions" in err
     code, doc, _ = fleet_json(capsys, cfg, "promote", MODEL)
     assert code == 1 and doc["type"] == "StateChangeRefused" and "no canary to promote" in doc["message"]
     with pytest.raises(SystemExit) as exit_info:
@@ -162,4 +163,4 @@ def test_quantize_publishes_its_int8_result_with_the_report(
     assert code == 0 and roles["demo-lm-1.0.0-int8.report.json"] == "report"
     assert shown["manifest"]["precision"] == "int8"
     code, _, err = fleet_json(capsys, config, "show", "demo-lm", version + "-nope")
-    assert code == 1 and "is not published" in err
+    assert code == 2 and "is not published" in err

@@ -38,6 +38,16 @@ def test_models_list_and_retrieve(client: openai.OpenAI) -> None:
     assert info.value.body["param"] == "model"  # type: ignore[index]
 
 
+def test_a_route_of_openai_s_the_fleet_lacks_is_a_404_the_sdk_reads(client: openai.OpenAI) -> None:
+    """Before, ``/v1/files`` and the like answered the native 404 shape (``"error": "not_found"``, a string), so
+    the SDK's error carried the whole body as its message and no ``code``."""
+    with pytest.raises(openai.NotFoundError) as info:
+        client.files.list()
+    assert info.value.code == "not_found" and info.value.message == "Error code: 404 - Not Found", info.value.body
+    assert info.value.body == {"message": "Not Found", "type": "invalid_request_error", "param": None,
+                               "code": "not_found"}  # fmt: skip
+
+
 def test_completion_text_and_token_prompt(served: Served, client: openai.OpenAI) -> None:
     raw = client.completions.with_raw_response.create(
         model="demo-lm", prompt="Hello fleet", max_tokens=8, temperature=0, extra_body=NO_EOS
@@ -70,8 +80,7 @@ def test_seeded_sampling_repeats_and_stop_strings_map(client: openai.OpenAI) -> 
     greedy = client.completions.create(model="demo-lm", prompt="abc", max_tokens=12, temperature=0, extra_body=NO_EOS)
     text = greedy.choices[0].text
     stop = next((text[i : i + 2] for i in range(2, len(text) - 1) if text[i : i + 2].isprintable()), None)
-    if stop is None:
-        pytest.skip(f"greedy text {text!r} has no printable pair to stop on")
+    assert stop is not None, f"greedy text {text!r} has no printable pair to stop on: nothing to check"
     cut = client.completions.create(
         model="demo-lm", prompt="abc", max_tokens=12, temperature=0, stop=[stop], extra_body=NO_EOS
     )

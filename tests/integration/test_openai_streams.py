@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import time
 from typing import Any
 
@@ -20,7 +18,7 @@ from protocol.streams import StreamEvent, encode_event
 from tests.integration.openai_fixtures import API_KEY, Served, ops_models, ops_redis, served, stored_meta
 from tests.integration.ops_fixtures import wait_until
 from tests.integration.redis_monitor import Monitor
-from tests.integration.stream_order import asked_past_first, relayed_before_stored
+from tests.integration.stream_order import Throttled, asked_past_first, ended, relayed_before_stored
 
 __all__ = ["ops_models", "ops_redis", "served"]
 
@@ -47,29 +45,29 @@ def test_chat_stream_tokens_arrive_before_the_request_completes(served: Served, 
     showed the relay did not wait for the end."""
     worker = next(w for w in served.fleet.workers if w.model == "demo-lm")
     assert worker.proc is not None
-    for _attempt in range(5):  # again only where the worker finished before it could be stopped
+    attempts = 0
+    while attempts < 5:  # again only where the worker finished before it could be stopped
+        attempts += 1
         monitor = Monitor(served.fleet.redis_url)
         try:
-            raw = client.chat.completions.with_raw_response.create(
-                model="demo-lm",
-                messages=[{"role": "user", "content": "Tell me a long story"}],
-                max_tokens=256,
-                temperature=0,
-                stream=True,
-                stream_options={"include_usage": True},
-                extra_body=NO_EOS,
-            )
-            rid = raw.headers["x-request-id"]
-            assert raw.headers["content-type"].startswith("text/event-stream")
-            served.redis.xread({STREAM_KEY.format(id=rid): "0"}, count=1, block=60_000)  # its first events are out
-            os.killpg(worker.proc.pid, signal.SIGSTOP)
-            try:
-                held = stored_meta(served, rid) is None  # stopped mid-generation: nothing can be stored meanwhile
+            with Throttled(worker.proc.pid) as throttled:  # slowed: the generation outlasts a starved test's read
+                raw = client.chat.completions.with_raw_response.create(
+                    model="demo-lm",
+                    messages=[{"role": "user", "content": "Tell me a long story"}],
+                    max_tokens=256,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    extra_body=NO_EOS,
+                )
+                rid = raw.headers["x-request-id"]
+                assert raw.headers["content-type"].startswith("text/event-stream")
+                served.redis.xread({STREAM_KEY.format(id=rid): "0"}, count=1, block=60_000)  # its first events
+                throttled.stop()
+                held = not ended(stored_meta(served, rid))  # stopped mid-generation: its outcome not stored
                 if held:
                     wait_until(lambda m=monitor, i=rid: asked_past_first([c["command"] for c in m.commands], i), 60,
                                "the relay to ask for the entries after those it sent")  # fmt: skip
-            finally:
-                os.killpg(worker.proc.pid, signal.SIGCONT)
             chunks = list(raw.parse())
             stored = served.finished(rid)  # stored before the stream's end was written
             commands = [c["command"] for c in monitor.up_to_now()]
@@ -77,6 +75,7 @@ def test_chat_stream_tokens_arrive_before_the_request_completes(served: Served, 
             monitor.close()
         if held:
             break
+    assert held, f"the worker finished the generation before it could be stopped, {attempts} times"
     assert relayed_before_stored(commands, rid)
     assert chunks[0].choices[0].delta.role == "assistant" and all(c.id == f"chatcmpl-{rid}" for c in chunks)
     *body, finish, usage = chunks

@@ -38,6 +38,7 @@ from tests.integration.partition_fleet import (
 from tests.integration.result_writes import ResultWrites
 from tools.ledger import Ledger
 from tools.netns import unavailable_reason
+from tools.processes import WorkerProcess
 
 WHY_NOT = unavailable_reason()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
@@ -55,14 +56,31 @@ def _held_by_w1(pf: PartitionFleet, load: SubmitLoad) -> set[str]:
     return (set(received_in(pf.w1)) - set(computed_in(pf.w1))) & set(load.ids)
 
 
+def _consume(pf: PartitionFleet, w: WorkerProcess, on: bool) -> None:
+    """Have ``w`` start or stop taking from the fleet's queue (Celery's ``add_consumer``/``cancel_consumer`` remote
+    control), and wait for its reply: from then on it takes (or takes nothing more)."""
+    control = pf.client.app.control
+    command = control.add_consumer if on else control.cancel_consumer
+
+    def send() -> Any:  # on a connection of its own: the app's pool may hold one to an earlier test's Redis
+        with pf.client.app.connection_for_write() as conn:
+            return command(pf.queue, destination=[w.hostname], reply=True, timeout=30, connection=conn)
+
+    replies = pf.hf.on_client(send)
+    assert replies and w.hostname in replies[0], (on, replies)
+
+
 def _partitioned_mid_batch(tmp_path: Path, *, inbound: bool, outbound: bool) -> None:
     t0 = time.monotonic()
-    with partition_fleet(tmp_path, visibility_s=VISIBILITY_S, hold_ms=HOLD_MS) as pf:
+    with partition_fleet(tmp_path, visibility_s=VISIBILITY_S, hold_ms=HOLD_MS) as pf, ResultWrites(pf.hf) as writes:
         hf, on = pf.hf, pf.hf.on_client
-        writes = ResultWrites(pf.hf).start()
         ledger = on(Ledger, pf.client.redis, [pf.queue])
+        # w2 stops taking from the queue until w1 holds a batch: on a starved CPU, w1's frames cross the TAP link
+        # through this process, and w2 could win every take (w1 then held nothing for 30 s beside stress-ng)
+        _consume(pf, pf.w2, False)
         load = SubmitLoad(hf.client_host, pf.client).start()
-        hf.wait(lambda: len(_held_by_w1(pf, load)) >= 3, 30, "w1 to hold requests in its batch window")
+        hf.wait(lambda: len(_held_by_w1(pf, load)) >= 3, 60, "w1 to hold requests in its batch window")
+        _consume(pf, pf.w2, True)
         pf.link.partition(pf.redis_ip, inbound=inbound, outbound=outbound)
         t_cut = time.monotonic()
         held = sorted(_held_by_w1(pf, load))
@@ -124,9 +142,8 @@ def test_worker_that_sends_but_hears_nothing_from_redis(tmp_path: Path) -> None:
 
 def test_slow_lossy_worker_link_keeps_serving_correctly(tmp_path: Path) -> None:
     """200 ms each way and 5 % of frames lost each way on w1's link, w1 alone serving 100 requests sent at 20/s."""
-    with partition_fleet(tmp_path, visibility_s=10, hold_ms=2) as pf:
+    with partition_fleet(tmp_path, visibility_s=10, hold_ms=2) as pf, ResultWrites(pf.hf) as writes:
         hf, on = pf.hf, pf.hf.on_client
-        writes = ResultWrites(pf.hf).start()
         ledger = on(Ledger, pf.client.redis, [pf.queue])
         pf.w2.stop(timeout_s=15)  # a fast w2 would win every take: all the load goes over the slow link
         pf.link.set(delay_in_s=0.2, delay_out_s=0.2, loss_in=0.05, loss_out=0.05)

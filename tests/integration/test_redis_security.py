@@ -13,7 +13,6 @@ import datetime
 import ipaddress
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -361,8 +360,8 @@ def _refusals(server: EmbeddedRedis, tls: ServerTls, env: pytest.MonkeyPatch) ->
         text = describe_redis_error(refused.value, settings)
         assert text.startswith("TLS to Redis at rediss://fleet:***@") and says in text, text
     plain = redis.Redis(port=server.port, socket_timeout=2, socket_connect_timeout=2)
-    started = time.monotonic()
-    with pytest.raises(redis.ConnectionError):
+    with pytest.raises(redis.ConnectionError) as closed:  # not redis.TimeoutError (no subclass): no wait ran out
         plain.ping()
     plain.close()
-    assert time.monotonic() - started < 10
+    # the server ended the connection (reset, or closed: which one depends on when its close lands)
+    assert any(says in str(closed.value) for says in ("reset by peer", "closed by server", "Broken pipe")), closed.value

@@ -18,7 +18,9 @@ import redis
 import workers.reconcile
 from producer.cli import main as fleet_main
 from protocol.keys import WORKER_KEY_PREFIX
+from protocol.model_served import read_served
 from protocol.model_state import pin, refusals
+from store.manifest import manifest_digest
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.lifecycle_fixtures import BUCKET, collect, lifecycle_config, publish, wait_until
 from tests.integration.model_versions import MODEL
@@ -103,3 +105,37 @@ def test_a_worker_restarted_under_a_refused_pin_serves_the_last_served_version(
     refused_lines = [x for x in capsys.readouterr().out.splitlines() if "REFUSED" in x]
     assert refused_lines and all(f"REFUSED (superseded: the desired state is now {good.version})" in x
                                  for x in refused_lines)
+
+
+def test_a_worker_falls_back_only_to_the_manifest_the_fleet_served(fleet: Fleet, s3: EmbeddedSeaweed,
+                                                                   tmp_path: Path) -> None:  # fmt: skip
+    """The served record carries the manifest's sha256, and a worker that falls back to it loads those bytes or
+    refuses. Before, the fallback loaded whatever the store held under that version, unchecked, where a pin is
+    held to the manifest it recorded."""
+    configured, good, bad = (publish(s3, tmp_path, scale) for scale in (1.0, 2.0, 3.0))
+    bad_key = f"{MODEL}/{bad.version}/{MODEL}-{bad.version}.onnx"
+    s3.client().put_object(Bucket=BUCKET, Key=bad_key, Body=b"not the published model")
+    w1 = fleet.worker(lifecycle_config(fleet, s3, configured.version, tmp_path / "cache-1"), MODEL,
+                      hostname="w1-digest@test")  # fmt: skip
+    r = redis.Redis.from_url(fleet.redis_url)
+    pin(r, MODEL, good.version, "test@digest")
+    wait_until(lambda: _beat(r, w1.hostname).get("version") == good.version, 60, f"w1 on {good.version}")
+    manifest_key = f"{MODEL}/{good.version}/manifest.json"
+    original = s3.client().get_object(Bucket=BUCKET, Key=manifest_key)["Body"].read()
+    served = wait_until(lambda: next((e for e in read_served(r, MODEL) if e.store_version == good.version), None),
+                        30, "the served record of the pinned version")  # fmt: skip
+    assert served.manifest_sha256 == manifest_digest(original)
+
+    # the same manifest, other bytes (as a hand edit in the bucket leaves it), then a pin every worker refuses
+    s3.client().put_object(Bucket=BUCKET, Key=manifest_key, Body=json.dumps(json.loads(original), indent=4).encode())
+    pin(r, MODEL, bad.version, "test@digest")
+    wait_until(lambda: any(x.version == bad.version for x in refusals(r, MODEL)), 60, "w1's refusal")
+
+    # a worker that starts now (its own cache: it fetches from the store) refuses the bad pin, then the changed
+    # manifest of the version the fleet last served, and serves its configured version
+    w2 = fleet.worker(lifecycle_config(fleet, s3, configured.version, tmp_path / "cache-2"), MODEL,
+                      hostname="w2-digest@test")  # fmt: skip
+    log = w2.log_tail(200_000)
+    assert _beat(r, w2.hostname).get("version") == configured.version, log[-4000:]
+    assert f"cannot load {MODEL} {good.version}, the version the fleet last served, either" in log, log[-4000:]
+    assert manifest_digest(original) in log

@@ -19,6 +19,7 @@ import redis.asyncio
 from gateway import outcomes
 from gateway.app import get_request
 from gateway.outcomes import await_outcomes
+from gateway.request_owners import RequestOwners
 from gateway.result_notifier import ResultNotifier
 from producer.client import FleetClient
 from producer.presence import marker_key
@@ -201,7 +202,8 @@ def test_a_long_poll_reads_the_result_once_and_takes_it_from_the_publication(
 
     async def main() -> None:
         async with _notifying(url) as (aredis, notifier):
-            gw = SimpleNamespace(settings=client.settings, fleet=client, aredis=aredis, results=notifier)
+            owners = RequestOwners(client.redis, [], client.settings.result_ttl_s)  # auth off: no marks
+            gw = SimpleNamespace(settings=client.settings, fleet=client, aredis=aredis, results=notifier, owners=owners)
             mgets_before = _calls(url, "mget")
             poll = asyncio.create_task(get_request("polled", None, gw, wait_s=60.0))  # type: ignore[arg-type]
             key = client.app.backend.get_key_for_task("polled")

@@ -20,11 +20,15 @@ def _meta(status: str) -> bytes:
     return json.dumps({"status": status, "result": {"n": 1}, "task_id": "abc"}).encode()
 
 
-def _store_later(r: redis.Redis[bytes], values: list[bytes], delay_s: float = 0.2) -> threading.Thread:
+def _publish_once_subscribed(r: redis.Redis[bytes], values: list[bytes]) -> threading.Thread:
+    """Publishes ``values`` on ``KEY`` in turn once Redis counts a subscriber of it (the waiter's), stored
+    nowhere: only a publication can end the wait."""
+
     def run() -> None:
+        deadline = time.monotonic() + 10
+        while _subscribers(r) == 0 and time.monotonic() < deadline:  # the wait then fails, naming no result
+            time.sleep(0.01)
         for value in values:
-            time.sleep(delay_s)
-            r.set(KEY, value)
             r.publish(KEY, value)
 
     thread = threading.Thread(target=run, daemon=True)
@@ -37,7 +41,7 @@ def _waiter(r: redis.Redis[bytes]) -> ResultWaiter:
 
 
 def _subscribers(r: redis.Redis[bytes]) -> int:
-    return int(dict(r.pubsub_numsub(KEY))[KEY.encode()])
+    return int(dict(r.pubsub_numsub(KEY))[KEY.encode()])  # type: ignore[index]  # types-redis: str keys; bytes here
 
 
 def _unsubscribed(r: redis.Redis[bytes], timeout_s: float = 10.0) -> bool:
@@ -49,15 +53,18 @@ def _unsubscribed(r: redis.Redis[bytes], timeout_s: float = 10.0) -> bool:
     return _subscribers(r) == 0
 
 
-def test_a_stored_result_is_read_and_a_published_one_wakes_the_waiter(redis_server: EmbeddedRedis) -> None:
+def test_a_stored_result_is_read_and_a_published_one_wakes_the_waiter(
+    redis_server: EmbeddedRedis, monkeypatch: Any
+) -> None:
+    monkeypatch.setattr(result_waiter, "RECHECK_S", 3600.0)  # no periodic read: the publication must wake it
     r = redis.Redis(port=redis_server.port)
     waiter = _waiter(r)
     r.set(KEY, _meta("SUCCESS"))  # stored before anyone waits
     assert waiter.wait(KEY, 5) == json.loads(_meta("SUCCESS"))
-    r.delete(KEY)
-    _store_later(r, [_meta("STARTED"), _meta("FAILURE")])  # a generation's STARTED is skipped
+    r.set(KEY, _meta("STARTED"))  # not ready: a read finds nothing to return
+    _publish_once_subscribed(r, [_meta("STARTED"), _meta("FAILURE")])  # a generation's STARTED is skipped
     got: Any = waiter.wait(KEY.encode(), 10)
-    assert got["status"] == "FAILURE"
+    assert got is not None and got["status"] == "FAILURE", got
     assert _unsubscribed(r)  # unsubscribed after each wait
 
 

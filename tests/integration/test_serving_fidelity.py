@@ -160,7 +160,7 @@ def test_a_model_without_tokenizer_says_so_on_the_openai_routes(served: Served) 
                                                                  "max_tokens": 3, "stream": stream}))
         assert error["param"] == "model" and "no tokenizer" in error["message"], error
     error = _error(served.http.post("/v1/chat/completions", json={"model": "raw-lm", "messages": MESSAGES}))
-    assert error["param"] == "messages" and "no tokenizer" in error["message"], error
+    assert error["param"] == "model" and "no tokenizer" in error["message"], error
     # the native route still serves it: the ids are the answer
     assert len(_generated(served, served.client.submit("raw-lm", PROMPT, generation={"max_new_tokens": 3,
                                                                                       "ignore_eos": True}))) == 3

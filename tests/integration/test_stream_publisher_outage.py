@@ -8,7 +8,6 @@ streams are kept, so readers can finish those streams from the stored results.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -142,7 +141,6 @@ def test_stop_while_redis_is_dead_returns_within_its_timeout() -> None:
         server.kill()
         publisher.publish("r", _token(0))
         wait_until(lambda: len(publisher.pending) > 0, 10, "the publisher to hold the event")
-        started = time.monotonic()
         publisher.stop(timeout_s=2)
-        assert not publisher._thread.is_alive()
-        assert time.monotonic() - started < 30  # bounded by its timeout (not by the outage)
+        # its thread ended with the event still unwritten: it gave up at its timeout, not waiting out the outage
+        assert not publisher._thread.is_alive() and len(publisher.pending) == 1, len(publisher.pending)

@@ -48,7 +48,8 @@ def test_the_written_task_and_event_match_what_send_task_writes(fleet: Fleet) ->
     r = redis.Redis.from_url(fleet.redis_url)
     events = r.pubsub()
     events.psubscribe("*celeryev*")
-    time.sleep(0.1)
+    confirmed = events.get_message(timeout=10)  # Redis's reply: from here on every event reaches us
+    assert confirmed is not None and confirmed["type"] == "psubscribe", confirmed
     assert client.writer.usable()
     ours_id = client.submit("demo-lm", [5, 6, 7], text=None)
     client.writer._usable = False  # the same client, through Celery's send_task
@@ -63,7 +64,7 @@ def test_the_written_task_and_event_match_what_send_task_writes(fleet: Fleet) ->
     assert sorted(diff) == [".properties.argsrepr: only in send_task's", ".properties.kwargsrepr: only in send_task's"]
     assert ours["body"][0][0]["input_ids"] == theirs["body"][0][0]["input_ids"] == [5, 6, 7]
     assert ours["body"][1:] == theirs["body"][1:]
-    sent = []
+    sent: list[tuple[bytes, Any]] = []
     deadline = time.monotonic() + 5
     while len(sent) < 2 and time.monotonic() < deadline:
         message = events.get_message(timeout=0.5)

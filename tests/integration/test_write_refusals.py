@@ -38,6 +38,12 @@ def _refuse_writes(r: redis.Redis[bytes], refuse: bool) -> None:
     r.config_set("min-replicas-to-write", 1 if refuse else 0)
 
 
+def _refusals(r: redis.Redis[bytes]) -> int:
+    """How many writes Redis has answered ``NOREPLICAS`` (``INFO errorstats``, Redis >= 6.2)."""
+    stats = r.info("errorstats")
+    return int(stats.get("errorstat_NOREPLICAS", {}).get("count", 0))
+
+
 def test_write_refusal_answers_are_recognised_and_others_are_not(server: EmbeddedRedis) -> None:
     r = redis.Redis.from_url(server.url)
     r.rpush("a-list", b"x")
@@ -66,8 +72,11 @@ def test_a_parked_message_goes_back_to_its_queue_once_redis_accepts_writes(serve
     parked = ParkedItems(lambda: redis.Redis.from_url(server.url), retry_s=0.05)
     _refuse_writes(r, True)
     try:
+        refused_before = _refusals(r)
         parked.park("fleet.demo-lm", b'{"body": "held"}')
-        time.sleep(0.3)
+        # three of its push-backs refused (Redis counts each NOREPLICAS answer), or the message let go
+        wait_until(lambda: _refusals(r) >= refused_before + 3 or not parked.pending(), 10,
+                   "Redis to refuse three push-backs")
         assert parked.pending() == 1  # Redis still refuses: it is held, not dropped
         assert r.lrange("fleet.demo-lm", 0, -1) == [b"older"]
     finally:

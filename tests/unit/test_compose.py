@@ -82,8 +82,12 @@ def test_the_docker_section_commands_work_with_the_env_example() -> None:
         _services({k: v for k, v in env.items() if k != "FLEET_API_KEYS"})
 
 
-@pytest.mark.parametrize(("profiles", "workers"), [("cpu", {"worker"}), ("gpu", {"worker-gpu"}),
-                                                   ("cpu,gpu", {"worker", "worker-gpu"})])
+CPU_WORKERS = {"worker", "worker-llama", "worker-encoder"}  # one per configured model (test_compose_models.py)
+GPU_WORKERS = {"worker-gpu", "worker-gpu-llama", "worker-gpu-encoder"}
+
+
+@pytest.mark.parametrize(("profiles", "workers"), [("cpu", CPU_WORKERS), ("gpu", GPU_WORKERS),
+                                                   ("cpu,gpu", CPU_WORKERS | GPU_WORKERS)])
 def test_each_profile_starts_its_worker_flavour_and_every_dependency(profiles: str, workers: set[str]) -> None:
     services = _services({**_env_example(), "COMPOSE_PROFILES": profiles})
     assert {n for n in services if n.startswith("worker")} == workers

@@ -57,7 +57,10 @@ def test_the_started_state_written_back_is_celery_s_and_reads_as_running() -> No
         (None, False, False, RequestStatus.NOT_FOUND),  # what a flush leaves of a running request
         (None, False, True, RequestStatus.QUEUED),  # its marker written back (a one-step request, no STARTED)
         ({"status": "STARTED"}, False, True, RequestStatus.RUNNING),  # both written back
-        ({"status": "STARTED"}, True, True, RequestStatus.RUNNING),  # a cancel on its way: still running
+        # a cancel asked of its worker (the mark says held: not for good): still running
+        ({"status": "STARTED"}, False, True, RequestStatus.RUNNING),
+        # a cancel for good (written before any take): the worker that stored STARTED drops it unrun
+        ({"status": "STARTED"}, True, True, RequestStatus.CANCELLED),
         ({"status": "SUCCESS", "result": {}}, False, True, RequestStatus.SUCCEEDED),  # kept: never overwritten
     ],
 )

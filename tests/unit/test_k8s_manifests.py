@@ -104,7 +104,8 @@ def test_scaled_objects_scale_worker_deployments_on_their_model_queue() -> None:
     docs = _docs()
     deployments = {d["metadata"]["name"]: d for _, d in docs if d["kind"] == "Deployment"}
     scaled = [d for _, d in docs if d["kind"] == "ScaledObject"]
-    assert len(scaled) == 2
+    workers = sorted(n for n, d in deployments.items() if d["metadata"]["labels"].get("app") == "fleet-worker")
+    assert sorted(o["spec"]["scaleTargetRef"]["name"] for o in scaled) == workers  # one per worker Deployment
     for obj in scaled:
         spec = obj["spec"]
         target = deployments[spec["scaleTargetRef"]["name"]]

@@ -102,7 +102,7 @@ def test_expired_jobs_are_dropped_before_compute() -> None:
 
 
 def test_arrival_announcement_keeps_the_window_open_until_withdrawn() -> None:
-    sched, engine = make(BatchPolicy(8, 10_000, 1000))
+    sched, engine = make(BatchPolicy(8, 10**9, 1000))  # a window that never closes here: only the withdrawal ends it
     with sched.arrival():  # a request is on its way but turns out bad: never submitted
         first = sched.submit(Job([1], OutputSpec(kind="next_token")))
         sched.start()

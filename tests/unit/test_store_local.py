@@ -75,9 +75,9 @@ class Recording:
         self.inner.write(key, data, exclusive=exclusive)
         self.writes.append(key)
 
-    def upload(self, key: str, source: Path, progress: Progress | None = None) -> int:
+    def upload(self, key: str, source: Path, progress: Progress | None = None, *, exclusive: bool = False) -> int:
         self.writes.append(key)
-        return self.inner.upload(key, source, progress)
+        return self.inner.upload(key, source, progress, exclusive=exclusive)
 
     def download(self, key: str, dest: Path, progress: Progress | None = None) -> None:
         self.downloads += 1
@@ -207,7 +207,8 @@ def test_a_manifest_pinned_by_digest_must_match(store: ModelStore, model: Path, 
     store.push(model, "tiny", "1.2.3")
     digest = hashlib.sha256(store.manifest_bytes("tiny", "1.2.3")).hexdigest()
     assert store.fetch("tiny", "1.2.3", tmp_path / "c1", manifest_sha256=digest).is_file()
-    with pytest.raises(ChecksumMismatch, match=f"manifest.json .* expected {'0' * 64}, got {digest}"):
+    pinned = f"changed since it was pinned \\(sha256 {'0' * 64} pinned, {digest} now, .*manifest.json"
+    with pytest.raises(ChecksumMismatch, match=pinned):
         store.fetch("tiny", "1.2.3", tmp_path / "c2", manifest_sha256="0" * 64)
 
 
