@@ -286,11 +286,14 @@ class StreamPublisher:
         else when the window of the oldest closes; after an outage, when the retry is due), the events of
         open streams to collect (every window: tokens do not wake this thread), the next cancel poll while
         generations are watched, or a wake from :meth:`publish` (a first token, an end, every event
-        without a window), :meth:`watch` or :meth:`stop`; otherwise up to :data:`IDLE_WAIT_S`."""
+        without a window), :meth:`watch` or :meth:`stop`; otherwise up to :data:`IDLE_WAIT_S`. Once
+        stopping, never past the stop's deadline: a retry backed off beyond it is not waited for."""
         now = time.monotonic()
         until = []
         if len(self.pending):
-            if stopping or self._urgent or not self.window_s:
+            if stopping:  # the retry is due, or the stop's deadline is, whichever comes first
+                until.append(min(outage.retry_at_s, self._stop_deadline_s))
+            elif self._urgent or not self.window_s:
                 until.append(outage.retry_at_s)
             else:
                 until.append(max(outage.retry_at_s, self._held_since_s + self.window_s))

@@ -20,6 +20,7 @@ from protocol.streams import StreamEvent, decode_events
 from tests.integration.ops_fixtures import wait_until
 from tools.redis_server import EmbeddedRedis
 from workers.stream_metrics import StreamPublisherCollector
+from workers.stream_outage import Outage
 from workers.stream_publisher import StreamPublisher
 
 
@@ -134,13 +135,20 @@ def test_past_the_bound_tokens_are_dropped_and_the_ends_kept() -> None:
             client.close()
 
 
-def test_stop_while_redis_is_dead_returns_within_its_timeout() -> None:
+def test_stop_while_redis_is_dead_gives_up_at_its_deadline_not_at_the_next_retry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An outage whose next retry is an hour off (the schedule stretched, as a long outage's waits are)
+    must not keep a stopping publisher: it gives up at the stop's deadline with the event unwritten.
+    Waited on as the thread's end; the 60 s bound only names a publisher that never gave up."""
+    monkeypatch.setattr(Outage, "next_wait_s", lambda self, now_s: 3600.0)
     with EmbeddedRedis() as server:
         publisher = StreamPublisher(server.client(socket_timeout=2), ttl_s=60)
         publisher.start()
         server.kill()
         publisher.publish("r", _token(0))
         wait_until(lambda: len(publisher.pending) > 0, 10, "the publisher to hold the event")
-        publisher.stop(timeout_s=2)
-        # its thread ended with the event still unwritten: it gave up at its timeout, not waiting out the outage
-        assert not publisher._thread.is_alive() and len(publisher.pending) == 1, len(publisher.pending)
+        publisher.stop(timeout_s=1)
+        publisher._thread.join(60)
+        assert not publisher._thread.is_alive(), "the stopping publisher waited for a retry past its deadline"
+        assert len(publisher.pending) == 1  # given up, not written
