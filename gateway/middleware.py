@@ -19,11 +19,11 @@ from prometheus_client.registry import Collector
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from broker import waiting_counts
+from broker import pipe_waiting_counts
 from gateway.body_guard import replaying, send_error
 from gateway.errors import error_payload
 from producer.prefix_routing import PrefixRouter
-from producer.registry import list_workers
+from producer.registry import pipe_list_workers
 from protocol.keys import DEAD_LETTER_COUNTS_KEY, DEAD_LETTER_KEY
 from protocol.model_state import AUTO_ROLLBACKS_KEY, STATE_KEY, ModelState
 from protocol.settings import FleetSettings
@@ -115,13 +115,21 @@ class _FleetCollector(Collector):
         dead_held = GaugeMetricFamily(
             "fleet_dead_letter_entries", "Entries in the dead-letter list (the newest are kept, up to its cap)."
         )
-        try:
-            workers = list_workers(self.client)
+        try:  # the heartbeat keys' SCAN, then one pipeline for the rest, however many models
             queues = {name: (self.settings.queue_for(name), self.settings.canary_queue_for(name))
                       for name in self.settings.models}  # fmt: skip
-            waiting = waiting_counts(self.client, [q for pair in queues.values() for q in pair])  # one round trip
             keys = [key.format(model=name) for name in queues for key in (STATE_KEY, AUTO_ROLLBACKS_KEY)]
-            raws = iter(self.client.mget(keys) if keys else [])  # every model's state and counter: one round trip
+            with self.client.pipeline(transaction=False) as pipe:
+                workers_of = pipe_list_workers(self.client, pipe)
+                waiting_of = pipe_waiting_counts(pipe, [q for pair in queues.values() for q in pair])
+                if keys:
+                    pipe.mget(keys)  # every model's state and auto-rollback counter
+                pipe.hgetall(DEAD_LETTER_COUNTS_KEY)
+                pipe.llen(DEAD_LETTER_KEY)
+                replies = iter(pipe.execute())
+            workers, waiting = workers_of(replies), waiting_of(replies)
+            raws = iter(next(replies) if keys else [])
+            dead_counts, dead_entries = next(replies), next(replies)
             for name, (queue, canary) in queues.items():
                 depth.add_metric([name], waiting[queue].requests)  # a bulk message counts its requests
                 ready.add_metric([name], sum(1 for w in workers if w.get("model") == name and w.get("ready")))
@@ -130,9 +138,9 @@ class _FleetCollector(Collector):
                 state = None if raw_state is None else ModelState.model_validate_json(raw_state)
                 weight.add_metric([name], state.canary_weight if state and state.canary else 0)
                 rollbacks.add_metric([name], int(raw_rollbacks or 0))
-            for reason, count in sorted(self.client.hgetall(DEAD_LETTER_COUNTS_KEY).items()):
+            for reason, count in sorted(dead_counts.items()):
                 dead.add_metric([reason.decode(errors="replace")], int(count))
-            dead_held.add_metric([], self.client.llen(DEAD_LETTER_KEY))
+            dead_held.add_metric([], dead_entries)
             up.add_metric([], 1)
         except redis.RedisError:
             up.add_metric([], 0)

@@ -36,6 +36,7 @@ __all__ = [
     "message_submitted_at",
     "oldest_waiting_age_s",
     "oldest_waiting_ages_s",
+    "pipe_list_workers",
     "read_fleet_state",
     "readiness_problems",
 ]
@@ -92,6 +93,18 @@ def list_workers(client: redis.Redis[bytes]) -> list[dict[str, Any]]:
     """Every live worker's latest heartbeat document, sorted by hostname."""
     keys = _worker_keys(client)
     return _worker_docs(client.mget(keys) if keys else [])
+
+
+def pipe_list_workers(client: redis.Redis[bytes],
+                      pipe: redis.client.Pipeline[bytes]) -> Callable[[Replies], list[dict[str, Any]]]:  # fmt: skip
+    """:func:`list_workers` for a caller reading more in one pipeline: ``SCAN`` the heartbeat keys now (one
+    round trip per 500 keys of the keyspace), queue their ``MGET`` on ``pipe``; returns what reads the documents
+    from ``pipe.execute()``'s replies at the position the ``MGET`` was queued at (none queued, nor read, for no
+    live worker)."""
+    keys = _worker_keys(client)
+    if keys:
+        pipe.mget(keys)
+    return lambda replies: _worker_docs(next(replies)) if keys else []
 
 
 def _worker_keys(client: redis.Redis[bytes]) -> list[bytes]:
@@ -181,16 +194,14 @@ def read_fleet_state(settings: FleetSettings, client: redis.Redis[bytes], now_s:
     """
     now_s = time.time() if now_s is None else now_s
     try:
-        worker_keys = _worker_keys(client)
         queues = [settings.queue_for(name) for name in settings.models]
         with client.pipeline(transaction=False) as pipe:
-            if worker_keys:
-                pipe.mget(worker_keys)
+            workers_of = pipe_list_workers(client, pipe)
             waiting_of = pipe_waiting_counts(pipe, queues)
             oldest_of = _queue_oldest(pipe, queues, now_s)
             per_model = {name: _queue_model_reads(pipe, settings, name, now_s) for name in settings.models}
             replies = iter(pipe.execute())
-        workers = _worker_docs(next(replies)) if worker_keys else []
+        workers = workers_of(replies)
         waiting, oldest = waiting_of(replies), oldest_of(replies)
         reads = {name: read(replies) for name, read in per_model.items()}
         direct = _direct_depths(client, settings, {name: r.direct_hosts for name, r in reads.items()}, workers)

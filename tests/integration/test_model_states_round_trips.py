@@ -6,8 +6,8 @@ Before, every model cost 6 round trips of its own: its state (a ``GET``), its la
 changes (an ``LRANGE``), after the heartbeats' ``SCAN`` and ``MGET``: 8 for 1 model, 62 for 10 (``fleet status``:
 11 and 65; 125 for 20 models). Now one pipeline reads every model's (:func:`producer.model_status.model_states`:
 3), and ``fleet status`` hands it the heartbeats it read for its tables (:func:`producer.ops_cli.status_document`:
-4, one ``SCAN``). The scrape read each model's state and counter on its own (7 for 1 model, 25 for 10); one
-``MGET`` now.
+4, one ``SCAN``). The scrape read each model's state and counter on its own (7 for 1 model, 25 for 10), then
+its heartbeats, queues, states and dead letters in 6 round trips; the ``SCAN`` and one pipeline now (2).
 
 Real redis-server; the canary queues hold real kombu messages sent by a plain Celery app (a bulk message among
 them, counted as the requests it carries); the states and histories are written by the real changes
@@ -34,7 +34,7 @@ from broker import bulk_argsrepr, mark_bulk_queues
 from gateway.middleware import GatewayMetrics
 from producer.model_status import model_states
 from producer.ops_cli import status_document
-from protocol.keys import WORKER_KEY_PREFIX
+from protocol.keys import DEAD_LETTER_COUNTS_KEY, DEAD_LETTER_KEY, WORKER_KEY_PREFIX
 from protocol.model_state import AUTO_ROLLBACKS_KEY, REFUSALS_KEY, HistoryEntry, Refusal, pin, set_canary
 from protocol.settings import FleetSettings, load_settings
 from tests.integration.test_oldest_waiting_one_round_trip import CountingConnection
@@ -188,7 +188,8 @@ def test_model_rows_cost_the_same_round_trips_for_1_and_10_models(
 
 
 def _scrape(settings: FleetSettings, client: redis.Redis[bytes]) -> dict[str, dict[str, float]]:
-    """The gateway's per-model series of one ``/metrics`` scrape: sample name -> model -> value."""
+    """The gateway's per-model series of one ``/metrics`` scrape (sample name -> model -> value), and its Redis
+    and dead-letter series (sample name -> reason, or "" -> value)."""
     registry = CollectorRegistry()
     GatewayMetrics(registry, settings, client)
     series: dict[str, dict[str, float]] = {}
@@ -196,6 +197,8 @@ def _scrape(settings: FleetSettings, client: redis.Redis[bytes]) -> dict[str, di
         for sample in family.samples:
             if "model" in sample.labels:
                 series.setdefault(sample.name, {})[sample.labels["model"]] = sample.value
+            elif sample.name.startswith(("fleet_dead_letter", "fleet_redis_up")):
+                series.setdefault(sample.name, {})[sample.labels.get("reason", "")] = sample.value
     return series
 
 
@@ -203,6 +206,11 @@ def _scrape_round_trips(server: EmbeddedRedis, tmp_path: Path, count: int) -> in
     """Round trips of one ``/metrics`` scrape of ``count`` models, once its per-model series were checked."""
     (tmp_path / f"{count}-models").mkdir()
     settings, rows = _fleet(server, tmp_path / f"{count}-models", count)
+    r = server.client()
+    r.delete(DEAD_LETTER_COUNTS_KEY, DEAD_LETTER_KEY)
+    r.hset(DEAD_LETTER_COUNTS_KEY, mapping={"malformed": 3, "poison": 1})
+    r.rpush(DEAD_LETTER_KEY, b"{}", b"{}", b"{}", b"{}")
+    r.close()
     series, trips = _second_call_round_trips(server.url, lambda client: _scrape(settings, client))
     ready = {m: float(sum(len(hosts) for hosts in row["served"].values())) for m, row in rows.items()}  # all ready
     assert series == {
@@ -211,6 +219,9 @@ def _scrape_round_trips(server: EmbeddedRedis, tmp_path: Path, count: int) -> in
         "fleet_canary_queue_depth": {m: float(row["canary_queue_depth"]) for m, row in rows.items()},
         "fleet_model_canary_weight": {m: float(row["canary_weight"]) for m, row in rows.items()},
         "fleet_model_auto_rollbacks_total": {m: float(row["auto_rollbacks"]) for m, row in rows.items()},
+        "fleet_redis_up": {"": 1.0},
+        "fleet_dead_lettered_total": {"malformed": 3.0, "poison": 1.0},
+        "fleet_dead_letter_entries": {"": 4.0},
     }
     return len(trips)
 
@@ -219,6 +230,21 @@ def test_a_metrics_scrape_costs_the_same_round_trips_for_1_and_10_models(
     redis_server: EmbeddedRedis, tmp_path: Path
 ) -> None:
     """The gateway's ``/metrics`` read each model's state and auto-rollback counter on its own (2 round trips
-    per model: 7 for 1 model, 25 for 10); one ``MGET`` reads every model's now (6 for either)."""
+    per model: 7 for 1 model, 25 for 10), then 6 for either with one ``MGET`` for every model's; now the
+    heartbeats' ``SCAN`` and one pipeline for the rest (2 for either)."""
     one, ten = (_scrape_round_trips(redis_server, tmp_path, count) for count in (1, 10))
-    assert ten == one, f"/metrics: {one} round trips for 1 model, {ten} for 10"
+    assert ten == one == 2, f"/metrics: {one} round trips for 1 model, {ten} for 10"
+
+
+def test_a_scrape_while_redis_is_down_says_so_and_nothing_else_from_redis(tmp_path: Path) -> None:
+    """A scrape that meets a dead Redis (its one pipeline failing) answers ``fleet_redis_up 0`` and leaves out every
+    series read from Redis, rather than raising or showing a part of the figures."""
+    with EmbeddedRedis() as server:
+        settings, _ = _fleet(server, tmp_path, 2)
+        client: redis.Redis[bytes] = redis.Redis.from_url(server.url, socket_timeout=2)
+        assert _scrape(settings, client)["fleet_redis_up"] == {"": 1.0}
+        server.kill()
+        try:
+            assert _scrape(settings, client) == {"fleet_redis_up": {"": 0.0}}
+        finally:
+            client.close()
