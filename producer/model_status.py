@@ -23,8 +23,6 @@ from protocol.model_state import (
     HistoryEntry,
     ModelState,
     Refusal,
-    read_state,
-    refusals,
 )
 from protocol.settings import FleetSettings
 
@@ -148,12 +146,17 @@ def await_served(settings: FleetSettings, client: redis.Redis[bytes], model: str
     """Wait up to ``wait_s`` seconds (monotonic; 0 = one read) for ``model``'s live workers to apply its state
     (serve it, or refuse it: :func:`settled`), then say what they serve: ``{"served": {stable version: [hosts]},
     "canary_served": {canary version: [hosts]}, "not_served": sentence | None}``."""
-    from producer.registry import list_workers
+    from producer.registry import pipe_list_workers
 
     configured = settings.models[model].store_version
     deadline = time.monotonic() + max(0.0, wait_s)
-    while True:
-        state, workers, refused = read_state(client, model), list_workers(client), refusals(client, model)
+    while True:  # each read: the heartbeat keys' SCAN, then one pipeline (2 round trips)
+        with client.pipeline(transaction=False) as pipe:
+            workers_of = pipe_list_workers(client, pipe)
+            reads_of = _queue_model_reads(pipe, model)
+            replies = iter(pipe.execute())
+        workers, reads = workers_of(replies), reads_of(replies)
+        state, refused = reads.state, reads.refused
         if settled(state, configured, workers, refused) or time.monotonic() >= deadline:
             break
         time.sleep(POLL_S)  # polling heartbeats under a deadline: a CLI waiting for other processes
@@ -182,25 +185,26 @@ def model_states(settings: FleetSettings, client: redis.Redis[bytes],
 
     ``workers``: the live workers' heartbeats when the caller has read them already (``fleet status`` passes
     :func:`producer.registry.read_fleet_state`'s, so its tables and these rows show one reading); None reads them
-    here (:func:`producer.registry.list_workers`: its ``SCAN``, then an ``MGET``).
+    here (:func:`producer.registry.pipe_list_workers`: its ``SCAN``, then an ``MGET`` in the pipeline below).
 
     Round trips, however many models: one pipeline reads every model's state, auto-rollback count, last changes
-    and refusals, and every canary queue's waiting requests (one script, ``EVAL``), after the heartbeats' read
-    when ``workers`` is None (3 in all). Before, each model cost 6 of its own: 122 for 20 models, of the 125 of
-    a ``fleet status``, which takes 4 now.
+    and refusals, and every canary queue's waiting requests (one script, ``EVAL``), and the heartbeats when
+    ``workers`` is None, after their keys' ``SCAN`` (2 in all). Before, each model cost 6 of its own: 122 for 20
+    models, of the 125 of a ``fleet status``, which takes 4 now.
 
     Raises:
         redis.RedisError: Redis fails (``fleet status`` reads the fleet state first and skips this when it cannot).
         pydantic.ValidationError: a stored state, history entry or refusal is not the JSON this fleet writes.
     """
-    from producer.registry import list_workers
+    from producer.registry import pipe_list_workers
 
-    workers = list_workers(client) if workers is None else workers
     canary_queues = {model: settings.canary_queue_for(model) for model in settings.models}
     with client.pipeline(transaction=False) as pipe:
+        workers_of = pipe_list_workers(client, pipe) if workers is None else None
         waiting_of = pipe_waiting_counts(pipe, list(canary_queues.values()))
         reads_of = {model: _queue_model_reads(pipe, model) for model in settings.models}
         replies = iter(pipe.execute())
+    workers = workers_of(replies) if workers_of is not None else workers or []
     waiting = waiting_of(replies)
     rows = []
     for model, read in reads_of.items():

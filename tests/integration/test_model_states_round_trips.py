@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry
 
 from broker import bulk_argsrepr, mark_bulk_queues
 from gateway.middleware import GatewayMetrics
-from producer.model_status import model_states
+from producer.model_status import await_served, model_states
 from producer.ops_cli import status_document
 from protocol.keys import DEAD_LETTER_COUNTS_KEY, DEAD_LETTER_KEY, WORKER_KEY_PREFIX
 from protocol.model_state import AUTO_ROLLBACKS_KEY, REFUSALS_KEY, HistoryEntry, Refusal, pin, set_canary
@@ -183,8 +183,24 @@ def test_model_rows_cost_the_same_round_trips_for_1_and_10_models(
 ) -> None:
     one, ten = (_round_trips(redis_server, tmp_path, read, count) for count in (1, 10))
     assert len(ten) == len(one), f"{read.__name__}: {len(one)} round trips for 1 model, {len(ten)} for 10"
+    expected = {"model_states": 2, "_status_rows": 4}[read.__name__]  # model_states: the SCAN, then one pipeline
+    assert len(one) == expected, f"{read.__name__}: {len(one)} round trips, {expected} expected"
     scans = sum(1 for trip in one if b"\r\nSCAN\r\n" in trip.upper())  # SCAN is sent as a command of its own
     assert scans == 1, f"{read.__name__}: the heartbeats were read {scans} times"  # fleet status: its tables' reading
+
+
+def test_waiting_for_workers_to_apply_a_state_costs_2_round_trips_a_read(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """``fleet model … --wait``'s poll (:func:`producer.model_status.await_served`) read the state, the heartbeats
+    (``SCAN``, ``MGET``) and the refusals apart: 4 round trips a read. Now the ``SCAN`` and one pipeline, and the
+    same answer as the model's row in ``fleet status``."""
+    settings, rows = _fleet(redis_server, tmp_path, 4)
+    for model, row in rows.items():
+        answer, trips = _second_call_round_trips(redis_server.url,
+                                                 lambda client: await_served(settings, client, model, 0))  # noqa: B023
+        assert (answer["served"], answer["not_served"]) == (row["served"], row["not_served"]), model
+        assert len(trips) == 2, f"{model}: {len(trips)} round trips for one read"
 
 
 def _scrape(settings: FleetSettings, client: redis.Redis[bytes]) -> dict[str, dict[str, float]]:
