@@ -66,14 +66,17 @@ class Fleet:
         return load_settings(config)
 
     def worker(self, config: Path, model: str = "demo-lm", concurrency: int = 8, *, wait: bool = True,
-               hostname: str | None = None, python: str | None = None) -> WorkerProcess:
-        """Start a real ``celery worker`` subprocess for ``model``; waits until ready unless ``wait=False``."""
+               hostname: str | None = None, python: str | None = None, include: str | None = None) -> WorkerProcess:
+        """Start a real ``celery worker`` subprocess for ``model``; waits until ready unless ``wait=False``.
+        ``include``: a test plugin module the worker imports too (Celery's ``--include``), for its test tasks."""
         settings = load_settings(config)
         n = len(self.workers) + 1
         proc = WorkerProcess(model=model, queue=settings.queue_for(model), redis_url=self.redis_url,
                              concurrency=concurrency, hostname=hostname or f"w{n}-{model}@test",
                              env={"FLEET_CONFIG": str(config)}, log_path=self.tmp_path / f"worker-{n}.log",
                              python=python)
+        if include:
+            proc.cmd += ["--include", include]
         self.workers.append(proc.start())
         if wait:
             proc.wait_ready(120)

@@ -30,15 +30,8 @@ from tools.processes import WorkerProcess, poll_until
 
 def _holding_worker(fleet: Fleet, config: Path) -> WorkerProcess:
     """A real demo-lm worker that holds back the results of ``hold-`` requests until released."""
-    n = len(fleet.workers) + 1
-    settings = fleet.settings(config)
-    proc = WorkerProcess(model="demo-lm", queue=settings.queue_for("demo-lm"), redis_url=fleet.redis_url,
-                         concurrency=8, hostname=f"h{n}-demo-lm@test", env={"FLEET_CONFIG": str(config)},
-                         log_path=fleet.tmp_path / f"worker-{n}.log")  # fmt: skip
-    proc.cmd += ["--include", "tests.integration.hold_result_plugin"]
-    fleet.workers.append(proc.start())
-    proc.wait_ready(120)
-    return proc
+    return fleet.worker(config, hostname=f"h{len(fleet.workers) + 1}-demo-lm@test",
+                        include="tests.integration.hold_result_plugin")
 
 
 def _submit(client: FleetClient, bulk: bool) -> str:

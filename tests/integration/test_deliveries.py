@@ -22,15 +22,8 @@ QUEUE = "fleet.demo-lm"
 
 def killer_worker(fleet: Fleet, config: Path, *, wait: bool) -> WorkerProcess:
     """A real demo-lm worker that also registers the test-only task that kills it."""
-    n = len(fleet.workers) + 1
-    proc = WorkerProcess(model="demo-lm", queue=QUEUE, redis_url=fleet.redis_url, concurrency=8,
-                         hostname=f"k{n}-demo-lm@test", env={"FLEET_CONFIG": str(config)},
-                         log_path=fleet.tmp_path / f"worker-{n}.log")
-    proc.cmd += ["--include", "tests.integration.killer_plugin"]
-    fleet.workers.append(proc.start())
-    if wait:
-        proc.wait_ready(120)
-    return proc
+    return fleet.worker(config, wait=wait, hostname=f"k{len(fleet.workers) + 1}-demo-lm@test",
+                        include="tests.integration.killer_plugin")
 
 
 def _exit_code(worker: WorkerProcess, timeout_s: float) -> int:

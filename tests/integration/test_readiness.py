@@ -62,13 +62,8 @@ def test_a_canary_generation_is_progress(fleet: Fleet) -> None:
 
 def _plugin_worker(fleet: Fleet, cfg: Path) -> WorkerProcess:
     """A concurrency-2 demo-lm worker with the test plugin's hanging task (tests/integration/outside_body_plugin.py)."""
-    proc = WorkerProcess(model="demo-lm", queue="fleet.demo-lm", redis_url=fleet.redis_url, concurrency=2,
-                         hostname="drain-demo-lm@test", env={"FLEET_CONFIG": str(cfg)},
-                         log_path=fleet.tmp_path / "worker-drain.log")
-    proc.cmd += ["--include", "tests.integration.outside_body_plugin"]
-    fleet.workers.append(proc.start())
-    proc.wait_ready(120)
-    return proc
+    return fleet.worker(cfg, concurrency=2, hostname="drain-demo-lm@test",
+                        include="tests.integration.outside_body_plugin")
 
 
 def test_a_worker_in_warm_shutdown_is_not_ready_while_it_drains(fleet: Fleet) -> None:

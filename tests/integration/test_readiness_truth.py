@@ -58,12 +58,7 @@ def _small_config(fleet: Fleet, **worker: object) -> Any:
 
 def _plugin_worker(fleet: Fleet, cfg: Path, hostname: str) -> WorkerProcess:
     """A concurrency-2 demo-lm worker with the test plugin's tasks (tests/integration/readiness_plugin.py)."""
-    proc = WorkerProcess(model="demo-lm", queue=QUEUE, redis_url=fleet.redis_url, concurrency=2, hostname=hostname,
-                         env={"FLEET_CONFIG": str(cfg)}, log_path=fleet.tmp_path / f"{hostname}.log")
-    proc.cmd += ["--include", "tests.integration.readiness_plugin"]
-    fleet.workers.append(proc.start())
-    proc.wait_ready(120)
-    return proc
+    return fleet.worker(cfg, concurrency=2, hostname=hostname, include="tests.integration.readiness_plugin")
 
 
 def _send_task(r: redis.Redis[bytes], task: str, task_id: str) -> None:

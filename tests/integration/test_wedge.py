@@ -45,14 +45,8 @@ def _small_config(fleet: Fleet, **worker: object) -> Path:
 
 def _plugin_worker(fleet: Fleet, cfg: Path) -> WorkerProcess:
     """A concurrency-2 demo-lm worker with the misbehaving test tasks (tests/integration/outside_body_plugin.py)."""
-    n = len(fleet.workers) + 1
-    proc = WorkerProcess(model="demo-lm", queue=QUEUE, redis_url=fleet.redis_url, concurrency=CONCURRENCY,
-                         hostname=f"ob{n}-demo-lm@test", env={"FLEET_CONFIG": str(cfg)},
-                         log_path=fleet.tmp_path / f"worker-{n}.log")
-    proc.cmd += ["--include", "tests.integration.outside_body_plugin"]
-    fleet.workers.append(proc.start())
-    proc.wait_ready(120)
-    return proc
+    return fleet.worker(cfg, concurrency=CONCURRENCY, hostname=f"ob{len(fleet.workers) + 1}-demo-lm@test",
+                        include="tests.integration.outside_body_plugin")
 
 
 def test_messages_with_an_embed_the_fleet_does_not_use_never_wedge_the_worker(fleet: Fleet) -> None:
