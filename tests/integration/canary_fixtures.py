@@ -8,7 +8,7 @@ from pathlib import Path
 from producer.client import FleetClient
 from protocol.messages import InferenceResult
 from store import ModelStore
-from store.s3 import S3Backend
+from tests.integration.conftest import s3_model_store
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.test_model_store import BUCKET, _version
 from tools.seaweed_server import EmbeddedSeaweed
@@ -23,7 +23,7 @@ def publish_two_versions(
 ) -> tuple[Path, ModelStore, str, str]:
     """Publish demo-lm twice (two fresh version names, the same bytes); returns a config whose
     workers serve the first from the store, the store, and both versions."""
-    store = ModelStore(S3Backend(BUCKET, endpoint_url=s3.endpoint_url, client=s3.client()), tmp_path / "push")
+    store = s3_model_store(s3, tmp_path / "push")
     v1, v2 = _version(), _version()
     for version in (v1, v2):
         store.push(model_dir / MODEL / f"{MODEL}-1.0.0.onnx", MODEL, version)

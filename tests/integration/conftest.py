@@ -7,14 +7,22 @@ imported into each module, because a session fixture imported into N modules is 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from store.model_store import ModelStore
+from store.s3 import S3Backend
 from tests.integration.redis_cut_proxy import CutProxy
 from tools.redis_server import EmbeddedRedis
 from tools.seaweed_server import EmbeddedSeaweed
 
 BUCKET = "fleet-models"
+
+
+def s3_model_store(s3: EmbeddedSeaweed, cache_dir: Path) -> ModelStore:
+    """A model store on ``s3``'s :data:`BUCKET`, through the server's own boto3 client, caching in ``cache_dir``."""
+    return ModelStore(S3Backend(BUCKET, endpoint_url=s3.endpoint_url, client=s3.client()), cache_dir)
 
 
 @pytest.fixture(scope="session")

@@ -17,8 +17,7 @@ from producer.client import FleetClient
 from protocol.errors import FleetError
 from protocol.keys import WORKER_KEY_PREFIX
 from protocol.messages import InferenceRequest, InferenceResult
-from store import ModelStore
-from store.s3 import S3Backend
+from tests.integration.conftest import s3_model_store
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.model_versions import MODEL, build_version, top1_logprob
 from tools.seaweed_server import EmbeddedSeaweed
@@ -54,7 +53,7 @@ def publish(s3: EmbeddedSeaweed, tmp_path: Path, scale: float, *, fail_on_real_i
     """Build an identity version with hot value ``scale`` and push it to the S3 store (unique version)."""
     version = f"1.0.0-{uuid.uuid4().hex[:8]}"
     onnx_file = build_version(tmp_path / "built", version, scale, fail_on_real_input=fail_on_real_input)
-    store = ModelStore(S3Backend(BUCKET, endpoint_url=s3.endpoint_url, client=s3.client()), tmp_path / "push-cache")
+    store = s3_model_store(s3, tmp_path / "push-cache")
     store.push(onnx_file, MODEL, version)
     return Published(version, top1_logprob(scale))
 

@@ -17,8 +17,7 @@ import redis
 from producer.client import FleetClient
 from protocol.messages import GenerationParams, InferenceRequest, InferenceResult, OutputSpec
 from protocol.model_state import AUTO_ROLLBACKS_KEY, history, promote, read_state, set_canary
-from store import ModelStore
-from store.s3 import S3Backend
+from tests.integration.conftest import s3_model_store
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.lifecycle_fixtures import (
     BUCKET,
@@ -144,7 +143,7 @@ def test_generations_on_the_canary_queue_run_on_the_canary_version(
     fleet: Fleet, s3: EmbeddedSeaweed, model_dir: Path, tmp_path: Path
 ) -> None:
     onnx_file = model_dir / "demo-lm" / "demo-lm-1.0.0.onnx"
-    store = ModelStore(S3Backend(BUCKET, endpoint_url=s3.endpoint_url, client=s3.client()), tmp_path / "push")
+    store = s3_model_store(s3, tmp_path / "push")
     v1, v2 = (f"1.0.0-{uuid.uuid4().hex[:8]}" for _ in range(2))
     for version in (v1, v2):
         store.push(onnx_file, "demo-lm", version)

@@ -27,6 +27,7 @@ from producer.cli import main as fleet_main
 from protocol.messages import InferenceResult
 from store import ChecksumMismatch, ModelStore, ObjectExists, StoreError, VersionExists
 from store.s3 import S3Backend
+from tests.integration.conftest import s3_model_store
 from tests.integration.fleet_fixtures import Fleet
 from tools.seaweed_server import EmbeddedSeaweed
 
@@ -34,7 +35,7 @@ BUCKET = "fleet-models"
 
 
 def _store(server: EmbeddedSeaweed, cache_dir: Path) -> ModelStore:
-    return ModelStore(S3Backend(BUCKET, endpoint_url=server.endpoint_url, client=server.client()), cache_dir)
+    return s3_model_store(server, cache_dir)
 
 
 def _version() -> str:

@@ -23,7 +23,7 @@ from store import ModelStore
 from store.errors import VersionNotFound
 from store.local import LocalBackend
 from store.manifest import manifest_digest
-from store.s3 import S3Backend
+from tests.integration.conftest import s3_model_store
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.lifecycle_fixtures import BUCKET, collect, lifecycle_config, publish, wait_until
 from tests.integration.model_versions import MODEL, build_version, top1_logprob
@@ -49,7 +49,7 @@ def test_a_fresh_worker_refuses_a_pinned_version_whose_bytes_were_replaced(
     fleet: Fleet, s3: EmbeddedSeaweed, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     configured, pinned = publish(s3, tmp_path, 1.0), publish(s3, tmp_path, 2.0)
-    store = ModelStore(S3Backend(BUCKET, endpoint_url=s3.endpoint_url, client=s3.client()), tmp_path / "push-cache")
+    store = s3_model_store(s3, tmp_path / "push-cache")
     r = redis.Redis.from_url(fleet.redis_url)
     pin(r, MODEL, pinned.version, "test@pinned", store=store)
     digest = manifest_digest(store.manifest_bytes(MODEL, pinned.version))

@@ -18,8 +18,7 @@ from typing import Any
 import pytest
 
 from producer.cli import main as fleet_main
-from store import ModelStore
-from store.s3 import S3Backend
+from tests.integration.conftest import s3_model_store
 from tools.seaweed_server import EmbeddedSeaweed
 
 BUCKET = "fleet-models"
@@ -36,7 +35,7 @@ def config(tmp_path: Path) -> Path:
 def _publish(s3: EmbeddedSeaweed, model_dir: Path, tmp_path: Path) -> tuple[str, int]:
     """demo-lm's file published as ``<a model of its own> 1.0.0``; returns the name and the version's bytes."""
     model = f"cache-{uuid.uuid4().hex[:8]}"
-    store = ModelStore(S3Backend(BUCKET, endpoint_url=s3.endpoint_url, client=s3.client()), tmp_path / "push-cache")
+    store = s3_model_store(s3, tmp_path / "push-cache")
     manifest = store.push(model_dir / "demo-lm" / "demo-lm-1.0.0.onnx", model, "1.0.0")
     return model, manifest.total_bytes
 

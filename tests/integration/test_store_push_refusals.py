@@ -21,9 +21,9 @@ import onnx
 import pytest
 
 from producer.cli import main as fleet_main
-from store import ModelStore, VersionExists
+from store import VersionExists
 from store.backend import Progress
-from store.s3 import S3Backend
+from tests.integration.conftest import s3_model_store
 from tools.seaweed_server import EmbeddedSeaweed
 
 BUCKET = "fleet-models"
@@ -130,7 +130,7 @@ def test_external_data_linked_from_a_hugging_face_cache_is_published_and_fetched
     model = _name()
     code, doc, err = _push(capsys, config, snapshot / "model.onnx", model)
     assert code == 0 and doc["paths"] == ["model.json", "model.onnx", "model.onnx_data"], (code, doc, err)
-    store = ModelStore(S3Backend(BUCKET, endpoint_url=s3.endpoint_url, client=s3.client()), tmp_path / "cache")
+    store = s3_model_store(s3, tmp_path / "cache")
     fetched = store.fetch(model, "1.0.0")
     assert (fetched.parent / "model.onnx_data").read_bytes() == (blobs / "sha-model.onnx_data").read_bytes()
 
@@ -144,7 +144,7 @@ def test_a_push_that_hashed_while_another_published_the_version_leaves_the_publi
     other = tmp_path / "other"
     shutil.copytree(lm.parent, other)
     (other / "generation_config.json").write_text('{"eos_token_id": 2, "note": "the other push"}\n')
-    store = ModelStore(S3Backend(BUCKET, endpoint_url=s3.endpoint_url, client=s3.client()), tmp_path / "cache")
+    store = s3_model_store(s3, tmp_path / "cache")
     model = _name()
     published: list[str] = []
 

@@ -17,11 +17,9 @@ import redis
 from producer.cli import main as fleet_main
 from protocol.model_served import read_served
 from protocol.model_state import history, pin, read_state, rollback, set_canary
-from store import ModelStore
-from store.s3 import S3Backend
+from tests.integration.conftest import s3_model_store
 from tests.integration.fleet_fixtures import Fleet
 from tests.integration.lifecycle_fixtures import (
-    BUCKET,
     collect,
     lifecycle_config,
     publish,
@@ -67,7 +65,7 @@ def test_a_rollback_refuses_to_return_to_a_version_deleted_from_the_store(
     fleet: Fleet, s3: EmbeddedSeaweed, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     first, second = publish(s3, tmp_path, 1.0), publish(s3, tmp_path, 2.0)
-    store = ModelStore(S3Backend(BUCKET, endpoint_url=s3.endpoint_url, client=s3.client()), tmp_path / "store")
+    store = s3_model_store(s3, tmp_path / "store")
     r = redis.Redis.from_url(fleet.redis_url)
     pin(r, MODEL, first.version, "ann@ops", store=store)
     pin(r, MODEL, second.version, "ann@ops", store=store)
