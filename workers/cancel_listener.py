@@ -3,10 +3,11 @@
 A cancel sets the mark ``fleet:cancel:<id>`` and is published on the ``fleet:cancels`` channel.
 :class:`CancelListener` learns of it two ways, so that a cancel usually lands within one decode step:
 
-* its thread (``fleet-cancels``) listens on ``fleet:cancels`` (a ``get_message`` wait of 0.2 s, so a stop
-  is seen within that; on a Redis error it reconnects 1 s later) and flags the watched generation with
-  that ID (``cancel_requested``: the scheduler ends it at its next step). It hands every ID it hears to
-  :attr:`CancelListener.waiting` (:mod:`workers.cancel_watch`), which ends a one-step request still
+* its thread (``fleet-cancels``) listens on ``fleet:cancels`` (a ``get_message`` wait of
+  :data:`~protocol.redis_conn.LISTEN_WAIT_S`, so a stop is seen within that; on a Redis error it
+  reconnects 1 s later) and flags the watched generation with that ID (``cancel_requested``: the
+  scheduler ends it at its next step). It hands every ID it hears to :attr:`CancelListener.waiting`
+  (:mod:`workers.cancel_watch`), which ends a one-step request still
   waiting for its batch; once subscribed (at start, after a reconnect) it reads back the marks of those
   waiting, with one ``MGET``, for cancels published while it was not;
 * :meth:`CancelListener.poll`, which the stream publisher's thread calls once per ``cancel_poll_s``
@@ -23,6 +24,7 @@ import time
 import redis
 
 from protocol.keys import CANCEL_CHANNEL, CANCEL_KEY
+from protocol.redis_conn import LISTEN_WAIT_S
 from workers.cancel_watch import CancelWatch
 from workers.generation.sequence import GenSequence
 from workers.redis_outage import OutageLog
@@ -99,7 +101,7 @@ class CancelListener:
                 outage.recovered(time.monotonic())
                 try:
                     while not self._stopping.is_set():
-                        message = pubsub.get_message(timeout=0.2)
+                        message = pubsub.get_message(timeout=LISTEN_WAIT_S)
                         if not message:
                             continue
                         if message.get("type") == "message":

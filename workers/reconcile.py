@@ -57,7 +57,7 @@ import redis
 
 from protocol.model_served import last_served, read_served, record_served
 from protocol.model_state import CHANGES_CHANNEL, ModelState, guard_canary, read_state, record_refusal
-from protocol.redis_conn import await_subscription, sync_client
+from protocol.redis_conn import LISTEN_WAIT_S, await_subscription, sync_client
 from protocol.settings import FleetSettings
 from store.resolve import configured_file_version
 from workers.engines import LoadedModel, load_version
@@ -374,7 +374,7 @@ class Reconciler:
                     outage.recovered(time.monotonic())
                 deadline = time.monotonic() + self._wait_s()
                 while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
-                    message = pubsub.get_message(timeout=min(left, 1.0))
+                    message = pubsub.get_message(timeout=min(left, LISTEN_WAIT_S))
                     if message is not None and _names(message, self.model):
                         break
                 if self._stop.is_set():
