@@ -3,6 +3,7 @@ port, real models, real worker processes. Unit tests use none of them."""
 
 from __future__ import annotations
 
+import gc
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,3 +63,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         seconds = {}
     order = test_order.longest_first(list(by_file), {f: len(v) for f, v in by_file.items()}, seconds)
     items[:] = [item for f in order for item in by_file[f]]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what collection built (imported modules, hypothesis strategies, the items: about 200,000 objects)
+    out of the garbage collector: every full collection then skips them. :meth:`EmbeddedRedis.stop
+    <tools.redis_server.EmbeddedRedis.stop>` runs one at each test's end, which scanned them all (0.18 s each
+    on this machine; 0.01 s frozen)."""
+    gc.collect()
+    gc.freeze()

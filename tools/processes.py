@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
@@ -17,7 +17,7 @@ import redis
 from protocol.keys import WORKER_KEY_PREFIX
 from tools.interrupts import forget_lost_interrupts, interrupt_was_lost, note_lost_interrupts
 
-__all__ = ["WorkerProcess", "die_with_parent", "poll_until", "stop_process", "worker_command"]
+__all__ = ["WorkerProcess", "die_with_parent", "poll_until", "stop_process", "stop_workers", "worker_command"]
 
 
 def die_with_parent() -> None:
@@ -35,11 +35,14 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
-def stop_process(proc: subprocess.Popen[bytes], grace_s: float, *, kill_group: bool = False) -> None:
-    """SIGTERM ``proc``, then SIGKILL it (its whole process group with ``kill_group``) after ``grace_s`` s."""
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float, *, kill_group: bool = False,
+                 signalled: bool = False) -> None:  # fmt: skip
+    """SIGTERM ``proc``, then SIGKILL it (its whole process group with ``kill_group``) after ``grace_s`` s.
+    ``signalled``: it was sent SIGTERM already (a second one is not sent), only the wait and the kill remain."""
     if proc.poll() is not None:
         return
-    proc.terminate()
+    if not signalled:
+        proc.terminate()
     try:
         proc.wait(grace_s)
     except subprocess.TimeoutExpired:
@@ -193,10 +196,12 @@ class WorkerProcess:
         self.cwd = cwd
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
+        self._terminated = False
 
     def start(self) -> WorkerProcess:
         """Spawn the worker (returns at once; see :meth:`wait_ready`)."""
         self._log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
+        self._terminated = False
         self.proc = subprocess.Popen(
             self.cmd,
             env=self.env,
@@ -245,11 +250,28 @@ class WorkerProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
 
+    def terminate(self) -> None:
+        """Begin a warm shutdown (SIGTERM) and return at once; :meth:`stop` then waits for it (several workers:
+        :func:`stop_workers`)."""
+        if self.proc and self.proc.poll() is None and not self._terminated:
+            self.proc.terminate()
+            self._terminated = True
+
     def stop(self, timeout_s: float = 30.0) -> int | None:
-        """Warm shutdown (SIGTERM: finish held requests), SIGKILL after ``timeout_s``; returns the exit code."""
+        """Warm shutdown (SIGTERM: finish held requests, unless :meth:`terminate` sent it), SIGKILL after
+        ``timeout_s``; returns the exit code."""
         if self.proc:
-            stop_process(self.proc, timeout_s, kill_group=True)
+            stop_process(self.proc, timeout_s, kill_group=True, signalled=self._terminated)
         if self._log:
             self._log.close()
             self._log = None
         return self.proc.returncode if self.proc else None
+
+
+def stop_workers(workers: Iterable[WorkerProcess], timeout_s: float = 15.0) -> None:
+    """Warm-shut down ``workers`` side by side: SIGTERM to each, then wait for each (SIGKILL after ``timeout_s``)."""
+    workers = list(workers)
+    for w in workers:
+        w.terminate()
+    for w in workers:
+        w.stop(timeout_s=timeout_s)

@@ -9,7 +9,7 @@ import yaml
 
 from producer.client import FleetClient
 from protocol.settings import FleetSettings, deep_merge, load_settings
-from tools.processes import WorkerProcess
+from tools.processes import WorkerProcess, stop_workers
 
 __all__ = ["Fleet", "base_config"]
 
@@ -88,7 +88,7 @@ class Fleet:
         return c
 
     def close(self) -> None:
-        for w in self.workers:
-            w.stop(timeout_s=15)
+        """Stop every worker (SIGTERM to all first, so their warm shutdowns overlap) and close the clients."""
+        stop_workers(self.workers, timeout_s=15)
         for c in self.clients:
             c.close()

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from protocol.settings import load_settings
 from tools.build_encoder import build_encoder
 from tools.build_lm import build_causal_lm
-from tools.processes import WorkerProcess, poll_until
+from tools.processes import WorkerProcess, poll_until, stop_workers
 from tools.redis_server import EmbeddedRedis, free_port
 
 __all__ = [
@@ -227,8 +227,7 @@ class OpsFleet:
     def close(self) -> None:
         for gw in self.gateways:
             gw.stop()
-        for w in self.workers:
-            w.stop(timeout_s=15)
+        stop_workers(self.workers, timeout_s=15)
         for proc in self.procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
