@@ -25,6 +25,8 @@ from typing import Any
 from urllib.parse import quote, urlencode
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from tools.redis_host import (
     LoopbackDown,
@@ -37,6 +39,8 @@ from tools.redis_host import (
 from tools.redis_host import port_is_free as port_is_free  # re-exported: importable from here
 
 __all__ = [
+    "ADDRESS_IN_USE",
+    "PORT_PICKS",
     "EmbeddedRedis",
     "EmbeddedSentinel",
     "LoopbackDown",
@@ -47,6 +51,11 @@ __all__ = [
     "free_port",
     "supports_tls",
 ]
+
+PORT_PICKS = 5
+"""How many ports :meth:`EmbeddedRedis.start` tries when it picked the port itself and another process took it."""
+ADDRESS_IN_USE = "Address already in use"
+"""What redis-server logs when its port was bound by another process (its bind failed: EADDRINUSE)."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,9 @@ class EmbeddedRedis:
         replica_of: EmbeddedRedis | None = None,
     ) -> None:
         self.port = port or free_port()
+        self._port_chosen = port is None
+        """The port is this object's own pick, free a moment ago: if another process binds it before the server
+        does, the first :meth:`start` picks another (a restart keeps the port its clients know)."""
         self.appendonly = appendonly
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="fleet-redis-")
         self.data_dir = data_dir or Path(self._tmp.name)  # type: ignore[union-attr]
@@ -192,7 +204,10 @@ class EmbeddedRedis:
         """Start the server and wait until it answers PING (up to ``timeout_s``).
 
         Only this process's own server counts: the answer must come from its pid, so a Redis that
-        already listens on the port is never mistaken for it.
+        already listens on the port is never mistaken for it. A port this object picked itself
+        (none given) that another process binds first (a free port is free only until someone binds
+        it: another test's server, a client's outgoing connection) is replaced by a new pick, up to
+        :data:`PORT_PICKS` times, at the first start only.
 
         Raises:
             PortInUse: the port is taken (nothing was started).
@@ -200,6 +215,19 @@ class EmbeddedRedis:
             LoopbackDown: 127.0.0.1 is unreachable, so no local server could ever answer.
         """
         check_loopback()
+        picks = PORT_PICKS if self._port_chosen else 1
+        for pick in range(1, picks + 1):
+            try:
+                self._start_on_port(timeout_s)
+                break
+            except PortInUse:
+                if pick == picks:
+                    raise
+                self.port = free_port()
+        self._port_chosen = False
+        return self
+
+    def _start_on_port(self, timeout_s: float) -> None:
         if not port_is_free(self.port):
             raise PortInUse(self.port)
         args = self._args()
@@ -211,19 +239,22 @@ class EmbeddedRedis:
             args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
             preexec_fn=die_with_parent,
         )
-        client = self.client(socket_connect_timeout=0.5, socket_timeout=2)
+        # one try per probe (redis-py retries 3 times by default: 26 s against a port that accepts and never answers)
+        client = self.client(socket_connect_timeout=0.5, socket_timeout=2, retry=Retry(NoBackoff(), 0))
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 if int(client.info("server")["process_id"]) == self.proc.pid:
-                    return self
-            except redis.ConnectionError:
+                    return
+            except (redis.ConnectionError, redis.TimeoutError):  # not up yet, or another process's port
                 pass
             finally:
                 client.close()
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode() if self.proc.stderr else ""
                 err += self.log_tail()
+                if ADDRESS_IN_USE in err:  # bound by another process since port_is_free said otherwise
+                    raise PortInUse(self.port)
                 raise RuntimeError(f"redis-server on port {self.port} exited with {self.proc.returncode}: {err}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"redis-server did not answer on port {self.port}")
