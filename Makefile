@@ -21,11 +21,12 @@ constraints: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/fleet demo
 
-## test: unit + integration tests (real redis-server, real celery workers, real ONNX Runtime), in two
-## processes, each test file whole in one of them (much of the suite waits on subprocesses and events),
-## longest file first (tests/file_seconds.json: tools/test_order.py)
+## test: unit + integration tests (real redis-server, real celery workers, real ONNX Runtime), in three
+## processes on 2 cores (much of the suite waits on subprocesses and events: two processes left the CPUs
+## idle a third of the run), each test file whole in one of them, longest file first
+## (tests/file_seconds.json: tools/test_order.py)
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder
 
 ## lint: ruff + mypy --strict over the packages
 lint: $(STAMP)

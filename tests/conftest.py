@@ -52,7 +52,7 @@ def fleet(tmp_path: Path, model_dir: Path, redis_server: EmbeddedRedis) -> Itera
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Run test files longest first (:mod:`tools.test_order`): with ``make test``'s ``--dist loadfile
-    --no-loadscope-reorder`` the two processes take files in this order, so a long file is not left for last.
+    --no-loadscope-reorder`` the processes take files in this order, so a long file is not left for last.
     Within a file the order is unchanged."""
     by_file: dict[str, list[pytest.Item]] = {}
     for item in items:

@@ -1,18 +1,18 @@
-"""The order ``make test`` hands test files to its two pytest-xdist processes: longest first.
+"""The order ``make test`` hands test files to its pytest-xdist processes: longest first.
 
 ``make test`` runs each test file whole in one process (``--dist loadfile``). pytest-xdist's own order
 puts the files with the most tests first, so a file of a few long tests (the quick bench, the GPU
-report, a multi-host cut) started last, and one process ran it alone while the other had nothing
-left. Longest-first (the LPT rule) ends both processes closer together. The seconds of each file come
+report, a multi-host cut) started last, and one process ran it alone while the others had nothing
+left. Longest-first (the LPT rule) ends the processes closer together. The seconds of each file come
 from one full run's ``--durations=0`` report, kept in ``tests/file_seconds.json``; a file it does not
 name (a new one, or one whose every step took under 5 ms) counts :data:`UNKNOWN_TEST_S` per test.
 The tiers with venvs of their own (:data:`LAST`) go after everything else: ``.ci/run`` builds those
 venvs in the background (100–200 s on 2 cores), and a tier's test that started early would wait for
-its build while the other process runs alone. Only the order changes, never what runs.
+its build while the others run. Only the order changes, never what runs.
 
 Refresh the figures after a full run::
 
-    python -m pytest -n 2 --dist loadfile --durations=0 | tee var/test-run.log
+    python -m pytest -n 3 --dist loadfile --durations=0 | tee var/test-run.log
     python -m tools.test_order var/test-run.log        # rewrites tests/file_seconds.json
 """
 
