@@ -27,7 +27,7 @@ from protocol.settings import load_settings
 from tools.build_encoder import build_encoder
 from tools.build_lm import build_causal_lm
 from tools.processes import WorkerProcess, poll_until, stop_workers
-from tools.redis_server import EmbeddedRedis, free_port
+from tools.redis_server import PORT_PICKS, EmbeddedRedis, free_port
 
 __all__ = [
     "API_KEY",
@@ -77,28 +77,22 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 class GatewayProcess:
-    """``fleet api`` in a subprocess on a free port."""
+    """``fleet api`` in a subprocess on a free port (picked again when another process binds it first)."""
 
     def __init__(self, config: Path, log_path: Path, log_level: str = "warning") -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self._log: IO[bytes] = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.log_path = log_path
-        cmd = [
-            sys.executable,
-            "-m",
-            "producer.cli",
-            "api",
-            "--config",
-            str(config),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--no-access-log",
-            "--log-level",
-            log_level,
-        ]
+        self._config, self._log_level = config, log_level
+        self._picks = PORT_PICKS
+        self._spawn()
+
+    def _spawn(self) -> None:
+        self._picks -= 1
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log_from = self.log_path.stat().st_size
+        cmd = [sys.executable, "-m", "producer.cli", "api", "--config", str(self._config), "--host", "127.0.0.1",
+               "--port", str(self.port), "--no-access-log", "--log-level", self._log_level]  # fmt: skip
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
         )
@@ -106,7 +100,13 @@ class GatewayProcess:
     def wait_ready(self, timeout_s: float = 30) -> GatewayProcess:
         def up() -> bool:
             if self.proc.poll() is not None:
-                pytest.fail(f"gateway exited with {self.proc.returncode}: {self.log_path.read_text()[-3000:]}")
+                with open(self.log_path, "rb") as log:
+                    log.seek(self._log_from)
+                    said = log.read().decode(errors="replace")
+                if "already in use" in said and self._picks > 0:  # a free port is free only
+                    self._spawn()  # until another process binds it
+                    return False
+                pytest.fail(f"gateway exited with {self.proc.returncode}: {said[-3000:]}")
             try:
                 return httpx.get(self.url + "/healthz", timeout=1).status_code == 200
             except httpx.HTTPError:
