@@ -18,10 +18,8 @@ import argparse
 import json
 import os
 import random
-import secrets
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,18 +28,13 @@ from pathlib import Path
 
 import httpx
 
+from producer.demo_flower import DemoFlower
 from protocol.errors import FleetError, UnknownModel
 from protocol.messages import InferenceResult
 from protocol.modelcard import ModelCard, load_card
 from protocol.settings import DEFAULT_CONFIG_PATH, FleetSettings, load_settings, no_config_file_read
-from tools.processes import (
-    WorkerProcess,
-    die_with_parent,
-    interrupt_on_stop_signals,
-    stop_process,
-    stop_requested,
-)
-from tools.redis_server import EmbeddedRedis, free_port
+from tools.processes import WorkerProcess, interrupt_on_stop_signals, stop_requested, stop_workers
+from tools.redis_server import EmbeddedRedis
 
 __all__ = ["run_demo"]
 
@@ -70,42 +63,6 @@ def _ensure_models(settings: FleetSettings, names: list[str]) -> None:
             built = builders[name](path.parent.parent, name=name, version=path.stem.removeprefix(f"{name}-"))
             if built != path:
                 raise FileNotFoundError(f"built {built}, but the config expects {path}")
-
-
-def _start_flower(redis_url: str, logdir: Path) -> tuple[subprocess.Popen[bytes], str, tuple[str, str]]:
-    port = free_port()
-    user, password = "fleet", secrets.token_urlsafe(12)
-    log = open(logdir / "flower.log", "ab")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "producer.flower_main",  # celery flower, with a SIGTERM that always stops it
-            "-b",
-            redis_url,
-            "flower",
-            f"--port={port}",
-            "--address=127.0.0.1",
-            f"--basic-auth={user}:{password}",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=die_with_parent,
-    )
-    return proc, f"http://127.0.0.1:{port}", (user, password)
-
-
-def _wait_http(url: str, auth: tuple[str, str], timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, auth=auth, timeout=2).status_code < 500:
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    return False
 
 
 def _requests_for_lm(n: int, vocab: int, max_tokens: int, rng: random.Random) -> list[list[int] | str]:
@@ -224,7 +181,8 @@ def _run_fleet(args: argparse.Namespace, models: list[str], stack: ExitStack, lo
     if getattr(args, "versions", False):
         env |= _start_store(stack, logdir)
     settings = load_settings(args.config, redis_url=redis_url)
-    workers = []
+    workers: list[WorkerProcess] = []
+    stack.callback(stop_workers, workers, 30.0)  # side by side, before the Redis they use
     for model in models:
         w = WorkerProcess(
             model=model,
@@ -235,19 +193,20 @@ def _run_fleet(args: argparse.Namespace, models: list[str], stack: ExitStack, lo
             log_path=logdir / f"{model}.log",
         )
         workers.append(w.start())
-        stack.callback(w.stop)
-    flower_url = None
+    flower = None
     if not args.no_flower:
-        proc, flower_url, auth = _start_flower(redis_url, logdir)
-        stack.callback(stop_process, proc, 15)
+        flower = DemoFlower(redis_url, logdir).start()
+        stack.callback(flower.stop)
     for w in workers:
         _stop_if_requested()
         doc = w.wait_ready()
         _say(f"worker {doc['hostname']} ready: model {doc['model']} {doc['version']} on {doc['providers']}")
-    if flower_url and _wait_http(flower_url + "/api/workers", auth):
-        _say(f"Flower at {flower_url} (user {auth[0]}, password {auth[1]})")
+    if flower is not None and flower.wait_up(_say):
+        _say(f"Flower at {flower.url} (user {flower.auth[0]}, password {flower.auth[1]})")
+    else:
+        flower = None
     _stop_if_requested()
-    status = _drive(settings, args, models, flower_url, auth if flower_url else None)
+    status = _drive(settings, args, models, flower.url if flower else None, flower.auth if flower else None)
     if getattr(args, "versions", False) and lm in models:
         from producer.demo_versions import run_versions_tour
 
