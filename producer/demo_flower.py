@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from tools.processes import die_with_parent, stop_process
+from tools.processes import die_with_parent, log_since, stop_process
 from tools.redis_server import PORT_PICKS, free_port
 
 __all__ = ["DemoFlower"]
@@ -63,7 +63,7 @@ class DemoFlower:
         while time.monotonic() < deadline:
             assert self.proc is not None, "start() first"
             if self.proc.poll() is not None:
-                said = self._log_since_start()
+                said = log_since(self.log_path, self._log_from)
                 if "address already in use" in said.lower() and self._picks > 0:
                     self.start()
                     continue
@@ -83,8 +83,3 @@ class DemoFlower:
         """SIGTERM Flower (SIGKILL after 15 s)."""
         if self.proc is not None:
             stop_process(self.proc, 15)
-
-    def _log_since_start(self) -> str:
-        with open(self.log_path, "rb") as log:
-            log.seek(self._log_from)
-            return log.read().decode(errors="replace")

@@ -17,7 +17,8 @@ import redis
 from protocol.keys import WORKER_KEY_PREFIX
 from tools.interrupts import forget_lost_interrupts, interrupt_was_lost, note_lost_interrupts
 
-__all__ = ["WorkerProcess", "die_with_parent", "poll_until", "stop_process", "stop_workers", "worker_command"]
+__all__ = ["WorkerProcess", "die_with_parent", "log_since", "poll_until", "stop_process", "stop_workers",
+           "worker_command"]
 
 
 def die_with_parent() -> None:
@@ -51,6 +52,14 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float, *, kill_group: b
         else:
             proc.kill()
         proc.wait(10)
+
+
+def log_since(path: Path, offset: int) -> str:
+    """What a process wrote to its log file ``path`` from byte ``offset`` on (its own run's lines, when
+    ``offset`` was the file's size as it started; undecodable bytes replaced)."""
+    with open(path, "rb") as log:
+        log.seek(offset)
+        return log.read().decode(errors="replace")
 
 
 def poll_until(check: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.05) -> Any:

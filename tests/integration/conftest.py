@@ -1,4 +1,4 @@
-"""Fixtures shared by integration modules: a real S3 server, and a Redis link a test can cut.
+"""Fixtures shared by integration modules: a real S3 server, a Redis link a test can cut, and a port taken.
 
 One SeaweedFS per test session (its start-up costs ~5–20 s on this machine): defined here, not
 imported into each module, because a session fixture imported into N modules is N fixtures.
@@ -6,7 +6,8 @@ imported into each module, because a session fixture imported into N modules is 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import socket
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from store.model_store import ModelStore
 from store.s3 import S3Backend
 from tests.integration.redis_cut_proxy import CutProxy
-from tools.redis_server import EmbeddedRedis
+from tools.redis_server import EmbeddedRedis, free_port
 from tools.seaweed_server import EmbeddedSeaweed
 
 BUCKET = "fleet-models"
@@ -52,3 +53,18 @@ def proxy(redis_server: EmbeddedRedis) -> Iterator[CutProxy]:
         yield p
     finally:
         p.close()
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A port another process (here: the test) listens on: a server's bind of it fails."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield int(sock.getsockname()[1])
+
+
+def picks_first(port: int) -> Callable[[], int]:
+    """A stand-in for ``free_port`` that answers ``port`` once, then free ports."""
+    answers = iter([port])
+    return lambda: next(answers, None) or free_port()

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from protocol.settings import load_settings
 from tools.build_encoder import build_encoder
 from tools.build_lm import build_causal_lm
-from tools.processes import WorkerProcess, poll_until, stop_workers
+from tools.processes import WorkerProcess, log_since, poll_until, stop_workers
 from tools.redis_server import PORT_PICKS, EmbeddedRedis, free_port
 
 __all__ = [
@@ -100,9 +100,7 @@ class GatewayProcess:
     def wait_ready(self, timeout_s: float = 30) -> GatewayProcess:
         def up() -> bool:
             if self.proc.poll() is not None:
-                with open(self.log_path, "rb") as log:
-                    log.seek(self._log_from)
-                    said = log.read().decode(errors="replace")
+                said = log_since(self.log_path, self._log_from)
                 if "already in use" in said and self._picks > 0:  # a free port is free only
                     self._spawn()  # until another process binds it
                     return False

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import gc
 import signal
-import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
 
 import pytest
 import redis
 
 import tools.redis_server
-from tools.redis_server import EmbeddedRedis, PortInUse, free_port
+from tests.integration.conftest import picks_first
+from tools.redis_server import EmbeddedRedis, PortInUse
 
 
 def test_taken_port_is_refused_naming_the_port(redis_server: EmbeddedRedis) -> None:
@@ -35,22 +34,13 @@ def test_embedded_server_refuses_a_taken_port_and_answers_only_for_itself(redis_
         assert int(info["process_id"]) == own.proc.pid
 
 
-@pytest.fixture
-def taken_port() -> Iterator[int]:
-    """A port another process (here: this test) listens on."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        yield int(sock.getsockname()[1])
-
-
 @pytest.mark.parametrize("seen_taken", [True, False], ids=["taken-before-the-check", "taken-after-the-check"])
 def test_a_picked_port_taken_before_the_server_binds_it_is_replaced_by_another_pick(
     taken_port: int, seen_taken: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A free port is free only until another process binds it (another test's server, a client's outgoing
     connection): a port the server picked itself is picked again; one the caller named is refused."""
-    monkeypatch.setattr(tools.redis_server, "free_port", _picks(taken_port))
+    monkeypatch.setattr(tools.redis_server, "free_port", picks_first(taken_port))
     if not seen_taken:  # taken between port_is_free and redis-server's own bind: redis-server exits
         monkeypatch.setattr(tools.redis_server, "port_is_free", lambda port: True)
     with EmbeddedRedis() as server:
@@ -61,12 +51,6 @@ def test_a_picked_port_taken_before_the_server_binds_it_is_replaced_by_another_p
         assert server.client().ping()
     with pytest.raises(PortInUse):
         EmbeddedRedis(taken_port).start()
-
-
-def _picks(first: int) -> Callable[[], int]:
-    """``free_port`` that answers ``first``, then free ports."""
-    answers = iter([first])
-    return lambda: next(answers, None) or free_port()
 
 
 def test_port_zero_picks_a_free_port_and_says_which_and_ctrl_c_stops_it() -> None:

@@ -4,8 +4,6 @@ test does not error at setup). ``EmbeddedRedis``'s own case is in ``test_fleet_r
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -14,25 +12,17 @@ import pytest
 from producer import demo_flower
 from producer.demo_flower import DemoFlower
 from tests.integration import ops_fixtures
+from tests.integration.conftest import picks_first
 from tests.integration.ops_fixtures import OpsFleet, ops_fleet, ops_models, ops_redis
-from tools.redis_server import EmbeddedRedis, free_port
+from tools.redis_server import EmbeddedRedis
 
 __all__ = ["ops_fleet", "ops_models", "ops_redis"]
-
-
-@pytest.fixture
-def taken_port() -> Iterator[int]:
-    """A port another process (here: this test) holds bound; the gateway's bind of it fails."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        yield int(sock.getsockname()[1])
 
 
 def test_a_gateway_whose_picked_port_is_taken_starts_on_another(
     ops_fleet: OpsFleet, taken_port: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    picks = iter([taken_port])
-    monkeypatch.setattr(ops_fixtures, "free_port", lambda: next(picks, None) or free_port())
+    monkeypatch.setattr(ops_fixtures, "free_port", picks_first(taken_port))
     gateway = ops_fleet.gateway(ops_fleet.config(serve=("demo-lm",)))
     assert gateway.port != taken_port
     assert httpx.get(gateway.url + "/healthz", timeout=10).status_code == 200
@@ -42,8 +32,7 @@ def test_a_gateway_whose_picked_port_is_taken_starts_on_another(
 def test_the_demo_s_flower_whose_picked_port_is_taken_starts_on_another(
     redis_server: EmbeddedRedis, taken_port: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    picks = iter([taken_port])
-    monkeypatch.setattr(demo_flower, "free_port", lambda: next(picks, None) or free_port())
+    monkeypatch.setattr(demo_flower, "free_port", picks_first(taken_port))
     said: list[str] = []
     flower = DemoFlower(redis_server.url, tmp_path).start()
     try:
