@@ -5,7 +5,11 @@ coroutine, never a thread.
 
 A wait for a model no live worker serves is bounded: past ``no_worker_after_s`` the workers' heartbeats
 (:mod:`producer.presence`, what ``/readyz`` reads) are checked every :data:`NO_WORKER_RECHECK_S`, and
-the wait ends with :class:`~protocol.errors.NoLiveWorker` naming the model while none is live."""
+the wait ends with :class:`~protocol.errors.NoLiveWorker` naming the model while none is live.
+
+A request cancelled while queued ends its waits at once with ``RequestCancelled``: each read of the result keys
+reads their cancel marks in the same ``MGET``, and the cancel publishes a wake-up on the result's channel
+(:func:`protocol.cancel_marks.cancel_wake`), a publication that is no outcome and so makes the wait read."""
 
 from __future__ import annotations
 
@@ -21,7 +25,9 @@ from gateway.event_waits import set_within
 from gateway.result_notifier import ResultNotifier, Watch
 from producer.client import FleetClient
 from producer.presence import AsyncWorkerPresence, no_worker_message
-from protocol.errors import FleetError, NoLiveWorker, ResultTimeout
+from protocol.cancel_marks import cancelled_before_run
+from protocol.errors import FleetError, NoLiveWorker, RequestCancelled, ResultTimeout
+from protocol.keys import CANCEL_KEY
 from protocol.messages import InferenceResult
 from protocol.streams import StreamEvent
 
@@ -146,16 +152,16 @@ async def _read_until_done(
     while True:
         if watch is not None:
             watch.event.clear()  # before the read: a result stored after it sets the event again
-        raws = await _stored_values(aredis, [backend.get_key_for_task(rid) for rid in remaining], watch, read)
-        for rid, raw in zip(remaining, raws, strict=True):
-            if raw is not None:
-                # the client's own reading of a stored meta, so every face reports the same outcome
-                outcome = fleet.outcome_of(rid, backend.decode_result(raw))
-                if outcome is not None:
-                    done[rid] = outcome
+        stored = await _stored_values(aredis, [backend.get_key_for_task(rid) for rid in remaining],
+                                      [CANCEL_KEY.format(id=rid) for rid in remaining], watch, read)  # fmt: skip
+        settled, woken_unsettled = _settled(fleet, remaining, stored, published=not read)
+        done.update(settled)
         remaining = [rid for rid in remaining if rid not in done]
         if not remaining:
             return done
+        if woken_unsettled:  # a publication that is no outcome (a cancel's wake-up, a STARTED): read at once
+            read = True
+            continue
         now = time.monotonic()
         if check_at is not None and model is not None and presence is not None and now >= check_at:
             if not await presence.has_worker(model):
@@ -172,13 +178,34 @@ async def _read_until_done(
         poll_s = min(max_poll_s, poll_s * 1.5)
 
 
-async def _stored_values(aredis: redis.asyncio.Redis[bytes], keys: list[bytes], watch: Watch | None,
-                         read: bool) -> list[bytes | None]:  # fmt: skip
-    """The value of each result key: read from Redis, or (``read`` False: woken by a publication) what was
-    published on it since; a key without a publication is read at the backstop's time."""
+def _settled(fleet: FleetClient, request_ids: list[str], stored: list[tuple[bytes | None, bytes | None]], *,
+             published: bool) -> tuple[dict[str, Outcome], bool]:  # fmt: skip
+    """The outcomes among ``stored`` (each request's result value and cancel mark, :func:`_stored_values`), read
+    as the client reads them so that every face reports the same outcome; and, for ``published`` values, whether
+    one came that is no outcome (a cancel's wake-up, a STARTED): the wait then reads Redis at once."""
+    backend = fleet.app.backend
+    done: dict[str, Outcome] = {}
+    woken_unsettled = False
+    for rid, (raw, mark) in zip(request_ids, stored, strict=True):
+        if not published and cancelled_before_run(raw, mark):  # cancelled in its queue: nothing is stored soon
+            done[rid] = RequestCancelled.before_run(rid)
+            continue
+        outcome = None if raw is None else fleet.outcome_of(rid, backend.decode_result(raw))
+        if outcome is not None:
+            done[rid] = outcome
+        woken_unsettled = woken_unsettled or (published and raw is not None and outcome is None)
+    return done, woken_unsettled
+
+
+async def _stored_values(aredis: redis.asyncio.Redis[bytes], keys: list[bytes], marks: list[str], watch: Watch | None,
+                         read: bool) -> list[tuple[bytes | None, bytes | None]]:  # fmt: skip
+    """The value of each result key and of its request's cancel mark: both read from Redis in one MGET, or
+    (``read`` False: woken by a publication) what was published on the key since, with no mark (None); a key
+    without a publication is read at the backstop's time."""
     if read or watch is None:
-        return list(await aredis.mget(keys))
-    return [watch.published.pop(key, None) for key in keys]
+        values = list(await aredis.mget(keys + marks))  # type: ignore[operator]
+        return list(zip(values[: len(keys)], values[len(keys) :], strict=True))
+    return [(watch.published.pop(key, None), None) for key in keys]
 
 
 async def _pause(watch: Watch | None, pause_s: float) -> bool:

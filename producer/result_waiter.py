@@ -12,7 +12,10 @@ same name (Celery's Redis backend protocol; :mod:`broker.result_backend` writes 
    until :data:`RECHECK_S`; ``fleet bench`` caught one 5 s request in 2,600);
 2. ``GET`` the key: a result stored before the subscription took effect is read there;
 3. read messages until one of a ready state (SUCCESS, FAILURE, REVOKED) arrives on that channel
-   (a generation's STARTED is published too, and skipped), then ``UNSUBSCRIBE``.
+   (a generation's STARTED is published too, and skipped), then ``UNSUBSCRIBE``. A wait given the request's
+   cancel mark reads the key and the mark again on a message that is not an outcome: a cancel for good
+   publishes one (:func:`protocol.cancel_marks.cancel_wake`), so the wait ends the moment the request is
+   cancelled in its queue, not when a worker reaches it or :data:`RECHECK_S` has passed.
 
 Each wait holds a ``PubSub`` connection of its own (a pub/sub socket is one reader's), borrowed from the
 waiter's idle ones and given back when it ends, whatever thread it ran on: a burst waited on from a new
@@ -35,7 +38,7 @@ from typing import Any
 import redis
 import redis.client
 
-from protocol.cancel_marks import cancelled_for_good
+from protocol.cancel_marks import cancelled_before_run
 from protocol.redis_conn import await_subscription
 
 __all__ = ["CANCELLED_BEFORE_RUN", "READY_STATES", "RECHECK_S", "ResultWaiter"]
@@ -156,7 +159,7 @@ class ResultWaiter:
             pipe.get(key)
             pipe.get(cancel_mark)
             raw, mark = pipe.execute()
-        return CANCELLED_BEFORE_RUN if raw is None and cancelled_for_good(mark) else self._ready(raw)
+        return CANCELLED_BEFORE_RUN if cancelled_before_run(raw, mark) else self._ready(raw)
 
     def _wait_subscribed(
         self, pubsub: Any, key: str | bytes, channel: bytes, deadline: float | None, cancel_mark: str | None = None
@@ -178,5 +181,7 @@ class ResultWaiter:
             message = pubsub.get_message(timeout=max(0.0, until - now))
             if message and message.get("type") == "message" and message.get("channel") == channel:
                 meta = self._ready(message["data"])
+                if meta is None and cancel_mark is not None:  # not an outcome: a cancel's wake-up, or a STARTED
+                    meta = self._read(key, cancel_mark)  # (protocol.cancel_marks.cancel_wake): the mark decides
         return meta
 

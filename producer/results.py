@@ -19,7 +19,7 @@ from celery import Celery
 from producer.arguments import checked_request_id, checked_request_ids, poll_interval_s, seconds_limit
 from producer.result_waiter import CANCELLED_BEFORE_RUN, ResultWaiter
 from producer.streams import MAX_OUTAGE_S, RETRIED, Reconnect, iter_events
-from protocol.cancel_marks import MARK_SCRIPT, cancelled_for_good, mark_args, mark_keys
+from protocol.cancel_marks import MARK_SCRIPT, cancelled_before_run, cancelled_for_good, mark_args, mark_keys
 from protocol.errors import (
     FleetError,
     RequestCancelled,
@@ -134,7 +134,8 @@ class ResultReader:
         ``inf``: without limit, as :meth:`result`).
 
         Polls the result keys with MGET (one round trip per poll for up to 1,000 IDs), backing off
-        from ``poll_s`` (s, > 0) to 100 ms; a request still unfinished at the deadline gets ``ResultTimeout``.
+        from ``poll_s`` (s, > 0) to 100 ms; a request still unfinished at the deadline gets ``ResultTimeout``, one
+        cancelled while queued ``RequestCancelled`` as soon as its cancel is written (see :meth:`_finished`).
         ``request_ids`` is read once (a generator is fine). While Redis does not answer (a restart, a blip),
         the MGET is tried again as :func:`producer.streams.iter_events` reads (:data:`producer.streams.RETRIED`,
         waits from 50 ms doubling to 1 s) until the deadline, or for :data:`producer.streams.MAX_OUTAGE_S`
@@ -172,14 +173,20 @@ class ResultReader:
         return [done[rid] for rid in ids]
 
     def _finished(self, request_ids: Sequence[str]) -> dict[str, InferenceResult | FleetError]:
-        """The finished ones among ``request_ids``: one MGET of their stored results per 1,000 IDs."""
+        """The finished ones among ``request_ids``: one MGET of their stored results and their cancel marks per
+        1,000 IDs. A request cancelled while queued is finished (``RequestCancelled``) the moment its mark is
+        written (:func:`protocol.cancel_marks.cancelled_before_run`), not when a worker takes it off the queue."""
         backend = self.app.backend
         finished: dict[str, InferenceResult | FleetError] = {}
         for start in range(0, len(request_ids), 1000):
             chunk = request_ids[start : start + 1000]
-            raws = self.redis.mget([backend.get_key_for_task(rid) for rid in chunk])
-            for rid, raw in zip(chunk, raws, strict=True):
-                if raw is not None:
+            values = self.redis.mget([backend.get_key_for_task(rid) for rid in chunk]
+                                     + [CANCEL_KEY.format(id=rid) for rid in chunk])  # fmt: skip
+            raws, marks = values[: len(chunk)], values[len(chunk) :]
+            for rid, raw, mark in zip(chunk, raws, marks, strict=True):
+                if cancelled_before_run(raw, mark):
+                    finished[rid] = RequestCancelled.before_run(rid)
+                elif raw is not None:
                     outcome = self.outcome_of(rid, backend.decode_result(raw))
                     if outcome is not None:
                         finished[rid] = outcome

@@ -25,11 +25,13 @@ when cancelled again.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from protocol.keys import CANCEL_CHANNEL, CANCEL_KEY, RESULT_KEY, TAKEN_KEY
 
-__all__ = ["FOR_GOOD", "HELD", "MARK_SCRIPT", "cancelled_for_good", "mark_args", "mark_keys", "note_taken_and_read"]
+__all__ = ["FOR_GOOD", "HELD", "MARK_SCRIPT", "cancel_wake", "cancelled_before_run", "cancelled_for_good", "mark_args",
+           "mark_keys", "note_taken_and_read"]
 
 FOR_GOOD = "1"
 """The mark's value when no worker held the request: it never runs."""
@@ -41,13 +43,19 @@ local held = redis.call('EXISTS', KEYS[2], KEYS[3]) > 0 and redis.call('GET', KE
 redis.call('SET', KEYS[1], held and '{HELD}' or '{FOR_GOOD}', 'EX', ARGV[1])
 redis.call('PUBLISH', ARGV[2], ARGV[3])
 if held then return 1 end
+if ARGV[4] then redis.call('PUBLISH', KEYS[3], ARGV[4]) end
 return 0
 """
 """Set one request's cancel mark and announce it. KEYS: its cancel mark, its taken note, its result key (a
 STARTED state there says a worker runs it, whatever became of the note); ARGV: the mark's life (s), the cancels
-channel, the request ID. Returns 1 when the cancel was asked of a worker that holds the request (value
+channel, the request ID, and the wake-up published on the result key's channel when the cancel is for good
+(:func:`cancel_wake`). Returns 1 when the cancel was asked of a worker that holds the request (value
 ``held``), 0 when it is for good (``1``: no take noted and no state stored, or cancelled for good already).
-The caller has seen no terminal state stored: a cancel of a finished request writes nothing."""
+The caller has seen no terminal state stored: a cancel of a finished request writes nothing.
+
+The wake-up is what ends every wait on the request at once: a result waiter listens on the result key's
+channel, and a request cancelled for good has no worker that will ever publish there until one takes it off the
+queue (never, with no worker up). Woken, a waiter reads the key and the mark (:func:`cancelled_before_run`)."""
 
 
 def mark_keys(request_id: str) -> list[str]:
@@ -57,7 +65,24 @@ def mark_keys(request_id: str) -> list[str]:
 
 def mark_args(request_id: str, ttl_s: int) -> list[Any]:
     """:data:`MARK_SCRIPT`'s arguments: the mark lives ``ttl_s`` seconds (the fleet's ``result_ttl_s``)."""
-    return [int(ttl_s), CANCEL_CHANNEL, request_id]
+    return [int(ttl_s), CANCEL_CHANNEL, request_id, cancel_wake(request_id)]
+
+
+def cancel_wake(request_id: str) -> str:
+    """What a cancel for good publishes on the request's result channel: a Celery result meta in a state that is
+    not ready (``PENDING``), so a plain Celery client's ``AsyncResult`` ignores it, and the fleet's waiters, which
+    read the key and the mark again on any message that is not an outcome, end at once (:func:`cancelled_before_run`).
+    Nothing is stored: the outcome stays what the worker that takes the request off the queue stores."""
+    return json.dumps({"status": "PENDING", "result": None, "traceback": None, "children": [], "task_id": request_id,
+                       "fleet_cancelled": FOR_GOOD})  # fmt: skip
+
+
+def cancelled_before_run(raw_meta: bytes | None, mark: bytes | str | None) -> bool:
+    """Whether a request whose result key holds ``raw_meta`` (None: nothing stored) and whose cancel mark is
+    ``mark`` (None: none) is cancelled while it was queued: nothing stored, not even STARTED, and the mark is for
+    good. Its waiters end with ``RequestCancelled.before_run``; no worker may ever store why (one that takes it
+    off the queue stores that same error, and a cancel asked of a holder waits for what the holder stores)."""
+    return raw_meta is None and cancelled_for_good(mark)
 
 
 def cancelled_for_good(value: bytes | str | None) -> bool:
