@@ -135,7 +135,8 @@ class RequestBuilder(ModelCards):
         truncated = False
         if info.card is not None:
             try:
-                checked = check_input(ids, limits=limits, vocab_size=info.card.vocab_size)
+                checked = check_input(ids, limits=limits, vocab_size=info.card.vocab_size,
+                                      max_positions=info.card.max_positions)  # fmt: skip
             except InvalidRequest as exc:  # the caller sent text: its tokens are too many, or none
                 raise _as_text_error(exc) if text is not None else exc from exc
             ids, truncated = checked.input_ids, checked.truncated

@@ -12,7 +12,7 @@ from protocol.messages import GenerationParams, OutputKind, OutputSpec
 from protocol.modelcard import ModelKind
 from protocol.settings import LimitSettings
 
-__all__ = ["CheckedInput", "check_generation_room", "check_input", "resolve_output"]
+__all__ = ["CheckedInput", "check_generation_room", "check_input", "input_token_limit", "resolve_output"]
 
 
 @dataclass(frozen=True)
@@ -23,25 +23,28 @@ class CheckedInput:
     truncated: bool
 
 
-def check_input(input_ids: list[int], *, limits: LimitSettings, vocab_size: int) -> CheckedInput:
+def check_input(
+    input_ids: list[int], *, limits: LimitSettings, vocab_size: int, max_positions: int | None = None
+) -> CheckedInput:
     """Validate (and, when ``limits.truncate`` says so, truncate) one request's ids.
+
+    The length limit is ``limits.max_input_tokens``, or the model card's ``max_positions`` (tokens) where that is
+    smaller: a model given more positions than it has fails inside ONNX Runtime (an out-of-range position
+    embedding), with no field named, and counts as a failed engine run.
 
     Raises:
         EmptyInput: no ids.
-        InputTooLong: more than ``limits.max_input_tokens`` ids and ``truncate`` is ``'none'``.
+        InputTooLong: more ids than the limit and ``truncate`` is ``'none'``.
         TokenOutOfRange: an id outside ``[0, vocab_size)``; names its position.
     """
     if not input_ids:
         raise EmptyInput("input_ids is empty: a request needs at least 1 token", "input_ids", 1)
     truncated = False
-    cap = limits.max_input_tokens
+    cap = input_token_limit(limits, max_positions)
     if len(input_ids) > cap:
         if limits.truncate == "none":
-            raise InputTooLong(
-                f"input_ids has {len(input_ids)} tokens; the limit is max_input_tokens={cap}",
-                "input_ids",
-                cap,
-            )
+            raise InputTooLong(f"input_ids has {len(input_ids)} tokens; the limit is {_named_limit(limits, cap)}",
+                               "input_ids", cap)  # fmt: skip
         input_ids = input_ids[-cap:] if limits.truncate == "left" else input_ids[:cap]
         truncated = True
     for pos, token in enumerate(input_ids):
@@ -56,6 +59,19 @@ def check_input(input_ids: list[int], *, limits: LimitSettings, vocab_size: int)
                 vocab_size,
             )
     return CheckedInput(list(input_ids), truncated)
+
+
+def input_token_limit(limits: LimitSettings, max_positions: int | None) -> int:
+    """The most tokens one request may carry (tokens): ``limits.max_input_tokens``, capped by the model's
+    ``max_positions`` when it is known (None: not known here)."""
+    return limits.max_input_tokens if max_positions is None else min(limits.max_input_tokens, max_positions)
+
+
+def _named_limit(limits: LimitSettings, cap: int) -> str:
+    """How an InputTooLong names its limit ``cap``: the setting, or the model's positions where they are fewer."""
+    if cap == limits.max_input_tokens:
+        return f"max_input_tokens={cap}"
+    return f"{cap}, the model's max_positions (limits.max_input_tokens={limits.max_input_tokens} is above it)"
 
 
 def resolve_output(

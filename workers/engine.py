@@ -85,6 +85,10 @@ class Engine:
         """How an encoder's token vectors become one vector (its sentence-transformers modules.json)."""
         self.max_batch_size = batching.max_batch_size
         self.max_input_tokens = min(limits.max_input_tokens, card.max_positions)
+        if limits.max_input_tokens > card.max_positions:  # requests are checked against the smaller one
+            log.warning("model %s %s: limits.max_input_tokens=%d is above the model's max_positions=%d: requests of "
+                        "more than %d tokens are refused (InputTooLong naming input_ids)", card.name, card.version,
+                        limits.max_input_tokens, card.max_positions, card.max_positions)  # fmt: skip
         trt = "TensorrtExecutionProvider" in ort.get_available_providers()
         names = graph_input_names(model_path) if trt else []
         self.requested = provider_chain(engine, batching, limits, card, names)

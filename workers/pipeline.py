@@ -115,7 +115,8 @@ def prepare(
             )
         deadline_mono = time.monotonic() + remaining_s
     limits = runtime.model.limits
-    checked = check_input(list(request.input_ids), limits=limits, vocab_size=runtime.card.vocab_size)
+    checked = check_input(list(request.input_ids), limits=limits, vocab_size=runtime.card.vocab_size,
+                          max_positions=runtime.card.max_positions)  # fmt: skip
     output = resolve_output(request.output, model_kind=runtime.card.kind, limits=limits,
                             vocab_size=runtime.card.vocab_size)
     kind = output.kind or "next_token"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import time
 import uuid
+from typing import Any
 
 import pytest
 import redis
@@ -18,7 +20,9 @@ from protocol.errors import (
     TokenOutOfRange,
     UnknownModel,
 )
+from protocol.keys import WORKER_KEY_PREFIX
 from tests.integration.fleet_fixtures import Fleet
+from tests.integration.ops_fixtures import wait_until
 
 CLIENT_CASES = [
     ({"input_ids": []}, EmptyInput, "input_ids", "at least 1 token"),
@@ -120,3 +124,37 @@ def test_worker_fails_bad_messages_and_keeps_serving(fleet: Fleet) -> None:
 
 def test_decode_error_is_an_invalid_request() -> None:
     assert issubclass(DecodeError, InvalidRequest)
+
+
+def test_a_limit_above_the_models_positions_refuses_the_excess_and_keeps_the_worker_ready(fleet: Fleet) -> None:
+    """``limits.max_input_tokens`` set above the model card's ``max_positions`` (512 for demo-lm): the client and
+    the worker checked the setting alone, so 600 tokens reached ONNX Runtime, failed in its position ``Gather``
+    with no field named, and counted as a failed engine run: ``worker.not_ready_after_failed_runs`` of them took
+    a worker out of readiness. Now both refuse past the positions, naming ``input_ids`` and 512."""
+    cfg = fleet.config(models={"demo-lm": {"limits": {"max_input_tokens": 2000}}},
+                       worker={"not_ready_after_failed_runs": 2})  # fmt: skip
+    worker = fleet.worker(cfg)
+    client = fleet.client(cfg)
+    with pytest.raises(InputTooLong) as refused:
+        client.submit("demo-lm", [5] * 600)
+    assert (refused.value.field, refused.value.limit) == ("input_ids", 512), refused.value
+    assert "max_positions" in str(refused.value) and "max_input_tokens=2000" in str(refused.value)
+
+    plain = Celery(broker=fleet.redis_url, backend=fleet.redis_url)  # the worker's own check, past the client's
+    for _ in range(3):
+        res = plain.send_task("fleet.infer", args=[{"model": "demo-lm", "input_ids": [5] * 600}],
+                              queue="fleet.demo-lm")  # fmt: skip
+        with pytest.raises(Exception) as failed:
+            res.get(timeout=60)
+        assert type(failed.value).__name__ == "InputTooLong", failed.value
+        assert failed.value.args[1:] == ("input_ids", 512), failed.value.args
+    refused_by = time.time()
+    r = redis.Redis.from_url(fleet.redis_url)
+
+    def beat() -> dict[str, Any]:
+        return dict(json.loads(r.get(WORKER_KEY_PREFIX + worker.hostname) or b"{}"))
+
+    wait_until(lambda: beat().get("heartbeat_unix_s", 0) > refused_by, 60, "a beat after the refusals")
+    assert (beat()["failed_runs"], beat()["ready"]) == (0, True), beat()  # refusals are no failed runs
+    assert client.result(client.submit("demo-lm", [5] * 512), wait=True, timeout_s=60) is not None  # the most
+    assert "above the model's max_positions=512" in worker.log_tail(20_000)

@@ -145,6 +145,20 @@ def test_check_input_limits_and_truncation() -> None:
     assert right.input_ids == [1, 2, 3, 4]
 
 
+def test_check_input_holds_to_the_models_positions_where_they_are_fewer_than_the_limit() -> None:
+    wide = LimitSettings(max_input_tokens=8)
+    assert check_input([1] * 4, limits=wide, vocab_size=10, max_positions=4).input_ids == [1] * 4
+    says = r"the limit is 4, the model's max_positions \(limits.max_input_tokens=8"
+    with pytest.raises(InputTooLong, match=says) as info:
+        check_input([1] * 5, limits=wide, vocab_size=10, max_positions=4)
+    assert (info.value.field, info.value.limit) == ("input_ids", 4)
+    with pytest.raises(InputTooLong, match=r"max_input_tokens=4$"):  # the setting is the smaller: it is named
+        check_input([1] * 5, limits=LIMITS, vocab_size=10, max_positions=512)
+    cut = check_input([1, 2, 3, 4, 5, 6], limits=LimitSettings(max_input_tokens=8, truncate="left"), vocab_size=10,
+                      max_positions=4)  # fmt: skip
+    assert (cut.input_ids, cut.truncated) == ([3, 4, 5, 6], True)
+
+
 def test_resolve_output() -> None:
     assert resolve_output(OutputSpec(), model_kind="causal_lm", limits=LIMITS).kind == "next_token"
     assert resolve_output(OutputSpec(), model_kind="encoder", limits=LIMITS).kind == "embedding"
