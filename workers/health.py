@@ -70,6 +70,11 @@ class Heartbeat:
         self.on_beat: list[Callable[[float], None]] = []
         """Called after each published beat with the heartbeat's expiry (unix s), on the beating thread;
         whatever one raises is logged, and the next one still runs."""
+        self.on_ceded: list[Callable[[dict[str, Any]], None]] = []
+        """Called once per loss of the name, on the beating thread, with the holder's heartbeat: a live worker of
+        another process took this name while this one did not beat (stopped, frozen, cut off from Redis). No beat
+        of this process is published from then on, so neither are the :attr:`on_beat` hooks run: its generations'
+        claims and its deliveries' visibility are no longer renewed (:mod:`workers.run_claims`)."""
 
     @property
     def ttl_s(self) -> int:
@@ -98,6 +103,11 @@ class Heartbeat:
             self._ceded = True
             log.error("heartbeat %s belongs to a live worker of another process (pid %s): this worker's beats are "
                       "not published while it lives", self._key, holder.get("pid", "?"))  # fmt: skip
+            for hook in self.on_ceded:
+                try:
+                    hook(holder)
+                except Exception:  # a hook's failure must not stop the heartbeat
+                    log.exception("heartbeat hook %s failed", getattr(hook, "__name__", hook))
 
     def beat_soon(self) -> None:
         """Have the beating thread publish a beat now, besides its schedule (which this beat does not move): what

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from typing import Any
@@ -146,6 +147,7 @@ class WorkerRuntime(RuntimeCounts):
         self.progress.on_failing.append(self.heartbeat.beat_soon)
         self.scheduler.on_death.append(self._scheduler_died)
         self.heartbeat.on_beat.append(self.run_claims.renew)
+        self.heartbeat.on_ceded.append(self._name_taken)
         # every worker keeps its own queue's name clean, consumed or not (workers.direct_queue)
         ttl_s = self.heartbeat.ttl_s
         self.direct_queue = DirectQueue(
@@ -295,6 +297,17 @@ class WorkerRuntime(RuntimeCounts):
         """Publish the model card again where Redis lost it (a restart without persistence, a flush): producers
         on machines without the model's files read its tokenizer and limits there. One ``SET NX`` per beat."""
         self.redis.set(CARD_KEY.format(model=self.model_key), self.card.model_dump_json(), nx=True)
+
+    def _name_taken(self, holder: dict[str, Any]) -> None:
+        """A live worker of another process took this worker's name while it did not beat (it was stopped, frozen,
+        cut off from Redis): this one stops, as a second process under one name is refused at start
+        (:mod:`workers.namesakes`). It could not be seen (no beat, no live entry, no probe), and the heartbeat
+        hooks no longer renew its generations' claims or its deliveries' visibility, so every generation it took
+        would run twice. The warm shutdown of a ``SIGTERM`` stops its consumer at once; what it holds ends as a
+        warm shutdown ends it, and whatever it does not finish comes back to the queue."""
+        log.error("worker %s: another process (pid %s) runs under this name now: this worker stops (warm shutdown) "
+                  "and takes nothing more", self.hostname, holder.get("pid", "?"))  # fmt: skip
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def _shutdown_begins(self, sender: Any = None, **_: Any) -> None:
         """Celery's ``worker_shutting_down`` (in the signal handler of SIGTERM/SIGINT/SIGQUIT, before it sets the

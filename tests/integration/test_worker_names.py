@@ -181,3 +181,30 @@ def test_two_workers_started_at_once_under_one_name_leave_one_running(fleet: Fle
     survivor.wait_ready(120)
     assert survivor.proc is not None and survivor.proc.poll() is None
     assert _beat(r, "twin@race")["pid"] == survivor.proc.pid
+
+
+def test_a_worker_frozen_while_another_took_its_name_stops_when_it_wakes(fleet: Fleet) -> None:
+    """A worker stopped (SIGSTOP, a frozen VM) past its heartbeat's staleness loses its name to a worker started
+    under it. Woken, it used to log once that its beats are not published, and went on taking requests: unseen
+    by every probe and status, its generations' claims and its deliveries' visibility no longer renewed (so each
+    generation it took ran twice). Now it stops, as a second process under a live name is refused at start."""
+    cfg = fleet.config()
+    r: redis.Redis[bytes] = redis.Redis.from_url(fleet.redis_url)
+    frozen = fleet.worker(cfg, MODEL, hostname="frozen@test")
+    assert frozen.proc is not None
+    frozen_instance = _beat(r, "frozen@test")["instance"]
+    frozen.proc.send_signal(signal.SIGSTOP)
+    try:  # the taker starts once the frozen one's beat is stale (its own check waits for that)
+        taker = fleet.worker(cfg, MODEL, hostname="frozen@test", wait=False)
+        poll_until(lambda: _beat(r, "frozen@test").get("instance") not in (None, frozen_instance)
+                   and _ready(r, "frozen@test"), 120, "the taker's ready beat under the name")  # fmt: skip
+        taken_by = _beat(r, "frozen@test")["instance"]
+    finally:
+        frozen.proc.send_signal(signal.SIGCONT)
+    assert frozen.proc.wait(timeout=120) is not None
+    log = frozen.log_tail(20_000)
+    assert "runs under this name now: this worker stops" in log, log
+    assert taker.proc is not None and taker.proc.poll() is None
+    assert _beat(r, "frozen@test")["instance"] == taken_by  # the frozen one's stop left the taker's beat alone
+    client = fleet.client(cfg)
+    assert client.result(client.submit(MODEL, [4, 5, 6]), wait=True, timeout_s=60) is not None
