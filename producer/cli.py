@@ -1,7 +1,8 @@
 """The ``fleet`` command line. Every command that returns data prints JSON on stdout.
 
 Exit codes: 0 ok; 1 the request failed, timed out or is unknown, Redis unreachable or refused the
-credentials; 2 bad input or settings (nothing queued); 3 a worker could not start. A failure prints one
+credentials; 2 bad input or settings (nothing queued); 3 a worker could not start; 130 interrupted; 141 stdout
+closed early (nothing said). A failure prints one
 line that names the cause and the fix, without a traceback unless ``fleet --debug``
 (:mod:`producer.cli_errors`).
 """
@@ -156,8 +157,11 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    from producer.worker_celery_args import celery_args
     from protocol.settings import load_settings
     from tools.processes import worker_command
+
+    passed = celery_args(args.celery_args)  # an option the fleet sets itself is refused before anything runs
 
     env_updates = {}
     if args.model:
@@ -179,7 +183,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     hostname = args.hostname or (_free_default_name(settings, model) if checked.answered else f"{model}@%h")
     loglevel = args.loglevel or settings.worker.loglevel
     cmd = worker_command(model, settings.worker.concurrency, hostname, settings.queue_for(model), loglevel)
-    os.execvp(cmd[0], [*cmd, *args.celery_args])
+    os.execvp(cmd[0], [*cmd, *passed])
     return 0  # pragma: no cover - execvp does not return
 
 
@@ -236,9 +240,9 @@ def fleet_version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``fleet`` argument parser (sub-commands register here)."""
-    parser = argparse.ArgumentParser(
-        prog="fleet", description="onnx-fleet: queue-based ONNX Runtime inference."
-    )
+    from producer.worker_celery_args import PassThroughParser
+
+    parser = PassThroughParser(prog="fleet", description="onnx-fleet: queue-based ONNX Runtime inference.")
     parser.add_argument("--version", action="version", version=f"%(prog)s (onnx-fleet) {fleet_version()}",
                         help="print the installed onnx-fleet version and exit")
     parser.add_argument("--debug", action="store_true",
@@ -285,7 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("request_id", help="the ID submit printed (or the request_id the caller gave)")
     p.set_defaults(func=cmd_cancel)
 
-    p = sub.add_parser("worker", help="run a Celery worker for one model (extra args go to celery)")
+    p = sub.add_parser(
+        "worker", help="run a Celery worker for one model (extra args go to celery)",
+        description="Run a Celery worker for one model. Any option not listed here goes to `celery worker` in the "
+        "order given (e.g. --logfile F, -O fair, --max-tasks-per-child N), and everything after --. Refused, as the "
+        "fleet sets them itself: -P/--pool, -Q/--queues, -X/--exclude-queues, --autoscale, and -c/--concurrency "
+        "after -- (give --concurrency to fleet worker).",
+    )
     _add_common(p)
     p.add_argument("--model", default=None, help="model to serve (default: settings worker.model)")
     p.add_argument("--concurrency", "-c", type=setting_type(WorkerSettings, "worker.concurrency"), default=None,
@@ -294,8 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Celery node name (default: <model>@<host>, or <model>-N@<host> when that name is live)")
     p.add_argument("--loglevel", "-l", default=None, type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="Celery's and the worker's log level (default: worker.loglevel, FLEET_WORKER__LOGLEVEL: INFO)")
-    p.add_argument("celery_args", nargs=argparse.REMAINDER, help="passed through to `celery worker`")
-    p.set_defaults(func=cmd_worker)
+    p.passes_unknown_to = "celery_args"  # a PassThroughParser, as its parent
+    p.set_defaults(func=cmd_worker, celery_args=[])
 
     p = sub.add_parser("build-model", help="build the demo/bench ONNX models from seeded numpy weights")
     from tools.build_model import add_build_model_arguments

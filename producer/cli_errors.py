@@ -14,7 +14,9 @@ Exit codes (every ``fleet`` command, ``python -m producer.ops_cli`` too):
   that is wrong where Redis or something else answers: no such database, not Redis at that port,
   ``rediss://`` to a Redis without TLS or to something that speaks neither TLS nor Redis): nothing done;
 * 3 a worker could not start;
-* 130 interrupted (Ctrl-C).
+* 130 interrupted (Ctrl-C);
+* 141 stdout closed early (``fleet status | head -1``): what a shell reports for a command SIGPIPE killed, and
+  nothing printed (:func:`run_command`).
 """
 
 from __future__ import annotations
@@ -39,13 +41,15 @@ from tools.interrupts import (
     note_lost_interrupts,
 )
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "RequestFailed", "debug_enabled",
-           "redis_failure", "run_command"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_STDOUT_CLOSED", "RequestFailed",
+           "debug_enabled", "redis_failure", "run_command"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
+EXIT_STDOUT_CLOSED = 141
+"""128 + SIGPIPE: a ``fleet`` whose reader closed its stdout ends as a command killed by SIGPIPE would."""
 
 REDIS_UNREACHABLE_FIX = "start one with `fleet redis`, or set FLEET_REDIS_URL to a Redis that answers"
 REDIS_CREDENTIALS_FIX = "check the user and password in FLEET_REDIS_URL (redis://USER:PASSWORD@host:port/db)"
@@ -215,6 +219,42 @@ def _path_problem(exc: OSError) -> str:
     return line
 
 
+def stdout_closed() -> bool:
+    """Whether nothing reads ``sys.stdout`` any more (a pipe whose reader exited: ``fleet status | head -1``).
+
+    Asked of the file itself (``poll``: an error on the write end), so that a BrokenPipeError from another pipe
+    (a child process's stdin) is still reported as a failure."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by an object without a file (a test's capture)
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+def silence_stdout() -> None:
+    """Point ``sys.stdout``'s file at ``/dev/null``: what is still buffered, flushed at exit, goes nowhere instead
+    of raising a second BrokenPipeError (the Python docs' recipe, "Note on SIGPIPE" in :mod:`signal`)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+
+
+def _print_payload(line: str) -> None:
+    """A failure's JSON line on stdout; where nobody reads it any more, only the failure's line (stderr) is said."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        if not stdout_closed():
+            raise
+        silence_stdout()
+
+
 def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
     """Run a sub-command's function; a failure becomes ``fleet: <one line>`` on stderr and its exit code.
 
@@ -222,10 +262,12 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
     with 130 and ``fleet: interrupted`` also where CPython mishandles it (:mod:`tools.interrupts`): one
     that landed in a finalizer (no traceback; a command that ran to its end after it is reported
     interrupted, unless it handled the stop itself), one that left a string ``exec`` (no death by SIGINT).
+    A stdout whose reader went away (``fleet status | true``) ends it with 141 and no message, ``--debug`` too.
     """
     note_lost_interrupts()
     try:
         code = int(func(args) or 0)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit ("Exception ignored … BrokenPipeError")
         if interrupt_was_lost():
             print("fleet: interrupted", file=sys.stderr)
             return EXIT_INTERRUPTED
@@ -236,12 +278,15 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
         print("fleet: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as exc:
+        if isinstance(exc, BrokenPipeError) and stdout_closed():  # not a failure: the reader had enough
+            silence_stdout()
+            return EXIT_STDOUT_CLOSED
         if debug_enabled(args):
             raise
         line, code, payload = _describe(exc, args)
         error = exc.error if isinstance(exc, RequestFailed) else exc
         if payload and isinstance(error, FleetError):
-            print(json.dumps(error.to_payload()))
+            _print_payload(json.dumps(error.to_payload()))
         print(f"fleet: {line}", file=sys.stderr)
         return code
     finally:

@@ -50,19 +50,28 @@ def generation_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
 def parse_ids(raw: str, flag: str, field: str) -> list[int]:
     """The token ids of ``flag``, separated by commas and/or whitespace (``5,6,7``, ``5, 6, 7``, ``5 6 7``).
 
-    Whitespace separates ids: it is never dropped inside one (``"5 6 7"`` once became the single id 567).
+    Whitespace separates ids: it is never dropped inside one (``"5 6 7"`` once became the single id 567). An id
+    is ASCII digits with an optional ``-``, as written, nothing dropped or read otherwise: an empty item
+    (``5,,6``, ``5,6,``: a lost id) was skipped, ``5_0`` read as 50 and fullwidth ``５`` as 5. A blank ``raw``
+    is no ids.
 
     Raises:
-        InvalidRequest: an item is not an integer; names ``flag`` and the item (exit 2, nothing queued).
+        InvalidRequest: an item is empty or not an integer; names ``flag``, the item and its position (1 = the
+            first; exit 2, nothing queued).
     """
-    items = [t for t in re.split(r"[,\s]+", raw) if t != ""]
-    for item in items:
-        try:
-            int(item)
-        except ValueError:
+    if not raw.strip():
+        return []
+    items = [item for part in raw.split(",") for item in (part.split() or [""])]
+    for position, item in enumerate(items, 1):
+        if not _TOKEN_ID.fullmatch(item):
+            said = "is empty" if item == "" else f"is {item!r}"
             raise InvalidRequest(f"{flag} must be comma-separated integers (or separated by spaces: 5,6,7 or "
-                                 f"5 6 7), got {item!r}", field, "integers") from None
-    return [int(t) for t in items]
+                                 f"5 6 7): item {position} {said}", field, "integers")
+    return [int(item) for item in items]
+
+
+_TOKEN_ID = re.compile(r"-?[0-9]+")
+"""One id of :func:`parse_ids`: ASCII digits (``str.isdigit`` and ``int`` take other scripts' digits too)."""
 
 
 def print_stream(client: Any, request_id: str, timeout_s: float) -> int:

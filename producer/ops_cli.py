@@ -36,7 +36,7 @@ from producer.worker_readiness import not_ready_reason as _not_ready_reason
 from protocol.errors import ConfigError
 from protocol.keys import WORKER_KEY_PREFIX
 from protocol.redis_conn import describe_redis_error, sync_client
-from protocol.settings import ApiSettings, FleetSettings, FlowerSettings, load_settings
+from protocol.settings import ApiSettings, FleetSettings, FlowerSettings, load_settings, no_config_file_read
 
 __all__ = ["format_status", "main", "register"]
 
@@ -195,11 +195,13 @@ def probe(settings: FleetSettings, kind: str, *, worker: str | None, models: lis
     thread (a thread the worker needs that died is restarted by nothing: the process must be). A Redis that does not
     answer fails no liveness: it is not the probed process's fault, and a liveness probe that failed on it
     restarted every worker and gateway at once (into the same outage); readiness fails instead.
-    ``ready``: Redis answers and each of ``models`` (default: all configured) has a ready worker
-    (with ``worker``: that worker's heartbeat says ready).
+    ``ready``: Redis answers and each of ``models`` (default: all configured, and settings that configure none
+    fail: :func:`no_models_configured`) has a ready worker (with ``worker``: that worker's heartbeat says ready).
     """
     from producer.registry import read_fleet_state, readiness_problems
 
+    if kind == "ready" and worker is None and not models and not settings.models:
+        return [no_models_configured(settings)]  # else "ok": every one of no models has a ready worker
     client = _redis(settings)
     try:
         client.ping()
@@ -215,6 +217,9 @@ def probe(settings: FleetSettings, kind: str, *, worker: str | None, models: lis
                         "died (its exception is in the worker's log); restart it"]  # fmt: skip
             return []
         if kind == "live":
+            if not settings.models:  # said, as a Redis outage is: restarting the process would not configure one
+                print(f"fleet probe live: note: {no_models_configured(settings)}: a reason to be not ready, not to "
+                      "be restarted", file=sys.stderr)
             return []
         keys = [settings.model_key(m) for m in models] if models else None
         return readiness_problems(read_fleet_state(settings, client), keys)
@@ -226,6 +231,14 @@ def probe(settings: FleetSettings, kind: str, *, worker: str | None, models: lis
         return [describe_redis_error(exc, settings)]
     finally:
         client.close()
+
+
+def no_models_configured(settings: FleetSettings) -> str:
+    """Why a fleet-wide readiness probe fails on settings that configure no model: the file read (or that none
+    was, in the words of :func:`protocol.settings.no_config_file_read`)."""
+    if settings.config_file is None:
+        return f"no models configured ({no_config_file_read()})"
+    return f"no models configured: {settings.config_file} has none under models"
 
 
 def cmd_probe(args: argparse.Namespace) -> int:

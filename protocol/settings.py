@@ -26,9 +26,10 @@ import contextvars
 import difflib
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
@@ -78,6 +79,8 @@ __all__ = [
 ]
 
 DEFAULT_CONFIG_PATH = Path("configs/fleet.yaml")
+_DATABASE = re.compile(r"[0-9]{1,9}")
+"""A Redis database number in a URL: ASCII digits (not ``+1``, ``1_0``, ``１``), what redis-py and Celery both read."""
 
 
 class FleetSettings(BaseSettings):
@@ -158,13 +161,23 @@ class FleetSettings(BaseSettings):
 
     @field_validator("redis_url")
     @classmethod
-    def _check_redis_ports(cls, url: str) -> str:
-        """Each host's port (every ``;``-separated part of a sentinel:// list) is a number from 0 to 65535:
-        refused here, not by the first connection (the message never shows the URL: it may hold a password)."""
-        try:
-            _ = [urlsplit(part.strip()).port for part in url.split(";")]  # .port raises on a bad one
-        except ValueError:  # not echoed: in redis://USER:PASSWORD/0 (no @HOST), urlsplit's "port" is the password
-            raise ValueError("a port must be a number from 0 to 65535 (redis://HOST:PORT/DB)") from None
+    def _check_redis_ports_and_databases(cls, url: str) -> str:
+        """Each host's port (every ``;``-separated part of a sentinel:// list) is a number from 0 to 65535, and
+        each part's database (``/DB``, or ``?db=DB``) an integer from 0: refused here, not by the first connection
+        (redis-py read ``/abc`` as database 0, Celery raised on it). The message never shows the URL: it may hold
+        a password."""
+        for part in (p.strip() for p in url.split(";")):
+            try:
+                parts = urlsplit(part)
+                _ = parts.port  # raises on a bad one
+            except ValueError:  # not echoed: in redis://USER:PASSWORD/0 (no @HOST), urlsplit's "port" is the password
+                raise ValueError("a port must be a number from 0 to 65535 (redis://HOST:PORT/DB)") from None
+            path_db = None if parts.scheme.lower() == "unix" else parts.path.removeprefix("/")  # unix://: a socket
+            for db in (path_db, *(v for k, v in parse_qsl(parts.query, keep_blank_values=True) if k == "db")):
+                if db is not None and db != "" and not _DATABASE.fullmatch(db):
+                    shown = "" if "@" in db or ":" in db else f" {db!r}"  # "@": part of a password with a "/" in it
+                    raise ValueError(f"database{shown} is not an integer from 0 to the server's `databases` - 1 "
+                                     "(16 by default): redis://HOST:PORT/DB")
         return url
 
     @model_validator(mode="after")

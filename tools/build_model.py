@@ -19,12 +19,14 @@ last); both folders also get ``generation_config.json`` and ``tokenizer_config.j
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from producer.cli_types import number_in
 from protocol.errors import ConfigError
 from protocol.modelcard import load_card
 
@@ -86,6 +88,13 @@ _OVERRIDES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
+_SIZE = number_in(int, 1, math.inf, "must be an integer >= 1")
+"""argparse type of every size flag (--layers, --hidden, --heads, --kv-heads, --vocab, --max-positions): 0 divided
+by zero in a builder, a negative one reached numpy ("negative dimensions are not allowed", naming no flag)."""
+_SEED = number_in(int, 0, math.inf, "must be an integer >= 0")
+"""argparse type of --seed (numpy's generators take no negative seed)."""
+
+
 def preset_parameter_count(preset: str, kind: str) -> int:
     """Number of weights of ``kind`` in ``preset``, computed from the sizes without building.
 
@@ -120,13 +129,13 @@ def add_build_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="size preset (default: demo, builds in about a second; bench: ~25-28 M weights per LM)")
     parser.add_argument("--name", help="model name (only with a single --kind)")
     parser.add_argument("--version", help="model version (default: 1.0.0)")
-    parser.add_argument("--layers", type=int, help="number of transformer blocks")
-    parser.add_argument("--hidden", type=int, help="hidden size (width)")
-    parser.add_argument("--heads", type=int, help="attention heads (must divide --hidden)")
-    parser.add_argument("--kv-heads", type=int, help="llama only: KV heads (must divide --heads; default: 2)")
-    parser.add_argument("--vocab", type=int, help="vocabulary size (>= 259 for the byte tokenizer)")
-    parser.add_argument("--max-positions", type=int, help="longest past + sequence length (tokens)")
-    parser.add_argument("--seed", type=int, help="weight seed (default: 0)")
+    parser.add_argument("--layers", type=_SIZE, help="number of transformer blocks")
+    parser.add_argument("--hidden", type=_SIZE, help="hidden size (width)")
+    parser.add_argument("--heads", type=_SIZE, help="attention heads (must divide --hidden)")
+    parser.add_argument("--kv-heads", type=_SIZE, help="llama only: KV heads (must divide --heads; default: 2)")
+    parser.add_argument("--vocab", type=_SIZE, help="vocabulary size (>= 259 for the byte tokenizer)")
+    parser.add_argument("--max-positions", type=_SIZE, help="longest past + sequence length (tokens)")
+    parser.add_argument("--seed", type=_SEED, help="weight seed (default: 0)")
 
 
 def _specs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:

@@ -18,14 +18,51 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from producer.cli_types import number_in
+
 if TYPE_CHECKING:
     from store.model_store import ModelStore
 
-__all__ = ["register", "run_quantize"]
+__all__ = ["op_type_list", "register", "run_quantize"]
+
+_COUNT = number_in(int, 1, math.inf, "must be an integer >= 1 (prompts)")
+_TOKENS = number_in(int, 1, math.inf, "must be an integer >= 1 (tokens)")
+_SEED = number_in(int, 0, math.inf, "must be an integer >= 0")
+_FRACTION = number_in(float, 0, 1, "must be a number from 0 to 1 (a fraction of the prompts)")
+_NATS = number_in(float, 0, sys.float_info.max, "must be a finite number >= 0 (nats)")
+_COSINE = number_in(float, -1, 1, "must be a number from -1 to 1 (a cosine similarity)")
+_ROUNDS = number_in(int, 1, math.inf, "must be an integer >= 1 (timed runs)")
+_THREADS = number_in(int, 0, math.inf, "must be an integer >= 0 (0 = all cores)")
+"""argparse types of the numeric flags: each refuses NaN, and a value out of its range naming the range."""
+
+
+def op_type_list(raw: str) -> tuple[str, ...]:
+    """``--op-types``: comma-separated op types that ONNX Runtime's quantizer knows (dynamic or static).
+
+    Raises:
+        argparse.ArgumentTypeError: no op type, or one the quantizer does not know (named, with the known ones).
+    """
+    from onnxruntime.quantization.registry import IntegerOpsRegistry, QDQRegistry, QLinearOpsRegistry
+
+    known = sorted({*IntegerOpsRegistry, *QDQRegistry, *QLinearOpsRegistry})
+    names = [t.strip() for t in raw.split(",")]
+    if not any(names):
+        raise argparse.ArgumentTypeError(f"must name at least one op type, e.g. MatMul,Gather; got {raw!r}")
+    for position, name in enumerate(names, 1):
+        if not name:
+            raise argparse.ArgumentTypeError(f"item {position} is empty (write MatMul,Gather), got {raw!r}")
+        if name not in known:
+            raise argparse.ArgumentTypeError(f"item {position} {name!r} is not an op type ONNX Runtime quantizes "
+                                             f"(one of {', '.join(known)})")
+    return tuple(names)
+
+
+op_type_list.__name__ = "--op-types"  # what argparse names in any message of its own
 
 
 def register(subparsers: Any) -> None:
@@ -70,12 +107,13 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--calibration-count",
-        type=int,
+        type=_COUNT,
         default=d.calibration_count,
         help="synthetic calibration prompts when no --calibration file is given (default %(default)s)",
     )
     p.add_argument(
         "--op-types",
+        type=op_type_list,
         default=None,
         help="comma-separated op types to quantize (default: ORT's for dynamic, MatMul,Gather for static)",
     )
@@ -86,29 +124,28 @@ def register(subparsers: Any) -> None:
         default=None,
         help=f"held-out JSONL prompts for the report; default: {d.eval_count} seeded synthetic ones",
     )
-    p.add_argument("--eval-count", type=int, default=d.eval_count,
+    p.add_argument("--eval-count", type=_COUNT, default=d.eval_count,
                    help="synthetic held-out prompts when no --eval file is given (default %(default)s)")
-    p.add_argument(
-        "--min-tokens", type=int, default=d.min_tokens, help="shortest synthetic prompt (tokens; default %(default)s)"
-    )
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
+    p.add_argument("--min-tokens", type=_TOKENS, default=d.min_tokens,
+                   help="shortest synthetic prompt (tokens; default %(default)s)")
+    p.add_argument("--max-tokens", type=_TOKENS, default=d.max_tokens,
                    help="longest synthetic prompt (tokens; default %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of the synthetic prompts (default %(default)s)")
+    p.add_argument("--seed", type=_SEED, default=d.seed, help="seed of the synthetic prompts (default %(default)s)")
     p.add_argument(
         "--min-top1-agreement",
-        type=float,
+        type=_FRACTION,
         default=d.min_top1_agreement,
         help=f"gate: least top-1 next-token agreement with FP32, 0..1 (default {d.min_top1_agreement})",
     )
     p.add_argument(
         "--max-kl",
-        type=float,
+        type=_NATS,
         default=d.max_kl,
         help=f"gate: largest mean KL(P_fp32 || P_quantized) in nats (default {d.max_kl})",
     )
     p.add_argument(
         "--min-cosine",
-        type=float,
+        type=_COSINE,
         default=d.min_cosine,
         help=f"gate for an encoder (--mode fp16): least cosine similarity of a prompt's FP32 and converted "
         f"mean-pooled vectors (default {d.min_cosine})",
@@ -116,10 +153,10 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--version", default=None, help="version of the new file (default: <version>-int8[-static][-sym])"
     )
-    p.add_argument("--latency-rounds", type=int, default=d.latency_rounds,
+    p.add_argument("--latency-rounds", type=_ROUNDS, default=d.latency_rounds,
                    help="timed runs per model for the report's latency comparison (default %(default)s)")
     p.add_argument(
-        "--threads", type=int, default=d.intra_op_threads,
+        "--threads", type=_THREADS, default=d.intra_op_threads,
         help="ORT intra-op threads (0 = all cores; default %(default)s)"
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing quantized file")
@@ -141,6 +178,10 @@ def run_quantize(args: argparse.Namespace) -> int:
     from tools.quantize import QuantizationRefused, QuantizeConfig, quantize_model
     from tools.quantize_config import mode_for_target
 
+    if args.min_tokens > args.max_tokens:
+        print(f"fleet quantize: --min-tokens ({args.min_tokens}) must be <= --max-tokens ({args.max_tokens})",
+              file=sys.stderr)
+        return 2
     try:  # before anything is loaded: a refused target costs nothing
         mode, symmetric = mode_for_target(args.target, args.mode, args.symmetric)
     except ValueError as exc:
@@ -153,7 +194,7 @@ def run_quantize(args: argparse.Namespace) -> int:
         per_channel=args.per_channel,
         calibration_path=args.calibration,
         calibration_count=args.calibration_count,
-        op_types=tuple(t for t in args.op_types.split(",") if t) if args.op_types else None,
+        op_types=args.op_types or None,
         eval_path=args.eval_path,
         eval_count=args.eval_count,
         min_tokens=args.min_tokens,

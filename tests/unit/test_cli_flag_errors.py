@@ -10,9 +10,10 @@ import pytest
 
 from producer.cli import build_parser
 from producer.cli import main as fleet_main
-from protocol.errors import ModelLoadError
+from producer.worker_celery_args import celery_args
+from protocol.errors import ConfigError, ModelLoadError
 from protocol.modelcard import load_card
-from protocol.settings import EngineSettings
+from protocol.settings import EngineSettings, FleetSettings
 from tools.build_lm import build_causal_lm
 from workers.engine import serving_graph
 
@@ -34,6 +35,31 @@ DOWN = "redis://127.0.0.1:1/0"
     (["dead-letter", "purge", "--older-than", "x"], ["--older-than", "seconds >= 0"]),
     (["submit", "--model", "demo-lm", "--tokens", "5", "--wait", "--timeout", "-1"], ["--timeout", "from 0 to 86400"]),
     (["result", "r-1", "--wait", "--timeout", "-1"], ["--timeout", "from 0 to 86400"]),
+    # fleet quantize: NaN passed the gate and reached the report; 0 divided by zero, stacked nothing, collected nothing
+    (["quantize", "m.onnx", "--max-kl", "nan"], ["--max-kl", "finite number >= 0", "'nan'"]),
+    (["quantize", "m.onnx", "--max-kl", "-1"], ["--max-kl", "finite number >= 0"]),
+    (["quantize", "m.onnx", "--max-kl", "inf"], ["--max-kl", "finite number >= 0"]),
+    (["quantize", "m.onnx", "--min-top1-agreement", "nan"], ["--min-top1-agreement", "from 0 to 1"]),
+    (["quantize", "m.onnx", "--min-top1-agreement", "2"], ["--min-top1-agreement", "from 0 to 1"]),
+    (["quantize", "m.onnx", "--min-cosine", "1.5"], ["--min-cosine", "from -1 to 1"]),
+    (["quantize", "m.onnx", "--latency-rounds", "0"], ["--latency-rounds", "integer >= 1"]),
+    (["quantize", "m.onnx", "--eval-count", "0"], ["--eval-count", "integer >= 1"]),
+    (["quantize", "m.onnx", "--mode", "static", "--calibration-count", "0"], ["--calibration-count", "integer >= 1"]),
+    (["quantize", "m.onnx", "--min-tokens", "0"], ["--min-tokens", "integer >= 1"]),
+    (["quantize", "m.onnx", "--max-tokens", "-3"], ["--max-tokens", "integer >= 1"]),
+    (["quantize", "m.onnx", "--seed", "-1"], ["--seed", "integer >= 0"]),
+    (["quantize", "m.onnx", "--threads", "-1"], ["--threads", "integer >= 0"]),
+    (["quantize", "m.onnx", "--op-types", "Bogus"], ["--op-types", "item 1 'Bogus' is not an op type", "MatMul"]),
+    (["quantize", "m.onnx", "--op-types", "MatMul,,Gather"], ["--op-types", "item 2 is empty"]),
+    # fleet build-model: --hidden 0 divided by zero, -8 reached numpy ("negative dimensions…", no flag named)
+    (["build-model", "--kind", "lm", "--hidden", "0"], ["--hidden", "must be an integer >= 1", "'0'"]),
+    (["build-model", "--kind", "lm", "--hidden", "-8"], ["--hidden", "must be an integer >= 1"]),
+    (["build-model", "--kind", "lm", "--layers", "0"], ["--layers", "must be an integer >= 1"]),
+    (["build-model", "--kind", "lm", "--heads", "0"], ["--heads", "must be an integer >= 1"]),
+    (["build-model", "--kind", "llama", "--kv-heads", "0"], ["--kv-heads", "must be an integer >= 1"]),
+    (["build-model", "--kind", "identity", "--vocab", "-1"], ["--vocab", "must be an integer >= 1"]),
+    (["build-model", "--kind", "identity", "--max-positions", "0"], ["--max-positions", "must be an integer >= 1"]),
+    (["build-model", "--kind", "lm", "--seed", "-1"], ["--seed", "must be an integer >= 0"]),
 ])  # fmt: skip
 def test_a_flag_out_of_range_is_refused_naming_the_flag_and_the_range(
     argv: list[str], says: list[str], capsys: pytest.CaptureFixture[str]
@@ -64,7 +90,6 @@ def test_stop_token_ids_that_are_not_integers_are_bad_input(
 @pytest.mark.parametrize(("flags", "says"), [
     (["--heads", "7"], ["--heads=7", "--hidden=64 is not a multiple"]),
     (["--vocab", "10"], ["--vocab=10 is too small", "259"]),
-    (["--layers", "0"], ["--layers", "must be >= 1"]),
 ])  # fmt: skip
 def test_build_model_names_the_flag_and_the_rule(
     flags: list[str], says: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -84,6 +109,101 @@ def test_a_redis_url_with_a_bad_port_is_a_settings_error(
         line = _one_line(capsys)
         assert code == 2 and "redis_url (FLEET_REDIS_URL)" in line and "0 to 65535" in line, line
         assert "sekret" not in line
+
+
+def test_quantize_refuses_a_shortest_prompt_longer_than_the_longest(capsys: pytest.CaptureFixture[str]) -> None:
+    code = fleet_main(["quantize", "m.onnx", "--min-tokens", "9", "--max-tokens", "8"])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == "fleet quantize: --min-tokens (9) must be <= --max-tokens (8)"
+
+
+@pytest.mark.parametrize(("url", "database"), [
+    ("redis://127.0.0.1:1/abc", "'abc'"),  # redis-py ran on database 0, Celery raised ValueError
+    ("redis://127.0.0.1:1/1_0", "'1_0'"),  # int() reads 10
+    ("redis://127.0.0.1:1/-1", "'-1'"),
+    ("redis://127.0.0.1:1/0/", "'0/'"),  # redis-py read 0, Celery refused it
+    ("rediss://127.0.0.1:1/x?ssl_cert_reqs=none", "'x'"),
+    ("unix:///tmp/redis.sock?db=abc", "'abc'"),
+    ("redis://127.0.0.1:1/0?db=two", "'two'"),
+    ("sentinel://127.0.0.1:1/0;sentinel://127.0.0.1:2/zz", "'zz'"),  # every part, as the port
+    ("redis://fleet:12/sekret@127.0.0.1:1/0", ""),  # a password with a / in it: the "database" is not shown
+])  # fmt: skip
+def test_a_redis_url_whose_database_is_not_an_integer_is_a_settings_error(
+    url: str, database: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("FLEET_REDIS_URL", url)
+    for argv in (["status"], ["submit", "--model", "demo-lm", "--tokens", "5"], ["probe", "ready"]):
+        code = fleet_main(argv)
+        line = _one_line(capsys)
+        assert code == 2 and line.startswith("fleet: invalid setting redis_url (FLEET_REDIS_URL): database"), line
+        assert f"database{' ' + database if database else ''} is not an integer from 0 to" in line, line
+        assert "sekret" not in line
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/15", "redis://127.0.0.1:6379",
+                                 "redis://127.0.0.1:6379/", "unix:///tmp/redis.sock?db=3", "rediss://h:1/2?ssl_cert_reqs=none"])
+def test_a_redis_url_with_an_integer_database_or_none_is_accepted(url: str) -> None:
+    assert FleetSettings(redis_url=url).redis_url == url
+
+
+@pytest.mark.parametrize(("argv", "passed"), [
+    (["--logfile", "w.log"], ["--logfile", "w.log"]),  # was: unrecognized arguments
+    (["-c", "8", "-O", "fair", "--max-tasks-per-child", "5"], ["-O", "fair", "--max-tasks-per-child", "5"]),
+    (["--logfile", "w.log", "--", "-O", "fair"], ["--logfile", "w.log", "-O", "fair"]),  # Celery got the -- itself
+    (["--", "--loglevel", "debug"], ["--loglevel", "debug"]),  # after --: Celery's, not fleet worker's
+    ([], []),
+])  # fmt: skip
+def test_fleet_worker_passes_the_options_it_does_not_read_to_celery_in_order(
+    argv: list[str], passed: list[str]
+) -> None:
+    args = build_parser().parse_args(["worker", "--model", "demo-lm", *argv])
+    assert celery_args(args.celery_args) == passed and args.model == "demo-lm"
+
+
+@pytest.mark.parametrize(("argv", "option", "use"), [
+    (["-P", "prefork"], "-P", "--concurrency N (worker.concurrency)"),
+    (["--pool=solo"], "--pool", "--concurrency N (worker.concurrency)"),
+    (["-Psolo"], "-P", "threads pool"),
+    (["-Q", "x"], "-Q", "models.<name>.queue"),
+    (["--exclude-queues", "x"], "--exclude-queues", "models.<name>.queue"),
+    (["--autoscale", "10,3"], "--autoscale", "--concurrency N"),
+    (["--", "-c", "8"], "-c", "before any --"),
+])  # fmt: skip
+def test_fleet_worker_refuses_the_celery_options_the_fleet_sets_naming_the_setting(
+    argv: list[str], option: str, use: str
+) -> None:
+    args = build_parser().parse_args(["worker", "--model", "demo-lm", *argv])
+    with pytest.raises(ConfigError) as refused:
+        celery_args(args.celery_args)
+    assert str(refused.value).startswith(f"fleet worker does not pass {option} to celery: ") and use in str(
+        refused.value), refused.value
+
+
+def test_only_fleet_worker_passes_unknown_options(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, unknown in ((["status", "--logfile", "x"], "--logfile x"),
+                          (["--logfile", "worker"], "--logfile")):  # before the sub-command: fleet's own
+        with pytest.raises(SystemExit) as exited:
+            build_parser().parse_args(argv)
+        assert exited.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == f"fleet: error: unrecognized arguments: {unknown}"
+
+
+def test_a_readiness_probe_with_no_model_configured_fails_before_asking_redis(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """(it said ``ok`` where Redis answered: tests/integration/test_first_day_cli_faces.py)"""
+    monkeypatch.chdir(tmp_path)  # no configs/fleet.yaml here
+    monkeypatch.delenv("FLEET_CONFIG", raising=False)
+    monkeypatch.setenv("FLEET_REDIS_URL", DOWN)
+    assert fleet_main(["probe", "ready"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"fleet probe ready: FAIL: no models configured (no config file was read: configs/fleet.yaml is not in "
+        f"{tmp_path}; run from the folder that holds it, or set FLEET_CONFIG to its path)")
+    empty = tmp_path / "no-models.yaml"
+    empty.write_text("models: {}\n")
+    assert fleet_main(["probe", "ready", "--config", str(empty)]) == 1
+    said = capsys.readouterr().err.strip()
+    assert said == f"fleet probe ready: FAIL: no models configured: {empty} has none under models", said
 
 
 @pytest.fixture
