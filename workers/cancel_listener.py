@@ -83,7 +83,9 @@ class CancelListener:
         with self._lock:
             self._watched.pop(request_id, None)
 
-    def _flag(self, request_id: str) -> None:
+    def flag(self, request_id: str) -> None:
+        """Stop the watched generation ``request_id`` at its next step, or end the one-step request waiting for its
+        batch, as a cancel heard on ``fleet:cancels`` does."""
         with self._lock:
             seq = self._watched.get(request_id)
         if seq is not None:
@@ -106,7 +108,7 @@ class CancelListener:
                             continue
                         if message.get("type") == "message":
                             data = message["data"]
-                            self._flag(data.decode() if isinstance(data, bytes) else str(data))
+                            self.flag(data.decode() if isinstance(data, bytes) else str(data))
                         elif message.get("type") == "subscribe":  # every cancel is heard from now on: read
                             self._catch_up()  # back those published before
                 finally:
@@ -124,7 +126,7 @@ class CancelListener:
         marks = self.redis.mget([CANCEL_KEY.format(id=rid) for rid in ids])
         for rid, mark in zip(ids, marks, strict=True):
             if mark is not None:
-                self._flag(rid)
+                self.flag(rid)
 
     def poll(self) -> None:
         """Flag the watched generations whose cancel mark is set (one ``MGET``; none while each watched one

@@ -81,28 +81,39 @@ holder). Returns ``['stored', status]`` (a terminal outcome is stored: run nothi
 ``['held', holder, life left (ms)]`` (another delivery runs it) or, when only looking, ``['free', '']``."""
 
 RENEW_SCRIPT = """
-local lost = {}
+local lost, ended = {}, {}
 local claims = tonumber(ARGV[3])
+local function outcome_stored(key)
+  local meta = redis.call('GET', key)
+  if not meta then return false end
+  local ok, current = pcall(cjson.decode, meta)
+  local status = ok and type(current) == 'table' and current['status']
+  return status == 'SUCCESS' or status == 'FAILURE' or status == 'REVOKED'
+end
 for i = 1, claims do
   local holder = redis.call('GET', KEYS[i])
   if holder == ARGV[1] then
     redis.call('PEXPIRE', KEYS[i], ARGV[2])
-  elseif not holder then
-    redis.call('SET', KEYS[i], ARGV[1], 'PX', ARGV[2])
-  else
+  elseif holder then
     table.insert(lost, i)
+  elseif outcome_stored(KEYS[claims + i]) then
+    table.insert(ended, i)
+  else
+    redis.call('SET', KEYS[i], ARGV[1], 'PX', ARGV[2])
   end
 end
-for i = claims + 1, #KEYS do
-  redis.call('ZADD', KEYS[i], 'XX', ARGV[4], ARGV[i - claims + 4])
+for i = 2 * claims + 1, #KEYS do
+  redis.call('ZADD', KEYS[i], 'XX', ARGV[4], ARGV[i - 2 * claims + 4])
 end
-return lost
+return {lost, ended}
 """
-"""Renew this process's claims and the visibility of its deliveries. KEYS: the claims' run keys, then one
-kombu unacked index per delivery; ARGV: the owner string, the claims' life (ms), the number of run keys,
-now (unix s), then the deliveries' tags. A claim Redis lost is written again; a delivery's index score
-becomes now where the entry still exists (``XX``: one acked or restored meanwhile is not written back).
-Returns the (1-based) positions of the claims another owner holds now."""
+"""Renew this process's claims and the visibility of its deliveries. KEYS: the claims' run keys, then their
+result keys (in the same order), then one kombu unacked index per delivery; ARGV: the owner string, the claims'
+life (ms), the number of run keys, now (unix s), then the deliveries' tags. A claim Redis lost is written again
+unless its request's outcome is stored (another delivery ran it while this one's claim had lapsed: a heartbeat
+late by more than the claim's life, a process frozen); a delivery's index score becomes now where the entry
+still exists (``XX``: one acked or restored meanwhile is not written back). Returns two lists of (1-based)
+claim positions: those another owner holds now, and those whose outcome is stored with no claim left."""
 
 
 def owner_of(hostname: str) -> str:
@@ -174,6 +185,12 @@ class RunClaims:
         """Waiting deliveries that ran the generation after the holder's claim lapsed without an outcome."""
         self._refused_logged = False
         self._shutting_down = threading.Event()
+        self.ended_elsewhere = 0
+        """Generations this process ran whose outcome another delivery stored while their claim had lapsed."""
+        self.on_ended_elsewhere: Callable[[str], None] | None = None
+        """Called (on the heartbeat's thread) with the ID of such a generation: the worker stops it at its next
+        step, as a cancel does (:meth:`workers.cancel_listener.CancelListener.flag`); its own outcome, stored
+        after the other's, is refused (:mod:`broker.result_backend`: the first stored is kept)."""
 
     @property
     def waiting(self) -> frozenset[str]:
@@ -331,19 +348,30 @@ class RunClaims:
             visible = list(self._visible.items())
         if not held and not visible:
             return
-        keys = [RUN_KEY.format(id=rid) for rid in held] + [index_key for _, (_, index_key) in visible]
+        keys = ([RUN_KEY.format(id=rid) for rid in held] + [RESULT_KEY.format(id=rid) for rid in held]
+                + [index_key for _, (_, index_key) in visible])  # fmt: skip
         args = [self.owner, self.ttl_ms, len(held), repr(time.time()), *(tag for tag, _ in visible)]
-        lost = self._renew_script(keys=keys, args=args)
-        for position in lost or []:
+        lost, ended = self._renew_script(keys=keys, args=args) or ([], [])
+        for position in lost:
             self.release(held[int(position) - 1])  # logged once: not renewed from here on
             log.warning("generation %s: its claim lapsed (this worker's heartbeat was late by more than %.1f s) and "
                         "another delivery took it: both run", held[int(position) - 1], self.ttl_ms / 1000)  # fmt: skip
+        for position in ended:
+            rid = held[int(position) - 1]
+            self.release(rid)
+            self.ended_elsewhere += 1
+            log.warning("generation %s: its claim lapsed (this worker's heartbeat was late by more than %.1f s) and "
+                        "another delivery ran it to its end: stopped here, the stored result kept", rid,
+                        self.ttl_ms / 1000)  # fmt: skip
+            if self.on_ended_elsewhere is not None:
+                self.on_ended_elsewhere(rid)
 
 
 class RunClaimsCollector(Collector):
     """``fleet_worker_generation_copies_total{model,outcome}``: deliveries of a generation's ID that found its
     outcome stored (``skipped``: acked without running), found another delivery running it (``waited``), or
-    ran it after that delivery's claim lapsed without an outcome (``took_over``)."""
+    ran it after that delivery's claim lapsed without an outcome (``took_over``), or ran it here and were stopped
+    when another delivery had stored its outcome meanwhile (``ended_elsewhere``)."""
 
     def __init__(self, model: str, claims: RunClaims) -> None:
         self.model = model
@@ -354,6 +382,7 @@ class RunClaimsCollector(Collector):
                                      "Deliveries of a generation ID that another delivery held or finished.",
                                      labels=["model", "outcome"])  # fmt: skip
         for outcome, count in (("skipped", self.claims.skipped_stored), ("waited", self.claims.waited),
-                               ("took_over", self.claims.taken_over)):  # fmt: skip
+                               ("took_over", self.claims.taken_over),
+                               ("ended_elsewhere", self.claims.ended_elsewhere)):  # fmt: skip
             family.add_metric([self.model, outcome], count)
         yield family

@@ -148,6 +148,7 @@ class WorkerRuntime(RuntimeCounts):
         self.scheduler.on_death.append(self._scheduler_died)
         self.heartbeat.on_beat.append(self.run_claims.renew)
         self.heartbeat.on_ceded.append(self._name_taken)
+        self.run_claims.on_ended_elsewhere = self.streams.cancels.flag  # its outcome is stored: stop it here
         # every worker keeps its own queue's name clean, consumed or not (workers.direct_queue)
         ttl_s = self.heartbeat.ttl_s
         self.direct_queue = DirectQueue(

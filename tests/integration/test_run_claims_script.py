@@ -149,6 +149,31 @@ def test_renew_extends_writes_back_a_lost_claim_and_lets_go_of_one_taken(r: redi
     assert a.held() == []
 
 
+def test_renew_stops_a_generation_whose_outcome_another_delivery_stored_while_its_claim_had_lapsed(
+        r: redis.Redis[bytes], caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    """A process frozen past its claims' life (SIGSTOP, a paused VM) wakes after another delivery ran its
+    generation to the end and the claim that delivery held lapsed too. Its renewal found no claim and wrote its
+    own back: the generation went on here, silently, and streamed tokens after the stream's final event. Now the
+    renewal sees the stored outcome, writes no claim, and hands the ID to the worker, which stops it."""
+    stopped: list[str] = []
+    a = _claims(r, "a", ttl_s=5)
+    a.on_ended_elsewhere = stopped.append
+    for rid in ("g1", "g2"):
+        assert a.acquire(rid)
+    r.delete(RUN_KEY.format(id="g1"), RUN_KEY.format(id="g2"))  # both lapsed while this process was frozen
+    r.set(RESULT_KEY.format(id="g1"), json.dumps({"status": "SUCCESS", "result": {}, "task_id": "g1"}))
+    r.set(RESULT_KEY.format(id="g2"), json.dumps({"status": "STARTED", "result": None, "task_id": "g2"}))
+    with caplog.at_level(logging.WARNING, logger="fleet.worker"):
+        a.renew()
+    assert stopped == ["g1"] and a.ended_elsewhere == 1
+    assert r.get(RUN_KEY.format(id="g1")) is None  # not taken back: nothing of it runs on
+    assert r.get(RUN_KEY.format(id="g2")) == a.owner.encode()  # no outcome yet: written back, as before
+    assert a.held() == ["g2"]
+    assert "generation g1: its claim lapsed" in caplog.text and "the stored result kept" in caplog.text
+    a.renew()
+    assert stopped == ["g1"]  # once
+
+
 def test_a_result_key_of_another_type_lets_the_delivery_run_unclaimed(r: redis.Redis[bytes],
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     r.rpush(RESULT_KEY.format(id=RID), "not a result")  # GET answers WRONGTYPE: no claim can be decided
