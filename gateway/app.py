@@ -137,10 +137,12 @@ def create_app(settings: FleetSettings, client: FleetClient | None = None, *, ac
     app.include_router(openai_router)
     app.include_router(responses_router)
     # outermost last: metrics (counts every refusal), the bound on requests answered at once
-    # (gateway.concurrency_cap), then the key and Content-Type (before any body is read), the byte cap, and
-    # the JSON's shape (before any body is parsed): see gateway.body_guard
+    # (gateway.concurrency_cap), then the key and Content-Type (before any body is read), the byte cap and the
+    # body's deadline (a stalled body gives its slot back), and the JSON's shape (before any body is parsed): see
+    # gateway.body_guard
     app.add_middleware(JsonShapeMiddleware, bounds=bounds_for(settings))
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.api.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.api.max_body_bytes,
+                       timeout_s=settings.api.body_timeout_s)  # fmt: skip
     app.add_middleware(RequestGuardMiddleware, keys=gateway.keys)
     app.add_middleware(ConcurrencyCapMiddleware, limit=settings.api.max_concurrent_requests, metrics=gateway.metrics)
     app.add_middleware(MetricsMiddleware, metrics=gateway.metrics)

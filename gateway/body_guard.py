@@ -44,6 +44,7 @@ __all__ = [
     "ShapeRefusal",
     "bounds_for",
     "duplicate_key_path",
+    "has_body",
     "replaying",
     "scan_json",
     "send_error",
@@ -242,7 +243,9 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-def _has_body(scope: Scope) -> bool:
+def has_body(scope: Scope) -> bool:
+    """Whether the request declares a body (a non-zero ``Content-Length``, or a ``Transfer-Encoding``): without
+    either, an HTTP/1.1 request has none (RFC 9112, section 6.3)."""
     length = _header(scope, b"content-length")
     return (length is not None and length.strip() != "0") or _header(scope, b"transfer-encoding") is not None
 
@@ -288,7 +291,7 @@ class RequestGuardMiddleware:
             await send_error(scope, send, 400, error_payload("duplicate_query_parameter", "DuplicateKey", msg,
                                                              repeated, 1), _UNREAD)  # fmt: skip
             return
-        if scope.get("method") in _BODY_METHODS and _has_body(scope):
+        if scope.get("method") in _BODY_METHODS and has_body(scope):
             content_type = _header(scope, b"content-type")
             if content_type is None or not _is_json(content_type):
                 said = "is missing" if content_type is None else f"is {content_type!r}"

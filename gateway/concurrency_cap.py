@@ -5,8 +5,13 @@ waits (up to ``api.max_wait_s``, or a whole generation). Past the process's open
 can accept no connection and open no Redis connection: every caller then fails, health probes included.
 :class:`ConcurrencyCapMiddleware` answers the request past the bound ``503`` at once, in the gateway's
 error shape (OpenAI's on its routes) naming ``api.max_concurrent_requests`` and the limit, with
-``Retry-After: 1``, so a load balancer sends it to another replica and a client retries. The probes and
-``/metrics`` are never refused (an overloaded replica must not look dead to a liveness probe).
+``Retry-After: 1``, so a load balancer sends it to another replica and a client retries (with
+``Connection: close`` when it carries a body, which is not read). The probes and ``/metrics`` are never
+refused (an overloaded replica must not look dead to a liveness probe).
+
+A request is counted from its head, before its body is read: a body that never ends would hold its slot, so
+reading one is bounded in time (``api.body_timeout_s``, :class:`gateway.middleware.BodyLimitMiddleware`: ``408``
+and the connection closed).
 
 The bound is counted by this process alone (per replica); 0 derives it from the open-file limit
 (:func:`default_limit`).
@@ -18,7 +23,7 @@ import resource
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.body_guard import send_error
+from gateway.body_guard import has_body, send_error
 from gateway.errors import error_payload
 from gateway.middleware import GatewayMetrics
 
@@ -54,7 +59,9 @@ class ConcurrencyCapMiddleware:
             message = (f"the gateway is answering {metrics.in_progress} requests, its limit (api.max_concurrent_"
                        f"requests={self.limit}); retry, or send to another replica")  # fmt: skip
             payload = error_payload("overloaded", "Overloaded", message, "api.max_concurrent_requests", self.limit)
-            await send_error(scope, send, 503, payload, headers={"Retry-After": "1"})
+            # a body left unread would keep the connection (uvicorn reads it on and drops it, with no timer): closed
+            headers = {"Retry-After": "1", **({"Connection": "close"} if has_body(scope) else {})}
+            await send_error(scope, send, 503, payload, headers=headers)
             return
         metrics.in_progress += 1
         try:

@@ -12,7 +12,8 @@ as OpenAI answers); 400 on both a JSON body whose object repeats a key (``duplic
 :mod:`gateway.body_guard`); 401 bad key; 404 unknown request; 409 cancelled, or a known request ID sent again
 with another body; 413 body too large (bytes, or structure: :mod:`gateway.body_guard`); 415 a body not
 declared JSON; 431 a request head over its bounds, 408 one not sent in time (:mod:`gateway.request_heads`,
-before routing); 429 admission (+ ``Retry-After``); 503 Redis down (said without its address) or over
+before routing) or a body not sent within ``api.body_timeout_s`` (:mod:`gateway.middleware`, naming ``body``);
+429 admission (+ ``Retry-After``); 503 Redis down (said without its address) or over
 ``api.max_concurrent_requests`` (:mod:`gateway.concurrency_cap`); 504 no result in time (the request may
 still finish: poll ``GET /v1/requests/{id}`` with the ``X-Request-ID`` header's value).
 """
@@ -67,6 +68,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     for code, text in {
         400: "a JSON body whose object repeats a key (field: the key's path, e.g. messages[0].role)",
         401: "missing or wrong API key",
+        408: "a request body not complete within api.body_timeout_s (the connection is closed)",
         413: "body or batch too large, or a JSON body too deeply nested or with too many arrays/objects/strings",
         415: "a body not sent as Content-Type: application/json",
         422: "invalid request (names the field and the limit)",

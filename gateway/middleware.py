@@ -1,4 +1,4 @@
-"""ASGI middleware of the gateway: the body-size limit and request metrics.
+"""ASGI middleware of the gateway: the body's bounds (bytes and time) and request metrics.
 
 Both are plain ASGI (no ``BaseHTTPMiddleware``), so they neither buffer responses nor break
 streaming. Metrics label requests by the *route template* (``/v1/requests/{request_id}``), never
@@ -7,9 +7,11 @@ by the raw path, so request IDs cannot blow up the series count.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -20,7 +22,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from broker import pipe_waiting_counts
-from gateway.body_guard import replaying, send_error
+from gateway.body_guard import has_body, replaying, send_error
 from gateway.errors import error_payload
 from producer.prefix_routing import PrefixRouter
 from producer.registry import pipe_list_workers
@@ -28,23 +30,32 @@ from protocol.keys import DEAD_LETTER_COUNTS_KEY, DEAD_LETTER_KEY
 from protocol.model_state import AUTO_ROLLBACKS_KEY, STATE_KEY, ModelState
 from protocol.settings import FleetSettings
 
-__all__ = ["AccessLogMiddleware", "BodyLimitMiddleware", "GatewayMetrics", "MetricsMiddleware"]
+__all__ = ["BODY_TIMEOUT_S", "AccessLogMiddleware", "BodyLimitMiddleware", "GatewayMetrics", "MetricsMiddleware"]
 
 access_log = logging.getLogger("fleet.access")
+log = logging.getLogger("fleet.api")
 
+BODY_TIMEOUT_S = 60.0
+"""How long a request body may take to arrive once the gateway reads it (s; ``api.body_timeout_s``)."""
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class BodyLimitMiddleware:
-    """Refuse bodies over ``max_bytes`` with 413 before the app sees them.
+    """Refuse bodies over ``max_bytes`` with 413, and bodies not sent within ``timeout_s`` with 408, before the
+    app sees them.
 
     A declared ``Content-Length`` over the limit is refused at once; otherwise the body is read
-    (at most ``max_bytes`` + one chunk) and replayed to the app.
+    (at most ``max_bytes`` + one chunk) and replayed to the app. Reading it ends ``timeout_s`` after it
+    began (``api.body_timeout_s``; the moment the gateway waits for the body, once the key is checked),
+    whatever the framing (``Content-Length`` or chunked): a body that stops short of its end, or trickles,
+    held its connection and a slot of ``api.max_concurrent_requests`` (counted before the body is read) for
+    as long as the client kept the socket open. Both refusals close the connection.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = BODY_TIMEOUT_S) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -60,22 +71,48 @@ class BodyLimitMiddleware:
             if size > self.max_bytes:
                 await self._refuse(scope, send, 413, f"request body has {size} bytes", size)
                 return
-        chunks: list[bytes] = []
-        total = 0
+        got = _BodyRead()
+        try:  # no timer for a request without a body: its one message is there already
+            async with asyncio.timeout(self.timeout_s if has_body(scope) else None):
+                await self._read(receive, got)
+        except TimeoutError:
+            await self._too_slow(scope, send, got.size)
+            return
+        if got.gone:
+            return
+        if got.size > self.max_bytes:
+            await self._refuse(scope, send, 413, f"request body exceeds {got.size} bytes", got.size)
+            return
+        body = b"".join(got.chunks)
+        await self.app(scope, replaying(body, receive), send)
+
+    async def _read(self, receive: Receive, got: _BodyRead) -> None:
+        """Gather the body into ``got``, stopping once it is past ``max_bytes`` or the client went away."""
         while True:
             message = await receive()
             if message["type"] != "http.request":  # the client went away
+                got.gone = True
                 return
             chunk = message.get("body", b"")
-            total += len(chunk)
-            if total > self.max_bytes:
-                await self._refuse(scope, send, 413, f"request body exceeds {total} bytes", total)
+            got.size += len(chunk)
+            if got.size > self.max_bytes:
                 return
-            chunks.append(chunk)
+            got.chunks.append(chunk)
             if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        await self.app(scope, replaying(body, receive), send)
+                return
+
+    async def _too_slow(self, scope: Scope, send: Send, received: int) -> None:
+        limit = self.timeout_s
+        client = scope.get("client")
+        peer = f"{client[0]}:{client[1]}" if client else "a client"
+        log.warning(
+            "closed the connection of %s: its request body (%s %s) was not complete within %g s, %d bytes received "
+            "(api.body_timeout_s)", peer, scope.get("method"), scope.get("path"), limit, received,
+        )  # fmt: skip
+        message = (f"the request body was not complete within {limit:g} s ({received} bytes received); the limit "
+                   f"is api.body_timeout_s={limit:g}")  # fmt: skip
+        payload = error_payload("request_timeout", "RequestTimeout", message, "body", limit)
+        await send_error(scope, send, 408, payload, headers={"Connection": "close"})
 
     async def _refuse(self, scope: Scope, send: Send, status: int, what: str, size: int | None) -> None:
         if status == 413:
@@ -85,6 +122,17 @@ class BodyLimitMiddleware:
             payload = error_payload("bad_request", "BadRequest", what, "Content-Length")
         # the rest of the body was not read: the connection cannot carry another request
         await send_error(scope, send, status, payload, headers={"Connection": "close"})
+
+
+@dataclass
+class _BodyRead:
+    """What :meth:`BodyLimitMiddleware._read` has gathered so far (kept when its deadline cuts it short)."""
+
+    chunks: list[bytes] = field(default_factory=list)
+    size: int = 0
+    """Bytes received (the chunks kept, and one more past ``max_bytes``)."""
+    gone: bool = False
+    """The client went away."""
 
 
 class _FleetCollector(Collector):

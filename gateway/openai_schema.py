@@ -10,14 +10,18 @@ encode as UTF-8 (:mod:`protocol.utf8`): a lone surrogate is a 400 naming where i
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, StringConstraints
 
 from protocol.messages import RequestFloat
 from protocol.utf8 import UTF8_STRINGS, Utf8Json, Utf8Str
 
 __all__ = [
+    "METADATA_KEY_CHARS",
+    "METADATA_PAIRS",
+    "METADATA_VALUE_CHARS",
+    "USER_CHARS",
     "ChatBody",
     "ChatChoice",
     "ChatCompletion",
@@ -30,10 +34,37 @@ __all__ = [
     "EmbeddingData",
     "EmbeddingList",
     "EmbeddingUsage",
+    "EndUser",
+    "Metadata",
     "ModelObject",
     "ModelObjectList",
     "StreamOptions",
 ]
+
+METADATA_PAIRS = 16
+"""Most key-value pairs of a ``metadata`` object (OpenAI's bound, on chat completions and responses alike)."""
+METADATA_KEY_CHARS = 64
+"""Longest ``metadata`` key (characters; OpenAI's bound)."""
+METADATA_VALUE_CHARS = 512
+"""Longest ``metadata`` value (characters; OpenAI's bound)."""
+USER_CHARS = 256
+"""Longest ``user`` (characters). OpenAI documents none for ``user`` and 64 for its successor
+``safety_identifier``; 256 passes an e-mail address or a hash as an end-user ID, and a stored response (which
+keeps ``user`` for ``api.responses_ttl_s``) stays small."""
+
+_UTF8_CHECK: Any = get_args(Utf8Str)[-1]
+""":data:`protocol.utf8.Utf8Str`'s check, put after a length bound so that the bound is str's own ("String
+should have at most 64 characters"): a bound put after the check (``Annotated[Utf8Str, Field(max_length=...)]``
+inside a dict) is judged as a generic length ("Value should have at most 64 items")."""
+MetadataKey = Annotated[StrictStr, StringConstraints(max_length=METADATA_KEY_CHARS), _UTF8_CHECK]
+MetadataValue = Annotated[StrictStr, StringConstraints(max_length=METADATA_VALUE_CHARS), _UTF8_CHECK]
+Metadata = Annotated[dict[MetadataKey, MetadataValue], Field(max_length=METADATA_PAIRS)]
+"""OpenAI's ``metadata``: at most :data:`METADATA_PAIRS` pairs of UTF-8 strings, keys of at most
+:data:`METADATA_KEY_CHARS` characters, values of at most :data:`METADATA_VALUE_CHARS`; more is a 400 naming the
+field (``metadata``, or ``metadata.<key>`` for a value) and the limit."""
+EndUser = Annotated[StrictStr, StringConstraints(max_length=USER_CHARS), _UTF8_CHECK]
+"""OpenAI's ``user`` (an end-user ID; the fleet's sticky key of a canary split): a UTF-8 string of at most
+:data:`USER_CHARS` characters."""
 
 
 class _Body(BaseModel):
@@ -69,8 +100,9 @@ class _Sampling(_Body):
     frequency_penalty: RequestFloat | None = Field(default=None, description="Only 0 (use repetition_penalty).")
     presence_penalty: RequestFloat | None = Field(default=None, description="Only 0 (use repetition_penalty).")
     logit_bias: dict[Utf8Str, RequestFloat] | None = Field(default=None, description="Not supported (must be empty).")
-    user: Utf8Str | None = Field(
-        default=None, description="End-user ID: the sticky key of a canary split (default: the request ID)."
+    user: EndUser | None = Field(
+        default=None, description="End-user ID: the sticky key of a canary split (default: the request ID); at most "
+        f"{USER_CHARS} characters.",
     )
     # fleet extensions (vLLM names)
     top_k: StrictInt | None = Field(default=None, ge=0, description="Fleet: sample among the top k; 0 = off.")
@@ -135,8 +167,9 @@ class ChatBody(_Sampling):
     # the rest of OpenAI's chat fields: those that change nothing here are accepted and ignored, the others
     # are refused unless empty (gateway.openai_mapping.check_supported), so SDK code that sets them gets an answer
     store: StrictBool | None = Field(default=None, description="Only false: no chat completion is kept to read back.")
-    metadata: dict[Utf8Str, Utf8Str] | None = Field(
-        default=None, max_length=16, description="Accepted and ignored (tags of a stored completion; none is stored)."
+    metadata: Metadata | None = Field(
+        default=None, description=f"Accepted and ignored (tags of a stored completion; none is stored); at most "
+        f"{METADATA_PAIRS} pairs, keys of at most {METADATA_KEY_CHARS} characters, values {METADATA_VALUE_CHARS}.",
     )
     service_tier: Utf8Str | None = Field(default=None, description="Accepted and ignored: one tier.")
     prompt_cache_key: Utf8Str | None = Field(
@@ -164,8 +197,9 @@ class EmbeddingBody(_Body):
         default="float", description="'base64': little-endian float32 bytes (the SDKs ask for this)."
     )
     dimensions: StrictInt | None = Field(default=None, description="Not supported (must be null).")
-    user: Utf8Str | None = Field(
-        default=None, description="End-user ID: the sticky key of a canary split (default: the request ID)."
+    user: EndUser | None = Field(
+        default=None, description="End-user ID: the sticky key of a canary split (default: the request ID); at most "
+        f"{USER_CHARS} characters.",
     )
 
 

@@ -19,6 +19,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
+from gateway.openai_schema import (
+    METADATA_KEY_CHARS,
+    METADATA_PAIRS,
+    METADATA_VALUE_CHARS,
+    USER_CHARS,
+    EndUser,
+    Metadata,
+)
 from protocol.errors import InvalidRequest
 from protocol.messages import RequestFloat
 from protocol.utf8 import UTF8_STRINGS, Utf8Json, Utf8Str
@@ -67,8 +75,14 @@ class ResponseBody(BaseModel):
     temperature: RequestFloat | None = Field(default=None, ge=0, le=2, description="0 = greedy.")
     top_p: RequestFloat | None = Field(default=None, ge=0, le=1, description="0 = the most likely token (greedy).")
     stream: StrictBool | None = False
-    metadata: dict[Utf8Str, Utf8Str] | None = Field(default=None, description="Stored and returned as given.")
-    user: Utf8Str | None = Field(default=None, description="End-user ID: the sticky key of a canary split.")
+    metadata: Metadata | None = Field(
+        default=None, description=f"Stored and returned as given: at most {METADATA_PAIRS} pairs, keys of at most "
+        f"{METADATA_KEY_CHARS} characters, values {METADATA_VALUE_CHARS} (OpenAI's bounds).",
+    )
+    user: EndUser | None = Field(
+        default=None, description=f"End-user ID: the sticky key of a canary split; stored. At most {USER_CHARS} "
+        "characters.",
+    )
     truncation: Literal["disabled"] | None = Field(default=None, description="Only 'disabled'.")
     parallel_tool_calls: StrictBool | None = Field(default=None, description="Accepted and ignored.")
     max_tool_calls: StrictInt | None = Field(default=None, ge=0, description="Accepted and ignored: no tools run.")

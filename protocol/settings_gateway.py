@@ -58,6 +58,12 @@ class ApiSettings(Section):
         "gateway waits for one; then it is closed (408 when part of a head came). Requests being answered (long "
         "polls, streams) are not timed (s).",
     )
+    body_timeout_s: float = Field(
+        default=60.0, ge=1, le=3600, description="Time a request body has to arrive whole once the gateway reads it "
+        "(after the head and the key check; Content-Length and chunked bodies alike): then it is answered 408 naming "
+        "body and the connection closed, so a body that stops short, or trickles, holds no slot of "
+        "max_concurrent_requests. 1 MiB (max_body_bytes' default) in 60 s is 17 KiB/s (s).",
+    )
     max_concurrent_requests: int = Field(
         default=0, ge=0, le=1_000_000, description="Most requests this gateway process answers at once (long polls "
         "and streams included); one more is answered 503 with Retry-After: 1 (the probes and /metrics never are). "

@@ -152,3 +152,24 @@ def test_streamed_turn_continues_and_is_stored(clients: tuple[openai.OpenAI, ope
         seen: list[Any] = list(helper)
     assert "".join(e.delta for e in seen if e.type == "response.output_text.delta") == deltas
     assert seen[-1].type == kinds[-1]
+
+
+def test_metadata_and_user_past_openai_s_bounds_are_refused_before_anything_is_stored(
+    clients: tuple[openai.OpenAI, openai.OpenAI],
+) -> None:
+    """Before: ``metadata`` of any size and a ``user`` of 900,000 characters were stored for 30 days (200)."""
+    a, _ = clients
+    tags = {f"k{i}": str(i) for i in range(16)}  # OpenAI's 16 pairs, and a user of the fleet's 256 characters
+    kept = a.responses.create(input="Hi", metadata=tags, user="u" * 256, **GREEDY)
+    assert a.responses.retrieve(kept.id).metadata == tags
+    for fields, param in [
+        ({"metadata": {**tags, "k16": "16"}}, "metadata"),
+        ({"metadata": {"k" * 65: "v"}}, "metadata"),
+        ({"metadata": {"team": "v" * 513}}, "metadata.team"),
+        ({"user": "u" * 257}, "user"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            a.responses.create(input="Hi", **fields, **GREEDY)  # type: ignore[arg-type]
+        body: Any = refused.value.body
+        assert (body["param"], body["type"]) == (param, "invalid_request_error"), body
+        assert "at most" in body["message"], body
