@@ -251,6 +251,17 @@ def ops_redis() -> Iterator[EmbeddedRedis]:
         yield server
 
 
+def lone_gateway(tmp_path_factory: pytest.TempPathFactory, models: ModelPaths, server: EmbeddedRedis, name: str,
+                 api: dict[str, Any]) -> Iterator[GatewayProcess]:  # fmt: skip
+    """A module fixture's body: one real gateway, no worker, on a config with these ``api`` settings; everything
+    stopped when the module is done."""
+    fleet = OpsFleet(tmp_path_factory.mktemp(name), models, server)
+    try:
+        yield fleet.gateway(fleet.config(api=api))
+    finally:
+        fleet.close()
+
+
 @pytest.fixture
 def ops_fleet(tmp_path: Path, ops_models: ModelPaths, ops_redis: EmbeddedRedis) -> Iterator[OpsFleet]:
     """A fresh :class:`OpsFleet` on the module's Redis, flushed; everything stopped afterwards."""

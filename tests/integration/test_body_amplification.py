@@ -16,7 +16,7 @@ import pytest
 
 from producer.client import FleetClient
 from protocol.settings import load_settings
-from tests.integration.ops_fixtures import API_KEY, GatewayProcess, OpsFleet, ops_models, ops_redis
+from tests.integration.ops_fixtures import API_KEY, GatewayProcess, OpsFleet, lone_gateway, ops_models, ops_redis
 from tools.redis_server import EmbeddedRedis
 
 __all__ = ["ops_models", "ops_redis"]
@@ -44,12 +44,9 @@ FLOODS: dict[str, tuple[str, dict[str, Any], str]] = {
 def gateway(
     tmp_path_factory: pytest.TempPathFactory, ops_models: Any, ops_redis: EmbeddedRedis
 ) -> Iterator[GatewayProcess]:
-    fleet = OpsFleet(tmp_path_factory.mktemp("amplification"), ops_models, ops_redis)
-    try:
-        # the shipped defaults: 1 MiB bodies, 256 requests per batch; no worker (nothing here is queued)
-        yield fleet.gateway(fleet.config(api={"max_body_bytes": 1_048_576, "max_batch_requests": 256}))
-    finally:
-        fleet.close()
+    # the shipped defaults: 1 MiB bodies, 256 requests per batch; no worker (nothing here is queued)
+    api = {"max_body_bytes": 1_048_576, "max_batch_requests": 256}
+    yield from lone_gateway(tmp_path_factory, ops_models, ops_redis, "amplification", api)
 
 
 def peak_rss_mb(pid: int) -> float:

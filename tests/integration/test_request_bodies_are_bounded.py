@@ -18,7 +18,15 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.ops_fixtures import API_KEY, GatewayProcess, OpsFleet, ops_models, ops_redis, scrape, wait_until
+from tests.integration.ops_fixtures import (
+    API_KEY,
+    GatewayProcess,
+    lone_gateway,
+    ops_models,
+    ops_redis,
+    scrape,
+    wait_until,
+)
 from tools.redis_server import EmbeddedRedis
 
 __all__ = ["ops_models", "ops_redis"]
@@ -37,12 +45,8 @@ HEAD = ("POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nConte
 def gateway(
     tmp_path_factory: pytest.TempPathFactory, ops_models: Any, ops_redis: EmbeddedRedis
 ) -> Iterator[GatewayProcess]:
-    fleet = OpsFleet(tmp_path_factory.mktemp("bodies"), ops_models, ops_redis)
-    try:
-        api = {"body_timeout_s": BODY_TIMEOUT_S, "max_concurrent_requests": CAP}
-        yield fleet.gateway(fleet.config(api=api))
-    finally:
-        fleet.close()
+    api = {"body_timeout_s": BODY_TIMEOUT_S, "max_concurrent_requests": CAP}
+    yield from lone_gateway(tmp_path_factory, ops_models, ops_redis, "bodies", api)
 
 
 def _stalled(gw: GatewayProcess, path: str, chunked: bool) -> socket.socket:

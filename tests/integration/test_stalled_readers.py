@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.ops_fixtures import GatewayProcess, OpsFleet, ops_models, ops_redis, wait_until
+from tests.integration.ops_fixtures import GatewayProcess, lone_gateway, ops_models, ops_redis, wait_until
 from tools.redis_server import EmbeddedRedis
 
 __all__ = ["ops_models", "ops_redis"]
@@ -31,11 +31,7 @@ send, the reader's shrunk to a few KiB) and the transport's 64 KiB."""
 def gateway(
     tmp_path_factory: pytest.TempPathFactory, ops_models: Any, ops_redis: EmbeddedRedis
 ) -> Iterator[GatewayProcess]:
-    fleet = OpsFleet(tmp_path_factory.mktemp("stalled"), ops_models, ops_redis)
-    try:
-        yield fleet.gateway(fleet.config(api={"write_stall_s": STALL_S}))
-    finally:
-        fleet.close()
+    yield from lone_gateway(tmp_path_factory, ops_models, ops_redis, "stalled", {"write_stall_s": STALL_S})
 
 
 def _stalled_log_lines(gw: GatewayProcess) -> list[str]:
