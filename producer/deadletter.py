@@ -27,6 +27,7 @@ from producer.deadletter_paging import DEFAULT_PAGE, DeadLetterPage, read_page
 from producer.deadletter_requeue import REQUEUE_SCRIPT, BulkPlan, carried_ids, plan_bulk
 from protocol.deadletter import (
     DEAD_LETTERED,
+    MAX_RAW_BYTES,
     REQUEUE_CLAIM_TTL_S,
     REQUEUED_KEY,
     UNKNOWN_QUEUE,
@@ -255,6 +256,11 @@ class DeadLetterStore:
             raise InvalidRequest(f"entry {entry.id} has no queue to go back to (an item pushed before dead-letter "
                                  "entries had a schema, without a routing key): `fleet dead-letter show` it and "
                                  "send it again yourself, or delete it", "queue", UNKNOWN_QUEUE)  # fmt: skip
+        if entry.raw_truncated_from is not None:  # --force or not: the message is not whole
+            raise InvalidRequest(f"entry {entry.id} keeps only the first {len(entry.raw_bytes())} of its item's "
+                                 f"{entry.raw_truncated_from} bytes (sha256 {entry.raw_sha256}): it cannot be "
+                                 "requeued; `fleet dead-letter show` it, and send the message again yourself", "raw",
+                                 MAX_RAW_BYTES)  # fmt: skip
         refusal = None if force else self.refusal(entry)
         if refusal is not None:
             raise InvalidRequest(f"{refusal}. Use --force to requeue it anyway", "force", entry.reason.value)

@@ -53,6 +53,7 @@ from protocol.messages import FLEET_TASK_PREFIX
 __all__ = [
     "DEAD_LETTERED",
     "MAX_ENTRIES",
+    "MAX_RAW_BYTES",
     "REQUEUED_KEY",
     "REQUEUE_CLAIM_TTL_S",
     "UNKNOWN_QUEUE",
@@ -70,6 +71,11 @@ DEAD_LETTERED = "dead-lettered"
 ``fleet dead-letter requeue`` clears, and no other FAILURE."""
 MAX_ENTRIES = 10_000
 """The dead-letter list keeps this many entries (the oldest go first)."""
+MAX_RAW_BYTES = 32 * 1024 * 1024
+"""An entry keeps at most this many bytes of its item (32 MiB): the first ones, with the whole size and SHA-256
+(:func:`make_entry`). Far above any message a fleet client writes, far below Redis's 512 MB for one value."""
+TEXT_GROWTH_LIMIT = 2
+"""An item is kept as text when its JSON form is at most this many times its size, else as base64."""
 REQUEUED_KEY = "fleet:dead-letter-requeued:{id}"
 """A request ID's requeue claim (a task ID's, or a bulk message's request's): JSON ``{"entry": <the entry
 requeued>, "at_unix_s": <wall s>}``, set by the step that puts the message back, and refusing another requeue
@@ -134,6 +140,11 @@ class DeadLetter(BaseModel):
     superseded_by: str | None = Field(
         default=None, description="The entry a requeue put back instead of this one (every request ID it carries)."
     )
+    raw_truncated_from: int | None = Field(
+        default=None, ge=0, description="The item's whole size (bytes) when ``raw`` keeps only its first "
+        "MAX_RAW_BYTES bytes (None: ``raw`` is the whole item); such an entry cannot be requeued.",
+    )
+    raw_sha256: str | None = Field(default=None, description="SHA-256 of the whole item (hex), when truncated.")
 
     @model_validator(mode="after")
     def _raw_reads_back(self) -> DeadLetter:
@@ -147,7 +158,7 @@ class DeadLetter(BaseModel):
         return self
 
     def raw_bytes(self) -> bytes:
-        """The queue item exactly as it was popped."""
+        """The queue item exactly as it was popped (its first :data:`MAX_RAW_BYTES`: :attr:`raw_truncated_from`)."""
         if self.raw_encoding == "base64":
             return base64.b64decode(self.raw, validate=True)
         return self.raw.encode("utf-8")
@@ -181,12 +192,16 @@ def make_entry(
     worker: str | None = None,
     deliveries: int | None = None,
 ) -> DeadLetter:
-    """A new entry for ``raw`` with a fresh ID; text items are kept as text, others as base64."""
-    encoding: Literal["utf-8", "base64"] = "utf-8"
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        text, encoding = base64.b64encode(raw).decode("ascii"), "base64"
+    """A new entry for ``raw`` with a fresh ID: its first :data:`MAX_RAW_BYTES` bytes (all of a smaller item, the
+    usual case), as text where that is UTF-8 that JSON keeps about as long, else as base64.
+
+    An item of control bytes written as JSON text grows six times (``\u0001`` for each byte): a 90 MB item became
+    a 540 MB entry, over Redis's 512 MB for one value, so the entry's write failed and the item, already taken
+    off its queue, was gone without a trace. A larger item keeps its first bytes, its size and its SHA-256."""
+    whole = len(raw)
+    kept = raw[:MAX_RAW_BYTES]
+    text, encoding = _stored_form(kept)
+    truncated = whole > len(kept)
     return DeadLetter(
         id=uuid.uuid4().hex,
         reason=reason,
@@ -201,7 +216,21 @@ def make_entry(
         dead_lettered_at_unix_s=now_unix_s,
         raw=text,
         raw_encoding=encoding,
+        raw_truncated_from=whole if truncated else None,
+        raw_sha256=hashlib.sha256(raw).hexdigest() if truncated else None,
     )
+
+
+def _stored_form(raw: bytes) -> tuple[str, Literal["utf-8", "base64"]]:
+    """``raw`` as the entry keeps it: UTF-8 text unless it is not UTF-8, or its JSON form would be more than
+    :data:`TEXT_GROWTH_LIMIT` times its size (control characters, each written as six), then base64 (4/3)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return base64.b64encode(raw).decode("ascii"), "base64"
+    if len(json.dumps(text, ensure_ascii=False)) - 2 > TEXT_GROWTH_LIMIT * len(raw):  # less its quotes
+        return base64.b64encode(raw).decode("ascii"), "base64"
+    return text, "utf-8"
 
 
 def encode_entry(entry: DeadLetter) -> bytes:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -10,7 +12,9 @@ from typing import Any
 import pytest
 import redis
 
+import protocol.deadletter
 from producer.cli import main as fleet_main
+from protocol.deadletter import Reason, encode_entry, make_entry
 from protocol.keys import DEAD_LETTER_KEY, DELIVERIES_KEY
 from protocol.messages import InferenceResult
 from tests.integration.fleet_fixtures import Fleet
@@ -186,3 +190,35 @@ def test_a_dead_lettered_bulk_message_fails_each_of_its_requests_and_a_requeue_r
     for rid in ("bulk-dl-1", "bulk-dl-2"):
         assert isinstance(client.wait([rid], 30)[0], InferenceResult)
     assert r.get(f"celery-task-meta-{done}") == before
+
+
+def test_an_item_of_control_bytes_is_kept_whole_and_one_past_the_cap_is_kept_in_part_and_never_requeued(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A queue item of control bytes was kept as JSON text, six bytes per byte (``\\u0001``): 90 MB of them came
+    to 540 MB, over Redis's 512 MB for one value; the entry's write failed after the item had left its queue,
+    and it was gone without a trace. Now it is kept as base64 (4/3), and an item past ``MAX_RAW_BYTES`` keeps
+    its first bytes, its size and its SHA-256, and is never requeued (``--force`` or not): it is not whole."""
+    cfg = fleet.config()
+    fleet.worker(cfg)
+    r = redis.Redis.from_url(fleet.redis_url)
+    item = b"\x01" * 2_000_000
+    r.lpush(QUEUE, item)
+    _wait_for_entries(r, 1)
+    stored = r.lindex(DEAD_LETTER_KEY, 0) or b""
+    assert len(stored) < 1.4 * len(item), len(stored)  # was 6x: 12 MB
+    code, shown = fleet_json(capsys, cfg, "show", json.loads(stored)["id"])
+    assert code == 0 and shown["reason"] == "not_json" and shown["raw_encoding"] == "base64", shown
+    assert base64.b64decode(shown["raw"]) == item and shown["raw_truncated_from"] is None
+
+    monkeypatch.setattr(protocol.deadletter, "MAX_RAW_BYTES", 500)
+    whole = raw(envelope(QUEUE, good_body(REQUEST), task="fleet.not-here", task_id="too-big-1"))
+    cut = make_entry(whole, reason=Reason.UNKNOWN_TASK, detail="no such task", field="headers.task", queue=QUEUE,
+                     list_key=QUEUE, now_unix_s=time.time(), task_id="too-big-1", task="fleet.not-here")  # fmt: skip
+    assert cut.raw_bytes() == whole[:500] and cut.raw_truncated_from == len(whole)
+    assert cut.raw_sha256 == hashlib.sha256(whole).hexdigest()
+    r.lpush(DEAD_LETTER_KEY, encode_entry(cut))
+    for force in ((), ("--force",)):
+        code, refused = fleet_json(capsys, cfg, "requeue", cut.id, *force)
+        assert code == 2 and refused["field"] == "raw" and "cannot be requeued" in refused["message"], refused
+    assert r.llen(QUEUE) == 0 and r.llen(DEAD_LETTER_KEY) == 2
