@@ -12,7 +12,7 @@
     POST   /v1/completions, /v1/chat/completions, /v1/embeddings      OpenAI-compatible (gateway.openai_routes)
     GET    /healthz                   200                 the process is alive (HEAD too, as for /health, /readyz)
     GET    /health                    200 (empty)         the same, under vLLM's name (what guidellm probes)
-    GET    /readyz[?model=m]          200 | 503           Redis reachable and >= 1 ready worker per model
+    GET    /readyz[?model=m]          200 | 503           Redis reachable, >= 1 model, >= 1 ready worker per model
     GET    /metrics                   200                 Prometheus text (plain, no auth)
     GET    /docs, /openapi.json                           OpenAPI
 
@@ -20,9 +20,11 @@
 ``Authorization: Bearer`` (missing or wrong → 401); a request is the key's that submitted it: to another key
 its ``GET``, ``/stream`` and ``DELETE`` answer 404 and its ``request_id`` 409 (:mod:`gateway.request_owners`).
 Native errors are JSON ``{"error", "type", "message", "field", "limit"}``, OpenAI routes answer in OpenAI's
-error shape (:mod:`gateway.errors`):
+error shape (:mod:`gateway.errors`; ``/v1`` and paths with ``//`` too):
 413 body over ``api.max_body_bytes`` or a batch over ``api.max_batch_requests``; 422 invalid input
 (e.g. more tokens than ``max_input_tokens``); 429 + ``Retry-After`` from admission control; 503 Redis down.
+No path is redirected: one with a trailing slash or a ``//`` is a 404 naming the route it means, never a 307 that a
+client may follow without the POST's body.
 Open without a key: the probes, ``/metrics``, ``/docs``, ``/redoc``, ``/openapi.json``. Before any of it, a request
 head is bounded in bytes, header lines and time (:mod:`gateway.request_heads`: 431, 408).
 Native endpoints that touch Redis are plain ``def`` (FastAPI's thread pool); those that wait for
@@ -48,7 +50,7 @@ from gateway.deps import Gateway
 from gateway.errors import ERROR_RESPONSES, install_error_handlers
 from gateway.middleware import AccessLogMiddleware, BodyLimitMiddleware, MetricsMiddleware
 from gateway.openai_routes import router as openai_router
-from gateway.ops_routes import REDIS_DOWN_PROBLEM, health, healthz, prometheus, readyz
+from gateway.ops_routes import REDIS_DOWN_PROBLEM, health, healthz, log_no_models, prometheus, readyz
 from gateway.ops_routes import router as ops_router
 from gateway.pool_sweeper import PoolSweeper
 from gateway.requests_routes import (
@@ -109,6 +111,7 @@ def create_app(settings: FleetSettings, client: FleetClient | None = None, *, ac
     gateway = Gateway(settings, client or FleetClient(settings))
     if not settings.api.api_keys:
         log.warning("api.api_keys is empty: /v1/* answers without an API key (set FLEET_API__API_KEYS)")
+    log_no_models(settings)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -131,6 +134,7 @@ def create_app(settings: FleetSettings, client: FleetClient | None = None, *, ac
         description="Queue inference requests for the onnx-fleet workers and poll their results by ID; "
         "OpenAI-compatible completions, chat completions, embeddings and models under /v1.",
         responses=ERROR_RESPONSES,
+        redirect_slashes=False,  # a path that is no route is a 404 in its prefix's shape, never a 307 (gateway.errors)
     )
     app.state.gateway = gateway
     app.include_router(router)

@@ -33,7 +33,7 @@ from urllib.parse import parse_qsl
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.auth import API_KEY_HEADER, key_from_headers, key_refusal
-from gateway.errors import error_payload, is_openai_path, openai_error
+from gateway.errors import error_payload, is_openai_path, is_v1_path, openai_error
 from protocol.settings import FleetSettings
 
 __all__ = [
@@ -275,7 +275,7 @@ class RequestGuardMiddleware:
         self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not str(scope.get("path", "")).startswith("/v1/"):
+        if scope["type"] != "http" or not is_v1_path(str(scope.get("path", ""))):
             await self.app(scope, receive, send)
             return
         key = key_from_headers(_header(scope, API_KEY_HEADER.lower().encode()), _header(scope, b"authorization"))
@@ -322,7 +322,7 @@ class JsonShapeMiddleware:
         if (
             scope["type"] != "http"
             or scope.get("method") not in _BODY_METHODS
-            or not str(scope.get("path", "")).startswith("/v1/")
+            or not is_v1_path(str(scope.get("path", "")))
             or not _is_json(content_type)
         ):
             await self.app(scope, receive, send)

@@ -21,6 +21,7 @@ still finish: poll ``GET /v1/requests/{id}`` with the ``X-Request-ID`` header's 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from typing import Any
 
@@ -30,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from kombu.exceptions import OperationalError
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
 from gateway.invalid_fields import describe
 from gateway.schema import ErrorBody
@@ -55,6 +57,7 @@ __all__ = [
     "fleet_error_response",
     "install_error_handlers",
     "is_openai_path",
+    "is_v1_path",
     "openai_error",
     "openai_error_of",
     "relay_error",
@@ -92,19 +95,33 @@ _OPENAI_CODES = {"input_too_long": "context_length_exceeded"}
 ``context_length_exceeded`` to trim a prompt and retry. Every other code is the fleet's own."""
 
 
+_SLASHES = re.compile(r"/{2,}")
 NATIVE_V1_PREFIX = "/v1/requests"
 """The fleet's own routes under ``/v1`` (``/v1/requests``, ``:batch``, ``/{id}``, ``/{id}/stream``); every other
 ``/v1/...`` path is OpenAI's namespace."""
 
 
+def _collapsed(path: str) -> str:
+    """``path`` with each run of slashes as one (``//v1/models`` → ``/v1/models``): no route is at such a path
+    (it answers 404), but it belongs to the namespace it reads as."""
+    return _SLASHES.sub("/", path) if "//" in path else path
+
+
+def is_v1_path(path: str) -> bool:
+    """``/v1`` and every ``/v1/...`` path (``//v1/...`` too): the API that needs a key (:mod:`gateway.body_guard`)."""
+    path = _collapsed(path)
+    return path == "/v1" or path.startswith("/v1/")
+
+
 def is_openai_path(path: str) -> bool:
-    """True for the OpenAI-compatible routes, and for any other ``/v1/...`` path but the fleet's own
-    (:data:`NATIVE_V1_PREFIX`): an OpenAI SDK that calls a route the fleet lacks (``/v1/files``,
-    ``/v1/audio/speech``) reads the 404 in its own shape (before, the native one: the SDK's error then carried
-    the whole body as its message)."""
+    """True for the OpenAI-compatible routes, and for any other ``/v1`` path but the fleet's own
+    (:data:`NATIVE_V1_PREFIX`), ``/v1`` itself and paths with ``//`` included: an OpenAI SDK that calls a route
+    the fleet lacks (``/v1/files``, ``/v1/audio/speech``, ``/v1/models/`` with a trailing slash) reads the 404 in
+    its own shape (before, the native one: the SDK's error then carried the whole body as its message)."""
+    path = _collapsed(path)
     if path in OPENAI_PATHS or path.startswith(("/v1/models/", "/v1/responses")):
         return True
-    return path.startswith("/v1/") and not path.startswith(NATIVE_V1_PREFIX)
+    return is_v1_path(path) and not path.startswith(NATIVE_V1_PREFIX)
 
 
 def openai_error(status: int, payload: dict[str, Any]) -> dict[str, Any]:
@@ -211,8 +228,25 @@ def _on_http(request: Request, exc: Exception) -> JSONResponse:
     if exc.status_code == 400 and cause is not None:  # FastAPI's "error parsing the body", and why
         return fleet_error_response(_unparsable_body(cause), openai=is_openai_path(request.url.path))
     code = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http")
-    payload = error_payload(code, "HTTPError", str(exc.detail))
+    message = str(exc.detail)
+    if exc.status_code == 404 and message == "Not Found":  # Starlette's router: no route at the path
+        message = _no_route_message(request)
+    payload = error_payload(code, "HTTPError", message)
     return _respond(request, exc.status_code, payload, dict(exc.headers or {}))
+
+
+def _no_route_message(request: Request) -> str:
+    """The router's 404 message, naming the route a path with a trailing slash or a ``//`` means (``/v1/models/``):
+    the gateway redirects no path (``redirect_slashes`` off: a 307 to an OpenAI SDK, or to a client that drops a
+    POST's body on a redirect, was no answer)."""
+    path = request.scope["path"]
+    route_path = _collapsed(path).rstrip("/") or "/"
+    if route_path == path:
+        return "Not Found"
+    scope = {**request.scope, "path": route_path}
+    if not any(route.matches(scope)[0] is not Match.NONE for route in request.app.router.routes):
+        return "Not Found"
+    return f"Not Found: no route is at {path[:200]}; the route is {route_path} (paths are not redirected)"
 
 
 def _unparsable_body(cause: BaseException) -> InvalidRequest:

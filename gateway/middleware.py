@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from broker import pipe_waiting_counts
 from gateway.body_guard import has_body, replaying, send_error
 from gateway.errors import error_payload
+from gateway.plain_numbers import is_plain_count
 from producer.prefix_routing import PrefixRouter
 from producer.registry import pipe_list_workers
 from protocol.keys import DEAD_LETTER_COUNTS_KEY, DEAD_LETTER_KEY
@@ -63,11 +64,10 @@ class BodyLimitMiddleware:
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None:
-            try:
-                size = int(declared)
-            except ValueError:
+            if not is_plain_count(declared):  # int() reads b"1_0", b"+5", b" 5"; the HTTP parser refuses them first
                 await self._refuse(scope, send, 400, "Content-Length is not an integer", None)
                 return
+            size = int(declared)
             if size > self.max_bytes:
                 await self._refuse(scope, send, 413, f"request body has {size} bytes", size)
                 return

@@ -14,17 +14,23 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.deps import GatewayDep
+from producer.ops_cli import no_models_configured
 from producer.registry import FleetState, read_fleet_state, readiness_problems
 from producer.worker_readiness import not_ready_reasons
 from protocol.errors import UnknownModel
 from protocol.settings import FleetSettings
 
-__all__ = ["REDIS_DOWN_PROBLEM", "health", "healthz", "prometheus", "readyz", "router"]
+__all__ = ["NO_MODELS_PROBLEM", "REDIS_DOWN_PROBLEM", "health", "healthz", "log_no_models", "prometheus", "readyz",
+           "router"]
 
 log = logging.getLogger("fleet.api")
 
 REDIS_DOWN_PROBLEM = "the queue (Redis) is unreachable (the gateway's log says why)"
 """What ``/readyz`` says of a Redis it cannot reach (the address and the error stay in the log)."""
+NO_MODELS_PROBLEM = "no models configured (the gateway's log names the config file it read, or says it read none)"
+"""What ``/readyz`` says when the settings configure no model, as ``fleet probe ready`` fails then
+(:func:`producer.ops_cli.no_models_configured`, whose words name the file and the working directory: they stay in the
+log, logged once by :func:`log_no_models`)."""
 
 router = APIRouter()
 
@@ -48,12 +54,15 @@ def readyz(
     gw: GatewayDep,
     model: Annotated[list[str] | None, Query(description="Only these models need a worker (default: all).")] = None,
 ) -> JSONResponse:
-    """Ready when Redis answers and every configured model (or each ``model`` given) has a ready worker.
+    """Ready when Redis answers and every configured model (or each ``model`` given) has a ready worker. Settings
+    that configure no model are not ready (``no models configured``, as ``fleet probe ready`` fails then).
 
     ``problems`` names each model without a ready worker, then each of its live workers that is not ready and why
     (as ``fleet probe ready --worker`` says it: shutting down, a dead thread, an engine failing every run, a
     stall, or still loading). Open to anyone, so a Redis failure is said without its address, user or error text
     (logged instead)."""
+    if model is None and not gw.settings.models:  # else ready: every one of no models has a ready worker
+        return JSONResponse({"ready": False, "problems": [NO_MODELS_PROBLEM]}, status_code=503)
     wanted = None if model is None else [_model_key_or_name(gw.settings, m) for m in model]
     state = read_fleet_state(gw.settings, gw.fleet.redis)
     if state.redis_error:
@@ -74,6 +83,13 @@ for _path, _endpoint in (("/healthz", healthz), ("/health", health), ("/readyz",
 def prometheus(gw: GatewayDep) -> Response:
     """Prometheus text format: gateway requests by route/status, latencies, queue depths."""
     return Response(generate_latest(gw.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def log_no_models(settings: FleetSettings) -> None:
+    """Log, once at start-up, why ``/readyz`` will answer :data:`NO_MODELS_PROBLEM` (nothing when models are
+    configured)."""
+    if not settings.models:
+        log.warning("%s: /readyz answers 503 until the gateway is started with models", no_models_configured(settings))
 
 
 def _workers_not_ready(state: FleetState, wanted: list[str] | None) -> list[str]:

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import redis
-from fastapi import APIRouter, Header, Path, Query, Response
+from fastapi import APIRouter, Depends, Header, Path, Query, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
@@ -40,6 +40,7 @@ from gateway.native_submit import (
     queue_submitted,
     submit_wait,
 )
+from gateway.plain_numbers import DIGIT_SECONDS
 from gateway.request_owners import FOREIGN, UNMARKED
 from gateway.request_waits import long_polled_view, view_when_done, view_when_published
 from gateway.schema import (
@@ -98,7 +99,8 @@ RequestId = Annotated[str, Path(pattern=REQUEST_ID_PATTERN, description="The ID 
 WaitS = Annotated[
     float | None,
     Query(ge=0, description="Long-poll: answer as soon as the result is stored, or after this many seconds with "
-          "the current status (at most api.max_wait_s; default: answer at once)."),
+          "the current status (digits, e.g. 10 or 2.5; at most api.max_wait_s; default: answer at once)."),
+    DIGIT_SECONDS,
 ]  # fmt: skip
 PreferHeader = Annotated[
     str | None,
@@ -149,12 +151,24 @@ async def submit(body: SubmitBody, rate_key: CallerDep, gw: GatewayDep, wait_s: 
     return _json(accepted(rid, status, warning), 202, exclude_none=True, headers=headers)
 
 
+async def _no_batch_wait(wait_s: Annotated[str | None, Query(include_in_schema=False)] = None) -> None:
+    """Refuse ``wait_s`` on the batch route (InvalidRequest naming it, before the body is validated; nothing is
+    queued): a batch does not wait for its results, and the single submit's ``wait_s`` ignored there answered a 202
+    that read as a wait that ran out. Other unknown query parameters are ignored, as on every route."""
+    if wait_s is not None:
+        raise InvalidRequest("wait_s is not taken by POST /v1/requests:batch: a batch answers once it is queued, "
+                             "without waiting for results; wait for each with GET /v1/requests/{id}?wait_s=s",
+                             "wait_s", None)  # fmt: skip
+
+
 @router.post("/v1/requests:batch", status_code=202, response_model=BatchAccepted, response_model_exclude_none=True,
-             tags=["requests"])
+             tags=["requests"], dependencies=[Depends(_no_batch_wait)])
 def submit_batch(body: BatchSubmitBody, rate_key: CallerDep, gw: GatewayDep) -> BatchAccepted | JSONResponse:
     """Queue many requests, all or none: each is validated, every request ID checked (one ID names one
     body, inside the batch too) and the batch admitted before anything is queued; then the whole batch
-    is queued in one Redis step. A known ID with the same body answers that request's real status."""
+    is queued in one Redis step. A known ID with the same body answers that request's real status.
+    A batch does not wait for its results: ``wait_s`` is refused (422, nothing queued); wait for each with
+    ``GET /v1/requests/{id}?wait_s=``."""
     cap = gw.settings.api.max_batch_requests
     if len(body.requests) > cap:
         msg = f"batch has {len(body.requests)} requests; the limit is api.max_batch_requests={cap}"

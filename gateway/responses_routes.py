@@ -49,6 +49,7 @@ from gateway.openai_mapping import finish_reason, rename_field, stream_error
 from gateway.openai_schema import ChatBody
 from gateway.openai_waits import cancel_requests, give_up_waiting, outcome_or_error
 from gateway.outcomes import relay_unless_no_worker
+from gateway.plain_numbers import DIGIT_COUNT
 from gateway.responses_schema import ResponseBody, check_supported, input_messages, message_item, output_message
 from gateway.responses_store import (
     StoredResponse,
@@ -351,7 +352,7 @@ async def list_input_items(
     _: CallerDep,
     owner: OwnerDep,
     gw: GatewayDep,
-    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    limit: Annotated[int, Query(ge=1, le=100), DIGIT_COUNT] = 20,
     order: Literal["asc", "desc"] = "desc",
     after: Annotated[str | None, Query(max_length=200)] = None,
 ) -> dict[str, Any]:
