@@ -17,7 +17,12 @@ with the NOT SERVED line naming the others, as ``fleet status`` does. ``--wait-s
 and judges nothing: exit 0 once recorded (``served`` / ``canary_served`` / ``not_served`` in the JSON
 are one read of the heartbeats at that instant). With no live worker of the model, ``pin`` and
 ``canary`` exit 0 (a worker that starts reads the state). ``promote`` and ``rollback`` do not wait for
-the workers: exit 0 once recorded (``fleet status`` says what is served).
+the workers: exit 0 once recorded (``fleet status`` says what is served). ``compare`` with a shadow sample
+(``--shadow N`` or ``--prompts FILE``, a causal LM with a canary) sends nothing unless live workers serve the
+stable and the canary version (else exit 1 at once, ``fleet: NOT SERVED: …`` naming what is missing and how to
+start it), waits up to ``--shadow-timeout-s`` (120 s) with a progress bar on stderr, cancels what is unfinished
+then (and says so), and exits 1 when no pair could be compared; ``--prompts`` is read first, canary or not (a
+file that cannot be read: exit 2).
 
 With a store configured, ``pin`` and ``canary`` record the sha256 of the version's manifest
 (``stable_manifest_sha256`` / ``canary_manifest_sha256`` in ``state`` and in each history entry's ``from``
@@ -33,8 +38,9 @@ bytes or refuse the version ("manifest of … changed since it was pinned"); pin
     fleet models promote M                   # the canary becomes stable
     fleet models rollback M [--reason TEXT]  # drop the canary (with none: undo the last pin or promote)
     fleet models history M [--last N]        # who changed what, when, why
-    fleet models compare M [--window-s S] [--shadow N | --prompts FILE]   # per-version figures; p99_ms null
-                                             # below 100 requests, "tail": "p95 (n=40)" names what they support
+    fleet models compare M [--window-s S] [--shadow N | --prompts FILE] [--shadow-timeout-s 120]
+                                             # per-version figures; p99_ms null below 100 requests, "tail":
+                                             # "p95 (n=40)" names what they support; exit 1 if no shadow pair
 """
 
 from __future__ import annotations
@@ -43,12 +49,14 @@ import argparse
 import getpass
 import json
 import socket
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
 import redis
 
 from producer.cli_types import number_in, setting_type
+from producer.shadow_verdict import SHADOW_TIMEOUT_S, shadow_exit_code, shadow_problem
 from protocol.canary_verdict import version_figures
 from protocol.errors import ConfigError
 from protocol.model_state import (
@@ -211,6 +219,7 @@ def cmd_history(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    prompts = _prompts_file(args)  # bad input first, whether or not a canary is set
     settings, r, model = _context(args)
     state = read_state(r, model)
     window_s = args.window_s if args.window_s is not None else settings.model(model).canary.window_s
@@ -224,36 +233,55 @@ def cmd_compare(args: argparse.Namespace) -> int:
         "versions": [{**f.to_dict(), "roles": roles[v]} for v, f in figures.items()],
         "shadow": None,
     }
-    if state is not None and state.canary is not None and (args.shadow or args.prompts):
-        doc["shadow"] = _shadow(settings, model, state, args)
+    if state is not None and state.canary is not None and (args.shadow or prompts is not None):
+        doc["shadow"] = _shadow(settings, model, state, args, prompts)
     _print(doc)
-    return 0
+    problem = shadow_problem(doc["shadow"])
+    if problem is not None:
+        print(f"fleet: {problem}", file=sys.stderr)
+    return shadow_exit_code(doc["shadow"])
 
 
-def _shadow(settings: FleetSettings, model: str, state: Any, args: argparse.Namespace) -> dict[str, Any] | None:
+def _prompts_file(args: argparse.Namespace) -> list[str | list[int]] | None:
+    """The prompts of ``--prompts FILE`` (None without it).
+
+    Raises:
+        InvalidRequest: the file is missing, unreadable or not a JSON list of prompts (names ``--prompts``).
+    """
+    from producer.shadow import load_prompts
+
+    return load_prompts(Path(args.prompts)) if args.prompts is not None else None
+
+
+def _shadow(settings: FleetSettings, model: str, state: Any, args: argparse.Namespace,
+            prompts_file: list[str | list[int]] | None) -> dict[str, Any] | None:
     from producer.client import FleetClient
-    from producer.shadow import load_prompts, shadow_agreement, synthetic_prompts
+    from producer.shadow import shadow_agreement, synthetic_prompts
 
     client = FleetClient(settings)
     try:
         _, info = client._model(model)
-        if info.card is None or info.card.kind != "causal_lm":
+        if info.card is not None and info.card.kind != "causal_lm":
             return None  # agreement of next tokens means something for LMs only
         prompts: list[str | list[int]]
-        if args.prompts:
-            prompts, recent = load_prompts(Path(args.prompts)), 0
+        if prompts_file is not None:
+            prompts, recent = prompts_file, 0
+        elif info.card is None:  # no card here nor published by a worker: no live worker (said as not served)
+            prompts, recent = [], 0
         else:  # the recent prompts producers sampled, topped up with generated ones
             prompts = list(recent_prompts(client.redis, model, args.shadow))
             recent = len(prompts)
             limit = settings.model(model).limits.max_input_tokens
             prompts += synthetic_prompts(args.shadow - recent, info.card.vocab_size, limit)
-        return {**shadow_agreement(client, model, state, prompts), "recent_prompts": recent}
+        doc = shadow_agreement(client, model, state, prompts, timeout_s=args.shadow_timeout_s)
+        return {**doc, "recent_prompts": recent}
     finally:
         client.close()
 
 
 _weight = number_in(int, 1, 99, "weight must be an integer from 1 to 99 (percent of traffic)")
 _shadow_count = number_in(int, 0, 10_000, "shadow must be an integer from 0 to 10000 prompts")
+_shadow_timeout_s = number_in(float, 0, 86_400, "shadow-timeout-s must be a number of seconds from 0 to 86400")
 
 
 def register(msub: Any) -> None:
@@ -307,6 +335,11 @@ def register(msub: Any) -> None:
     p.add_argument("--shadow", type=_shadow_count, default=0,
                    help="LMs with a canary: send N recent prompts (topped up with generated ones) to both versions "
                    "and report top-1 agreement (default 0 = no shadow)")
-    p.add_argument("--prompts", default=None, help="LMs: a JSON list of texts or id lists to use as the shadow sample")
+    p.add_argument("--prompts", default=None, help="LMs: a JSON list of texts or id lists to use as the shadow sample "
+                   "(checked with or without a canary: a file that cannot be read exits 2)")
+    p.add_argument("--shadow-timeout-s", type=_shadow_timeout_s, default=SHADOW_TIMEOUT_S,
+                   help="wait up to this many seconds for the shadow sample's results, then cancel those unfinished "
+                   f"(default {SHADOW_TIMEOUT_S:g}); nothing is sent unless live workers serve the stable and the "
+                   "canary version (exit 1, NOT SERVED); exit 1 too when no pair could be compared")
     p.set_defaults(func=cmd_compare)
 
