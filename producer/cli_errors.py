@@ -96,6 +96,9 @@ def redis_failure(exc: BaseException, url: str) -> tuple[str, int]:
         word in lowered for word in ("wrongpass", "noauth", "invalid password", "invalid username-password",
                                      "authentication required")
     ):
+        if not passwords_in(url) and ("noauth" in lowered or "authenticated" in lowered):  # it asks, none given
+            return (f"Redis at {mask_url(url)} requires a password and FLEET_REDIS_URL gives none ({text}); "
+                    f"{REDIS_CREDENTIALS_FIX}"), EXIT_FAILED  # fmt: skip
         return f"Redis at {mask_url(url)} refused the credentials: {text}; {REDIS_CREDENTIALS_FIX}", EXIT_FAILED
     if "db index is out of range" in lowered:  # it answers: the URL names a database it does not have
         return (f"Redis at {mask_url(url)} has no such database ({text}): the number after the last / in "

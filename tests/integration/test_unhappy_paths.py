@@ -100,6 +100,11 @@ def test_a_wrong_password(ops_fleet: OpsFleet) -> None:  # noqa: F811
             one_line(done, 1, "refused the credentials", "FLEET_REDIS_URL", ":***@")
             assert "not-the-password" not in done.stdout + done.stderr
         traceback_with_debug(debug)
+        config = ops_fleet.config(redis_url=f"redis://127.0.0.1:{server.port}/0")  # none at all
+        for done in together(partial(fleet, "status", config=config),
+                             partial(fleet, "submit", "--model", "demo-lm", "--tokens", "5,6,7", config=config)):
+            # was "refused the credentials: HELLO must be called with the client already authenticated": none given
+            one_line(done, 1, "requires a password and FLEET_REDIS_URL gives none", "redis://USER:PASSWORD@")
 
 
 def test_an_unknown_model(ops_fleet: OpsFleet) -> None:  # noqa: F811
