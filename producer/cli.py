@@ -31,6 +31,7 @@ def _client(args: argparse.Namespace) -> Any:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from producer.cli_generation import generation_from_args, parse_ids, print_stream
+    from producer.results import RequestStatus
 
     client = _client(args)
     ids = parse_ids(args.tokens, "--tokens", "input_ids") if args.tokens is not None else None
@@ -44,7 +45,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
         generation=generation_from_args(args),
         routing_key=args.routing_key,
     )
-    warning = _no_worker(client, args.model)
+    status = client.status(rid)  # a resubmitted ID may have ended already: no worker is then awaited
+    warning = _no_worker(client, args.model) if status is RequestStatus.QUEUED else None
     if warning:  # accepted all the same: a fleet scaled to zero starts on its queue
         print(f"fleet: warning: {warning}", file=sys.stderr, flush=True)
     if generation_from_args(args) is not None and (note := _random_weights_note(client, args.model)):
@@ -52,7 +54,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.stream:
         return print_stream(client, rid, args.timeout)
     if not args.wait:
-        _print({"request_id": rid, "status": client.status(rid).value} | ({"warning": warning} if warning else {}))
+        _print({"request_id": rid, "status": status.value} | ({"warning": warning} if warning else {}))
         return 0
     result = _wait_naming_the_worker(client, rid, args.model, args.timeout)
     _print(result.model_dump(mode="json") if result else {"request_id": rid})
@@ -132,7 +134,7 @@ def cmd_result(args: argparse.Namespace) -> int:
     result = (_wait_naming_the_worker(client, rid, model, args.timeout) if args.wait
               else _stored_result(client, rid, wait=False))
     if result is None:
-        _print({"request_id": rid, "status": client.status(rid).value} | ({"warning": warning} if warning else {}))
+        _print({"request_id": rid, "status": status.value} | ({"warning": warning} if warning else {}))
         return 0
     _print(result.model_dump(mode="json"))
     return 0

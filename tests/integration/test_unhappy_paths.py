@@ -145,6 +145,9 @@ def test_a_model_with_no_worker_is_accepted_and_said(ops_fleet: OpsFleet) -> Non
     cancelled = fleet("cancel", "nw-1", config=config)  # still queued: cancelled, exit 0, nothing on stderr
     assert cancelled.returncode == 0 and '"cancelled": true' in cancelled.stdout, cancelled.stdout + cancelled.stderr
     assert not cancelled.stderr.strip(), cancelled.stderr
+    again = fleet("submit", "--model", "demo-encoder", "--text", "hello", "--request-id", "nw-1", config=config)
+    assert again.returncode == 0 and '"status": "cancelled"' in again.stdout, again.stdout  # the same request:
+    assert "warning" not in again.stdout + again.stderr, again.stdout + again.stderr  # it ended, nothing awaited
     # cancelled while queued by a cancel mark alone (what the gateway writes when an OpenAI call finds no worker),
     # no worker to store why: over at once, as a stored cancel is (exit 1); --timeout 600 with a 60 s cap on the
     # run fails with TimeoutExpired if it is waited out (it was; and without --wait it exited 0)
