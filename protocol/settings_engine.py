@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from protocol.settings_section import Section
 
@@ -75,14 +75,18 @@ class EngineSettings(Section):
         "capture at load, the steps run without graphs and the reason is logged. Figures: docs/gpu.md.",
     )
 
-    @model_validator(mode="after")
-    def _known_providers(self) -> EngineSettings:
-        for name in [*self.providers, *([self.require_provider] if self.require_provider else [])]:
+    @field_validator("providers", "require_provider")
+    @classmethod
+    def _known_providers(cls, value: list[str] | str | None) -> list[str] | str | None:
+        """Each name a provider ONNX Runtime has; checked per field, so an error names ``engine.providers`` or
+        ``engine.require_provider``, not the whole section."""
+        names = [value] if isinstance(value, str) else list(value or [])
+        for name in names:
             if name not in PROVIDERS:
                 raise ValueError(f"unknown execution provider {name!r}; known: {', '.join(PROVIDERS)}")
-        if not self.providers:
+        if isinstance(value, list) and not value:
             raise ValueError("providers must name at least one execution provider")
-        return self
+        return value
 
     @model_validator(mode="after")
     def _graphs_through_cuda_graph(self) -> EngineSettings:

@@ -23,7 +23,13 @@ def test_unknown_provider_name_is_a_config_error(fleet: Fleet) -> None:
     from protocol.settings import load_settings
 
     cfg = fleet.config(models={"demo-lm": {"engine": {"providers": ["CudaProvider"]}}})
-    with pytest.raises(ConfigError, match=r"models\.demo-lm\.engine.*unknown execution provider 'CudaProvider'"):
+    with pytest.raises(ConfigError, match=r"models\.demo-lm\.engine\.providers .*unknown execution provider 'Cuda"):
+        load_settings(cfg)  # the field, not the section (was "models.demo-lm.engine")
+    cfg = fleet.config(models={"demo-lm": {"engine": {"require_provider": "Cuda"}}})
+    with pytest.raises(ConfigError, match=r"models\.demo-lm\.engine\.require_provider .*provider 'Cuda'"):
+        load_settings(cfg)
+    cfg = fleet.config(models={"demo-lm": {"engine": {"providers": []}}})
+    with pytest.raises(ConfigError, match=r"models\.demo-lm\.engine\.providers .*at least one"):
         load_settings(cfg)
 
 
