@@ -14,7 +14,9 @@ error cannot be stored under an ID of its own (no usable ID, or such a repeat) i
 ``refused``, by position, naming the field and the limit; so is an item whose ID breaks the request-ID rule
 (:data:`~protocol.keys.REQUEST_ID_PATTERN`, as every other face holds it: an ID with a CR/LF, non-ASCII or
 over 128 characters names a key no client can poll), which is not run. A message carrying more than
-``MAX_BULK_REQUESTS`` runs none of them, and each request it names gets that refusal as its result.
+``MAX_BULK_REQUESTS`` runs none of them, and each request it names gets that refusal as its result. An item
+whose ID is the message's own task ID is refused too (listed, not run): the message's summary is stored under
+that ID, and the item's result would have taken its place (the first stored is kept), its ``refused`` list lost.
 """
 
 from __future__ import annotations
@@ -127,12 +129,14 @@ def _refuse_all(backend: Any, items: list[Any], error: FleetError) -> FleetError
 
 
 def handle_bulk(
-    runtime: WorkerRuntime, payload: dict[str, Any], *, worker: str, backend: Any, role: Role = "stable"
+    runtime: WorkerRuntime, payload: dict[str, Any], *, worker: str, backend: Any, role: Role = "stable",
+    task_id: str | None = None,
 ) -> dict[str, Any]:
     """Serve every request of one bulk message; returns :func:`summarize`'s summary, with ``refused`` (a list of
     :func:`_refused` entries) added when an item's error is stored under no ID of its own.
 
-    ``role``: the role of the queue the message came from (see :func:`workers.pipeline.prepare`).
+    ``role``: the role of the queue the message came from (see :func:`workers.pipeline.prepare`); ``task_id``:
+    the message's own (its summary's key), which no item may take as its request ID.
 
     Raises:
         DecodeError / InvalidRequest: the message itself is malformed (no request ran).
@@ -147,7 +151,7 @@ def handle_bulk(
             MAX_BULK_REQUESTS,
         ))  # fmt: skip
     ids = _request_ids(items)
-    prepared, jobs = _prepare_all(runtime, ids, items, role)
+    prepared, jobs = _prepare_all(runtime, ids, items, role, task_id)
     for _ in ids:
         runtime.token_taken()
     held = _hold(runtime, ids, prepared)
@@ -171,12 +175,17 @@ _Item = Prepared | FleetError | int
 ID and body (the same request: not run again)."""
 
 
-def _prepare_all(runtime: WorkerRuntime, ids: list[str | DecodeError], items: list[Any],
-                 role: Role) -> tuple[list[_Item], list[Job]]:  # fmt: skip
+def _prepare_all(runtime: WorkerRuntime, ids: list[str | DecodeError], items: list[Any], role: Role,
+                 task_id: str | None = None) -> tuple[list[_Item], list[Job]]:  # fmt: skip
     """Each item prepared (:func:`workers.pipeline.prepare`, its cancel mark read for all in one MGET), and the
     one-step jobs to submit together."""
     repeats = _repeats(ids, items)
-    named = list(dict.fromkeys(rid for rid in ids if isinstance(rid, str)))
+    for pos, rid in enumerate(ids):
+        if task_id is not None and rid == task_id:  # its outcome would be stored where the summary goes
+            repeats[pos] = IdempotencyConflict(
+                f"requests[{pos}].request_id {rid!r} is this bulk message's own task ID, under which its summary is "
+                "stored; not run (give the request an ID of its own)", f"requests[{pos}].request_id", None)
+    named = list(dict.fromkeys(rid for rid in ids if isinstance(rid, str) and rid != task_id))
     marks = note_taken_and_read(runtime.redis, named, runtime.settings.visibility_timeout_s)
     collector = _Collector()
     prepared: list[_Item] = []

@@ -111,7 +111,7 @@ def register_tasks(app: Celery) -> None:
             raise DecodeError("fleet.infer_bulk takes exactly one JSON object {requests: [...]}", "args", 1)
         return handle_bulk(
             runtime, args[0], worker=str(self.request.hostname or runtime.hostname), backend=self.backend,
-            role=role_of(self),
+            role=role_of(self), task_id=str(self.request.id),
         )
 
 

@@ -106,6 +106,21 @@ def test_a_bulk_message_never_replaces_a_stored_result_and_an_unnamed_item_fails
     assert summary["refused"][0]["type"] == "IdempotencyConflict" and summary["refused"][0]["field"] == (
         "requests[2].request_id"), summary
 
+    # an item named with the message's own task ID: its result went where the summary goes (the first stored is
+    # kept), so the summary, the only place the refused items are said, was never stored
+    plain = Celery(broker=fleet.redis_url, backend=fleet.redis_url)
+    summary = plain.send_task("fleet.infer_bulk", args=[{"requests": [
+        {"request_id": "bulk-self", "model": "demo-lm", "input_ids": [5, 6]},
+        {"request_id": "bulk-other", "model": "demo-lm", "input_ids": [7, 8]},
+        {"model": "demo-lm", "input_ids": [5]},
+    ]}], queue="fleet.demo-lm", task_id="bulk-self").get(timeout=60)
+    plain.close()
+    assert isinstance(summary, dict) and summary["count"] == 3, summary  # the summary, not an inference result
+    assert [(e["index"], e["field"]) for e in summary["refused"]] == [
+        (0, "requests[0].request_id"), (2, "requests[2].request_id")], summary
+    assert "own task ID" in summary["refused"][0]["message"], summary
+    assert isinstance(client.result("bulk-other", wait=True, timeout_s=10), InferenceResult)
+
 
 @pytest.mark.parametrize("call", ["submit_bulk", "submit_many"])
 def test_queue_full_midway_says_which_requests_were_queued(fleet: Fleet, call: str) -> None:
