@@ -266,8 +266,30 @@ def repeated_query_parameter(query: bytes) -> str | None:
     return None
 
 
+def doubled_credentials(scope: Scope) -> str | None:
+    """Why the request's credentials are ambiguous (None when they are not): ``X-API-Key`` or ``Authorization``
+    given more than once, or both given with different keys. The gateway took the first header and
+    ``X-API-Key`` over ``Authorization``; a proxy in front that checks another one (the last, or the bearer)
+    would let a request through on one key that the gateway then serves, and stores for, under the other."""
+    names = (API_KEY_HEADER.lower().encode(), b"authorization")
+    seen: dict[bytes, list[str]] = {name: [] for name in names}
+    for key, value in scope.get("headers") or []:
+        if key.lower() in seen:
+            seen[key.lower()].append(bytes(value).decode("latin-1"))
+    for name, values in seen.items():
+        if len(values) > 1:
+            shown = API_KEY_HEADER if name == names[0] else "Authorization"
+            return f"header {shown} is given {len(values)} times: send the credentials once"
+    api_key, authorization = seen[names[0]], seen[names[1]]
+    bearer = key_from_headers(None, authorization[0]) if authorization else None
+    if api_key and bearer is not None and bearer != api_key[0]:
+        return f"headers {API_KEY_HEADER} and Authorization name different keys: send one of them"
+    return None
+
+
 class RequestGuardMiddleware:
-    """Refuse a ``/v1/*`` request without an accepted key (401), with a query parameter given twice (400), or
+    """Refuse a ``/v1/*`` request with its credentials given twice or two different ways (400), without an
+    accepted key (401), with a query parameter given twice (400), or
     with a body not declared JSON (415), before a byte of its body is read."""
 
     def __init__(self, app: ASGIApp, keys: list[bytes]) -> None:
@@ -277,6 +299,11 @@ class RequestGuardMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not is_v1_path(str(scope.get("path", ""))):
             await self.app(scope, receive, send)
+            return
+        doubled = doubled_credentials(scope)
+        if doubled is not None:  # refused before any key is judged: which one a proxy checks may differ
+            await send_error(scope, send, 400, error_payload("duplicate_credentials", "DuplicateKey", doubled,
+                                                             "headers", 1), _UNREAD)  # fmt: skip
             return
         key = key_from_headers(_header(scope, API_KEY_HEADER.lower().encode()), _header(scope, b"authorization"))
         refusal = key_refusal(key, self.keys)

@@ -12,9 +12,10 @@ import json
 import uuid
 from typing import Any
 
+import httpx
 import pytest
 
-from tests.integration.openai_fixtures import Served, ops_models, ops_redis, served
+from tests.integration.openai_fixtures import API_KEY, Served, ops_models, ops_redis, served
 
 __all__ = ["ops_models", "ops_redis", "served"]
 
@@ -98,3 +99,23 @@ def test_a_query_parameter_given_twice_is_refused_naming_it(served: Served, path
     else:
         assert (doc["error"], doc["field"], doc["limit"]) == ("duplicate_query_parameter", name, 1), doc
     assert served.http.get(f"{path.format(rid=rid)}?{query.split('&')[0]}").status_code != 400  # once is fine
+
+
+@pytest.mark.parametrize(("headers", "said"), [
+    ([("X-API-Key", API_KEY), ("X-API-Key", "another-key")], "header X-API-Key is given 2 times"),
+    ([("Authorization", f"Bearer {API_KEY}"), ("Authorization", "Bearer another-key")],
+     "header Authorization is given 2 times"),
+    ([("X-API-Key", "another-key"), ("Authorization", f"Bearer {API_KEY}")],
+     "headers X-API-Key and Authorization name different keys"),
+])
+def test_credentials_given_twice_or_two_different_ways_are_refused(served: Served, headers: list[tuple[str, str]],
+                                                                   said: str) -> None:  # fmt: skip
+    """The first of two headers, and X-API-Key over Authorization, decided the key: a proxy in front that
+    checked the other one would let a request through on one key that the gateway served under the other."""
+    with httpx.Client(base_url=served.gateway.url, timeout=30) as http:
+        for path in ("/v1/models", "/v1/requests/any-id"):
+            answer = http.get(path, headers=headers)
+            assert answer.status_code == 400, answer.text
+            assert said in answer.text and "duplicate_credentials" in answer.text, answer.text
+        same = http.get("/v1/models", headers=[("X-API-Key", API_KEY), ("Authorization", f"Bearer {API_KEY}")])
+        assert same.status_code == 200, same.text  # one key, said both ways: not ambiguous
