@@ -233,9 +233,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
         "versions": [{**f.to_dict(), "roles": roles[v]} for v, f in figures.items()],
         "shadow": None,
     }
-    if state is not None and state.canary is not None and (args.shadow or prompts is not None):
+    asked = bool(args.shadow or prompts is not None)
+    if state is not None and state.canary is not None and asked:
         doc["shadow"] = _shadow(settings, model, state, args, prompts)
     _print(doc)
+    if asked and doc["shadow"] is None:  # said, not left as a bare null: there is nothing to shadow
+        print(f"fleet: note: no shadow sample sent: model {model!r} has no canary (`fleet models canary {model} "
+              "VERSION --weight W` sets one)", file=sys.stderr)
     problem = shadow_problem(doc["shadow"])
     if problem is not None:
         print(f"fleet: {problem}", file=sys.stderr)

@@ -109,6 +109,8 @@ def test_compare_reads_the_prompts_file_with_or_without_a_canary(
     not_a_list.write_text('{"prompt": [5, 6]}')
     code, _, err = compare(capsys, cfg, "--prompts", str(not_a_list))
     assert code == 2 and "--prompts" in err and "must be a non-empty JSON list" in err, err
+    code, doc, err = compare(capsys, cfg, "--shadow", "2")  # no canary: said, not a bare "shadow": null
+    assert code == 0 and doc["shadow"] is None and f"no shadow sample sent: model '{MODEL}' has no canary" in err, err
 
     set_canary(r, MODEL, CANARY, 10, "test@compare")
     beat(r, SERVED, CANARY)
