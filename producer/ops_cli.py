@@ -184,6 +184,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"fleet: {line}", file=sys.stderr)
         return code
     print(json.dumps(doc) if args.json else format_status(doc))
+    if not settings.models:  # an empty QUEUES table, said: the wrong directory, or a config not given
+        print(f"fleet: note: {no_models_configured(settings)}", file=sys.stderr)
     return 0
 
 

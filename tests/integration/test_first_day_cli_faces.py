@@ -71,6 +71,9 @@ def test_a_readiness_probe_with_no_model_configured_fails_saying_why(
     live = _fleet("probe", "live", cwd=tmp_path, env=env)  # the process is alive: a restart configures nothing
     assert live.returncode == 0 and live.stdout.strip() == "fleet probe live: ok", (live.stdout, live.stderr)
     assert "note: no models configured (no config file was read" in live.stderr
+    status = _fleet("status", cwd=tmp_path, env=env)  # an empty QUEUES table, and why
+    assert status.returncode == 0 and "QUEUES" in status.stdout, (status.stdout, status.stderr)
+    assert "fleet: note: no models configured (no config file was read" in status.stderr, status.stderr
 
 
 def test_a_redis_url_whose_database_is_not_an_integer_is_refused_by_every_face(
