@@ -140,6 +140,24 @@ def test_sequence_cuts_text_at_a_stop_string_and_never_streams_past_it() -> None
     assert events[-1].type == "final" and usage is not None and usage.completion_tokens == len(outcome.token_ids)
 
 
+def test_a_stop_string_in_the_text_held_back_to_the_end_is_cut_too() -> None:
+    """The detokenizer holds back an unfinished UTF-8 character (and byte pieces) until it is complete or the
+    sequence ends; the stop scan ran only on text released while generating, so a stop string completed by the
+    flushed tail stayed in the result and the final event."""
+    sink = _Collect()
+    seq = _seq(3, stop=["i\ufffd"])
+    seq.emit = sink
+    for byte in (ord("h"), ord("i"), 0xC3):  # the last, the first byte of a two-byte character, never completed
+        seq.accept(_logits_for(byte + 3))
+    outcome = seq.end()
+    assert (outcome.text, outcome.finish_reason) == ("h", "stop"), outcome
+    assert "".join(e.text for e in sink.events) == "h" and sink.events[-1].type == "final"
+    cancelled = _seq(3, stop=["i\ufffd"])
+    for byte in (ord("h"), ord("i"), 0xC3):
+        cancelled.accept(_logits_for(byte + 3))
+    assert (cancelled.end("cancelled").text, cancelled.finish_reason) == ("h", "cancelled")
+
+
 def test_sequence_ends_on_eos_length_and_stop_token() -> None:
     eos = _seq(10)
     assert eos.accept(_logits_for(2)) and eos.end().finish_reason == "stop"

@@ -197,7 +197,12 @@ class GenSequence:
         if reason is not None:
             self.finish_reason = reason
         if self._detok is not None:
-            self._detok.flush()
+            self._detok.flush()  # what it held back (an unfinished character, a run of byte pieces) can hold a stop
+            if self._cut is None:  # string too: the scan covers it, so none reaches the result or the stream
+                given = self.finish_reason
+                self._check_stop_strings()
+                if reason is not None:  # cancelled, deadline: said as such, the text cut all the same
+                    self.finish_reason = given
         tail = self._release(final=True)
         final = self.finish_reason or "length"
         usage = Usage(
