@@ -138,10 +138,11 @@ def check_generation_room(prompt_tokens: int, max_new_tokens: int, *, max_positi
             room = max(0, bound - prompt_tokens)
             hint = (f"at most {room} fit" if room else
                     f"the prompt leaves no room for one: it must be shorter than {bound} tokens")  # fmt: skip
-            raise InvalidRequest(
-                f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds {what}="
-                f"{bound}: {hint}",
-                "output.generation.max_new_tokens" if room else "input_ids",
-                room if room else bound - 1,
-            )
+            field = "output.generation.max_new_tokens" if room else "input_ids"
+            # the model's context: InputTooLong (OpenAI's context_length_exceeded, which clients test to trim and
+            # retry); the worker's KV budget is a capacity of the fleet's, not of the model. The message names the
+            # field in full, so a face that calls it otherwise (max_tokens) renames it there too
+            error = InputTooLong if bound == max_positions else InvalidRequest
+            raise error(f"prompt ({prompt_tokens} tokens) + output.generation.max_new_tokens ({max_new_tokens}) = "
+                        f"{total} exceeds {what}={bound}: {hint}", field, room if room else bound - 1)
 

@@ -92,3 +92,23 @@ def test_a_generation_that_does_not_fit_names_what_must_change() -> None:
             check_generation_room(prompt, 1, max_positions=512, max_kv_tokens=64)
         assert (info.value.field, info.value.limit) == ("input_ids", 63)
     check_generation_room(63, 1, max_positions=512, max_kv_tokens=64)  # fits: nothing raised
+
+
+def test_a_generation_past_the_models_positions_is_a_context_length_error_named_as_the_caller_named_it() -> None:
+    """Past the model's positions the error is InputTooLong (OpenAI's ``context_length_exceeded``, which clients
+    test to trim and retry; it was a plain invalid_request) and its message names the field in full, so the
+    OpenAI faces rename it in the message too: it said ``max_new_tokens`` to a caller who sent ``max_tokens``."""
+    from gateway.openai_params import rename_field
+    from protocol.errors import InputTooLong, InvalidRequest
+    from protocol.validation import check_generation_room
+
+    with pytest.raises(InvalidRequest) as info:
+        check_generation_room(400, 200, max_positions=512, max_kv_tokens=32_768)
+    assert type(info.value) is InputTooLong and info.value.code == "input_too_long", info.value
+    renamed = rename_field(info.value, {"output.generation.max_new_tokens": "max_tokens"})
+    assert (renamed.field, renamed.limit) == ("max_tokens", 112), renamed
+    assert "+ max_tokens (200) = 600 exceeds the model's max_positions=512" in renamed.message, renamed.message
+    assert "max_new_tokens" not in renamed.message
+    with pytest.raises(InvalidRequest) as budget:  # the worker's KV budget: a capacity of the fleet's
+        check_generation_room(40, 40, max_positions=512, max_kv_tokens=64)
+    assert type(budget.value) is InvalidRequest, budget.value
