@@ -7,6 +7,8 @@ which keeps the last :data:`HISTORY_KEEP` entries only.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -238,12 +240,25 @@ def rollback(
     )
 
 
+STORE_CHECK_WAIT_S = 5.0
+"""How long a rollback waits for the store to say whether the version it returns to is still published (s): a
+store that accepts connections and never answers held a rollback up for the S3 client's whole retry budget (60 s
+reads, 4 tries: 4 minutes), and a rollback is the emergency stop."""
+
+log = logging.getLogger("fleet.models")
+
+
 def _check_still_published(store: Published, model: str, version: str, current: str | None) -> str | None:
     """Refuse to return the stable version to ``version`` when ``store`` says it is not published (any other
-    store error lets the rollback through: an unreachable store must not hold up an emergency); the sha256 of
-    its manifest now, None when the store could not say."""
+    store error, or no answer within :data:`STORE_CHECK_WAIT_S`, lets the rollback through: an unreachable or
+    hung store must not hold up an emergency); the sha256 of its manifest now, None when the store could not
+    say."""
     try:
-        return store.manifest_sha256(model, version)
+        return _within(lambda: store.manifest_sha256(model, version), STORE_CHECK_WAIT_S)
+    except TimeoutError:
+        log.warning("%s: the model store did not answer within %g s whether %s is still published: rolled back "
+                    "without that check", model, STORE_CHECK_WAIT_S, version)  # fmt: skip
+        return None
     except FleetError as exc:
         if exc.code != "version_not_found":
             return None
@@ -254,3 +269,30 @@ def _check_still_published(store: Published, model: str, version: str, current: 
             "version",
             "a published version",
         ) from exc
+
+
+def _within(call: Callable[[], str], wait_s: float) -> str:
+    """``call()``'s value, asked on a daemon thread and waited for at most ``wait_s`` seconds (a thread left behind
+    does not hold the process's exit).
+
+    Raises:
+        TimeoutError: no answer within ``wait_s``.
+        Exception: what ``call`` raised.
+    """
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def ask() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # handed to the caller's thread
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=ask, name="fleet-store-check", daemon=True).start()
+    if not done.wait(wait_s):
+        raise TimeoutError(f"no answer within {wait_s} s")
+    if "error" in box:
+        raise box["error"]
+    return str(box["value"])
