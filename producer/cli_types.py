@@ -14,7 +14,7 @@ from typing import Annotated, Any, TypeVar, cast
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-__all__ = ["number_in", "port_number", "setting_type"]
+__all__ = ["number_in", "port_number", "setting_type", "version_name", "wait_seconds"]
 
 N = TypeVar("N", int, float)
 
@@ -65,3 +65,20 @@ def number_in(kind: Callable[[str], N], low: float, high: float, rule: str) -> C
 
 port_number = number_in(int, 0, 65535, "must be an integer from 0 to 65535 (0 = a free one)")
 """A TCP port on 127.0.0.1 for a local server (``fleet redis``, ``fleet store``): 0 picks a free one."""
+
+
+def version_name(raw: str) -> str:
+    """An argparse ``type`` for a model version: one path segment of the store (``store.manifest.check_name``:
+    1-128 of ``A-Z a-z 0-9 . _ + -``, starting with a letter or digit). An empty or blank version was refused
+    only later, as a refused state change (exit 1), where ``../x`` was bad input (exit 2)."""
+    from protocol.errors import InvalidRequest
+    from store.manifest import check_name
+
+    try:
+        return check_name(raw, "version")
+    except InvalidRequest as exc:
+        raise argparse.ArgumentTypeError(exc.message.removeprefix("version ")) from None
+
+
+wait_seconds = number_in(float, 0, 3600, "must be a number of seconds from 0 to 3600")
+"""``--wait-s`` of ``fleet models pin``/``canary``: how long to wait for the workers (NaN and negatives refused)."""

@@ -55,7 +55,7 @@ from typing import Any, Literal
 
 import redis
 
-from producer.cli_types import number_in, setting_type
+from producer.cli_types import number_in, setting_type, version_name, wait_seconds
 from producer.shadow_verdict import SHADOW_TIMEOUT_S, shadow_exit_code, shadow_problem
 from protocol.canary_verdict import version_figures
 from protocol.errors import ConfigError
@@ -299,20 +299,21 @@ def register(msub: Any) -> None:
             p.add_argument("--by", default=default_by(), help="who the change is recorded as (default $USER@host)")
 
     def wait_s(p: argparse.ArgumentParser, serve: str) -> None:
-        p.add_argument("--wait-s", type=float, default=DEFAULT_WAIT_S,
+        p.add_argument("--wait-s", type=wait_seconds, default=DEFAULT_WAIT_S,
                        help=f"wait up to this many seconds for the live workers to {serve} or refuse it, then print "
                        "what they serve (\"served\", \"canary_served\", \"not_served\"); exit 1 when none of them "
                        f"does; 0 = do not wait nor judge (exit 0 once recorded) (default {DEFAULT_WAIT_S:g})")
 
     p = msub.add_parser("pin", help="serve VERSION for all of the model's (stable) traffic")
     common(p)
-    p.add_argument("version", help="a version published in the store (or the configured one), e.g. 1.2.3")
+    p.add_argument("version", type=version_name,
+                   help="a version published in the store (or the configured one), e.g. 1.2.3")
     wait_s(p, "serve VERSION")
     p.set_defaults(func=cmd_pin)
 
     p = msub.add_parser("canary", help="send --weight percent of the model's traffic to VERSION")
     common(p)
-    p.add_argument("version", help="a version published in the store, e.g. 1.2.4-int8")
+    p.add_argument("version", type=version_name, help="a version published in the store, e.g. 1.2.4-int8")
     p.add_argument("--weight", type=_weight, required=True, help="percent of traffic to the canary, 1..99")
     wait_s(p, "load VERSION as the canary")
     p.set_defaults(func=cmd_canary)

