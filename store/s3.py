@@ -130,8 +130,10 @@ class S3Backend:
         return f"s3://{self.bucket}/{key}"
 
     def _fail(self, exc: Exception, key: str, doing: str) -> NoReturn:
-        """Raise the store error that ``exc`` (from boto3) stands for."""
+        """Raise the store error that ``exc`` (from boto3) stands for, naming ``key`` (the store itself, ``store``,
+        for an operation on its root: a listing of every model named an empty field)."""
         where = f"{self.url_of(key)}" + (f" at {self.endpoint_url}" if self.endpoint_url else "")
+        field = key or "store"
         if isinstance(exc, NoCredentialsError | PartialCredentialsError):
             raise StoreError(
                 f"no S3 credentials to {doing} {where}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
@@ -146,8 +148,8 @@ class S3Backend:
                 at = self.endpoint_url or "AWS"
                 raise StoreError(f"bucket {self.bucket!r} does not exist at {at}", "store.bucket", self.bucket) from exc
             message = f"S3 refused to {doing} {where}: {code} {error.get('Message', '')}".rstrip()
-            raise StoreError(message, key, code) from exc
-        raise StoreError(f"cannot {doing} {where}: {exc}", key, None) from exc
+            raise StoreError(message, field, code) from exc
+        raise StoreError(f"cannot {doing} {where}: {exc}", field, None) from exc
 
     def _unless_missing(self, exc: ClientError | BotoCoreError, key: str, doing: str) -> None:
         """Return when ``exc`` says there is no such object; otherwise raise the store error it stands for."""

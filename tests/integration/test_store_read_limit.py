@@ -13,6 +13,7 @@ from store.errors import StoreError
 from store.local import LocalBackend
 from store.s3 import S3Backend
 from tests.integration.lifecycle_fixtures import BUCKET
+from tools.redis_server import free_port
 from tools.seaweed_server import EmbeddedSeaweed
 
 
@@ -35,3 +36,14 @@ def test_an_object_past_the_limit_is_refused_naming_it_its_size_and_the_limit(ba
     assert backend.read("limit-test/1.0.0/manifest.json", max_bytes=4096) == b"x" * 2048
     assert backend.read("limit-test/1.0.0/absent.json", max_bytes=1024) is None
     assert READ_LIMIT_BYTES == 64 * 1024 * 1024  # the default: a tokenizer's JSON fits, a model file does not
+
+
+def test_a_failure_on_the_stores_root_names_the_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A listing of every model (key ``""``) that fails named an empty field (``fleet models list``: ``"field":
+    ""``); it names the store itself."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test-key-id")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test-secret")
+    backend = S3Backend(BUCKET, endpoint_url=f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    with pytest.raises(StoreError) as info:
+        backend.children("")
+    assert info.value.field == "store", info.value.to_payload()
