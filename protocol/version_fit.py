@@ -12,7 +12,10 @@ the stable one does. So a version must have, compared with the model's card:
   vocabulary fails ids the stable version takes, a larger one returns logits (top-k ids) the model's
   tokenizer cannot decode;
 * ``max_positions`` no smaller than the model's: producers size inputs and cap generations by it, a
-  shorter context refuses what the stable version accepts (a longer one is a compatible upgrade);
+  shorter context refuses what the stable version accepts (a longer one is a compatible upgrade). How
+  much longer is not for two cards to say: the version's graph bounds it (its position table's rows),
+  and ``push`` refuses a card above that bound (:mod:`store.graph_fit`), since workers reserve each KV
+  slot for the card's ``max_positions``;
 * for a causal LM, the same KV layout (``num_layers``, KV heads, ``head_dim``): the worker's KV budget
   (``batching.max_kv_tokens``, the decode slots) is set in tokens for the model's per-token KV size,
   which the layout fixes; a different layout is another architecture that may run out of memory where

@@ -239,3 +239,23 @@ def test_a_join_or_a_leave_moves_no_other_sequences_cache(model_dir: Path) -> No
     _run(loop, _arrivals(load_card(path).vocab_size, seed=11), on_step=check)
     assert changes >= 10  # many joins and leaves happened
     assert {name: buf.ctypes.data for name, buf in kv.cache.buffers.items()} == addresses
+
+
+def test_a_cache_the_cards_max_positions_makes_too_large_to_allocate_is_refused_naming_it(model_dir: Path) -> None:
+    """The Llama graph bounds no position (its rotary angles are computed), so push takes any card's
+    ``max_positions``; a worker then sizes each slot by it and must say which field asked for the memory,
+    not raise a bare MemoryError (2**40 positions: 2 PiB, more than any address space)."""
+    path = _path(model_dir, "demo-llama")
+    card = load_card(path).model_copy(update={"max_positions": 2**40})
+    settings = EngineSettings(providers=["CPUExecutionProvider"], intra_op_threads=1, warmup=False, kv_cache="in_place")
+    engine = Engine(path, card, settings, BatchingSettings(max_batch_size=4), LimitSettings())
+    decoder = open_decoder(engine)
+    assert isinstance(decoder, InPlaceDecoder)
+    needed = 2 * card.num_layers * 4 * card.kv_heads * 2**40 * card.head_dim * 4  # float32
+    with pytest.raises(ModelLoadError) as refused:
+        SlotKV(decoder, 4)
+    assert refused.value.args[1:] == ("max_positions", 2**40)
+    message = str(refused.value)
+    assert f"demo-llama 1.0.0: the in-place KV cache of 4 slots x {2**40} tokens (the card's max_positions) " \
+           f"needs {needed} bytes" in message, message
+    assert isinstance(refused.value.__cause__, MemoryError)

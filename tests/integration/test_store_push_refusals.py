@@ -83,8 +83,14 @@ def test_a_file_that_holds_no_model_graph_is_never_published(
         ({"vocab_size": 1024}, "vocab_size", "vocab_size 1024 (the graph's: 512)"),
         ({"kind": "encoder"}, "kind", "kind encoder (the graph's: causal_lm (outputs logits, not last_hidden_state))"),
         ({"num_layers": 3, "head_dim": 8}, "num_layers", "num_layers 3 (the graph's: 2); head_dim 8 (the graph's: 16)"),
+        # the graph's position table has 512 rows: workers would reserve KV slots of 100000 (781 MiB), or fail
+        # to allocate 50000000 with a bare MemoryError
+        ({"max_positions": 100_000}, "max_positions",
+         "max_positions 100000 (the graph's: at most 512, the rows of wpe.weight)"),
+        ({"max_positions": 50_000_000}, "max_positions",
+         "max_positions 50000000 (the graph's: at most 512, the rows of wpe.weight)"),
     ],
-    ids=["vocab", "kind", "kv-layout"],
+    ids=["vocab", "kind", "kv-layout", "positions", "positions-huge"],
 )
 def test_a_card_its_graph_contradicts_is_refused_before_anything_is_stored(
     s3: EmbeddedSeaweed, lm: Path, config: Path, capsys: pytest.CaptureFixture[str],

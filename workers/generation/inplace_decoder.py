@@ -115,9 +115,26 @@ class InPlaceDecoder(Decoder):
         return self.engine.cuda_graph and self.fixed_steps
 
     def new_cache(self, slots: int) -> SlotCache:
-        """A cache of ``slots`` slots, each as long as the model card's ``max_positions``."""
+        """A cache of ``slots`` slots, each as long as the model card's ``max_positions``.
+
+        Raises:
+            ModelLoadError: the cache cannot be allocated (field ``max_positions``, limit the card's value;
+                the message names the bytes it needs): a card claiming more positions than memory holds.
+        """
         card = self.engine.card
-        return self.slot_cache(slots, card.max_positions)
+        try:
+            return self.slot_cache(slots, card.max_positions)
+        except Exception as exc:  # host: MemoryError; a device: ORT's RuntimeException ("Failed to allocate …")
+            if not isinstance(exc, MemoryError) and "alloc" not in str(exc).lower():
+                raise
+            needed = len(self.past_names) * slots * card.kv_heads * card.max_positions * card.head_dim \
+                * np.dtype(self.kv_dtype).itemsize
+            where = f"{self.device[0]}:{self.device[1]}" if self.slots_on_device else "host memory"
+            raise ModelLoadError(
+                f"{card.name} {card.version}: the in-place KV cache of {slots} slots x {card.max_positions} tokens "
+                f"(the card's max_positions) needs {needed} bytes ({needed / 2**30:.1f} GiB) in {where}, which "
+                f"cannot be allocated ({type(exc).__name__}: {exc}); is the card's max_positions the graph's?",
+                "max_positions", card.max_positions) from exc
 
     def slot_cache(self, slots: int, capacity: int) -> SlotCache:
         """``slots`` slots of ``capacity`` tokens, of the graph's type, where :attr:`slots_on_device` says."""
