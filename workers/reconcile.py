@@ -34,7 +34,12 @@ one checks nothing): a manifest changed since the pin is refused, so no worker s
 
 A version that cannot be loaded (ChecksumMismatch, VersionNotFound, a load error) is recorded with
 :func:`protocol.model_state.record_refusal` and the old version keeps serving; it is not retried
-until the state changes (its ``generation`` grows).
+until the state changes (its ``generation`` grows). A load that failed because the store did not answer
+(unreachable, a timeout, a reset, a 5xx or throttle: :func:`workers.load_retry.transient`) is no verdict on
+the version: it is recorded and logged once per outage, and the periodic re-read tries it again after
+``worker.reconcile_interval_s``, doubling up to :data:`workers.load_retry.MAX_RETRY_WAIT_S`
+(:class:`workers.load_retry.LoadRetries`), so a worker that started or was told of a pin during a store
+outage converges once the store is back, with no new pin.
 A worker without a model store can load one version by name, its configured file's
 (:func:`store.resolve.configured_file_version`): a pin or canary of that version is served, any
 other is refused (ConfigError). A canary the state no longer names (rolled back, or replaced by
@@ -61,6 +66,7 @@ from protocol.redis_conn import LISTEN_WAIT_S, await_subscription, sync_client
 from protocol.settings import FleetSettings
 from store.resolve import configured_file_version
 from workers.engines import LoadedModel, load_version
+from workers.load_retry import MAX_RETRY_WAIT_S, LoadRetries, transient
 from workers.reconcile_plan import Held, landing_role, plan, to_start, wanted_stable
 from workers.redis_outage import OutageLog
 from workers.scheduler import Role
@@ -101,6 +107,8 @@ class Reconciler:
         """The last version this worker refused (heartbeat ``last_refusal``): version, error_type, error, at_unix_s."""
         self._refused: dict[str, int] = {}
         """Version -> state generation at which it was refused (not retried until the state changes)."""
+        self._retries = LoadRetries(settings.worker.reconcile_interval_s)
+        """The versions the store could not deliver (transient failures), and when each is tried again."""
         self._lock = threading.Lock()
         """Serialises the passes and the ends of loads (state read, swaps, refusals); never held during a load."""
         self._settled = threading.Condition(self._lock)
@@ -114,8 +122,9 @@ class Reconciler:
     def initial(self) -> LoadedModel:
         """Load the stable version in force (the pinned one, else the configured one).
 
-        A pinned version that cannot be loaded is recorded as refused; the worker then serves the
-        last version the fleet served (:func:`protocol.model_served.last_served`), else its
+        A pinned version that cannot be loaded is recorded as refused (or, when the store did not answer,
+        as a failure the periodic re-read tries again: :mod:`workers.load_retry`); the worker then serves
+        the last version the fleet served (:func:`protocol.model_served.last_served`), else its
         configured one.
 
         Raises:
@@ -214,7 +223,10 @@ class Reconciler:
             log.warning("cannot read the model state (serving what is loaded): %s", exc)
             return None
         self.canary_active = state is not None and state.canary is not None
-        steps = plan(state, self._configured, self._held(), self._refused, file_version=self._file_version)
+        canary = state.canary if state is not None else None
+        self._retries.retain({wanted_stable(state, self._configured) or "configured", canary})
+        steps = plan(state, self._configured, self._held(), self._refused, file_version=self._file_version,
+                     retries=self._retries.pending, now_s=time.monotonic())
         if steps.promote_canary and runtime.canary is not None:
             # its engine becomes stable, no reload
             self._swap("stable", runtime.canary, runtime.canary.version, state)
@@ -276,6 +288,7 @@ class Reconciler:
                 elif loaded is not None:
                     log.info("worker %s loaded %s %s in %.0f ms (warm-up %.0f ms)", self.hostname, self.model,
                              loaded.version, loaded.load_ms, loaded.warmup_ms)
+                    self._outage_ended(version or "configured")
                     target, current = self._still_wanted(role, version, state, load.manifest_sha256)
                     if target is not None:
                         self._swap(target, loaded, version, current)
@@ -343,9 +356,40 @@ class Reconciler:
             log.warning("could not record the served version: %s", exc)
 
     def _refuse(self, version: str, state: ModelState | None, exc: BaseException, then: str) -> None:
-        """Record the refusal; ``then`` says what the worker does instead (logged)."""
-        self._refused[version] = state.generation if state is not None else 0
+        """Record the refusal; ``then`` says what the worker does instead (logged). A transient failure (the
+        store did not answer) is tried again later (:meth:`_store_failed`), not refused."""
+        generation = state.generation if state is not None else 0
+        if transient(exc):
+            self._store_failed(version, generation, exc, then)
+            return
+        self._retries.ended(version)  # the store answered, with a verdict
+        self._refused[version] = generation
         log.error("worker %s refuses %s %s, %s: %s", self.hostname, self.model, version, then, exc)
+        self._record_refusal(version, exc)
+
+    def _store_failed(self, version: str, generation: int, exc: BaseException, then: str) -> None:
+        """The store could not deliver ``version``: tried again later, with a backoff; the outage's first
+        failure is logged and recorded as a refusal, the further ones only at DEBUG."""
+        outage = self._retries.failed(version, generation, time.monotonic())
+        if outage.failures > 1:
+            log.debug("worker %s still cannot load %s %s, the store did not answer (failure %d of this outage; "
+                      "next try in %.0f s): %s", self.hostname, self.model, version, outage.failures, outage.wait_s,
+                      exc)
+            return
+        log.error("worker %s cannot load %s %s for now, %s: the store did not answer: %s; it tries again in %.0f s, "
+                  "then at doubling waits up to %.0f s (further failures are logged at DEBUG until it loads)",
+                  self.hostname, self.model, version, then, exc, outage.wait_s, MAX_RETRY_WAIT_S)
+        self._record_refusal(version, exc)
+
+    def _outage_ended(self, version: str) -> None:
+        """``version`` loaded: a store outage that held it up ends (logged with its length)."""
+        outage = self._retries.ended(version)
+        if outage is not None:
+            log.info("worker %s loaded %s %s: the store answers again after %.1f s (%d failed tries)", self.hostname,
+                     self.model, version, max(0.0, time.monotonic() - outage.since_s), outage.failures)
+
+    def _record_refusal(self, version: str, exc: BaseException) -> None:
+        """The refusal in the heartbeat (``last_refusal``) and in Redis (what ``fleet status`` shows)."""
         self.last_refusal = {"version": version, "error_type": type(exc).__name__, "error": str(exc),
                              "at_unix_s": time.time()}
         try:

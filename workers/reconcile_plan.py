@@ -14,6 +14,11 @@ promoting the held canary) is never held up by one in flight: :func:`to_start` p
 load that ended goes once the state may have moved on (its role, the other one, or nowhere: discarded);
 a load for which it says nowhere while it runs is superseded (:mod:`workers.version_loads`).
 Tested by tables in ``tests/unit/test_reconcile_plan.py`` and ``tests/unit/test_reconcile_loads.py``.
+
+A version this worker could not load is skipped by :func:`plan` in two ways: refused (a verdict about the
+version: not tried until the state's generation changes), or waiting for a :class:`Retry` (the store did not
+answer: tried again once its time has come, or at once when the generation changes;
+:mod:`workers.load_retry` says which failures those are and sets the times).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from protocol.model_state import ModelState
 if TYPE_CHECKING:
     from workers.jobs import Role
 
-__all__ = ["Held", "Steps", "holds", "landing_role", "plan", "to_start"]
+__all__ = ["Held", "Retry", "Steps", "holds", "landing_role", "plan", "to_start"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,15 @@ class Held:
     canary: str | None
     stable_sha256: str | None = None
     canary_sha256: str | None = None
+
+
+@dataclass(frozen=True)
+class Retry:
+    """A version whose load failed because the store did not answer: tried again from ``at_s`` (monotonic s),
+    or at once once the state's generation is no longer ``generation``."""
+
+    generation: int
+    at_s: float
 
 
 def holds(version: str | None, wanted_sha256: str | None, held: str | None, held_sha256: str | None) -> bool:
@@ -91,20 +105,26 @@ def wanted_stable(state: ModelState | None, configured: str | None) -> str | Non
 
 def plan(
     state: ModelState | None, configured: str | None, held: Held, refused: Mapping[str, int], *,
-    file_version: str | None = None,
+    file_version: str | None = None, retries: Mapping[str, Retry] | None = None, now_s: float = 0.0,
 ) -> Steps:
     """The steps from ``held`` to ``state``.
 
     ``state`` None means no state in Redis (serve the configuration), not "Redis could not be read":
     callers skip the pass on a read error. ``refused`` maps a version to the state generation at which
     this worker refused it; such a version is not tried again until the generation changes.
+    ``retries`` maps a version whose load failed transiently (the store did not answer) to its :class:`Retry`:
+    it is not tried again before ``at_s`` (compared with ``now_s``, monotonic s) unless the generation changed.
     ``file_version``: the version label of the configured file, for a worker without a model store
     (None otherwise): a pin of that version is the configured file, which such a worker already holds.
     """
     generation = state.generation if state is not None else 0
 
     def refused_now(version: str | None) -> bool:
-        return version is not None and refused.get(version) == generation
+        if version is None:
+            return False
+        retry = (retries or {}).get(version)
+        waiting = retry is not None and retry.generation == generation and now_s < retry.at_s
+        return refused.get(version) == generation or waiting
 
     stable, stable_sha256 = wanted_stable(state, configured), _sha256_of(state, "stable")
     load_stable = promote = False

@@ -27,6 +27,7 @@ from store.model_store import open_store
 from store.s3 import S3Backend
 from tests.integration.conftest import BUCKET
 from tools.seaweed_server import EmbeddedSeaweed
+from workers.load_retry import transient
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -77,6 +78,7 @@ def test_a_stalled_download_ends_at_the_stall_deadline(s3: EmbeddedSeaweed, tmp_
         assert isinstance(error, StoreError), repr(error)
         assert error.field == key and error.limit == STALL_S, (error.field, error.limit)
         assert f"s3://{BUCKET}/{key}" in str(error) and "no byte for 1 s (store.fetch_stall_timeout_s)" in str(error)
+        assert transient(error)  # the reconciler tries a load that stalled so again
     assert not (tmp_path / "mid-body.copy").exists() and not (tmp_path / "at-start.copy").exists()
     # the store answers again: the same backend completes a download. Its deadline is widened first: a store just
     # woken (and a machine under load) may well be silent for 1 s before its first byte, which is not the subject

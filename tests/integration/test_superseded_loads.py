@@ -32,6 +32,7 @@ from tests.integration.load_race_fixtures import change_during_load, frozen, one
 from tests.integration.model_versions import MODEL
 from tools.processes import WorkerProcess
 from tools.seaweed_server import EmbeddedSeaweed
+from workers.load_retry import transient
 
 BY = "test@superseded"
 SERVE_S = 30
@@ -168,3 +169,4 @@ def test_a_hung_store_ends_a_read_and_a_stalled_download_with_a_store_error(
     print(f"\na hung store: read -> {read.value}; a download stalled in its body -> {download.value}")
     assert "timeout" in str(read.value).lower() and read.value.field == manifest
     assert stalled.is_set() and download.value.field == big
+    assert transient(read.value) and transient(download.value)  # the reconciler tries such a load again

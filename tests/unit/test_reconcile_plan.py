@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from protocol.model_state import ModelState
-from workers.reconcile_plan import Held, Steps, plan
+from workers.reconcile_plan import Held, Retry, Steps, plan
 
 
 def state(stable: str | None = None, canary: str | None = None, generation: int = 1) -> ModelState:
@@ -49,6 +49,35 @@ def test_plan(
     steps = plan(desired, configured, held, refused)
     assert steps == expected
     assert steps.nothing == (expected == Steps())
+
+
+@pytest.mark.parametrize(
+    ("desired", "retries", "now_s", "expected"),
+    [
+        # the store did not answer: not tried again before its retry time, under the same generation
+        (state("v2", generation=4), {"v2": Retry(4, 12.0)}, 11.9, Steps()),
+        (state(None, "v2", generation=4), {"v2": Retry(4, 12.0)}, 11.9, Steps()),
+        # its time has come: tried again, with no new pin
+        (state("v2", generation=4), {"v2": Retry(4, 12.0)}, 12.0, Steps(load_stable=True, stable="v2")),
+        (state(None, "v2", generation=4), {"v2": Retry(4, 12.0)}, 30.0, Steps(load_canary="v2")),
+        # the state changed (pinned again, or another change): tried at once
+        (state("v2", generation=5), {"v2": Retry(4, 12.0)}, 0.0, Steps(load_stable=True, stable="v2")),
+        # a wait for another version holds nothing up
+        (state("v2", "v3", generation=4), {"v3": Retry(4, 12.0)}, 0.0, Steps(load_stable=True, stable="v2")),
+        # unpinned during the outage: back to the configured version at once
+        (state(None, generation=5), {"v2": Retry(4, 12.0)}, 0.0, Steps()),
+    ],
+)
+def test_plan_retries_a_version_the_store_could_not_deliver_once_its_time_has_come(
+    desired: ModelState, retries: dict[str, Retry], now_s: float, expected: Steps
+) -> None:
+    assert plan(desired, "v1", Held("v1", None), {}, retries=retries, now_s=now_s) == expected
+
+
+def test_a_verdict_outlasts_a_retry_time() -> None:
+    """A version refused (a verdict) under this generation stays refused whatever its retry time says."""
+    assert plan(state("v2", generation=4), "v1", Held("v1", None), {"v2": 4}, retries={"v2": Retry(4, 1.0)},
+                now_s=99.0) == Steps()
 
 
 @pytest.mark.parametrize(
