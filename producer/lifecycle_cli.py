@@ -21,7 +21,8 @@ the workers: exit 0 once recorded (``fleet status`` says what is served). ``comp
 (``--shadow N`` or ``--prompts FILE``, a causal LM with a canary) sends nothing unless live workers serve the
 stable and the canary version (else exit 1 at once, ``fleet: NOT SERVED: …`` naming what is missing and how to
 start it), waits up to ``--shadow-timeout-s`` (120 s) with a progress bar on stderr, cancels what is unfinished
-then (and says so), and exits 1 when no pair could be compared; ``--prompts`` is read first, canary or not (a
+then (and says so), and exits 1 when every pair failed or timed out (answered, but by no stable/canary pair:
+a fleet mixing other versions, said on stderr, exit 0); ``--prompts`` is read first, canary or not (a
 file that cannot be read: exit 2).
 
 With a store configured, ``pin`` and ``canary`` record the sha256 of the version's manifest
@@ -40,7 +41,8 @@ bytes or refuse the version ("manifest of … changed since it was pinned"); pin
     fleet models history M [--last N]        # who changed what, when, why
     fleet models compare M [--window-s S] [--shadow N | --prompts FILE] [--shadow-timeout-s 120]
                                              # per-version figures; p99_ms null below 100 requests, "tail":
-                                             # "p95 (n=40)" names what they support; exit 1 if no shadow pair
+                                             # "p95 (n=40)" names what they support; exit 1 if every shadow
+                                             # pair failed or timed out
 """
 
 from __future__ import annotations

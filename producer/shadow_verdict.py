@@ -81,9 +81,13 @@ def shadow_problem(shadow: Mapping[str, Any] | None) -> str | None:
 
 def shadow_exit_code(shadow: Mapping[str, Any] | None) -> int:
     """``fleet models compare``'s exit code from its ``shadow`` document: 1 when a shadow sample was asked for and
-    none of its pairs was compared (refused as NOT SERVED with nothing sent, or every pair failed, timed out or
-    was not computed by both versions): no agreement could be measured. Else 0 (no sample asked for, no canary,
-    not an LM, or some pairs compared; failures are counted in the document and said on stderr)."""
+    it was refused as NOT SERVED (nothing sent), or every pair failed or timed out. Else 0: no sample asked for,
+    no canary, not an LM, some pairs compared, or every pair answered but none by both versions (a fleet that
+    mixes workers of other versions, which serve some of either queue: said on stderr, counted in the document;
+    the command worked, the fleet is what the note is about). Failures are counted and said on stderr."""
     if shadow is None:
         return 0
-    return 1 if shadow.get("not_served") or (shadow["prompts"] and not shadow["compared"]) else 0
+    if shadow.get("not_served"):
+        return 1
+    prompts, failed = int(shadow["prompts"]), int(shadow["failed"])
+    return 1 if prompts and not shadow["compared"] and failed == prompts else 0
