@@ -8,8 +8,10 @@ ops_fleet, ops_models, ops_redis``). Redis and the models live for one module; :
 from __future__ import annotations
 
 import copy
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -249,6 +251,17 @@ def ops_redis() -> Iterator[EmbeddedRedis]:
     """One redis-server per module (each test's :class:`OpsFleet` flushes it)."""
     with EmbeddedRedis() as server:
         yield server
+
+
+def closing_answer(sock: socket.socket) -> tuple[int, dict[str, Any]]:
+    """Read a raw-socket HTTP answer until the gateway closes the connection (it must say ``Connection: close``);
+    its status and JSON body. The socket's own timeout bounds the wait."""
+    raw = b""
+    while chunk := sock.recv(65536):
+        raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert b"connection: close" in head.lower(), raw
+    return int(head.split()[1]), json.loads(body)
 
 
 def lone_gateway(tmp_path_factory: pytest.TempPathFactory, models: ModelPaths, server: EmbeddedRedis, name: str,

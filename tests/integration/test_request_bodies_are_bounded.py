@@ -21,6 +21,7 @@ import pytest
 from tests.integration.ops_fixtures import (
     API_KEY,
     GatewayProcess,
+    closing_answer,
     lone_gateway,
     ops_models,
     ops_redis,
@@ -58,16 +59,6 @@ def _stalled(gw: GatewayProcess, path: str, chunked: bool) -> socket.socket:
     return sock
 
 
-def _answer(sock: socket.socket) -> tuple[int, dict[str, Any]]:
-    """Read until the gateway closes the connection (``ANSWER_S`` at most); the status and the JSON body."""
-    raw = b""
-    while chunk := sock.recv(65536):
-        raw += chunk
-    head, _, body = raw.partition(b"\r\n\r\n")
-    assert b"connection: close" in head.lower(), raw
-    return int(head.split()[1]), json.loads(body)
-
-
 def _timeouts(gw: GatewayProcess) -> float:
     """The 408s the gateway counted, on every route."""
     metrics = scrape(gw.url + "/metrics")
@@ -90,7 +81,7 @@ def test_stalled_bodies_are_answered_408_and_give_their_slots_back(gateway: Gate
     assert len(stalled) == CAP
     try:
         for (path, chunked), sock in stalled.items():
-            status, body = _answer(sock)
+            status, body = closing_answer(sock)
             assert status == 408, (path, chunked, body)
             if path == "/v1/requests":  # the native shape
                 assert (body["error"], body["field"], body["limit"]) == ("request_timeout", "body", BODY_TIMEOUT_S)

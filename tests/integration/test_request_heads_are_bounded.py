@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import socket
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import httpx
 import psutil
 
 from gateway.request_heads import HEAD_TIMEOUT_S, MAX_HEAD_BYTES, MAX_HEADERS
-from tests.integration.ops_fixtures import API_KEY, GatewayProcess, ops_models, ops_redis, wait_until
+from tests.integration.ops_fixtures import API_KEY, GatewayProcess, closing_answer, ops_models, ops_redis, wait_until
 from tests.integration.test_body_amplification import gateway, peak_rss_mb
 
 __all__ = ["gateway", "ops_models", "ops_redis"]
@@ -23,16 +22,6 @@ FLOOD_MB = 8
 
 def _connect(gw: GatewayProcess) -> socket.socket:
     return socket.create_connection(("127.0.0.1", gw.port), timeout=60)
-
-
-def _answer(sock: socket.socket) -> tuple[int, dict[str, Any]]:
-    """Read until the server closes; the status and the JSON body."""
-    raw = b""
-    while chunk := sock.recv(65536):
-        raw += chunk
-    head, _, body = raw.partition(b"\r\n\r\n")
-    assert b"connection: close" in head.lower(), head
-    return int(head.split()[1]), json.loads(body)
 
 
 def _flood(gw: GatewayProcess, start: bytes, unit: bytes) -> int:
@@ -68,13 +57,13 @@ def test_a_head_past_the_bounds_is_refused_naming_headers_and_the_limit(gateway:
     start = b"GET /v1/requests/x HTTP/1.1\r\nHost: x\r\nX-Big: "
     with _connect(gateway) as sock:  # one byte over, never ended: the server answers at the bound
         sock.sendall(start + b"a" * (MAX_HEAD_BYTES + 1 - len(start)))
-        status, body = _answer(sock)
+        status, body = closing_answer(sock)
     assert status == 431 and (body["field"], body["limit"]) == ("headers", MAX_HEAD_BYTES), body
     assert f"{MAX_HEAD_BYTES} bytes" in body["message"]
 
     with _connect(gateway) as sock:  # one header too many, on an OpenAI route: OpenAI's shape
         sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + b"X-A: b\r\n" * (MAX_HEADERS + 1))
-        status, body = _answer(sock)
+        status, body = closing_answer(sock)
     assert status == 431, body
     assert (body["error"]["param"], body["error"]["code"]) == ("headers", "too_many_headers"), body
 
