@@ -25,8 +25,7 @@ from gateway.event_waits import set_within
 from gateway.result_notifier import ResultNotifier, Watch
 from producer.client import FleetClient
 from producer.presence import AsyncWorkerPresence, no_worker_message
-from protocol.cancel_marks import cancelled_before_run
-from protocol.errors import FleetError, NoLiveWorker, RequestCancelled, ResultTimeout
+from protocol.errors import FleetError, NoLiveWorker, ResultTimeout
 from protocol.keys import CANCEL_KEY
 from protocol.messages import InferenceResult
 from protocol.streams import StreamEvent
@@ -183,14 +182,10 @@ def _settled(fleet: FleetClient, request_ids: list[str], stored: list[tuple[byte
     """The outcomes among ``stored`` (each request's result value and cancel mark, :func:`_stored_values`), read
     as the client reads them so that every face reports the same outcome; and, for ``published`` values, whether
     one came that is no outcome (a cancel's wake-up, a STARTED): the wait then reads Redis at once."""
-    backend = fleet.app.backend
     done: dict[str, Outcome] = {}
     woken_unsettled = False
     for rid, (raw, mark) in zip(request_ids, stored, strict=True):
-        if not published and cancelled_before_run(raw, mark):  # cancelled in its queue: nothing is stored soon
-            done[rid] = RequestCancelled.before_run(rid)
-            continue
-        outcome = None if raw is None else fleet.outcome_of(rid, backend.decode_result(raw))
+        outcome = fleet.outcome_stored(rid, raw, mark)  # a publication carries no mark (None): its value alone
         if outcome is not None:
             done[rid] = outcome
         woken_unsettled = woken_unsettled or (published and raw is not None and outcome is None)

@@ -16,8 +16,7 @@ from functools import partial
 from gateway.deps import Gateway
 from gateway.outcomes import WAIT_S
 from producer.streams import ReadOptions, aiter_event_batches, aiter_events
-from protocol.cancel_marks import cancelled_before_run
-from protocol.errors import FleetError, RequestCancelled
+from protocol.errors import FleetError
 from protocol.keys import CANCEL_KEY
 from protocol.messages import InferenceResult
 from protocol.streams import StreamEvent
@@ -31,11 +30,9 @@ async def stored_outcome(gw: Gateway, request_id: str) -> Outcome | None:
     """``request_id``'s stored result or error, read the way the client reads it; None while it has none.
     A request cancelled while queued has ended (``RequestCancelled``): its cancel mark is read in the same
     ``MGET`` (:func:`protocol.cancel_marks.cancelled_before_run`), so its stream ends within one read's block."""
-    backend = gw.fleet.app.backend
-    raw, mark = await gw.aredis.mget([backend.get_key_for_task(request_id), CANCEL_KEY.format(id=request_id)])
-    if cancelled_before_run(raw, mark):
-        return RequestCancelled.before_run(request_id)
-    return None if raw is None else gw.fleet.outcome_of(request_id, backend.decode_result(raw))
+    raw, mark = await gw.aredis.mget([gw.fleet.app.backend.get_key_for_task(request_id),
+                                      CANCEL_KEY.format(id=request_id)])  # fmt: skip
+    return gw.fleet.outcome_stored(request_id, raw, mark)
 
 
 def relay_events(gw: Gateway, request_id: str, *, timeout_s: float = WAIT_S) -> AsyncIterator[StreamEvent]:

@@ -184,13 +184,20 @@ class ResultReader:
                                      + [CANCEL_KEY.format(id=rid) for rid in chunk])  # fmt: skip
             raws, marks = values[: len(chunk)], values[len(chunk) :]
             for rid, raw, mark in zip(chunk, raws, marks, strict=True):
-                if cancelled_before_run(raw, mark):
-                    finished[rid] = RequestCancelled.before_run(rid)
-                elif raw is not None:
-                    outcome = self.outcome_of(rid, backend.decode_result(raw))
-                    if outcome is not None:
-                        finished[rid] = outcome
+                outcome = self.outcome_stored(rid, raw, mark)
+                if outcome is not None:
+                    finished[rid] = outcome
         return finished
+
+    def outcome_stored(self, request_id: str, raw_meta: bytes | None,
+                       mark: bytes | None) -> InferenceResult | FleetError | None:  # fmt: skip
+        """A request's result or error from the values of its result key (``raw_meta``, None: nothing stored) and
+        of its cancel mark (None: none), read together: ``RequestCancelled`` for one cancelled while queued
+        (:func:`protocol.cancel_marks.cancelled_before_run`), else :meth:`outcome_of` its meta; None while it has
+        none. Every face reads stored outcomes through this, so each reports the same one."""
+        if cancelled_before_run(raw_meta, mark):
+            return RequestCancelled.before_run(request_id)
+        return None if raw_meta is None else self.outcome_of(request_id, self.app.backend.decode_result(raw_meta))
 
     def outcome_of(self, request_id: str, meta: dict[str, Any]) -> InferenceResult | FleetError | None:
         """A finished request's result or error from its stored Celery meta; None while not finished."""
