@@ -56,14 +56,22 @@ __all__ = ["CLAIM_SCRIPT", "RENEW_SCRIPT", "Delivery", "RunClaims", "RunClaimsCo
 
 log = logging.getLogger("fleet.worker")
 
-CLAIM_SCRIPT = """
-local meta = redis.call('GET', KEYS[1])
-if meta then
+_STORED_OUTCOME_LUA = """
+local function stored_outcome(key)
+  local meta = redis.call('GET', key)
+  if not meta then return nil end
   local ok, current = pcall(cjson.decode, meta)
   local status = ok and type(current) == 'table' and current['status']
-  if status == 'SUCCESS' or status == 'FAILURE' or status == 'REVOKED' then
-    return {'stored', status}
-  end
+  if status == 'SUCCESS' or status == 'FAILURE' or status == 'REVOKED' then return status end
+  return nil
+end
+"""
+"""The Lua function both scripts read a result key with: its terminal state (SUCCESS, FAILURE, REVOKED), else nil."""
+
+CLAIM_SCRIPT = _STORED_OUTCOME_LUA + """
+local status = stored_outcome(KEYS[1])
+if status then
+  return {'stored', status}
 end
 local holder = redis.call('GET', KEYS[2])
 if holder then
@@ -80,23 +88,16 @@ the claim's life (ms), and '1' to only look (a claim that vanished early may be 
 holder). Returns ``['stored', status]`` (a terminal outcome is stored: run nothing), ``['claimed', owner]``,
 ``['held', holder, life left (ms)]`` (another delivery runs it) or, when only looking, ``['free', '']``."""
 
-RENEW_SCRIPT = """
+RENEW_SCRIPT = _STORED_OUTCOME_LUA + """
 local lost, ended = {}, {}
 local claims = tonumber(ARGV[3])
-local function outcome_stored(key)
-  local meta = redis.call('GET', key)
-  if not meta then return false end
-  local ok, current = pcall(cjson.decode, meta)
-  local status = ok and type(current) == 'table' and current['status']
-  return status == 'SUCCESS' or status == 'FAILURE' or status == 'REVOKED'
-end
 for i = 1, claims do
   local holder = redis.call('GET', KEYS[i])
   if holder == ARGV[1] then
     redis.call('PEXPIRE', KEYS[i], ARGV[2])
   elseif holder then
     table.insert(lost, i)
-  elseif outcome_stored(KEYS[claims + i]) then
+  elseif stored_outcome(KEYS[claims + i]) then
     table.insert(ended, i)
   else
     redis.call('SET', KEYS[i], ARGV[1], 'PX', ARGV[2])
