@@ -38,6 +38,7 @@ from protocol.errors import ModelLoadError, ProviderUnavailable
 from protocol.modelcard import ModelCard
 from protocol.pooling import Pooling, load_pooling
 from protocol.settings import BatchingSettings, EngineSettings, LimitSettings
+from protocol.validation import input_token_limit
 from workers.cuda_graph import NO_GRAPH, capture_active, cuda_graph_chain, open_capturing, run_options
 from workers.inplace_graph import KVChoice, inplace_source
 from workers.int8_providers import int8_placement_warning
@@ -84,7 +85,7 @@ class Engine:
         self.pooling = load_pooling(model_path, card.hidden_size) if card.kind == "encoder" else Pooling()
         """How an encoder's token vectors become one vector (its sentence-transformers modules.json)."""
         self.max_batch_size = batching.max_batch_size
-        self.max_input_tokens = min(limits.max_input_tokens, card.max_positions)
+        self.max_input_tokens = input_token_limit(limits, card.max_positions)  # as every request is checked
         if limits.max_input_tokens > card.max_positions:  # requests are checked against the smaller one
             log.warning("model %s %s: limits.max_input_tokens=%d is above the model's max_positions=%d: requests of "
                         "more than %d tokens are refused (InputTooLong naming input_ids)", card.name, card.version,
