@@ -14,11 +14,10 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.deps import GatewayDep
-from producer.ops_cli import no_models_configured
 from producer.registry import FleetState, read_fleet_state, readiness_problems
 from producer.worker_readiness import not_ready_reasons
 from protocol.errors import UnknownModel
-from protocol.settings import FleetSettings
+from protocol.settings import FleetSettings, no_models_configured
 
 __all__ = ["NO_MODELS_PROBLEM", "REDIS_DOWN_PROBLEM", "health", "healthz", "log_no_models", "prometheus", "readyz",
            "router"]
@@ -29,7 +28,7 @@ REDIS_DOWN_PROBLEM = "the queue (Redis) is unreachable (the gateway's log says w
 """What ``/readyz`` says of a Redis it cannot reach (the address and the error stay in the log)."""
 NO_MODELS_PROBLEM = "no models configured (the gateway's log names the config file it read, or says it read none)"
 """What ``/readyz`` says when the settings configure no model, as ``fleet probe ready`` fails then
-(:func:`producer.ops_cli.no_models_configured`, whose words name the file and the working directory: they stay in the
+(:func:`protocol.settings.no_models_configured`, whose words name the file and the working directory: they stay in the
 log, logged once by :func:`log_no_models`)."""
 
 router = APIRouter()

@@ -36,7 +36,13 @@ from producer.worker_readiness import not_ready_reason as _not_ready_reason
 from protocol.errors import ConfigError
 from protocol.keys import WORKER_KEY_PREFIX
 from protocol.redis_conn import describe_redis_error, sync_client
-from protocol.settings import ApiSettings, FleetSettings, FlowerSettings, load_settings, no_config_file_read
+from protocol.settings import (
+    ApiSettings,
+    FleetSettings,
+    FlowerSettings,
+    load_settings,
+    no_models_configured,
+)
 
 __all__ = ["format_status", "main", "register"]
 
@@ -233,14 +239,6 @@ def probe(settings: FleetSettings, kind: str, *, worker: str | None, models: lis
         return [describe_redis_error(exc, settings)]
     finally:
         client.close()
-
-
-def no_models_configured(settings: FleetSettings) -> str:
-    """Why a fleet-wide readiness probe fails on settings that configure no model: the file read (or that none
-    was, in the words of :func:`protocol.settings.no_config_file_read`)."""
-    if settings.config_file is None:
-        return f"no models configured ({no_config_file_read()})"
-    return f"no models configured: {settings.config_file} has none under models"
 
 
 def cmd_probe(args: argparse.Namespace) -> int:

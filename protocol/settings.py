@@ -75,6 +75,7 @@ __all__ = [
     "deep_merge",
     "load_settings",
     "no_config_file_read",
+    "no_models_configured",
     "shared_queue_of",
 ]
 
@@ -307,6 +308,14 @@ def no_config_file_read() -> str:
     """Why a process has no models when ``FLEET_CONFIG`` is unset and the default file is not where it ran."""
     return (f"no config file was read: {DEFAULT_CONFIG_PATH} is not in {Path.cwd()}; run from the folder that "
             f"holds it, or set FLEET_CONFIG to its path")
+
+
+def no_models_configured(settings: FleetSettings) -> str:
+    """Why a fleet-wide readiness probe fails on settings that configure no model: the file read (or that none
+    was, in the words of :func:`no_config_file_read`)."""
+    if settings.config_file is None:
+        return f"no models configured ({no_config_file_read()})"
+    return f"no models configured: {settings.config_file} has none under models"
 
 
 _OVERRIDING: contextvars.ContextVar[bool] = contextvars.ContextVar("fleet_settings_overriding", default=False)
